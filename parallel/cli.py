@@ -1,0 +1,64 @@
+"""The `tessera` command: train, memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 70e9)") from None
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from topology import memory
+
+    try:
+        if args.json:
+            rows = {
+                f"zero{s}": memory.model_state_bytes(args.params, dp=args.dp, zero_stage=s, recipe=args.recipe)
+                for s in range(4)
+            }
+            if args.gpu_memory is not None:
+                rows["min_gpus"] = memory.min_gpus(args.params, args.gpu_memory, args.recipe)
+            print(json.dumps(rows))
+        else:
+            print(memory.memory_table(args.params, args.dp, args.recipe, args.gpu_memory))
+    except ValueError as e:
+        print(f"tessera memory: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="4D-parallel transformer training on one DeviceMesh")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mem = sub.add_parser("memory", help="per-rank model-state memory under ZeRO stages 0-3")
+    mem.add_argument("--params", type=_float, required=True, help="parameter count, e.g. 70e9")
+    mem.add_argument("--dp", type=int, default=1, help="data-parallel ranks sharing the model states")
+    mem.add_argument("--recipe", default="mixed_adam", help="mixed_adam (2+2+12 B), fp32_adam (4+4+8 B), ...")
+    mem.add_argument("--gpu-memory", type=_float, default=None, help="GB per GPU: also print the raw GPU floor")
+    mem.add_argument("--json", action="store_true", help="print bytes as JSON instead of the table")
+    mem.set_defaults(func=_memory)
+
+    try:
+        from . import train
+    except ImportError:  # until the training module lands
+        return parser
+
+    train.add_arguments(sub.add_parser("train", help="train a model on a layout (spawns local ranks outside torchrun)"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

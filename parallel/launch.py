@@ -1,0 +1,203 @@
+"""The local rank spawner: run a function on N ranks of this machine and collect what each returns.
+
+It is what `tessera train` uses outside torchrun, and what the multi-rank tests use. Ranks are forked
+from a forkserver that has already imported torch, so starting 16 CPU ranks costs a fraction of a
+second instead of ~15 s with `spawn` (and, unlike plain fork from a process that did OpenMP work, it
+cannot inherit a locked thread pool).
+
+Failure is reported, never waited out:
+- a rank that raises fails the whole run with that rank's traceback (the other ranks are killed);
+- a run that passes its deadline has every unfinished rank dump its Python stack (faulthandler on
+  SIGUSR1), and the error names each stalled rank and the torch.distributed call it is stuck in.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
+_CTX: Any = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD + ["parallel", "topology", "models", "kernels"])
+        _CTX = ctx
+    return _CTX
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; carries its rank and traceback."""
+
+
+class RankTimeout(RuntimeError):
+    """Ranks did not finish in time; carries the stalled ranks and where they are stuck."""
+
+    def __init__(self, message: str, stalled: dict[int, str]):
+        super().__init__(message)
+        self.stalled = stalled
+
+
+@dataclass
+class _RankSpec:
+    rank: int
+    world_size: int
+    store_path: str
+    backend: str
+    collective_timeout: float
+    stack_path: str
+    threads: int
+    env: dict[str, str]
+
+
+def _rank_main(fn: Callable[..., Any], spec: _RankSpec, conn: Any, args: tuple, kwargs: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(spec.env)
+    os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank))
+    torch.set_num_threads(spec.threads)
+    stack_file = open(spec.stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    try:
+        store = dist.FileStore(spec.store_path, spec.world_size)
+        dist.init_process_group(
+            spec.backend,
+            store=store,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.collective_timeout),
+        )
+        result = fn(*args, **kwargs)
+        conn.send(("ok", spec.rank, result))
+    except BaseException as e:  # report everything, including KeyboardInterrupt/SystemExit
+        conn.send(("error", spec.rank, "".join(traceback.format_exception(type(e), e, e.__traceback__))))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()  # without this gloo ranks can abort at exit
+        finally:
+            conn.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _where_stuck(stack: str) -> str:
+    """The innermost torch.distributed call in a faulthandler dump (most recent frame first), else the
+    innermost frame, with the caller that made it."""
+    frames = [m.groupdict() for m in _FRAME.finditer(stack)]
+    if not frames:
+        return "no stack captured (the rank may be stuck outside Python)"
+    for i, f in enumerate(frames):
+        if "torch/distributed" in f["file"]:
+            # the innermost torch.distributed frame is the collective; its caller is the first frame outside
+            caller = next((c for c in frames[i + 1 :] if "torch/distributed" not in c["file"]), None)
+            at = f" called from {caller['file']}:{caller['line']} ({caller['func']})" if caller else ""
+            return f"torch.distributed {f['func']}{at}"
+    f = frames[0]
+    return f"{f['func']} at {f['file']}:{f['line']}"
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    backend: str = "gloo",
+    threads: int = 1,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks (process group initialized, RANK/WORLD_SIZE set);
+    return the per-rank results in rank order.
+
+    `fn` and its arguments must be picklable (a module-level function). Raises RankFailure if a rank
+    raises, RankTimeout if the ranks are not all done within `timeout` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    ctx = _context()
+    workdir = tempfile.mkdtemp(prefix="tessera-ranks-")
+    procs, conns = [], {}
+    try:
+        for rank in range(world_size):
+            spec = _RankSpec(
+                rank=rank,
+                world_size=world_size,
+                store_path=os.path.join(workdir, "store"),
+                backend=backend,
+                # gloo's own timeout stays behind ours, so our deadline reports first and with stacks
+                collective_timeout=timeout + 30.0,
+                stack_path=os.path.join(workdir, f"stack{rank}.txt"),
+                threads=threads,
+                env=dict(env or {}),
+            )
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, args=(fn, spec, send, args, kwargs), name=f"tessera-rank{rank}")
+            p.start()
+            send.close()
+            procs.append(p)
+            conns[recv] = rank
+        return _collect(procs, conns, world_size, timeout, workdir)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _collect(procs: list, conns: dict, world_size: int, timeout: float, workdir: str) -> list[Any]:
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    pending = dict(conns)
+    while pending:
+        ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for conn in ready:
+            rank = pending.pop(conn)
+            try:
+                status, _, payload = conn.recv()
+            except EOFError:
+                code = procs[rank].exitcode
+                raise RankFailure(f"rank {rank} of {world_size} died without a result (exit code {code})") from None
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {world_size} raised:\n{payload}")
+            results[rank] = payload
+    if pending:
+        stalled = sorted(pending.values())
+        for rank in stalled:
+            if procs[rank].is_alive():
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        where = {}
+        for rank in stalled:
+            with open(os.path.join(workdir, f"stack{rank}.txt")) as f:
+                where[rank] = _where_stuck(f.read())
+        detail = "\n".join(f"  rank {r}: stuck in {w}" for r, w in where.items())
+        raise RankTimeout(
+            f"{len(stalled)} of {world_size} ranks did not finish within {timeout:g}s (ranks {stalled}):\n{detail}",
+            where,
+        )
+    return [results[r] for r in range(world_size)]

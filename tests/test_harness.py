@@ -1,0 +1,55 @@
+"""The multi-rank harness itself: results come back, failures and hangs fail fast and name the rank."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel.launch import RankFailure, RankTimeout, run_ranks
+
+
+def _sum_of_ranks():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def _rank_two_raises():
+    if dist.get_rank() == 2:
+        raise ZeroDivisionError("rank two cannot divide")
+    dist.barrier()
+
+
+def _rank_one_hangs():
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def test_results_come_back_in_rank_order_fast():
+    start = time.monotonic()
+    out = run_ranks(_sum_of_ranks, 16, timeout=60)
+    elapsed = time.monotonic() - start
+    assert out == [(r, 16, 120.0) for r in range(16)]
+    print(f"16 ranks started, all-reduced and joined in {elapsed:.2f}s")
+
+
+def test_a_raising_rank_fails_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 2 of 4 raised:(.|\n)*ZeroDivisionError: rank two cannot divide"):
+        run_ranks(_rank_two_raises, 4, timeout=30)
+    assert time.monotonic() - start < 15
+
+
+def test_a_hung_rank_fails_within_the_timeout_naming_rank_and_collective():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_ranks(_rank_one_hangs, 3, timeout=4)
+    assert time.monotonic() - start < 10
+    stalled = info.value.stalled
+    assert sorted(stalled) == [0, 1, 2]
+    assert "sleep" in stalled[1] or "_rank_one_hangs" in stalled[1]
+    assert "all_reduce" in stalled[0] and "_rank_one_hangs" in stalled[0]
+    assert "rank 1: stuck in" in str(info.value)

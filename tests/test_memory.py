@@ -1,0 +1,66 @@
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from topology.memory import RECIPES, min_gpus, model_state_bytes
+
+GB = 1e9
+
+
+@pytest.mark.parametrize(
+    "stage, params, grads, optim, total",
+    [(0, 140.0, 140.0, 840.0, 1120.00), (1, 140.0, 140.0, 3.28, 283.28), (2, 140.0, 0.55, 3.28, 143.83), (3, 0.55, 0.55, 3.28, 4.38)],
+)
+def test_reference_zero_table_70b_on_256(stage, params, grads, optim, total):
+    m = model_state_bytes(70e9, dp=256, zero_stage=stage)
+    assert round(m["parameters"] / GB, 2) == params
+    assert round(m["gradients"] / GB, 2) == grads
+    assert round(m["optimizer"] / GB, 2) == optim
+    assert round(m["total"] / GB, 2) == total
+
+
+def test_fsdp_strategy_names_map_to_stages():
+    for name, stage in [("NO_SHARD", 0), ("SHARD_GRAD_OP", 2), ("FULL_SHARD", 3)]:
+        assert model_state_bytes(70e9, dp=256, strategy=name) == model_state_bytes(70e9, dp=256, zero_stage=stage)
+    hybrid = model_state_bytes(70e9, dp=256, strategy="HYBRID_SHARD", shard_size=8)
+    assert hybrid["total"] == pytest.approx(1120e9 / 8)
+    with pytest.raises(ValueError, match="shard_size"):
+        model_state_bytes(70e9, dp=256, strategy="HYBRID_SHARD")
+
+
+def test_gpu_floor_and_fp32_recipe():
+    assert min_gpus(70e9, 80) == 14
+    assert RECIPES["fp32_adam"].bytes_per_param == 16 and RECIPES["mixed_adam"].bytes_per_param == 16
+    assert model_state_bytes(1e9, recipe="fp32_adam")["parameters"] == 4e9
+
+
+@given(st.floats(1e6, 1e12), st.integers(1, 4096), st.sampled_from(list(RECIPES)))
+def test_stages_never_grow_and_stage3_divides_everything(n, dp, recipe):
+    totals = [model_state_bytes(n, dp=dp, zero_stage=s, recipe=recipe)["total"] for s in range(4)]
+    assert all(a >= b for a, b in zip(totals, totals[1:]))
+    assert totals[3] == pytest.approx(totals[0] / dp)
+    for s in range(4):
+        m = model_state_bytes(n, dp=dp, zero_stage=s, recipe=recipe)
+        assert m["total"] == pytest.approx(m["parameters"] + m["gradients"] + m["optimizer"])
+
+
+@pytest.mark.parametrize("kwargs", [dict(dp=0), dict(dp=2.5), dict(zero_stage=4), dict(recipe="adam8"), dict(strategy="ZERO")])
+def test_bad_input(kwargs):
+    with pytest.raises(ValueError):
+        model_state_bytes(1e9, **kwargs)
+
+
+def test_cli_prints_the_reference_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "parallel.cli", "memory", "--params", "70e9", "--dp", "256", "--gpu-memory", "80"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    assert total.split() == ["total", "1120.00", "GB", "283.28", "GB", "143.83", "GB", "4.38", "GB"]
+    assert "raw floor: 14 GPUs of 80 GB" in out
+    bad = subprocess.run([sys.executable, "-m", "parallel.cli", "memory", "--params", "70e9", "--dp", "0"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "dp=0" in bad.stderr

@@ -1,0 +1,13 @@
+"""Layouts of the five mesh axes, DeviceMesh construction, memory models and dry runs."""
+
+from .layout import AXES, FLATTENED, Layout
+
+__all__ = ["AXES", "FLATTENED", "Layout", "submesh", "dry_run", "mesh_group_ranks"]
+
+
+def __getattr__(name: str):  # the mesh helpers import torch; keep `import topology` light
+    if name in ("submesh", "dry_run", "mesh_group_ranks"):
+        from . import mesh
+
+        return getattr(mesh, name)
+    raise AttributeError(name)

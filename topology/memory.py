@@ -1,0 +1,149 @@
+"""Model-state memory per rank under ZeRO stages and FSDP strategies.
+
+Model states are parameters, gradients and optimizer state (fp32 master copy and Adam moments where the
+recipe has them). Activations, communication buffers and allocator slack come on top and are not
+modelled here. Figures are in bytes; the CLI prints decimal GB (1e9) as the ZeRO analysis does.
+
+ZeRO stage k shards, over the data-parallel ranks that hold identical parameters:
+    0: nothing (DDP)    1: optimizer state    2: + gradients    3: + parameters
+FSDP strategies map onto stages: NO_SHARD = 0, SHARD_GRAD_OP = 2, FULL_SHARD = 3, and HYBRID_SHARD = 3
+within a shard group (dp_shard ranks) with replicas across dp_replicate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter of each model-state component."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    description: str
+
+    @property
+    def bytes_per_param(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+RECIPES: dict[str, Recipe] = {
+    # bf16/fp16 weights and gradients, fp32 master weights + Adam m and v (4 + 4 + 4): the ZeRO paper's 16 B
+    "mixed_adam": Recipe(2, 2, 12, "bf16 params + bf16 grads + fp32 master and Adam moments"),
+    # fp32 weights and gradients; Adam m and v in fp32, no separate master copy
+    "fp32_adam": Recipe(4, 4, 8, "fp32 params + fp32 grads + fp32 Adam moments"),
+    # bf16 params and grads with an fp32 master, fp32 Adam moments, and fp32 gradient accumulation buffer
+    "mixed_adam_fp32_grads": Recipe(2, 4, 12, "bf16 params + fp32 grads + fp32 master and Adam moments"),
+}
+
+# which components each ZeRO stage shards
+SHARDED_BY_STAGE: dict[int, frozenset[str]] = {
+    0: frozenset(),
+    1: frozenset({"optimizer"}),
+    2: frozenset({"optimizer", "gradients"}),
+    3: frozenset({"optimizer", "gradients", "parameters"}),
+}
+
+FSDP_STRATEGIES: dict[str, int] = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3, "HYBRID_SHARD": 3}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"unknown memory recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def zero_stage_of(strategy: str) -> int:
+    key = strategy.upper()
+    if key not in FSDP_STRATEGIES:
+        raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of {', '.join(FSDP_STRATEGIES)}")
+    return FSDP_STRATEGIES[key]
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise ValueError(f"{name}={value!r} must be a positive finite number")
+    return value
+
+
+def model_state_bytes(
+    num_params: float,
+    dp: int = 1,
+    zero_stage: int | None = None,
+    recipe: str = "mixed_adam",
+    *,
+    strategy: str | None = None,
+    shard_size: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+) -> dict[str, float]:
+    """Per-rank model-state bytes: {"parameters", "gradients", "optimizer", "total"}.
+
+    num_params: parameters of the whole model. dp: data-parallel ranks holding identical parameters.
+    zero_stage (0-3) or strategy (an FSDP name) picks what is sharded. HYBRID_SHARD shards over
+    `shard_size` ranks (the dp_shard degree) and replicates across the rest. tp and pp divide the
+    parameters first (each rank holds 1/(tp*pp) of the model, an even split).
+
+    >>> round(model_state_bytes(70e9, dp=256, zero_stage=3)["total"] / 1e9, 2)
+    4.38
+    """
+    _positive("num_params", num_params)
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if strategy is not None and zero_stage is not None:
+        raise ValueError("give zero_stage or strategy, not both")
+    stage = zero_stage_of(strategy) if strategy is not None else (0 if zero_stage is None else zero_stage)
+    if stage not in SHARDED_BY_STAGE:
+        raise ValueError(f"zero_stage={stage!r} must be 0, 1, 2 or 3")
+    shard = dp
+    if strategy is not None and strategy.upper() == "HYBRID_SHARD":
+        if shard_size is None or dp % shard_size:
+            raise ValueError(
+                f"HYBRID_SHARD needs shard_size dividing dp={dp} (the dp_shard degree), got {shard_size!r}"
+            )
+        shard = shard_size
+    r = get_recipe(recipe)
+    local_params = num_params / (tp * pp)
+    out: dict[str, float] = {}
+    for component in ("parameters", "gradients", "optimizer"):
+        full = local_params * getattr(r, component)
+        out[component] = full / shard if component in SHARDED_BY_STAGE[stage] else full
+    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"]
+    return out
+
+
+def min_gpus(num_params: float, gpu_memory_gb: float, recipe: str = "mixed_adam") -> int:
+    """The raw floor: GPUs needed to hold the model states alone when fully sharded (no activations)."""
+    _positive("gpu_memory_gb", gpu_memory_gb)
+    total = _positive("num_params", num_params) * get_recipe(recipe).bytes_per_param
+    return math.ceil(total / (gpu_memory_gb * GB) - 1e-9)
+
+
+def memory_table(num_params: float, dp: int, recipe: str = "mixed_adam", gpu_memory_gb: float | None = None) -> str:
+    """The ZeRO table of the reference chapter: per-rank GB for stages 0-3, one row per component."""
+    r = get_recipe(recipe)
+    stages = [model_state_bytes(num_params, dp=dp, zero_stage=s, recipe=recipe) for s in range(4)]
+    names = {0: "ZeRO-0", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+    fsdp = {0: "NO_SHARD", 1: "-", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
+    lines = [
+        f"model states per rank: {num_params / 1e9:g}B parameters, dp={dp}, recipe {recipe} "
+        f"({r.parameters}+{r.gradients}+{r.optimizer} = {r.bytes_per_param} bytes/parameter: {r.description})",
+        f"{'':<12}" + "".join(f"{names[s]:>15}" for s in range(4)),
+        f"{'FSDP':<12}" + "".join(f"{fsdp[s]:>15}" for s in range(4)),
+    ]
+    for component in ("parameters", "gradients", "optimizer", "total"):
+        lines.append(f"{component:<12}" + "".join(f"{st[component] / GB:>12.2f} GB" for st in stages))
+    if gpu_memory_gb is not None:
+        total = num_params * r.bytes_per_param / GB
+        floor = min_gpus(num_params, gpu_memory_gb, recipe)
+        lines.append(
+            f"raw floor: {floor} GPUs of {gpu_memory_gb:g} GB hold the {total:.2f} GB of model states "
+            f"(fully sharded, before activations and buffers)"
+        )
+    return "\n".join(lines)
