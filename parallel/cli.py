@@ -46,10 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--json", action="store_true", help="print bytes as JSON instead of the table")
     mem.set_defaults(func=_memory)
 
-    try:
-        from . import train
-    except ImportError:  # until the training module lands
-        return parser
+    from . import train  # imports torch: only when the parser is built
 
     train.add_arguments(sub.add_parser("train", help="train a model on a layout (spawns local ranks outside torchrun)"))
     return parser

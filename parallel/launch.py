@@ -16,6 +16,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -84,9 +85,11 @@ def _rank_main(fn: Callable[..., Any], spec: _RankSpec, conn: Any, args: tuple, 
             timeout=timedelta(seconds=spec.collective_timeout),
         )
         result = fn(*args, **kwargs)
-        conn.send(("ok", spec.rank, result))
+        # plain pickle, by value: multiprocessing would share tensors through memory that dies with the rank
+        conn.send_bytes(pickle.dumps(("ok", spec.rank, result)))
     except BaseException as e:  # report everything, including KeyboardInterrupt/SystemExit
-        conn.send(("error", spec.rank, "".join(traceback.format_exception(type(e), e, e.__traceback__))))
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        conn.send_bytes(pickle.dumps(("error", spec.rank, tb)))
     finally:
         try:
             if dist.is_initialized():
@@ -121,7 +124,8 @@ def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 60.0,
+    timeout: float | None = 60.0,
+    collective_timeout: float | None = None,
     backend: str = "gloo",
     threads: int = 1,
     env: dict[str, str] | None = None,
@@ -131,7 +135,9 @@ def run_ranks(
     return the per-rank results in rank order.
 
     `fn` and its arguments must be picklable (a module-level function). Raises RankFailure if a rank
-    raises, RankTimeout if the ranks are not all done within `timeout` seconds.
+    raises, RankTimeout if the ranks are not all done within `timeout` seconds (None: no deadline).
+    `collective_timeout` bounds any one collective (gloo raises, naming the operation); by default it
+    stays 30 s behind `timeout`, so the deadline reports first, with every stalled rank's stack.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
@@ -146,7 +152,7 @@ def run_ranks(
                 store_path=os.path.join(workdir, "store"),
                 backend=backend,
                 # gloo's own timeout stays behind ours, so our deadline reports first and with stacks
-                collective_timeout=timeout + 30.0,
+                collective_timeout=collective_timeout or ((timeout or 600.0) + 30.0),
                 stack_path=os.path.join(workdir, f"stack{rank}.txt"),
                 threads=threads,
                 env=dict(env or {}),
@@ -167,18 +173,18 @@ def run_ranks(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(procs: list, conns: dict, world_size: int, timeout: float, workdir: str) -> list[Any]:
+def _collect(procs: list, conns: dict, world_size: int, timeout: float | None, workdir: str) -> list[Any]:
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     pending = dict(conns)
     while pending:
-        ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+        ready = wait(list(pending), timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         if not ready:
             break
         for conn in ready:
             rank = pending.pop(conn)
             try:
-                status, _, payload = conn.recv()
+                status, _, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
                 code = procs[rank].exitcode
                 raise RankFailure(f"rank {rank} of {world_size} died without a result (exit code {code})") from None

@@ -1,0 +1,59 @@
+"""A deterministic token stream from the text shipped with tessera, with a byte-level tokenizer.
+
+Step s of a run with global batch G and sequence length S reads sequences s*G .. s*G+G-1 of the stream;
+sequence n starts at token (n * S) mod (len - S - 1). The dp rank d of D reads rows d*G/D .. (d+1)*G/D - 1
+of the global batch. The only state is the number of sequences consumed (the data cursor), so a resumed
+run on any layout reads exactly what the uninterrupted run would have read.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import torch
+from torch import Tensor
+
+BOS, EOS = 256, 257
+
+
+def encode(text: str) -> list[int]:
+    return [BOS] + list(text.encode("utf-8")) + [EOS]
+
+
+def decode(tokens: list[int]) -> str:
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+def corpus_tokens() -> Tensor:
+    text = resources.files("models").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    return torch.tensor(encode(text), dtype=torch.long)
+
+
+class TokenStream:
+    def __init__(self, seq_len: int, global_batch: int, tokens: Tensor | None = None):
+        self.tokens = corpus_tokens() if tokens is None else tokens
+        self.seq_len, self.global_batch = seq_len, global_batch
+        self.span = len(self.tokens) - seq_len - 1
+        if self.span <= 0:
+            raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(self.tokens)} tokens); use a shorter --seq-len")
+        self.cursor = 0  # sequences consumed so far
+
+    def global_batch_at(self, cursor: int) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) of shape (global_batch, seq_len) starting at sequence number `cursor`."""
+        starts = [((cursor + i) * self.seq_len) % self.span for i in range(self.global_batch)]
+        rows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts])
+        return rows[:, :-1], rows[:, 1:]
+
+    def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> tuple[Tensor, Tensor]:
+        """This dp rank's rows of the next global batch; advances the cursor."""
+        inputs, targets = self.global_batch_at(self.cursor)
+        self.cursor += self.global_batch
+        rows = self.global_batch // dp_size
+        sl = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        return inputs[sl], targets[sl]
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "seq_len": self.seq_len, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])

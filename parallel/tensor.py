@@ -1,0 +1,339 @@
+"""Tensor parallel (Megatron style) with sequence parallel, over the "tp" submesh.
+
+Parameters are DTensors on the tp mesh (Shard for split weights, Replicate for norms), so FSDP2, DCP
+and the grad-norm clipping see their global shapes; compute runs on `to_local()` tensors, and every
+collective is one of the small autograd Functions below, so what runs where is visible:
+
+    op                      forward                     backward
+    copy_to_tp              identity                    all-reduce
+    reduce_from_tp          all-reduce                  identity
+    gather_sequence         all-gather (seq dim)        reduce-scatter (seq dim)
+    scatter_sequence        reduce-scatter (seq dim)    all-gather (seq dim)
+
+A block is [input comm] -> column-parallel layers -> local math -> row-parallel layer [output comm].
+Without sequence parallel the input comm is copy_to_tp and the output comm an all-reduce; with it the
+residual stream and norms hold S/tp tokens, the input comm all-gathers and the output reduce-scatters.
+Split weights follow torch.chunk along the split dim, so a vocab that tp does not divide is split into
+ceil(V/tp) rows per rank (padding to a multiple of tp, never materialized) and keeps its logical shape,
+which lets checkpoints move between tp degrees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd import Function
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from kernels import rms_norm
+
+SEQ_DIM = 1  # activations are (batch, seq, features)
+
+# torch 2.13 renamed the flat-tensor collectives; 2.11 (the GPU machines) only has the old names
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ----------------------------------------------------------------------------- collectives with autograd
+def _all_reduce(x: Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _all_gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    size = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    _all_gather_flat(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    size = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    if x.shape[0] % size:
+        raise ValueError(f"cannot reduce-scatter {x.shape[0]} positions over {size} tp ranks; the sequence must divide tp")
+    out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
+    _reduce_scatter_flat(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+class _CopyToTP(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+
+
+class _ScatterSequence(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+def copy_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _GatherSequence.apply(x, group)
+
+
+def scatter_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _ScatterSequence.apply(x, group)
+
+
+class BlockInput(nn.Module):
+    """The one collective in front of a block's column-parallel layers."""
+
+    def __init__(self, group: dist.ProcessGroup, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        return gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+
+    def extra_repr(self) -> str:
+        return "all-gather sequence (reduce-scatter grad)" if self.sequence_parallel else "copy (all-reduce grad)"
+
+
+# ----------------------------------------------------------------------------- layers
+def shard_range(full: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, stop) of rank's piece when `full` rows are split as torch.chunk / DTensor Shard split them."""
+    chunk = -(-full // size)
+    start = min(rank * chunk, full)
+    return start, min(start + chunk, full)
+
+
+def _shard_param(weight: Tensor, mesh: DeviceMesh, placement) -> nn.Parameter:
+    # every rank holds the same one-process weight, so each slices its own piece: no communication
+    return nn.Parameter(distribute_tensor(weight.detach(), mesh, [placement], src_data_rank=None))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local.T with W split on its output features (dim 0). The input must already be
+    replicated over tp (the caller's BlockInput), unless `input_comm` is given."""
+
+    def __init__(self, weight: Tensor, tp_mesh: DeviceMesh, input_comm: nn.Module | None = None):
+        super().__init__()
+        self.weight = _shard_param(weight, tp_mesh, Shard(0))
+        self.input_comm = input_comm if input_comm is not None else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(self.input_comm(x), self.weight.to_local())
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tp of x_local @ W_local.T with W split on its input features (dim 1); the sum is an
+    all-reduce, or a reduce-scatter onto sequence shards under sequence parallel."""
+
+    def __init__(self, weight: Tensor, tp_mesh: DeviceMesh, sequence_parallel: bool):
+        super().__init__()
+        self.weight = _shard_param(weight, tp_mesh, Shard(1))
+        self.group, self.sequence_parallel = tp_mesh.get_group(), sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        partial = F.linear(x, self.weight.to_local())
+        return scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+
+
+class ReplicatedHeadsLinear(nn.Module):
+    """K or V projection when tp exceeds the kv heads: the weight is replicated over tp and each rank
+    uses the rows of the one kv head its query heads read. Gradients of the replicated weight are
+    summed over tp (copy_to_tp on the weight), so every replica takes the same optimizer step."""
+
+    def __init__(self, weight: Tensor, tp_mesh: DeviceMesh, head: int, head_dim: int):
+        super().__init__()
+        self.weight = _shard_param(weight, tp_mesh, Replicate())
+        self.group, self.rows = tp_mesh.get_group(), slice(head * head_dim, (head + 1) * head_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, copy_to_tp(self.weight.to_local(), self.group)[self.rows])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the embedding split over tp; each rank looks up the ids in its range (others read as 0)
+    and the partial embeddings are summed: all-reduce, or reduce-scatter onto sequence shards."""
+
+    def __init__(self, weight: Tensor, tp_mesh: DeviceMesh, sequence_parallel: bool):
+        super().__init__()
+        self.vocab_size = weight.shape[0]
+        self.weight = _shard_param(weight, tp_mesh, Shard(0))
+        self.group, self.sequence_parallel = tp_mesh.get_group(), sequence_parallel
+        self.vocab_start, self.vocab_stop = shard_range(self.vocab_size, tp_mesh.get_local_rank(), tp_mesh.size())
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        local = tokens - self.vocab_start
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_stop)
+        w = self.weight.to_local()
+        if w.shape[0] == 0:  # this rank holds no rows (tiny vocab, large tp): contribute zeros
+            partial = w.new_zeros(tokens.shape + (w.shape[1],)) + 0 * w.sum()
+        else:
+            partial = F.embedding(local.masked_fill(outside, 0), w).masked_fill(outside.unsqueeze(-1), 0.0)
+        return scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+
+
+class TPRMSNorm(nn.Module):
+    """RMSNorm with its weight replicated over tp. Under sequence parallel each rank normalizes its own
+    tokens, so the weight's gradient is a partial sum: copy_to_tp on the weight all-reduces it."""
+
+    def __init__(self, weight: Tensor, eps: float, tp_mesh: DeviceMesh, sequence_parallel: bool):
+        super().__init__()
+        self.weight = _shard_param(weight, tp_mesh, Replicate())
+        self.eps, self.group, self.sequence_parallel = eps, tp_mesh.get_group(), sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight.to_local()
+        return rms_norm(x, copy_to_tp(w, self.group) if self.sequence_parallel else w, self.eps)
+
+
+# ----------------------------------------------------------------------------- vocab-parallel loss
+class _VocabParallelCrossEntropy(Function):
+    """Per-token cross-entropy from local vocab shards of the logits. The max and the sum of exps are
+    all-reduced over tp (two (N,) vectors), and so is the target's logit; full logits never meet."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group, ignore_index):
+        ctx.input_dtype = logits.dtype
+        logits = logits.float() if logits.element_size() < 4 else logits  # fp32 statistics at least
+        n, v_local = logits.shape
+        local_max = logits.amax(dim=-1) if v_local else logits.new_full((n,), float("-inf"))
+        global_max = _all_reduce(local_max, group, dist.ReduceOp.MAX)
+        exp = torch.exp(logits - global_max.unsqueeze(-1))
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        local_target = targets - vocab_start
+        mine = (local_target >= 0) & (local_target < v_local) & (targets != ignore_index)
+        idx = local_target.clamp(0, max(v_local - 1, 0))
+        picked = logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1) if v_local else logits.new_zeros(n)
+        target_logit = _all_reduce(torch.where(mine, picked - global_max, torch.zeros_like(picked)), group)
+        valid = targets != ignore_index
+        loss = torch.where(valid, torch.log(sum_exp) - target_logit, torch.zeros_like(sum_exp))
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), idx, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, idx, mine, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        if grad.shape[1]:
+            grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        grad *= (grad_loss * valid.to(grad.dtype)).unsqueeze(-1)
+        return grad.to(ctx.input_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup, ignore_index: int = -100
+) -> Tensor:
+    """Mean cross-entropy over non-ignored targets; local_logits (..., V_local) hold vocab columns
+    [vocab_start, vocab_start + V_local) of the full logits, targets (...) are global ids."""
+    flat_targets = targets.reshape(-1)
+    per_token = _VocabParallelCrossEntropy.apply(
+        local_logits.reshape(flat_targets.numel(), local_logits.shape[-1]), flat_targets, vocab_start, group, ignore_index
+    )
+    return per_token.sum() / (flat_targets != ignore_index).sum().clamp(min=1)
+
+
+class VocabParallelLoss:
+    def __init__(self, vocab_start: int, group: dist.ProcessGroup):
+        self.vocab_start, self.group = vocab_start, group
+
+    def __call__(self, local_logits: Tensor, targets: Tensor) -> Tensor:
+        return vocab_parallel_cross_entropy(local_logits, targets, self.vocab_start, self.group)
+
+
+# ----------------------------------------------------------------------------- validation and application
+def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+    """Raise ValueError naming the value and the fix if `cfg` cannot be split over `tp` ranks."""
+    if cfg.n_heads % tp:
+        raise ValueError(f"tp={tp} does not divide the {cfg.n_heads} attention heads; use a tp that divides {cfg.n_heads}")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        raise ValueError(
+            f"tp={tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other (kv heads are split when tp "
+            f"divides them and replicated when they divide tp)"
+        )
+    if cfg.ffn_dim % tp:
+        raise ValueError(f"tp={tp} does not divide the MLP width ffn_dim={cfg.ffn_dim}; use a tp that divides {cfg.ffn_dim}")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ValueError(
+            f"sequence parallel needs the sequence length divisible by tp: seq_len={seq_len}, tp={tp}; "
+            f"use --seq-len {seq_len - seq_len % tp or tp}"
+        )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Swap the one-process layers of a `models.Transformer` for tensor-parallel ones, in place."""
+    cfg, tp, rank = model.config, tp_mesh.size(), tp_mesh.get_local_rank()
+    check_tensor_parallel(cfg, tp, sequence_parallel)
+    group = tp_mesh.get_group()
+
+    def norm(old: nn.Module) -> TPRMSNorm:
+        return TPRMSNorm(old.weight, old.eps, tp_mesh, sequence_parallel)
+
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, tp_mesh, sequence_parallel)
+    for block in model.layers.values():
+        attn, ff = block.attention, block.feed_forward
+        attn.input_comm = BlockInput(group, sequence_parallel)
+        attn.wq = ColumnParallelLinear(attn.wq.weight, tp_mesh)
+        if cfg.n_kv_heads % tp == 0:
+            attn.wk = ColumnParallelLinear(attn.wk.weight, tp_mesh)
+            attn.wv = ColumnParallelLinear(attn.wv.weight, tp_mesh)
+            attn.n_local_kv_heads = cfg.n_kv_heads // tp
+        else:  # tp > kv heads: this rank's query heads all read kv head rank * n_kv // tp
+            head = rank * cfg.n_kv_heads // tp
+            attn.wk = ReplicatedHeadsLinear(attn.wk.weight, tp_mesh, head, cfg.head_dim)
+            attn.wv = ReplicatedHeadsLinear(attn.wv.weight, tp_mesh, head, cfg.head_dim)
+            attn.n_local_kv_heads = 1
+        attn.n_local_heads = cfg.n_heads // tp
+        attn.wo = RowParallelLinear(attn.wo.weight, tp_mesh, sequence_parallel)
+        ff.input_comm = BlockInput(group, sequence_parallel)
+        ff.w1 = ColumnParallelLinear(ff.w1.weight, tp_mesh)
+        ff.w3 = ColumnParallelLinear(ff.w3.weight, tp_mesh)
+        ff.w2 = RowParallelLinear(ff.w2.weight, tp_mesh, sequence_parallel)
+        block.attention_norm, block.ffn_norm = norm(block.attention_norm), norm(block.ffn_norm)
+    model.norm = norm(model.norm)
+    model.output = ColumnParallelLinear(model.output.weight, tp_mesh, input_comm=BlockInput(group, sequence_parallel))
+    model.loss_fn = VocabParallelLoss(shard_range(cfg.vocab_size, rank, tp)[0], group)
+    return model
+
+
+def full_tensor(x: Tensor) -> Tensor:
+    """The global value of a (possibly DTensor) parameter or gradient."""
+    return x.full_tensor() if isinstance(x, DTensor) else x

@@ -1,0 +1,28 @@
+"""Rank functions shared by the multi-rank tests (module level, so the rank launcher can pickle them)."""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.tensor import full_tensor
+from parallel.train import Job, TrainConfig
+
+
+def train_losses_and_grads(config: TrainConfig, steps: int = 3):
+    """Run `steps` AdamW steps; return (per-step losses, full gradients of step 1 before clipping) on
+    rank 0 and None elsewhere. Every rank takes part in gathering the gradients."""
+    job = Job(config, torch.device("cpu"))
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(model):
+        for name, p in model.named_parameters():
+            grads[name] = full_tensor(p.grad).detach().clone()
+
+    losses = [job.train_step(on_grads=keep if s == 0 else None)["loss"] for s in range(steps)]
+    return (losses, grads) if job.rank == 0 else None
+
+
+def small_config(**kw) -> TrainConfig:
+    base = dict(model="debug", seq_len=32, global_batch=4, steps=3, lr=3e-3, warmup=1, quiet=True)
+    base.update(kw)
+    return TrainConfig(**base)
