@@ -17,9 +17,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 
+def _is_sharded(placement) -> bool:
+    # not `is_shard()`: FSDP2 over tp uses _StridedShard, which is a shard but answers False there (torch 2.13)
+    return not (placement.is_replicate() or placement.is_partial())
+
+
 def _sharded_groups(t: DTensor) -> tuple:
     mesh = t.device_mesh
-    return tuple(mesh.get_group(i) for i, p in enumerate(t.placements) if p.is_shard() and mesh.size(i) > 1)
+    return tuple(mesh.get_group(i) for i, p in enumerate(t.placements) if _is_sharded(p) and mesh.size(i) > 1)
 
 
 def global_grad_norm(parameters: Iterable[Tensor], pp_group: dist.ProcessGroup | None = None) -> Tensor:

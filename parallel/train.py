@@ -27,6 +27,7 @@ from models.data import TokenStream
 from topology import Layout, submesh
 
 from .clip import clip_grad_norm_
+from .data import DataParallelConfig, layout_for_strategy
 from .parallelize import ParallelConfig, parallelize
 
 
@@ -47,6 +48,10 @@ class TrainConfig:
     warmup: int = 5
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    fsdp: str = "FULL_SHARD"
+    ac: str = "none"
+    mixed_precision: str | None = None  # default: bf16 on GPU, fp32 on CPU
+    prefetch: int = 0
     metrics: str | None = None
     timeout: float = 600.0  # seconds any collective may stall before the run fails
     quiet: bool = False
@@ -59,11 +64,14 @@ class TrainConfig:
                 f"--dp-replicate {self.dp_replicate} must divide --dp {self.dp} (dp = dp_replicate x dp_shard); "
                 f"use --dp {self.dp_replicate * max(1, self.dp // self.dp_replicate)}"
             )
-        return Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp // self.dp_replicate, cp=self.cp, tp=self.tp)
+        layout = Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp // self.dp_replicate, cp=self.cp, tp=self.tp)
+        return layout_for_strategy(layout, self.fsdp.upper())
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(layout=self.layout, sequence_parallel=self.sequence_parallel)
+        precision = self.mixed_precision or ("bf16" if under_torchrun() and torch.cuda.is_available() else "fp32")
+        data = DataParallelConfig(self.fsdp.upper(), precision, self.ac, self.prefetch)
+        return ParallelConfig(layout=self.layout, sequence_parallel=self.sequence_parallel, data=data)
 
     def check(self) -> None:
         """All input errors, raised before any rank starts."""
@@ -215,7 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="preset: debug, small, 1b, 8b, 70b, 405b")
     for axis, help_ in [
         ("pp", "pipeline stages (must be 1 until the pipeline axis lands)"),
-        ("dp", "data-parallel degree (dp_replicate x dp_shard)"),
+        ("dp", "data-parallel degree (dp_replicate x dp_shard), sharded with FSDP2"),
         ("dp-replicate", "replicas of the FSDP shard group (HSDP)"),
         ("cp", "context-parallel degree (must be 1 until the context axis lands)"),
         ("tp", "tensor-parallel degree"),
@@ -229,6 +237,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
+    p.add_argument("--fsdp", default=d.fsdp, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
+    p.add_argument("--ac", default=d.ac, help="activation checkpointing: none, full or selective")
+    p.add_argument("--mixed-precision", default=None, help="bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--prefetch", type=int, default=d.prefetch, help="explicit FSDP prefetch of N blocks (0: implicit)")
     p.add_argument("--metrics", default=None, metavar="FILE", help="append one JSON line per step")
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a collective may stall")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

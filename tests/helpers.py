@@ -16,7 +16,7 @@ def train_losses_and_grads(config: TrainConfig, steps: int = 3):
 
     def keep(model):
         for name, p in model.named_parameters():
-            grads[name] = full_tensor(p.grad).detach().clone()
+            grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
 
     losses = [job.train_step(on_grads=keep if s == 0 else None)["loss"] for s in range(steps)]
     return (losses, grads) if job.rank == 0 else None
@@ -26,3 +26,24 @@ def small_config(**kw) -> TrainConfig:
     base = dict(model="debug", seq_len=32, global_batch=4, steps=3, lr=3e-3, warmup=1, quiet=True)
     base.update(kw)
     return TrainConfig(**base)
+
+
+def clean_name(name: str) -> str:
+    """Parameter name as the one-process model spells it (activation checkpointing adds a wrapper)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def measured_model_states(config: TrainConfig):
+    """Per-rank bytes held: parameters right after forward (gathered if the strategy keeps them so),
+    gradients after backward, optimizer state after the step."""
+    from parallel.data import model_state_bytes_on_rank
+
+    job = Job(config, torch.device("cpu"))
+    inputs, targets = job.data.next_batch(job.dp_rank, job.layout.dp)
+    loss = job.model.loss(inputs, targets)
+    params = model_state_bytes_on_rank(job.model)["parameters"]
+    loss.backward()
+    grads = model_state_bytes_on_rank(job.model)["gradients"]
+    job.optimizer.step()
+    optim = model_state_bytes_on_rank(job.model, job.optimizer)["optimizer"]
+    return {"parameters": params, "gradients": grads, "optimizer": optim, "num_params": job.model.config.num_params()}

@@ -1,0 +1,130 @@
+"""Data parallel: FSDP2 (`fully_shard`) over the data axes, with activation checkpointing.
+
+Sharding runs over the flattened ("dp_shard", "cp") mesh: cp ranks hold the same parameters, so they
+shard them too. With dp_replicate > 1 the mesh is 2-D (dp_replicate, dp_shard_cp): HSDP, sharded within
+a group and replicated across groups (gradients reduce-scattered in the group, all-reduced across).
+
+The FSDP1 strategy names map onto FSDP2 settings as in the FSDP2 tutorial:
+    FULL_SHARD      reshard_after_forward=True   (ZeRO-3)
+    SHARD_GRAD_OP   reshard_after_forward=False  (ZeRO-2: parameters stay gathered from forward to backward)
+    HYBRID_SHARD    FULL_SHARD on the 2-D (dp_replicate, dp_shard_cp) mesh (needs dp_replicate > 1)
+    NO_SHARD        every dp rank a replica: the 2-D mesh with all dp ranks on dp_replicate (DDP)
+With pp > 1 parameters are never resharded after forward (each microbatch's backward would re-gather).
+
+Units are wrapped bottom-up: the embedding, each block, the final norm with the output head, the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from topology import Layout, submesh
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+AC_MODES = ("none", "full", "selective")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    strategy: str = "FULL_SHARD"
+    mixed_precision: str = "fp32"  # parameters' compute dtype; gradients always reduce in fp32
+    activation_checkpointing: str = "none"
+    prefetch: int = 0  # explicit forward/backward prefetch of this many blocks (0: FSDP2's implicit prefetch)
+
+
+def check_data_parallel(config: DataParallelConfig, layout: Layout) -> None:
+    """Raise ValueError naming the value and the fix; called before any process group starts."""
+    if config.strategy not in STRATEGIES:
+        raise ValueError(f"unknown FSDP strategy {config.strategy!r}; use one of {', '.join(STRATEGIES)}")
+    if config.activation_checkpointing not in AC_MODES:
+        raise ValueError(f"unknown activation checkpointing {config.activation_checkpointing!r}; use one of {', '.join(AC_MODES)}")
+    if config.mixed_precision not in PRECISIONS:
+        raise ValueError(f"unknown mixed precision {config.mixed_precision!r}; use one of {', '.join(PRECISIONS)}")
+    if config.prefetch < 0:
+        raise ValueError(f"prefetch={config.prefetch} must be >= 0 (blocks to all-gather ahead)")
+    if config.strategy == "HYBRID_SHARD" and layout.dp_replicate == 1:
+        raise ValueError(
+            f"HYBRID_SHARD needs replica groups: dp={layout.dp} with dp_replicate=1; "
+            f"pass --dp-replicate R with R dividing {layout.dp} (e.g. --dp-replicate 2), or use FULL_SHARD"
+        )
+    if config.strategy == "NO_SHARD" and layout.dp_shard > 1:
+        raise ValueError(
+            f"NO_SHARD replicates every dp rank: use dp_replicate={layout.dp} and dp_shard=1 "
+            f"(tessera train maps --fsdp NO_SHARD --dp {layout.dp} to that layout), not dp_shard={layout.dp_shard}"
+        )
+
+
+def layout_for_strategy(layout: Layout, strategy: str) -> Layout:
+    """NO_SHARD puts every dp rank on dp_replicate; the other strategies keep the layout."""
+    if strategy == "NO_SHARD" and layout.dp_shard > 1:
+        d = layout.as_dict()
+        d.update(dp_replicate=layout.dp, dp_shard=1)
+        return Layout(**d)
+    return layout
+
+
+def data_parallel_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D dp_shard_cp, or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
+    if layout.dp_replicate > 1:
+        return submesh(mesh, "dp_replicate", "dp_shard_cp")
+    return submesh(mesh, "dp_shard_cp")
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """full: recompute every block in backward. selective: every other block (half the activation
+    memory saved at half the recompute). Wrapping keeps parameter names (checkpoint_wrapper's prefix
+    is stripped from state dicts)."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if mode == "full" or i % 2 == 0:
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, layout: Layout, config: DataParallelConfig) -> nn.Module:
+    """fully_shard bottom-up over the data axes, in place."""
+    dp_mesh = data_parallel_mesh(mesh, layout)
+    reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and layout.pp == 1
+    policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[config.mixed_precision], reduce_dtype=torch.float32)
+    kw = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model.tok_embeddings, **kw)
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, **kw)
+    fully_shard([model.norm, model.output], **kw)
+    fully_shard(model, **kw)
+    if config.prefetch:
+        for i, block in enumerate(blocks):
+            ahead = blocks[i + 1 : i + 1 + config.prefetch]
+            behind = blocks[max(0, i - config.prefetch) : i][::-1]
+            if ahead:
+                block.set_modules_to_forward_prefetch(ahead)
+            if behind:
+                block.set_modules_to_backward_prefetch(behind)
+    return model
+
+
+def model_state_bytes_on_rank(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds now: parameters as registered on the modules (the gathered tensors of units
+    that are unsharded, else the local shards), local gradient shards, and optimizer state shards."""
+    from torch.distributed.tensor import DTensor
+
+    def local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = sum(local_bytes(p) for p in model.parameters())
+    grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    optim = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optim += sum(local_bytes(v) for k, v in state.items() if torch.is_tensor(v) and k != "step")
+    return {"parameters": params, "gradients": grads, "optimizer": optim, "total": params + grads + optim}
