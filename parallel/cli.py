@@ -18,6 +18,12 @@ def _memory(args: argparse.Namespace) -> int:
     from topology import memory
 
     try:
+        if args.params is None:
+            if args.model is None:
+                raise ValueError("give --params N or --model PRESET")
+            from models import get_preset
+
+            args.params = float(get_preset(args.model).num_params())
         if args.json:
             rows = {
                 f"zero{s}": memory.model_state_bytes(args.params, dp=args.dp, zero_stage=s, recipe=args.recipe)
@@ -28,10 +34,29 @@ def _memory(args: argparse.Namespace) -> int:
             print(json.dumps(rows))
         else:
             print(memory.memory_table(args.params, args.dp, args.recipe, args.gpu_memory))
+        if args.dry_run:
+            _memory_dry_run(args)
     except ValueError as e:
         print(f"tessera memory: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _memory_dry_run(args: argparse.Namespace) -> None:
+    from parallel.parallelize import dry_run_model_states
+    from topology import Layout
+
+    if args.model is None:
+        raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device)")
+    layout = Layout(dp_shard=args.dp, tp=args.tp)
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
+        m = dry_run_model_states(args.model, layout, args.recipe, strategy)
+        print(
+            f"dry run, {args.model} on {layout.world_size} fake ranks ({layout}), {strategy:<13}: "
+            f"{m['local_params'] / 1e6:,.1f}M parameters on rank 0; model states "
+            + " + ".join(f"{m[c] / 1e9:.2f}" for c in ("parameters", "gradients", "optimizer"))
+            + f" = {m['total'] / 1e9:.2f} GB per rank"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     mem = sub.add_parser("memory", help="per-rank model-state memory under ZeRO stages 0-3")
-    mem.add_argument("--params", type=_float, required=True, help="parameter count, e.g. 70e9")
+    mem.add_argument("--params", type=_float, default=None, help="parameter count, e.g. 70e9")
+    mem.add_argument("--model", default=None, help="a model preset (its parameter count, and --dry-run)")
+    mem.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for --dry-run")
+    mem.add_argument("--dry-run", action="store_true",
+                     help="also build the preset on the fake backend and count the shards each rank holds")
     mem.add_argument("--dp", type=int, default=1, help="data-parallel ranks sharing the model states")
     mem.add_argument("--recipe", default="mixed_adam", help="mixed_adam (2+2+12 B), fp32_adam (4+4+8 B), ...")
     mem.add_argument("--gpu-memory", type=_float, default=None, help="GB per GPU: also print the raw GPU floor")

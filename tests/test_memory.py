@@ -64,3 +64,18 @@ def test_cli_prints_the_reference_table():
     bad = subprocess.run([sys.executable, "-m", "parallel.cli", "memory", "--params", "70e9", "--dp", "0"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "dp=0" in bad.stderr
+
+
+def test_dry_run_70b_on_256_fake_ranks_matches_the_reference():
+    from models import get_preset
+    from parallel.parallelize import dry_run_model_states
+    from topology import Layout
+
+    n = get_preset("70b").num_params()  # 70.55B; the reference's 4.38 GB is for exactly 70.0B
+    measured = dry_run_model_states("70b", Layout(dp_shard=256), recipe="mixed_adam", strategy="FULL_SHARD")
+    predicted = model_state_bytes(n, dp=256, zero_stage=3)
+    for component in ("parameters", "gradients", "optimizer", "total"):
+        assert measured[component] == pytest.approx(predicted[component], rel=1e-3)
+    assert round(measured["total"] * 70e9 / n / GB, 2) == 4.38
+    no_shard = dry_run_model_states("70b", Layout(dp_shard=256), strategy="NO_SHARD")
+    assert no_shard["total"] == pytest.approx(16 * n)
