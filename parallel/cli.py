@@ -1,4 +1,4 @@
-"""The `tessera` command: train, memory."""
+"""The `tessera` command: train, memory, export."""
 
 from __future__ import annotations
 
@@ -59,6 +59,18 @@ def _memory_dry_run(args: argparse.Namespace) -> None:
         )
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError, export_checkpoint
+
+    try:
+        manifest = export_checkpoint(args.checkpoint, args.out)
+    except CheckpointError as e:
+        print(f"tessera export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: model {manifest['model']['preset']} at step {manifest['step']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="4D-parallel transformer training on one DeviceMesh")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--gpu-memory", type=_float, default=None, help="GB per GPU: also print the raw GPU floor")
     mem.add_argument("--json", action="store_true", help="print bytes as JSON instead of the table")
     mem.set_defaults(func=_memory)
+
+    exp = sub.add_parser("export", help="write a checkpoint's model as one full safetensors file (no ranks needed)")
+    exp.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir with a latest pointer")
+    exp.add_argument("--out", required=True, help="the .safetensors file to write")
+    exp.set_defaults(func=_export)
 
     from . import train  # imports torch: only when the parser is built
 

@@ -53,6 +53,11 @@ class TrainConfig:
     mixed_precision: str | None = None  # default: bf16 on GPU, fp32 on CPU
     prefetch: int = 0
     metrics: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: str | None = None  # a checkpoint (or a directory with `latest`); "" means --checkpoint-dir
+    init_from: str | None = None  # a full safetensors state dict to start from
     timeout: float = 600.0  # seconds any collective may stall before the run fails
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -82,6 +87,28 @@ class TrainConfig:
         if self.seq_len > cfg.max_seq_len:
             raise ValueError(f"--seq-len {self.seq_len} exceeds the {self.model} preset's max_seq_len={cfg.max_seq_len}")
         self.parallel.check(cfg, self.seq_len, self.global_batch)
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every {self.checkpoint_every} must be >= 0 (0: never)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+        if self.resume is not None:
+            from . import checkpoint
+
+            path = checkpoint.resolve(self.resume_path)
+            saved = checkpoint.read_manifest(path)["model"]
+            if saved["config"] != cfg.as_dict():
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {path} holds model {saved['preset']!r}, not {self.model!r}; resume with --model {saved['preset']}"
+                )
+        if self.init_from is not None and not os.path.isfile(self.init_from):
+            raise ValueError(f"--init-from {self.init_from}: no such file")
+
+    @property
+    def resume_path(self) -> str:
+        path = self.resume or self.checkpoint_dir
+        if not path:
+            raise ValueError("--resume needs a checkpoint path, or --checkpoint-dir DIR to resume from its latest")
+        return path
 
 
 def lr_lambda(warmup: int, steps: int):
@@ -159,14 +186,25 @@ class Job:
 def run_job(config: TrainConfig) -> list[dict[str, Any]] | None:
     """The loop on this rank (process group already initialized); rank 0 returns the metrics."""
     device = _device()
+    from . import checkpoint
+
     torch.manual_seed(config.seed)
     job = Job(config, device)
+    if config.init_from:
+        checkpoint.load_full_state_dict(job.model, config.init_from)
+    if config.resume is not None:
+        manifest = checkpoint.load(job, config.resume_path)
+        if job.rank == 0 and not config.quiet:
+            print(f"resumed from step {manifest['step']} ({manifest['consumed_tokens']:,} tokens) saved on "
+                  f"{Layout(**manifest['layout'])}", flush=True)
     history = []
     out = open(config.metrics, "a") if (config.metrics and job.rank == 0) else None
     try:
         while job.step < config.steps:
             m = job.train_step()
             history.append(m)
+            if config.checkpoint_every and job.step % config.checkpoint_every == 0:
+                checkpoint.save(job, config.checkpoint_dir, keep=config.keep_checkpoints)
             if job.rank == 0:
                 if out:
                     out.write(json.dumps(m) + "\n")
@@ -241,6 +279,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ac", default=d.ac, help="activation checkpointing: none, full or selective")
     p.add_argument("--mixed-precision", default=None, help="bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--prefetch", type=int, default=d.prefetch, help="explicit FSDP prefetch of N blocks (0: implicit)")
+    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (step_N/ and a latest pointer)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="keep the newest K")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
+                   help="resume from a checkpoint (default: the latest in --checkpoint-dir), on any layout")
+    p.add_argument("--init-from", default=None, metavar="FILE", help="start from a full safetensors state dict")
     p.add_argument("--metrics", default=None, metavar="FILE", help="append one JSON line per step")
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a collective may stall")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -253,13 +297,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _cli(args: argparse.Namespace) -> int:
+    from .launch import RankFailure
+
     try:
         config = config_from_args(args)
         config.check()
     except ValueError as e:
         print(f"tessera train: error: {e}", file=sys.stderr)
         return 2
-    history = train(config)
+    try:
+        history = train(config)
+    except RankFailure as e:
+        if "CheckpointError: " not in str(e):
+            raise
+        print(f"tessera train: error: {str(e).rsplit('CheckpointError: ', 1)[1].strip()}", file=sys.stderr)
+        return 2
     if history and not config.quiet:
         first, last = history[0], history[-1]
         print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {last['step']} steps on {config.layout}")

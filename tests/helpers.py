@@ -47,3 +47,16 @@ def measured_model_states(config: TrainConfig):
     job.optimizer.step()
     optim = model_state_bytes_on_rank(job.model, job.optimizer)["optimizer"]
     return {"parameters": params, "gradients": grads, "optimizer": optim, "num_params": job.model.config.num_params()}
+
+
+def first_loss(config: TrainConfig):
+    """The loss of the first batch, no step taken (after --init-from, if set)."""
+    from parallel import checkpoint
+
+    job = Job(config, torch.device("cpu"))
+    if config.init_from:
+        checkpoint.load_full_state_dict(job.model, config.init_from)
+    inputs, targets = job.data.next_batch(job.dp_rank, job.layout.dp)
+    loss = job.model.loss(inputs, targets).detach()
+    torch.distributed.all_reduce(loss)
+    return loss.item() / torch.distributed.get_world_size()

@@ -48,3 +48,23 @@ def test_measured_memory_matches_the_model(strategy, dp):
         for component in ("parameters", "gradients", "optimizer"):
             ratio = measured[component] / predicted[component]
             assert abs(ratio - 1) < 0.02, f"rank {rank} {strategy} {component}: {measured[component]} vs {predicted[component]}"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dp", "4", "--fsdp", "HYBRID_SHARD"], "HYBRID_SHARD needs replica groups: dp=4 with dp_replicate=1"),
+        (["--dp", "2", "--fsdp", "ZERO9"], "unknown FSDP strategy 'ZERO9'"),
+        (["--dp", "4", "--dp-replicate", "3"], "--dp-replicate 3 must divide --dp 4"),
+        (["--dp", "3", "--global-batch", "8"], "global batch 8 does not split over dp=3"),
+        (["--dp", "2", "--ac", "most"], "unknown activation checkpointing 'most'"),
+        (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+    ],
+)
+def test_bad_data_parallel_input_fails_before_any_rank_starts(args, message):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "parallel.cli", "train", "--steps", "1", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr

@@ -1,0 +1,307 @@
+"""Distributed checkpoints (DCP) with a resume manifest, and full state dicts for inference.
+
+A checkpoint directory:
+
+    root/
+      latest                  the name of the newest complete checkpoint (updated last, atomically)
+      step_00000003/
+        manifest.json         everything a faithful resume needs besides the tensors (below)
+        state/                DCP: model and optimizer, sharded; each rank writes its own shards
+        rng/rank{r}.pt        each rank's RNG states
+
+Saves are atomic: everything is written under `.step_N.tmp`, checksummed, and renamed; `latest` moves
+last; only the newest `keep` are kept. Nothing is gathered onto rank 0. Loading reshards: DCP cuts every
+tensor for the loading layout, and the data cursor counts global sequences, so a run saved on one layout
+resumes on another. Every file is size- and sha256-checked before DCP reads it, so a truncated or
+corrupt shard fails naming the file instead of loading partially.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
+
+if TYPE_CHECKING:
+    from .train import Job
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded faithfully; the message names the file and the reason."""
+
+
+# ----------------------------------------------------------------------------- paths
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory: `path` itself, or the one its `latest` pointer names."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    latest = path / "latest"
+    if latest.exists():
+        target = path / latest.read_text().strip()
+        if not (target / MANIFEST).exists():
+            raise CheckpointError(f"{latest} points to {target}, which has no {MANIFEST}; the checkpoint is incomplete")
+        return target
+    if path.is_dir():
+        raise CheckpointError(f"no {MANIFEST} (and no 'latest' pointer) in {path}: not a tessera checkpoint, or an interrupted save")
+    raise CheckpointError(f"checkpoint {path} does not exist")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"missing manifest {file}: the checkpoint is incomplete") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt manifest {file}: {e}") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{file} has format {manifest.get('format')!r}; this tessera reads format {FORMAT_VERSION}")
+    return manifest
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _my_share(files: list[Path], rank: int, world: int) -> list[Path]:
+    return [f for i, f in enumerate(files) if i % world == rank]
+
+
+# ----------------------------------------------------------------------------- save
+def save(job: "Job", root: str | os.PathLike, keep: int = 3) -> Path:
+    """Write a checkpoint of `job` at its current step; collective over all ranks. Returns its path."""
+    root = Path(root)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final, tmp = step_dir(root, job.step), root / f".step_{job.step:08d}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted earlier
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "state"))
+    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    dist.barrier()
+    # every rank checksums a share of the files; rank 0 collects them into the manifest
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    mine = {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in _my_share(files, rank, world)}
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        manifest = _manifest(job, {k: v for share in shares for k, v in share.items()})
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        pointer = root / "latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / "latest")
+        for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _manifest(job: "Job", files: dict[str, Any]) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        tessera_version = version("tessera")
+    except PackageNotFoundError:
+        tessera_version = "unknown"
+    c = job.config
+    return {
+        "format": FORMAT_VERSION,
+        "step": job.step,
+        "consumed_sequences": job.data.cursor,
+        "consumed_tokens": job.data.cursor * c.seq_len,
+        "data": job.data.state_dict(),
+        "scheduler": job.scheduler.state_dict(),
+        "rng": {"dir": "rng", "world_size": dist.get_world_size()},
+        "model": {"preset": c.model, "config": job.model.config.as_dict()},
+        "seed": c.seed,
+        "layout": job.layout.as_dict(),
+        "world_size": dist.get_world_size(),
+        "sharding_strategy": c.parallel.data.strategy,
+        "sequence_parallel": c.sequence_parallel,
+        "mixed_precision": c.parallel.data.mixed_precision,
+        "gradient_scaler_state": None,  # bf16/fp32 training uses no loss scaler
+        "versions": {"tessera": tessera_version, "torch": torch.__version__},
+        "created_unix": time.time(),
+        "files": files,
+    }
+
+
+# ----------------------------------------------------------------------------- load
+def verify_files(path: Path, manifest: dict[str, Any]) -> None:
+    """Size- and checksum-check every file the manifest lists (the work split over the ranks); raise
+    CheckpointError naming the first bad file on every rank."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    listed = sorted(manifest.get("files", {}))
+    if not listed:
+        raise CheckpointError(f"{path / MANIFEST} lists no files; the checkpoint is incomplete")
+    problem = ""
+    for name in listed:  # sizes everywhere (cheap), hashes of this rank's share
+        file, want = path / name, manifest["files"][name]
+        if not file.exists():
+            problem = f"missing checkpoint file {file}"
+        elif file.stat().st_size != want["bytes"]:
+            problem = f"truncated or altered checkpoint file {file}: {file.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if problem:
+            break
+    if not problem:
+        for name in _my_share(listed, rank, world):
+            if _sha256(path / name) != manifest["files"][name]["sha256"]:
+                problem = f"corrupt checkpoint file {path / name}: sha256 differs from the manifest"
+                break
+    problems: list[Any] = [problem]
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), "")
+    if first:
+        raise CheckpointError(first)
+
+
+def check_compatible(path: Path, manifest: dict[str, Any], job: "Job") -> None:
+    saved, mine = manifest["model"], job.model.config.as_dict()
+    if saved["config"] != mine:
+        diff = {k: (saved["config"].get(k), v) for k, v in mine.items() if saved["config"].get(k) != v}
+        raise CheckpointError(
+            f"checkpoint {path} holds model {saved['preset']!r}, this run builds {job.config.model!r}; "
+            f"differences (saved, now): {diff}. Resume with --model {saved['preset']}"
+        )
+    data = manifest["data"]
+    if data["seq_len"] != job.config.seq_len:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with --seq-len {data['seq_len']}, this run uses {job.config.seq_len}; "
+            f"use --seq-len {data['seq_len']} to resume faithfully"
+        )
+
+
+def load(job: "Job", path: str | os.PathLike) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler, data cursor, step and RNG into `job` (any layout); collective."""
+    path = resolve(path)
+    manifest = read_manifest(path)
+    check_compatible(path, manifest, job)
+    verify_files(path, manifest)
+    model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / "state"))
+    set_state_dict(job.model, job.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    job.scheduler.load_state_dict(manifest["scheduler"])
+    job.data.load_state_dict(manifest["data"])
+    job.step = manifest["step"]
+    rank = dist.get_rank()
+    # same world size: each rank gets its own generator back; otherwise rank 0's (training draws none today)
+    rng_file = path / "rng" / f"rank{rank if manifest['world_size'] == dist.get_world_size() else 0}.pt"
+    rng = torch.load(rng_file, weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    import random
+
+    random.setstate(rng["python"])
+    return manifest
+
+
+# ----------------------------------------------------------------------------- full state dicts
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], file: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """The safetensors format (an 8-byte header length, a JSON header, the raw little-endian data);
+    written here rather than adding a dependency for ~20 lines."""
+    header: dict[str, Any] = {"__metadata__": metadata or {}}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported for export")
+        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = Path(f"{file}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for b in blobs:
+            f.write(b)
+    os.replace(tmp, file)
+
+
+def read_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:
+    by_name = {v: k for k, v in _DTYPES.items()}
+    raw = Path(file).read_bytes()
+    try:
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not a safetensors file: {e}") from None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, stop = info["data_offsets"]
+        if 8 + n + stop > len(raw):
+            raise CheckpointError(f"{file} is truncated: tensor {name} ends past the end of the file")
+        buf = bytearray(raw[8 + n + start : 8 + n + stop])
+        dtype = by_name[info["dtype"]]
+        out[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(info["shape"]) if buf else torch.empty(info["shape"], dtype=dtype)
+    return out
+
+
+def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+    """One process, no ranks: turn a checkpoint's sharded model into one full safetensors file."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = resolve(path)
+    manifest = read_manifest(path)
+    verify_files(path, manifest)
+    tmp = Path(f"{out}.torch.tmp")
+    try:
+        dcp_to_torch_save(str(path / "state"), str(tmp))
+        model = torch.load(tmp, weights_only=False)["model"]
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_safetensors(model, out, {"preset": manifest["model"]["preset"], "step": str(manifest["step"])})
+    return manifest
+
+
+def load_full_state_dict(model: torch.nn.Module, file: str | os.PathLike) -> None:
+    """Load a full (unsharded) state dict into a model on any layout: rank 0 reads, DCP scatters."""
+    full = read_safetensors(file) if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -1,0 +1,130 @@
+"""Distributed checkpoints: faithful resume (same layout bitwise, other layouts resharded), atomic saves,
+clear errors for bad checkpoints, and full state dicts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import first_loss, small_config
+from parallel import checkpoint
+from parallel.launch import run_ranks
+from parallel.train import train
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "parallel.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """6 steps on dp4 with checkpoints every 3 steps: (root, per-step losses)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    history = train(small_config(dp=4, steps=6, checkpoint_dir=str(root), checkpoint_every=3, keep_checkpoints=1))
+    return root, [m["loss"] for m in history]
+
+
+def test_atomic_layout_latest_and_keep(saved):
+    root, _ = saved
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000006"]  # keep=1 removed step 3
+    assert (root / "latest").read_text() == "step_00000006"
+    manifest = checkpoint.read_manifest(root / "step_00000006")
+    for key in ("step", "consumed_tokens", "data", "scheduler", "rng", "layout", "world_size", "sharding_strategy", "versions"):
+        assert key in manifest, key
+    assert manifest["step"] == 6 and manifest["consumed_tokens"] == 6 * 4 * 32
+    assert manifest["layout"]["dp_shard"] == 4 and manifest["world_size"] == 4
+    assert manifest["versions"]["torch"] == torch.__version__
+    assert not list(root.glob(".*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def step3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt3")
+    history = train(small_config(dp=4, steps=6, checkpoint_dir=str(root), checkpoint_every=3))
+    return root / "step_00000003", [m["loss"] for m in history]
+
+
+def test_resume_on_the_same_layout_is_bitwise(step3):
+    path, losses = step3
+    resumed = train(small_config(dp=4, steps=6, resume=str(path)))
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    assert [m["loss"] for m in resumed] == losses[3:]
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(tp=2, sequence_parallel=True), dict()], ids=["dp2xtp2", "tp2+sp", "one"])
+def test_resume_on_another_layout_reshards(step3, layout):
+    path, losses = step3
+    resumed = train(small_config(steps=6, resume=str(path), **layout))
+    for a, b in zip([m["loss"] for m in resumed], losses[3:]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_shard_fails_naming_the_file(step3, tmp_path):
+    bad = _copy(step3[0], tmp_path / "bad")
+    shard = sorted((bad / "state").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:-7])
+    out = _cli("train", "--dp", "4", "--seq-len", "32", "--global-batch", "4", "--steps", "6", "--resume", str(bad))
+    assert out.returncode == 2
+    assert f"truncated or altered checkpoint file {shard}" in out.stderr
+
+
+def test_corrupt_shard_fails_naming_the_file(step3, tmp_path):
+    bad = _copy(step3[0], tmp_path / "bad")
+    shard = sorted((bad / "state").glob("*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    out = _cli("train", "--dp", "2", "--seq-len", "32", "--global-batch", "4", "--steps", "6", "--resume", str(bad))
+    assert out.returncode == 2 and f"corrupt checkpoint file {shard}" in out.stderr
+
+
+def test_missing_manifest_and_other_model_fail_before_ranks_start(step3, tmp_path):
+    bad = _copy(step3[0], tmp_path / "bad")
+    (bad / "manifest.json").unlink()
+    out = _cli("train", "--steps", "6", "--seq-len", "32", "--resume", str(bad))
+    assert out.returncode == 2 and f"no manifest.json (and no 'latest' pointer) in {bad}" in out.stderr
+    out = _cli("train", "--model", "small", "--steps", "6", "--seq-len", "32", "--resume", str(step3[0]))
+    assert out.returncode == 2 and "holds model 'debug', not 'small'; resume with --model debug" in out.stderr
+    assert "step" not in out.stdout
+
+
+def test_export_full_state_dict_and_load_it_into_any_layout(step3, tmp_path):
+    out_file = tmp_path / "model.safetensors"
+    out = _cli("export", str(step3[0]), "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    full = checkpoint.read_safetensors(out_file)
+    from models import build_model
+
+    reference = build_model("debug")
+    assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    assert not torch.equal(full["output.weight"], reference.output.weight)  # trained, not the initialization
+    losses = [
+        run_ranks(first_loss, c.layout.world_size, c, timeout=120)[0]
+        for c in (small_config(init_from=str(out_file)), small_config(dp=2, tp=2, init_from=str(out_file)))
+    ]
+    one = run_ranks(first_loss, 1, small_config(), timeout=120)[0]
+    assert losses[0] != one  # the loaded weights are used
+    assert abs(losses[1] - losses[0]) <= 1e-5 * losses[0]
+
+
+def test_safetensors_round_trip_and_truncation(tmp_path):
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2).bfloat16()}
+    checkpoint.write_safetensors(tensors, tmp_path / "t.safetensors")
+    back = checkpoint.read_safetensors(tmp_path / "t.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(raw[:-8])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        checkpoint.read_safetensors(tmp_path / "cut.safetensors")
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert header["a"]["dtype"] == "F32" and header["c"]["dtype"] == "BF16"
