@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from .comm import collective
+
 
 def _is_sharded(placement) -> bool:
     # not `is_shard()`: FSDP2 over tp uses _StridedShard, which is a shard but answers False there (torch 2.13)
@@ -23,8 +25,10 @@ def _is_sharded(placement) -> bool:
 
 
 def _sharded_groups(t: DTensor) -> tuple:
+    """(mesh dim name, group) for each mesh dim the tensor is sharded on."""
     mesh = t.device_mesh
-    return tuple(mesh.get_group(i) for i, p in enumerate(t.placements) if _is_sharded(p) and mesh.size(i) > 1)
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    return tuple((names[i], mesh.get_group(i)) for i, p in enumerate(t.placements) if _is_sharded(p) and mesh.size(i) > 1)
 
 
 def global_grad_norm(parameters: Iterable[Tensor], pp_group: dist.ProcessGroup | None = None) -> Tensor:
@@ -41,11 +45,13 @@ def global_grad_norm(parameters: Iterable[Tensor], pp_group: dist.ProcessGroup |
         buckets[key] = buckets[key].to(device) + local.detach().float().pow(2).sum()
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, sq in buckets.items():
-        for group in groups:  # sharded on several mesh dims: summing over each in turn covers all shards
-            dist.all_reduce(sq, group=group)
+        for axis, group in groups:  # sharded on several mesh dims: summing over each in turn covers all shards
+            with collective("all_reduce (grad norm)", axis, group):
+                dist.all_reduce(sq, group=group)
         total = total + sq
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
+        with collective("all_reduce (grad norm)", "pp", pp_group):
+            dist.all_reduce(total, group=pp_group)
     return total.sqrt()
 
 

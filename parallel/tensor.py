@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from kernels import rms_norm
 
+from .comm import collective
+
 SEQ_DIM = 1  # activations are (batch, seq, features)
 
 # torch 2.13 renamed the flat-tensor collectives; 2.11 (the GPU machines) only has the old names
@@ -40,7 +42,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # ----------------------------------------------------------------------------- collectives with autograd
 def _all_reduce(x: Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
     x = x.contiguous().clone()
-    dist.all_reduce(x, op=op, group=group)
+    with collective("all_reduce", "tp", group):
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -48,7 +51,8 @@ def _all_gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     size = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-    _all_gather_flat(out, x, group=group)
+    with collective("all_gather", "tp", group):
+        _all_gather_flat(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -58,7 +62,8 @@ def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     if x.shape[0] % size:
         raise ValueError(f"cannot reduce-scatter {x.shape[0]} positions over {size} tp ranks; the sequence must divide tp")
     out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
-    _reduce_scatter_flat(out, x, group=group)
+    with collective("reduce_scatter", "tp", group):
+        _reduce_scatter_flat(out, x, group=group)
     return out.movedim(0, dim)
 
 

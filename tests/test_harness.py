@@ -53,3 +53,21 @@ def test_a_hung_rank_fails_within_the_timeout_naming_rank_and_collective():
     assert "sleep" in stalled[1] or "_rank_one_hangs" in stalled[1]
     assert "all_reduce" in stalled[0] and "_rank_one_hangs" in stalled[0]
     assert "rank 1: stuck in" in str(info.value)
+
+
+def _tp_rank_skips_a_collective():
+    from parallel.tensor import reduce_from_tp
+    from topology import Layout, submesh
+
+    mesh = Layout(tp=2).build_mesh("cpu")
+    if dist.get_rank() == 1:
+        time.sleep(20)  # took another code path: never joins the all-reduce
+        return None
+    return reduce_from_tp(torch.ones(3), submesh(mesh, "tp").get_group())
+
+
+def test_a_stalled_model_collective_names_rank_axis_and_operation():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 0 stalled in all_reduce over the tp axis \(group ranks \[0, 1\]\)"):
+        run_ranks(_tp_rank_skips_a_collective, 2, timeout=60, collective_timeout=2)
+    assert time.monotonic() - start < 15
