@@ -15,7 +15,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -60,7 +60,6 @@ class TrainConfig:
     init_from: str | None = None  # a full safetensors state dict to start from
     timeout: float = 600.0  # seconds any collective may stall before the run fails
     quiet: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layout(self) -> Layout:
@@ -292,7 +291,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    names = {f for f in TrainConfig.__dataclass_fields__ if f != "extra"}
+    names = set(TrainConfig.__dataclass_fields__)
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
@@ -317,5 +316,3 @@ def _cli(args: argparse.Namespace) -> int:
         print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {last['step']} steps on {config.layout}")
     return 0
 
-
-__all__ = ["TrainConfig", "Job", "train", "run_job", "add_arguments", "asdict"]
