@@ -209,11 +209,16 @@ def init_weights(model: Transformer, seed: int) -> None:
 
     Because each tensor's values depend only on the seed and its name, never on the order modules were
     built in or on the layout, a rank's slice of a parallel parameter is exactly that slice of the
-    one-process initialization. Output projections (wo, w2) are scaled by 1/sqrt(2 * n_layers).
+    one-process initialization. Works on the one-process model and on a model built on the meta device,
+    parallelized and materialized with `to_empty` (each rank fills its DTensor shards; the full tensor
+    exists one parameter at a time). Output projections (wo, w2) are scaled by 1/sqrt(2 * n_layers).
     """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     cfg = model.config
     depth_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
     for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")  # the one-process name seeds the generator
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("norm.weight"):
             full = torch.ones(p.shape)
@@ -221,4 +226,9 @@ def init_weights(model: Transformer, seed: int) -> None:
             std = cfg.init_std * (depth_scale if name.endswith(("wo.weight", "w2.weight")) else 1.0)
             full = torch.nn.init.trunc_normal_(torch.empty(p.shape), std=std, a=-3 * std, b=3 * std, generator=gen)
         with torch.no_grad():
-            p.copy_(full.to(p.dtype))
+            if isinstance(p, DTensor):  # a meta-built, parallelized model: keep this rank's piece only
+                piece = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(piece.to_local())
+            else:
+                p.copy_(full.to(p.dtype))
+    model.rope.reset_tables(next(model.parameters()).device)

@@ -60,3 +60,19 @@ def first_loss(config: TrainConfig):
     loss = job.model.loss(inputs, targets).detach()
     torch.distributed.all_reduce(loss)
     return loss.item() / torch.distributed.get_world_size()
+
+
+def meta_built_first_loss(config: TrainConfig):
+    """Build on meta, parallelize, materialize, init from the seed: the first batch's loss (rank 0)."""
+    from models import build_model, init_weights
+    from parallel import parallelize
+
+    mesh = config.layout.build_mesh("cpu")
+    model = parallelize(build_model(config.model, device="meta"), mesh, config.parallel)
+    model.to_empty(device="cpu")
+    init_weights(model, config.seed)
+    job = Job(config, torch.device("cpu"))  # only for its data slice
+    inputs, targets = job.data.next_batch(job.dp_rank, job.layout.dp)
+    loss = model.loss(inputs, targets).detach()
+    torch.distributed.all_reduce(loss)
+    return loss.item() / torch.distributed.get_world_size()

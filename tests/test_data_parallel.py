@@ -68,3 +68,14 @@ def test_bad_data_parallel_input_fails_before_any_rank_starts(args, message):
     out = subprocess.run([sys.executable, "-m", "parallel.cli", "train", "--steps", "1", *args],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, tp=2), dict(dp=4, dp_replicate=2), dict(dp=2, ac="full")],
+                         ids=["tp2", "dp2xtp2", "hsdp2x2", "dp2+ac"])
+def test_meta_built_model_initializes_to_the_one_process_weights(layout):
+    from helpers import first_loss, meta_built_first_loss
+
+    reference = run_ranks(first_loss, 1, small_config(), timeout=120)[0]
+    config = small_config(**layout)
+    loss = run_ranks(meta_built_first_loss, config.layout.world_size, config, timeout=120)[0]
+    assert abs(loss - reference) <= 1e-6 * reference
