@@ -193,18 +193,19 @@ def verify_files(path: Path, manifest: dict[str, Any]) -> None:
         raise CheckpointError(first)
 
 
-def check_compatible(path: Path, manifest: dict[str, Any], job: "Job") -> None:
-    saved, mine = manifest["model"], job.model.config.as_dict()
-    if saved["config"] != mine:
-        diff = {k: (saved["config"].get(k), v) for k, v in mine.items() if saved["config"].get(k) != v}
+def check_compatible(path: Path, manifest: dict[str, Any], model: str, model_config: dict[str, Any], seq_len: int) -> None:
+    """Raise CheckpointError unless the checkpoint holds this model and was trained at this seq_len."""
+    saved = manifest["model"]
+    if saved["config"] != model_config:
+        diff = {k: (saved["config"].get(k), v) for k, v in model_config.items() if saved["config"].get(k) != v}
         raise CheckpointError(
-            f"checkpoint {path} holds model {saved['preset']!r}, this run builds {job.config.model!r}; "
-            f"differences (saved, now): {diff}. Resume with --model {saved['preset']}"
+            f"checkpoint {path} holds model {saved['preset']!r}, not {model!r}; resume with --model {saved['preset']} "
+            f"(differences, saved vs now: {diff})"
         )
     data = manifest["data"]
-    if data["seq_len"] != job.config.seq_len:
+    if data["seq_len"] != seq_len:
         raise CheckpointError(
-            f"checkpoint {path} was trained with --seq-len {data['seq_len']}, this run uses {job.config.seq_len}; "
+            f"checkpoint {path} was trained with --seq-len {data['seq_len']}, this run uses {seq_len}; "
             f"use --seq-len {data['seq_len']} to resume faithfully"
         )
 
@@ -213,7 +214,7 @@ def load(job: "Job", path: str | os.PathLike) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, data cursor, step and RNG into `job` (any layout); collective."""
     path = resolve(path)
     manifest = read_manifest(path)
-    check_compatible(path, manifest, job)
+    check_compatible(path, manifest, job.config.model, job.model.config.as_dict(), job.config.seq_len)
     verify_files(path, manifest)
     model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}

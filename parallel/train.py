@@ -94,11 +94,7 @@ class TrainConfig:
             from . import checkpoint
 
             path = checkpoint.resolve(self.resume_path)
-            saved = checkpoint.read_manifest(path)["model"]
-            if saved["config"] != cfg.as_dict():
-                raise checkpoint.CheckpointError(
-                    f"checkpoint {path} holds model {saved['preset']!r}, not {self.model!r}; resume with --model {saved['preset']}"
-                )
+            checkpoint.check_compatible(path, checkpoint.read_manifest(path), self.model, cfg.as_dict(), self.seq_len)
         if self.init_from is not None and not os.path.isfile(self.init_from):
             raise ValueError(f"--init-from {self.init_from}: no such file")
 
@@ -136,8 +132,7 @@ class Job:
         self.layout = config.layout
         self.mesh = self.layout.build_mesh(device.type)
         self.rank = dist.get_rank()
-        coords = self.layout.coords(self.rank)
-        self.dp_rank = coords["dp_replicate"] * self.layout.dp_shard + coords["dp_shard"]
+        self.dp_rank = self.layout.index("dp", self.rank)
         model = build_model(config.model, device=device, seed=config.seed)
         self.model = parallelize(model, self.mesh, config.parallel)
         self.optimizer = torch.optim.AdamW(

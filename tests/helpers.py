@@ -49,6 +49,19 @@ def measured_model_states(config: TrainConfig):
     return {"parameters": params, "gradients": grads, "optimizer": optim, "num_params": job.model.config.num_params()}
 
 
+def _first_batch_loss(model, config: TrainConfig) -> float:
+    """The loss of the first global batch, averaged over the ranks reading different slices of it."""
+    from models.data import TokenStream
+
+    layout = config.layout
+    inputs, targets = TokenStream(config.seq_len, config.global_batch).next_batch(
+        layout.index("dp", torch.distributed.get_rank()), layout.dp
+    )
+    loss = model.loss(inputs, targets).detach()
+    torch.distributed.all_reduce(loss)
+    return loss.item() / torch.distributed.get_world_size()
+
+
 def first_loss(config: TrainConfig):
     """The loss of the first batch, no step taken (after --init-from, if set)."""
     from parallel import checkpoint
@@ -56,14 +69,11 @@ def first_loss(config: TrainConfig):
     job = Job(config, torch.device("cpu"))
     if config.init_from:
         checkpoint.load_full_state_dict(job.model, config.init_from)
-    inputs, targets = job.data.next_batch(job.dp_rank, job.layout.dp)
-    loss = job.model.loss(inputs, targets).detach()
-    torch.distributed.all_reduce(loss)
-    return loss.item() / torch.distributed.get_world_size()
+    return _first_batch_loss(job.model, config)
 
 
 def meta_built_first_loss(config: TrainConfig):
-    """Build on meta, parallelize, materialize, init from the seed: the first batch's loss (rank 0)."""
+    """Build on meta, parallelize, materialize, init from the seed: the first batch's loss."""
     from models import build_model, init_weights
     from parallel import parallelize
 
@@ -71,8 +81,4 @@ def meta_built_first_loss(config: TrainConfig):
     model = parallelize(build_model(config.model, device="meta"), mesh, config.parallel)
     model.to_empty(device="cpu")
     init_weights(model, config.seed)
-    job = Job(config, torch.device("cpu"))  # only for its data slice
-    inputs, targets = job.data.next_batch(job.dp_rank, job.layout.dp)
-    loss = model.loss(inputs, targets).detach()
-    torch.distributed.all_reduce(loss)
-    return loss.item() / torch.distributed.get_world_size()
+    return _first_batch_loss(model, config)

@@ -96,6 +96,9 @@ def test_missing_manifest_and_other_model_fail_before_ranks_start(step3, tmp_pat
     out = _cli("train", "--model", "small", "--steps", "6", "--seq-len", "32", "--resume", str(step3[0]))
     assert out.returncode == 2 and "holds model 'debug', not 'small'; resume with --model debug" in out.stderr
     assert "step" not in out.stdout
+    out = _cli("train", "--steps", "6", "--seq-len", "16", "--resume", str(step3[0]))
+    assert out.returncode == 2 and "was trained with --seq-len 32, this run uses 16; use --seq-len 32" in out.stderr
+    assert "step" not in out.stdout
 
 
 def test_export_full_state_dict_and_load_it_into_any_layout(step3, tmp_path):

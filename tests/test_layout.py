@@ -40,6 +40,7 @@ def test_groups_have_the_degree_contain_the_rank_and_partition(layout, axis, dat
     assert members == list(range(layout.world_size))
     for other in g:  # a group is the same group from each of its members
         assert layout.group(axis, other) == g
+    assert g[layout.index(axis, r)] == r
     fixed = [a for a in AXES if a not in layout._axes_of(axis)]
     for other in g:  # members differ only along the axis
         assert all(layout.coords(other)[a] == layout.coords(r)[a] for a in fixed)

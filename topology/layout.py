@@ -192,6 +192,15 @@ class Layout:
             members.append(self.rank_of(c))
         return members
 
+    def index(self, axis: str | Sequence[str], rank: int) -> int:
+        """Position of `rank` in its group along `axis`: `group(axis, rank).index(rank)`, computed directly.
+        index("dp", rank) is the slice of the global batch the rank reads."""
+        c = self.coords(rank)
+        out = 0
+        for a in self._axes_of(axis):
+            out = out * getattr(self, a) + c[a]
+        return out
+
     def groups(self, axis: str | Sequence[str]) -> list[list[int]]:
         """All groups of `axis`; they partition the world."""
         seen: set[int] = set()
