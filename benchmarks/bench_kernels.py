@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, device_info, write_results  # noqa: E402
 
-from kernels import flash_attention, rms_norm, rms_norm_reference  # noqa: E402
+from tessera.kernels import flash_attention, rms_norm, rms_norm_reference  # noqa: E402
 
 
 def timed_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:

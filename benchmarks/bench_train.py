@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
-from parallel.train import TrainConfig, train  # noqa: E402
+from tessera.config import Config  # noqa: E402
+from tessera.run import train  # noqa: E402
 
 LAYOUTS = {
     "one": {},
@@ -44,8 +45,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rows = []
     for name in args.layouts.split(","):
-        config = TrainConfig(model=args.model, seq_len=args.seq_len, global_batch=args.global_batch, steps=args.steps,
-                             quiet=True, **LAYOUTS[name])
+        config = Config.create(model=args.model, seq_len=args.seq_len, global_batch=args.global_batch, steps=args.steps,
+                               quiet=True, **LAYOUTS[name])
         history = train(config)
         timed = history[args.warmup:] or history
         row = dict(

@@ -6,8 +6,13 @@ FlashAttention-2: query i sees key j when j <= i + (Sk - Sq); with Sq == Sk that
 triangle. The log-sum-exp (natural log, float32 -- float64 for float64 inputs -- shape (B, Hq, Sq)) is what ring attention needs to
 merge partial results.
 
-The torch reference is blockwise over keys with an online softmax (the algorithm of the kernel, in
-plain differentiable torch), so CPU training and the kernel tests share one definition of the numbers.
+Three torch implementations live here; `tessera.kernels.dispatch` chooses between them and the Triton
+kernel, in one place:
+- `attention_reference`: blockwise over keys with an online softmax (the kernel's algorithm in plain
+  differentiable torch), differentiable through the LSE too (ring attention's merge needs that);
+- `sdpa_attention`: torch's fused CPU flash attention (ATen), the fast CPU path for training; its LSE
+  is not differentiable, so it serves calls that do not ask for the LSE;
+- `naive_attention`: softmax(q k^T) v with every head materialized, for checks.
 """
 
 from __future__ import annotations
@@ -17,24 +22,9 @@ import math
 import torch
 from torch import Tensor
 
+from .checks import check_attention_inputs
+
 REFERENCE_BLOCK = 128
-
-
-def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (batch, heads, seq, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head_dim")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]}) for grouped-query attention"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
 def attention_reference(
@@ -93,31 +83,17 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale:
     return (torch.softmax(s, dim=-1) @ v).to(q.dtype), lse
 
 
-def flash_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool = True,
-    scale: float | None = None,
-    return_lse: bool = False,
-    backend: str | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention over (B, H, S, D) tensors; CUDA tensors use the Triton kernel, CPU tensors the torch
-    reference. backend="torch" or "triton" forces one (Triton on CPU needs TRITON_INTERPRET=1)."""
-    check_attention_inputs(q, k, v)
-    backend = _pick_backend(backend, q)
-    if backend == "triton":
-        from . import triton_attention
-
-        out, lse = triton_attention.attention(q, k, v, causal, scale)
-    else:
-        out, lse = attention_reference(q, k, v, causal, scale)
-    return (out, lse) if return_lse else out
+def sdpa_supports(q: Tensor, k: Tensor, causal: bool) -> bool:
+    """torch's fused CPU attention aligns a causal mask top-left; ours is bottom-right, so it serves
+    causal calls only when Sq == Sk. It computes fp32 and fp64 on CPU."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and (not causal or q.shape[2] == k.shape[2])
 
 
-def _pick_backend(backend: str | None, x: Tensor) -> str:
-    if backend is None:
-        return "triton" if x.is_cuda else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend={backend!r}; use 'torch' or 'triton'")
-    return backend
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """(out, lse) from ATen's fused CPU flash attention; differentiable through `out` only."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # grouped-query heads: the fused op wants one kv head per query head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.to(torch.promote_types(q.dtype, torch.float32))

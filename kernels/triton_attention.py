@@ -21,9 +21,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention import check_attention_inputs
+from .checks import check_attention_inputs
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 256  # any head dim up to this, powers of two or not (80, 96, 192: a padded, masked tile)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs a power of two of at least 16
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -44,7 +48,7 @@ def _fwd_kernel(
     Q, K, V, O, LSE, qk_scale,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     Hq, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -52,20 +56,21 @@ def _fwd_kernel(
     hk = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols0 = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + d[None, :], mask=rows[:, None] < Sq, other=0.0)
+    d = tl.arange(0, BLOCK_D)  # the head dim padded to a power of two; lanes >= HEAD_DIM load as 0
+    dm = d < HEAD_DIM
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + d[None, :], mask=(rows[:, None] < Sq) & dm[None, :], other=0.0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     diag = Sk - Sq  # bottom-right causal alignment: row i sees keys j <= i + diag
     hi = Sk
     if CAUSAL:
         hi = tl.minimum(Sk, (pid_m + 1) * BLOCK_M + diag)
     for start in range(0, hi, BLOCK_N):
         cols = start + cols0
-        kt = tl.load(k_base + cols[None, :] * skn + d[:, None], mask=cols[None, :] < Sk, other=0.0)
+        kt = tl.load(k_base + cols[None, :] * skn + d[:, None], mask=(cols[None, :] < Sk) & dm[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         visible = cols[None, :] < Sk
         if CAUSAL:
@@ -76,13 +81,13 @@ def _fwd_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=cols[:, None] < Sk, other=0.0)
+        v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     empty = l_i == 0.0  # a query that sees no key (causal, Sk < Sq): output 0, lse -inf
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i / 1.4426950408889634 + tl.log(tl.where(empty, 1.0, l_i)))
-    tl.store(O + b * sob + h * soh + rows[:, None] * som + d[None, :], acc.to(O.dtype.element_ty), mask=rows[:, None] < Sq)
+    tl.store(O + b * sob + h * soh + rows[:, None] * som + d[None, :], acc.to(O.dtype.element_ty), mask=(rows[:, None] < Sq) & dm[None, :])
     tl.store(LSE + pid_bh * Sq + rows, lse, mask=rows < Sq)
 
 
@@ -92,18 +97,19 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
     Hq, Hkv, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
     b, hk = pid_bh // Hkv, pid_bh % Hkv
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows0 = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + d[None, :], mask=cols[:, None] < Sk, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + d[None, :], mask=cols[:, None] < Sk, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    d = tl.arange(0, BLOCK_D)  # the head dim padded to a power of two; lanes >= HEAD_DIM load as 0
+    dm = d < HEAD_DIM
+    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
+    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     diag = Sk - Sq
     lo = 0
     if CAUSAL:  # rows before (first column - diag) see none of these keys
@@ -117,8 +123,8 @@ def _bwd_dkdv_kernel(
         for start in range(lo, Sq, BLOCK_M):
             rows = start + rows0
             in_rows = rows < Sq
-            q = tl.load(q_base + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None], other=0.0)
+            q = tl.load(q_base + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
+            do = tl.load(do_base + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
             lse2 = tl.load(LSE + stat + rows, mask=in_rows, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + stat + rows, mask=in_rows, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -131,8 +137,8 @@ def _bwd_dkdv_kernel(
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
     out = (b * Hkv + hk) * Sk * HEAD_DIM + cols[:, None] * HEAD_DIM + d[None, :]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None] < Sk)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols[:, None] < Sk)
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=(cols[:, None] < Sk) & dm[None, :])
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=(cols[:, None] < Sk) & dm[None, :])
 
 
 @triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL"])
@@ -141,7 +147,7 @@ def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
     Hq, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -150,22 +156,23 @@ def _bwd_dq_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < Sq
     cols0 = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None], other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None], other=0.0)
+    d = tl.arange(0, BLOCK_D)  # the head dim padded to a power of two; lanes >= HEAD_DIM load as 0
+    dm = d < HEAD_DIM
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
     lse2 = tl.load(LSE + pid_bh * Sq + rows, mask=in_rows, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + pid_bh * Sq + rows, mask=in_rows, other=0.0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     diag = Sk - Sq
     hi = Sk
     if CAUSAL:
         hi = tl.minimum(Sk, (pid_m + 1) * BLOCK_M + diag)
     for start in range(0, hi, BLOCK_N):
         cols = start + cols0
-        k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=cols[:, None] < Sk, other=0.0)
-        v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=cols[:, None] < Sk, other=0.0)
+        k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = in_rows[:, None] & (cols[None, :] < Sk) & (lse2[:, None] != float("-inf"))
         if CAUSAL:
@@ -174,22 +181,27 @@ def _bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + pid_bh * Sq * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=in_rows[:, None])
+    tl.store(DQ + pid_bh * Sq * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=in_rows[:, None] & dm[None, :])
 
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs keep full precision (no TF32)
 
 
+def kernel_refusal(q: Tensor) -> str | None:
+    """Why the kernel cannot take these inputs (None: it can)."""
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} is above the Triton attention kernel's {MAX_HEAD_DIM}"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} is not supported by the Triton attention kernel (fp16, bf16, fp32)"
+    return None
+
+
 def check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     check_attention_inputs(q, k, v)
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim {q.shape[-1]} is not supported by the Triton attention kernel (supported: "
-            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}); use backend='torch'"
-        )
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"dtype {q.dtype} is not supported by the Triton attention kernel; use fp16, bf16 or fp32")
+    refusal = kernel_refusal(q)
+    if refusal is not None:
+        raise ValueError(f"{refusal}; use backend='torch'")
     if not q.is_cuda and not INTERPRET:
         raise ValueError(
             f"the Triton attention kernel needs CUDA tensors (got {q.device}); set TRITON_INTERPRET=1 before "
@@ -209,7 +221,7 @@ def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: fl
         q, k, v, o, lse, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, PRECISION=_precision(q.dtype),
+        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=_precision(q.dtype),
     )
     return o, lse
 
@@ -237,11 +249,11 @@ def flash_attention_bwd(
     prec = _precision(q.dtype)
     _bwd_dkdv_kernel[lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, scale * LOG2E, scale, *common,
-        Hq, Hkv, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, PRECISION=prec,
+        Hq, Hkv, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=prec,
     )
     _bwd_dq_kernel[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)](
         q, k, v, do, lse, delta, dq, scale * LOG2E, scale, *common,
-        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, PRECISION=prec,
+        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=prec,
     )
     return dq, dk, dv
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .rmsnorm import check_rms_norm_inputs
+from .checks import check_rms_norm_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_FUSED_WIDTH = 65536  # one row must fit one program's registers/shared memory

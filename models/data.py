@@ -25,7 +25,7 @@ def decode(tokens: list[int]) -> str:
 
 
 def corpus_tokens() -> Tensor:
-    text = resources.files("models").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("tessera.models").joinpath("data/corpus.txt").read_text(encoding="utf-8")
     return torch.tensor(encode(text), dtype=torch.long)
 
 
@@ -43,6 +43,12 @@ class TokenStream:
         starts = [((cursor + i) * self.seq_len) % self.span for i in range(self.global_batch)]
         rows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts])
         return rows[:, :-1], rows[:, 1:]
+
+    def next_global_batch(self) -> tuple[Tensor, Tensor]:
+        """The whole next global batch (every rank reads it and keeps its rows); advances the cursor."""
+        batch = self.global_batch_at(self.cursor)
+        self.cursor += self.global_batch
+        return batch
 
     def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> tuple[Tensor, Tensor]:
         """This dp rank's rows of the next global batch; advances the cursor."""

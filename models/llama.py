@@ -1,9 +1,13 @@
 """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, untied output head.
 
-This is the one-process model. `parallel.parallelize` turns it into a mesh-parallel one by swapping
-its linear layers and norms for the parallel layers of `parallel/tensor.py` and setting the
-`input_comm` hooks below; the forward code here is the same on every layout. Parameter names follow
-Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ..., norm, output).
+The model knows nothing of parallelism. `tessera.parallel.parallelize` makes it mesh-parallel by
+swapping its linear layers and norms for the parallel layers of `parallel/tensor.py`, setting the
+`input_comm` hooks and (context parallel) the attention `core` slot below; the forward code here is
+the same on every layout. Head counts come from the tensors' shapes, never from attributes set from
+outside. A pipeline stage is this model with some parts set to None: without `tok_embeddings` the input
+is the previous stage's hidden states, without `norm`/`output` the output is hidden states. The loss
+lives outside the model (`tessera.parallel.loss`). Parameter names follow Meta's Llama checkpoints
+(tok_embeddings, layers.N.attention.wq, ..., norm, output), and a stage keeps the one-process names.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import flash_attention, rms_norm
+from tessera.kernels import flash_attention, rms_norm
 
 
 @dataclass(frozen=True)
@@ -104,13 +108,20 @@ class Rotary(nn.Module):
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x (B, H, S, D); positions (S,) absolute token positions. Pairs (i, i + D/2) rotate together."""
-        if positions.numel() and int(positions.max()) >= self.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} exceeds max_seq_len={self.max_seq_len}")
+        """x (B, H, S, D); positions (S,) absolute token positions, below max_seq_len (checked by the
+        config, not here: a check would sync the host every layer). Pairs (i, i + D/2) rotate together."""
         cos, sin = self.cos[positions], self.sin[positions]  # (S, D/2)
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
         return out.to(x.dtype)
+
+
+class CoreAttention(nn.Module):
+    """The attention op itself, (q, k, v) -> o, behind one module slot: context parallel swaps in ring
+    attention here; everything around it (projections, RoPE) stays the same."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return flash_attention(q, k, v, causal=True)
 
 
 class Attention(nn.Module):
@@ -118,24 +129,24 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
-        # the heads this rank computes; parallelize divides them over tp
-        self.n_local_heads, self.n_local_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         # identity on one process; copy-to-tp or sequence all-gather once the block is tensor parallel
         self.input_comm: nn.Module = nn.Identity()
+        self.core: nn.Module = CoreAttention()
 
     def forward(self, x: Tensor, rope: Rotary, positions: Tensor) -> Tensor:
         x = self.input_comm(x)
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_local_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, S, self.n_local_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, S, self.n_local_kv_heads, self.head_dim).transpose(1, 2)
+        # heads from the shapes: a tensor-parallel rank holds n_heads / tp of them
+        q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = rope(q, positions), rope(k, positions)
-        o = flash_attention(q, k, v, causal=True)
-        return self.wo(o.transpose(1, 2).reshape(B, S, self.n_local_heads * self.head_dim))
+        o = self.core(q, k, v)
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):
@@ -168,34 +179,31 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # the hook that turns final hidden states into a loss; parallelize swaps in the vocab-parallel one
-        self.loss_fn = plain_cross_entropy
+        self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """tokens (B, S) -> logits (B, S, V); the local vocab shard (and sequence shard) when parallel."""
+    def forward(self, inputs: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens (B, S) -> logits (B, S, V): the local vocab shard (and sequence shard) when parallel.
+
+        A stage without `tok_embeddings` takes hidden states (B, S, dim) instead of tokens; one without
+        `output` returns hidden states. `positions` (S,) are the tokens' global positions (default
+        0..S-1); a context-parallel rank passes those of the chunks it holds."""
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok_embeddings(tokens)
+            positions = torch.arange(inputs.shape[1], device=inputs.device)
+        h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
         for layer in self.layers.values():
             h = layer(h, self.rope, positions)
-        return self.output(self.norm(h))
-
-    def loss(self, tokens: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Mean next-token cross-entropy over the tokens this rank holds (targets -100 are ignored)."""
-        return self.loss_fn(self(tokens, positions), targets)
-
-
-def plain_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 def build_model(cfg: ModelConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
-    """Build the one-process model on `device` ("meta" for dry runs) and initialize it from `seed`."""
+    """Build the one-process model on `device` and initialize it from `seed`; on "meta" nothing is
+    allocated (parallelize it, `to_empty` on the real device, then `init_weights`)."""
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
     with torch.device(device):
         model = Transformer(cfg)
@@ -204,31 +212,72 @@ def build_model(cfg: ModelConfig | str, device: torch.device | str = "cpu", seed
     return model
 
 
-def init_weights(model: Transformer, seed: int) -> None:
-    """Initialize every parameter from its own generator, seeded by (seed, parameter name).
+INIT_TILE = (256, 256)  # rows x columns drawn by one generator
 
-    Because each tensor's values depend only on the seed and its name, never on the order modules were
-    built in or on the layout, a rank's slice of a parallel parameter is exactly that slice of the
-    one-process initialization. Works on the one-process model and on a model built on the meta device,
-    parallelized and materialized with `to_empty` (each rank fills its DTensor shards; the full tensor
-    exists one parameter at a time). Output projections (wo, w2) are scaled by 1/sqrt(2 * n_layers).
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
+
+def param_init_std(name: str, cfg: ModelConfig) -> float | None:
+    """The truncated-normal std of a parameter (None: ones, the norms). Output projections (wo, w2) are
+    scaled by 1/sqrt(2 * n_layers)."""
+    if name.endswith("norm.weight"):
+        return None
+    return cfg.init_std * (1.0 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0)
+
+
+def init_region(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...], std: float | None,
+                seed: int) -> Tensor:
+    """The values of rows/columns [offset, offset + size) of parameter `name` (global `shape`), float32.
+
+    The global tensor is cut into fixed INIT_TILE tiles, each drawn from its own generator seeded by
+    (seed, name, tile); a region draws only the tiles it covers. So every rank's shard equals that slice
+    of the one-process initialization, and no rank ever holds more than its shard plus one tile."""
+    if std is None:
+        return torch.ones(size)
+    if len(shape) > 2:
+        raise ValueError(f"{name}: init_region handles 1-D and 2-D parameters, not shape {tuple(shape)}")
+    shape2 = (shape[0], shape[1] if len(shape) == 2 else 1)
+    off2 = (offset[0], offset[1] if len(shape) == 2 else 0)
+    size2 = (size[0], size[1] if len(shape) == 2 else 1)
+    out = torch.empty(size2)
+    (tr, tc) = INIT_TILE
+    for i in range(off2[0] // tr, -(-(off2[0] + size2[0]) // tr)):
+        for j in range(off2[1] // tc, -(-(off2[1] + size2[1]) // tc)):
+            r0, c0 = i * tr, j * tc
+            tile_shape = (min(tr, shape2[0] - r0), min(tc, shape2[1] - c0))
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}/{i}/{j}".encode())) % 2**63)
+            tile = torch.nn.init.trunc_normal_(torch.empty(tile_shape), std=std, a=-3 * std, b=3 * std, generator=gen)
+            # the part of the tile inside the region
+            a0, a1 = max(r0, off2[0]), min(r0 + tile_shape[0], off2[0] + size2[0])
+            b0, b1 = max(c0, off2[1]), min(c0 + tile_shape[1], off2[1] + size2[1])
+            out[a0 - off2[0] : a1 - off2[0], b0 - off2[1] : b1 - off2[1]] = tile[a0 - r0 : a1 - r0, b0 - c0 : b1 - c0]
+    return out.reshape(size)
+
+
+def local_region(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, local shape) of the piece of `p` this rank holds (the whole tensor if not a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return (0,) * p.dim(), tuple(p.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(offset), tuple(size)
+
+
+def init_weights(model: Transformer, seed: int) -> None:
+    """Initialize every parameter this rank holds from the seed (see `init_region`): the one-process
+    model, or a model built on the meta device, parallelized and materialized with `to_empty`, whose
+    DTensor shards are filled from the tiles they cover. Values depend only on the seed and the
+    parameter's one-process name, never on the layout or the order modules were built in."""
+    from torch.distributed.tensor import DTensor
 
     cfg = model.config
-    depth_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
     for name, p in model.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")  # the one-process name seeds the generator
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if name.endswith("norm.weight"):
-            full = torch.ones(p.shape)
-        else:
-            std = cfg.init_std * (depth_scale if name.endswith(("wo.weight", "w2.weight")) else 1.0)
-            full = torch.nn.init.trunc_normal_(torch.empty(p.shape), std=std, a=-3 * std, b=3 * std, generator=gen)
+        name = name.replace("_checkpoint_wrapped_module.", "")  # the one-process name seeds the generators
+        local = p.to_local() if isinstance(p, DTensor) else p
+        offset, size = local_region(p)
+        if tuple(local.shape) != tuple(size):
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {size} at {offset}")
         with torch.no_grad():
-            if isinstance(p, DTensor):  # a meta-built, parallelized model: keep this rank's piece only
-                piece = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-                p.to_local().copy_(piece.to_local())
-            else:
-                p.copy_(full.to(p.dtype))
+            local.copy_(init_region(name, tuple(p.shape), offset, size, param_init_std(name, cfg), seed).to(local.dtype))
     model.rope.reset_tables(next(model.parameters()).device)

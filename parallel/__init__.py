@@ -1,5 +1,5 @@
-"""One module per parallel axis (tensor, data, pipeline, context), their composition, and checkpoints."""
+"""One module per parallel axis (tensor, data, pipeline, context), their composition, the loss and checkpoints."""
 
-from .parallelize import ParallelConfig, parallelize
+from .parallelize import ParallelConfig, materialize, parallelize
 
-__all__ = ["ParallelConfig", "parallelize"]
+__all__ = ["ParallelConfig", "materialize", "parallelize"]

@@ -25,18 +25,16 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
 
-if TYPE_CHECKING:
-    from .train import Job
-
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: pieces saved by CheckpointManager (progress, scheduler, data) and the full config
 MANIFEST = "manifest.json"
+SHARDED_KEY = "model_optimizer"  # the DCP key of the model and optimizer state
 
 
 class CheckpointError(ValueError):
@@ -89,38 +87,111 @@ def _my_share(files: list[Path], rank: int, world: int) -> list[Path]:
     return [f for i, f in enumerate(files) if i % world == rank]
 
 
-# ----------------------------------------------------------------------------- save
-def save(job: "Job", root: str | os.PathLike, keep: int = 3) -> Path:
-    """Write a checkpoint of `job` at its current step; collective over all ranks. Returns its path."""
-    root = Path(root)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    final, tmp = step_dir(root, job.step), root / f".step_{job.step:08d}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted earlier
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "state"))
-    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    dist.barrier()
-    # every rank checksums a share of the files; rank 0 collects them into the manifest
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    mine = {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in _my_share(files, rank, world)}
-    shares: list[Any] = [None] * world
-    dist.all_gather_object(shares, mine)
-    if rank == 0:
-        manifest = _manifest(job, {k: v for share in shares for k, v in share.items()})
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        pointer = root / "latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / "latest")
-        for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+# ----------------------------------------------------------------------------- the manager
+class ModelOptimizerState:
+    """The model part(s) and their optimizer as one DCP Stateful: sharded tensors, resharded on load.
+    Parameter names are the one-process names, so any layout (any pp split) loads any checkpoint."""
+
+    def __init__(self, parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer):
+        self.parts, self.optimizer = parts, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model, optim = {}, {}
+        for part in self.parts:
+            m, o = get_state_dict(part, self.optimizer)
+            model.update(m)
+            optim = _merge_optim(optim, o)
+        return {"model": model, "optimizer": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            set_state_dict(part, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _merge_optim(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    if not a:
+        return b
+    return {"state": {**a.get("state", {}), **b.get("state", {})}, "param_groups": a.get("param_groups", []) + b.get("param_groups", [])}
+
+
+class CheckpointManager:
+    """Saves and loads checkpoints of Stateful pieces; it knows nothing of the trainer.
+
+    `sharded` pieces (model, optimizer) go through DCP, each rank writing its own shards; `small`
+    pieces (scheduler, data cursor, progress) have JSON state dicts and are stored in the manifest,
+    beside the `info` the caller describes the run with (step, layout, model, config, ...)."""
+
+    def __init__(self, root: str | os.PathLike | None, keep: int = 3):
+        self.root = Path(root) if root is not None else None
+        self.keep = keep
+
+    def save(self, step: int, sharded: dict[str, Any], small: dict[str, Any], info: dict[str, Any]) -> Path:
+        """Write the checkpoint of `step`; collective over all ranks. Returns its path."""
+        if self.root is None:
+            raise CheckpointError("no checkpoint directory: pass --checkpoint-dir DIR")
+        root = self.root
+        rank, world = dist.get_rank(), dist.get_world_size()
+        final, tmp = step_dir(root, step), root / f".step_{step:08d}.tmp"
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted earlier
+            (tmp / "rng").mkdir(parents=True)
+        dist.barrier()
+        dcp.save(dict(sharded), checkpoint_id=str(tmp / "state"))
+        torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        dist.barrier()
+        # every rank checksums a share of the files; rank 0 collects them into the manifest
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        mine = {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in _my_share(files, rank, world)}
+        shares: list[Any] = [None] * world
+        dist.all_gather_object(shares, mine)
+        if rank == 0:
+            manifest = {
+                **info,
+                **{name: piece.state_dict() for name, piece in small.items()},
+                "format": FORMAT_VERSION,
+                "step": step,
+                "rng": {"dir": "rng", "world_size": world},
+                "world_size": world,
+                "versions": _versions(),
+                "created_unix": time.time(),
+                "files": {k: v for share in shares for k, v in share.items()},
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            pointer = root / "latest.tmp"
+            pointer.write_text(final.name)
+            os.replace(pointer, root / "latest")
+            for old in sorted(root.glob("step_*"))[: -self.keep] if self.keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return final
+
+    def load(self, path: str | os.PathLike, sharded: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
+        """Verify every file, then restore the pieces (any layout) and this rank's RNG; collective.
+        Returns the manifest. The caller checks compatibility with `check_compatible` first."""
+        path = resolve(path)
+        manifest = read_manifest(path)
+        verify_files(path, manifest)
+        dcp.load(dict(sharded), checkpoint_id=str(path / "state"))
+        for name, piece in small.items():
+            piece.load_state_dict(manifest[name])
+        rank = dist.get_rank()
+        # same world size: each rank gets its own generator back; otherwise rank 0's (training draws none today)
+        rng_file = path / "rng" / f"rank{rank if manifest['world_size'] == dist.get_world_size() else 0}.pt"
+        rng = torch.load(rng_file, weights_only=True)  # tensors and ints only: nothing on disk runs code
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        import random
+
+        random.setstate(_as_tuple(rng["python"]))
+        return manifest
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _rng_state() -> dict[str, Any]:
@@ -132,34 +203,14 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _manifest(job: "Job", files: dict[str, Any]) -> dict[str, Any]:
+def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        tessera_version = version("tessera")
+        tessera_version = version("tessera-4d")
     except PackageNotFoundError:
         tessera_version = "unknown"
-    c = job.config
-    return {
-        "format": FORMAT_VERSION,
-        "step": job.step,
-        "consumed_sequences": job.data.cursor,
-        "consumed_tokens": job.data.cursor * c.seq_len,
-        "data": job.data.state_dict(),
-        "scheduler": job.scheduler.state_dict(),
-        "rng": {"dir": "rng", "world_size": dist.get_world_size()},
-        "model": {"preset": c.model, "config": job.model.config.as_dict()},
-        "seed": c.seed,
-        "layout": job.layout.as_dict(),
-        "world_size": dist.get_world_size(),
-        "sharding_strategy": c.parallel.data.strategy,
-        "sequence_parallel": c.sequence_parallel,
-        "mixed_precision": c.parallel.data.mixed_precision,
-        "gradient_scaler_state": None,  # bf16/fp32 training uses no loss scaler
-        "versions": {"tessera": tessera_version, "torch": torch.__version__},
-        "created_unix": time.time(),
-        "files": files,
-    }
+    return {"tessera": tessera_version, "torch": torch.__version__}
 
 
 # ----------------------------------------------------------------------------- load
@@ -193,8 +244,11 @@ def verify_files(path: Path, manifest: dict[str, Any]) -> None:
         raise CheckpointError(first)
 
 
-def check_compatible(path: Path, manifest: dict[str, Any], model: str, model_config: dict[str, Any], seq_len: int) -> None:
-    """Raise CheckpointError unless the checkpoint holds this model and was trained at this seq_len."""
+def check_compatible(path: Path, manifest: dict[str, Any], model: str, model_config: dict[str, Any], seq_len: int,
+                     global_batch: int | None = None, steps: int | None = None) -> None:
+    """Raise CheckpointError unless the checkpoint holds this model, was trained at this seq_len and
+    global batch (the data cursor counts sequences of the saved run), for this many steps (the LR
+    schedule of the saved run), and still has steps left to train."""
     saved = manifest["model"]
     if saved["config"] != model_config:
         diff = {k: (saved["config"].get(k), v) for k, v in model_config.items() if saved["config"].get(k) != v}
@@ -208,32 +262,22 @@ def check_compatible(path: Path, manifest: dict[str, Any], model: str, model_con
             f"checkpoint {path} was trained with --seq-len {data['seq_len']}, this run uses {seq_len}; "
             f"use --seq-len {data['seq_len']} to resume faithfully"
         )
-
-
-def load(job: "Job", path: str | os.PathLike) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler, data cursor, step and RNG into `job` (any layout); collective."""
-    path = resolve(path)
-    manifest = read_manifest(path)
-    check_compatible(path, manifest, job.config.model, job.model.config.as_dict(), job.config.seq_len)
-    verify_files(path, manifest)
-    model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / "state"))
-    set_state_dict(job.model, job.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    job.scheduler.load_state_dict(manifest["scheduler"])
-    job.data.load_state_dict(manifest["data"])
-    job.step = manifest["step"]
-    rank = dist.get_rank()
-    # same world size: each rank gets its own generator back; otherwise rank 0's (training draws none today)
-    rng_file = path / "rng" / f"rank{rank if manifest['world_size'] == dist.get_world_size() else 0}.pt"
-    rng = torch.load(rng_file, weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    import random
-
-    random.setstate(rng["python"])
-    return manifest
+    if global_batch is not None and data["global_batch"] != global_batch:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with --global-batch {data['global_batch']}, this run uses {global_batch}: "
+            f"the data cursor and the loss scale would change mid-run; use --global-batch {data['global_batch']}"
+        )
+    saved_steps = manifest.get("steps")
+    if steps is not None and saved_steps is not None and saved_steps != steps:
+        raise CheckpointError(
+            f"checkpoint {path} is from a run of --steps {saved_steps}, this run asks for {steps}: the cosine "
+            f"learning-rate schedule would jump mid-run; use --steps {saved_steps} to continue it faithfully"
+        )
+    if steps is not None and manifest["step"] >= steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {manifest['step']}, already at --steps {steps}: nothing left to train; "
+            f"start a new run (--init-from an exported checkpoint) to train further"
+        )
 
 
 # ----------------------------------------------------------------------------- full state dicts
@@ -295,7 +339,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
     tmp = Path(f"{out}.torch.tmp")
     try:
         dcp_to_torch_save(str(path / "state"), str(tmp))
-        model = torch.load(tmp, weights_only=False)["model"]
+        model = torch.load(tmp, weights_only=True)[SHARDED_KEY]["model"]
     finally:
         tmp.unlink(missing_ok=True)
     write_safetensors(model, out, {"preset": manifest["model"]["preset"], "step": str(manifest["step"])})
@@ -306,3 +350,37 @@ def load_full_state_dict(model: torch.nn.Module, file: str | os.PathLike) -> Non
     """Load a full (unsharded) state dict into a model on any layout: rank 0 reads, DCP scatters."""
     full = read_safetensors(file) if dist.get_rank() == 0 else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def read_safetensors_header(file: str | os.PathLike) -> dict[str, Any]:
+    """The JSON header of a safetensors file (names, dtypes, shapes), without reading any tensor data."""
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 * 2**20:
+                raise CheckpointError(f"{file} is not a safetensors file: header of {n} bytes")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such file") from None
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not a safetensors file: {e}") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def check_full_state_dict_file(file: str | os.PathLike, model_config: Any) -> None:
+    """Raise CheckpointError unless `file` holds exactly the parameters of `model_config`, shape for shape."""
+    from tessera.models import build_model
+
+    header = read_safetensors_header(file)
+    want = {k: list(v.shape) for k, v in build_model(model_config, device="meta").state_dict().items()}
+    have = {k: v.get("shape") for k, v in header.items()}
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    wrong = [k for k in want if k in have and have[k] != want[k]]
+    if missing or extra or wrong:
+        detail = (f"missing {missing[:3]}" if missing else "") or (f"unexpected {extra[:3]}" if extra else "") or (
+            f"{wrong[0]} has shape {have[wrong[0]]}, the model needs {want[wrong[0]]}")
+        raise CheckpointError(
+            f"--init-from {file} does not hold this model's weights ({detail}); pass the --model (and --n-layers) "
+            f"it was exported from"
+        )

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from topology import Layout, submesh
+from tessera.topology import Layout
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 AC_MODES = ("none", "full", "selective")
@@ -69,13 +69,6 @@ def layout_for_strategy(layout: Layout, strategy: str) -> Layout:
     return layout
 
 
-def data_parallel_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D dp_shard_cp, or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
-    if layout.dp_replicate > 1:
-        return submesh(mesh, "dp_replicate", "dp_shard_cp")
-    return submesh(mesh, "dp_shard_cp")
-
-
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """full: recompute every block in backward. selective: every other block (half the activation
     memory saved at half the recompute). Wrapping keeps parameter names (checkpoint_wrapper's prefix
@@ -89,17 +82,20 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, layout: Layout, config: DataParallelConfig) -> nn.Module:
-    """fully_shard bottom-up over the data axes, in place."""
-    dp_mesh = data_parallel_mesh(mesh, layout)
-    reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and layout.pp == 1
+def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConfig, pipelined: bool = False) -> nn.Module:
+    """fully_shard bottom-up over the data axes, in place. `fsdp_mesh` is Meshes.fsdp (1-D, or 2-D for
+    HSDP); parts a pipeline stage lacks (None) are skipped."""
+    reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[config.mixed_precision], reduce_dtype=torch.float32)
-    kw = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model.tok_embeddings, **kw)
+    kw = dict(mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **kw)
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, **kw)
-    fully_shard([model.norm, model.output], **kw)
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if head:
+        fully_shard(head, **kw)
     fully_shard(model, **kw)
     if config.prefetch:
         for i, block in enumerate(blocks):

@@ -37,7 +37,7 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD + ["parallel", "topology", "models", "kernels"])
+        ctx.set_forkserver_preload(_PRELOAD + ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"])
         _CTX = ctx
     return _CTX
 

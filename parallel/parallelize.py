@@ -1,18 +1,23 @@
 """parallelize: the one place that applies the parallel axes to a model, in DESIGN.md's order.
 
-    tp (+ sequence parallel) -> activation checkpointing -> FSDP2 over the data axes (dp_shard x cp,
-    HSDP across dp_replicate). pp and cp slot in here as their issues land; their degrees are
-    validated now and must be 1.
+    tp (+ sequence parallel) -> cp (the attention seam; lands with the context axis) -> activation
+    checkpointing -> compile (not yet) -> FSDP2 over the data axes (dp_shard x cp, HSDP across
+    dp_replicate)
+
+Each step is a flat `apply_*` function that takes only the mesh it needs (from `Meshes`, None when
+its axis is off). The model is normally built on the meta device; parallelize allocates nothing, and
+`materialize` then gives each rank only its shards, initialized to the one-process values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from topology import Layout, submesh
+from tessera.topology import Layout, Meshes
 
 from .data import (
     DataParallelConfig,
@@ -30,7 +35,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     data: DataParallelConfig = field(default_factory=DataParallelConfig)
 
-    def check(self, model_config, seq_len: int | None = None, global_batch: int | None = None) -> None:
+    def check(self, model_config, seq_len: int | None = None, global_batch: int | None = None,
+              microbatches: int = 1) -> None:
         """Every check that can fail, before any process group starts."""
         layout = self.layout
         for axis in ("pp", "cp"):
@@ -42,20 +48,39 @@ class ParallelConfig:
             raise ValueError(
                 f"global batch {global_batch} does not split over dp={layout.dp}; use a multiple of {layout.dp}"
             )
+        if global_batch is not None and (global_batch // layout.dp) % microbatches:
+            rows = global_batch // layout.dp
+            raise ValueError(
+                f"--microbatches {microbatches} does not divide the {rows} rows each dp rank reads "
+                f"(global batch {global_batch} / dp {layout.dp}); use a divisor of {rows} or --global-batch "
+                f"{layout.dp * microbatches * max(1, rows // microbatches)}"
+            )
 
     @property
     def uses_fsdp(self) -> bool:
         return self.layout.dp_shard * self.layout.cp * self.layout.dp_replicate > 1
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> nn.Module:
-    """Turn a one-process `models.Transformer` into this rank's part of the mesh-parallel model."""
+def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelConfig) -> nn.Module:
+    """Turn a one-process `tessera.models.Transformer` (or a pipeline stage of it) into this rank's part
+    of the mesh-parallel model, in place. `mesh` is a Meshes, or the DeviceMesh of `Layout.build_mesh`."""
     config.check(model.config)
-    if config.layout.tp > 1:
-        apply_tp(model, submesh(mesh, "tp"), config.sequence_parallel)
+    meshes = mesh if isinstance(mesh, Meshes) else Meshes(config.layout, mesh.device_type, mesh=mesh)
+    if meshes.tp is not None:
+        apply_tp(model, meshes.tp, config.sequence_parallel)
     apply_activation_checkpointing(model, config.data.activation_checkpointing)
-    if config.uses_fsdp:
-        apply_fsdp(model, mesh, config.layout, config.data)
+    if meshes.fsdp is not None:
+        apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
+    """Allocate a meta-built, parallelized model's local shards on `device` and initialize them to their
+    slice of the one-process initialization for `seed` (no rank draws a tensor it does not hold)."""
+    from tessera.models import init_weights
+
+    model.to_empty(device=device)
+    init_weights(model, seed)
     return model
 
 
@@ -72,23 +97,24 @@ def dry_run_model_states(
     layout (thousands of ranks) is measured in one process, in seconds."""
     from torch.distributed.tensor import DTensor
 
-    from models import build_model
-    from topology import dry_run
-    from topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
+    from tessera.models import build_model
+    from tessera.topology import dry_run
+    from tessera.topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
 
     def local_numel(m: nn.Module) -> int:
         return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in m.parameters())
 
     r, stage = get_recipe(recipe), zero_stage_of(strategy)
     layout = layout_for_strategy(layout, strategy)
-    config = ParallelConfig(layout, sequence_parallel, DataParallelConfig(strategy=strategy))
+    data = DataParallelConfig(strategy=strategy)
     with dry_run(layout, rank=rank) as mesh:
+        meshes = Meshes(layout, "cpu", mesh=mesh)
         m = build_model(model, device="meta")
-        if layout.tp > 1:
-            apply_tp(m, submesh(mesh, "tp"), sequence_parallel)
+        if meshes.tp is not None:
+            apply_tp(m, meshes.tp, sequence_parallel)
         unsharded = local_numel(m)  # this rank's tp slice, whole over dp
-        if config.uses_fsdp:
-            apply_fsdp(m, mesh, layout, config.data)
+        if meshes.fsdp is not None:
+            apply_fsdp(m, meshes.fsdp, data)
         sharded = local_numel(m)
     out = {"local_params": float(sharded), "tp_local_params": float(unsharded)}
     for component in ("parameters", "gradients", "optimizer"):
@@ -96,4 +122,3 @@ def dry_run_model_states(
         out[component] = float(count * getattr(r, component))
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer"]
     return out
-

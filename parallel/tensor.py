@@ -28,9 +28,11 @@ from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from kernels import rms_norm
+from tessera.kernels import rms_norm
 
 from .comm import collective
+
+__all__ = ["apply_tp", "check_tensor_parallel", "shard_range", "all_reduce_tp", "full_tensor"]
 
 SEQ_DIM = 1  # activations are (batch, seq, features)
 
@@ -40,7 +42,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 # ----------------------------------------------------------------------------- collectives with autograd
-def _all_reduce(x: Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+def all_reduce_tp(x: Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
     x = x.contiguous().clone()
     with collective("all_reduce", "tp", group):
         dist.all_reduce(x, op=op, group=group)
@@ -75,13 +77,13 @@ class _CopyToTP(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce_tp(grad, ctx.group), None
 
 
 class _ReduceFromTP(Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return all_reduce_tp(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -230,60 +232,6 @@ class TPRMSNorm(nn.Module):
         return rms_norm(x, copy_to_tp(w, self.group) if self.sequence_parallel else w, self.eps)
 
 
-# ----------------------------------------------------------------------------- vocab-parallel loss
-class _VocabParallelCrossEntropy(Function):
-    """Per-token cross-entropy from local vocab shards of the logits. The max and the sum of exps are
-    all-reduced over tp (two (N,) vectors), and so is the target's logit; full logits never meet."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group, ignore_index):
-        ctx.input_dtype = logits.dtype
-        logits = logits.float() if logits.element_size() < 4 else logits  # fp32 statistics at least
-        n, v_local = logits.shape
-        local_max = logits.amax(dim=-1) if v_local else logits.new_full((n,), float("-inf"))
-        global_max = _all_reduce(local_max, group, dist.ReduceOp.MAX)
-        exp = torch.exp(logits - global_max.unsqueeze(-1))
-        sum_exp = _all_reduce(exp.sum(dim=-1), group)
-        local_target = targets - vocab_start
-        mine = (local_target >= 0) & (local_target < v_local) & (targets != ignore_index)
-        idx = local_target.clamp(0, max(v_local - 1, 0))
-        picked = logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1) if v_local else logits.new_zeros(n)
-        target_logit = _all_reduce(torch.where(mine, picked - global_max, torch.zeros_like(picked)), group)
-        valid = targets != ignore_index
-        loss = torch.where(valid, torch.log(sum_exp) - target_logit, torch.zeros_like(sum_exp))
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), idx, mine, valid)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, idx, mine, valid = ctx.saved_tensors
-        grad = softmax.clone()
-        if grad.shape[1]:
-            grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
-        grad *= (grad_loss * valid.to(grad.dtype)).unsqueeze(-1)
-        return grad.to(ctx.input_dtype), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    local_logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup, ignore_index: int = -100
-) -> Tensor:
-    """Mean cross-entropy over non-ignored targets; local_logits (..., V_local) hold vocab columns
-    [vocab_start, vocab_start + V_local) of the full logits, targets (...) are global ids."""
-    flat_targets = targets.reshape(-1)
-    per_token = _VocabParallelCrossEntropy.apply(
-        local_logits.reshape(flat_targets.numel(), local_logits.shape[-1]), flat_targets, vocab_start, group, ignore_index
-    )
-    return per_token.sum() / (flat_targets != ignore_index).sum().clamp(min=1)
-
-
-class VocabParallelLoss:
-    def __init__(self, vocab_start: int, group: dist.ProcessGroup):
-        self.vocab_start, self.group = vocab_start, group
-
-    def __call__(self, local_logits: Tensor, targets: Tensor) -> Tensor:
-        return vocab_parallel_cross_entropy(local_logits, targets, self.vocab_start, self.group)
-
-
 # ----------------------------------------------------------------------------- validation and application
 def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
     """Raise ValueError naming the value and the fix if `cfg` cannot be split over `tp` ranks."""
@@ -312,7 +260,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
     def norm(old: nn.Module) -> TPRMSNorm:
         return TPRMSNorm(old.weight, old.eps, tp_mesh, sequence_parallel)
 
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, tp_mesh, sequence_parallel)
+    if model.tok_embeddings is not None:  # a pipeline stage may lack it
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, tp_mesh, sequence_parallel)
     for block in model.layers.values():
         attn, ff = block.attention, block.feed_forward
         attn.input_comm = BlockInput(group, sequence_parallel)
@@ -320,22 +269,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
         if cfg.n_kv_heads % tp == 0:
             attn.wk = ColumnParallelLinear(attn.wk.weight, tp_mesh)
             attn.wv = ColumnParallelLinear(attn.wv.weight, tp_mesh)
-            attn.n_local_kv_heads = cfg.n_kv_heads // tp
         else:  # tp > kv heads: this rank's query heads all read kv head rank * n_kv // tp
             head = rank * cfg.n_kv_heads // tp
             attn.wk = ReplicatedHeadsLinear(attn.wk.weight, tp_mesh, head, cfg.head_dim)
             attn.wv = ReplicatedHeadsLinear(attn.wv.weight, tp_mesh, head, cfg.head_dim)
-            attn.n_local_kv_heads = 1
-        attn.n_local_heads = cfg.n_heads // tp
         attn.wo = RowParallelLinear(attn.wo.weight, tp_mesh, sequence_parallel)
         ff.input_comm = BlockInput(group, sequence_parallel)
         ff.w1 = ColumnParallelLinear(ff.w1.weight, tp_mesh)
         ff.w3 = ColumnParallelLinear(ff.w3.weight, tp_mesh)
         ff.w2 = RowParallelLinear(ff.w2.weight, tp_mesh, sequence_parallel)
         block.attention_norm, block.ffn_norm = norm(block.attention_norm), norm(block.ffn_norm)
-    model.norm = norm(model.norm)
-    model.output = ColumnParallelLinear(model.output.weight, tp_mesh, input_comm=BlockInput(group, sequence_parallel))
-    model.loss_fn = VocabParallelLoss(shard_range(cfg.vocab_size, rank, tp)[0], group)
+    if model.norm is not None:
+        model.norm = norm(model.norm)
+    if model.output is not None:  # logits stay split over the vocabulary: tessera.parallel.loss reads them so
+        model.output = ColumnParallelLinear(model.output.weight, tp_mesh, input_comm=BlockInput(group, sequence_parallel))
     return model
 
 

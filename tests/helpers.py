@@ -4,28 +4,31 @@ from __future__ import annotations
 
 import torch
 
-from parallel.tensor import full_tensor
-from parallel.train import Job, TrainConfig
+from tessera.config import Config
+from tessera.models.data import TokenStream
+from tessera.parallel.tensor import full_tensor
+from tessera.trainer import Trainer
 
 
-def train_losses_and_grads(config: TrainConfig, steps: int = 3):
-    """Run `steps` AdamW steps; return (per-step losses, full gradients of step 1 before clipping) on
-    rank 0 and None elsewhere. Every rank takes part in gathering the gradients."""
-    job = Job(config, torch.device("cpu"))
-    grads: dict[str, torch.Tensor] = {}
-
-    def keep(model):
-        for name, p in model.named_parameters():
-            grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
-
-    losses = [job.train_step(on_grads=keep if s == 0 else None)["loss"] for s in range(steps)]
-    return (losses, grads) if job.rank == 0 else None
-
-
-def small_config(**kw) -> TrainConfig:
+def small_config(**kw) -> Config:
     base = dict(model="debug", seq_len=32, global_batch=4, steps=3, lr=3e-3, warmup=1, quiet=True)
     base.update(kw)
-    return TrainConfig(**base)
+    return Config.create(**base)
+
+
+class MaskedStream(TokenStream):
+    """The token stream with targets masked (-100) unevenly over the rows of each global batch: the
+    first half of the rows keeps only every 8th target, the rest keep all. Under the mean-of-means rule
+    a dp rank holding the masked rows would weigh its few targets like another rank's many."""
+
+    def global_batch_at(self, cursor: int):
+        inputs, targets = super().global_batch_at(cursor)
+        targets = targets.clone()
+        half = targets.shape[0] // 2
+        keep = torch.zeros_like(targets[:half], dtype=torch.bool)
+        keep[:, ::8] = True
+        targets[:half][~keep] = -100
+        return inputs, targets
 
 
 def clean_name(name: str) -> str:
@@ -33,52 +36,63 @@ def clean_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def measured_model_states(config: TrainConfig):
+def train_losses_and_grads(config: Config, masked: bool = False):
+    """Run config's steps; return (per-step losses, per-step grad norms, full gradients of step 1 before
+    clipping) on rank 0 and None elsewhere. Every rank takes part in gathering the gradients."""
+    data = MaskedStream(config.data.seq_len, config.data.global_batch) if masked else None
+    trainer = Trainer(config, torch.device("cpu"), data=data)
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(parts):
+        for part in parts:
+            for name, p in part.named_parameters():
+                grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
+
+    records = [trainer.train_step(on_grads=keep if s == 0 else None).record() for s in range(config.runtime.steps)]
+    if trainer.rank != 0:
+        return None
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads
+
+
+def measured_model_states(config: Config):
     """Per-rank bytes held: parameters right after forward (gathered if the strategy keeps them so),
     gradients after backward, optimizer state after the step."""
-    from parallel.data import model_state_bytes_on_rank
+    from tessera.parallel.data import model_state_bytes_on_rank
 
-    job = Job(config, torch.device("cpu"))
-    inputs, targets = job.data.next_batch(job.dp_rank, job.layout.dp)
-    loss = job.model.loss(inputs, targets)
-    params = model_state_bytes_on_rank(job.model)["parameters"]
-    loss.backward()
-    grads = model_state_bytes_on_rank(job.model)["gradients"]
-    job.optimizer.step()
-    optim = model_state_bytes_on_rank(job.model, job.optimizer)["optimizer"]
-    return {"parameters": params, "gradients": grads, "optimizer": optim, "num_params": job.model.config.num_params()}
-
-
-def _first_batch_loss(model, config: TrainConfig) -> float:
-    """The loss of the first global batch, averaged over the ranks reading different slices of it."""
-    from models.data import TokenStream
-
-    layout = config.layout
-    inputs, targets = TokenStream(config.seq_len, config.global_batch).next_batch(
-        layout.index("dp", torch.distributed.get_rank()), layout.dp
-    )
-    loss = model.loss(inputs, targets).detach()
-    torch.distributed.all_reduce(loss)
-    return loss.item() / torch.distributed.get_world_size()
+    trainer = Trainer(config, torch.device("cpu"))
+    inputs, targets = trainer.local_batch(*trainer.data.next_global_batch())
+    loss_sum, count = trainer.loss_fn(trainer.model(inputs), targets)
+    params = model_state_bytes_on_rank(trainer.model)["parameters"]
+    (loss_sum / count).backward()
+    grads = model_state_bytes_on_rank(trainer.model)["gradients"]
+    trainer.optimizer.step()
+    optim = model_state_bytes_on_rank(trainer.model, trainer.optimizer)["optimizer"]
+    return {"parameters": params, "gradients": grads, "optimizer": optim, "num_params": trainer.model_config.num_params()}
 
 
-def first_loss(config: TrainConfig):
+def _first_batch_loss(trainer: Trainer) -> float:
+    """The global-batch mean loss of the first batch, no step taken."""
+    inputs, targets = trainer.data.next_global_batch()
+    local_inputs, local_targets = trainer.local_batch(inputs, targets)
+    with torch.no_grad():
+        loss_sum, _ = trainer.loss_fn(trainer.model(local_inputs), local_targets)
+    if trainer.meshes.loss is not None:
+        torch.distributed.all_reduce(loss_sum, group=trainer.meshes.loss.get_group())
+    return loss_sum.item() / int((targets != -100).sum())
+
+
+def first_loss(config: Config):
     """The loss of the first batch, no step taken (after --init-from, if set)."""
-    from parallel import checkpoint
+    from tessera.parallel import checkpoint
 
-    job = Job(config, torch.device("cpu"))
-    if config.init_from:
-        checkpoint.load_full_state_dict(job.model, config.init_from)
-    return _first_batch_loss(job.model, config)
+    trainer = Trainer(config, torch.device("cpu"))
+    if config.checkpoint.init_from:
+        checkpoint.load_full_state_dict(trainer.model, config.checkpoint.init_from)
+    return _first_batch_loss(trainer)
 
 
-def meta_built_first_loss(config: TrainConfig):
-    """Build on meta, parallelize, materialize, init from the seed: the first batch's loss."""
-    from models import build_model, init_weights
-    from parallel import parallelize
-
-    mesh = config.layout.build_mesh("cpu")
-    model = parallelize(build_model(config.model, device="meta"), mesh, config.parallel)
-    model.to_empty(device="cpu")
-    init_weights(model, config.seed)
-    return _first_batch_loss(model, config)
+def full_parameters(config: Config):
+    """Every parameter's full value after the meta build, parallelize and materialize (rank 0)."""
+    trainer = Trainer(config, torch.device("cpu"))
+    out = {clean_name(n): full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters()}
+    return out if trainer.rank == 0 else None

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from helpers import first_loss, small_config
-from parallel import checkpoint
-from parallel.launch import run_ranks
-from parallel.train import train
+from tessera.parallel import checkpoint
+from tessera.parallel.launch import run_ranks
+from tessera.run import train
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "parallel.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,7 @@ def test_atomic_layout_latest_and_keep(saved):
     assert manifest["step"] == 6 and manifest["consumed_tokens"] == 6 * 4 * 32
     assert manifest["layout"]["dp_shard"] == 4 and manifest["world_size"] == 4
     assert manifest["versions"]["torch"] == torch.__version__
+    assert manifest["config"]["parallel"]["dp"] == 4 and manifest["progress"]["step"] == 6
     assert not list(root.glob(".*.tmp"))
 
 
@@ -101,12 +102,30 @@ def test_missing_manifest_and_other_model_fail_before_ranks_start(step3, tmp_pat
     assert "step" not in out.stdout
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(global_batch=8), "was trained with --global-batch 4, this run uses 8"),
+        (dict(steps=9), "is from a run of --steps 6, this run asks for 9"),
+    ],
+)
+def test_a_resume_that_would_not_continue_the_run_is_refused(step3, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**{"steps": 6, "resume": str(step3[0]), **overrides}).check()
+
+
+def test_resuming_a_finished_run_is_refused(saved):
+    root, _ = saved
+    with pytest.raises(ValueError, match="is at step 6, already at --steps 6: nothing left to train"):
+        small_config(steps=6, dp=4, resume=str(root)).check()
+
+
 def test_export_full_state_dict_and_load_it_into_any_layout(step3, tmp_path):
     out_file = tmp_path / "model.safetensors"
     out = _cli("export", str(step3[0]), "--out", str(out_file))
     assert out.returncode == 0, out.stderr
     full = checkpoint.read_safetensors(out_file)
-    from models import build_model
+    from tessera.models import build_model
 
     reference = build_model("debug")
     assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in reference.state_dict().items()}

@@ -1,51 +1,75 @@
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
-def test_tessera_train_writes_metrics_and_the_loss_falls(tmp_path):
+def _tessera(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _records(path):
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return lines[0], lines[1:]
+
+
+def test_tessera_train_writes_a_header_and_metrics_and_the_loss_falls(tmp_path):
     metrics = tmp_path / "run.jsonl"
-    out = subprocess.run(
-        [sys.executable, "-m", "parallel.cli", "train", "--model", "debug", "--tp", "2", "--sequence-parallel",
-         "--steps", "20", "--seq-len", "32", "--global-batch", "4", "--metrics", str(metrics)],
-        capture_output=True, text=True, timeout=300,
-    )
+    out = _tessera("train", "--model", "debug", "--tp", "2", "--sequence-parallel", "--steps", "20", "--seq-len", "32",
+                   "--global-batch", "4", "--warmup", "3", "--metrics", str(metrics))
     assert out.returncode == 0, out.stderr
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    header, rows = _records(metrics)
+    assert header["type"] == "header" and header["config"]["parallel"]["tp"] == 2 and header["run_id"]
+    assert header["versions"]["torch"] and header["layout"]["tp"] == 2 and header["num_params"] > 0
     assert [r["step"] for r in rows] == list(range(1, 21))
     for r in rows:
-        assert {"step", "loss", "grad_norm", "tokens_per_s", "peak_memory_bytes", "layout"} <= set(r)
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_bytes", "layout"} <= set(r)
         assert r["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
+    # the logged lr is the one the step used: warm-up 1/3, 2/3, 3/3 of the peak
+    assert [r["lr"] for r in rows[:3]] == pytest.approx([1e-3, 2e-3, 3e-3])
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
-    assert "step   20/20" in out.stdout and "done: loss" in out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("tessera: debug (131.6K params, 2 layers) on tp2 = 2 cpu rank(s)") and "metrics ->" in lines[0]
+    assert "step   20/20" in out.stdout and "eta " in out.stdout and "done: loss" in out.stdout
 
 
-def _losses(path):
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+def test_n_layers_overrides_the_preset_and_microbatches_run(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    out = _tessera("train", "--model", "small", "--n-layers", "1", "--dp", "2", "--microbatches", "2", "--steps", "2",
+                   "--seq-len", "32", "--global-batch", "4", "--quiet", "--metrics", str(metrics))
+    assert out.returncode == 0, out.stderr
+    header, rows = _records(metrics)
+    assert header["config"]["model"]["n_layers"] == 1 and header["config"]["data"]["microbatches"] == 2
+    assert len(rows) == 2
 
 
 def test_under_torchrun_it_joins_the_job_and_matches_the_spawned_run(tmp_path):
-    import shutil
-
     common = ["train", "--tp", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "4", "--quiet"]
     spawned, joined = tmp_path / "spawned.jsonl", tmp_path / "joined.jsonl"
-    subprocess.run([sys.executable, "-m", "parallel.cli", *common, "--metrics", str(spawned)], check=True, timeout=300)
-    torchrun = shutil.which("torchrun", path=str(__import__("pathlib").Path(sys.executable).parent)) or "torchrun"
-    out = subprocess.run(
-        [torchrun, "--nproc_per_node", "2", "--master_port", "29613", "-m", "parallel.cli", *common, "--metrics", str(joined)],
-        capture_output=True, text=True, timeout=300,
-    )
+    assert _tessera(*common, "--metrics", str(spawned)).returncode == 0
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    # --standalone: a free port picked by torchrun, never a fixed one; dp is inferred (2 ranks / tp 2 = 1)
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tessera.cli", *common,
+                          "--metrics", str(joined)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert _losses(joined) == _losses(spawned)
+    assert [r["loss"] for r in _records(joined)[1]] == [r["loss"] for r in _records(spawned)[1]]
+    bad = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tessera.cli", "train", "--tp", "3"],
+                         capture_output=True, text=True, timeout=300)
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("tessera train: error:")]
+    # one line from rank 0; no rank prints a Python traceback (torchrun's own ChildFailedError report remains)
+    assert bad.returncode != 0 and len(errors) == 1 and "ValueError" not in bad.stderr, bad.stderr[-2000:]
 
 
 def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path):
     runs = {}
     for precision in ("fp32", "bf16"):
         runs[precision] = tmp_path / f"{precision}.jsonl"
-        subprocess.run([sys.executable, "-m", "parallel.cli", "train", "--dp", "2", "--steps", "3", "--seq-len", "32",
-                        "--global-batch", "4", "--quiet", "--mixed-precision", precision, "--metrics", str(runs[precision])],
-                       check=True, timeout=300)
-    fp32, bf16 = _losses(runs["fp32"]), _losses(runs["bf16"])
+        out = _tessera("train", "--dp", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "4", "--quiet",
+                       "--mixed-precision", precision, "--metrics", str(runs[precision]))
+        assert out.returncode == 0, out.stderr
+    fp32, bf16 = ([r["loss"] for r in _records(runs[p])[1]] for p in ("fp32", "bf16"))
     assert fp32 != bf16  # bf16 parameters really were used
     assert all(abs(a - b) < 1e-2 * a for a, b in zip(bf16, fp32))

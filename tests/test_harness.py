@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.launch import RankFailure, RankTimeout, run_ranks
+from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
 
 
 def _sum_of_ranks():
@@ -56,8 +56,8 @@ def test_a_hung_rank_fails_within_the_timeout_naming_rank_and_collective():
 
 
 def _tp_rank_skips_a_collective():
-    from parallel.tensor import reduce_from_tp
-    from topology import Layout, submesh
+    from tessera.parallel.tensor import reduce_from_tp
+    from tessera.topology import Layout, submesh
 
     mesh = Layout(tp=2).build_mesh("cpu")
     if dist.get_rank() == 1:

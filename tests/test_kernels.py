@@ -1,5 +1,9 @@
-"""Triton kernels against their torch references: on CPU through the interpreter (small shapes, fp32),
-on GPU at real shapes in bf16 (marked gpu; skipped without CUDA)."""
+"""The kernels against an independent float64 definition written here (not the project's own
+references): the Triton kernels on CPU through the interpreter (small shapes, fp32), the torch paths
+the dispatcher picks on CPU (fused SDPA, blockwise reference, F.rms_norm), and on GPU at real shapes in
+bf16 (marked gpu; skipped without CUDA)."""
+
+import math
 
 import os
 
@@ -8,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import attention_reference, flash_attention, rms_norm, rms_norm_reference
+from tessera.kernels import attention_reference, flash_attention, rms_norm, rms_norm_reference
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under TRITON_INTERPRET=1"
@@ -25,11 +29,43 @@ def _attention_case(B, Hq, Hkv, Sq, Sk, D, causal, dtype=torch.float32, device="
     return q, k, v, do, dlse
 
 
+def definition(q, k, v, causal):
+    """Attention as defined, in float64: softmax(q k^T / sqrt(D)) v per query head, query head h reading
+    kv head h // (Hq / Hkv); causal aligned bottom-right (query i sees key j <= i + Sk - Sq); a query
+    that sees no key gives 0 and lse -inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        i, j = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
+        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    return p @ v, lse
+
+
+def _run_definition(q, k, v, do, dlse, causal):
+    args = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o, lse = definition(*args, causal)
+    seen = torch.isfinite(lse)
+    ((o * do.double()).sum() + (torch.where(seen, lse, 0) * dlse.double()).sum()).backward()
+    return o.detach(), lse.detach(), *(t.grad for t in args)
+
+
+def _assert_matches_definition(got, q, k, v, do, dlse, causal, tol=1e-4):
+    want = _run_definition(q, k, v, do, dlse, causal)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
 def _run(backend, q, k, v, do, dlse, causal, ref_dtype=None):
     args = [t.detach().to(ref_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
     o, lse = flash_attention(*args, causal=causal, return_lse=True, backend=backend)
     seen = torch.isfinite(lse)  # rows that see no key have lse -inf and no gradient through it
-    ((o.float() * do.float()).sum() + (torch.where(seen, lse, 0) * dlse).sum()).backward()
+    acc = torch.promote_types(o.dtype, torch.float32)  # fp64 stays fp64
+    ((o.to(acc) * do.to(acc)).sum() + (torch.where(seen, lse, 0) * dlse.to(acc)).sum()).backward()
     return o.detach(), lse.detach(), *(t.grad for t in args)
 
 
@@ -43,24 +79,46 @@ def _run(backend, q, k, v, do, dlse, causal, ref_dtype=None):
     st.booleans(),
     st.integers(0, 1000),
 )
-def test_triton_attention_matches_reference(heads, sq, sk, d, causal, seed):
+def test_triton_attention_matches_the_definition(heads, sq, sk, d, causal, seed):
+    # sq > sk with causal gives rows that see no key: out 0, lse -inf, no NaN anywhere
     case = _attention_case(1, heads[0], heads[1], sq, sk, d, causal, seed=seed)
-    got = _run("triton", *case, causal)
-    want = _run("torch", *case, causal)
-    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    _assert_matches_definition(_run("triton", *case, causal), *case, causal)
 
 
 @interpreted
-def test_triton_attention_head_dim_128_and_batch():
-    case = _attention_case(2, 4, 2, 33, 33, 128, True, seed=1)
-    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], _run("triton", *case, True), _run("torch", *case, True)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+@pytest.mark.parametrize("d", [128, 80, 96, 24])  # powers of two or not: a padded, masked tile
+def test_triton_attention_any_head_dim_and_batch(d):
+    case = _attention_case(2, 4, 2, 33, 29, d, True, seed=1)
+    _assert_matches_definition(_run("triton", *case, True), *case, True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.sampled_from([(2, 1), (2, 2), (4, 2)]),
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.sampled_from([8, 16, 24]),
+    st.booleans(),
+    st.sampled_from([torch.float32, torch.float64]),
+    st.integers(0, 1000),
+)
+def test_cpu_attention_paths_match_the_definition(heads, sq, sk, d, causal, dtype, seed):
+    """Both torch paths: the fused SDPA one (no lse asked, Sq == Sk or not causal) and the blockwise
+    reference (lse asked, or bottom-right causal with Sq != Sk)."""
+    q, k, v, do, dlse = _attention_case(1, heads[0], heads[1], sq, sk, d, causal, dtype=dtype, seed=seed)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    _assert_matches_definition(_run(None, q, k, v, do, dlse, causal), q, k, v, do, dlse, causal, tol)
+    args = [t.detach().requires_grad_() for t in (q, k, v)]
+    o = flash_attention(*args, causal=causal)  # what the model calls
+    (o * do).sum().backward()
+    want = _run_definition(q, k, v, do, torch.zeros_like(dlse), causal)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], [o.detach(), *(t.grad for t in args)], [want[0], *want[2:]]):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
 @interpreted
 def test_attention_custom_ops_have_fake_and_autograd():
-    from kernels.triton_attention import flash_attention_fwd
+    from tessera.kernels.triton_attention import flash_attention_fwd
 
     q, k, v, _, _ = _attention_case(1, 2, 1, 20, 20, 16, True)
     torch.library.opcheck(flash_attention_fwd, (q, k, v, True, 0.25))
@@ -70,26 +128,30 @@ def test_attention_custom_ops_have_fake_and_autograd():
     assert o.shape == (2, 8, 4096, 128) and lse.shape == (2, 8, 4096) and lse.dtype == torch.float32
 
 
-@interpreted
+def rms_norm_definition(x, w, eps):
+    x, w = x.double(), w.double()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps) * w
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=interpreted), None, "torch"])
 @pytest.mark.parametrize("shape", [(3, 7, 48), (5, 100), (1, 1, 256), (4, 33)])
-def test_triton_rms_norm_matches_reference(shape):
+def test_rms_norm_matches_the_definition(shape, backend):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, requires_grad=True)
     w = (torch.randn(shape[-1], generator=g) + 1).requires_grad_()
     dy = torch.randn(*shape, generator=g)
-    outs = []
-    for backend in ("triton", "torch"):
-        x.grad = w.grad = None
-        y = rms_norm(x, w, 1e-6, backend=backend)
-        (y * dy).sum().backward()
-        outs.append((y.detach(), x.grad.clone(), w.grad.clone()))
-    for name, a, b in zip(["y", "dx", "dw"], *outs):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    y = rms_norm(x, w, 1e-6, backend=backend)
+    (y * dy).sum().backward()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = rms_norm_definition(x64, w64, 1e-6)
+    (y64 * dy.double()).sum().backward()
+    for name, a, b in zip(["y", "dx", "dw"], [y, x.grad, w.grad], [y64, x64.grad, w64.grad]):
+        torch.testing.assert_close(a.detach().double(), b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 @interpreted
 def test_rms_norm_custom_op_checks_and_meta():
-    from kernels.triton_rmsnorm import rms_norm_fwd
+    from tessera.kernels.triton_rmsnorm import rms_norm_fwd
 
     torch.library.opcheck(rms_norm_fwd, (torch.randn(6, 32, requires_grad=True), torch.randn(32, requires_grad=True), 1e-6))
     y, rstd = torch.ops.tessera.rms_norm_fwd(torch.empty(4, 1024, 8192, device="meta"), torch.empty(8192, device="meta"), 1e-5)
@@ -98,8 +160,11 @@ def test_rms_norm_custom_op_checks_and_meta():
 
 @interpreted
 def test_kernel_bad_input():
-    q = torch.randn(1, 2, 8, 80)
-    with pytest.raises(ValueError, match="head_dim 80 is not supported by the Triton attention kernel"):
+    q = torch.randn(1, 2, 8, 272)
+    with pytest.raises(ValueError, match="head_dim 272 is above the Triton attention kernel's 256; use backend='torch'"):
+        flash_attention(q, q, q, backend="triton")
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dtype torch.float64 is not supported by the Triton attention kernel"):
         flash_attention(q, q, q, backend="triton")
     with pytest.raises(ValueError, match="multiple of kv heads"):
         flash_attention(torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), backend="triton")
@@ -122,6 +187,24 @@ def test_gpu_bf16_attention_against_fp32_reference(causal, d):
         err = (a.float() - b.float()).abs().max().item()
         budget = max((c.float() - b.float()).abs().max().item(), 1e-3)
         assert err <= 2 * budget, f"{name}: triton bf16 error {err:.2e} vs torch bf16 error {budget:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_unsupported_inputs_fall_back_to_torch_with_one_warning():
+    q = torch.randn(1, 2, 64, 272, device="cuda", dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="falling back to torch's attention"):
+        out = flash_attention(q, q, q)
+    assert out.shape == q.shape and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [80, 96, 192])
+def test_gpu_non_power_of_two_head_dims(d):
+    case = _attention_case(1, 8, 2, 257, 257, d, True, dtype=torch.float32, device="cuda")
+    got = _run("triton", *case, True)
+    want = _run_definition(*[t.cpu() for t in case], True)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(a.cpu().double(), b, rtol=2e-3, atol=2e-3, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from topology import AXES, FLATTENED, Layout
+from tessera.topology import AXES, FLATTENED, Layout
 
 degree = st.sampled_from([1, 1, 2, 3, 4])
 layouts = st.builds(Layout, pp=degree, dp_replicate=degree, dp_shard=degree, cp=degree, tp=degree)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from topology.memory import RECIPES, min_gpus, model_state_bytes
+from tessera.topology.memory import RECIPES, min_gpus, model_state_bytes
 
 GB = 1e9
 
@@ -55,21 +55,21 @@ def test_bad_input(kwargs):
 
 def test_cli_prints_the_reference_table():
     out = subprocess.run(
-        [sys.executable, "-m", "parallel.cli", "memory", "--params", "70e9", "--dp", "256", "--gpu-memory", "80"],
+        [sys.executable, "-m", "tessera.cli", "memory", "--params", "70e9", "--dp", "256", "--gpu-memory", "80"],
         capture_output=True, text=True, check=True,
     ).stdout
     total = next(line for line in out.splitlines() if line.startswith("total"))
     assert total.split() == ["total", "1120.00", "GB", "283.28", "GB", "143.83", "GB", "4.38", "GB"]
     assert "raw floor: 14 GPUs of 80 GB" in out
-    bad = subprocess.run([sys.executable, "-m", "parallel.cli", "memory", "--params", "70e9", "--dp", "0"],
+    bad = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--params", "70e9", "--dp", "0"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "dp=0" in bad.stderr
 
 
 def test_dry_run_70b_on_256_fake_ranks_matches_the_reference():
-    from models import get_preset
-    from parallel.parallelize import dry_run_model_states
-    from topology import Layout
+    from tessera.models import get_preset
+    from tessera.parallel.parallelize import dry_run_model_states
+    from tessera.topology import Layout
 
     n = get_preset("70b").num_params()  # 70.55B; the reference's 4.38 GB is for exactly 70.0B
     measured = dry_run_model_states("70b", Layout(dp_shard=256), recipe="mixed_adam", strategy="FULL_SHARD")

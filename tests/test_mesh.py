@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.launch import run_ranks
-from topology import AXES, FLATTENED, Layout, dry_run, mesh_group_ranks, submesh
+from tessera.parallel.launch import run_ranks
+from tessera.topology import AXES, FLATTENED, Layout, dry_run, mesh_group_ranks, submesh
 
 NAMES = list(AXES) + list(FLATTENED)
 

@@ -3,9 +3,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import attention_reference, flash_attention, naive_attention, rms_norm
-from models import PRESETS, build_model, get_preset
-from models.data import TokenStream, decode, encode
+from tessera.kernels import attention_reference, flash_attention, naive_attention, rms_norm
+from tessera.models import PRESETS, build_model, get_preset
+from tessera.models.data import TokenStream, decode, encode
 
 
 @pytest.mark.parametrize("name, published", [("8b", 8.03e9), ("70b", 70.6e9), ("405b", 405.9e9)])

@@ -2,11 +2,11 @@
 
 from .layout import AXES, FLATTENED, Layout
 
-__all__ = ["AXES", "FLATTENED", "Layout", "submesh", "dry_run", "mesh_group_ranks"]
+__all__ = ["AXES", "FLATTENED", "Layout", "Meshes", "submesh", "dry_run", "mesh_group_ranks"]
 
 
 def __getattr__(name: str):  # the mesh helpers import torch; keep `import topology` light
-    if name in ("submesh", "dry_run", "mesh_group_ranks"):
+    if name in ("Meshes", "submesh", "dry_run", "mesh_group_ranks"):
         from . import mesh
 
         return getattr(mesh, name)

@@ -49,3 +49,57 @@ def dry_run(layout: Layout, rank: int = 0, device_type: str = "cpu") -> Iterator
         yield layout.build_mesh(device_type)
     finally:
         dist.destroy_process_group()
+
+
+class Meshes:
+    """The run's DeviceMesh and the meshes each part of tessera needs, named by purpose (each None when
+    its axes are off, so a caller never slices strings or branches on degrees itself):
+
+    tp      tensor-parallel layers and the vocab-parallel loss (1-D "tp")
+    pp      pipeline stages' point-to-point sends and the grad-norm sum across stages (1-D "pp")
+    cp      ring attention's K/V exchange (1-D "cp")
+    fsdp    FSDP2 sharding: 1-D "dp_shard_cp", or 2-D ("dp_replicate", "dp_shard_cp") for HSDP
+    batch   the ranks that read different rows of the global batch: "dp" (dp_replicate x dp_shard)
+    loss    the ranks whose loss sums add up to the global one: "dp_cp" (tp and pp ranks share theirs)
+    """
+
+    def __init__(self, layout: Layout, device_type: str = "cpu", mesh: DeviceMesh | None = None):
+        self.layout = layout
+        self.device_type = device_type
+        self.world = mesh if mesh is not None else layout.build_mesh(device_type)
+
+        def on(size: int, *names: str) -> DeviceMesh | None:
+            return submesh(self.world, *names) if size > 1 else None
+
+        self.tp = on(layout.tp, "tp")
+        self.pp = on(layout.pp, "pp")
+        self.cp = on(layout.cp, "cp")
+        if layout.dp_replicate > 1:
+            self.fsdp = submesh(self.world, "dp_replicate", "dp_shard_cp")
+        else:
+            self.fsdp = on(layout.dp_shard * layout.cp, "dp_shard_cp")
+        self.batch = on(layout.dp, "dp")
+        self.loss = on(layout.dp * layout.cp, "dp_cp")
+
+    @staticmethod
+    def group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+        """The process group of a 1-D mesh, or None when the mesh is off."""
+        return None if mesh is None else mesh.get_group()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def batch_index(self) -> int:
+        """Which slice of the global batch's rows this rank reads (its dp coordinate)."""
+        return self.layout.index("dp", self.rank)
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP2 averages gradients over (1 when FSDP is off)."""
+        return 1 if self.fsdp is None else self.fsdp.size()
+
+    def __repr__(self) -> str:
+        on = [name for name in ("tp", "pp", "cp", "fsdp", "batch", "loss") if getattr(self, name) is not None]
+        return f"Meshes({self.layout}, on: {', '.join(on) or 'none'})"

@@ -1,9 +1,10 @@
-"""The `tessera` command: train, memory, export."""
+"""The `tessera` command: train, memory, export (and --version)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -15,13 +16,13 @@ def _float(text: str) -> float:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from topology import memory
+    from tessera.topology import memory
 
     try:
         if args.params is None:
             if args.model is None:
                 raise ValueError("give --params N or --model PRESET")
-            from models import get_preset
+            from tessera.models import get_preset
 
             args.params = float(get_preset(args.model).num_params())
         if args.json:
@@ -43,8 +44,8 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _memory_dry_run(args: argparse.Namespace) -> None:
-    from parallel.parallelize import dry_run_model_states
-    from topology import Layout
+    from tessera.parallel.parallelize import dry_run_model_states
+    from tessera.topology import Layout
 
     if args.model is None:
         raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device)")
@@ -60,9 +61,16 @@ def _memory_dry_run(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, export_checkpoint
+    from pathlib import Path
+
+    from tessera.parallel.checkpoint import CheckpointError, export_checkpoint
 
     try:
+        parent = Path(args.out).parent
+        if not parent.is_dir():
+            raise CheckpointError(f"--out {args.out}: directory {parent} does not exist; create it first")
+        if not os.access(parent, os.W_OK):
+            raise CheckpointError(f"--out {args.out}: directory {parent} is not writable")
         manifest = export_checkpoint(args.checkpoint, args.out)
     except CheckpointError as e:
         print(f"tessera export: error: {e}", file=sys.stderr)
@@ -72,7 +80,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tessera import __version__
+
     parser = argparse.ArgumentParser(prog="tessera", description="4D-parallel transformer training on one DeviceMesh")
+    parser.add_argument("--version", action="version", version=f"tessera {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     mem = sub.add_parser("memory", help="per-rank model-state memory under ZeRO stages 0-3")
@@ -92,10 +103,44 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="the .safetensors file to write")
     exp.set_defaults(func=_export)
 
-    from . import train  # imports torch: only when the parser is built
+    from .config import add_arguments
 
-    train.add_arguments(sub.add_parser("train", help="train a model on a layout (spawns local ranks outside torchrun)"))
+    tr = sub.add_parser(
+        "train", help="train a model on a layout (spawns local ranks outside torchrun)",
+        description="Train on a layout. Outside torchrun it spawns pp*dp*cp*tp local ranks (NCCL, one GPU per "
+                    "rank, on a machine with enough GPUs; gloo on CPU); under torchrun it joins the job, and the "
+                    "degrees not given are inferred from WORLD_SIZE (the rest to dp).",
+    )
+    add_arguments(tr)
+    tr.set_defaults(func=_train)
     return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tessera.parallel.checkpoint import CheckpointError
+    from tessera.parallel.launch import RankFailure
+
+    from .config import config_from_args
+    from .run import error_exit, train, under_torchrun
+
+    try:
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+        config = config_from_args(args, world)
+        config.check()
+        if world is not None:
+            config.layout.check_world_size(world)
+    except ValueError as e:  # CheckpointError included
+        return error_exit("train", str(e))
+    try:
+        history = train(config)
+    except RankFailure as e:
+        if "CheckpointError: " not in str(e):
+            raise
+        return error_exit("train", str(e).rsplit("CheckpointError: ", 1)[1].strip().splitlines()[0])
+    if history and not config.runtime.quiet:
+        first, last = history[0], history[-1]
+        print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {last['step']} steps on {config.layout}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

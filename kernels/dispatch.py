@@ -1,0 +1,82 @@
+"""The one place that chooses how attention and RMSNorm run, and checks their inputs.
+
+    flash_attention   CUDA: the Triton kernel; a shape or dtype it does not take (head_dim > 256, fp64)
+                      falls back to the torch reference with a one-time warning.
+                      CPU: torch's fused CPU flash attention (ATen) when it computes the same thing
+                      (fp32/fp64; causal only with Sq == Sk, since its mask is top-left) and the LSE is not
+                      asked for; otherwise the blockwise torch reference (differentiable LSE).
+    rms_norm          CUDA: the Triton kernel. CPU: torch's fused F.rms_norm for fp32/fp64, else the
+                      reference (fp32 statistics for low-precision inputs).
+
+backend="torch" forces the torch implementations, backend="triton" the kernels (on CPU only under
+TRITON_INTERPRET=1). The triton modules are imported only when used: CPU training never imports triton.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attention import attention_reference, sdpa_attention, sdpa_supports
+from .checks import check_attention_inputs, check_rms_norm_inputs
+from .rmsnorm import rms_norm_reference
+
+BACKENDS = ("torch", "triton")
+_warned: set[str] = set()
+
+
+def _check_backend(backend: str | None) -> None:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; use 'torch' or 'triton'")
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), Hq % Hkv == 0; causal aligned bottom-right.
+    Returns out (q's dtype), and with return_lse the log-sum-exp (B, Hq, Sq), fp32 (fp64 for fp64 inputs),
+    natural log. Differentiable in q, k, v through out and lse."""
+    check_attention_inputs(q, k, v)
+    _check_backend(backend)
+    if backend == "triton" or (backend is None and q.is_cuda):
+        from . import triton_attention
+
+        refusal = triton_attention.kernel_refusal(q)
+        if refusal is None:
+            out, lse = triton_attention.attention(q, k, v, causal, scale)
+            return (out, lse) if return_lse else out
+        if backend == "triton":
+            raise ValueError(f"{refusal}; use backend='torch'")
+        _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
+    elif backend is None and not return_lse and sdpa_supports(q, k, causal):
+        return sdpa_attention(q, k, v, causal, scale)[0]
+    out, lse = attention_reference(q, k, v, causal, scale)
+    return (out, lse) if return_lse else out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, backend: str | None = None) -> Tensor:
+    """RMSNorm over the last dim, differentiable in x and weight."""
+    check_rms_norm_inputs(x, weight)
+    _check_backend(backend)
+    if backend == "triton" or (backend is None and x.is_cuda):
+        from . import triton_rmsnorm
+
+        return triton_rmsnorm.rms_norm(x, weight, eps)
+    if backend is None and x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return rms_norm_reference(x, weight, eps)

@@ -1,0 +1,278 @@
+"""One training configuration: nested frozen dataclasses, validated once, before any rank starts.
+
+Every field carries its flag and a one-line doc in its metadata; the `tessera train` command line is
+built from these fields (`add_arguments`), so defaults are written here and nowhere else. `check()`
+raises ValueError naming the value and the fix; `to_dict()` is what the checkpoint manifest and the
+metrics header record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from tessera.topology import Layout
+
+
+def opt(default: Any, doc: str, flag: str | None = None, **argparse_kw: Any) -> Any:
+    """A config field: its default, its one-line doc, and (optionally) its flag name and argparse extras."""
+    return field(default=default, metadata={"doc": doc, "flag": flag, "argparse": argparse_kw})
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str = opt("debug", "model preset: debug, small, 1b, 8b, 70b, 405b", flag="--model")
+    n_layers: int | None = opt(None, "override the preset's number of transformer blocks")
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    pp: int = opt(1, "pipeline-parallel stages (must be 1 until the pipeline axis lands)")
+    dp: int = opt(1, "data-parallel degree (dp_replicate x dp_shard), sharded with FSDP2")
+    dp_replicate: int = opt(1, "replicas of the FSDP shard group (HSDP); must divide --dp")
+    cp: int = opt(1, "context-parallel degree (must be 1 until the context axis lands)")
+    tp: int = opt(1, "tensor-parallel degree")
+    sequence_parallel: bool = opt(False, "shard the norms and the residual stream over tp")
+    fsdp: str = opt("FULL_SHARD", "FSDP strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
+    ac: str = opt("none", "activation checkpointing: none, full or selective (every other block)")
+    mixed_precision: str | None = opt(None, "parameter compute dtype, bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+    prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)")
+
+    @property
+    def layout(self) -> Layout:
+        """The mesh shape these degrees ask for (NO_SHARD puts every dp rank on dp_replicate)."""
+        for axis in ("pp", "dp", "dp_replicate", "cp", "tp"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{axis}={value} must be a positive integer; use --{axis.replace('_', '-')} 1 or more")
+        if self.dp % self.dp_replicate:
+            raise ValueError(
+                f"--dp-replicate {self.dp_replicate} must divide --dp {self.dp} (dp = dp_replicate x dp_shard); "
+                f"use --dp {self.dp_replicate * max(1, self.dp // self.dp_replicate)}"
+            )
+        if self.fsdp.upper() == "NO_SHARD":
+            return Layout(pp=self.pp, dp_replicate=self.dp, dp_shard=1, cp=self.cp, tp=self.tp)
+        return Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp // self.dp_replicate, cp=self.cp, tp=self.tp)
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    lr: float = opt(3e-3, "peak learning rate of AdamW")
+    warmup: int = opt(5, "linear warm-up steps before the cosine decay")
+    min_lr_ratio: float = opt(0.1, "the cosine decays to this fraction of the peak learning rate")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay")
+    beta1: float = opt(0.9, "AdamW first-moment decay")
+    beta2: float = opt(0.95, "AdamW second-moment decay")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = opt(1.0, "clip the global gradient norm (over every axis) to this; 'inf' disables clipping")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    seq_len: int = opt(64, "tokens per sequence")
+    global_batch: int = opt(8, "sequences per optimizer step, over all data-parallel ranks")
+    microbatches: int = opt(1, "split each dp rank's rows into M microbatches (gradient accumulation)")
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    dir: str | None = opt(None, "where checkpoints go (step_N/ and a latest pointer)", flag="--checkpoint-dir")
+    every: int = opt(0, "save every N steps (0: never)", flag="--checkpoint-every")
+    keep: int = opt(3, "keep the newest K checkpoints", flag="--keep-checkpoints")
+    resume: str | None = opt(
+        None, "resume from a checkpoint (default: the latest in --checkpoint-dir), on any layout",
+        nargs="?", const="", metavar="PATH",
+    )
+    init_from: str | None = opt(None, "start from the weights of a full safetensors state dict", metavar="FILE")
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    steps: int = opt(50, "optimizer steps to train (the total, counted from step 0 when resuming)")
+    seed: int = opt(0, "seed of the initialization")
+    metrics: str | None = opt(None, "append a header record, then one JSON line per step, to this file", metavar="FILE")
+    timeout: float = opt(600.0, "seconds any collective may stall before the run fails, naming the rank and axis")
+    device: str = opt("auto", "cpu or cuda (auto: one GPU per rank when this machine has enough, else CPU)")
+    quiet: bool = opt(False, "no start-up or progress lines")
+
+
+SECTIONS = {
+    "model": ModelSection,
+    "parallel": ParallelSection,
+    "optimizer": OptimizerSection,
+    "data": DataSection,
+    "checkpoint": CheckpointSection,
+    "runtime": RuntimeSection,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, **flat: Any) -> "Config":
+        """A config from flat field names, e.g. Config.create(model="small", tp=2, steps=10). A name that
+        two sections share is not allowed; section fields are found by their flag name too (checkpoint_dir)."""
+        by_name = _flat_names()
+        parts: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        for key, value in flat.items():
+            if key not in by_name:
+                raise ValueError(f"unknown config field {key!r}; known: {', '.join(sorted(by_name))}")
+            section, name = by_name[key]
+            parts[section][name] = value
+        return cls(**{s: SECTIONS[s](**kw) for s, kw in parts.items()})
+
+    def replace(self, **flat: Any) -> "Config":
+        """A copy with some flat fields changed (same names as `create`)."""
+        by_name = _flat_names()
+        out = self
+        for key, value in flat.items():
+            if key not in by_name:
+                raise ValueError(f"unknown config field {key!r}")
+            section, name = by_name[key]
+            out = replace(out, **{section: replace(getattr(out, section), **{name: value})})
+        return out
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def layout(self) -> Layout:
+        return self.parallel.layout
+
+    @property
+    def model_config(self):
+        from tessera.models import get_preset
+
+        overrides = {} if self.model.n_layers is None else {"n_layers": self.model.n_layers}
+        return get_preset(self.model.preset, **overrides)
+
+    @property
+    def mixed_precision(self) -> str:
+        if self.parallel.mixed_precision is not None:
+            return self.parallel.mixed_precision
+        return "bf16" if self.device_type() == "cuda" else "fp32"
+
+    def device_type(self) -> str:
+        """cpu or cuda; auto picks CUDA when this machine has a GPU for every local rank."""
+        if self.runtime.device != "auto":
+            return self.runtime.device
+        import torch
+
+        if not torch.cuda.is_available():
+            return "cpu"
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.layout.world_size))
+        return "cuda" if torch.cuda.device_count() >= local else "cpu"
+
+    def parallel_config(self):
+        from tessera.parallel import ParallelConfig
+        from tessera.parallel.data import DataParallelConfig
+
+        p = self.parallel
+        data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
+        return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data)
+
+    @property
+    def resume_path(self) -> str:
+        path = self.checkpoint.resume or self.checkpoint.dir
+        if not path:
+            raise ValueError("--resume needs a checkpoint path, or --checkpoint-dir DIR to resume from its latest")
+        return path
+
+    # ------------------------------------------------------------------ validation
+    def check(self) -> None:
+        """Every input error, raised before any rank starts (ValueError naming the value and the fix)."""
+        from . import preflight
+
+        preflight.check(self)
+
+
+def _flat_names() -> dict[str, tuple[str, str]]:
+    """flat name -> (section, field): the field name, and the flag's name (checkpoint_dir, model) too."""
+    out: dict[str, tuple[str, str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            out[f.name if section != "checkpoint" else f"checkpoint_{f.name}"] = (section, f.name)
+            if f.metadata.get("flag"):
+                out[f.metadata["flag"].lstrip("-").replace("-", "_")] = (section, f.name)
+    out["init_from"] = ("checkpoint", "init_from")
+    out["resume"] = ("checkpoint", "resume")
+    return out
+
+
+# ---------------------------------------------------------------------- the command line, from the fields
+def flag_of(section: str, f: dataclasses.Field) -> str:
+    if f.metadata.get("flag"):
+        return f.metadata["flag"]
+    return "--" + f.name.replace("_", "-")
+
+
+def _parse_type(f: dataclasses.Field, default: Any):
+    kind = type(default) if default is not None else None
+    text = str(f.type)
+    if kind is int or text.startswith("int"):
+        return int
+    if kind is float or text.startswith("float"):
+        return float
+    return str
+
+
+DEGREE_FLAGS = ("pp", "dp", "dp_replicate", "cp", "tp")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field; the help text is the field's doc and its default. Degrees default to
+    None on the command line so that, under torchrun, the ones not given can be inferred."""
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in fields(cls):
+            default = f.default
+            extra = dict(f.metadata.get("argparse", {}))
+            help_ = f.metadata["doc"] + ("" if default in (None, False) else f" (default: {default})")
+            dest = f"{section}.{f.name}"
+            if isinstance(default, bool):
+                group.add_argument(flag_of(section, f), dest=dest, action="store_true", help=help_)
+                continue
+            if section == "parallel" and f.name in DEGREE_FLAGS:
+                default = None
+            group.add_argument(flag_of(section, f), dest=dest, type=_parse_type(f, f.default), default=default,
+                               help=help_, **extra)
+
+
+def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> Config:
+    """Build the Config from parsed flags. Under torchrun (`world_size` given), the degrees not on the
+    command line are inferred: the rest of the world goes to dp_shard."""
+    values = vars(args)
+    parts: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for key, value in values.items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            if section in parts:
+                parts[section][name] = value
+    degrees = parts["parallel"]
+    given = {k: v for k, v in degrees.items() if k in DEGREE_FLAGS and v is not None}
+    if world_size is not None and "dp" not in given:
+        for k, v in given.items():
+            if v < 1:
+                raise ValueError(f"{k}={v} must be a positive integer; use --{k.replace('_', '-')} 1 or more")
+        fixed = math.prod(v for k, v in given.items() if k in ("pp", "cp", "tp"))
+        if world_size % fixed:
+            raise ValueError(
+                f"WORLD_SIZE={world_size} is not divisible by pp x cp x tp = {fixed}; launch a multiple of {fixed} ranks"
+            )
+        given["dp"] = world_size // fixed
+    for k in DEGREE_FLAGS:
+        degrees[k] = given.get(k, 1)
+    return Config(**{s: SECTIONS[s](**kw) for s, kw in parts.items()})

@@ -1,0 +1,129 @@
+"""Every input check of a training run, done once in the launching process before any rank starts.
+
+Each failure is a ValueError whose one line names the value and the fix. Paths are checked here too
+(a metrics file or checkpoint directory that cannot be written, an --init-from file of another model's
+shapes, a checkpoint that cannot be resumed faithfully), so no run fails after training has started.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from .config import Config
+
+
+def check(config: Config) -> None:
+    _check_numbers(config)
+    model = _check_model(config)
+    layout = config.layout  # degrees, dp_replicate vs dp
+    config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
+    _check_device(config, layout.world_size)
+    _check_paths(config, model)
+
+
+def _check_numbers(config: Config) -> None:
+    d, o, r, c = config.data, config.optimizer, config.runtime, config.checkpoint
+    for flag, value in (("--steps", r.steps), ("--seq-len", d.seq_len), ("--global-batch", d.global_batch),
+                        ("--microbatches", d.microbatches)):
+        if value <= 0:
+            raise ValueError(f"{flag} {value} must be positive")
+    if not o.lr > 0 or math.isinf(o.lr):
+        raise ValueError(f"--lr {o.lr} must be a positive number (0 or less would make every step a no-op or ascend)")
+    if o.warmup < 0:
+        raise ValueError(f"--warmup {o.warmup} must be >= 0 (0: start at the peak learning rate)")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio {o.min_lr_ratio} must lie in [0, 1] (the floor as a fraction of --lr)")
+    if not o.max_grad_norm > 0:
+        raise ValueError(
+            f"--max-grad-norm {o.max_grad_norm} would scale every gradient to zero; give a positive norm, "
+            f"or --max-grad-norm inf to turn clipping off"
+        )
+    for flag, value in (("--beta1", o.beta1), ("--beta2", o.beta2)):
+        if not 0 <= value < 1:
+            raise ValueError(f"{flag} {value} must lie in [0, 1)")
+    if not o.eps > 0:
+        raise ValueError(f"--eps {o.eps} must be positive")
+    if o.weight_decay < 0:
+        raise ValueError(f"--weight-decay {o.weight_decay} must be >= 0")
+    if not r.timeout > 0 or math.isinf(r.timeout):
+        raise ValueError(f"--timeout {r.timeout} must be a positive number of seconds (a stalled collective must fail)")
+    if r.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device {r.device!r}; use auto, cpu or cuda")
+    if c.every < 0:
+        raise ValueError(f"--checkpoint-every {c.every} must be >= 0 (0: never)")
+    if c.keep < 0:
+        raise ValueError(f"--keep-checkpoints {c.keep} must be >= 0 (0: keep all)")
+    if c.every and not c.dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+    if c.dir and not c.every and c.resume is None:
+        raise ValueError(
+            f"--checkpoint-dir {c.dir} without --checkpoint-every N saves nothing; add --checkpoint-every N "
+            f"(or drop --checkpoint-dir)"
+        )
+    if c.resume is not None and c.init_from is not None:
+        raise ValueError(
+            "--init-from and --resume together: a resume restores the weights from the checkpoint, so --init-from "
+            "would be ignored; use one of them"
+        )
+
+
+def _check_model(config: Config):
+    if config.model.n_layers is not None and config.model.n_layers < 1:
+        raise ValueError(f"--n-layers {config.model.n_layers} must be at least 1")
+    model = config.model_config  # unknown preset -> ValueError naming the presets
+    if config.data.seq_len > model.max_seq_len:
+        raise ValueError(
+            f"--seq-len {config.data.seq_len} exceeds the {config.model.preset} preset's max_seq_len={model.max_seq_len}; "
+            f"use --seq-len {model.max_seq_len} or less"
+        )
+    return model
+
+
+def _check_device(config: Config, world: int) -> None:
+    import torch
+
+    if config.runtime.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is False); use --device cpu")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if torch.cuda.device_count() < local:
+            raise ValueError(
+                f"--device cuda with {local} local ranks needs {local} GPUs (one per rank); this machine has "
+                f"{torch.cuda.device_count()}: use --device cpu, a smaller layout, or torchrun across nodes"
+            )
+
+
+def _check_writable_file(flag: str, path: str) -> None:
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    if (p.exists() and not os.access(p, os.W_OK)) or not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path} is not writable; choose a path you can write")
+
+
+def _check_paths(config: Config, model) -> None:
+    from tessera.parallel import checkpoint
+
+    r, c = config.runtime, config.checkpoint
+    if r.metrics:
+        _check_writable_file("--metrics", r.metrics)
+    if c.dir:
+        d = Path(c.dir)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--checkpoint-dir {c.dir} cannot be created ({e.strerror}); choose a writable directory") from None
+        if not os.access(d, os.W_OK):
+            raise ValueError(f"--checkpoint-dir {c.dir} is not writable; choose a writable directory")
+    if c.resume is not None:
+        path = checkpoint.resolve(config.resume_path)
+        manifest = checkpoint.read_manifest(path)
+        checkpoint.check_compatible(path, manifest, config.model.preset, model.as_dict(), config.data.seq_len,
+                                    config.data.global_batch, config.runtime.steps)
+    if c.init_from is not None:
+        checkpoint.check_full_state_dict_file(c.init_from, model)

@@ -1,0 +1,157 @@
+"""Running a training job: validate, then join the torchrun job or spawn the layout's ranks locally;
+on each rank, the loop with its logging, metrics file and checkpoints.
+
+Outside torchrun, `train` spawns pp*dp*cp*tp ranks on this machine with tessera.parallel.launch: NCCL
+with one GPU per rank when the machine has enough GPUs (else the config refuses), gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.topology import Layout
+
+from .config import Config
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("MASTER_ADDR" in os.environ and "RANK" in os.environ)
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.1f}{unit}" if unit else f"{n:.0f}"
+        n /= 1000
+    return f"{n:.1f}P"
+
+
+def header_record(config: Config, trainer: Any, run_id: str) -> dict[str, Any]:
+    from tessera import __version__
+
+    import platform
+
+    return {
+        "type": "header",
+        "run_id": run_id,
+        "created_unix": time.time(),
+        "config": config.to_dict(),
+        "layout": trainer.layout.as_dict(),
+        "world_size": dist.get_world_size(),
+        "device": str(trainer.device.type),
+        "num_params": trainer.model_config.num_params(),
+        "versions": {"tessera": __version__, "torch": torch.__version__, "python": platform.python_version()},
+    }
+
+
+def startup_line(config: Config, trainer: Any) -> str:
+    from torch.distributed.tensor import DTensor
+
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.parameters())
+    total = trainer.model_config.num_params()
+    where = [f"metrics -> {config.runtime.metrics}" if config.runtime.metrics else "no metrics file"]
+    if config.checkpoint.dir:
+        every = f"every {config.checkpoint.every} steps" if config.checkpoint.every else "never (--checkpoint-every 0)"
+        where.append(f"checkpoints -> {config.checkpoint.dir} ({every})")
+    return (
+        f"tessera: {config.model.preset} ({_human(total)} params, {trainer.model_config.n_layers} layers) on "
+        f"{trainer.layout} = {trainer.layout.world_size} {trainer.device.type} rank(s); {_human(local)} params on rank 0; "
+        f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
+        f"{f' in {config.data.microbatches} microbatches' if config.data.microbatches > 1 else ''}; " + "; ".join(where)
+    )
+
+
+def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: int) -> str:
+    remaining = config.runtime.steps - m["step"]
+    eta = elapsed / max(1, done_here) * remaining
+    return (
+        f"step {m['step']:>4}/{config.runtime.steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
+        f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
+        f"eta {_duration(eta)} | {Layout(**m['layout'])}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def run_rank(config: Config) -> list[dict[str, Any]] | None:
+    """The training loop on this rank (process group initialized); rank 0 returns the step records."""
+    from tessera.parallel import checkpoint
+
+    from .trainer import Trainer
+
+    trainer = Trainer(config)
+    rank, quiet = trainer.rank, config.runtime.quiet
+    say = (lambda text: print(text, flush=True)) if rank == 0 and not quiet else (lambda text: None)
+    say(startup_line(config, trainer))
+    if config.checkpoint.init_from:
+        checkpoint.load_full_state_dict(trainer.model, config.checkpoint.init_from)
+        say(f"loaded weights from {config.checkpoint.init_from}")
+    if config.checkpoint.resume is not None:
+        manifest = trainer.load(config.resume_path)
+        say(f"resumed from {checkpoint.resolve(config.resume_path)}: step {manifest['step']} "
+            f"({manifest['consumed_tokens']:,} tokens) saved on {Layout(**manifest['layout'])}")
+    manager = checkpoint.CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
+    history: list[dict[str, Any]] = []
+    out = open(config.runtime.metrics, "a") if (config.runtime.metrics and rank == 0) else None
+    try:
+        if out:
+            out.write(json.dumps(header_record(config, trainer, uuid.uuid4().hex)) + "\n")
+            out.flush()
+        start, first_step = time.perf_counter(), trainer.step
+        while trainer.step < config.runtime.steps:
+            m = trainer.train_step().record()
+            history.append(m)
+            if config.checkpoint.every and trainer.step % config.checkpoint.every == 0:
+                path = trainer.save(manager)
+                say(f"saved checkpoint {path}")
+            if out:
+                out.write(json.dumps(m) + "\n")
+                out.flush()
+            say(progress_line(m, config, time.perf_counter() - start, trainer.step - first_step))
+    finally:
+        if out:
+            out.close()
+    return history if rank == 0 else None
+
+
+def _spawn_backend(config: Config) -> str:
+    return "nccl" if config.device_type() == "cuda" else "gloo"
+
+
+def train(config: Config) -> list[dict[str, Any]] | None:
+    """Validate, then run: join the torchrun job, or spawn the layout's ranks locally. Returns rank 0's
+    step records (None on other torchrun ranks)."""
+    config.check()
+    if under_torchrun():
+        backend = "nccl" if config.device_type() == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.runtime.timeout))
+        try:
+            return run_rank(config)
+        finally:
+            dist.destroy_process_group()
+    from tessera.parallel.launch import run_ranks
+
+    world = config.layout.world_size
+    return run_ranks(run_rank, world, config, timeout=None, collective_timeout=config.runtime.timeout,
+                     backend=_spawn_backend(config))[0]
+
+
+def error_exit(command: str, message: str) -> int:
+    """One line on stderr; under torchrun only local rank 0 prints it."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tessera {command}: error: {message}", file=sys.stderr)
+    return 2

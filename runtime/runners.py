@@ -1,0 +1,67 @@
+"""Runners: how one optimizer step's forward and backward passes run over the microbatches.
+
+The trainer owns the optimizer, clipping and metrics; a runner only turns microbatches into
+gradients and returns this rank's summed loss. Every microbatch's loss is its SUM over valid targets
+divided by the valid targets of the whole global batch, so the accumulated gradients are those of
+the global-batch mean whatever the layout and however targets are masked. FSDP2 averages gradients
+over its mesh; `grad_scale` (that mesh's size) turns the average back into the sum.
+
+    LocalRunner      pp == 1: forward + backward per microbatch, gradient sync on the last only
+    (PipelineRunner  pp > 1: the schedule's F/B/W actions; lands with the pipeline axis)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+from torch import Tensor, nn
+
+Microbatch = tuple[Tensor, Tensor]  # (inputs, targets) of shape (rows, seq)
+LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (logits, targets) -> (sum, count)
+
+
+class Runner(Protocol):
+    def forward_backward(self, microbatches: Sequence[Microbatch], global_valid_tokens: int) -> Tensor:
+        """Run forward and backward over `microbatches`, leaving gradients on the parameters; return this
+        rank's loss summed over its valid targets (a detached fp32 scalar, not yet divided)."""
+        ...
+
+
+def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+
+
+class LocalRunner:
+    """pp == 1: the whole model on this rank; gradient accumulation over microbatches."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, grad_scale: float = 1.0,
+                 positions: Callable[[Tensor], Tensor] | None = None):
+        self.model, self.loss_fn, self.grad_scale = model, loss_fn, grad_scale
+        self.positions = positions  # tokens -> their global positions (context parallel); default 0..S-1
+
+    def forward_backward(self, microbatches: Sequence[Microbatch], global_valid_tokens: int) -> Tensor:
+        scale = self.grad_scale / max(1, global_valid_tokens)
+        total: Tensor | None = None
+        for i, (inputs, targets) in enumerate(microbatches):
+            # FSDP2 reduce-scatters only after the last microbatch; earlier ones accumulate locally
+            _set_gradient_sync(self.model, i == len(microbatches) - 1)
+            positions = self.positions(inputs) if self.positions is not None else None
+            loss_sum, _ = self.loss_fn(self.model(inputs, positions), targets)
+            (loss_sum * scale).backward()
+            part = loss_sum.detach().float()
+            total = part if total is None else total + part
+        assert total is not None, "forward_backward needs at least one microbatch"
+        return total
+
+
+def split_microbatches(inputs: Tensor, targets: Tensor, count: int) -> list[Microbatch]:
+    """Rows cut into `count` equal microbatches (the config checks that they divide)."""
+    return list(zip(inputs.chunk(count), targets.chunk(count)))
+
+
+def no_grad_forward_loss(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(loss sum, valid count) of one batch, without gradients (evaluation, tests)."""
+    with torch.no_grad():
+        return loss_fn(model(inputs), targets)

@@ -1,0 +1,204 @@
+"""The Trainer: this rank's model part(s), optimizer, scheduler, data and step counter, and one step.
+
+    global batch (host) -> this dp rank's rows -> microbatches -> runner.forward_backward
+    -> global grad-norm clip (every axis, pp included) -> AdamW -> LR schedule
+
+Each piece is Stateful (state_dict / load_state_dict), so the checkpoint manager saves and restores
+them without knowing the trainer. The model is always built on the meta device, parallelized, then
+materialized: a rank allocates and initializes only its own shards.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tessera.models import build_model
+from tessera.models.data import TokenStream
+from tessera.parallel import checkpoint, materialize, parallelize
+from tessera.parallel.clip import clip_grad_norm_
+from tessera.parallel.loss import CrossEntropySum, count_valid
+from tessera.topology import Meshes
+
+from .config import Config
+from .runners import LocalRunner, Runner, split_microbatches
+
+
+def lr_lambda(warmup: int, steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
+    """Linear warm-up over `warmup` steps, then cosine decay to `min_ratio` of the peak at `steps`."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # process peak RSS on CPU
+
+
+def current_device() -> torch.device:
+    """cuda:LOCAL_RANK under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+@dataclass
+class Progress:
+    """Steps taken and tokens consumed (Stateful)."""
+
+    step: int = 0
+    consumed_tokens: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "consumed_tokens": self.consumed_tokens}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.consumed_tokens = int(state["step"]), int(state["consumed_tokens"])
+
+
+@dataclass
+class StepResult:
+    """One step's figures, as tensors until `record()` reads them (one host sync, at logging time)."""
+
+    step: int
+    loss: Tensor
+    grad_norm: Tensor
+    lr: float
+    tokens: int
+    started: float
+    layout: dict[str, int]
+    device: torch.device = field(repr=False, default=torch.device("cpu"))
+
+    def record(self) -> dict[str, Any]:
+        loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
+        elapsed = time.perf_counter() - self.started
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": self.lr,
+            "tokens_per_s": self.tokens / elapsed,
+            "step_time_s": elapsed,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "layout": self.layout,
+        }
+
+
+class Trainer:
+    """Everything one rank trains with. Construct inside an initialized process group."""
+
+    def __init__(self, config: Config, device: torch.device | None = None, data: Any | None = None):
+        self.config = config
+        self.device = device or current_device()
+        self.layout = config.layout
+        self.meshes = Meshes(self.layout, self.device.type)
+        self.rank = dist.get_rank()
+        self.model_config = config.model_config
+        model = build_model(self.model_config, device="meta")
+        parallelize(model, self.meshes, config.parallel_config())
+        materialize(model, self.device, config.runtime.seed)
+        self.parts: list[nn.Module] = [model]
+        self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
+        o = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(o.warmup, config.runtime.steps, o.min_lr_ratio)
+        )
+        self.data = data if data is not None else TokenStream(config.data.seq_len, config.data.global_batch)
+        self.progress = Progress()
+        self.runner: Runner = LocalRunner(model, self.loss_fn, grad_scale=self.meshes.fsdp_size)
+
+    @property
+    def model(self) -> nn.Module:
+        """The model part of a run without pipeline stages."""
+        return self.parts[0]
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's rows of a global batch (the same rows across tp, cp and pp)."""
+        rows = inputs.shape[0] // self.layout.dp
+        i = self.meshes.batch_index
+        return inputs[i * rows : (i + 1) * rows].to(self.device), targets[i * rows : (i + 1) * rows].to(self.device)
+
+    def train_step(self, on_grads: Callable[[list[nn.Module]], None] | None = None) -> StepResult:
+        """One optimizer step. `on_grads(parts)` runs after backward, before clipping (tests read grads)."""
+        started = time.perf_counter()
+        inputs, targets = self.data.next_global_batch()
+        valid = count_valid(targets)  # over the whole global batch: the denominator on every rank
+        local_inputs, local_targets = self.local_batch(inputs, targets)
+        microbatches = split_microbatches(local_inputs, local_targets, self.config.data.microbatches)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        loss_sum = self.runner.forward_backward(microbatches, valid)
+        if on_grads is not None:
+            on_grads(self.parts)
+        grad_norm = clip_grad_norm_(self.parameters(), self.config.optimizer.max_grad_norm, Meshes.group(self.meshes.pp))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.meshes.loss is not None:  # ranks reading different tokens add their sums
+            dist.all_reduce(loss_sum, group=self.meshes.loss.get_group())
+        self.progress.step += 1
+        self.progress.consumed_tokens += inputs.numel()
+        return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, inputs.numel(), started,
+                          self.layout.as_dict(), self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_pieces(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(sharded, small) Stateful pieces for the checkpoint manager."""
+        sharded = {checkpoint.SHARDED_KEY: checkpoint.ModelOptimizerState(self.parts, self.optimizer)}
+        small = {"scheduler": self.scheduler, "data": self.data, "progress": self.progress}
+        return sharded, small
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "consumed_sequences": self.progress.consumed_tokens // c.data.seq_len,
+            "consumed_tokens": self.progress.consumed_tokens,
+            "steps": c.runtime.steps,
+            "model": {"preset": c.model.preset, "config": self.model_config.as_dict()},
+            "seed": c.runtime.seed,
+            "layout": self.layout.as_dict(),
+            "sharding_strategy": c.parallel.fsdp.upper(),
+            "sequence_parallel": c.parallel.sequence_parallel,
+            "mixed_precision": c.mixed_precision,
+            "gradient_scaler_state": None,  # bf16/fp32 training uses no loss scaler
+            "config": c.to_dict(),
+        }
+
+    def save(self, manager: checkpoint.CheckpointManager) -> str:
+        sharded, small = self.checkpoint_pieces()
+        return str(manager.save(self.step, sharded, small, self.checkpoint_info()))
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore every piece from a checkpoint saved on any layout; collective. Returns the manifest."""
+        c = self.config
+        resolved = checkpoint.resolve(path)
+        manifest = checkpoint.read_manifest(resolved)
+        checkpoint.check_compatible(resolved, manifest, c.model.preset, self.model_config.as_dict(), c.data.seq_len)
+        sharded, small = self.checkpoint_pieces()
+        return checkpoint.CheckpointManager(None).load(resolved, sharded, small)

@@ -1,0 +1,134 @@
+"""The config and every input check, in-process: each bad input raises a one-line ValueError naming
+the value and the fix, before any rank starts. One subprocess test checks the CLI's exit code and
+that nothing ran."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import small_config
+from tessera.config import Config, add_arguments, config_from_args
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(tp=3), "tp=3 does not divide the 4 attention heads"),
+        (dict(tp=2, sequence_parallel=True, seq_len=33), "seq_len=33, tp=2; use --seq-len 32"),
+        (dict(model="llama9"), "unknown model preset 'llama9'"),
+        (dict(pp=2), "pp=2: the pp axis is not available yet"),
+        (dict(cp=2), "cp=2: the cp axis is not available yet"),
+        (dict(tp=0), "tp=0 must be a positive integer"),
+        (dict(dp=4, fsdp="HYBRID_SHARD"), "HYBRID_SHARD needs replica groups: dp=4 with dp_replicate=1"),
+        (dict(dp=2, fsdp="ZERO9"), "unknown FSDP strategy 'ZERO9'"),
+        (dict(dp=4, dp_replicate=3), "--dp-replicate 3 must divide --dp 4"),
+        (dict(dp=3, global_batch=8), "global batch 8 does not split over dp=3"),
+        (dict(dp=2, ac="most"), "unknown activation checkpointing 'most'"),
+        (dict(checkpoint_every=2), "--checkpoint-every needs --checkpoint-dir"),
+        (dict(microbatches=3), "--microbatches 3 does not divide the 4 rows each dp rank reads"),
+        (dict(dp=2, microbatches=4), "--microbatches 4 does not divide the 2 rows each dp rank reads"),
+        (dict(microbatches=0), "--microbatches 0 must be positive"),
+        (dict(max_grad_norm=0.0), "--max-grad-norm 0.0 would scale every gradient to zero"),
+        (dict(lr=-1e-3), "--lr -0.001 must be a positive number"),
+        (dict(warmup=-1), "--warmup -1 must be >= 0"),
+        (dict(timeout=0.0), "--timeout 0.0 must be a positive number of seconds"),
+        (dict(seq_len=4096), "--seq-len 4096 exceeds the debug preset's max_seq_len=2048"),
+        (dict(n_layers=0), "--n-layers 0 must be at least 1"),
+        (dict(device="tpu"), "--device 'tpu'; use auto, cpu or cuda"),
+        (dict(resume="/x", init_from="/y"), "--init-from and --resume together"),
+    ],
+)
+def test_bad_input_is_one_clear_line(overrides, message):
+    with pytest.raises(ValueError) as e:
+        small_config(**overrides).check()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_no_gpu_is_refused_when_cuda_is_asked_for():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="--device cuda: this machine has no CUDA GPU"):
+        small_config(device="cuda").check()
+
+
+def test_paths_are_checked_before_any_rank_starts(tmp_path):
+    with pytest.raises(ValueError, match=f"--metrics {tmp_path}/no/run.jsonl: directory {tmp_path}/no does not exist"):
+        small_config(metrics=str(tmp_path / "no" / "run.jsonl")).check()
+    with pytest.raises(ValueError, match="is a directory"):
+        small_config(metrics=str(tmp_path)).check()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=f"--checkpoint-dir {blocker}/ckpt cannot be created"):
+        small_config(checkpoint_dir=str(blocker / "ckpt"), checkpoint_every=1).check()
+    with pytest.raises(ValueError, match="saves nothing"):
+        small_config(checkpoint_dir=str(tmp_path / "c")).check()
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="not writable"):
+            small_config(metrics=str(ro / "m.jsonl")).check()
+    with pytest.raises(ValueError, match="no such file"):
+        small_config(init_from=str(tmp_path / "none.safetensors")).check()
+
+
+def test_init_from_a_file_of_another_models_shapes_is_refused(tmp_path):
+    import torch
+
+    from tessera.models import build_model
+    from tessera.parallel.checkpoint import write_safetensors
+
+    small = {k: v for k, v in build_model("small", seed=0).state_dict().items()}
+    write_safetensors(small, tmp_path / "small.safetensors")
+    with pytest.raises(ValueError, match="does not hold this model's weights"):
+        small_config(init_from=str(tmp_path / "small.safetensors")).check()
+    small_config(model="small", init_from=str(tmp_path / "small.safetensors")).check()  # the right model passes
+    (tmp_path / "junk.safetensors").write_bytes(b"\x05" * 40)
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        small_config(init_from=str(tmp_path / "junk.safetensors")).check()
+    assert torch.is_tensor(small["output.weight"])
+
+
+def _parse(argv, world=None):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_from_args(p.parse_args(argv), world)
+
+
+def test_cli_flags_map_onto_the_nested_config_and_round_trip():
+    c = _parse(["--model", "small", "--n-layers", "2", "--tp", "2", "--dp", "4", "--dp-replicate", "2", "--fsdp",
+                "HYBRID_SHARD", "--microbatches", "2", "--lr", "1e-3", "--beta2", "0.99", "--min-lr-ratio", "0.05",
+                "--checkpoint-dir", "/tmp/x", "--checkpoint-every", "5", "--resume", "--metrics", "m.jsonl"])
+    assert c.model.preset == "small" and c.model_config.n_layers == 2
+    assert (c.parallel.tp, c.parallel.dp, c.parallel.dp_replicate, c.parallel.fsdp) == (2, 4, 2, "HYBRID_SHARD")
+    assert c.data.microbatches == 2 and c.optimizer.beta2 == 0.99 and c.optimizer.min_lr_ratio == 0.05
+    assert c.checkpoint.resume == "" and c.resume_path == "/tmp/x"
+    assert json.loads(json.dumps(c.to_dict()))["parallel"]["tp"] == 2
+    defaults = _parse([])
+    assert defaults == Config()  # the CLI restates no default
+
+
+def test_degrees_not_given_are_inferred_from_the_torchrun_world():
+    assert _parse(["--tp", "2"], world=8).layout.as_dict() == dict(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=2)
+    assert _parse([], world=4).layout.dp_shard == 4
+    assert _parse(["--dp", "2"], world=4).layout.world_size == 2  # given degrees are kept; check_world_size refuses
+    with pytest.raises(ValueError, match="WORLD_SIZE=6 is not divisible by pp x cp x tp = 4"):
+        _parse(["--tp", "4"], world=6)
+
+
+def test_the_cli_exits_2_with_one_line_and_runs_nothing(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tessera.cli", "train", "--steps", "1", "--tp", "3"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == ["tessera train: error: tp=3 does not divide the 4 attention heads; use a tp that divides 4"]
+    version = subprocess.run([sys.executable, "-m", "tessera.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("tessera ")
+    missing = subprocess.run([sys.executable, "-m", "tessera.cli", "export", str(tmp_path), "--out", str(tmp_path / "no" / "m.safetensors")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "does not exist; create it first" in missing.stderr
