@@ -224,20 +224,23 @@ def param_init_std(name: str, cfg: ModelConfig) -> float | None:
 
 
 def init_region(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...], std: float | None,
-                seed: int) -> Tensor:
-    """The values of rows/columns [offset, offset + size) of parameter `name` (global `shape`), float32.
+                seed: int, out: Tensor | None = None) -> Tensor:
+    """The values of rows/columns [offset, offset + size) of parameter `name` (global `shape`), written
+    into `out` (any dtype and device) or a new float32 tensor.
 
     The global tensor is cut into fixed INIT_TILE tiles, each drawn from its own generator seeded by
     (seed, name, tile); a region draws only the tiles it covers. So every rank's shard equals that slice
     of the one-process initialization, and no rank ever holds more than its shard plus one tile."""
+    if out is None:
+        out = torch.empty(size)
     if std is None:
-        return torch.ones(size)
+        return out.fill_(1.0)
     if len(shape) > 2:
         raise ValueError(f"{name}: init_region handles 1-D and 2-D parameters, not shape {tuple(shape)}")
     shape2 = (shape[0], shape[1] if len(shape) == 2 else 1)
     off2 = (offset[0], offset[1] if len(shape) == 2 else 0)
     size2 = (size[0], size[1] if len(shape) == 2 else 1)
-    out = torch.empty(size2)
+    view = out.view(size2)
     (tr, tc) = INIT_TILE
     for i in range(off2[0] // tr, -(-(off2[0] + size2[0]) // tr)):
         for j in range(off2[1] // tc, -(-(off2[1] + size2[1]) // tc)):
@@ -248,8 +251,8 @@ def init_region(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size
             # the part of the tile inside the region
             a0, a1 = max(r0, off2[0]), min(r0 + tile_shape[0], off2[0] + size2[0])
             b0, b1 = max(c0, off2[1]), min(c0 + tile_shape[1], off2[1] + size2[1])
-            out[a0 - off2[0] : a1 - off2[0], b0 - off2[1] : b1 - off2[1]] = tile[a0 - r0 : a1 - r0, b0 - c0 : b1 - c0]
-    return out.reshape(size)
+            view[a0 - off2[0] : a1 - off2[0], b0 - off2[1] : b1 - off2[1]] = tile[a0 - r0 : a1 - r0, b0 - c0 : b1 - c0]
+    return out
 
 
 def local_region(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -278,6 +281,9 @@ def init_weights(model: Transformer, seed: int) -> None:
         offset, size = local_region(p)
         if tuple(local.shape) != tuple(size):
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {size} at {offset}")
-        with torch.no_grad():
-            local.copy_(init_region(name, tuple(p.shape), offset, size, param_init_std(name, cfg), seed).to(local.dtype))
+        with torch.no_grad():  # in place, tile by tile: no shard-sized temporary
+            if local.is_contiguous():
+                init_region(name, tuple(p.shape), offset, size, param_init_std(name, cfg), seed, out=local)
+            else:
+                local.copy_(init_region(name, tuple(p.shape), offset, size, param_init_std(name, cfg), seed))
     model.rope.reset_tables(next(model.parameters()).device)

@@ -96,3 +96,11 @@ def full_parameters(config: Config):
     trainer = Trainer(config, torch.device("cpu"))
     out = {clean_name(n): full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters()}
     return out if trainer.rank == 0 else None
+
+
+def resumed_full_parameters(config: Config):
+    """Every parameter's full value after loading config's --resume checkpoint (rank 0)."""
+    trainer = Trainer(config, torch.device("cpu"))
+    trainer.load(config.resume_path)
+    out = {clean_name(n): full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters()}
+    return out if trainer.rank == 0 else None

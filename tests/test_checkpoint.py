@@ -45,22 +45,23 @@ def test_atomic_layout_latest_and_keep(saved):
 def step3(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt3")
     history = train(small_config(dp=4, steps=6, checkpoint_dir=str(root), checkpoint_every=3))
-    return root / "step_00000003", [m["loss"] for m in history]
+    return root / "step_00000003", [(m["loss"], m["grad_norm"]) for m in history]
 
 
 def test_resume_on_the_same_layout_is_bitwise(step3):
-    path, losses = step3
+    path, history = step3
     resumed = train(small_config(dp=4, steps=6, resume=str(path)))
     assert [m["step"] for m in resumed] == [4, 5, 6]
-    assert [m["loss"] for m in resumed] == losses[3:]
+    assert [(m["loss"], m["grad_norm"]) for m in resumed] == history[3:]
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(tp=2, sequence_parallel=True), dict()], ids=["dp2xtp2", "tp2+sp", "one"])
 def test_resume_on_another_layout_reshards(step3, layout):
-    path, losses = step3
+    path, history = step3
     resumed = train(small_config(steps=6, resume=str(path), **layout))
-    for a, b in zip([m["loss"] for m in resumed], losses[3:]):
-        assert abs(a - b) <= 1e-5 * abs(b)
+    assert len(resumed) == 3
+    for m, (loss, norm) in zip(resumed, history[3:]):
+        assert abs(m["loss"] - loss) <= 1e-5 * abs(loss) and abs(m["grad_norm"] - norm) <= 1e-5 * abs(norm)
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -130,6 +131,13 @@ def test_export_full_state_dict_and_load_it_into_any_layout(step3, tmp_path):
     reference = build_model("debug")
     assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     assert not torch.equal(full["output.weight"], reference.output.weight)  # trained, not the initialization
+    from helpers import resumed_full_parameters
+
+    config = small_config(dp=4, steps=6, resume=str(step3[0]))
+    trained = run_ranks(resumed_full_parameters, 4, config, timeout=120)[0]  # the weights of step 3, resharded
+    assert sorted(trained) == sorted(full)
+    for name, value in trained.items():
+        assert torch.equal(full[name], value), name
     losses = [
         run_ranks(first_loss, c.layout.world_size, c, timeout=120)[0]
         for c in (small_config(init_from=str(out_file)), small_config(dp=2, tp=2, init_from=str(out_file)))

@@ -1,6 +1,5 @@
 """build_mesh agrees with Layout.group on every axis and flattened submesh: gloo ranks and the fake backend."""
 
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -40,11 +39,9 @@ big_degree = st.sampled_from([1, 2, 4, 8])
 def test_build_mesh_on_fake_backend_at_scale(layout, data):
     for _ in range(2):
         rank = data.draw(st.integers(0, layout.world_size - 1))
-        start = time.monotonic()
         with dry_run(layout, rank=rank) as mesh:
             for name in NAMES:
                 assert mesh_group_ranks(mesh, name) == layout.group(name, rank), (name, rank)
-        assert time.monotonic() - start < 10
 
 
 def test_dry_run_4096_ranks():
