@@ -2,6 +2,7 @@
 
 
 import pytest
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,3 +55,27 @@ def test_dry_run_4096_ranks():
 def test_build_mesh_refuses_without_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         Layout(tp=2).build_mesh("cpu")
+
+
+@pytest.mark.parametrize(
+    "layout, on",
+    [
+        (Layout(), set()),
+        (Layout(tp=2), {"tp"}),
+        (Layout(dp_shard=2, tp=2), {"tp", "fsdp", "batch", "loss"}),
+        (Layout(dp_replicate=2, dp_shard=2), {"fsdp", "batch", "loss"}),
+        (Layout(pp=2, cp=2, tp=2), {"pp", "cp", "tp", "fsdp", "loss"}),
+    ],
+)
+def test_meshes_by_purpose_are_none_when_their_axes_are_off(layout, on):
+    from tessera.topology import Meshes
+
+    with dry_run(layout, rank=layout.world_size - 1) as mesh:
+        meshes = Meshes(layout, mesh=mesh)
+        assert {n for n in ("tp", "pp", "cp", "fsdp", "batch", "loss") if getattr(meshes, n) is not None} == on
+        if meshes.fsdp is not None:
+            assert meshes.fsdp_size == layout.dp_shard * layout.cp * layout.dp_replicate
+            assert meshes.fsdp.ndim == (2 if layout.dp_replicate > 1 else 1)
+        if meshes.loss is not None:
+            assert mesh_group_ranks(mesh, "dp_cp") == dist.get_process_group_ranks(meshes.loss.get_group())
+        assert meshes.batch_index == layout.index("dp", layout.world_size - 1)
