@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, device_info, write_results  # noqa: E402
+from common import device_info, write_results  # noqa: E402
 
 from tessera.kernels import flash_attention, rms_norm, rms_norm_reference  # noqa: E402
 

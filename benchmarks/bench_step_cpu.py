@@ -11,7 +11,6 @@ both alike. The ratio is the median tessera step time over the median plain step
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import tempfile
@@ -86,7 +85,6 @@ class PlainLlama(nn.Module):
         own = {}
         for name, value in state.items():
             name = name.replace("attention.", "").replace("feed_forward.", "").replace(".weight", "")
-            name = name.replace("norm", "norm") if name in ("norm",) else name
             own[name] = value
         mapped = {}
         for name in self.state_dict():

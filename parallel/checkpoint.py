@@ -25,7 +25,7 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -168,11 +168,14 @@ class CheckpointManager:
         dist.barrier()
         return final
 
-    def load(self, path: str | os.PathLike, sharded: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
-        """Verify every file, then restore the pieces (any layout) and this rank's RNG; collective.
-        Returns the manifest. The caller checks compatibility with `check_compatible` first."""
+    def load(self, path: str | os.PathLike, sharded: dict[str, Any], small: dict[str, Any],
+             check: Callable[[Path, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Run `check(path, manifest)` (e.g. `check_compatible`), verify every file, then restore the
+        pieces (any layout) and this rank's RNG; collective. Returns the manifest."""
         path = resolve(path)
         manifest = read_manifest(path)
+        if check is not None:
+            check(path, manifest)
         verify_files(path, manifest)
         dcp.load(dict(sharded), checkpoint_id=str(path / "state"))
         for name, piece in small.items():

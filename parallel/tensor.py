@@ -20,7 +20,6 @@ which lets checkpoints move between tp degrees.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn

@@ -117,7 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from tessera.parallel.checkpoint import CheckpointError
     from tessera.parallel.launch import RankFailure
 
     from .config import config_from_args

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tessera.topology import Layout
@@ -54,9 +54,10 @@ class ParallelSection:
                 f"--dp-replicate {self.dp_replicate} must divide --dp {self.dp} (dp = dp_replicate x dp_shard); "
                 f"use --dp {self.dp_replicate * max(1, self.dp // self.dp_replicate)}"
             )
-        if self.fsdp.upper() == "NO_SHARD":
-            return Layout(pp=self.pp, dp_replicate=self.dp, dp_shard=1, cp=self.cp, tp=self.tp)
-        return Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp // self.dp_replicate, cp=self.cp, tp=self.tp)
+        from tessera.parallel.data import layout_for_strategy
+
+        layout = Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp // self.dp_replicate, cp=self.cp, tp=self.tp)
+        return layout_for_strategy(layout, self.fsdp.upper())
 
 
 @dataclass(frozen=True)
@@ -133,17 +134,6 @@ class Config:
             parts[section][name] = value
         return cls(**{s: SECTIONS[s](**kw) for s, kw in parts.items()})
 
-    def replace(self, **flat: Any) -> "Config":
-        """A copy with some flat fields changed (same names as `create`)."""
-        by_name = _flat_names()
-        out = self
-        for key, value in flat.items():
-            if key not in by_name:
-                raise ValueError(f"unknown config field {key!r}")
-            section, name = by_name[key]
-            out = replace(out, **{section: replace(getattr(out, section), **{name: value})})
-        return out
-
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
@@ -213,7 +203,7 @@ def _flat_names() -> dict[str, tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------- the command line, from the fields
-def flag_of(section: str, f: dataclasses.Field) -> str:
+def flag_of(f: dataclasses.Field) -> str:
     if f.metadata.get("flag"):
         return f.metadata["flag"]
     return "--" + f.name.replace("_", "-")
@@ -243,11 +233,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help_ = f.metadata["doc"] + ("" if default in (None, False) else f" (default: {default})")
             dest = f"{section}.{f.name}"
             if isinstance(default, bool):
-                group.add_argument(flag_of(section, f), dest=dest, action="store_true", help=help_)
+                group.add_argument(flag_of(f), dest=dest, action="store_true", help=help_)
                 continue
             if section == "parallel" and f.name in DEGREE_FLAGS:
                 default = None
-            group.add_argument(flag_of(section, f), dest=dest, type=_parse_type(f, f.default), default=default,
+            group.add_argument(flag_of(f), dest=dest, type=_parse_type(f, f.default), default=default,
                                help=help_, **extra)
 
 

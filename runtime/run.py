@@ -128,7 +128,7 @@ def run_rank(config: Config) -> list[dict[str, Any]] | None:
     return history if rank == 0 else None
 
 
-def _spawn_backend(config: Config) -> str:
+def _backend(config: Config) -> str:
     return "nccl" if config.device_type() == "cuda" else "gloo"
 
 
@@ -137,8 +137,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
     step records (None on other torchrun ranks)."""
     config.check()
     if under_torchrun():
-        backend = "nccl" if config.device_type() == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=config.runtime.timeout))
+        dist.init_process_group(_backend(config), timeout=timedelta(seconds=config.runtime.timeout))
         try:
             return run_rank(config)
         finally:
@@ -147,7 +146,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
 
     world = config.layout.world_size
     return run_ranks(run_rank, world, config, timeout=None, collective_timeout=config.runtime.timeout,
-                     backend=_spawn_backend(config))[0]
+                     backend=_backend(config))[0]
 
 
 def error_exit(command: str, message: str) -> int:

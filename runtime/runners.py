@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-import torch
 from torch import Tensor, nn
 
 Microbatch = tuple[Tensor, Tensor]  # (inputs, targets) of shape (rows, seq)
@@ -60,8 +59,3 @@ def split_microbatches(inputs: Tensor, targets: Tensor, count: int) -> list[Micr
     """Rows cut into `count` equal microbatches (the config checks that they divide)."""
     return list(zip(inputs.chunk(count), targets.chunk(count)))
 
-
-def no_grad_forward_loss(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """(loss sum, valid count) of one batch, without gradients (evaluation, tests)."""
-    with torch.no_grad():
-        return loss_fn(model(inputs), targets)

@@ -197,8 +197,9 @@ class Trainer:
     def load(self, path: str) -> dict[str, Any]:
         """Restore every piece from a checkpoint saved on any layout; collective. Returns the manifest."""
         c = self.config
-        resolved = checkpoint.resolve(path)
-        manifest = checkpoint.read_manifest(resolved)
-        checkpoint.check_compatible(resolved, manifest, c.model.preset, self.model_config.as_dict(), c.data.seq_len)
+
+        def check(resolved, manifest):
+            checkpoint.check_compatible(resolved, manifest, c.model.preset, self.model_config.as_dict(), c.data.seq_len)
+
         sharded, small = self.checkpoint_pieces()
-        return checkpoint.CheckpointManager(None).load(resolved, sharded, small)
+        return checkpoint.CheckpointManager(None).load(path, sharded, small, check)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.kernels import attention_reference, flash_attention, rms_norm, rms_norm_reference
+from tessera.kernels import flash_attention, rms_norm, rms_norm_reference
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under TRITON_INTERPRET=1"
