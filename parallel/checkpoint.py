@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
 
-FORMAT_VERSION = 2  # 2: pieces saved by CheckpointManager (progress, scheduler, data) and the full config
+FORMAT_VERSION = 3  # 3: optimizer state flattened by parameter name (any pp split loads any other)
 MANIFEST = "manifest.json"
 SHARDED_KEY = "model_optimizer"  # the DCP key of the model and optimizer state
 
@@ -89,29 +89,46 @@ def _my_share(files: list[Path], rank: int, world: int) -> list[Path]:
 
 # ----------------------------------------------------------------------------- the manager
 class ModelOptimizerState:
-    """The model part(s) and their optimizer as one DCP Stateful: sharded tensors, resharded on load.
-    Parameter names are the one-process names, so any layout (any pp split) loads any checkpoint."""
+    """The model part(s) and their optimizers as one DCP Stateful: sharded tensors, resharded on load.
 
-    def __init__(self, parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer):
-        self.parts, self.optimizer = parts, optimizer
+    Each part has its own optimizer (`optimizers.optimizers`, or one plain optimizer for one part), and
+    both model and optimizer state are keyed by the one-process parameter names (the optimizer state
+    flattened: state.layers.5.attention.wq.weight.exp_avg), so a checkpoint saved on any layout, any
+    pp split included, loads on any other."""
+
+    def __init__(self, parts: list[torch.nn.Module], optimizers: Any):
+        self.parts = parts
+        self.optimizers = list(getattr(optimizers, "optimizers", [optimizers]))
+        if len(self.optimizers) != len(parts):
+            raise ValueError(f"{len(parts)} model parts need one optimizer each, got {len(self.optimizers)}")
 
     def state_dict(self) -> dict[str, Any]:
         model, optim = {}, {}
-        for part in self.parts:
-            m, o = get_state_dict(part, self.optimizer)
+        for part, optimizer in zip(self.parts, self.optimizers):
+            m, o = get_state_dict(part, optimizer, options=_OPTIONS)
             model.update(m)
-            optim = _merge_optim(optim, o)
+            optim.update(o)
         return {"model": model, "optimizer": optim}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part in self.parts:
-            set_state_dict(part, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        for part, optimizer in zip(self.parts, self.optimizers):
+            names = set(get_model_state_dict_names(part))
+            model = {k: v for k, v in state["model"].items() if k in names}
+            optim = {k: v for k, v in state["optimizer"].items() if _optim_key_param(k) in names}
+            set_state_dict(part, optimizer, model_state_dict=model, optim_state_dict=optim, options=_OPTIONS)
 
 
-def _merge_optim(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    if not a:
-        return b
-    return {"state": {**a.get("state", {}), **b.get("state", {})}, "param_groups": a.get("param_groups", []) + b.get("param_groups", [])}
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def get_model_state_dict_names(part: torch.nn.Module) -> list[str]:
+    """The state-dict names of a part (one-process names: wrappers' prefixes removed)."""
+    return [k.replace("_checkpoint_wrapped_module.", "") for k in part.state_dict().keys()]
+
+
+def _optim_key_param(key: str) -> str:
+    """state.layers.0.attention.wq.weight.exp_avg -> layers.0.attention.wq.weight (the same for param_groups)."""
+    return key.split(".", 1)[1].rsplit(".", 1)[0]
 
 
 class CheckpointManager:
@@ -352,7 +369,11 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
 def load_full_state_dict(model: torch.nn.Module, file: str | os.PathLike) -> None:
     """Load a full (unsharded) state dict into a model on any layout: rank 0 reads, DCP scatters."""
     full = read_safetensors(file) if dist.get_rank() == 0 else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # not strict: a pipeline stage takes only the names it holds; each must be in the file
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    missing = set_model_state_dict(model, full, options=options).missing_keys
+    if missing:
+        raise CheckpointError(f"{file} lacks {len(missing)} parameter(s) of this model, e.g. {sorted(missing)[0]}")
 
 
 def read_safetensors_header(file: str | os.PathLike) -> dict[str, Any]:

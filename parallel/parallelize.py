@@ -26,6 +26,7 @@ from .data import (
     check_data_parallel,
     layout_for_strategy,
 )
+from .pipeline import PipelineConfig, check_pipeline
 from .tensor import apply_tp, check_tensor_parallel
 
 
@@ -34,16 +35,20 @@ class ParallelConfig:
     layout: Layout
     sequence_parallel: bool = False
     data: DataParallelConfig = field(default_factory=DataParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def check(self, model_config, seq_len: int | None = None, global_batch: int | None = None,
-              microbatches: int = 1) -> None:
+              microbatches: int | None = None) -> None:
         """Every check that can fail, before any process group starts."""
         layout = self.layout
-        for axis in ("pp", "cp"):
-            if getattr(layout, axis) != 1:
-                raise ValueError(f"{axis}={getattr(layout, axis)}: the {axis} axis is not available yet; use {axis}=1")
+        microbatches = microbatches or self.pipeline.microbatches
+        if layout.cp != 1:
+            raise ValueError(f"cp={layout.cp}: the cp axis is not available yet; use cp=1")
         check_tensor_parallel(model_config, layout.tp, self.sequence_parallel, seq_len)
         check_data_parallel(self.data, layout)
+        if layout.pp > 1:
+            check_pipeline(self.pipeline, layout.pp, model_config.n_layers, self.uses_fsdp,
+                           self.data.activation_checkpointing)
         if global_batch is not None and global_batch % layout.dp:
             raise ValueError(
                 f"global batch {global_batch} does not split over dp={layout.dp}; use a multiple of {layout.dp}"
@@ -91,32 +96,47 @@ def dry_run_model_states(
     strategy: str = "FULL_SHARD",
     sequence_parallel: bool = False,
     rank: int = 0,
+    pipeline: PipelineConfig | None = None,
 ) -> dict[str, float]:
-    """Per-rank model-state bytes of `rank`, counted from the parameters that tp and FSDP2 actually
-    leave on it: the preset is built on the meta device and parallelized on the fake backend, so any
-    layout (thousands of ranks) is measured in one process, in seconds."""
+    """Per-rank model-state bytes of `rank`, counted from the parameters that pp, tp and FSDP2 actually
+    leave on it: the preset (only `rank`'s pipeline stages when pp > 1) is built on the meta device and
+    parallelized on the fake backend, so any layout (thousands of ranks) is measured in one process."""
     from torch.distributed.tensor import DTensor
 
-    from tessera.models import build_model
+    from tessera.models import build_model, get_preset
     from tessera.topology import dry_run
     from tessera.topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
 
-    def local_numel(m: nn.Module) -> int:
-        return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in m.parameters())
+    from .pipeline import build_stage, split_layers, stages_of_rank
+
+    def local_numel(parts: list[nn.Module]) -> int:
+        return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for m in parts for p in m.parameters())
 
     r, stage = get_recipe(recipe), zero_stage_of(strategy)
     layout = layout_for_strategy(layout, strategy)
     data = DataParallelConfig(strategy=strategy)
+    cfg = get_preset(model)
+    pipeline = pipeline or PipelineConfig()
     with dry_run(layout, rank=rank) as mesh:
         meshes = Meshes(layout, "cpu", mesh=mesh)
-        m = build_model(model, device="meta")
-        if meshes.tp is not None:
-            apply_tp(m, meshes.tp, sequence_parallel)
-        unsharded = local_numel(m)  # this rank's tp slice, whole over dp
-        if meshes.fsdp is not None:
-            apply_fsdp(m, meshes.fsdp, data)
-        sharded = local_numel(m)
-    out = {"local_params": float(sharded), "tp_local_params": float(unsharded)}
+        if layout.pp > 1:
+            n_stages = layout.pp * pipeline.virtual
+            layers = split_layers(cfg.n_layers, n_stages, pipeline.layers_per_stage)
+            stages = stages_of_rank(layout.index("pp", rank), layout.pp, pipeline.virtual)
+            parts = [build_stage(cfg, s, n_stages, layers[s]) for s in stages]
+        else:
+            stages, layers, parts = [0], [range(cfg.n_layers)], [build_model(cfg, device="meta")]
+        stage_params = local_numel(parts)  # the stage(s) whole, before tp and FSDP
+        for m in parts:
+            if meshes.tp is not None:
+                apply_tp(m, meshes.tp, sequence_parallel)
+        unsharded = local_numel(parts)  # this rank's tp slice, whole over dp
+        for m in parts:
+            if meshes.fsdp is not None:
+                apply_fsdp(m, meshes.fsdp, data, pipelined=meshes.pp is not None)
+        sharded = local_numel(parts)
+    out = {"local_params": float(sharded), "tp_local_params": float(unsharded), "stage_params": float(stage_params),
+           "stages": stages, "layers": [[layers[s].start, layers[s].stop] for s in stages]}
     for component in ("parameters", "gradients", "optimizer"):
         count = sharded if component in SHARDED_BY_STAGE[stage] else unsharded
         out[component] = float(count * getattr(r, component))

@@ -49,13 +49,38 @@ def _memory_dry_run(args: argparse.Namespace) -> None:
 
     if args.model is None:
         raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device)")
-    layout = Layout(dp_shard=args.dp, tp=args.tp)
+    layout = Layout(pp=args.pp, dp_shard=args.dp, tp=args.tp)
+    if args.pp > 1:
+        from tessera.models import get_preset
+
+        if args.pp > get_preset(args.model).n_layers:
+            raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {get_preset(args.model).n_layers} layers")
+        _memory_per_stage(args, layout)
+        return
     for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
         m = dry_run_model_states(args.model, layout, args.recipe, strategy)
         print(
             f"dry run, {args.model} on {layout.world_size} fake ranks ({layout}), {strategy:<13}: "
             f"{m['local_params'] / 1e6:,.1f}M parameters on rank 0; model states "
             + " + ".join(f"{m[c] / 1e9:.2f}" for c in ("parameters", "gradients", "optimizer"))
+            + f" = {m['total'] / 1e9:.2f} GB per rank"
+        )
+
+
+def _memory_per_stage(args: argparse.Namespace, layout) -> None:
+    """One line per pipeline stage: its layers, its parameters, and a rank's model states (FULL_SHARD)."""
+    from tessera.parallel.parallelize import dry_run_model_states
+
+    print(f"dry run, {args.model} on {layout.world_size} fake ranks ({layout}), FULL_SHARD, per pipeline stage:")
+    for stage in range(args.pp):
+        rank = layout.rank_of({"pp": stage})
+        m = dry_run_model_states(args.model, layout, args.recipe, "FULL_SHARD", rank=rank)
+        first, last = m["layers"][0]
+        extras = (["embedding"] if stage == 0 else []) + (["norm + head"] if stage == args.pp - 1 else [])
+        print(
+            f"  stage {stage}: layers {first}-{last - 1}{' + ' + ', '.join(extras) if extras else ''}, "
+            f"{m['stage_params'] / 1e9:.2f}B parameters; {m['local_params'] / 1e6:,.1f}M on each of its ranks; "
+            f"model states " + " + ".join(f"{m[c] / 1e9:.2f}" for c in ("parameters", "gradients", "optimizer"))
             + f" = {m['total'] / 1e9:.2f} GB per rank"
         )
 
@@ -90,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--params", type=_float, default=None, help="parameter count, e.g. 70e9")
     mem.add_argument("--model", default=None, help="a model preset (its parameter count, and --dry-run)")
     mem.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for --dry-run")
+    mem.add_argument("--pp", type=int, default=1, help="pipeline stages for --dry-run (per-stage figures)")
     mem.add_argument("--dry-run", action="store_true",
                      help="also build the preset on the fake backend and count the shards each rank holds")
     mem.add_argument("--dp", type=int, default=1, help="data-parallel ranks sharing the model states")

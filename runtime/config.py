@@ -31,7 +31,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class ParallelSection:
-    pp: int = opt(1, "pipeline-parallel stages (must be 1 until the pipeline axis lands)")
+    pp: int = opt(1, "pipeline-parallel ranks (stages of the model, each on its own ranks)")
     dp: int = opt(1, "data-parallel degree (dp_replicate x dp_shard), sharded with FSDP2")
     dp_replicate: int = opt(1, "replicas of the FSDP shard group (HSDP); must divide --dp")
     cp: int = opt(1, "context-parallel degree (must be 1 until the context axis lands)")
@@ -41,6 +41,20 @@ class ParallelSection:
     ac: str = opt("none", "activation checkpointing: none, full or selective (every other block)")
     mixed_precision: str | None = opt(None, "parameter compute dtype, bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)")
+    schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (default with --pp > 1: 1f1b)")
+    virtual: int = opt(1, "virtual pipeline stages per pp rank (interleaved-1f1b: stage s on rank s % pp)")
+    pp_layers: str | None = opt(None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,...")
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...] | None:
+        """--pp-layers as integers (None: an even split)."""
+        if self.pp_layers is None:
+            return None
+        text = self.pp_layers if isinstance(self.pp_layers, str) else ",".join(map(str, self.pp_layers))
+        try:
+            return tuple(int(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(f"--pp-layers {text!r} must be comma-separated layer counts, e.g. 3,3,2") from None
 
     @property
     def layout(self) -> Layout:
@@ -170,9 +184,12 @@ class Config:
         from tessera.parallel import ParallelConfig
         from tessera.parallel.data import DataParallelConfig
 
+        from tessera.parallel.pipeline import PipelineConfig
+
         p = self.parallel
         data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
-        return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data)
+        pipeline = PipelineConfig(p.schedule or "1f1b", p.virtual, p.layers_per_stage, self.data.microbatches)
+        return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data, pipeline=pipeline)
 
     @property
     def resume_path(self) -> str:

@@ -18,6 +18,7 @@ def check(config: Config) -> None:
     _check_numbers(config)
     model = _check_model(config)
     layout = config.layout  # degrees, dp_replicate vs dp
+    _check_pipeline_flags(config)
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
     _check_paths(config, model)
@@ -67,6 +68,19 @@ def _check_numbers(config: Config) -> None:
             "--init-from and --resume together: a resume restores the weights from the checkpoint, so --init-from "
             "would be ignored; use one of them"
         )
+
+
+def _check_pipeline_flags(config: Config) -> None:
+    """Pipeline flags without a pipeline would do nothing: refused, not ignored."""
+    p = config.parallel
+    if not isinstance(p.virtual, int) or p.virtual < 1:
+        raise ValueError(f"--virtual {p.virtual} must be a positive integer (stages per pp rank)")
+    if p.pp > 1:
+        return
+    for flag, given in (("--schedule", p.schedule is not None), ("--virtual", p.virtual != 1),
+                        ("--pp-layers", p.pp_layers is not None)):
+        if given:
+            raise ValueError(f"{flag} applies to pipeline parallel, and --pp is 1: add --pp 2 (or more), or drop {flag}")
 
 
 def _check_model(config: Config):

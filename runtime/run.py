@@ -98,7 +98,8 @@ def run_rank(config: Config) -> list[dict[str, Any]] | None:
     say = (lambda text: print(text, flush=True)) if rank == 0 and not quiet else (lambda text: None)
     say(startup_line(config, trainer))
     if config.checkpoint.init_from:
-        checkpoint.load_full_state_dict(trainer.model, config.checkpoint.init_from)
+        for part in trainer.parts:  # a pipeline stage takes the names it holds
+            checkpoint.load_full_state_dict(part, config.checkpoint.init_from)
         say(f"loaded weights from {config.checkpoint.init_from}")
     if config.checkpoint.resume is not None:
         manifest = trainer.load(config.resume_path)

@@ -25,7 +25,10 @@ from tessera.models import build_model
 from tessera.models.data import TokenStream
 from tessera.parallel import checkpoint, materialize, parallelize
 from tessera.parallel.clip import clip_grad_norm_
+from tessera.parallel.comm import collective
+from tessera.parallel.data import PRECISIONS
 from tessera.parallel.loss import CrossEntropySum, count_valid
+from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank
 from tessera.topology import Meshes
 
 from .config import Config
@@ -73,6 +76,51 @@ class Progress:
         self.step, self.consumed_tokens = int(state["step"]), int(state["consumed_tokens"])
 
 
+class PartOptimizers:
+    """One AdamW per model part (a pipeline rank may hold several stages), stepped together. Per part,
+    so that checkpoints key each part's optimizer state by its parameters' one-process names."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[Tensor, Any]:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+
+class PartSchedulers:
+    """The same LR schedule on each part's optimizer; Stateful as one schedule."""
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]):
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for s in self.schedulers:
+            s.load_state_dict(state)
+
+
 @dataclass
 class StepResult:
     """One step's figures, as tensors until `record()` reads them (one host sync, at logging time)."""
@@ -111,25 +159,56 @@ class Trainer:
         self.meshes = Meshes(self.layout, self.device.type)
         self.rank = dist.get_rank()
         self.model_config = config.model_config
-        model = build_model(self.model_config, device="meta")
-        parallelize(model, self.meshes, config.parallel_config())
-        materialize(model, self.device, config.runtime.seed)
-        self.parts: list[nn.Module] = [model]
         self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
+        if self.layout.pp > 1:
+            self.parts, self.runner = self._build_pipeline()
+        else:
+            model = build_model(self.model_config, device="meta")
+            parallelize(model, self.meshes, config.parallel_config())
+            materialize(model, self.device, config.runtime.seed)
+            self.parts = [model]
+            self.runner = LocalRunner(model, self.loss_fn, grad_scale=self.meshes.fsdp_size)
         o = config.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(o.warmup, config.runtime.steps, o.min_lr_ratio)
-        )
+        self.optimizer = PartOptimizers([
+            torch.optim.AdamW(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+            for part in self.parts
+        ])
+        self.scheduler = PartSchedulers([
+            torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup, config.runtime.steps, o.min_lr_ratio))
+            for opt in self.optimizer.optimizers
+        ])
         self.data = data if data is not None else TokenStream(config.data.seq_len, config.data.global_batch)
         self.progress = Progress()
-        self.runner: Runner = LocalRunner(model, self.loss_fn, grad_scale=self.meshes.fsdp_size)
+
+    def _build_pipeline(self) -> tuple[list[nn.Module], Runner]:
+        """Only this rank's stage(s), each built on the meta device, parallelized, then materialized."""
+        c, pc = self.config, self.config.parallel_config()
+        pp, virtual = self.layout.pp, pc.pipeline.virtual
+        n_stages = pp * virtual
+        layers = split_layers(self.model_config.n_layers, n_stages, pc.pipeline.layers_per_stage)
+        stages: dict[int, nn.Module] = {}
+        for s in stages_of_rank(self.layout.index("pp", self.rank), pp, virtual):
+            part = build_stage(self.model_config, s, n_stages, layers[s])
+            parallelize(part, self.meshes, pc)
+            materialize(part, self.device, c.runtime.seed)
+            stages[s] = part
+        tp = self.layout.tp if c.parallel.sequence_parallel else 1
+        dtype = PRECISIONS[pc.data.mixed_precision] if self.meshes.fsdp is not None else torch.float32
+        dim = self.model_config.dim
+
+        def activation(rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
+            return (rows, seq // tp, dim), dtype  # sequence parallel: S / tp positions between stages
+
+        runner = PipelineRunner(stages, pc.pipeline.schedule, Meshes.group(self.meshes.pp), c.data.microbatches,
+                                virtual, self.loss_fn, activation, self.device, grad_scale=self.meshes.fsdp_size,
+                                timeout=c.runtime.timeout)
+        return list(stages.values()), runner
 
     @property
     def model(self) -> nn.Module:
-        """The model part of a run without pipeline stages."""
+        """The model of a run without pipeline stages (a pipeline rank holds `parts`)."""
+        if len(self.parts) != 1 or self.layout.pp > 1:
+            raise AttributeError(f"a pipeline rank (pp={self.layout.pp}) holds stage parts, not the model: use trainer.parts")
         return self.parts[0]
 
     @property
@@ -160,8 +239,12 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
+            with collective("all_reduce (loss)", "pp", self.meshes.pp.get_group()):
+                dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
         if self.meshes.loss is not None:  # ranks reading different tokens add their sums
-            dist.all_reduce(loss_sum, group=self.meshes.loss.get_group())
+            with collective("all_reduce (loss)", "dp_cp", self.meshes.loss.get_group()):
+                dist.all_reduce(loss_sum, group=self.meshes.loss.get_group())
         self.progress.step += 1
         self.progress.consumed_tokens += inputs.numel()
         return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, inputs.numel(), started,

@@ -38,3 +38,15 @@ def masked_reference():
     from tessera.parallel.launch import run_ranks
 
     return run_ranks(train_losses_and_grads, 1, small_config(), True, timeout=120)[0]
+
+
+PIPELINE_BASE = dict(n_layers=8, global_batch=8)  # deep enough for 8 virtual stages, rows for dp4 x 2 microbatches
+
+
+@pytest.fixture(scope="session")
+def deep_reference():
+    """The one-process run the pipeline layouts are compared with (8 layers, 8 rows per step)."""
+    from helpers import small_config, train_losses_and_grads
+    from tessera.parallel.launch import run_ranks
+
+    return run_ranks(train_losses_and_grads, 1, small_config(**PIPELINE_BASE), timeout=120)[0]

@@ -36,6 +36,20 @@ def clean_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
+def gather_by_name(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Merge every rank's {name: full tensor} (pipeline ranks hold different stages)."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return local
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    merged: dict[str, torch.Tensor] = {}
+    for part in everyone:
+        merged.update(part)
+    return merged
+
+
 def train_losses_and_grads(config: Config, masked: bool = False):
     """Run config's steps; return (per-step losses, per-step grad norms, full gradients of step 1 before
     clipping) on rank 0 and None elsewhere. Every rank takes part in gathering the gradients."""
@@ -49,6 +63,7 @@ def train_losses_and_grads(config: Config, masked: bool = False):
                 grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
 
     records = [trainer.train_step(on_grads=keep if s == 0 else None).record() for s in range(config.runtime.steps)]
+    grads = gather_by_name(grads)
     if trainer.rank != 0:
         return None
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads
@@ -94,13 +109,17 @@ def first_loss(config: Config):
 def full_parameters(config: Config):
     """Every parameter's full value after the meta build, parallelize and materialize (rank 0)."""
     trainer = Trainer(config, torch.device("cpu"))
-    out = {clean_name(n): full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters()}
+    out = gather_by_name(named_full_parameters(trainer))
     return out if trainer.rank == 0 else None
+
+
+def named_full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {clean_name(n): full_tensor(p).detach().clone() for part in trainer.parts for n, p in part.named_parameters()}
 
 
 def resumed_full_parameters(config: Config):
     """Every parameter's full value after loading config's --resume checkpoint (rank 0)."""
     trainer = Trainer(config, torch.device("cpu"))
     trainer.load(config.resume_path)
-    out = {clean_name(n): full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters()}
+    out = gather_by_name(named_full_parameters(trainer))
     return out if trainer.rank == 0 else None

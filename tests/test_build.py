@@ -22,8 +22,8 @@ def one_process_parameters():
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, tp=2), dict(dp=4, dp_replicate=2), dict(dp=2, ac="full"),
-                                    dict(tp=4, sequence_parallel=True)],
-                         ids=["tp2", "dp2xtp2", "hsdp2x2", "dp2+ac", "tp4+sp"])
+                                    dict(tp=4, sequence_parallel=True), dict(pp=2, tp=2, microbatches=2)],
+                         ids=["tp2", "dp2xtp2", "hsdp2x2", "dp2+ac", "tp4+sp", "pp2xtp2"])
 def test_meta_built_shards_equal_the_one_process_initialization(one_process_parameters, layout):
     config = small_config(**layout)
     got = run_ranks(full_parameters, config.layout.world_size, config, timeout=120)[0]

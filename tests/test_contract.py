@@ -44,6 +44,24 @@ MASKED_LAYOUTS = {
 }
 
 
+# pipeline parallel, compared with the 8-layer one-process run (conftest.deep_reference, 8 rows per step)
+PIPELINE_LAYOUTS = {
+    **{f"pp2-{kind}": dict(pp=2, schedule=kind, microbatches=4) for kind in ("gpipe", "1f1b", "zb-h1")},
+    "pp2-interleaved-v2": dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=4),
+    "pp2-interleaved-v4": dict(pp=2, schedule="interleaved-1f1b", virtual=4, microbatches=2),
+    **{f"pp4-{kind}": dict(pp=4, schedule=kind, microbatches=4) for kind in ("gpipe", "1f1b", "zb-h1")},
+    "pp4-interleaved-v2": dict(pp=4, schedule="interleaved-1f1b", virtual=2, microbatches=4),
+    "pp2-layers-5,3": dict(pp=2, pp_layers="5,3", microbatches=2),
+    "pp2xtp2": dict(pp=2, tp=2, microbatches=2),
+    "pp2xtp2+sp": dict(pp=2, tp=2, sequence_parallel=True, microbatches=4),
+    "pp2xtp2-zb-h1+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="zb-h1", microbatches=2),
+    "pp2xdp2": dict(pp=2, dp=2, microbatches=2),
+    "pp2xdp2-interleaved": dict(pp=2, dp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2),
+    "pp2xhsdp2x2": dict(pp=2, dp=4, dp_replicate=2, microbatches=2),
+    "pp2+ac_full": dict(pp=2, ac="full", microbatches=2),
+}
+
+
 def assert_trains_like_one_process(case: str, run, reference) -> None:
     losses, norms, grads = run
     ref_losses, ref_norms, ref_grads = reference
@@ -76,3 +94,12 @@ def test_unevenly_masked_targets_train_like_one_process(masked_reference, refere
     run = run_ranks(train_losses_and_grads, config.layout.world_size, config, True, timeout=180)[0]
     assert_trains_like_one_process(f"masked {case}", run, masked_reference)
     assert abs(masked_reference[0][0] - reference[0][0]) > 1e-3  # the mask really changed the objective
+
+
+@pytest.mark.parametrize("case", list(PIPELINE_LAYOUTS))
+def test_pipeline_layout_trains_like_one_process(deep_reference, case):
+    from conftest import PIPELINE_BASE
+
+    config = small_config(**PIPELINE_BASE, **PIPELINE_LAYOUTS[case])
+    run = run_ranks(train_losses_and_grads, config.layout.world_size, config, timeout=180)[0]
+    assert_trains_like_one_process(case, run, deep_reference)

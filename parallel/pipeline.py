@@ -1,0 +1,320 @@
+"""Pipeline parallel over the "pp" axis: stage splitting, stage-only builds, and the executor.
+
+    split_layers        n_layers -> one range of layer indices per (virtual) stage, even or --pp-layers
+    build_stage         the one-process model with only stage s's layers (embedding on the first stage,
+                        final norm and head on the last), built on the meta device; names unchanged, so
+                        `layers.5.attention.wq` is `layers.5.attention.wq` on every pp degree
+    PipelineRunner      runs this rank's actions of a schedule (`tessera.parallel.schedule`): F, B and W
+                        over batched isend/irecv on the pp group
+
+The schedule says only what to compute; the messages follow from it. F of stage s sends its output to
+the rank of stage s + 1; B of stage s sends its input gradient to the rank of stage s - 1. Between two
+ranks, messages in one direction are received in the order they were sent (NCCL matches point-to-point
+operations in order, without tags), so a rank posts its receives from a peer in that peer's send order,
+which it computes from the schedule like the peer does. Receives for the next action are posted before
+the current action computes (overlap); sends are waited for at the end of the step; nothing synchronizes
+the device. Each microbatch's activations are dropped when its backward (W for split kinds) has run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .comm import collective
+from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule
+
+__all__ = ["build_schedule", "PipelineConfig", "split_layers", "stages_of_rank", "build_stage", "check_pipeline",
+           "PipelineRunner"]
+
+Microbatch = tuple[Tensor, Tensor]
+LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str = "1f1b"
+    virtual: int = 1  # stages per pp rank
+    layers_per_stage: tuple[int, ...] | None = None  # None: an even split
+    microbatches: int = 1  # per step, per dp rank
+
+
+# ----------------------------------------------------------------------------- stages
+def split_layers(n_layers: int, n_stages: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
+    """The layer indices of each stage: `layers_per_stage` (e.g. 3,3,2), or an even split with the
+    remainder on the first stages."""
+    if layers_per_stage is not None:
+        counts = list(layers_per_stage)
+        if len(counts) != n_stages:
+            raise ValueError(f"--pp-layers {','.join(map(str, counts))} lists {len(counts)} stages; the run has "
+                             f"{n_stages} (pp x virtual): give one count per stage")
+        if any(c < 1 for c in counts) or sum(counts) != n_layers:
+            raise ValueError(f"--pp-layers {','.join(map(str, counts))} must be positive counts summing to "
+                             f"n_layers={n_layers} (they sum to {sum(counts)})")
+    else:
+        if n_stages > n_layers:
+            raise ValueError(f"{n_stages} pipeline stages (pp x virtual) but only {n_layers} layers: every stage "
+                             f"needs a layer; lower --pp/--virtual or raise --n-layers to {n_stages}")
+        base, extra = divmod(n_layers, n_stages)
+        counts = [base + (s < extra) for s in range(n_stages)]
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    return [range(start, start + c) for start, c in zip(starts, counts)]
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int = 1) -> list[int]:
+    """The virtual stages pp rank r holds: r, r + pp, r + 2 pp, ..."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def build_stage(model_config, stage: int, n_stages: int, layers: range, device: torch.device | str = "meta") -> nn.Module:
+    """The one-process Transformer cut down to one stage. Built on the meta device nothing is allocated;
+    `parallelize` and `materialize` then give it its shards of the one-process initialization (the
+    init is seeded by parameter name and scaled by the full model's depth, so the stage's values are
+    the one-process values)."""
+    from tessera.models import build_model
+
+    model = build_model(model_config, device=device, seed=None if str(device) == "meta" else 0)
+    model.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    if stage > 0:
+        model.tok_embeddings = None
+    if stage < n_stages - 1:
+        model.norm = model.output = None
+    return model
+
+
+def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, activation_checkpointing: str) -> None:
+    """Every pipeline input error, before any process group starts."""
+    kind = config.schedule
+    check_schedule(kind, pp, config.microbatches, config.virtual)
+    split_layers(n_layers, pp * config.virtual, config.layers_per_stage)
+    if kind in SPLIT_BACKWARD and fsdp:
+        raise ValueError(f"--schedule {kind} with FSDP2 (the data axes) is not supported: FSDP2 reduces a block's "
+                         f"gradients when its input gradient is ready, before the deferred W pass; use --schedule "
+                         f"1f1b or interleaved-1f1b with --dp, or {kind} with --tp only")
+    if kind in SPLIT_BACKWARD and activation_checkpointing != "none":
+        raise ValueError(f"--schedule {kind} with --ac {activation_checkpointing} is not supported (the W pass "
+                         f"would recompute the block again); use --ac none or --schedule 1f1b")
+
+
+# ----------------------------------------------------------------------------- the executor
+def _messages_sent(actions: list[Action], me: int, rank_of_stage: Callable[[int], int], n_stages: int):
+    """(peer, key) of each message `actions` send, in order; key = ("act" | "grad", microbatch, stage it is for)."""
+    for a in actions:
+        if a.op == "F" and a.stage < n_stages - 1 and rank_of_stage(a.stage + 1) != me:
+            yield rank_of_stage(a.stage + 1), ("act", a.microbatch, a.stage + 1)
+        if a.op == "B" and a.stage > 0 and rank_of_stage(a.stage - 1) != me:
+            yield rank_of_stage(a.stage - 1), ("grad", a.microbatch, a.stage - 1)
+
+
+class PipelineRunner:
+    """pp > 1: this rank's stage parts run its actions of the schedule.
+
+    `stages` maps each virtual stage this rank holds to its part. The loss of the last stage is its sum
+    over valid targets times grad_scale / global valid tokens (as in LocalRunner), so the accumulated
+    gradients are those of the one-process global-batch mean. `activation` gives the (shape, dtype) of
+    the hidden states between stages for a microbatch of `rows` x `seq` tokens."""
+
+    def __init__(self, stages: dict[int, nn.Module], kind: str, pp_group: dist.ProcessGroup, microbatches: int,
+                 virtual: int, loss_fn: LossFn, activation: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device, grad_scale: float = 1.0, timeout: float = 600.0):
+        self.stages, self.kind, self.group = stages, kind, pp_group
+        self.pp = dist.get_world_size(pp_group)
+        self.n_stages = self.pp * virtual
+        self.me = dist.get_rank(pp_group)
+        self.peers = dist.get_process_group_ranks(pp_group)  # pp rank -> global rank
+        self.loss_fn, self.activation, self.device = loss_fn, activation, device
+        self.grad_scale, self.timeout = grad_scale, timedelta(seconds=timeout)
+        self.split = kind in SPLIT_BACKWARD
+        schedule = build_schedule(kind, self.pp, microbatches, virtual)
+        self.actions = schedule[self.me]
+        self.microbatches = microbatches
+        # (start, end, action) of each compute of the last step, receives excluded (host clock: meaningful
+        # on CPU ranks; on a GPU the kernels run asynchronously); off by default
+        self.record_trace = False
+        self.trace: list[tuple[float, float, Action]] = []
+        # what each peer sends this rank, in its order (its receives must be posted in that order)
+        self.incoming: dict[int, list[tuple]] = defaultdict(list)
+        for peer, actions in enumerate(schedule):
+            for to, key in _messages_sent(actions, peer, self.rank_of_stage, self.n_stages):
+                if to == self.me:
+                    self.incoming[peer].append(key)
+        # gradient sync (FSDP2) on each part's last backward of the step only
+        self.last_backward = {s: max(k for k, a in enumerate(self.actions) if a.op == "B" and a.stage == s) for s in stages}
+        if device.type == "cuda":  # NCCL: create the pp communicator with every rank present, before P2P
+            dist.all_reduce(torch.zeros(1, device=device), group=pp_group)
+
+    def rank_of_stage(self, stage: int) -> int:
+        return stage % self.pp
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, microbatches: Sequence[Microbatch], global_valid_tokens: int) -> Tensor:
+        if len(microbatches) != self.microbatches:
+            raise ValueError(f"the schedule was built for {self.microbatches} microbatches, got {len(microbatches)}")
+        self.scale = self.grad_scale / max(1, global_valid_tokens)
+        self.data = microbatches
+        rows, seq = microbatches[0][0].shape
+        self.positions = torch.arange(seq, device=self.device)  # every stage rotates at the true positions
+        self.act_shape, self.act_dtype = self.activation(rows, seq)
+        self.posted: dict[tuple, tuple[Tensor, dist.Work | None]] = {}
+        self.next_to_post: dict[int, int] = defaultdict(int)
+        self.local: dict[tuple, Tensor] = {}  # messages between two stages of this rank
+        self.sends: list[tuple[dist.Work, Tensor]] = []
+        self.saved: dict[tuple[int, int], dict] = {}
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.trace = []
+        for k, action in enumerate(self.actions):
+            if k + 1 < len(self.actions):  # post the next action's receive before computing this one
+                self._post_receive_for(self.actions[k + 1])
+            key = self._input_key(action)
+            received = self._receive(key) if key is not None else None
+            started = time.perf_counter()
+            getattr(self, f"_{action.op}")(action, k, received)
+            if self.record_trace:
+                self.trace.append((started, time.perf_counter(), action))
+        for work, _ in self.sends:
+            with collective("send (pipeline)", "pp", self.group):
+                work.wait(self.timeout)
+        self.sends.clear()
+        assert not self.saved and not self.posted, "every activation is consumed by the end of the step"
+        return self.loss
+
+    def _F(self, a: Action, k: int, received: Tensor | None) -> None:
+        part = self.stages[a.stage]
+        inputs, targets = self.data[a.microbatch]
+        x = inputs if a.stage == 0 else received
+        captured: list[tuple[Tensor, list[nn.Parameter]]] = []
+        with _capture_weight_users(part, captured) if self.split else _nothing():
+            out = part(x, self.positions)
+        if a.stage == self.n_stages - 1:
+            loss_sum, _ = self.loss_fn(out, targets)
+            self.loss += loss_sum.detach().float()
+            out = loss_sum * self.scale  # backward starts here, with no output gradient
+        else:
+            self._send(out.detach(), ("act", a.microbatch, a.stage + 1))
+        self.saved[(a.microbatch, a.stage)] = {"input": x if a.stage > 0 else None, "output": out, "weight_users": captured}
+
+    def _B(self, a: Action, k: int, grad: Tensor | None) -> None:
+        saved = self.saved[(a.microbatch, a.stage)]
+        part, x, out = self.stages[a.stage], saved["input"], saved["output"]
+        _set_gradient_sync(part, k == self.last_backward[a.stage])
+        if self.split:  # input gradient now; the weight gradient waits for W
+            users = [y for y, _ in saved["weight_users"]]
+            wanted = ([x] if x is not None else []) + users
+            grads = torch.autograd.grad([out], wanted, None if grad is None else [grad], retain_graph=True, allow_unused=True)
+            input_grad = grads[0] if x is not None else None
+            saved["weight_grads"] = list(grads[1:] if x is not None else grads)
+            saved["output"] = saved["input"] = None
+        else:
+            torch.autograd.backward(out, grad)
+            input_grad = x.grad if x is not None else None
+            del self.saved[(a.microbatch, a.stage)]
+        if a.stage > 0:
+            self._send(input_grad, ("grad", a.microbatch, a.stage - 1))
+
+    def _W(self, a: Action, k: int, received: None) -> None:
+        saved = self.saved.pop((a.microbatch, a.stage))
+        for (y, params), dy in zip(saved["weight_users"], saved["weight_grads"]):
+            if dy is not None:  # only this module's own weights: the path from y to them, nothing upstream
+                torch.autograd.backward(y, dy, inputs=params)
+
+    # ------------------------------------------------------------------ messages
+    def _send(self, tensor: Tensor, key: tuple) -> None:
+        kind, mb, stage = key
+        if tuple(tensor.shape) != tuple(self.act_shape) or tensor.dtype != self.act_dtype:
+            raise RuntimeError(f"pipeline stage {stage - 1 if kind == 'act' else stage + 1} produced {kind} of "
+                               f"{tuple(tensor.shape)} {tensor.dtype} for microbatch {mb}; stage boundaries carry "
+                               f"{tuple(self.act_shape)} {self.act_dtype}")
+        to = self.rank_of_stage(stage)
+        if to == self.me:
+            self.local[key] = tensor.detach()
+            return
+        tensor = tensor.contiguous()
+        op = dist.P2POp(dist.isend, tensor, self.peers[to], self.group)
+        for work in dist.batch_isend_irecv([op]):
+            self.sends.append((work, tensor))  # the tensor must live until the send completes
+
+    def _post_receive_for(self, a: Action) -> None:
+        key = self._input_key(a)
+        if key is not None and self.rank_of_stage(key[2] - 1 if key[0] == "act" else key[2] + 1) != self.me:
+            self._post_up_to(key)
+
+    def _input_key(self, a: Action) -> tuple | None:
+        if a.op == "F" and a.stage > 0:
+            return ("act", a.microbatch, a.stage)
+        if a.op == "B" and a.stage < self.n_stages - 1:
+            return ("grad", a.microbatch, a.stage)
+        return None
+
+    def _post_up_to(self, key: tuple) -> None:
+        """Post receives from the key's sender, in its send order, up to and including `key`, batched."""
+        peer = self.rank_of_stage(key[2] - 1 if key[0] == "act" else key[2] + 1)
+        if key in self.posted:
+            return
+        ops, keys = [], []
+        queue = self.incoming[peer]
+        while True:
+            nxt = queue[self.next_to_post[peer]]
+            self.next_to_post[peer] += 1
+            buffer = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, self.peers[peer], self.group))
+            keys.append((nxt, buffer))
+            if nxt == key:
+                break
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # backends that return one work for the batch: wait on it for all
+            works = [works[-1]] * len(ops)
+        for (k, buffer), work in zip(keys, works):
+            self.posted[k] = (buffer, work)
+
+    def _receive(self, key: tuple) -> Tensor:
+        if key in self.local:
+            tensor = self.local.pop(key)
+        else:
+            self._post_up_to(key)
+            tensor, work = self.posted.pop(key)
+            kind, mb, stage = key
+            with collective(f"recv {kind} of microbatch {mb} for stage {stage}", "pp", self.group):
+                work.wait(self.timeout)
+        return tensor.requires_grad_() if key[0] == "act" else tensor
+
+
+def _set_gradient_sync(part: nn.Module, last: bool) -> None:
+    if hasattr(part, "set_requires_gradient_sync"):  # FSDP2: reduce once per step, keep gathered until then
+        part.set_requires_gradient_sync(last)
+        part.set_reshard_after_backward(last)
+
+
+class _capture_weight_users:
+    """Record the output of every module that owns parameters during one forward: W later runs the
+    backward from each output to that module's own weights only (ZB's weight-gradient pass)."""
+
+    def __init__(self, part: nn.Module, out: list[tuple[Tensor, list[nn.Parameter]]]):
+        self.modules = [m for m in part.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.out, self.handles = out, []
+
+    def _hook(self, module: nn.Module, args, output) -> None:
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if isinstance(output, Tensor) and output.requires_grad and params:
+            self.out.append((output, params))
+
+    def __enter__(self):
+        self.handles = [m.register_forward_hook(self._hook) for m in self.modules]
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None

@@ -1,0 +1,155 @@
+"""Pipeline parallel beyond the contract table (tests/test_contract.py): bitwise equality with the
+one-process run, stage-only memory, checkpoints across pp degrees, the CLI, the memory dry run, and
+stage splitting."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import PIPELINE_BASE
+from helpers import small_config, train_losses_and_grads
+from tessera.parallel.launch import run_ranks
+from tessera.parallel.pipeline import build_stage, split_layers, stages_of_rank
+from tessera.run import train
+
+NO_CLIP = dict(PIPELINE_BASE, microbatches=4, max_grad_norm=float("inf"))
+
+
+@pytest.fixture(scope="module")
+def unclipped_reference():
+    return run_ranks(train_losses_and_grads, 1, small_config(**NO_CLIP), timeout=120)[0]
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=4), dict(pp=2, schedule="gpipe"), dict(pp=4, schedule="zb-h1"),
+                                    dict(pp=2, schedule="interleaved-1f1b", virtual=2)],
+                         ids=["pp2-1f1b", "pp4-1f1b", "pp2-gpipe", "pp4-zb-h1", "pp2-interleaved-v2"])
+def test_pipeline_is_bitwise_the_one_process_run_with_the_same_microbatches(unclipped_reference, layout):
+    # Every stage runs the one-process ops on the same shapes, and each parameter accumulates its
+    # microbatches' gradients in ascending order on every kind (W too), so without clipping (whose norm
+    # sums stages in another order) nothing is reassociated: losses and gradients are bitwise equal.
+    config = small_config(**NO_CLIP, **layout)
+    losses, _, grads = run_ranks(train_losses_and_grads, config.layout.world_size, config, timeout=180)[0]
+    ref_losses, _, ref_grads = unclipped_reference
+    assert losses == ref_losses
+    assert all(torch.equal(grads[name], ref_grads[name]) for name in ref_grads)
+
+
+def _stage_model_state_bytes(config):
+    """(this rank's stages, bytes of parameters + gradients + AdamW state it holds after one step)."""
+    from tessera.parallel.data import model_state_bytes_on_rank
+    from tessera.trainer import Trainer
+
+    trainer = Trainer(config, torch.device("cpu"))
+    trainer.train_step()
+    for part in trainer.parts:  # the step freed the gradients; give each its shape back to count them
+        for p in part.parameters():
+            p.grad = torch.zeros_like(p)
+    held = sum(model_state_bytes_on_rank(part, opt)["total"] for part, opt in zip(trainer.parts, trainer.optimizer.optimizers))
+    names = sorted(n for part in trainer.parts for n, _ in part.named_parameters())
+    return list(trainer.runner.stages), held, names
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2, pp_layers="5,3"), dict(pp=4), dict(pp=2, schedule="interleaved-1f1b", virtual=2)],
+                         ids=["pp2-5,3", "pp4", "pp2-v2"])
+def test_a_pipeline_rank_holds_only_its_stages(layout):
+    from tessera.models import build_model
+
+    config = small_config(**PIPELINE_BASE, microbatches=4, **layout)
+    whole = build_model(config.model_config, device="meta")
+    params = dict(whole.named_parameters())
+    p, v = config.layout.pp, config.parallel.virtual
+    layers = split_layers(8, p * v, config.parallel.layers_per_stage)
+    seen = set()
+    for rank, (stages, held, names) in enumerate(run_ranks(_stage_model_state_bytes, p, config, timeout=120)):
+        assert list(stages) == stages_of_rank(rank, p, v)
+        expected = set()
+        for s in stages:
+            expected |= {n for n in params if n.startswith("layers.") and int(n.split(".")[1]) in layers[s]}
+            expected |= {n for n in params if s == 0 and n.startswith("tok_embeddings")}
+            expected |= {n for n in params if s == p * v - 1 and n.startswith(("norm", "output"))}
+        assert sorted(names) == sorted(expected)  # one-process names, only this rank's stages
+        assert held == 16 * sum(params[n].numel() for n in expected)  # fp32 params + grads + 2 Adam moments
+        seen |= expected
+    assert seen == set(params)
+
+
+@pytest.fixture(scope="module")
+def saved_on_pp2xtp2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp-ckpt")
+    history = train(small_config(**PIPELINE_BASE, pp=2, tp=2, microbatches=2, steps=6, checkpoint_dir=str(root),
+                                 checkpoint_every=3))
+    return root / "step_00000003", [(m["loss"], m["grad_norm"]) for m in history]
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(pp=4, microbatches=4),
+                                    dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2)],
+                         ids=["dp2xtp2", "pp4", "pp2-interleaved-v2"])
+def test_a_checkpoint_saved_on_pp2xtp2_resumes_on_other_pp_degrees(saved_on_pp2xtp2, layout):
+    path, history = saved_on_pp2xtp2
+    resumed = train(small_config(**{**PIPELINE_BASE, "steps": 6, "resume": str(path), **layout}))
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    for m, (loss, norm) in zip(resumed, history[3:]):
+        assert abs(m["loss"] - loss) <= 1e-5 * abs(loss) and abs(m["grad_norm"] - norm) <= 1e-5 * abs(norm)
+
+
+def test_cli_trains_a_pipeline_and_reports_the_true_loss(tmp_path, deep_reference):
+    metrics = tmp_path / "run.jsonl"
+    args = ["--model", "debug", "--n-layers", "8", "--pp", "2", "--schedule", "interleaved-1f1b", "--virtual", "2",
+            "--microbatches", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "8", "--lr", "3e-3",
+            "--warmup", "1", "--metrics", str(metrics), "--device", "cpu"]
+    out = subprocess.run([sys.executable, "-m", "tessera", "train", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
+    losses = [r["loss"] for r in records]
+    for got, want in zip(losses, deep_reference[0], strict=True):
+        assert abs(got - want) <= 1e-5 * want  # the global loss, shared from the last stage
+    assert all(r["layout"]["pp"] == 2 for r in records)
+    assert "pp2" in out.stdout and "step    3/3" in out.stdout
+
+
+def test_memory_dry_run_reports_each_stage():
+    out = subprocess.run([sys.executable, "-m", "tessera", "memory", "--model", "70b", "--pp", "8", "--tp", "8",
+                          "--dp", "4", "--dry-run"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.strip().startswith("stage ")]
+    assert len(lines) == 8
+    assert lines[0].strip().startswith("stage 0: layers 0-9 + embedding, 9.61B parameters; 300.3M on each")
+    assert lines[3].strip().startswith("stage 3: layers 30-39, 8.56B parameters; 267.4M on each")
+    assert "4.28 GB per rank" in lines[3] and "norm + head" in lines[7]
+
+
+def test_stage_split_is_even_or_as_listed_and_keeps_the_one_process_names():
+    assert split_layers(8, 3) == [range(0, 3), range(3, 6), range(6, 8)]
+    assert split_layers(8, 2, [5, 3]) == [range(0, 5), range(5, 8)]
+    stage = build_stage(small_config(n_layers=8).model_config, 1, 2, range(5, 8))
+    assert stage.tok_embeddings is None and stage.norm is not None and stage.output is not None
+    assert sorted({n.split(".")[1] for n, _ in stage.named_parameters() if n.startswith("layers.")}) == ["5", "6", "7"]
+    assert all(p.is_meta for p in stage.parameters())
+
+
+def _init_from(config, file):
+    from helpers import gather_by_name, named_full_parameters
+    from tessera.parallel import checkpoint
+    from tessera.trainer import Trainer
+
+    trainer = Trainer(config, torch.device("cpu"))
+    for part in trainer.parts:
+        checkpoint.load_full_state_dict(part, file)
+    merged = gather_by_name(named_full_parameters(trainer))
+    return merged if trainer.rank == 0 else None
+
+
+def test_init_from_a_full_state_dict_fills_every_stage(tmp_path):
+    from tessera.models import build_model
+    from tessera.parallel.checkpoint import write_safetensors
+
+    config = small_config(**PIPELINE_BASE, pp=2, tp=2, microbatches=2)
+    source = build_model(config.model_config, seed=7)
+    file = tmp_path / "weights.safetensors"
+    write_safetensors({k: v.detach() for k, v in source.state_dict().items()}, file)
+    got = run_ranks(_init_from, 4, config, str(file), timeout=120)[0]
+    assert sorted(got) == sorted(n for n, _ in source.named_parameters())
+    assert all(torch.equal(got[n], p.detach()) for n, p in source.named_parameters())

@@ -1,0 +1,122 @@
+"""Pipeline schedules are pure values: property tests over stages 1-8, microbatches 1-32, virtual 1-4."""
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tessera.parallel.pipeline import build_schedule
+from tessera.parallel.schedule import KINDS, Action, check_schedule, render, simulate, validate
+
+stages = st.integers(1, 8)
+microbatches = st.integers(1, 32)
+virtuals = st.integers(1, 4)
+
+
+def buildable(kind, p, m, v):
+    try:
+        check_schedule(kind, p, m, v)
+        return True
+    except ValueError:
+        return False
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(KINDS), stages, microbatches, virtuals)
+def test_every_microbatch_runs_each_op_once_per_stage_in_dependency_order(kind, p, m, v):
+    assume(buildable(kind, p, m, v))
+    schedule = build_schedule(kind, p, m, v)
+    assert len(schedule) == p
+    ops = ("F", "B", "W") if kind == "zb-h1" else ("F", "B")
+    everything = [a for row in schedule for a in row]
+    assert sorted(everything) == sorted(Action(op, i, s) for op in ops for i in range(m) for s in range(p * v))
+    for r, row in enumerate(schedule):
+        assert all(a.stage % p == r for a in row)  # stage s lives on rank s % pp
+        where = {a: k for k, a in enumerate(row)}
+        for a in row:
+            if a.op == "B":
+                assert where[Action("F", a.microbatch, a.stage)] < where[a]
+            if a.op == "W":
+                assert where[Action("B", a.microbatch, a.stage)] < where[a]
+    timeline = simulate(schedule)  # raises on a deadlock
+    finished = {a: end for row in timeline.ranks for _, end, a in row}
+    started = {a: start for row in timeline.ranks for start, _, a in row}
+    last = p * v - 1
+    for a in everything:  # cross-stage dependencies hold in time
+        if a.op == "F" and a.stage > 0:
+            assert started[a] >= finished[Action("F", a.microbatch, a.stage - 1)]
+        if a.op == "B":
+            dep = Action("F", a.microbatch, last) if a.stage == last else Action("B", a.microbatch, a.stage + 1)
+            assert started[a] >= finished[dep]
+
+
+@settings(max_examples=200, deadline=None)
+@given(stages, microbatches)
+def test_1f1b_holds_at_most_pp_minus_r_activations_on_rank_r(p, m):
+    assume(m >= p)
+    peaks = simulate(build_schedule("1f1b", p, m)).peak_activations
+    assert all(peak <= p - r for r, peak in enumerate(peaks))
+    assert peaks[0] == p  # and rank 0 does fill its warm-up: the bound is tight
+    assert simulate(build_schedule("gpipe", p, m)).peak_activations == [m] * p
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]), stages, microbatches, virtuals)
+def test_unit_cost_bubble_equals_the_closed_form(kind, p, m, v):
+    if kind != "interleaved-1f1b":
+        v = 1
+    assume(buildable(kind, p, m, v))
+    timeline = simulate(build_schedule(kind, p, m, v), {"F": 1, "B": 1, "W": 0})
+    assert timeline.bubble == pytest.approx(float(Fraction(p - 1, v * m + p - 1)), abs=1e-12)
+    assert timeline.makespan == 2 * (v * m + p - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 8), microbatches)
+def test_zero_bubble_beats_1f1b_when_microbatches_are_at_least_twice_the_stages(p, m):
+    assume(m >= 2 * p)
+    costs = {"F": 1, "B": 1, "W": 1}
+    zb = simulate(build_schedule("zb-h1", p, m), costs)
+    one_f_one_b = simulate(build_schedule("1f1b", p, m), costs)  # its B costs B + W
+    assert zb.bubble < one_f_one_b.bubble
+    assert zb.makespan == 3 * m + p - 1  # ZB-H1's bubble: (p-1) (F + B - W)
+    assert zb.peak_activations == one_f_one_b.peak_activations  # at 1F1B's activation memory
+
+
+def test_a_deadlocking_schedule_is_named():
+    # rank 0 waits for B0 from rank 1 before sending F1; rank 1 wants F1 first: a cycle
+    bad = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
+           [Action("F", 1, 1), Action("F", 0, 1), Action("B", 0, 1), Action("B", 1, 1)]]
+    with pytest.raises(ValueError, match="deadlocks: rank 0 at B0@0 waits for B0@1; rank 1 at F1@1 waits for F1@0"):
+        simulate(bad)
+
+
+def test_malformed_schedules_are_refused():
+    good = build_schedule("gpipe", 2, 2)
+    with pytest.raises(ValueError, match="B1@1 is missing"):
+        validate([good[0], good[1][:-1]])
+    with pytest.raises(ValueError, match="appears twice"):
+        validate([good[0] + [good[0][0]], good[1]])
+    with pytest.raises(ValueError, match="comes before"):
+        validate([good[0][::-1], good[1]])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("1f1b", 4, 2), "needs at least as many microbatches as stages: --microbatches 2 < --pp 4"),
+        (("zb-h1", 4, 3), "--microbatches 4 or more"),
+        (("interleaved-1f1b", 2, 3, 2), "--microbatches 3 is not a multiple of --pp 2; use --microbatches 4"),
+        (("1f1b", 2, 4, 2), "--virtual 2 needs --schedule interleaved-1f1b"),
+        (("pipedream", 2, 4), "unknown pipeline schedule 'pipedream'"),
+    ],
+)
+def test_bad_schedule_arguments_name_the_value_and_the_fix(args, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_schedule(*args)
+
+
+def test_render_draws_one_row_per_rank():
+    text = render(simulate(build_schedule("1f1b", 2, 2)))
+    assert text.splitlines() == ["rank 0 | F0  F1  .   .   B0  b   .   B1  b", "rank 1 | .   F0  B0  b   F1  B1  b"]
