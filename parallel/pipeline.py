@@ -11,9 +11,11 @@ The schedule says only what to compute; the messages follow from it. F of stage 
 the rank of stage s + 1; B of stage s sends its input gradient to the rank of stage s - 1. Between two
 ranks, messages in one direction are received in the order they were sent (NCCL matches point-to-point
 operations in order, without tags), so a rank posts its receives from a peer in that peer's send order,
-which it computes from the schedule like the peer does. Receives for the next action are posted before
-the current action computes (overlap); sends are waited for at the end of the step; nothing synchronizes
-the device. Each microbatch's activations are dropped when its backward (W for split kinds) has run.
+which it computes from the schedule like the peer does. The next action's receive is posted before the
+current action computes (gloo), or goes out in one batch with the current action's sends (NCCL, where
+a peer's operations run in order and a receive posted ahead of a send could wait on a neighbour's);
+sends are waited for at the end of the step; nothing synchronizes the device.
+Each microbatch's activations are dropped when its backward (W for split kinds) has run.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .comm import collective
-from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule
+from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule, simulate, validate
 
 __all__ = ["build_schedule", "PipelineConfig", "split_layers", "stages_of_rank", "build_stage", "check_pipeline",
            "PipelineRunner"]
@@ -116,24 +118,36 @@ def _messages_sent(actions: list[Action], me: int, rank_of_stage: Callable[[int]
 class PipelineRunner:
     """pp > 1: this rank's stage parts run its actions of the schedule.
 
-    `stages` maps each virtual stage this rank holds to its part. The loss of the last stage is its sum
+    `stages` maps each virtual stage this rank holds to its part. `schedule` is a kind's name, or any
+    schedule as data (one list of Actions per pp rank, e.g. hand-written): it is validated and simulated
+    first, so one that would deadlock is refused before any message is sent. The loss of the last stage is its sum
     over valid targets times grad_scale / global valid tokens (as in LocalRunner), so the accumulated
     gradients are those of the one-process global-batch mean. `activation` gives the (shape, dtype) of
     the hidden states between stages for a microbatch of `rows` x `seq` tokens."""
 
-    def __init__(self, stages: dict[int, nn.Module], kind: str, pp_group: dist.ProcessGroup, microbatches: int,
+    def __init__(self, stages: dict[int, nn.Module], schedule: str | list[list[Action]], pp_group: dist.ProcessGroup, microbatches: int,
                  virtual: int, loss_fn: LossFn, activation: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device, grad_scale: float = 1.0, timeout: float = 600.0):
-        self.stages, self.kind, self.group = stages, kind, pp_group
+        self.stages, self.group = stages, pp_group
         self.pp = dist.get_world_size(pp_group)
         self.n_stages = self.pp * virtual
         self.me = dist.get_rank(pp_group)
         self.peers = dist.get_process_group_ranks(pp_group)  # pp rank -> global rank
         self.loss_fn, self.activation, self.device = loss_fn, activation, device
         self.grad_scale, self.timeout = grad_scale, timedelta(seconds=timeout)
-        self.split = kind in SPLIT_BACKWARD
-        schedule = build_schedule(kind, self.pp, microbatches, virtual)
+        if isinstance(schedule, str):
+            schedule = build_schedule(schedule, self.pp, microbatches, virtual)
+        n_stages, n_microbatches, self.split = validate(schedule)
+        simulate(schedule)  # ValueError naming the stuck ranks if it would deadlock
+        if len(schedule) != self.pp or n_stages != self.n_stages or n_microbatches != microbatches:
+            raise ValueError(f"the schedule has {len(schedule)} ranks, {n_stages} stages and {n_microbatches} "
+                             f"microbatches; this pipeline has {self.pp}, {self.n_stages} and {microbatches}")
+        if any(a.stage % self.pp != r for r, actions in enumerate(schedule) for a in actions):
+            raise ValueError(f"stage s must run on pp rank s % {self.pp}, where its parameters are")
         self.actions = schedule[self.me]
+        if set(stages) != {a.stage for a in self.actions}:
+            raise ValueError(f"pp rank {self.me} holds stages {sorted(stages)}; its actions run stages "
+                             f"{sorted({a.stage for a in self.actions})}")
         self.microbatches = microbatches
         # (start, end, action) of each compute of the last step, receives excluded (host clock: meaningful
         # on CPU ranks; on a GPU the kernels run asynchronously); off by default
@@ -147,6 +161,11 @@ class PipelineRunner:
                     self.incoming[peer].append(key)
         # gradient sync (FSDP2) on each part's last backward of the step only
         self.last_backward = {s: max(k for k, a in enumerate(self.actions) if a.op == "B" and a.stage == s) for s in stages}
+        # When the next action's receive is posted. gloo runs each operation on its own: posting it before
+        # this action computes lets the message arrive meanwhile. NCCL runs a peer's operations in order on
+        # one stream, where a receive posted ahead of a send can wait on a neighbour whose receive waits on
+        # that send: there it goes out in one group with this action's sends (torch's pipelining does so).
+        self.receive_early = device.type != "cuda"
         if device.type == "cuda":  # NCCL: create the pp communicator with every rank present, before P2P
             dist.all_reduce(torch.zeros(1, device=device), group=pp_group)
 
@@ -162,22 +181,28 @@ class PipelineRunner:
         rows, seq = microbatches[0][0].shape
         self.positions = torch.arange(seq, device=self.device)  # every stage rotates at the true positions
         self.act_shape, self.act_dtype = self.activation(rows, seq)
-        self.posted: dict[tuple, tuple[Tensor, dist.Work | None]] = {}
-        self.next_to_post: dict[int, int] = defaultdict(int)
+        self.posted: dict[tuple, tuple[Tensor, dist.Work]] = {}  # receives issued, by message
+        self.next_to_post: dict[int, int] = defaultdict(int)  # per peer: how many of its messages are posted
         self.local: dict[tuple, Tensor] = {}  # messages between two stages of this rank
-        self.sends: list[tuple[dist.Work, Tensor]] = []
+        self.outbox: list[tuple[dist.P2POp, tuple | None]] = []  # (op, key of a receive) not yet issued
+        self.sends: list[tuple[dist.Work, Tensor]] = []  # sends issued, with the tensors they read
         self.saved: dict[tuple[int, int], dict] = {}
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self.trace = []
         for k, action in enumerate(self.actions):
-            if k + 1 < len(self.actions):  # post the next action's receive before computing this one
-                self._post_receive_for(self.actions[k + 1])
+            following = self.actions[k + 1] if k + 1 < len(self.actions) else None
+            if following is not None and self.receive_early:
+                self._queue_receive_for(following)
+                self._flush()
             key = self._input_key(action)
             received = self._receive(key) if key is not None else None
             started = time.perf_counter()
-            getattr(self, f"_{action.op}")(action, k, received)
+            getattr(self, f"_{action.op}")(action, k, received)  # queues its sends
             if self.record_trace:
                 self.trace.append((started, time.perf_counter(), action))
+            if following is not None and not self.receive_early:
+                self._queue_receive_for(following)
+            self._flush()
         for work, _ in self.sends:
             with collective("send (pipeline)", "pp", self.group):
                 work.wait(self.timeout)
@@ -235,15 +260,15 @@ class PipelineRunner:
         if to == self.me:
             self.local[key] = tensor.detach()
             return
-        tensor = tensor.contiguous()
-        op = dist.P2POp(dist.isend, tensor, self.peers[to], self.group)
-        for work in dist.batch_isend_irecv([op]):
-            self.sends.append((work, tensor))  # the tensor must live until the send completes
+        self.outbox.append((dist.P2POp(dist.isend, tensor.contiguous(), self.peers[to], self.group), None))
 
-    def _post_receive_for(self, a: Action) -> None:
+    def _queue_receive_for(self, a: Action) -> None:
         key = self._input_key(a)
-        if key is not None and self.rank_of_stage(key[2] - 1 if key[0] == "act" else key[2] + 1) != self.me:
-            self._post_up_to(key)
+        if key is not None and self._sender(key) != self.me:
+            self._queue_receives_up_to(key)
+
+    def _sender(self, key: tuple) -> int:
+        return self.rank_of_stage(key[2] - 1 if key[0] == "act" else key[2] + 1)
 
     def _input_key(self, a: Action) -> tuple | None:
         if a.op == "F" and a.stage > 0:
@@ -252,32 +277,44 @@ class PipelineRunner:
             return ("grad", a.microbatch, a.stage)
         return None
 
-    def _post_up_to(self, key: tuple) -> None:
-        """Post receives from the key's sender, in its send order, up to and including `key`, batched."""
-        peer = self.rank_of_stage(key[2] - 1 if key[0] == "act" else key[2] + 1)
-        if key in self.posted:
+    def _queue_receives_up_to(self, key: tuple) -> None:
+        """Queue receives from the key's sender, in its send order, up to and including `key`."""
+        peer = self._sender(key)
+        queued = {k for _, k in self.outbox}
+        if key in self.posted or key in queued:
             return
-        ops, keys = [], []
         queue = self.incoming[peer]
         while True:
             nxt = queue[self.next_to_post[peer]]
             self.next_to_post[peer] += 1
             buffer = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, self.peers[peer], self.group))
-            keys.append((nxt, buffer))
+            self.outbox.append((dist.P2POp(dist.irecv, buffer, self.peers[peer], self.group), nxt))
             if nxt == key:
-                break
+                return
+
+    def _flush(self) -> None:
+        """Issue the queued sends and receives as one batch (on NCCL one group: sends and receives of
+        neighbouring ranks cannot block each other)."""
+        if not self.outbox:
+            return
+        ops = [op for op, _ in self.outbox]
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # backends that return one work for the batch: wait on it for all
             works = [works[-1]] * len(ops)
-        for (k, buffer), work in zip(keys, works):
-            self.posted[k] = (buffer, work)
+        for (op, key), work in zip(self.outbox, works):
+            if key is None:
+                self.sends.append((work, op.tensor))  # the tensor must live until the send completes
+            else:
+                self.posted[key] = (op.tensor, work)
+        self.outbox.clear()
 
     def _receive(self, key: tuple) -> Tensor:
         if key in self.local:
             tensor = self.local.pop(key)
         else:
-            self._post_up_to(key)
+            if key not in self.posted:
+                self._queue_receives_up_to(key)
+                self._flush()
             tensor, work = self.posted.pop(key)
             kind, mb, stage = key
             with collective(f"recv {kind} of microbatch {mb} for stage {stage}", "pp", self.group):

@@ -62,12 +62,27 @@ def startup_line(config: Config, trainer: Any) -> str:
     if config.checkpoint.dir:
         every = f"every {config.checkpoint.every} steps" if config.checkpoint.every else "never (--checkpoint-every 0)"
         where.append(f"checkpoints -> {config.checkpoint.dir} ({every})")
+    if trainer.layout.pp > 1:
+        where.insert(0, pipeline_summary(config))
     return (
         f"tessera: {config.model.preset} ({_human(total)} params, {trainer.model_config.n_layers} layers) on "
         f"{trainer.layout} = {trainer.layout.world_size} {trainer.device.type} rank(s); {_human(local)} params on rank 0; "
         f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
         f"{f' in {config.data.microbatches} microbatches' if config.data.microbatches > 1 else ''}; " + "; ".join(where)
     )
+
+
+def pipeline_summary(config: Config) -> str:
+    """The schedule, the stages' layers, and the schedule's bubble simulated with F = B = W."""
+    from tessera.parallel.pipeline import split_layers
+    from tessera.parallel.schedule import build_schedule, simulate
+
+    pc = config.parallel_config().pipeline
+    pp = config.layout.pp
+    layers = split_layers(config.model_config.n_layers, pp * pc.virtual, pc.layers_per_stage)
+    bubble = simulate(build_schedule(pc.schedule, pp, pc.microbatches, pc.virtual)).bubble
+    return (f"pipeline {pc.schedule} over {len(layers)} stages (layers "
+            + " | ".join(f"{r.start}-{r.stop - 1}" for r in layers) + f"), simulated bubble {bubble:.1%}")
 
 
 def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: int) -> str:

@@ -7,7 +7,7 @@ the global-batch mean whatever the layout and however targets are masked. FSDP2 
 over its mesh; `grad_scale` (that mesh's size) turns the average back into the sum.
 
     LocalRunner      pp == 1: forward + backward per microbatch, gradient sync on the last only
-    (PipelineRunner  pp > 1: the schedule's F/B/W actions; lands with the pipeline axis)
+    PipelineRunner   pp > 1: this rank's F/B/W actions of a schedule (tessera.parallel.pipeline)
 """
 
 from __future__ import annotations

@@ -153,3 +153,75 @@ def test_init_from_a_full_state_dict_fills_every_stage(tmp_path):
     got = run_ranks(_init_from, 4, config, str(file), timeout=120)[0]
     assert sorted(got) == sorted(n for n, _ in source.named_parameters())
     assert all(torch.equal(got[n], p.detach()) for n, p in source.named_parameters())
+
+
+def _stage_one_never_answers(config):
+    import time
+
+    from tessera.parallel.comm import CollectiveTimeout
+    from tessera.trainer import Trainer
+
+    trainer = Trainer(config, torch.device("cpu"))
+    if trainer.rank == 1:
+        time.sleep(6)  # stays out of the pipeline until rank 0 has given up
+        return None
+    try:
+        trainer.train_step()
+    except CollectiveTimeout as e:
+        return str(e)
+    return "no timeout"
+
+
+def test_a_stage_that_never_answers_fails_naming_the_rank_axis_and_message():
+    config = small_config(**PIPELINE_BASE, pp=2, microbatches=2, timeout=2.0)
+    message = run_ranks(_stage_one_never_answers, 2, config, timeout=60)[0]
+    assert message.startswith("rank 0 stalled in recv grad of microbatch 0 for stage 0 over the pp axis"), message
+
+
+def _custom_schedule_gradients(schedule):
+    """Run a hand-written schedule on 2 pp ranks; return every parameter's gradient (merged on rank 0)."""
+    import torch.distributed as dist
+
+    from helpers import gather_by_name
+    from tessera.models import get_preset
+    from tessera.parallel import materialize
+    from tessera.parallel.loss import CrossEntropySum
+    from tessera.parallel.pipeline import PipelineRunner
+
+    cfg = get_preset("debug", n_layers=4)
+    rank = dist.get_rank()
+    stages = {s: materialize(build_stage(cfg, s, 4, range(s, s + 1)), "cpu", seed=0) for s in (rank, rank + 2)}
+    runner = PipelineRunner(stages, schedule, dist.group.WORLD, 2, 2, CrossEntropySum(cfg.vocab_size),
+                            lambda rows, seq: ((rows, seq, cfg.dim), torch.float32), torch.device("cpu"))
+    tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    loss = runner.forward_backward(list(zip(inputs.chunk(2), targets.chunk(2))), targets.numel())
+    grads = gather_by_name({n: p.grad.clone() for m in stages.values() for n, p in m.named_parameters()})
+    return loss, grads, inputs, targets
+
+
+def test_a_hand_written_schedule_runs_and_a_deadlocking_one_is_refused():
+    from tessera.models import build_model, get_preset
+    from tessera.parallel.schedule import Action
+
+    # depth-first over 4 virtual stages on 2 ranks: microbatch 0 all the way down and back, then microbatch 1
+    def rank_actions(r):
+        out = []
+        for mb in range(2):
+            out += [Action("F", mb, r), Action("F", mb, r + 2), Action("B", mb, r + 2), Action("B", mb, r)]
+        return out
+
+    schedule = [rank_actions(0), rank_actions(1)]
+    (_, grads, inputs, targets), (loss, *_) = run_ranks(_custom_schedule_gradients, 2, schedule, timeout=120)
+    # the loss lives on the rank of the last stage (rank 1); gradients are gathered on rank 0
+    model = build_model(get_preset("debug", n_layers=4), seed=0)
+    logits = model(inputs)
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    ref.backward()
+    assert abs(loss.item() / targets.numel() - ref.item()) <= 1e-6 * ref.item()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+
+    swapped = [schedule[0], [schedule[1][1], schedule[1][0]] + schedule[1][2:]]  # rank 1 runs stage 3 before 1
+    with pytest.raises(Exception, match="deadlocks"):
+        run_ranks(_custom_schedule_gradients, 2, swapped, timeout=120)

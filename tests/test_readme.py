@@ -1,4 +1,4 @@
-"""The README stays true: its quick start runs as written (under torchrun, 4 CPU ranks) and is the
+"""The README stays true: its quick start runs as written (under torchrun, 8 CPU ranks) and is the
 shipped examples/quickstart.py."""
 
 import re
@@ -23,7 +23,7 @@ def test_the_quick_start_is_the_example_and_runs_as_written(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(code)
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "4", str(script)],
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "8", str(script)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", out.stdout)]
@@ -34,3 +34,23 @@ def test_readme_commands_use_the_namespace():
     readme = (ROOT / "README.md").read_text()
     for bare in ("from topology", "from models", "from parallel", "from kernels", "parallel.cli"):
         assert bare not in readme, bare
+
+
+def test_the_schedule_snippet_runs_and_draws_the_timeline_shown():
+    import contextlib
+    import io
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("Pipeline schedules are plain values", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shown = re.search(r"```\n(.*?)```", section.split("```python", 1)[1].split("```", 1)[1], re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README schedule snippet", "exec"), {})
+    drawn = out.getvalue().splitlines()
+    assert len(drawn) == 4 and all(line in shown.splitlines() for line in drawn), out.getvalue()
+    from tessera.parallel.pipeline import build_schedule
+    from tessera.parallel.schedule import render, simulate
+
+    one_f_one_b = render(simulate(build_schedule("1f1b", 4, 8)), width=3).splitlines()
+    assert all(line in shown.splitlines() for line in one_f_one_b)
