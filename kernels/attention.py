@@ -13,6 +13,9 @@ kernel, in one place:
 - `sdpa_attention`: torch's fused CPU flash attention (ATen), the fast CPU path for training; its LSE
   is not differentiable, so it serves calls that do not ask for the LSE;
 - `naive_attention`: softmax(q k^T) v with every head materialized, for checks.
+
+`attention_backward_reference` is the backward of one key block given the softmax's output and LSE
+(ring attention's backward calls it per block with the merged, global ones).
 """
 
 from __future__ import annotations
@@ -65,6 +68,64 @@ def attention_reference(
     out = torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, torch.ones_like(l), l))
     lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l)))
     return out.reshape(B, Hq, Sq, D).to(q.dtype), lse.reshape(B, Hq, Sq)
+
+
+def attention_backward_reference(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None = None,
+    causal: bool = True, scale: float | None = None, block: int = REFERENCE_BLOCK,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one attention block, given the output `o` and log-sum-exp `lse` of the softmax
+    the block belongs to (FlashAttention-2's backward; ring attention passes the merged, global o and
+    lse, so each key block's share of the gradient comes out exactly). Blockwise over keys, fp32."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)
+
+    def grouped(t: Tensor) -> Tensor:  # (B, Hq, Sq, ...) -> (B, Hkv, group, Sq, ...)
+        return t.to(acc).reshape(B, Hkv, group, *t.shape[2:])
+
+    qf, dof, lsef = grouped(q), grouped(do), grouped(lse).unsqueeze(-1)
+    delta = (dof * grouped(o)).sum(-1, keepdim=True)  # rowsum(dO * O) - dLSE: the softmax row term
+    if dlse is not None:
+        delta = delta - grouped(dlse).unsqueeze(-1)
+    visible_rows = ~torch.isneginf(lsef)  # a query that sees no key has no gradient
+    lse_safe = torch.where(visible_rows, lsef, torch.zeros_like(lsef))
+    kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
+    rows = torch.arange(Sq, device=q.device).view(Sq, 1) + (Sk - Sq)
+    dq = torch.zeros_like(qf)
+    dk = torch.zeros((B, Hkv, Sk, D), device=q.device, dtype=acc)
+    dv = torch.zeros_like(dk)
+    for start in range(0, Sk, block):
+        stop = min(start + block, Sk)
+        kb, vb = kf[..., start:stop, :], vf[..., start:stop, :]
+        s = (qf @ kb.transpose(-1, -2)) * scale
+        p = torch.exp(s - lse_safe) * visible_rows
+        if causal:
+            cols = torch.arange(start, stop, device=q.device).view(1, -1)
+            p = p.masked_fill(cols > rows, 0.0)
+        dv[..., start:stop, :] = (p.transpose(-1, -2) @ dof).sum(2)
+        ds = p * (dof @ vb.transpose(-1, -2) - delta)
+        dq += (ds @ kb) * scale
+        dk[..., start:stop, :] = (ds.transpose(-1, -2) @ qf).sum(2) * scale
+    return dq.reshape(B, Hq, Sq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def sdpa_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True,
+                            scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """attention_backward_reference without an LSE gradient, by ATen's fused CPU flash-attention backward
+    (the same conditions as sdpa_supports)."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do.contiguous(), q.contiguous(), kr.contiguous(), vr.contiguous(), o.contiguous(),
+        lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous(), 0.0, causal, scale=scale)
+    if group > 1:  # the repeated kv heads' gradients add up on their kv head
+        B, Hkv, Sk, D = k.shape
+        dk, dv = dk.view(B, Hkv, group, Sk, D).sum(2), dv.view(B, Hkv, group, Sk, D).sum(2)
+    return dq, dk, dv
 
 
 def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None) -> tuple[Tensor, Tensor]:

@@ -1,10 +1,14 @@
 """The one place that chooses how attention and RMSNorm run, and checks their inputs.
 
+    flash_attention_backward  one key block's (dq, dk, dv) given the whole softmax's output and LSE:
+                      the Triton backward kernels on CUDA; on CPU ATen's fused backward where
+                      flash_attention would use ATen and no LSE gradient flows, else the torch reference.
     flash_attention   CUDA: the Triton kernel; a shape or dtype it does not take (head_dim > 256, fp64)
                       falls back to the torch reference with a one-time warning.
                       CPU: torch's fused CPU flash attention (ATen) when it computes the same thing
                       (fp32/fp64; causal only with Sq == Sk, since its mask is top-left) and the LSE is not
-                      asked for; otherwise the blockwise torch reference (differentiable LSE).
+                      asked for, or is asked for with nothing to differentiate; otherwise the blockwise
+                      torch reference (differentiable LSE).
     rms_norm          CUDA: the Triton kernel. CPU: torch's fused F.rms_norm for fp32/fp64, else the
                       reference (fp32 statistics for low-precision inputs).
 
@@ -20,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import attention_reference, sdpa_attention, sdpa_supports
+from .attention import (
+    attention_backward_reference,
+    attention_reference,
+    sdpa_attention,
+    sdpa_attention_backward,
+    sdpa_supports,
+)
 from .checks import check_attention_inputs, check_rms_norm_inputs
 from .rmsnorm import rms_norm_reference
 
@@ -63,10 +73,39 @@ def flash_attention(
         if backend == "triton":
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
-    elif backend is None and not return_lse and sdpa_supports(q, k, causal):
-        return sdpa_attention(q, k, v, causal, scale)[0]
+    elif backend is None and sdpa_supports(q, k, causal):
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if not return_lse:
+            return sdpa_attention(q, k, v, causal, scale)[0]
+        if not needs_grad:  # its LSE has no autograd: fine when nothing will differentiate it (ring forward)
+            return sdpa_attention(q, k, v, causal, scale)
     out, lse = attention_reference(q, k, v, causal, scale)
     return (out, lse) if return_lse else out
+
+
+def flash_attention_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None = None,
+    causal: bool = True, scale: float | None = None, backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention over this key block, given the output `o` and `lse` of the whole
+    softmax the block is part of (ring attention's backward). CUDA: the Triton backward kernels; CPU:
+    the blockwise torch reference."""
+    check_attention_inputs(q, k, v)
+    _check_backend(backend)
+    scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
+    if backend == "triton" or (backend is None and q.is_cuda):
+        from . import triton_attention
+
+        refusal = triton_attention.kernel_refusal(q)
+        if refusal is None:
+            dlse = torch.zeros_like(lse) if dlse is None else dlse
+            return triton_attention.flash_attention_bwd(do, q, k, v, o, lse, dlse, causal, scale)
+        if backend == "triton":
+            raise ValueError(f"{refusal}; use backend='torch'")
+        _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
+    elif backend is None and dlse is None and sdpa_supports(q, k, causal):
+        return sdpa_attention_backward(do, q, k, v, o, lse, causal, scale)
+    return attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, backend: str | None = None) -> Tensor:

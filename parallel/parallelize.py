@@ -1,6 +1,6 @@
 """parallelize: the one place that applies the parallel axes to a model, in DESIGN.md's order.
 
-    tp (+ sequence parallel) -> cp (the attention seam; lands with the context axis) -> activation
+    tp (+ sequence parallel) -> cp (ring or all-gather attention in the attention seam) -> activation
     checkpointing -> compile (not yet) -> FSDP2 over the data axes (dp_shard x cp, HSDP across
     dp_replicate)
 
@@ -26,6 +26,7 @@ from .data import (
     check_data_parallel,
     layout_for_strategy,
 )
+from .context import apply_cp, check_context
 from .pipeline import PipelineConfig, check_pipeline
 from .tensor import apply_tp, check_tensor_parallel
 
@@ -36,15 +37,17 @@ class ParallelConfig:
     sequence_parallel: bool = False
     data: DataParallelConfig = field(default_factory=DataParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    cp_method: str = "ring"  # context-parallel attention: "ring" or "allgather"
+    timeout: float | None = None  # seconds a ring step may wait (None: the process group's timeout)
 
     def check(self, model_config, seq_len: int | None = None, global_batch: int | None = None,
               microbatches: int | None = None) -> None:
         """Every check that can fail, before any process group starts."""
         layout = self.layout
         microbatches = microbatches or self.pipeline.microbatches
-        if layout.cp != 1:
-            raise ValueError(f"cp={layout.cp}: the cp axis is not available yet; use cp=1")
-        check_tensor_parallel(model_config, layout.tp, self.sequence_parallel, seq_len)
+        check_context(seq_len, layout.cp, self.cp_method, layout.tp, self.sequence_parallel)
+        check_tensor_parallel(model_config, layout.tp, self.sequence_parallel,
+                              None if seq_len is None else seq_len // layout.cp)
         check_data_parallel(self.data, layout)
         if layout.pp > 1:
             check_pipeline(self.pipeline, layout.pp, model_config.n_layers, self.uses_fsdp,
@@ -73,6 +76,8 @@ def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelCon
     meshes = mesh if isinstance(mesh, Meshes) else Meshes(config.layout, mesh.device_type, mesh=mesh)
     if meshes.tp is not None:
         apply_tp(model, meshes.tp, config.sequence_parallel)
+    if meshes.cp is not None:
+        apply_cp(model, meshes.cp, config.cp_method, config.timeout)
     apply_activation_checkpointing(model, config.data.activation_checkpointing)
     if meshes.fsdp is not None:
         apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None)

@@ -127,13 +127,15 @@ class PipelineRunner:
 
     def __init__(self, stages: dict[int, nn.Module], schedule: str | list[list[Action]], pp_group: dist.ProcessGroup, microbatches: int,
                  virtual: int, loss_fn: LossFn, activation: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]],
-                 device: torch.device, grad_scale: float = 1.0, timeout: float = 600.0):
+                 device: torch.device, grad_scale: float = 1.0, timeout: float = 600.0,
+                 positions: Callable[[Tensor], Tensor] | None = None):
         self.stages, self.group = stages, pp_group
         self.pp = dist.get_world_size(pp_group)
         self.n_stages = self.pp * virtual
         self.me = dist.get_rank(pp_group)
         self.peers = dist.get_process_group_ranks(pp_group)  # pp rank -> global rank
         self.loss_fn, self.activation, self.device = loss_fn, activation, device
+        self.positions_of = positions  # tokens -> their global positions (context parallel); default 0..S-1
         self.grad_scale, self.timeout = grad_scale, timedelta(seconds=timeout)
         if isinstance(schedule, str):
             schedule = build_schedule(schedule, self.pp, microbatches, virtual)
@@ -179,7 +181,10 @@ class PipelineRunner:
         self.scale = self.grad_scale / max(1, global_valid_tokens)
         self.data = microbatches
         rows, seq = microbatches[0][0].shape
-        self.positions = torch.arange(seq, device=self.device)  # every stage rotates at the true positions
+        # every stage rotates at the tokens' true positions (stages past the first see only hidden states)
+        first = microbatches[0][0]
+        given = self.positions_of(first) if self.positions_of else None
+        self.positions = given if given is not None else torch.arange(seq, device=self.device)
         self.act_shape, self.act_dtype = self.activation(rows, seq)
         self.posted: dict[tuple, tuple[Tensor, dist.Work]] = {}  # receives issued, by message
         self.next_to_post: dict[int, int] = defaultdict(int)  # per peer: how many of its messages are posted

@@ -34,7 +34,7 @@ class ParallelSection:
     pp: int = opt(1, "pipeline-parallel ranks (stages of the model, each on its own ranks)")
     dp: int = opt(1, "data-parallel degree (dp_replicate x dp_shard), sharded with FSDP2")
     dp_replicate: int = opt(1, "replicas of the FSDP shard group (HSDP); must divide --dp")
-    cp: int = opt(1, "context-parallel degree (must be 1 until the context axis lands)")
+    cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (zigzag), attention over the ring")
     tp: int = opt(1, "tensor-parallel degree")
     sequence_parallel: bool = opt(False, "shard the norms and the residual stream over tp")
     fsdp: str = opt("FULL_SHARD", "FSDP strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
@@ -44,6 +44,7 @@ class ParallelSection:
     schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (default with --pp > 1: 1f1b)")
     virtual: int = opt(1, "virtual pipeline stages per pp rank (interleaved-1f1b: stage s on rank s % pp)")
     pp_layers: str | None = opt(None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,...")
+    cp_method: str | None = opt(None, "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); default with --cp > 1: ring")
 
     @property
     def layers_per_stage(self) -> tuple[int, ...] | None:
@@ -189,7 +190,8 @@ class Config:
         p = self.parallel
         data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
         pipeline = PipelineConfig(p.schedule or "1f1b", p.virtual, p.layers_per_stage, self.data.microbatches)
-        return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data, pipeline=pipeline)
+        return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data, pipeline=pipeline,
+                              cp_method=p.cp_method or "ring", timeout=self.runtime.timeout)
 
     @property
     def resume_path(self) -> str:

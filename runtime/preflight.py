@@ -18,7 +18,7 @@ def check(config: Config) -> None:
     _check_numbers(config)
     model = _check_model(config)
     layout = config.layout  # degrees, dp_replicate vs dp
-    _check_pipeline_flags(config)
+    _check_pipeline_flags(config)  # and --cp-method without --cp
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
     _check_paths(config, model)
@@ -75,6 +75,9 @@ def _check_pipeline_flags(config: Config) -> None:
     p = config.parallel
     if not isinstance(p.virtual, int) or p.virtual < 1:
         raise ValueError(f"--virtual {p.virtual} must be a positive integer (stages per pp rank)")
+    if p.cp == 1 and p.cp_method is not None:
+        raise ValueError(f"--cp-method {p.cp_method} applies to context parallel, and --cp is 1: add --cp 2 (or more), "
+                         f"or drop --cp-method")
     if p.pp > 1:
         return
     for flag, given in (("--schedule", p.schedule is not None), ("--virtual", p.virtual != 1),

@@ -26,6 +26,7 @@ from tessera.models.data import TokenStream
 from tessera.parallel import checkpoint, materialize, parallelize
 from tessera.parallel.clip import clip_grad_norm_
 from tessera.parallel.comm import collective
+from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.loss import CrossEntropySum, count_valid
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank
@@ -160,6 +161,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.model_config = config.model_config
         self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
+        self.cp_index = self.layout.index("cp", self.rank)
         if self.layout.pp > 1:
             self.parts, self.runner = self._build_pipeline()
         else:
@@ -167,7 +169,8 @@ class Trainer:
             parallelize(model, self.meshes, config.parallel_config())
             materialize(model, self.device, config.runtime.seed)
             self.parts = [model]
-            self.runner = LocalRunner(model, self.loss_fn, grad_scale=self.meshes.fsdp_size)
+            self.runner = LocalRunner(model, self.loss_fn, grad_scale=self.meshes.fsdp_size,
+                                      positions=self.positions_of)
         o = config.optimizer
         self.optimizer = PartOptimizers([
             torch.optim.AdamW(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
@@ -201,7 +204,7 @@ class Trainer:
 
         runner = PipelineRunner(stages, pc.pipeline.schedule, Meshes.group(self.meshes.pp), c.data.microbatches,
                                 virtual, self.loss_fn, activation, self.device, grad_scale=self.meshes.fsdp_size,
-                                timeout=c.runtime.timeout)
+                                timeout=c.runtime.timeout, positions=self.positions_of)
         return list(stages.values()), runner
 
     @property
@@ -218,11 +221,22 @@ class Trainer:
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
+    def positions_of(self, inputs: Tensor) -> Tensor | None:
+        """The global positions of this rank's tokens `inputs` (rows, S / cp): its zigzag chunks under
+        context parallel; None (0..S-1, the model's default) otherwise."""
+        if self.layout.cp == 1:
+            return None
+        return zigzag_indices(inputs.shape[1] * self.layout.cp, self.cp_index, self.layout.cp, inputs.device)
+
     def local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """This rank's rows of a global batch (the same rows across tp, cp and pp)."""
+        """This rank's part of a global batch: its dp rows (the same rows across tp, cp and pp), and under
+        context parallel its zigzag chunks of each sequence (their positions: `positions_of`)."""
         rows = inputs.shape[0] // self.layout.dp
         i = self.meshes.batch_index
-        return inputs[i * rows : (i + 1) * rows].to(self.device), targets[i * rows : (i + 1) * rows].to(self.device)
+        inputs, targets = inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows]
+        if self.layout.cp > 1:
+            inputs, targets = (zigzag_shard(t, 1, self.cp_index, self.layout.cp) for t in (inputs, targets))
+        return inputs.to(self.device), targets.to(self.device)
 
     def train_step(self, on_grads: Callable[[list[nn.Module]], None] | None = None) -> StepResult:
         """One optimizer step. `on_grads(parts)` runs after backward, before clipping (tests read grads)."""

@@ -33,6 +33,16 @@ LAYOUTS = {
     "microbatches4": dict(microbatches=4),
     "dp2+microbatches2": dict(dp=2, microbatches=2),
     "dp2xtp2+microbatches2": dict(dp=2, tp=2, microbatches=2),
+    # context parallel (zigzag), each with ring and all-gather attention; FSDP2 shards over dp_shard x cp
+    **{f"{name}-{method}": dict(cp_method=method, **layout) for method in ("ring", "allgather") for name, layout in {
+        "cp2": dict(cp=2),
+        "cp4": dict(cp=4),
+        "cp2xtp2": dict(cp=2, tp=2),
+        "cp2xtp2+sp": dict(cp=2, tp=2, sequence_parallel=True),
+        "cp2xdp2": dict(cp=2, dp=2),
+        "cp2xhsdp2x2": dict(cp=2, dp=4, dp_replicate=2),
+    }.items()},
+    "pp2xcp2": dict(pp=2, cp=2, microbatches=2),
 }
 
 # targets masked unevenly over the rows (helpers.MaskedStream): dp rank 0 holds mostly -100

@@ -1,0 +1,310 @@
+"""Context parallel over the "cp" axis: each rank holds a slice of every sequence; attention sees it all.
+
+    zigzag_shard / zigzag_unshard   the sequence cut into 2*cp chunks; rank i keeps chunks i and 2*cp-1-i
+    ring_attention                  K/V blocks travel the ring; partial results merge by log-sum-exp
+    allgather_attention             K/V gathered once per layer (Llama 3's choice for few kv heads)
+    apply_cp                        puts one of them in every block's attention `core` slot
+
+Why zigzag: under a causal mask, the queries late in the sequence see more keys. Contiguous chunks
+would give the last rank cp times the first one's work; chunk i paired with chunk 2*cp-1-i gives every
+rank the same. Positions travel with the tokens, so RoPE rotates each token at its true place.
+
+    seq of 8 chunks, cp = 4:   0 1 2 3 4 5 6 7
+    rank 0 keeps 0 and 7, rank 1 keeps 1 and 6, rank 2 keeps 2 and 5, rank 3 keeps 3 and 4
+
+Ring attention, causal: at step t a rank holds the K/V of rank src = rank - t (mod cp). Step 0 is its own
+block, causal. When src < rank, both of its query chunks see all of src's first chunk and none of its
+second; when src > rank, only its second query chunk sees src, all of it. So every step after the
+first computes exactly half a block, never a masked full one (the ring-flash-attention zigzag rule).
+The next block's send/receive is posted before the current block's attention and waited for after it.
+Partial (out, lse) pairs merge in fp32: lse = logaddexp(lse, lse_b), out = out e^(lse_old-lse) +
+out_b e^(lse_b-lse), rows that see nothing yet kept at 0. The backward recomputes each block's share from
+the merged out and lse (the kernel's backward with a given lse), accumulates dq locally, and sends the
+dk/dv accumulator around the ring with the K/V so that it arrives home with every rank's share.
+Grouped-query K/V travel as kv heads, never repeated.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd import Function
+from torch.distributed.device_mesh import DeviceMesh
+
+from tessera.kernels import flash_attention, flash_attention_backward
+
+from .comm import collective
+from .tensor import _all_gather_flat, _reduce_scatter_flat
+
+METHODS = ("ring", "allgather")
+SEQ_DIM = 2  # attention tensors are (batch, heads, seq, head_dim)
+
+
+# ----------------------------------------------------------------------------- the zigzag layout
+def check_context(seq_len: int | None, cp: int, method: str = "ring", tp: int = 1, sequence_parallel: bool = False) -> None:
+    """ValueError naming the value and the fix, before any process group starts."""
+    if method not in METHODS:
+        raise ValueError(f"unknown --cp-method {method!r}; use one of {', '.join(METHODS)}")
+    if cp == 1 or seq_len is None:
+        return
+    multiple, why = 2 * cp, f"2 x cp = {2 * cp} equal chunks (zigzag context parallel)"
+    if sequence_parallel and tp > 1:
+        multiple = math.lcm(2 * cp, cp * tp)
+        why += f" whose S/cp tokens split over tp={tp} (sequence parallel)"
+    if seq_len % multiple:
+        lower, upper = seq_len - seq_len % multiple, seq_len - seq_len % multiple + multiple
+        nearest = f"--seq-len {lower} or {upper}" if lower > 0 else f"--seq-len {upper}"
+        raise ValueError(f"--seq-len {seq_len} does not split into {why}; use {nearest}")
+
+
+def zigzag_indices(seq_len: int, rank: int, size: int, device: torch.device | str | None = None) -> Tensor:
+    """The global positions rank `rank` of `size` holds: chunk rank, then chunk 2*size-1-rank."""
+    chunk = seq_len // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def zigzag_shard(x: Tensor, dim: int, rank: int, size: int) -> Tensor:
+    """This rank's two chunks of `x` along `dim` (its length divisible by 2*size)."""
+    if x.shape[dim] % (2 * size):
+        raise ValueError(f"length {x.shape[dim]} along dim {dim} does not split into 2 x {size} chunks")
+    chunks = x.chunk(2 * size, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
+
+
+def zigzag_unshard(shards: list[Tensor], dim: int) -> Tensor:
+    """The full tensor from every rank's shard (in rank order): the inverse of zigzag_shard."""
+    size = len(shards)
+    halves = [s.chunk(2, dim=dim) for s in shards]
+    ordered = [halves[i][0] for i in range(size)] + [halves[i][1] for i in reversed(range(size))]
+    return torch.cat(ordered, dim=dim)
+
+
+def causal_pairs(seq_len: int, size: int, layout: str = "zigzag") -> list[int]:
+    """Unmasked (query, key) pairs of causal attention each of `size` ranks computes: the attention
+    work per rank, for the zigzag layout or contiguous chunks (rank i holding [i S/size, (i+1) S/size))."""
+    def pairs(positions: Tensor) -> int:
+        return int((positions + 1).sum())  # the query at position p sees keys 0..p
+
+    if layout == "zigzag":
+        return [pairs(zigzag_indices(seq_len, r, size)) for r in range(size)]
+    if layout == "contiguous":
+        return [pairs(torch.arange(seq_len).chunk(size)[r]) for r in range(size)]
+    raise ValueError(f"unknown layout {layout!r}; use zigzag or contiguous")
+
+
+# ----------------------------------------------------------------------------- merging partial results
+def merge_partial(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge (out, lse) with a block's (block_out, block_lse) over other keys: the softmax over the union
+    of both key sets. out (..., S, D) fp32, lse (..., S) fp32; a row with no visible key has lse -inf
+    and out 0, and stays so until a block shows it a key (no NaN)."""
+    new = torch.logaddexp(lse, block_lse)
+    nothing = torch.isneginf(new)
+    safe = torch.where(nothing, torch.zeros_like(new), new)
+    keep = torch.where(nothing, torch.zeros_like(new), torch.exp(lse - safe)).unsqueeze(-1)
+    take = torch.where(nothing, torch.zeros_like(new), torch.exp(block_lse - safe)).unsqueeze(-1)
+    return out * keep + block_out.to(out.dtype) * take, new
+
+
+# ----------------------------------------------------------------------------- ring attention
+def _half_blocks(step: int, rank: int, size: int, causal: bool, local: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) this rank computes at `step` with the K/V of rank - step: the
+    zigzag rule (see the module docstring)."""
+    every, chunk = slice(0, local), local // 2
+    if not causal:
+        return every, every, False
+    src = (rank - step) % size
+    if step == 0:
+        return every, every, True
+    if src < rank:
+        return every, slice(0, chunk), False
+    return slice(chunk, local), every, False
+
+
+class _RingPass:
+    """One asynchronous send to the next rank and receive from the previous one (a single batch)."""
+
+    def __init__(self, tensor: Tensor, group: dist.ProcessGroup, what: str, timeout: timedelta | None):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.received = torch.empty_like(tensor)
+        self.group, self.what, self.timeout = group, what, timeout
+        self.works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
+            dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % size), group),
+        ])
+
+    def wait(self) -> Tensor:
+        with collective(f"ring {self.what}", "cp", self.group):
+            for work in self.works:
+                work.wait() if self.timeout is None else work.wait(self.timeout)
+        return self.received
+
+
+class _RingAttention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, timeout):
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse None: the kernels' faster path
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        local = q.shape[SEQ_DIM]
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merges (fp64 stays fp64)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()  # one message per step; kv heads, never repeated
+        for step in range(size):
+            ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
+            rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
+            o_b, lse_b = flash_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=block_causal,
+                                         scale=scale, return_lse=True)
+            out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+            if ring is not None:
+                kv = ring.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.timeout = group, causal, scale, timeout
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, timeout = ctx.group, ctx.causal, ctx.scale, ctx.timeout
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        local = q.shape[SEQ_DIM]
+        dout = torch.zeros_like(out) if dout is None else dout
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv_pass: _RingPass | None = None
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+        for step in range(size):
+            ring = _RingPass(kv, group, "K/V (backward)", timeout) if step + 1 < size else None
+            rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
+            dq_b, dk_b, dv_b = flash_attention_backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                lse[:, :, rows], None if dlse is None else dlse[:, :, rows], causal=block_causal, scale=scale)
+            dq[:, :, rows] += dq_b.to(acc)
+            # the dk/dv of the block held now: what the ranks before added, plus this rank's share
+            if dkv_pass is not None:
+                dkv = dkv_pass.wait()
+            dkv[0][:, :, cols] += dk_b.to(acc)
+            dkv[1][:, :, cols] += dv_b.to(acc)
+            if size > 1:  # on to the next holder; home after `size` passes
+                dkv_pass = _RingPass(dkv, group, "dK/dV", timeout)
+            if ring is not None:
+                kv = ring.wait()
+        if dkv_pass is not None:
+            dkv = dkv_pass.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool = True,
+                   scale: float | None = None, return_lse: bool = False,
+                   timeout: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of this rank's zigzag queries over the whole sequence, whose K/V the cp ranks hold in
+    zigzag shards: equals zigzag_shard(flash_attention(q, k, v, causal), dim=2) of the full tensors,
+    forward and backward (lse included). q (B, Hq, S/cp, D); k, v (B, Hkv, S/cp, D)."""
+    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, None if timeout is None else timedelta(seconds=timeout))
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- all-gather attention
+def _allgather_blocks(rank: int, size: int, causal: bool, local: int, seq: int) -> list[tuple[slice, slice, bool]]:
+    """(query rows, key positions, causal) blocks of a rank's queries over the gathered sequence: each
+    query chunk sees the keys before it (one unmasked block) and its own chunk (causal, on the diagonal)."""
+    if not causal:
+        return [(slice(0, local), slice(0, seq), False)]
+    chunk, blocks = local // 2, []
+    for half, index in ((0, rank), (1, 2 * size - 1 - rank)):
+        rows = slice(half * chunk, (half + 1) * chunk)
+        if index > 0:
+            blocks.append((rows, slice(0, index * chunk), False))
+        blocks.append((rows, slice(index * chunk, (index + 1) * chunk), True))
+    return blocks
+
+
+class _AllGatherAttention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale):
+        ctx.set_materialize_grads(False)
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        kv = torch.stack([k, v]).contiguous()
+        gathered = kv.new_empty((size * 2, *k.shape))
+        with collective("all_gather (K/V)", "cp", group):
+            _all_gather_flat(gathered, kv, group=group)
+        full = zigzag_unshard(list(gathered.view(size, *kv.shape).unbind(0)), dim=SEQ_DIM + 1)  # sequence order
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full.shape[SEQ_DIM + 1])
+        for rows, cols, block_causal in blocks:
+            o_b, lse_b = flash_attention(q[:, :, rows], full[0][:, :, cols], full[1][:, :, cols], causal=block_causal,
+                                         scale=scale, return_lse=True)
+            out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, full, out, lse)
+        ctx.group, ctx.scale, ctx.blocks = group, scale, blocks
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, full, out, lse = ctx.saved_tensors
+        group, size = ctx.group, dist.get_world_size(ctx.group)
+        dout = torch.zeros_like(out) if dout is None else dout
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dfull = torch.zeros(full.shape, dtype=acc, device=q.device)
+        for rows, cols, block_causal in ctx.blocks:
+            dq_b, dk_b, dv_b = flash_attention_backward(
+                dout[:, :, rows], q[:, :, rows], full[0][:, :, cols], full[1][:, :, cols], out[:, :, rows],
+                lse[:, :, rows], None if dlse is None else dlse[:, :, rows], causal=block_causal, scale=ctx.scale)
+            dq[:, :, rows] += dq_b.to(acc)
+            dfull[0][:, :, cols] += dk_b.to(acc)
+            dfull[1][:, :, cols] += dv_b.to(acc)
+        # every rank's zigzag share of dK/dV, summed over the ranks onto its owner
+        shares = torch.cat([zigzag_shard(dfull, SEQ_DIM + 1, r, size) for r in range(size)])  # summed in fp32
+        mine = shares.new_empty(shares.shape[0] // size, *shares.shape[1:])
+        with collective("reduce_scatter (dK/dV)", "cp", group):
+            _reduce_scatter_flat(mine, shares, group=group)
+        mine = mine.to(full.dtype)
+        return dq.to(q.dtype), mine[0], mine[1], None, None, None
+
+
+def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool = True,
+                        scale: float | None = None, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """ring_attention's result with K/V gathered once per layer (one all-gather forward, one
+    reduce-scatter of dK/dV backward): each query chunk attends the keys before it in one unmasked block
+    and its own chunk causally, so no masked work beyond the diagonal."""
+    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- the model seam
+class ContextParallelAttention(nn.Module):
+    """The attention `core` of a block under context parallel: (q, k, v) of this rank's zigzag tokens."""
+
+    def __init__(self, group: dist.ProcessGroup, method: str = "ring", timeout: float | None = None):
+        super().__init__()
+        self.group, self.method, self.timeout = group, method, timeout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.method == "ring":
+            return ring_attention(q, k, v, self.group, causal=True, timeout=self.timeout)
+        return allgather_attention(q, k, v, self.group, causal=True)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method}, cp={dist.get_world_size(self.group)}"
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str = "ring", timeout: float | None = None) -> nn.Module:
+    """Swap every block's attention core for context-parallel attention over `cp_mesh`, in place."""
+    if method not in METHODS:
+        raise ValueError(f"unknown --cp-method {method!r}; use one of {', '.join(METHODS)}")
+    group = cp_mesh.get_group()
+    for block in model.layers.values():
+        attention = getattr(block, "_checkpoint_wrapped_module", block).attention
+        attention.core = ContextParallelAttention(group, method, timeout)
+    return model
