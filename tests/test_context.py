@@ -145,3 +145,24 @@ def test_cli_trains_with_context_parallel(tmp_path):
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()[1:]]
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, reference, strict=True))
     assert "cp2" in out.stdout
+
+
+def _cp_rank_one_never_answers():
+    import time
+
+    from tessera.parallel.comm import CollectiveTimeout
+
+    q = k = v = torch.randn(1, 2, 8, 4)
+    if dist.get_rank() == 1:
+        time.sleep(6)  # stays out of the ring until rank 0 has given up
+        return None
+    try:
+        ring_attention(q, k, v, dist.group.WORLD, causal=True, timeout=2.0)
+    except CollectiveTimeout as e:
+        return str(e)
+    return "no timeout"
+
+
+def test_a_ring_peer_that_never_answers_fails_naming_the_rank_axis_and_step():
+    message = run_ranks(_cp_rank_one_never_answers, 2, timeout=60)[0]
+    assert message.startswith("rank 0 stalled in ring K/V over the cp axis"), message

@@ -1,4 +1,4 @@
-"""The README stays true: its quick start runs as written (under torchrun, 8 CPU ranks) and is the
+"""The README stays true: its quick start runs as written (under torchrun, 16 CPU ranks) and is the
 shipped examples/quickstart.py."""
 
 import re
@@ -23,7 +23,7 @@ def test_the_quick_start_is_the_example_and_runs_as_written(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(code)
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "8", str(script)],
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "16", str(script)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", out.stdout)]
