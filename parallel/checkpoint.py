@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import struct
 import time
@@ -30,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
 
 FORMAT_VERSION = 3  # 3: optimizer state flattened by parameter name (any pp split loads any other)
@@ -131,6 +133,77 @@ def _optim_key_param(key: str) -> str:
     return key.split(".", 1)[1].rsplit(".", 1)[0]
 
 
+# ----------------------------------------------------------------------------- reading DCP without running code
+# DCP reads its `.metadata` with plain pickle.load and non-tensor items with torch.load(weights_only=False):
+# a crafted checkpoint could run code even with matching checksums. tessera reads both through these.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP metadata is made of: its metadata classes, torch.Size and dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch.distributed.checkpoint.metadata as dcp_metadata
+
+        allowed = name in _METADATA_GLOBALS.get(module, ())
+        if module == "torch.distributed.checkpoint.metadata":
+            allowed = isinstance(getattr(dcp_metadata, name, None), type) or name == "_MEM_FORMAT_ENCODING"
+        if module == "torch":
+            allowed = name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        if not allowed:
+            raise CheckpointError(f"DCP metadata refers to {module}.{name}, which no DCP metadata holds: a crafted "
+                                  f"file, refused (nothing read from a checkpoint may run code)")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader, with `.metadata` read by a restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank")) if hasattr(self, "_get_metadata_path") else Path(self.path) / ".metadata"
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{path}: unreadable DCP metadata ({e})") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes_safely(planner: Any, read_item: Any, value: Any) -> None:
+    try:
+        obj = torch.load(value, weights_only=True)  # never runs code; DCP's default would (weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint item {read_item.dest_index.fqn} is not plain data ({e}); refused") from None
+    if planner.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes does, with the safe load
+        from torch.distributed.checkpoint._traverse import set_element
+
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = obj
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        _load_bytes_safely(self, read_item, value)
+
+
+class _SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        _load_bytes_safely(self, read_item, value)
+
+
 class CheckpointManager:
     """Saves and loads checkpoints of Stateful pieces; it knows nothing of the trainer.
 
@@ -194,7 +267,9 @@ class CheckpointManager:
         if check is not None:
             check(path, manifest)
         verify_files(path, manifest)
-        dcp.load(dict(sharded), checkpoint_id=str(path / "state"))
+        reader = SafeFileSystemReader(str(path / "state"))
+        reader.read_metadata()  # a crafted metadata pickle fails here, with its own message, not inside DCP
+        dcp.load(dict(sharded), storage_reader=reader, planner=SafeLoadPlanner())
         for name, piece in small.items():
             piece.load_state_dict(manifest[name])
         rank = dist.get_rank()
@@ -351,17 +426,16 @@ def read_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
     """One process, no ranks: turn a checkpoint's sharded model into one full safetensors file."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = resolve(path)
     manifest = read_manifest(path)
     verify_files(path, manifest)
-    tmp = Path(f"{out}.torch.tmp")
-    try:
-        dcp_to_torch_save(str(path / "state"), str(tmp))
-        model = torch.load(tmp, weights_only=True)[SHARDED_KEY]["model"]
-    finally:
-        tmp.unlink(missing_ok=True)
+    reader = SafeFileSystemReader(str(path / "state"))
+    reader.read_metadata()  # a crafted metadata pickle fails here, with its own message
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=reader, planner=_SafeEmptyLoadPlanner(), no_dist=True)
+    model = state[SHARDED_KEY]["model"]
     write_safetensors(model, out, {"preset": manifest["model"]["preset"], "step": str(manifest["step"])})
     return manifest
 

@@ -61,6 +61,8 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, pp_group: dis
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params, pp_group)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    # a NaN/inf norm leaves the gradients as they are, so the non-finite ones can still be found by name
+    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
     for p in params:
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         g.mul_(coef.to(g.device))

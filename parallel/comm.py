@@ -20,6 +20,12 @@ class CollectiveTimeout(RuntimeError):
     pass
 
 
+def is_timeout(error: BaseException) -> bool:
+    """Whether a backend error is a collective running past its process group's timeout."""
+    return isinstance(error, CollectiveTimeout) or (
+        isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _TIMEOUT_MARKERS))
+
+
 @contextlib.contextmanager
 def collective(op: str, axis: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     try:

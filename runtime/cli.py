@@ -158,10 +158,11 @@ def _train(args: argparse.Namespace) -> int:
         return error_exit("train", str(e))
     try:
         history = train(config)
-    except RankFailure as e:
-        if "CheckpointError: " not in str(e):
-            raise
-        return error_exit("train", str(e).rsplit("CheckpointError: ", 1)[1].strip().splitlines()[0])
+    except RankFailure as e:  # a rank's named failure becomes the command's one-line error
+        for kind in ("CheckpointError: ", "NonFiniteError: ", "CollectiveTimeout: "):
+            if kind in str(e):
+                return error_exit("train", str(e).rsplit(kind, 1)[1].strip().splitlines()[0])
+        raise
     if history and not config.runtime.quiet:
         first, last = history[0], history[-1]
         print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {last['step']} steps on {config.layout}")

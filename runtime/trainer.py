@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from tessera.models import build_model
 from tessera.models.data import TokenStream
 from tessera.parallel import checkpoint, materialize, parallelize
 from tessera.parallel.clip import clip_grad_norm_
-from tessera.parallel.comm import collective
+from tessera.parallel.comm import CollectiveTimeout, collective, is_timeout
 from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.loss import CrossEntropySum, count_valid
@@ -63,18 +64,24 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN or inf in the loss or a gradient, named by step, rank and parameter."""
+
+
 @dataclass
 class Progress:
-    """Steps taken and tokens consumed (Stateful)."""
+    """Steps taken, tokens consumed, steps skipped for non-finite values (Stateful)."""
 
     step: int = 0
     consumed_tokens: int = 0
+    skipped_steps: int = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "consumed_tokens": self.consumed_tokens}
+        return {"step": self.step, "consumed_tokens": self.consumed_tokens, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.consumed_tokens = int(state["step"]), int(state["consumed_tokens"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 class PartOptimizers:
@@ -134,6 +141,8 @@ class StepResult:
     started: float
     layout: dict[str, int]
     device: torch.device = field(repr=False, default=torch.device("cpu"))
+    skipped: bool = False  # the update was dropped (a non-finite value, --on-nonfinite skip)
+    skipped_steps: int = 0  # such steps so far in the run
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -147,6 +156,8 @@ class StepResult:
             "step_time_s": elapsed,
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "layout": self.layout,
+            "skipped": self.skipped,
+            "skipped_steps": self.skipped_steps,
         }
 
 
@@ -157,7 +168,7 @@ class Trainer:
         self.config = config
         self.device = device or current_device()
         self.layout = config.layout
-        self.meshes = Meshes(self.layout, self.device.type)
+        self.meshes = Meshes(self.layout, self.device.type, timeout=config.runtime.timeout)
         self.rank = dist.get_rank()
         self.model_config = config.model_config
         self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
@@ -239,7 +250,24 @@ class Trainer:
         return inputs.to(self.device), targets.to(self.device)
 
     def train_step(self, on_grads: Callable[[list[nn.Module]], None] | None = None) -> StepResult:
-        """One optimizer step. `on_grads(parts)` runs after backward, before clipping (tests read grads)."""
+        """One optimizer step. `on_grads(parts)` runs after backward, before clipping (tests read grads).
+        A collective that runs past --timeout raises CollectiveTimeout naming this rank and the step (and,
+        for tessera's own collectives, the axis and the operation)."""
+        step = self.progress.step + 1
+        try:
+            return self._train_step(on_grads)
+        except CollectiveTimeout as e:
+            named = str(e).replace(f"rank {self.rank} stalled in", f"rank {self.rank} stalled at training step {step} in", 1)
+            raise CollectiveTimeout(named) from e
+        except RuntimeError as e:
+            if not is_timeout(e):
+                raise
+            raise CollectiveTimeout(
+                f"rank {self.rank} stalled at training step {step} in a collective that torch issued (an FSDP2 "
+                f"all-gather or reduce-scatter over the data axes, or a DTensor redistribution): a peer never joined; "
+                f"look for a rank that raised, exited or froze. Underlying error: {e}") from e
+
+    def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         started = time.perf_counter()
         inputs, targets = self.data.next_global_batch()
         valid = count_valid(targets)  # over the whole global batch: the denominator on every rank
@@ -250,19 +278,54 @@ class Trainer:
         if on_grads is not None:
             on_grads(self.parts)
         grad_norm = clip_grad_norm_(self.parameters(), self.config.optimizer.max_grad_norm, Meshes.group(self.meshes.pp))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
             with collective("all_reduce (loss)", "pp", self.meshes.pp.get_group()):
                 dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
         if self.meshes.loss is not None:  # ranks reading different tokens add their sums
             with collective("all_reduce (loss)", "dp_cp", self.meshes.loss.get_group()):
                 dist.all_reduce(loss_sum, group=self.meshes.loss.get_group())
+        # one host sync: the loss and the norm are reduced over every rank, so all ranks decide alike
+        skipped = not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        if skipped:
+            report = self._nonfinite_report(self.progress.step + 1, loss_sum / max(1, valid), grad_norm)
+            if self.config.runtime.on_nonfinite == "stop":
+                raise NonFiniteError(report + "; stopped before the update (nothing poisoned was applied or saved); "
+                                     "--on-nonfinite skip drops such steps instead")
+            self.progress.skipped_steps += 1
+            if self.rank == 0:
+                warnings.warn(report + "; the step's update was skipped (--on-nonfinite skip)", stacklevel=2)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         self.progress.consumed_tokens += inputs.numel()
         return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, inputs.numel(), started,
-                          self.layout.as_dict(), self.device)
+                          self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps)
+
+    def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
+        """Which parameters hold a NaN or inf gradient, on which rank and shard (collective)."""
+        from torch.distributed.tensor import DTensor
+
+        mine = []
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if p.grad is None:
+                    continue
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                if not bool(torch.isfinite(local).all()):
+                    where = ""
+                    if isinstance(p.grad, DTensor):
+                        mesh = p.grad.device_mesh
+                        where = " (shard " + ", ".join(f"{n}={mesh.get_local_rank(i)}" for i, n in
+                                                       enumerate(mesh.mesh_dim_names or ())) + ")"
+                    mine.append(f"rank {self.rank}: {name.replace('_checkpoint_wrapped_module.', '')}{where}")
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        found = [entry for entries in everyone for entry in entries]
+        shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+        return (f"non-finite values at step {step}: loss {loss.item()}, grad norm {grad_norm.item()}; "
+                f"gradients: {shown or 'all finite (the loss itself)'}")
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_pieces(self) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -175,7 +175,7 @@ def _stage_one_never_answers(config):
 def test_a_stage_that_never_answers_fails_naming_the_rank_axis_and_message():
     config = small_config(**PIPELINE_BASE, pp=2, microbatches=2, timeout=2.0)
     message = run_ranks(_stage_one_never_answers, 2, config, timeout=60)[0]
-    assert message.startswith("rank 0 stalled in recv grad of microbatch 0 for stage 0 over the pp axis"), message
+    assert message.startswith("rank 0 stalled at training step 1 in recv grad of microbatch 0 for stage 0 over the pp axis"), message
 
 
 def _custom_schedule_gradients(schedule):

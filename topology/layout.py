@@ -213,11 +213,13 @@ class Layout:
         return out
 
     # ----------------------------------------------------------------- DeviceMesh
-    def build_mesh(self, device_type: str, gpus_per_node: int | None = None) -> "DeviceMesh":
+    def build_mesh(self, device_type: str, gpus_per_node: int | None = None, timeout: float | None = None) -> "DeviceMesh":
         """One DeviceMesh with the five axes plus the flattened "dp", "dp_shard_cp" and "dp_cp" submeshes.
 
         Must run inside an initialized process group whose world size equals this layout's. Slice the
-        result with `topology.submesh(mesh, name)`.
+        result with `topology.submesh(mesh, name)`. `timeout` (seconds) bounds every collective on every
+        subgroup of the mesh: torch creates them with its own default (30 minutes on gloo, 10 on NCCL),
+        not the world group's timeout, so a stalled tp or FSDP collective would otherwise hang that long.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -230,6 +232,8 @@ class Layout:
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
         for name, axes in FLATTENED.items():
             mesh[axes]._flatten(name)
+        if timeout is not None:
+            set_mesh_timeout(mesh, timeout)
         return mesh
 
     def check_nodes(self, gpus_per_node: int) -> None:
@@ -256,3 +260,20 @@ def _product_ranges(sizes: Iterable[int]) -> Iterable[tuple[int, ...]]:
     for s in sizes:
         out = [prefix + (i,) for prefix in out for i in range(s)]
     return out
+
+
+def set_mesh_timeout(mesh: "DeviceMesh", timeout: float) -> None:
+    """Give every process group of `mesh` (each axis and each flattened submesh) `timeout` seconds."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from .mesh import submesh
+
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)] + [submesh(mesh, name).get_group() for name in FLATTENED]
+    seen: set[int] = set()
+    for group in groups:
+        if id(group) not in seen and dist.get_world_size(group) > 1:
+            seen.add(id(group))
+            _set_pg_timeout(timedelta(seconds=timeout), group)

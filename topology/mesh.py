@@ -63,10 +63,11 @@ class Meshes:
     loss    the ranks whose loss sums add up to the global one: "dp_cp" (tp and pp ranks share theirs)
     """
 
-    def __init__(self, layout: Layout, device_type: str = "cpu", mesh: DeviceMesh | None = None):
+    def __init__(self, layout: Layout, device_type: str = "cpu", mesh: DeviceMesh | None = None,
+                 timeout: float | None = None):
         self.layout = layout
         self.device_type = device_type
-        self.world = mesh if mesh is not None else layout.build_mesh(device_type)
+        self.world = mesh if mesh is not None else layout.build_mesh(device_type, timeout=timeout)
 
         def on(size: int, *names: str) -> DeviceMesh | None:
             return submesh(self.world, *names) if size > 1 else None

@@ -1,0 +1,163 @@
+"""Failures named, not hung; files from disk never run code (issue 11, first part)."""
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import small_config
+from tessera.parallel import checkpoint
+from tessera.parallel.launch import run_ranks
+
+
+def _rank_one_freezes(config):
+    from tessera.trainer import Trainer
+
+    trainer = Trainer(config, torch.device("cpu"))
+    trainer.train_step()
+    if trainer.rank == 1:
+        time.sleep(config.runtime.timeout + 6)  # frozen through step 2, past every peer's timeout
+        return None
+    started = time.perf_counter()
+    try:
+        trainer.train_step()
+    except Exception as e:
+        return time.perf_counter() - started, type(e).__name__, str(e)
+    return None
+
+
+def test_a_frozen_rank_is_reported_within_the_timeout_by_every_peer_not_hung():
+    # the mesh's subgroups (tp, FSDP's dp_shard_cp) get --timeout too, not torch's 30-minute default
+    config = small_config(dp=2, tp=2, timeout=3.0)
+    results = run_ranks(_rank_one_freezes, 4, config, timeout=90)
+    for rank, result in enumerate(results):
+        if rank == 1:
+            continue
+        elapsed, kind, message = result
+        assert kind == "CollectiveTimeout" and elapsed < 3.0 + 4, (rank, elapsed, message)
+        assert message.startswith(f"rank {rank} stalled at training step 2 in"), message
+    # rank 0 shares a tp group with the frozen rank 1: its stalled collective is tessera's own, named by axis
+    assert results[0][2].startswith("rank 0 stalled at training step 2 in all_reduce over the tp axis (group ranks [0, 1])")
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ.get('TESSERA_PWNED', '/tmp/tessera-pwned')}",))
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory):
+    from tessera.run import train
+
+    root = tmp_path_factory.mktemp("safe")
+    train(small_config(steps=2, checkpoint_dir=str(root), checkpoint_every=2))
+    return root / "step_00000002"
+
+
+def _forge(src, dst, relative, payload):
+    """A copy of the checkpoint with `relative` replaced and the manifest's checksums rewritten to match."""
+    shutil.copytree(src, dst)
+    (dst / relative).write_bytes(payload)
+    manifest = json.loads((dst / checkpoint.MANIFEST).read_text())
+    manifest["files"][relative] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (dst / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    return dst
+
+
+def test_a_crafted_dcp_metadata_pickle_is_refused_even_with_matching_checksums(one_checkpoint, tmp_path):
+    marker = tmp_path / "pwned"
+    os.environ["TESSERA_PWNED"] = str(marker)
+    try:
+        forged = _forge(one_checkpoint, tmp_path / "forged", "state/.metadata", pickle.dumps(_Boom()))
+        out = subprocess.run([sys.executable, "-m", "tessera", "export", str(forged), "--out", str(tmp_path / "m.safetensors")],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "refused" in out.stderr and "system" in out.stderr, out.stderr
+        with pytest.raises(checkpoint.CheckpointError, match="refused"):
+            checkpoint.SafeFileSystemReader(str(forged / "state")).read_metadata()
+        assert not marker.exists()
+    finally:
+        os.environ.pop("TESSERA_PWNED", None)
+
+
+def test_a_non_tensor_item_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    os.environ["TESSERA_PWNED"] = str(marker)
+    try:
+        buffer = io.BytesIO()
+        torch.save({"lr": _Boom()}, buffer)
+        buffer.seek(0)
+
+        class Item:  # what DCP passes: a read item naming the key
+            class dest_index:
+                fqn = "optimizer.param_groups.lr"
+
+        planner = checkpoint.SafeLoadPlanner()
+        planner.flatten_state_dict = False
+        planner.state_dict = {}
+        with pytest.raises(checkpoint.CheckpointError, match="optimizer.param_groups.lr is not plain data"):
+            planner.load_bytes(Item, buffer)
+        assert not marker.exists()
+    finally:
+        os.environ.pop("TESSERA_PWNED", None)
+
+
+def test_the_genuine_checkpoint_still_exports_through_the_safe_reader(one_checkpoint, tmp_path):
+    out = tmp_path / "model.safetensors"
+    manifest = checkpoint.export_checkpoint(one_checkpoint, out)
+    assert manifest["step"] == 2 and "layers.0.attention.wq.weight" in checkpoint.read_safetensors(out)
+
+
+def _poisoned_run(config, poisoned_step):
+    """Train; on `poisoned_step` rank 1 finds a NaN in one gradient element (after backward)."""
+    from helpers import gather_by_name, named_full_parameters
+    from tessera.trainer import NonFiniteError, Trainer
+
+    trainer = Trainer(config, torch.device("cpu"))
+
+    def poison(parts):
+        if trainer.rank == 1:
+            for name, p in parts[0].named_parameters():
+                if name == "layers.1.feed_forward.w2.weight":
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    g.view(-1)[0] = float("nan")
+
+    records, error = [], None
+    try:
+        for s in range(config.runtime.steps):
+            records.append(trainer.train_step(on_grads=poison if s + 1 == poisoned_step else None).record())
+    except NonFiniteError as e:
+        error = str(e)
+    params = gather_by_name(named_full_parameters(trainer))
+    return (records, error, params) if trainer.rank == 0 else None
+
+
+def test_a_nan_gradient_is_named_and_stops_before_the_update():
+    config = small_config(dp=2, tp=2, steps=3)
+    records, error, params = run_ranks(_poisoned_run, 4, config, 2, timeout=120)[0]
+    assert len(records) == 1 and error is not None
+    assert error.startswith("non-finite values at step 2: loss ") and "grad norm nan" in error
+    assert "rank 1: layers.1.feed_forward.w2.weight (shard" in error and "stopped before the update" in error
+    assert all(torch.isfinite(p).all() for p in params.values())  # nothing poisoned was applied
+
+
+def test_skip_drops_the_poisoned_update_and_counts_it():
+    poisoned = run_ranks(_poisoned_run, 4, small_config(dp=2, tp=2, steps=3, on_nonfinite="skip"), 2, timeout=120)[0]
+    records, error, params = poisoned
+    assert error is None and [r["skipped"] for r in records] == [False, True, False]
+    assert records[-1]["skipped_steps"] == 1 and all(torch.isfinite(p).all() for p in params.values())
+    # the run goes on from the weights of step 1: step 3 trains on them
+    clean = run_ranks(_poisoned_run, 4, small_config(dp=2, tp=2, steps=1), None, timeout=120)[0]
+    assert records[0]["loss"] == clean[0][0]["loss"]
+
+
+def test_nonfinite_policy_is_checked():
+    with pytest.raises(ValueError, match="--on-nonfinite 'ignore'; use stop or skip"):
+        small_config(on_nonfinite="ignore").check()
