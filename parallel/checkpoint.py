@@ -18,6 +18,7 @@ corrupt shard fails naming the file instead of loading partially.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,8 +26,9 @@ import pickle
 import shutil
 import struct
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,19 +51,35 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory: `path` itself, or the one its `latest` pointer names."""
+    """A checkpoint directory: `path` itself (used as given: an explicit checkpoint that is bad stops the
+    run), or the one a checkpoint root's `latest` pointer names. When that one is incomplete or damaged
+    (a missing or edited manifest, a missing or truncated file), the newest intact checkpoint of the root
+    is used instead, with a warning naming the problem."""
     path = Path(path)
     if (path / MANIFEST).exists():
         return path
     latest = path / "latest"
     if latest.exists():
         target = path / latest.read_text().strip()
-        if not (target / MANIFEST).exists():
-            raise CheckpointError(f"{latest} points to {target}, which has no {MANIFEST}; the checkpoint is incomplete")
-        return target
+        problem = structural_problem(target)
+        if problem is None:
+            return target
+        for older in sorted(path.glob("step_*"), reverse=True):
+            if older != target and structural_problem(older) is None:
+                warnings.warn(f"the latest checkpoint {target} is unusable ({problem}); resuming from {older}, the "
+                              f"newest intact one", stacklevel=2)
+                return older
+        raise CheckpointError(f"{latest} points to {target}, which is unusable ({problem}), and no older checkpoint "
+                              f"in {path} is intact")
     if path.is_dir():
         raise CheckpointError(f"no {MANIFEST} (and no 'latest' pointer) in {path}: not a tessera checkpoint, or an interrupted save")
     raise CheckpointError(f"checkpoint {path} does not exist")
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's content (everything but the digest itself), as saved."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -72,9 +90,29 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"missing manifest {file}: the checkpoint is incomplete") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"corrupt manifest {file}: {e}") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{file} has format {manifest.get('format')!r}; this tessera reads format {FORMAT_VERSION}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"{file} has format {found!r}; this tessera reads format {FORMAT_VERSION}")
+    if manifest.get("digest") != manifest_digest(manifest):
+        raise CheckpointError(f"{file} was edited after the save (its digest does not match its content); "
+                              f"resume from another checkpoint")
     return manifest
+
+
+def structural_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot load, found without hashing (manifest, file presence and
+    sizes), or None. Checksums are verified when it loads."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        return str(e)
+    for name, want in manifest.get("files", {}).items():
+        file = path / name
+        if not file.exists():
+            return f"missing checkpoint file {file}"
+        if file.stat().st_size != want["bytes"]:
+            return f"truncated or altered checkpoint file {file}: {file.stat().st_size} bytes, the manifest says {want['bytes']}"
+    return None
 
 
 def _sha256(file: Path) -> str:
@@ -87,6 +125,53 @@ def _sha256(file: Path) -> str:
 
 def _my_share(files: list[Path], rank: int, world: int) -> list[Path]:
     return [f for i, f in enumerate(files) if i % world == rank]
+
+
+# ----------------------------------------------------------------------------- one writer per directory
+@contextlib.contextmanager
+def directory_lock(root: str | os.PathLike) -> Iterator[None]:
+    """Hold `root/.lock` while a run writes checkpoints there; a second live run is refused. A lock left
+    by a process that no longer runs on this host is taken over."""
+    import socket
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    lock, host = root / ".lock", socket.gethostname()
+    mine = json.dumps({"pid": os.getpid(), "host": host, "since": time.time()})
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                holder = json.loads(lock.read_text())
+            except (OSError, json.JSONDecodeError):
+                holder = {}
+            if holder.get("host") == host and _alive(int(holder.get("pid", -1))):
+                raise CheckpointError(f"--checkpoint-dir {root} is in use by another run (pid {holder['pid']} on {host}); "
+                                      f"use another directory, or wait for that run to end") from None
+            if holder.get("host") not in (None, host):
+                raise CheckpointError(f"--checkpoint-dir {root} is locked by a run on host {holder['host']} (pid "
+                                      f"{holder.get('pid')}); if it has ended, remove {lock}") from None
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+    with os.fdopen(fd, "w") as f:
+        f.write(mine)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -247,6 +332,7 @@ class CheckpointManager:
                 "created_unix": time.time(),
                 "files": {k: v for share in shares for k, v in share.items()},
             }
+            manifest["digest"] = manifest_digest(manifest)  # an edited manifest is refused on load
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)

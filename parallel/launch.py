@@ -13,6 +13,7 @@ Failure is reported, never waited out:
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -22,12 +23,13 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 _CTX: Any = None
@@ -40,6 +42,29 @@ def _context() -> Any:
         ctx.set_forkserver_preload(_PRELOAD + ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"])
         _CTX = ctx
     return _CTX
+
+
+class Interrupted(RuntimeError):
+    """The launcher got SIGTERM (a scheduler's preemption): its ranks were stopped."""
+
+
+@contextlib.contextmanager
+def _stop_ranks_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into an exception in the launcher, so the rank processes are killed on the way out
+    (SIGINT already raises KeyboardInterrupt). Without it, SIGTERM ends the launcher and leaves its ranks
+    training."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(f"stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class RankFailure(RuntimeError):
@@ -145,25 +170,9 @@ def run_ranks(
     workdir = tempfile.mkdtemp(prefix="tessera-ranks-")
     procs, conns = [], {}
     try:
-        for rank in range(world_size):
-            spec = _RankSpec(
-                rank=rank,
-                world_size=world_size,
-                store_path=os.path.join(workdir, "store"),
-                backend=backend,
-                # gloo's own timeout stays behind ours, so our deadline reports first and with stacks
-                collective_timeout=collective_timeout or ((timeout or 600.0) + 30.0),
-                stack_path=os.path.join(workdir, f"stack{rank}.txt"),
-                threads=threads,
-                env=dict(env or {}),
-            )
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, args=(fn, spec, send, args, kwargs), name=f"tessera-rank{rank}")
-            p.start()
-            send.close()
-            procs.append(p)
-            conns[recv] = rank
-        return _collect(procs, conns, world_size, timeout, workdir)
+        with _stop_ranks_on_sigterm():
+            return _start_and_collect(fn, world_size, args, kwargs, ctx, workdir, procs, conns, timeout,
+                                      collective_timeout, backend, threads, env)
     finally:
         for p in procs:
             if p.is_alive():
@@ -171,6 +180,30 @@ def run_ranks(
         for p in procs:
             p.join(timeout=5)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_and_collect(fn, world_size, args, kwargs, ctx, workdir, procs, conns, timeout, collective_timeout, backend,
+                       threads, env) -> list[Any]:
+    """Start one process per rank (appended to `procs`, so the caller can kill them) and collect results."""
+    for rank in range(world_size):
+        spec = _RankSpec(
+            rank=rank,
+            world_size=world_size,
+            store_path=os.path.join(workdir, "store"),
+            backend=backend,
+            # gloo's own timeout stays behind ours, so our deadline reports first and with stacks
+            collective_timeout=collective_timeout or ((timeout or 600.0) + 30.0),
+            stack_path=os.path.join(workdir, f"stack{rank}.txt"),
+            threads=threads,
+            env=dict(env or {}),
+        )
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, args=(fn, spec, send, args, kwargs), name=f"tessera-rank{rank}")
+        p.start()
+        send.close()
+        procs.append(p)
+        conns[recv] = rank
+    return _collect(procs, conns, world_size, timeout, workdir)
 
 
 def _collect(procs: list, conns: dict, world_size: int, timeout: float | None, workdir: str) -> list[Any]:

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from tessera.parallel.launch import RankFailure
+    from tessera.parallel.launch import Interrupted, RankFailure
 
     from .config import config_from_args
     from .run import error_exit, train, under_torchrun
@@ -156,8 +156,16 @@ def _train(args: argparse.Namespace) -> int:
             config.layout.check_world_size(world)
     except ValueError as e:  # CheckpointError included
         return error_exit("train", str(e))
+    from tessera.parallel.checkpoint import CheckpointError
+
     try:
         history = train(config)
+    except CheckpointError as e:  # raised before any rank starts (e.g. the checkpoint directory is in use)
+        return error_exit("train", str(e))
+    except (Interrupted, KeyboardInterrupt) as e:  # SIGTERM / Ctrl-C: every rank has been stopped
+        why = str(e) or "stopped by SIGINT"
+        error_exit("train", f"{why}; every rank was stopped (resume from the last checkpoint with --resume)")
+        return 128 + (15 if "SIGTERM" in why else 2)
     except RankFailure as e:  # a rank's named failure becomes the command's one-line error
         for kind in ("CheckpointError: ", "NonFiniteError: ", "CollectiveTimeout: "):
             if kind in str(e):

@@ -141,6 +141,9 @@ def _check_paths(config: Config, model) -> None:
             raise ValueError(f"--checkpoint-dir {c.dir} is not writable; choose a writable directory")
     if c.resume is not None:
         path = checkpoint.resolve(config.resume_path)
+        problem = checkpoint.structural_problem(path)  # missing or truncated files, before any rank starts
+        if problem is not None:
+            raise checkpoint.CheckpointError(problem)
         manifest = checkpoint.read_manifest(path)
         checkpoint.check_compatible(path, manifest, config.model.preset, model.as_dict(), config.data.seq_len,
                                     config.data.global_batch, config.runtime.steps)

@@ -151,18 +151,24 @@ def _backend(config: Config) -> str:
 def train(config: Config) -> list[dict[str, Any]] | None:
     """Validate, then run: join the torchrun job, or spawn the layout's ranks locally. Returns rank 0's
     step records (None on other torchrun ranks)."""
-    config.check()
-    if under_torchrun():
-        dist.init_process_group(_backend(config), timeout=timedelta(seconds=config.runtime.timeout))
-        try:
-            return run_rank(config)
-        finally:
-            dist.destroy_process_group()
-    from tessera.parallel.launch import run_ranks
+    import contextlib
 
-    world = config.layout.world_size
-    return run_ranks(run_rank, world, config, timeout=None, collective_timeout=config.runtime.timeout,
-                     backend=_backend(config))[0]
+    from tessera.parallel.checkpoint import directory_lock
+
+    config.check()
+    writes = config.checkpoint.dir and config.checkpoint.every and int(os.environ.get("RANK", "0")) == 0
+    with directory_lock(config.checkpoint.dir) if writes else contextlib.nullcontext():  # one writer per directory
+        if under_torchrun():
+            dist.init_process_group(_backend(config), timeout=timedelta(seconds=config.runtime.timeout))
+            try:
+                return run_rank(config)
+            finally:
+                dist.destroy_process_group()
+        from tessera.parallel.launch import run_ranks
+
+        world = config.layout.world_size
+        return run_ranks(run_rank, world, config, timeout=None, collective_timeout=config.runtime.timeout,
+                         backend=_backend(config))[0]
 
 
 def error_exit(command: str, message: str) -> int:

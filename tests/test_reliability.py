@@ -68,6 +68,7 @@ def _forge(src, dst, relative, payload):
     (dst / relative).write_bytes(payload)
     manifest = json.loads((dst / checkpoint.MANIFEST).read_text())
     manifest["files"][relative] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    manifest["digest"] = checkpoint.manifest_digest(manifest)  # the attacker reseals the manifest too
     (dst / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     return dst
 
@@ -161,3 +162,98 @@ def test_skip_drops_the_poisoned_update_and_counts_it():
 def test_nonfinite_policy_is_checked():
     with pytest.raises(ValueError, match="--on-nonfinite 'ignore'; use stop or skip"):
         small_config(on_nonfinite="ignore").check()
+
+
+def test_a_second_run_writing_to_the_same_checkpoint_directory_is_refused(tmp_path):
+    root = tmp_path / "ckpt"
+    with checkpoint.directory_lock(root):  # this test process plays the first run
+        out = subprocess.run([sys.executable, "-m", "tessera", "train", "--steps", "2", "--seq-len", "32",
+                              "--checkpoint-dir", str(root), "--checkpoint-every", "1"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and f"--checkpoint-dir {root} is in use by another run (pid {os.getpid()}" in out.stderr
+        assert "step" not in out.stdout
+    assert not (root / ".lock").exists()
+    (root / ".lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": __import__("socket").gethostname()}))
+    with checkpoint.directory_lock(root):  # a stale lock (its process is gone) is taken over
+        pass
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    from tessera.run import train
+
+    root = tmp_path_factory.mktemp("fallback")
+    history = train(small_config(steps=6, checkpoint_dir=str(root), checkpoint_every=2, keep_checkpoints=3))
+    return root, [(m["loss"], m["grad_norm"]) for m in history]
+
+
+def test_a_damaged_latest_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_path):
+    from tessera.run import train
+
+    root, history = two_checkpoints
+    copy = tmp_path / "root"
+    shutil.copytree(root, copy)
+    assert (copy / "latest").read_text() == "step_00000006"
+    shard = next((copy / "step_00000006" / "state").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])  # truncated
+    with pytest.warns(UserWarning, match=r"the latest checkpoint .*step_00000006 is unusable \(truncated or altered checkpoint file"):
+        assert checkpoint.resolve(copy).name == "step_00000004"
+    with pytest.warns(UserWarning):
+        resumed = train(small_config(steps=6, resume=str(copy)))
+    assert [m["step"] for m in resumed] == [5, 6]
+    assert [(m["loss"], m["grad_norm"]) for m in resumed] == history[4:]  # bitwise the uninterrupted run
+    older = next((copy / "step_00000004" / "state").glob("*.distcp"))
+    older.write_bytes(older.read_bytes()[:-10])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated or altered"):  # named explicitly: no fallback
+        small_config(steps=6, resume=str(copy / "step_00000004")).check()
+
+
+def test_an_edited_manifest_is_refused(two_checkpoints, tmp_path):
+    root, _ = two_checkpoints
+    bad = tmp_path / "edited"
+    shutil.copytree(root / "step_00000004", bad)
+    manifest = json.loads((bad / checkpoint.MANIFEST).read_text())
+    manifest["step"] = 5
+    (bad / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match="was edited after the save"):
+        checkpoint.read_manifest(bad)
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize("signum", [15, 2], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, signum):
+    import signal
+    import uuid
+
+    marker = f"TESSERA_TEST_RUN={uuid.uuid4().hex}"
+    env = dict(os.environ, TESSERA_TEST_RUN=marker.split("=", 1)[1])
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "train", "--dp", "2", "--steps", "100000", "--seq-len", "32",
+                             "--global-batch", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:  # training has started on every rank
+            if line.startswith("step "):
+                break
+        assert len(_processes_with(marker)) >= 3  # the launcher, and its ranks (and their forkserver)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tessera train: error: stopped by {signal.Signals(signum).name}; every rank was stopped"), stderr
+    deadline = time.time() + 10
+    while _processes_with(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []  # no rank outlives the launcher
