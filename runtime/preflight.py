@@ -50,6 +50,8 @@ def _check_numbers(config: Config) -> None:
         raise ValueError(f"--weight-decay {o.weight_decay} must be >= 0")
     if not r.timeout > 0 or math.isinf(r.timeout):
         raise ValueError(f"--timeout {r.timeout} must be a positive number of seconds (a stalled collective must fail)")
+    if r.max_restarts < 0:
+        raise ValueError(f"--max-restarts {r.max_restarts} must be >= 0")
     if r.on_nonfinite not in ("stop", "skip"):
         raise ValueError(f"--on-nonfinite {r.on_nonfinite!r}; use stop or skip")
     if r.device not in ("auto", "cpu", "cuda"):

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,8 +103,22 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
-def run_rank(config: Config) -> list[dict[str, Any]] | None:
-    """The training loop on this rank (process group initialized); rank 0 returns the step records."""
+def _keep_metrics_through(path: str, step: int) -> None:
+    """After a restart: drop the step records past `step` (the restored checkpoint's), which the run is
+    about to repeat, so the file holds every step once. Headers stay (each marks a start)."""
+    p = Path(path)
+    if not p.exists():
+        return
+    kept = [line for line in p.read_text().splitlines()
+            if line.strip() and (json.loads(line).get("type") == "header" or json.loads(line).get("step", 0) <= step)]
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, p)
+
+
+def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
+    """The training loop on this rank (process group initialized); rank 0 returns the step records.
+    `attempt` > 0: a restart after a failure (the metrics file is cut back to the restored step)."""
     from tessera.parallel import checkpoint
 
     from .trainer import Trainer
@@ -122,21 +137,23 @@ def run_rank(config: Config) -> list[dict[str, Any]] | None:
             f"({manifest['consumed_tokens']:,} tokens) saved on {Layout(**manifest['layout'])}")
     manager = checkpoint.CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
     history: list[dict[str, Any]] = []
+    if attempt and config.runtime.metrics and rank == 0:
+        _keep_metrics_through(config.runtime.metrics, trainer.step)
     out = open(config.runtime.metrics, "a") if (config.runtime.metrics and rank == 0) else None
     try:
         if out:
-            out.write(json.dumps(header_record(config, trainer, uuid.uuid4().hex)) + "\n")
+            out.write(json.dumps({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
             out.flush()
         start, first_step = time.perf_counter(), trainer.step
         while trainer.step < config.runtime.steps:
             m = trainer.train_step().record()
             history.append(m)
+            if out:  # before the checkpoint: a crash in between repeats the step (and its line is cut), never skips it
+                out.write(json.dumps(m) + "\n")
+                out.flush()
             if config.checkpoint.every and trainer.step % config.checkpoint.every == 0:
                 path = trainer.save(manager)
                 say(f"saved checkpoint {path}")
-            if out:
-                out.write(json.dumps(m) + "\n")
-                out.flush()
             say(progress_line(m, config, time.perf_counter() - start, trainer.step - first_step))
     finally:
         if out:
@@ -157,18 +174,55 @@ def train(config: Config) -> list[dict[str, Any]] | None:
 
     config.check()
     writes = config.checkpoint.dir and config.checkpoint.every and int(os.environ.get("RANK", "0")) == 0
-    with directory_lock(config.checkpoint.dir) if writes else contextlib.nullcontext():  # one writer per directory
-        if under_torchrun():
+    if under_torchrun():
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts restarted us
+        config = _resuming_after_failure(config) if attempt else config
+        with directory_lock(config.checkpoint.dir) if writes and not attempt else contextlib.nullcontext():
             dist.init_process_group(_backend(config), timeout=timedelta(seconds=config.runtime.timeout))
             try:
-                return run_rank(config)
+                return run_rank(config, attempt)
             finally:
                 dist.destroy_process_group()
-        from tessera.parallel.launch import run_ranks
+    from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
 
-        world = config.layout.world_size
-        return run_ranks(run_rank, world, config, timeout=None, collective_timeout=config.runtime.timeout,
-                         backend=_backend(config))[0]
+    world = config.layout.world_size
+    with directory_lock(config.checkpoint.dir) if writes else contextlib.nullcontext():  # one writer per directory
+        attempt = 0
+        while True:
+            try:
+                return run_ranks(run_rank, world, config, attempt, timeout=None,
+                                 collective_timeout=config.runtime.timeout, backend=_backend(config))[0]
+            except (RankFailure, RankTimeout) as e:
+                if attempt >= config.runtime.max_restarts or _deterministic(e):
+                    raise
+                attempt += 1
+                config = _resuming_after_failure(config)
+                where = f"the latest checkpoint in {config.checkpoint.dir}" if config.checkpoint.resume is not None else "step 0"
+                first = str(e).splitlines()[0]
+                print(f"tessera: {first}; restarting every rank from {where} (restart {attempt} of "
+                      f"{config.runtime.max_restarts})", file=sys.stderr, flush=True)
+
+
+def _deterministic(error: Exception) -> bool:
+    """Failures a restart would only repeat: bad input, a damaged checkpoint, a non-finite value."""
+    return any(f"{kind}: " in str(error) for kind in ("ValueError", "CheckpointError", "NonFiniteError"))
+
+
+def _resuming_after_failure(config: Config) -> Config:
+    """The config of a restart: resume from the latest complete checkpoint of --checkpoint-dir, if any
+    (else start over from step 0, as the failed attempt did)."""
+    import dataclasses
+
+    from tessera.parallel import checkpoint
+
+    root = config.checkpoint.dir
+    if root and (Path(root) / "latest").exists():
+        try:
+            checkpoint.resolve(root)
+        except checkpoint.CheckpointError:
+            return config
+        return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume="", init_from=None))
+    return config
 
 
 def error_exit(command: str, message: str) -> int:

@@ -257,3 +257,70 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, signum):
     while _processes_with(marker) and time.time() < deadline:
         time.sleep(0.2)
     assert _processes_with(marker) == []  # no rank outlives the launcher
+
+
+def _rank_pids(marker: str, launcher: int) -> list[int]:
+    """Rank processes of a launcher: marked processes whose parent is not the launcher (the launcher's
+    child is the forkserver, the ranks are the forkserver's children)."""
+    out = []
+    for pid in _processes_with(marker):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                ppid = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if pid != launcher and ppid != launcher:
+            out.append(pid)
+    return out
+
+
+@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], ["--pp", "2", "--n-layers", "4", "--microbatches", "2"]],
+                         ids=["dp2xtp2", "pp2"])
+def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_path, layout):
+    import signal
+    import uuid
+
+    from tessera.config import Config, add_arguments, config_from_args
+    from tessera.run import train
+
+    common = ["--steps", "30", "--seq-len", "32", "--global-batch", "4", "--checkpoint-every", "5", "--quiet", *layout]
+    # the uninterrupted run
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    reference_dir = tmp_path / "reference"
+    config = config_from_args(parser.parse_args([*common, "--checkpoint-dir", str(reference_dir),
+                                                 "--metrics", str(tmp_path / "reference.jsonl")]))
+    assert isinstance(config, Config)
+    train(config)
+    # the same run, with one rank killed (SIGKILL) mid-run
+    marker = uuid.uuid4().hex
+    metrics = tmp_path / "run.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "train", *common, "--checkpoint-dir", str(tmp_path / "run"),
+                             "--metrics", str(metrics), "--max-restarts", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, TESSERA_TEST_RUN=marker))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            if steps and max(steps) >= 7:
+                break
+            time.sleep(0.02)
+        victim = _rank_pids(f"TESSERA_TEST_RUN={marker}", proc.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "restarting every rank from the latest checkpoint" in stderr and "(restart 1 of 1)" in stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if r.get("type") != "header"]
+    assert [r["step"] for r in steps] == list(range(1, 31))  # every step once: none repeated, none missing
+    reference = [json.loads(line) for line in (tmp_path / "reference.jsonl").read_text().splitlines()][1:]
+    assert [r["loss"] for r in steps] == [r["loss"] for r in reference]  # bitwise
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    checkpoint.export_checkpoint(reference_dir, a)
+    checkpoint.export_checkpoint(tmp_path / "run", b)
+    ref_weights, run_weights = checkpoint.read_safetensors(a), checkpoint.read_safetensors(b)
+    assert all(torch.equal(ref_weights[n], run_weights[n]) for n in ref_weights)
