@@ -324,3 +324,58 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_p
     checkpoint.export_checkpoint(tmp_path / "run", b)
     ref_weights, run_weights = checkpoint.read_safetensors(a), checkpoint.read_safetensors(b)
     assert all(torch.equal(ref_weights[n], run_weights[n]) for n in ref_weights)
+
+
+class _Crash(BaseException):
+    """Stands for the process dying at that point (not an Exception: nothing catches it)."""
+
+
+def _save_then_crash_during_the_next(root, where):
+    from unittest import mock
+
+    from tessera.trainer import Trainer
+
+    trainer = Trainer(small_config(steps=4), torch.device("cpu"))
+    manager = checkpoint.CheckpointManager(root, keep=3)
+    trainer.train_step()
+    trainer.save(manager)  # step 1: complete
+    trainer.train_step()
+
+    real_rename, real_replace = os.rename, os.replace
+
+    def rename(src, dst, *args, **kwargs):  # tessera's rename of the finished .step_N.tmp directory
+        if str(src).endswith(".step_00000002.tmp"):
+            raise _Crash(where)
+        return real_rename(src, dst, *args, **kwargs)
+
+    def replace(src, dst, *args, **kwargs):  # the `latest` pointer update
+        if str(dst).endswith("latest"):
+            raise _Crash(where)
+        return real_replace(src, dst, *args, **kwargs)
+
+    patch = {"between shard writes and the rename": mock.patch("os.rename", side_effect=rename),
+             "between the rename and the latest update": mock.patch("os.replace", side_effect=replace)}[where]
+    crashed = False
+    try:
+        with patch:
+            trainer.save(manager)  # step 2 dies part-way
+    except _Crash:
+        crashed = True
+    return crashed, sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.parametrize("where", ["between shard writes and the rename", "between the rename and the latest update"])
+def test_a_crash_during_a_save_leaves_latest_loadable(tmp_path, where):
+    root = tmp_path / "ckpt"
+    crashed, left = run_ranks(_save_then_crash_during_the_next, 1, root, where, timeout=120)[0]
+    assert crashed and "latest" in left and "step_00000001" in left
+    # the half-written step 2 is left as a .tmp directory (removed by the next save) or complete but unnamed by latest
+    assert (".step_00000002.tmp" in left) == (where == "between shard writes and the rename")
+    assert (root / "latest").read_text() == "step_00000001"
+    path = checkpoint.resolve(root)
+    assert path.name == "step_00000001" and checkpoint.structural_problem(path) is None
+    checkpoint.verify_files(path, checkpoint.read_manifest(path))  # every checksum holds
+    from tessera.run import train
+
+    resumed = train(small_config(steps=4, resume=str(root)))  # and the run goes on from it
+    assert [m["step"] for m in resumed] == [2, 3, 4]
