@@ -173,6 +173,10 @@ def train(config: Config) -> list[dict[str, Any]] | None:
     from tessera.parallel.checkpoint import directory_lock
 
     config.check()
+    if _backend(config) == "nccl":  # a stalled NCCL collective dumps torch's flight recorder (every rank's last ops)
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(config.checkpoint.dir or ".") / "nccl_trace_rank_"))
     writes = config.checkpoint.dir and config.checkpoint.every and int(os.environ.get("RANK", "0")) == 0
     if under_torchrun():
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts restarted us
