@@ -49,15 +49,22 @@ class Interrupted(RuntimeError):
 
 
 @contextlib.contextmanager
-def _stop_ranks_on_sigterm() -> Iterator[None]:
+def _stop_ranks_on_sigterm(procs: list, forward: bool, forwarded: list) -> Iterator[None]:
     """Turn SIGTERM into an exception in the launcher, so the rank processes are killed on the way out
     (SIGINT already raises KeyboardInterrupt). Without it, SIGTERM ends the launcher and leaves its ranks
-    training."""
+    training. With `forward`, the first SIGTERM is passed on to the ranks instead (they finish their step,
+    save and return; the launcher then raises Interrupted), and a second one stops them at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: Any) -> None:
+        if forward and not forwarded:
+            forwarded.append(signum)
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)
+            return
         raise Interrupted(f"stopped by {signal.Signals(signum).name}")
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -154,6 +161,7 @@ def run_ranks(
     backend: str = "gloo",
     threads: int = 1,
     env: dict[str, str] | None = None,
+    forward_sigterm: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks (process group initialized, RANK/WORLD_SIZE set);
@@ -163,6 +171,8 @@ def run_ranks(
     raises, RankTimeout if the ranks are not all done within `timeout` seconds (None: no deadline).
     `collective_timeout` bounds any one collective (gloo raises, naming the operation); by default it
     stays 30 s behind `timeout`, so the deadline reports first, with every stalled rank's stack.
+    SIGTERM to this process kills the ranks and raises Interrupted; with `forward_sigterm` the ranks get
+    it first (to save and stop), and Interrupted follows once they have returned.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
@@ -170,9 +180,13 @@ def run_ranks(
     workdir = tempfile.mkdtemp(prefix="tessera-ranks-")
     procs, conns = [], {}
     try:
-        with _stop_ranks_on_sigterm():
-            return _start_and_collect(fn, world_size, args, kwargs, ctx, workdir, procs, conns, timeout,
-                                      collective_timeout, backend, threads, env)
+        forwarded: list[int] = []
+        with _stop_ranks_on_sigterm(procs, forward_sigterm, forwarded):
+            results = _start_and_collect(fn, world_size, args, kwargs, ctx, workdir, procs, conns, timeout,
+                                         collective_timeout, backend, threads, env)
+        if forwarded:
+            raise Interrupted(f"stopped by {signal.Signals(forwarded[0]).name}; the ranks saved a checkpoint first")
+        return results
     finally:
         for p in procs:
             if p.is_alive():

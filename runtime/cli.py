@@ -164,7 +164,10 @@ def _train(args: argparse.Namespace) -> int:
         return error_exit("train", str(e))
     except (Interrupted, KeyboardInterrupt) as e:  # SIGTERM / Ctrl-C: every rank has been stopped
         why = str(e) or "stopped by SIGINT"
-        error_exit("train", f"{why}; every rank was stopped (resume from the last checkpoint with --resume)")
+        if "saved a checkpoint" in why:
+            error_exit("train", f"{why} (resume with --resume)")
+        else:
+            error_exit("train", f"{why}; every rank was stopped (resume from the last checkpoint with --resume)")
         return 128 + (15 if "SIGTERM" in why else 2)
     except RankFailure as e:  # a rank's named failure becomes the command's one-line error
         for kind in ("CheckpointError: ", "NonFiniteError: ", "CollectiveTimeout: "):

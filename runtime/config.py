@@ -104,6 +104,8 @@ class CheckpointSection:
         nargs="?", const="", metavar="PATH",
     )
     init_from: str | None = opt(None, "start from the weights of a full safetensors state dict", metavar="FILE")
+    on_signal: bool = opt(False, "on SIGTERM, every rank finishes its step and saves a checkpoint before stopping",
+                          flag="--checkpoint-on-signal")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ def _check_numbers(config: Config) -> None:
             f"--checkpoint-dir {c.dir} without --checkpoint-every N saves nothing; add --checkpoint-every N "
             f"(or drop --checkpoint-dir)"
         )
+    if c.on_signal and not c.dir:
+        raise ValueError("--checkpoint-on-signal needs --checkpoint-dir DIR (where the checkpoint goes)")
     if c.resume is not None and c.init_from is not None:
         raise ValueError(
             "--init-from and --resume together: a resume restores the weights from the checkpoint, so --init-from "

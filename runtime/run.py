@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -116,6 +117,22 @@ def _keep_metrics_through(path: str, step: int) -> None:
     os.replace(tmp, p)
 
 
+class _StopOnSignal:
+    """A rank's SIGTERM sets a flag; after each step the ranks agree (one tiny all-reduce) to stop."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def requested_anywhere(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     """The training loop on this rank (process group initialized); rank 0 returns the step records.
     `attempt` > 0: a restart after a failure (the metrics file is cut back to the restored step)."""
@@ -137,6 +154,7 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             f"({manifest['consumed_tokens']:,} tokens) saved on {Layout(**manifest['layout'])}")
     manager = checkpoint.CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
     history: list[dict[str, Any]] = []
+    stop = _StopOnSignal() if config.checkpoint.on_signal else None
     if attempt and config.runtime.metrics and rank == 0:
         _keep_metrics_through(config.runtime.metrics, trainer.step)
     out = open(config.runtime.metrics, "a") if (config.runtime.metrics and rank == 0) else None
@@ -151,9 +169,14 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             if out:  # before the checkpoint: a crash in between repeats the step (and its line is cut), never skips it
                 out.write(json.dumps(m) + "\n")
                 out.flush()
-            if config.checkpoint.every and trainer.step % config.checkpoint.every == 0:
+            saved = config.checkpoint.every and trainer.step % config.checkpoint.every == 0
+            if saved:
                 path = trainer.save(manager)
                 say(f"saved checkpoint {path}")
+            if stop is not None and stop.requested_anywhere(trainer.device):  # every rank decides alike
+                path = path if saved else trainer.save(manager)
+                say(f"stopping on SIGTERM at step {trainer.step}: saved checkpoint {path} (resume with --resume)")
+                break
             say(progress_line(m, config, time.perf_counter() - start, trainer.step - first_step))
     finally:
         if out:
@@ -195,7 +218,8 @@ def train(config: Config) -> list[dict[str, Any]] | None:
         while True:
             try:
                 return run_ranks(run_rank, world, config, attempt, timeout=None,
-                                 collective_timeout=config.runtime.timeout, backend=_backend(config))[0]
+                                 collective_timeout=config.runtime.timeout, backend=_backend(config),
+                                 forward_sigterm=config.checkpoint.on_signal)[0]
             except (RankFailure, RankTimeout) as e:
                 if attempt >= config.runtime.max_restarts or _deterministic(e):
                     raise

@@ -379,3 +379,35 @@ def test_a_crash_during_a_save_leaves_latest_loadable(tmp_path, where):
 
     resumed = train(small_config(steps=4, resume=str(root)))  # and the run goes on from it
     assert [m["step"] for m in resumed] == [2, 3, 4]
+
+
+def test_checkpoint_on_signal_saves_then_stops_every_rank(tmp_path):
+    import uuid
+
+    marker = uuid.uuid4().hex
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "train", "--dp", "2", "--steps", "100000", "--seq-len", "32",
+                             "--global-batch", "4", "--checkpoint-dir", str(root), "--checkpoint-every", "1000",
+                             "--checkpoint-on-signal"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TESSERA_TEST_RUN=marker))
+    try:
+        for line in proc.stdout:
+            if line.startswith("step    3/"):
+                break
+        proc.send_signal(15)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == ("tessera train: error: stopped by SIGTERM; the ranks saved a checkpoint "
+                                               "first (resume with --resume)"), stderr
+    saved_line = next(line for line in stdout.splitlines() if line.startswith("stopping on SIGTERM at step "))
+    step = int(saved_line.split("at step ")[1].split(":")[0])
+    path = checkpoint.resolve(root)
+    assert path.name == f"step_{step:08d}" and checkpoint.structural_problem(path) is None and step >= 3
+    assert _processes_with(f"TESSERA_TEST_RUN={marker}") == []
+
+
+def test_checkpoint_on_signal_needs_a_directory():
+    with pytest.raises(ValueError, match="--checkpoint-on-signal needs --checkpoint-dir"):
+        small_config(checkpoint_on_signal=True).check()
