@@ -58,7 +58,10 @@ def versions() -> dict[str, str]:
 
 
 def write_results(name: str, config: dict[str, Any], results: Any, out: str | None = None) -> Path:
-    path = Path(out) if out else RESULTS / f"{name}.json"
+    """Write the JSON to OUT: a file path, or a directory (created if it does not end in .json) that gets NAME.json."""
+    path = Path(out) if out else RESULTS
+    if path.suffix != ".json":
+        path = path / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": name,

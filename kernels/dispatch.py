@@ -4,7 +4,8 @@
                       the Triton backward kernels on CUDA; on CPU ATen's fused backward where
                       flash_attention would use ATen and no LSE gradient flows, else the torch reference.
     flash_attention   CUDA: the Triton kernel; a shape or dtype it does not take (head_dim > 256, fp64)
-                      falls back to the torch reference with a one-time warning.
+                      falls back to torch with a one-time warning. backend="torch" on CUDA: torch's fused
+                      SDPA when no LSE is asked for (and Sq == Sk if causal), else the torch reference.
                       CPU: torch's fused CPU flash attention (ATen) when it computes the same thing
                       (fp32/fp64; causal only with Sq == Sk, since its mask is top-left) and the LSE is not
                       asked for, or is asked for with nothing to differentiate; otherwise the blockwise
@@ -36,6 +37,19 @@ from .rmsnorm import rms_norm_reference
 
 BACKENDS = ("torch", "triton")
 _warned: set[str] = set()
+_default_backend: str | None = None  # what backend=None means: None picks by device, as described above
+
+
+def set_default_backend(backend: str | None) -> None:
+    """What backend=None means for every later call in this process: None (pick by device), 'torch' or
+    'triton'. The training job sets it from --kernels; a library caller can pass backend= per call instead."""
+    global _default_backend
+    _check_backend(backend)
+    _default_backend = backend
+
+
+def default_backend() -> str | None:
+    return _default_backend
 
 
 def _check_backend(backend: str | None) -> None:
@@ -63,6 +77,7 @@ def flash_attention(
     natural log. Differentiable in q, k, v through out and lse."""
     check_attention_inputs(q, k, v)
     _check_backend(backend)
+    backend = backend or _default_backend
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention
 
@@ -73,6 +88,9 @@ def flash_attention(
         if backend == "triton":
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
+    elif q.is_cuda and not return_lse and (not causal or q.shape[2] == k.shape[2]):
+        # torch on CUDA: its fused SDPA (flash / cuDNN / efficient), whose causal mask is top-left (Sq == Sk here)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     elif backend is None and sdpa_supports(q, k, causal):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if not return_lse:
@@ -92,6 +110,7 @@ def flash_attention_backward(
     the blockwise torch reference."""
     check_attention_inputs(q, k, v)
     _check_backend(backend)
+    backend = backend or _default_backend
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention
@@ -112,6 +131,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, backend: str | None =
     """RMSNorm over the last dim, differentiable in x and weight."""
     check_rms_norm_inputs(x, weight)
     _check_backend(backend)
+    backend = backend or _default_backend
     if backend == "triton" or (backend is None and x.is_cuda):
         from . import triton_rmsnorm
 

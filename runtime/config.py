@@ -115,6 +115,7 @@ class RuntimeSection:
     metrics: str | None = opt(None, "append a header record, then one JSON line per step, to this file", metavar="FILE")
     timeout: float = opt(600.0, "seconds any collective may stall before the run fails, naming the rank and axis")
     device: str = opt("auto", "cpu or cuda (auto: one GPU per rank when this machine has enough, else CPU)")
+    kernels: str = opt("auto", "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton")
     quiet: bool = opt(False, "no start-up or progress lines")
     max_restarts: int = opt(0, "when a rank fails, restart every rank from the latest checkpoint up to N times (under torchrun: its --max-restarts)")
     on_nonfinite: str = opt("stop", "a NaN or inf loss or gradient: stop (name it, apply and save nothing) or skip (drop that step's update)")

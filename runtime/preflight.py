@@ -56,6 +56,8 @@ def _check_numbers(config: Config) -> None:
         raise ValueError(f"--on-nonfinite {r.on_nonfinite!r}; use stop or skip")
     if r.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {r.device!r}; use auto, cpu or cuda")
+    if r.kernels not in ("auto", "torch", "triton"):
+        raise ValueError(f"--kernels {r.kernels!r}; use auto, torch or triton")
     if c.every < 0:
         raise ValueError(f"--checkpoint-every {c.every} must be >= 0 (0: never)")
     if c.keep < 0:
@@ -107,6 +109,11 @@ def _check_model(config: Config):
 def _check_device(config: Config, world: int) -> None:
     import torch
 
+    if config.runtime.kernels == "triton" and config.device_type() != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "--kernels triton on CPU ranks: the Triton kernels need CUDA tensors; use --kernels auto or torch "
+            "(or set TRITON_INTERPRET=1 to run them through Triton's slow interpreter)"
+        )
     if config.runtime.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is False); use --device cpu")

@@ -140,6 +140,9 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
 
     from .trainer import Trainer
 
+    from tessera.kernels import set_default_backend
+
+    set_default_backend(None if config.runtime.kernels == "auto" else config.runtime.kernels)
     trainer = Trainer(config)
     rank, quiet = trainer.rank, config.runtime.quiet
     say = (lambda text: print(text, flush=True)) if rank == 0 and not quiet else (lambda text: None)

@@ -54,6 +54,7 @@ from tessera.config import Config, add_arguments, config_from_args
         (dict(seq_len=4096), "--seq-len 4096 exceeds the debug preset's max_seq_len=2048"),
         (dict(n_layers=0), "--n-layers 0 must be at least 1"),
         (dict(device="tpu"), "--device 'tpu'; use auto, cpu or cuda"),
+        (dict(kernels="cudnn"), "--kernels 'cudnn'; use auto, torch or triton"),
         (dict(resume="/x", init_from="/y"), "--init-from and --resume together"),
     ],
 )
@@ -61,6 +62,14 @@ def test_bad_input_is_one_clear_line(overrides, message):
     with pytest.raises(ValueError) as e:
         small_config(**overrides).check()
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_triton_kernels_on_cpu_ranks_are_refused_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--kernels triton on CPU ranks: the Triton kernels need CUDA tensors"):
+        small_config(kernels="triton", device="cpu").check()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    small_config(kernels="triton", device="cpu").check()
 
 
 def test_no_gpu_is_refused_when_cuda_is_asked_for():

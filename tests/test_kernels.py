@@ -178,15 +178,31 @@ def test_kernel_bad_input():
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_bf16_attention_against_fp32_reference(causal, d):
+def test_gpu_bf16_attention_against_float64_within_fa2_error(causal, d):
+    """The error budget of a bf16 kernel is what torch's own FlashAttention-2 kernel (SDPA flash) makes on
+    the same bf16 inputs, both measured against the float64 definition. (Measured on an H100 by
+    benchmarks/bench_attention_accuracy.py: tessera's errors equal FA2's on out and dq, are below on dk/dv.)
+    The LSE, which SDPA does not return, is held to twice the torch reference's bf16 error."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     case = _attention_case(2, 16, 4, 1024 + 17, 1024 + 17, d, causal, dtype=torch.bfloat16, device="cuda")
-    got = _run("triton", *case, causal)
-    ref = _run("torch", *case, causal, ref_dtype=torch.float32)
-    bf16_ref = _run("torch", *case, causal)  # the same math in bf16: the error budget of the precision itself
-    for name, a, b, c in zip(["out", "lse", "dq", "dk", "dv"], got, ref, bf16_ref):
-        err = (a.float() - b.float()).abs().max().item()
-        budget = max((c.float() - b.float()).abs().max().item(), 1e-3)
-        assert err <= 2 * budget, f"{name}: triton bf16 error {err:.2e} vs torch bf16 error {budget:.2e}"
+    q, k, v, do, _ = case
+    no_dlse = torch.zeros_like(case[4])
+    got = _run("triton", q, k, v, do, no_dlse, causal)
+    want = _run_definition(q, k, v, do, no_dlse, causal)
+    args = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(*args, is_causal=causal, enable_gqa=True)
+    out.backward(do)
+    fa2 = [out.detach(), None] + [t.grad for t in args]
+    bf16_ref = _run("torch", q, k, v, do, no_dlse, causal)
+    for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
+        err = (got[i].double() - want[i]).abs().max().item()
+        if name == "lse":
+            budget = 2 * max((bf16_ref[i].double() - want[i]).abs().max().item(), 1e-3)
+        else:
+            budget = 1.25 * (fa2[i].double() - want[i]).abs().max().item()
+        assert err <= budget, f"{name} (d={d}, causal={causal}): triton bf16 error {err:.2e} > budget {budget:.2e}"
 
 
 @pytest.mark.gpu
@@ -215,3 +231,26 @@ def test_gpu_bf16_rms_norm_against_fp32_reference():
     ref = rms_norm_reference(x.float(), w.float(), 1e-5)
     assert (y.float() - ref).abs().max().item() < 0.05
     y.float().square().sum().backward()
+
+
+def test_the_default_backend_is_what_backend_none_means():
+    """set_default_backend('torch') (tessera train --kernels torch) sends calls without a backend to the
+    torch reference instead of ATen's fused CPU attention; None restores the device's pick."""
+    from tessera.kernels import default_backend, dispatch, set_default_backend
+
+    q, k, v, _, _ = _attention_case(1, 4, 2, 24, 24, 16, True, dtype=torch.float64)
+    want = definition(q.detach(), k.detach(), v.detach(), True)[0]
+    calls = []
+    real = dispatch.attention_reference
+    try:
+        dispatch.attention_reference = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        assert torch.allclose(flash_attention(q, k, v, causal=True), want) and not calls  # ATen's fused op
+        set_default_backend("torch")
+        assert default_backend() == "torch"
+        assert torch.allclose(flash_attention(q, k, v, causal=True), want) and calls == [1]
+    finally:
+        dispatch.attention_reference = real
+        set_default_backend(None)
+    assert default_backend() is None
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        set_default_backend("cuda")
