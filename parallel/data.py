@@ -69,35 +69,41 @@ def layout_for_strategy(layout: Layout, strategy: str) -> Layout:
     return layout
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """full: recompute every block in backward. selective: every other block (half the activation
-    memory saved at half the recompute). Wrapping keeps parameter names (checkpoint_wrapper's prefix
-    is stripped from state dicts)."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: str = "layers.*") -> None:
+    """full: recompute every block (the modules matching the plan pattern `blocks`) in backward.
+    selective: every other block (half the activation memory saved at half the recompute). Wrapping
+    keeps parameter names (checkpoint_wrapper's prefix is stripped from state dicts)."""
     if mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for i, (name, block) in enumerate(list(model.layers.items())):
+    from .plan import find_modules, replace_module
+
+    for i, (name, block) in enumerate(find_modules(model, blocks)):
         if mode == "full" or i % 2 == 0:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            replace_module(model, name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
-def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConfig, pipelined: bool = False) -> nn.Module:
-    """fully_shard bottom-up over the data axes, in place. `fsdp_mesh` is Meshes.fsdp (1-D, or 2-D for
-    HSDP); parts a pipeline stage lacks (None) are skipped."""
+def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConfig, pipelined: bool = False,
+               plan=None) -> nn.Module:
+    """fully_shard bottom-up over the data axes, in place: the plan's units in order (tessera's Llama:
+    the embedding, each block, the final norm with the output head), then the root. `fsdp_mesh` is
+    Meshes.fsdp (1-D, or 2-D for HSDP); parts a pipeline stage lacks are skipped."""
+    from .plan import llama_plan
+
+    if plan is None:
+        plan = llama_plan(model.config, 1)
     reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[config.mixed_precision], reduce_dtype=torch.float32)
     kw = dict(mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, **kw)
-    blocks = list(model.layers.values())
-    for block in blocks:
-        fully_shard(block, **kw)
-    head = [m for m in (model.norm, model.output) if m is not None]
-    if head:
-        fully_shard(head, **kw)
+    units = plan.units(model)
+    for unit in units:
+        fully_shard(unit if len(unit) > 1 else unit[0], **kw)
     fully_shard(model, **kw)
     if config.prefetch:
+        from .plan import find_modules
+
+        blocks = [m for _, m in find_modules(model, plan.checkpoint_blocks)] if plan.checkpoint_blocks else [u[0] for u in units]
         for i, block in enumerate(blocks):
             ahead = blocks[i + 1 : i + 1 + config.prefetch]
             behind = blocks[max(0, i - config.prefetch) : i][::-1]

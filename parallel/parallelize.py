@@ -28,6 +28,7 @@ from .data import (
 )
 from .context import apply_cp, check_context
 from .pipeline import PipelineConfig, check_pipeline
+from .plan import ColwiseParallel, Plan, PrepareInput, apply_plan, llama_plan
 from .tensor import apply_tp, check_tensor_parallel
 
 
@@ -69,19 +70,46 @@ class ParallelConfig:
         return self.layout.dp_shard * self.layout.cp * self.layout.dp_replicate > 1
 
 
-def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelConfig) -> nn.Module:
-    """Turn a one-process `tessera.models.Transformer` (or a pipeline stage of it) into this rank's part
-    of the mesh-parallel model, in place. `mesh` is a Meshes, or the DeviceMesh of `Layout.build_mesh`."""
-    config.check(model.config)
+def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelConfig, plan: Plan | None = None) -> nn.Module:
+    """Turn a one-process model into this rank's part of the mesh-parallel model, in place. `mesh` is a
+    Meshes, or the DeviceMesh of `Layout.build_mesh`. Without a plan the model is a `models.Transformer`
+    (or a pipeline stage of it) and gets `llama_plan`; any other model passes its own `Plan` (tensor
+    parallel by module-name rules, FSDP2 over the blocks it names; no pp or cp: those need tessera's model)."""
+    if plan is None:
+        config.check(model.config)
+        plan = llama_plan(model.config, config.layout.tp)
+    else:
+        _check_user_plan(model, config, plan)
     meshes = mesh if isinstance(mesh, Meshes) else Meshes(config.layout, mesh.device_type, mesh=mesh)
     if meshes.tp is not None:
-        apply_tp(model, meshes.tp, config.sequence_parallel)
+        apply_plan(model, meshes.tp, plan, config.sequence_parallel)
     if meshes.cp is not None:
         apply_cp(model, meshes.cp, config.cp_method, config.timeout)
-    apply_activation_checkpointing(model, config.data.activation_checkpointing)
+    if plan.checkpoint_blocks:
+        apply_activation_checkpointing(model, config.data.activation_checkpointing, plan.checkpoint_blocks)
     if meshes.fsdp is not None:
-        apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None)
+        apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan)
     return model
+
+
+def _check_user_plan(model: nn.Module, config: ParallelConfig, plan: Plan) -> None:
+    layout = config.layout
+    if layout.pp > 1 or layout.cp > 1:
+        raise ValueError(
+            f"a user plan supports dp (FSDP2/HSDP) and tp only: pp={layout.pp}, cp={layout.cp}; pipeline and context "
+            f"parallel need tessera's Transformer (its stages and attention slot)"
+        )
+    check_data_parallel(config.data, layout)
+    if config.data.activation_checkpointing != "none" and not plan.checkpoint_blocks:
+        raise ValueError(
+            f"activation checkpointing {config.data.activation_checkpointing!r} needs the plan's checkpoint_blocks "
+            f"(the pattern of the blocks to recompute, e.g. 'blocks.*')"
+        )
+    plan.check(model, layout.tp)
+    if config.sequence_parallel and layout.tp > 1 and not any(
+        isinstance(s, (PrepareInput, ColwiseParallel)) for s in plan.rules.values()
+    ):
+        raise ValueError("sequence parallel with a plan that has no PrepareInput or ColwiseParallel: nothing would gather the sequence")
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:

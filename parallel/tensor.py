@@ -251,38 +251,12 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Swap the one-process layers of a `models.Transformer` for tensor-parallel ones, in place."""
-    cfg, tp, rank = model.config, tp_mesh.size(), tp_mesh.get_local_rank()
-    check_tensor_parallel(cfg, tp, sequence_parallel)
-    group = tp_mesh.get_group()
+    """Swap the one-process layers of a `models.Transformer` (or a stage of it) for tensor-parallel ones,
+    in place: the Llama sharding plan (parallel/plan.py), the same mechanism users' models go through."""
+    from .plan import apply_plan, llama_plan
 
-    def norm(old: nn.Module) -> TPRMSNorm:
-        return TPRMSNorm(old.weight, old.eps, tp_mesh, sequence_parallel)
-
-    if model.tok_embeddings is not None:  # a pipeline stage may lack it
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, tp_mesh, sequence_parallel)
-    for block in model.layers.values():
-        attn, ff = block.attention, block.feed_forward
-        attn.input_comm = BlockInput(group, sequence_parallel)
-        attn.wq = ColumnParallelLinear(attn.wq.weight, tp_mesh)
-        if cfg.n_kv_heads % tp == 0:
-            attn.wk = ColumnParallelLinear(attn.wk.weight, tp_mesh)
-            attn.wv = ColumnParallelLinear(attn.wv.weight, tp_mesh)
-        else:  # tp > kv heads: this rank's query heads all read kv head rank * n_kv // tp
-            head = rank * cfg.n_kv_heads // tp
-            attn.wk = ReplicatedHeadsLinear(attn.wk.weight, tp_mesh, head, cfg.head_dim)
-            attn.wv = ReplicatedHeadsLinear(attn.wv.weight, tp_mesh, head, cfg.head_dim)
-        attn.wo = RowParallelLinear(attn.wo.weight, tp_mesh, sequence_parallel)
-        ff.input_comm = BlockInput(group, sequence_parallel)
-        ff.w1 = ColumnParallelLinear(ff.w1.weight, tp_mesh)
-        ff.w3 = ColumnParallelLinear(ff.w3.weight, tp_mesh)
-        ff.w2 = RowParallelLinear(ff.w2.weight, tp_mesh, sequence_parallel)
-        block.attention_norm, block.ffn_norm = norm(block.attention_norm), norm(block.ffn_norm)
-    if model.norm is not None:
-        model.norm = norm(model.norm)
-    if model.output is not None:  # logits stay split over the vocabulary: tessera.parallel.loss reads them so
-        model.output = ColumnParallelLinear(model.output.weight, tp_mesh, input_comm=BlockInput(group, sequence_parallel))
-    return model
+    check_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
+    return apply_plan(model, tp_mesh, llama_plan(model.config, tp_mesh.size()), sequence_parallel)
 
 
 def full_tensor(x: Tensor) -> Tensor:

@@ -54,3 +54,18 @@ def test_the_schedule_snippet_runs_and_draws_the_timeline_shown():
 
     one_f_one_b = render(simulate(build_schedule("1f1b", 4, 8)), width=3).splitlines()
     assert all(line in shown.splitlines() for line in one_f_one_b)
+
+
+def test_the_property_testing_example_runs_as_written_through_the_plugin(tmp_path):
+    """The README's test file for a user's model, run by pytest in a fresh directory: the fixtures come
+    from the installed plugin (the pytest11 entry point), 20 hypothesis layouts pass."""
+    section = (ROOT / "README.md").read_text().split("## Property-testing your own model", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "max_examples=20" in code
+    (tmp_path / "test_my_model.py").write_text(code)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--hypothesis-show-statistics",
+                          "test_my_model.py"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "1 passed" in out.stdout
+    passing = re.search(r"(\d+) passing, 0 failing", out.stdout)
+    assert passing and int(passing.group(1)) >= 20, out.stdout[-2000:]

@@ -1,0 +1,295 @@
+"""Sharding plans: which module of a model becomes which tensor-parallel layer, by module-name pattern.
+
+A `Plan` maps patterns to styles and names the blocks that FSDP2 wraps one by one (and activation
+checkpointing recomputes). tessera's own Llama is parallelized by `llama_plan`; a user's model by a plan
+written for it. Patterns match module names segment by segment: `*` is one segment (`layers.*.mlp`
+matches `layers.3.mlp`, not `layers.3.x.mlp`), fnmatch inside a segment (`w[13]`).
+
+    plan = Plan({
+        "blocks.*.attn": PrepareInput(),             # one collective in front of the block's column layers
+        "blocks.*.attn.qkv": ColwiseParallel(gather_input=False),
+        "blocks.*.attn.proj": RowwiseParallel(),
+        "blocks.*.norm": ReplicatedNorm(),
+        "embed": VocabEmbedding(),
+    }, blocks=["blocks.*"])
+    parallelize(model, mesh, ParallelConfig(layout), plan=plan)
+
+Styles (all keep the parameter names of the one-process model, so checkpoints and gradients compare by name):
+    ColwiseParallel   nn.Linear split on its output features (Shard(0), uneven splits as torch.chunk
+                      makes them); the input is copied to the tp
+                      ranks (all-reduce of its gradient), or all-gathered over the sequence under sequence
+                      parallel, unless `gather_input=False` (a PrepareInput above did it once).
+    RowwiseParallel   nn.Linear split on its input features (Shard(1)); the partial outputs are summed:
+                      all-reduce, or reduce-scatter onto sequence shards under sequence parallel.
+    VocabEmbedding    nn.Embedding split over rows; all-reduce (or reduce-scatter) of the partial lookups.
+    ReplicatedNorm    RMSNorm / LayerNorm with replicated weights; under sequence parallel each rank
+                      normalizes its own tokens and the weight gradients are all-reduced.
+    PrepareInput      the sequence-parallel boundary in front of a block: its input is copied (or
+                      gathered) once for every column-parallel layer inside.
+    ReplicatedHeads   a K/V projection when tp exceeds the kv heads: replicated, each rank uses its head.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from .tensor import (
+    BlockInput,
+    ColumnParallelLinear,
+    ReplicatedHeadsLinear,
+    RowParallelLinear,
+    TPRMSNorm,
+    VocabParallelEmbedding,
+    _shard_param,
+    copy_to_tp,
+)
+
+
+# ----------------------------------------------------------------------------- matching
+def matches(pattern: str, name: str) -> bool:
+    """Segment-wise match of a module name against a plan pattern."""
+    parts, segs = pattern.split("."), name.split(".")
+    return len(parts) == len(segs) and all(fnmatch.fnmatchcase(s, p) for p, s in zip(parts, segs))
+
+
+def find_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if n and matches(pattern, n)]
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+# ----------------------------------------------------------------------------- styles
+class Style:
+    """Turns one module into its tensor-parallel form; returns the replacement (or the module itself)."""
+
+    takes: tuple[type, ...] = (nn.Module,)
+
+    def apply(self, module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
+        raise NotImplementedError
+
+    def check(self, name: str, module: nn.Module, tp: int) -> None:
+        if not isinstance(module, self.takes):
+            kinds = " or ".join(t.__name__ for t in self.takes)
+            raise ValueError(f"plan: {type(self).__name__} on {name!r} needs a {kinds}, got {type(module).__name__}")
+
+    def __repr__(self) -> str:
+        return type(self).__name__ + "(" + ", ".join(f"{k}={v!r}" for k, v in vars(self).items()) + ")"
+
+
+def _linear_weight(module: nn.Module) -> torch.Tensor:
+    return module.weight
+
+
+def _bias_of(module: nn.Module) -> torch.Tensor | None:
+    return getattr(module, "bias", None)
+
+
+class ColwiseLinear(ColumnParallelLinear):
+    """ColumnParallelLinear with an optional bias split like the output features."""
+
+    def __init__(self, weight, tp_mesh, input_comm=None, bias=None):
+        super().__init__(weight, tp_mesh, input_comm)
+        self.bias = None if bias is None else _shard_param(bias, tp_mesh, Shard(0))
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y if self.bias is None else y + self.bias.to_local()
+
+
+class RowwiseLinear(RowParallelLinear):
+    """RowParallelLinear with an optional bias, replicated and added once, after the sum over tp. Under
+    sequence parallel each rank adds it to its own tokens, so its gradient is all-reduced."""
+
+    def __init__(self, weight, tp_mesh, sequence_parallel, bias=None):
+        super().__init__(weight, tp_mesh, sequence_parallel)
+        self.bias = None if bias is None else _shard_param(bias, tp_mesh, Replicate())
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.bias is None:
+            return y
+        b = self.bias.to_local()
+        return y + (copy_to_tp(b, self.group) if self.sequence_parallel else b)
+
+
+@dataclass(repr=False)
+class ColwiseParallel(Style):
+    gather_input: bool = True
+    takes = (nn.Linear,)
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        comm = BlockInput(tp_mesh.get_group(), sequence_parallel) if self.gather_input else None
+        return ColwiseLinear(_linear_weight(module), tp_mesh, comm, _bias_of(module))
+
+
+
+@dataclass(repr=False)
+class RowwiseParallel(Style):
+    takes = (nn.Linear,)
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        return RowwiseLinear(_linear_weight(module), tp_mesh, sequence_parallel, _bias_of(module))
+
+
+
+@dataclass(repr=False)
+class VocabEmbedding(Style):
+    takes = (nn.Embedding,)
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        return VocabParallelEmbedding(module.weight, tp_mesh, sequence_parallel)
+
+
+class TPLayerNorm(nn.Module):
+    """nn.LayerNorm with replicated weight and bias (their gradients all-reduced under sequence parallel)."""
+
+    def __init__(self, module: nn.LayerNorm, tp_mesh: DeviceMesh, sequence_parallel: bool):
+        super().__init__()
+        self.normalized_shape, self.eps = module.normalized_shape, module.eps
+        self.weight = None if module.weight is None else _shard_param(module.weight, tp_mesh, Replicate())
+        self.bias = None if module.bias is None else _shard_param(module.bias, tp_mesh, Replicate())
+        self.group, self.sequence_parallel = tp_mesh.get_group(), sequence_parallel
+
+    def _local(self, p):
+        if p is None:
+            return None
+        return copy_to_tp(p.to_local(), self.group) if self.sequence_parallel else p.to_local()
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self._local(self.weight), self._local(self.bias), self.eps)
+
+
+@dataclass(repr=False)
+class ReplicatedNorm(Style):
+    def apply(self, module, tp_mesh, sequence_parallel):
+        if isinstance(module, nn.LayerNorm):
+            return TPLayerNorm(module, tp_mesh, sequence_parallel)
+        eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
+        return TPRMSNorm(module.weight, eps, tp_mesh, sequence_parallel)
+
+    def check(self, name, module, tp):
+        if isinstance(module, nn.LayerNorm):
+            return
+        if not (hasattr(module, "weight") and hasattr(module, "eps")) or len(list(module.parameters())) != 1:
+            raise ValueError(f"plan: ReplicatedNorm on {name!r} needs an RMSNorm (one weight and eps) or nn.LayerNorm, got {type(module).__name__}")
+
+
+@dataclass(repr=False)
+class PrepareInput(Style):
+    """A module's input is copied to (or gathered over) the tp ranks once. The module's own `input_comm`
+    slot is used when it has one (tessera's blocks); otherwise a forward pre-hook on its first argument."""
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        comm = BlockInput(tp_mesh.get_group(), sequence_parallel)
+        if isinstance(getattr(module, "input_comm", None), nn.Module):
+            module.input_comm = comm
+        else:
+            module.register_forward_pre_hook(lambda _m, args: (comm(args[0]), *args[1:]))
+        return module
+
+
+@dataclass(repr=False)
+class ReplicatedHeads(Style):
+    n_kv_heads: int = 1
+    head_dim: int = 1
+    takes = (nn.Linear,)
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        head = tp_mesh.get_local_rank() * self.n_kv_heads // tp_mesh.size()
+        return ReplicatedHeadsLinear(module.weight, tp_mesh, head, self.head_dim)
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Plan:
+    """rules: pattern -> Style, applied in the order given (a module takes the first rule it matches).
+    blocks: patterns of the FSDP2 units, wrapped one by one in this order (a tuple groups its matches into
+    one unit), then the root; the first pattern's modules are also what activation checkpointing wraps.
+    allow_unmatched: a rule that matches no module is an error unless set (a pipeline stage lacks some)."""
+
+    rules: dict[str, Style] = field(default_factory=dict)
+    blocks: tuple = ()
+    checkpoint_blocks: str | None = None
+    allow_unmatched: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        for pattern, style in self.rules.items():
+            if not isinstance(style, Style):
+                raise TypeError(f"plan rule {pattern!r}: {style!r} is not a Style (ColwiseParallel(), RowwiseParallel(), ...)")
+
+    def assignments(self, model: nn.Module) -> list[tuple[str, nn.Module, Style]]:
+        """(module name, module, style) for every module a rule takes; errors for rules that match nothing."""
+        taken: dict[str, tuple[nn.Module, Style]] = {}
+        for pattern, style in self.rules.items():
+            found = [(n, m) for n, m in find_modules(model, pattern) if n not in taken]
+            if not found and not self.allow_unmatched:
+                names = ", ".join(n for n, _ in list(model.named_modules())[1:12])
+                raise ValueError(f"plan rule {pattern!r} matches no module of {type(model).__name__} (its modules: {names}, ...)")
+            for n, m in found:
+                taken[n] = (m, style)
+        return [(n, m, s) for n, (m, s) in taken.items()]
+
+    def check(self, model: nn.Module, tp: int) -> None:
+        for name, module, style in self.assignments(model):
+            style.check(name, module, tp)
+
+    def units(self, model: nn.Module) -> list[list[nn.Module]]:
+        """The FSDP2 units, in wrapping order (the root excluded)."""
+        out = []
+        for entry in self.blocks:
+            if isinstance(entry, tuple):
+                group = [m for p in entry for _, m in find_modules(model, p)]
+                if group:
+                    out.append(group)
+            else:
+                out.extend([m] for _, m in find_modules(model, entry))
+        return out
+
+
+def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan, sequence_parallel: bool = False) -> nn.Module:
+    """Swap the modules a plan names for their tensor-parallel forms, in place (children before the
+    PrepareInput hooks of their parents do not matter: each style touches only its own module)."""
+    plan.check(model, tp_mesh.size())
+    for name, module, style in plan.assignments(model):
+        new = style.apply(module, tp_mesh, sequence_parallel)
+        if new is not module:
+            replace_module(model, name, new)
+    return model
+
+
+def llama_plan(model_config, tp: int) -> Plan:
+    """tessera's Llama (models.Transformer, or a pipeline stage of it) as a plan."""
+    kv_split = model_config.n_kv_heads % tp == 0
+    kv = ColwiseParallel(gather_input=False) if kv_split else ReplicatedHeads(model_config.n_kv_heads, model_config.head_dim)
+    return Plan(
+        rules={
+            "tok_embeddings": VocabEmbedding(),
+            "layers.*.attention": PrepareInput(),
+            "layers.*.attention.wq": ColwiseParallel(gather_input=False),
+            "layers.*.attention.wk": kv,
+            "layers.*.attention.wv": kv,
+            "layers.*.attention.wo": RowwiseParallel(),
+            "layers.*.feed_forward": PrepareInput(),
+            "layers.*.feed_forward.w[13]": ColwiseParallel(gather_input=False),
+            "layers.*.feed_forward.w2": RowwiseParallel(),
+            "layers.*.attention_norm": ReplicatedNorm(),
+            "layers.*.ffn_norm": ReplicatedNorm(),
+            "norm": ReplicatedNorm(),
+            # the logits stay split over the vocabulary: tessera.parallel.loss reads them so
+            "output": ColwiseParallel(gather_input=True),
+        },
+        blocks=("tok_embeddings", "layers.*", ("norm", "output")),
+        checkpoint_blocks="layers.*",
+        allow_unmatched=True,
+    )
