@@ -39,3 +39,58 @@ def collective(op: str, axis: str, group: dist.ProcessGroup | None = None) -> It
             f"rank {dist.get_rank()} stalled in {op} over the {axis} axis (group ranks {ranks}): a peer never "
             f"joined; look for a rank that raised, exited, or took another code path. Underlying error: {e}"
         ) from e
+
+
+def stalled_collective(error: BaseException, layout, rank: int) -> str | None:
+    """Where in torch a collective stalled, from the error's traceback: the innermost frame that holds a
+    process group (FSDP2's param groups hold theirs; DTensor's redistribution holds a mesh and a mesh
+    dim), mapped to the mesh axis whose group of `rank` has the same members. None if nothing is found."""
+    tb, frames = error.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    files = [f.f_code.co_filename.replace("\\", "/") for f in frames]
+    kind = ("an FSDP2 " if any("/fsdp/" in f for f in files)
+            else "a DTensor " if any("/distributed/tensor/" in f for f in files) else "a ")
+    names = [f.f_code.co_name for f in reversed(frames)]
+    where = next((n for n in names if "gather" in n or "reduce" in n or "unshard" in n), names[0] if names else "?")
+    op = "all-gather" if "gather" in where or "unshard" in where else ("reduce-scatter" if "reduce_scatter" in where
+                                                                      else "all-reduce" if "reduce" in where else where)
+    for frame in reversed(frames):
+        members, _ = _group_members_in(frame.f_locals)
+        if members is None:
+            continue
+        axis = axis_of_group(layout, rank, members)
+        over = f"over the {axis} axis" if axis else "over a group that is no single mesh axis"
+        return f"{kind}{op} ({where}) {over} (group ranks {sorted(members)})"
+    return None
+
+
+def _group_members_in(scope: dict) -> tuple[list[int] | None, str]:
+    for name, value in scope.items():
+        if isinstance(value, dist.ProcessGroup):
+            return dist.get_process_group_ranks(value), name
+    owner = scope.get("self")
+    for attr in ("_all_gather_process_group", "_reduce_scatter_process_group"):
+        group = getattr(owner, attr, None)
+        if isinstance(group, dist.ProcessGroup):
+            return dist.get_process_group_ranks(group), f"{type(owner).__name__}.{attr.strip('_')}"
+    mesh_info = getattr(owner, "mesh_info", None)
+    group = getattr(mesh_info, "shard_process_group", None)
+    if isinstance(group, dist.ProcessGroup):
+        return dist.get_process_group_ranks(group), f"{type(owner).__name__}.shard_process_group"
+    mesh, dim = scope.get("device_mesh") or scope.get("mesh"), scope.get("mesh_dim")
+    if mesh is not None and isinstance(dim, int) and hasattr(mesh, "get_group"):
+        return dist.get_process_group_ranks(mesh.get_group(dim)), "mesh dim"
+    return None, ""
+
+
+def axis_of_group(layout, rank: int, members: list[int]) -> str | None:
+    """The mesh axis (a single axis first, then a flattened one) whose group of `rank` is `members`."""
+    from tessera.topology.layout import AXES, FLATTENED
+
+    wanted = sorted(members)
+    for axis in tuple(a for a in AXES if getattr(layout, a) > 1) + tuple(FLATTENED):
+        if sorted(layout.group(axis, rank)) == wanted:
+            return axis
+    return None

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tessera.topology import Layout
 
+from .straggler import Straggler
 from .config import Config
 
 
@@ -94,6 +95,7 @@ def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: 
         f"step {m['step']:>4}/{config.runtime.steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
         f"eta {_duration(eta)} | {Layout(**m['layout'])}"
+        + (f" | {Straggler(**m['straggler']).describe()}" if m.get("straggler") else "")
     )
 
 

@@ -26,7 +26,7 @@ from tessera.models import build_model
 from tessera.models.data import TokenStream
 from tessera.parallel import checkpoint, materialize, parallelize
 from tessera.parallel.clip import clip_grad_norm_
-from tessera.parallel.comm import CollectiveTimeout, collective, is_timeout
+from tessera.parallel.comm import CollectiveTimeout, collective, is_timeout, stalled_collective
 from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.loss import CrossEntropySum, count_valid
@@ -35,6 +35,7 @@ from tessera.topology import Meshes
 
 from .config import Config
 from .runners import LocalRunner, Runner, split_microbatches
+from .straggler import Straggler, StragglerWatch
 
 
 def lr_lambda(warmup: int, steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
@@ -143,6 +144,7 @@ class StepResult:
     device: torch.device = field(repr=False, default=torch.device("cpu"))
     skipped: bool = False  # the update was dropped (a non-finite value, --on-nonfinite skip)
     skipped_steps: int = 0  # such steps so far in the run
+    straggler: Straggler | None = None  # a rank the others have waited for, several steps in a row
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -158,6 +160,8 @@ class StepResult:
             "layout": self.layout,
             "skipped": self.skipped,
             "skipped_steps": self.skipped_steps,
+            "straggler": None if self.straggler is None else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s,
+                                                              "steps": self.straggler.steps},
         }
 
 
@@ -193,6 +197,7 @@ class Trainer:
         ])
         self.data = data if data is not None else TokenStream(config.data.seq_len, config.data.global_batch)
         self.progress = Progress()
+        self.straggler_watch = StragglerWatch(self.device)
 
     def _build_pipeline(self) -> tuple[list[nn.Module], Runner]:
         """Only this rank's stage(s), each built on the meta device, parallelized, then materialized."""
@@ -262,9 +267,11 @@ class Trainer:
         except RuntimeError as e:
             if not is_timeout(e):
                 raise
+            where = stalled_collective(e, self.layout, self.rank) or (
+                "a collective that torch issued (an FSDP2 all-gather or reduce-scatter over the data axes, or a "
+                "DTensor redistribution)")
             raise CollectiveTimeout(
-                f"rank {self.rank} stalled at training step {step} in a collective that torch issued (an FSDP2 "
-                f"all-gather or reduce-scatter over the data axes, or a DTensor redistribution): a peer never joined; "
+                f"rank {self.rank} stalled at training step {step} in {where}: a peer never joined; "
                 f"look for a rank that raised, exited or froze. Underlying error: {e}") from e
 
     def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
@@ -298,10 +305,12 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        straggler = self.straggler_watch.observe(time.perf_counter() - started)
         self.progress.step += 1
         self.progress.consumed_tokens += inputs.numel()
         return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, inputs.numel(), started,
-                          self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps)
+                          self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps,
+                          straggler=straggler)
 
     def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
         """Which parameters hold a NaN or inf gradient, on which rank and shard (collective)."""

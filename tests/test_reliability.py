@@ -46,6 +46,9 @@ def test_a_frozen_rank_is_reported_within_the_timeout_by_every_peer_not_hung():
         assert message.startswith(f"rank {rank} stalled at training step 2 in"), message
     # rank 0 shares a tp group with the frozen rank 1: its stalled collective is tessera's own, named by axis
     assert results[0][2].startswith("rank 0 stalled at training step 2 in all_reduce over the tp axis (group ranks [0, 1])")
+    # rank 3 shares FSDP2's shard group with rank 1: a collective torch issued, mapped to its mesh axis
+    assert results[3][2].startswith("rank 3 stalled at training step 2 in an FSDP2 all-gather"), results[3][2]
+    assert "over the dp_shard axis (group ranks [1, 3])" in results[3][2], results[3][2]
 
 
 class _Boom:
@@ -411,3 +414,28 @@ def test_checkpoint_on_signal_saves_then_stops_every_rank(tmp_path):
 def test_checkpoint_on_signal_needs_a_directory():
     with pytest.raises(ValueError, match="--checkpoint-on-signal needs --checkpoint-dir"):
         small_config(checkpoint_on_signal=True).check()
+
+
+def _rank_one_straggles(config):
+    from tessera.trainer import Trainer
+
+    trainer = Trainer(config, torch.device("cpu"))
+    if trainer.rank == 1:  # planted: this rank's optimizer step (work after its last collective) is slow
+        step = trainer.optimizer.step
+
+        def slow_step(*a, **kw):
+            time.sleep(0.3)
+            return step(*a, **kw)
+
+        trainer.optimizer.step = slow_step
+    return [(r.step, r.straggler and (r.straggler.rank, r.straggler.steps)) for r in (trainer.train_step() for _ in range(5))]
+
+
+def test_a_straggler_is_named_after_three_slow_steps_in_the_progress_line():
+    from tessera.run import progress_line
+
+    named = run_ranks(_rank_one_straggles, 2, small_config(dp=2), timeout=120)
+    assert named[0] == named[1] == [(1, None), (2, None), (3, (1, 3)), (4, (1, 4)), (5, (1, 5))]
+    record = {"step": 3, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1000.0, "peak_memory_bytes": 0,
+              "layout": {"dp_shard": 2}, "straggler": {"rank": 1, "lag_s": 0.31, "steps": 3}}
+    assert progress_line(record, small_config(dp=2, steps=5), 1.0, 3).endswith("| dp_shard2 | straggler rank 1 (+310 ms/step, 3 steps)")
