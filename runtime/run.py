@@ -88,6 +88,15 @@ def pipeline_summary(config: Config) -> str:
             + " | ".join(f"{r.start}-{r.stop - 1}" for r in layers) + f"), simulated bubble {bubble:.1%}")
 
 
+def _join_torchrun_job(backend: str, timeout: float, attempt: int) -> None:
+    """init_process_group from torchrun's environment, with every store key under a per-attempt prefix.
+    torchrun's store outlives a restart (--max-restarts): without the prefix, the restarted workers read
+    the previous attempt's addresses for the mesh's subgroups (new_group names repeat) and fail to connect."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+    store = dist.PrefixStore(f"tessera/attempt_{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+
+
 def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: int) -> str:
     remaining = config.runtime.steps - m["step"]
     eta = elapsed / max(1, done_here) * remaining
@@ -210,7 +219,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts restarted us
         config = _resuming_after_failure(config) if attempt else config
         with directory_lock(config.checkpoint.dir) if writes and not attempt else contextlib.nullcontext():
-            dist.init_process_group(_backend(config), timeout=timedelta(seconds=config.runtime.timeout))
+            _join_torchrun_job(_backend(config), config.runtime.timeout, attempt)
             try:
                 return run_rank(config, attempt)
             finally:

@@ -439,3 +439,57 @@ def test_a_straggler_is_named_after_three_slow_steps_in_the_progress_line():
     record = {"step": 3, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1000.0, "peak_memory_bytes": 0,
               "layout": {"dp_shard": 2}, "straggler": {"rank": 1, "lag_s": 0.31, "steps": 3}}
     assert progress_line(record, small_config(dp=2, steps=5), 1.0, 3).endswith("| dp_shard2 | straggler rank 1 (+310 ms/step, 3 steps)")
+
+
+def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_path):
+    """torchrun restarts every worker after one is SIGKILLed; tessera joins the new attempt (its store keys
+    under a per-attempt prefix, so the mesh's subgroups reconnect) and resumes from --checkpoint-dir."""
+    import shutil
+    import signal
+    import uuid
+
+    from tessera.run import train
+
+    common = ["--steps", "20", "--seq-len", "32", "--global-batch", "4", "--checkpoint-every", "4", "--quiet",
+              "--dp", "2", "--tp", "2"]
+    import argparse
+
+    from tessera.config import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    train(config_from_args(parser.parse_args([*common, "--checkpoint-dir", str(tmp_path / "reference"),
+                                              "--metrics", str(tmp_path / "reference.jsonl")])))
+    marker = uuid.uuid4().hex
+    metrics = tmp_path / "run.jsonl"
+    torchrun = shutil.which("torchrun", path=str(os.path.dirname(sys.executable))) or "torchrun"
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc_per_node", "4", "--max-restarts", "1", "-m", "tessera",
+                             "train", *common, "--checkpoint-dir", str(tmp_path / "run"), "--metrics", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TESSERA_TEST_RUN=marker, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            if steps and max(steps) >= 6:
+                break
+            time.sleep(0.02)
+        workers = [pid for pid in _processes_with(f"TESSERA_TEST_RUN={marker}") if pid != proc.pid
+                   and int(open(f"/proc/{pid}/status").read().split("PPid:")[1].split()[0]) == proc.pid]
+        assert len(workers) == 4, workers
+        os.kill(sorted(workers)[1], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["restart"] for r in records if r.get("type") == "header"] == [0, 1]
+    steps = [r for r in records if r.get("type") != "header"]
+    assert [r["step"] for r in steps] == list(range(1, 21))  # every step once after the restart
+    reference = [json.loads(line) for line in (tmp_path / "reference.jsonl").read_text().splitlines()][1:]
+    assert [r["loss"] for r in steps] == [r["loss"] for r in reference]  # bitwise
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    checkpoint.export_checkpoint(tmp_path / "reference", a)
+    checkpoint.export_checkpoint(tmp_path / "run", b)
+    ref_weights, run_weights = checkpoint.read_safetensors(a), checkpoint.read_safetensors(b)
+    assert all(torch.equal(ref_weights[n], run_weights[n]) for n in ref_weights)
