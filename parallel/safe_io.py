@@ -3,16 +3,14 @@
 DCP reads its `.metadata` with plain pickle.load and its non-tensor items with torch.load(weights_only=
 False), so a crafted checkpoint could run code even with matching checksums. `SafeFileSystemReader`
 reads the metadata through an unpickler that admits only DCP's metadata types; the load planners here
-read non-tensor items with weights_only=True. Full state dicts are safetensors (JSON header + raw
-bytes), read and written here.
+read non-tensor items with weights_only=True. Full state dicts are safetensors files, through the
+safetensors library (a JSON header and raw bytes: nothing in them can run).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -95,67 +93,60 @@ class _SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
 
 
 # ----------------------------------------------------------------------------- safetensors
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64"}
+# The safetensors library: every dtype it knows, memory-mapped reads, and slices of one tensor without
+# reading the rest (what a rank needs to take only its shard of a large file).
+
+
+def _unsafe(file, error: Exception) -> CheckpointError:
+    text = str(error)
+    if any(m in text.lower() for m in ("incomplete", "not fully covered", "out of bounds")):
+        return CheckpointError(f"{file} is truncated or not a safetensors file ({text})")
+    return CheckpointError(f"{file} is not a safetensors file: {text}")
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], file: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    """The safetensors format (an 8-byte header length, a JSON header, the raw little-endian data);
-    written here rather than adding a dependency for ~20 lines."""
-    header: dict[str, Any] = {"__metadata__": metadata or {}}
-    blobs, offset = [], 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} is not supported for export")
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+    """Write `tensors` (any dtype safetensors supports) to `file` atomically (a temporary file, renamed)."""
+    from safetensors.torch import save_file
+
+    contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     tmp = Path(f"{file}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for b in blobs:
-            f.write(b)
+    save_file(contiguous, str(tmp), metadata=metadata or {})
     os.replace(tmp, file)
 
 
 def read_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:
-    by_name = {v: k for k, v in _DTYPES.items()}
-    raw = Path(file).read_bytes()
+    """Every tensor of a safetensors file (memory-mapped while read); CheckpointError if it is damaged."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not Path(file).exists():
+        raise CheckpointError(f"{file}: no such file")
     try:
-        (n,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8 : 8 + n])
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file} is not a safetensors file: {e}") from None
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, stop = info["data_offsets"]
-        if 8 + n + stop > len(raw):
-            raise CheckpointError(f"{file} is truncated: tensor {name} ends past the end of the file")
-        buf = bytearray(raw[8 + n + start : 8 + n + stop])
-        dtype = by_name[info["dtype"]]
-        out[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(info["shape"]) if buf else torch.empty(info["shape"], dtype=dtype)
-    return out
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _unsafe(file, e) from None
 
 
 def read_safetensors_header(file: str | os.PathLike) -> dict[str, Any]:
-    """The JSON header of a safetensors file (names, dtypes, shapes), without reading any tensor data."""
+    """name -> {"dtype", "shape"} of a safetensors file, without reading any tensor data."""
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(file).exists():
+        raise CheckpointError(f"{file}: no such file")
     try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100 * 2**20:
-                raise CheckpointError(f"{file} is not a safetensors file: header of {n} bytes")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: no such file") from None
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file} is not a safetensors file: {e}") from None
-    header.pop("__metadata__", None)
-    return header
+        with safe_open(str(file), framework="pt") as f:
+            return {name: {"dtype": f.get_slice(name).get_dtype(), "shape": list(f.get_slice(name).get_shape())}
+                    for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _unsafe(file, e) from None
 
 
+def read_safetensors_slice(file: str | os.PathLike, name: str, index: tuple) -> torch.Tensor:
+    """tensor[name][index] read from `file` without loading the rest (index: a tuple of slices)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_slice(name)[index]
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _unsafe(file, e) from None
