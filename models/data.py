@@ -62,4 +62,7 @@ class TokenStream:
         return {"cursor": self.cursor, "seq_len": self.seq_len, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("data") is not None:
+            raise ValueError(f"the checkpoint was trained on token files ({state['data'].get('path')}); resume with "
+                             f"--data pointing at them")
         self.cursor = int(state["cursor"])

@@ -1,4 +1,4 @@
-"""The `tessera` command: train, memory, export (and --version)."""
+"""The `tessera` command: train, memory, export, tokenize (and --version)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,22 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenize(args: argparse.Namespace) -> int:
+    from .tokenize_files import tokenize
+
+    try:
+        written = tokenize(args.tokenizer, args.out, args.files, args.separator, args.field, args.shard_tokens,
+                           progress=not args.quiet)
+    except (ValueError, OSError) as e:
+        print(f"tessera tokenize: error: {e}", file=sys.stderr)
+        return 2
+    from tessera.models.tokens import open_dataset
+
+    total = sum(len(s.tokens) for s in open_dataset(args.out))
+    print(f"wrote {len(written)} shard(s), {total:,} tokens, to {args.out}: train on them with --data {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tessera import __version__
 
@@ -128,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir with a latest pointer")
     exp.add_argument("--out", required=True, help="the .safetensors file to write")
     exp.set_defaults(func=_export)
+
+    tok = sub.add_parser("tokenize", help="text or JSONL files to token files for --data (needs the data extra)")
+    tok.add_argument("files", nargs="+", help=".txt files (one document each) or .jsonl files (one per line)")
+    tok.add_argument("--tokenizer", required=True, help="a tokenizer.json (Hugging Face tokenizers format); nothing is downloaded")
+    tok.add_argument("--out", required=True, help="the directory to write shard_NNNNN.bin/.json into")
+    tok.add_argument("--separator", default=None, help="the document separator token (default: the tokenizer's end-of-text token)")
+    tok.add_argument("--field", default="text", help="the JSONL field that holds the text (default: text)")
+    tok.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default: 100,000,000)")
+    tok.add_argument("--quiet", action="store_true", help="no progress bar")
+    tok.set_defaults(func=_tokenize)
 
     from .config import add_arguments
 

@@ -27,6 +27,7 @@ def opt(default: Any, doc: str, flag: str | None = None, **argparse_kw: Any) -> 
 class ModelSection:
     preset: str = opt("debug", "model preset: debug, small, 1b, 8b, 70b, 405b", flag="--model")
     n_layers: int | None = opt(None, "override the preset's number of transformer blocks")
+    vocab_size: int | None = opt(None, "override the preset's vocabulary (e.g. a tokenizer's for --data)")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class DataSection:
     seq_len: int = opt(64, "tokens per sequence")
     global_batch: int = opt(8, "sequences per optimizer step, over all data-parallel ranks")
     microbatches: int = opt(1, "split each dp rank's rows into M microbatches (gradient accumulation)")
+    path: str | None = opt(None, "token files (a .bin shard with its .json, or a directory of them) from `tessera "
+                                 "tokenize`; default: the text shipped with tessera, byte-tokenized", flag="--data")
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ class Config:
         from tessera.models import get_preset
 
         overrides = {} if self.model.n_layers is None else {"n_layers": self.model.n_layers}
+        if self.model.vocab_size is not None:
+            overrides["vocab_size"] = self.model.vocab_size
         return get_preset(self.model.preset, **overrides)
 
     @property

@@ -22,6 +22,13 @@ def check(config: Config) -> None:
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
     _check_paths(config, model)
+    if config.data.path:  # the files open, sizes match their sidecars, the vocabulary fits the model
+        from tessera.models.tokens import TokenFileStream
+
+        data = TokenFileStream(config.data.path, config.data.seq_len, config.data.global_batch)
+        if data.vocab_size > model.vocab_size:
+            raise ValueError(f"--data {config.data.path}: its vocab_size {data.vocab_size} exceeds the {config.model.preset} "
+                             f"model's {model.vocab_size}; add --vocab-size {data.vocab_size}")
 
 
 def _check_numbers(config: Config) -> None:
@@ -97,6 +104,8 @@ def _check_pipeline_flags(config: Config) -> None:
 def _check_model(config: Config):
     if config.model.n_layers is not None and config.model.n_layers < 1:
         raise ValueError(f"--n-layers {config.model.n_layers} must be at least 1")
+    if config.model.vocab_size is not None and config.model.vocab_size < 2:
+        raise ValueError(f"--vocab-size {config.model.vocab_size} must be at least 2")
     model = config.model_config  # unknown preset -> ValueError naming the presets
     if config.data.seq_len > model.max_seq_len:
         raise ValueError(

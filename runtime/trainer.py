@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from tessera.models import build_model
 from tessera.models.data import TokenStream
+from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint, materialize, parallelize
 from tessera.parallel.clip import clip_grad_norm_
 from tessera.parallel.comm import CollectiveTimeout, collective, is_timeout, stalled_collective
@@ -195,6 +196,8 @@ class Trainer:
             torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup, config.runtime.steps, o.min_lr_ratio))
             for opt in self.optimizer.optimizers
         ])
+        if data is None and config.data.path:
+            data = TokenFileStream(config.data.path, config.data.seq_len, config.data.global_batch, self.model_config.vocab_size)
         self.data = data if data is not None else TokenStream(config.data.seq_len, config.data.global_batch)
         self.progress = Progress()
         self.straggler_watch = StragglerWatch(self.device)
@@ -250,6 +253,10 @@ class Trainer:
         rows = inputs.shape[0] // self.layout.dp
         i = self.meshes.batch_index
         inputs, targets = inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows]
+        return self.local_rows(inputs, targets)
+
+    def local_rows(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's dp rows, cut to its zigzag chunks under context parallel, on its device."""
         if self.layout.cp > 1:
             inputs, targets = (zigzag_shard(t, 1, self.cp_index, self.layout.cp) for t in (inputs, targets))
         return inputs.to(self.device), targets.to(self.device)
@@ -276,9 +283,14 @@ class Trainer:
 
     def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         started = time.perf_counter()
-        inputs, targets = self.data.next_global_batch()
-        valid = count_valid(targets)  # over the whole global batch: the denominator on every rank
-        local_inputs, local_targets = self.local_batch(inputs, targets)
+        if hasattr(self.data, "next_local_batch"):  # token files: a rank reads only its rows
+            rows_in, rows_tg, valid = self.data.next_local_batch(self.meshes.batch_index, self.layout.dp)
+            local_inputs, local_targets = self.local_rows(rows_in, rows_tg)
+        else:
+            inputs, targets = self.data.next_global_batch()
+            valid = count_valid(targets)  # over the whole global batch: the denominator on every rank
+            local_inputs, local_targets = self.local_batch(inputs, targets)
+        global_tokens = self.config.data.global_batch * self.config.data.seq_len
         microbatches = split_microbatches(local_inputs, local_targets, self.config.data.microbatches)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         loss_sum = self.runner.forward_backward(microbatches, valid)
@@ -307,8 +319,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         straggler = self.straggler_watch.observe(time.perf_counter() - started)
         self.progress.step += 1
-        self.progress.consumed_tokens += inputs.numel()
-        return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, inputs.numel(), started,
+        self.progress.consumed_tokens += global_tokens
+        return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, global_tokens, started,
                           self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps,
                           straggler=straggler)
 

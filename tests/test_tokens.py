@@ -1,0 +1,133 @@
+"""Token files: `tessera tokenize` with a tokenizer made here, `--data` on any layout equal to one process,
+resuming on another layout at the same tokens, and bad files named."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import small_config
+from tessera.models.tokens import TokenFileStream, open_dataset, write_shard
+
+TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. " * 40).split(". ")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "</s>"]))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tokenizer_file, tmp_path_factory):
+    from tessera.cli import main
+
+    src = tmp_path_factory.mktemp("src")
+    (src / "a.txt").write_text(" ".join(TEXT[:30]))
+    (src / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXT[30:]) + "\n")
+    out = tmp_path_factory.mktemp("data") / "tokens"
+    assert main(["tokenize", "--tokenizer", str(tokenizer_file), "--out", str(out), "--shard-tokens", "300", "--quiet",
+                 str(src / "a.txt"), str(src / "b.jsonl")]) == 0
+    return out
+
+
+def test_tokenize_writes_shards_that_decode_back_to_the_documents(data_dir, tokenizer_file):
+    from tokenizers import Tokenizer
+
+    shards = open_dataset(data_dir)
+    assert len(shards) > 1 and all(s.tokens.dtype == np.uint16 for s in shards)  # 300-token shards
+    ids = np.concatenate([np.asarray(s.tokens) for s in shards]).tolist()
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    sep = tok.token_to_id("</s>")
+    assert shards[0].separator == sep and ids.count(sep) == 1 + len(TEXT[30:])  # one per document
+    first = ids[: ids.index(sep)]
+    assert tok.decode(first).split() == " ".join(TEXT[:30]).replace(".", " .").split()
+
+
+def test_a_dp_rank_reads_only_its_rows_and_they_tile_the_global_batch(data_dir):
+    for dp in (1, 2, 4):
+        streams = [TokenFileStream(data_dir, 16, 4) for _ in range(dp)]
+        for step in range(3):
+            whole = streams[0].global_batch_at(step * 4)
+            parts = [s.next_local_batch(i, dp) for i, s in enumerate(streams)]
+            assert torch.equal(torch.cat([p[0] for p in parts]), whole[0])
+            assert torch.equal(torch.cat([p[1] for p in parts]), whole[1])
+            assert parts[0][2] == 4 * 16
+
+
+def _losses(config):
+    from tessera.run import train
+
+    return [(r["loss"], r["grad_norm"]) for r in train(config)]
+
+
+def test_token_files_train_equally_on_dp2xtp2_and_one_process_and_resume_on_another_layout(data_dir, tmp_path):
+    common = dict(data=str(data_dir), vocab_size=120, seq_len=16, global_batch=4, steps=6)
+    one = _losses(small_config(**common))
+    spread = _losses(small_config(**common, dp=2, tp=2))
+    for (l1, g1), (l2, g2) in zip(one, spread):
+        assert abs(l1 - l2) <= 1e-5 * l1 and abs(g1 - g2) <= 1e-5 * g1
+    # saved at step 3 on tp2, resumed from there on dp2: the data cursor carries over, the steps match the straight run
+    ckpt = tmp_path / "ckpt"
+    _losses(small_config(**common, tp=2, checkpoint_dir=str(ckpt), checkpoint_every=3))
+    resumed = _losses(small_config(**common, dp=2, resume=str(ckpt / "step_00000003")))
+    assert len(resumed) == 3
+    for (l1, g1), (l2, g2) in zip(one[3:], resumed):
+        assert abs(l1 - l2) <= 1e-5 * l1 and abs(g1 - g2) <= 1e-5 * g1
+
+
+def test_bad_token_files_are_named(tmp_path, data_dir):
+    # a token id beyond the vocabulary (the sidecar claims a smaller one than the ids use)
+    path = write_shard(tmp_path / "bad", [1, 2, 3, 99] * 20, vocab_size=100, separator=0)
+    meta = json.loads(path.with_suffix(".json").read_text())
+    path.with_suffix(".json").write_text(json.dumps({**meta, "vocab_size": 50}))
+    with pytest.raises(ValueError, match=r"--data .*bad\.bin: token id 99 near token \d+ is outside the vocabulary of 50"):
+        TokenFileStream(path, 8, 2).next_local_batch(0, 1)
+    # a truncated file
+    cut = write_shard(tmp_path / "cut", list(range(40)), vocab_size=100, separator=0)
+    cut.write_bytes(cut.read_bytes()[:-6])
+    with pytest.raises(ValueError, match=r"cut\.bin is truncated or altered: 74 bytes, its cut\.json says 40 uint16 tokens \(80 bytes\)"):
+        open_dataset(cut)
+    # no sidecar, an empty directory, a missing path
+    (tmp_path / "lonely.bin").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match="no lonely.json beside it"):
+        open_dataset(tmp_path / "lonely.bin")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no .bin token files"):
+        open_dataset(tmp_path / "empty")
+
+
+def test_the_vocabulary_check_and_the_data_source_switch_are_refused(data_dir, tmp_path):
+    big = write_shard(tmp_path / "big", [5, 300, 7] * 10, vocab_size=400, separator=0)
+    with pytest.raises(ValueError, match=r"--data .*big\.bin: its vocab_size 400 exceeds the debug model's 258; add --vocab-size 400"):
+        small_config(data=str(big), seq_len=8).check()
+    with pytest.raises(ValueError, match="--vocab-size 1 must be at least 2"):
+        small_config(vocab_size=1).check()
+    # a checkpoint of the shipped text does not resume on token files, nor the reverse
+    stream = TokenFileStream(data_dir, 16, 4)
+    with pytest.raises(ValueError, match="trained on the text shipped with tessera"):
+        stream.load_state_dict({"cursor": 8, "seq_len": 16, "global_batch": 4})
+    from tessera.models.data import TokenStream
+
+    with pytest.raises(ValueError, match="trained on token files"):
+        TokenStream(16, 4).load_state_dict(stream.state_dict())
+
+
+def test_tokenize_refuses_bad_input_with_one_line(tmp_path, tokenizer_file, capsys):
+    from tessera.cli import main
+
+    (tmp_path / "x.jsonl").write_text('{"body": "no text field"}\n')
+    assert main(["tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"), str(tmp_path / "x.jsonl")]) == 2
+    assert "x.jsonl:1: no string field 'text'; pass --field NAME" in capsys.readouterr().err
+    assert main(["tokenize", "--tokenizer", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o"), str(tmp_path / "x.jsonl")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+    assert main(["tokenize", "--tokenizer", str(tokenizer_file), "--separator", "<nope>", "--out", str(tmp_path / "o"),
+                 str(tmp_path / "x.jsonl")]) == 2
+    assert "--separator '<nope>' is not a token" in capsys.readouterr().err
