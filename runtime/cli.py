@@ -1,4 +1,4 @@
-"""The `tessera` command: train, memory, export, tokenize (and --version)."""
+"""The `tessera` command: train, memory, export, convert, tokenize (and --version)."""
 
 from __future__ import annotations
 
@@ -90,17 +90,57 @@ def _export(args: argparse.Namespace) -> int:
 
     from tessera.parallel.checkpoint import CheckpointError, export_checkpoint
 
+    if (args.out is None) == (args.to_hf is None):
+        print("tessera export: error: give one of --out FILE.safetensors or --to-hf DIR", file=sys.stderr)
+        return 2
+    target = args.out or args.to_hf
     try:
-        parent = Path(args.out).parent
+        parent = Path(target).parent if args.out else Path(target).absolute().parent
         if not parent.is_dir():
-            raise CheckpointError(f"--out {args.out}: directory {parent} does not exist; create it first")
+            raise CheckpointError(f"{'--out' if args.out else '--to-hf'} {target}: directory {parent} does not exist; create it first")
         if not os.access(parent, os.W_OK):
-            raise CheckpointError(f"--out {args.out}: directory {parent} is not writable")
-        manifest = export_checkpoint(args.checkpoint, args.out)
-    except CheckpointError as e:
+            raise CheckpointError(f"{'--out' if args.out else '--to-hf'} {target}: directory {parent} is not writable")
+        if args.out:
+            manifest = export_checkpoint(args.checkpoint, args.out)
+        else:
+            manifest = _export_hf(args.checkpoint, args.to_hf)
+    except (CheckpointError, ValueError) as e:
         print(f"tessera export: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: model {manifest['model']['preset']} at step {manifest['step']}")
+    print(f"wrote {target}: model {manifest['model']['preset']} at step {manifest['step']}"
+          + (" (a Hugging Face Llama directory: LlamaForCausalLM.from_pretrained loads it)" if args.to_hf else ""))
+    return 0
+
+
+def _export_hf(checkpoint_path: str, directory: str) -> dict:
+    import tempfile
+
+    from tessera.models.hf import save_hf
+    from tessera.models.llama import ModelConfig
+    from tessera.parallel.checkpoint import export_checkpoint, read_safetensors
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = export_checkpoint(checkpoint_path, os.path.join(tmp, "full.safetensors"))
+        state = read_safetensors(os.path.join(tmp, "full.safetensors"))
+    save_hf(state, ModelConfig(**manifest["model"]["config"]), directory)
+    return manifest
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from tessera.models.hf import check_hf_weights, hf_to_tessera_name, read_hf_config, weight_files
+    from tessera.parallel.safe_io import read_safetensors_slice, write_safetensors
+
+    try:
+        cfg = read_hf_config(args.from_hf)
+        check_hf_weights(args.from_hf, cfg)
+        tensors = {hf_to_tessera_name(n): read_safetensors_slice(f, n, (slice(None),)) for n, f in weight_files(args.from_hf).items()
+                   if not n.endswith("rotary_emb.inv_freq")}
+        write_safetensors(tensors, args.out, {"source": "huggingface", "config": json.dumps(cfg.as_dict())})
+    except (ValueError, OSError) as e:
+        print(f"tessera convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.num_params() / 1e6:,.1f}M parameters in "
+          f"tessera's names (train from it with --init-from-hf {args.from_hf}, or --init-from {args.out} with a matching preset)")
     return 0
 
 
@@ -142,8 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="write a checkpoint's model as one full safetensors file (no ranks needed)")
     exp.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir with a latest pointer")
-    exp.add_argument("--out", required=True, help="the .safetensors file to write")
+    exp.add_argument("--out", default=None, help="the .safetensors file to write (tessera's names)")
+    exp.add_argument("--to-hf", default=None, metavar="DIR", help="write a Hugging Face Llama directory (config.json, model.safetensors) instead")
     exp.set_defaults(func=_export)
+
+    conv = sub.add_parser("convert", help="a Hugging Face Llama directory to one safetensors file in tessera's names")
+    conv.add_argument("--from-hf", required=True, metavar="DIR", help="config.json + model.safetensors (or sharded with an index)")
+    conv.add_argument("--out", required=True, help="the .safetensors file to write")
+    conv.set_defaults(func=_convert)
 
     tok = sub.add_parser("tokenize", help="text or JSONL files to token files for --data (needs the data extra)")
     tok.add_argument("files", nargs="+", help=".txt files (one document each) or .jsonl files (one per line)")

@@ -25,7 +25,7 @@ def opt(default: Any, doc: str, flag: str | None = None, **argparse_kw: Any) -> 
 
 @dataclass(frozen=True)
 class ModelSection:
-    preset: str = opt("debug", "model preset: debug, small, 1b, 8b, 70b, 405b", flag="--model")
+    preset: str = opt("debug", "model preset: debug, small, 1b, 8b, 70b, 405b, or hf:DIR (a Hugging Face Llama's config.json)", flag="--model")
     n_layers: int | None = opt(None, "override the preset's number of transformer blocks")
     vocab_size: int | None = opt(None, "override the preset's vocabulary (e.g. a tokenizer's for --data)")
 
@@ -107,6 +107,8 @@ class CheckpointSection:
         nargs="?", const="", metavar="PATH",
     )
     init_from: str | None = opt(None, "start from the weights of a full safetensors state dict", metavar="FILE")
+    init_from_hf: str | None = opt(None, "start from a Hugging Face Llama directory (config.json + safetensors); the model "
+                                         "is read from its config.json", metavar="DIR", flag="--init-from-hf")
     on_signal: bool = opt(False, "on SIGTERM, every rank finishes its step and saves a checkpoint before stopping",
                           flag="--checkpoint-on-signal")
 
@@ -166,13 +168,31 @@ class Config:
         return self.parallel.layout
 
     @property
+    def model_name(self) -> str:
+        """The preset's name, or hf:DIR for a model read from a Hugging Face config.json."""
+        return f"hf:{self.checkpoint.init_from_hf}" if self.checkpoint.init_from_hf else self.model.preset
+
+    @property
     def model_config(self):
         from tessera.models import get_preset
 
         overrides = {} if self.model.n_layers is None else {"n_layers": self.model.n_layers}
         if self.model.vocab_size is not None:
             overrides["vocab_size"] = self.model.vocab_size
-        return get_preset(self.model.preset, **overrides)
+        hf_dir = self.checkpoint.init_from_hf or (self.model.preset[3:] if self.model.preset.startswith("hf:") else None)
+        if hf_dir is None:
+            return get_preset(self.model.preset, **overrides)
+        from dataclasses import replace
+
+        from tessera.models.hf import compare_with_preset, read_hf_config
+
+        cfg = read_hf_config(hf_dir)
+        if overrides:
+            raise ValueError(f"--n-layers / --vocab-size with a Hugging Face model ({hf_dir}): its config.json fixes them; drop them")
+        preset = self.model.preset
+        if preset != "debug" and not preset.startswith("hf:"):  # a --model given as well must agree
+            compare_with_preset(cfg, get_preset(preset), preset)
+        return replace(cfg)
 
     @property
     def mixed_precision(self) -> str:
@@ -227,6 +247,7 @@ def _flat_names() -> dict[str, tuple[str, str]]:
             if f.metadata.get("flag"):
                 out[f.metadata["flag"].lstrip("-").replace("-", "_")] = (section, f.name)
     out["init_from"] = ("checkpoint", "init_from")
+    out["init_from_hf"] = ("checkpoint", "init_from_hf")
     out["resume"] = ("checkpoint", "resume")
     return out
 

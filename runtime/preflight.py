@@ -165,7 +165,14 @@ def _check_paths(config: Config, model) -> None:
         if problem is not None:
             raise checkpoint.CheckpointError(problem)
         manifest = checkpoint.read_manifest(path)
-        checkpoint.check_compatible(path, manifest, config.model.preset, model.as_dict(), config.data.seq_len,
+        checkpoint.check_compatible(path, manifest, config.model_name, model.as_dict(), config.data.seq_len,
                                     config.data.global_batch, config.runtime.steps)
     if c.init_from is not None:
         checkpoint.check_full_state_dict_file(c.init_from, model)
+    if c.init_from_hf is not None:
+        from tessera.models.hf import check_hf_weights
+
+        if c.init_from is not None or c.resume is not None:
+            raise ValueError("--init-from-hf starts a run from Hugging Face weights: drop --init-from / --resume (resume "
+                             f"a run begun from them with --model hf:{c.init_from_hf} --resume)")
+        check_hf_weights(c.init_from_hf, model)

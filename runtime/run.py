@@ -68,7 +68,7 @@ def startup_line(config: Config, trainer: Any) -> str:
     if trainer.layout.pp > 1:
         where.insert(0, pipeline_summary(config))
     return (
-        f"tessera: {config.model.preset} ({_human(total)} params, {trainer.model_config.n_layers} layers) on "
+        f"tessera: {config.model_name} ({_human(total)} params, {trainer.model_config.n_layers} layers) on "
         f"{trainer.layout} = {trainer.layout.world_size} {trainer.device.type} rank(s); {_human(local)} params on rank 0; "
         f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
         f"{f' in {config.data.microbatches} microbatches' if config.data.microbatches > 1 else ''}; " + "; ".join(where)
@@ -86,6 +86,15 @@ def pipeline_summary(config: Config) -> str:
     bubble = simulate(build_schedule(pc.schedule, pp, pc.microbatches, pc.virtual)).bubble
     return (f"pipeline {pc.schedule} over {len(layers)} stages (layers "
             + " | ".join(f"{r.start}-{r.stop - 1}" for r in layers) + f"), simulated bubble {bubble:.1%}")
+
+
+def _hf_model_section(config: Config):
+    """After a restart the weights come from the checkpoint; a Hugging Face model keeps its config.json."""
+    import dataclasses
+
+    if config.checkpoint.init_from_hf:
+        return dataclasses.replace(config.model, preset=f"hf:{config.checkpoint.init_from_hf}")
+    return config.model
 
 
 def _join_torchrun_job(backend: str, timeout: float, attempt: int) -> None:
@@ -162,6 +171,12 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
         for part in trainer.parts:  # a pipeline stage takes the names it holds
             checkpoint.load_full_state_dict(part, config.checkpoint.init_from)
         say(f"loaded weights from {config.checkpoint.init_from}")
+    if config.checkpoint.init_from_hf:
+        from tessera.models.hf import load_hf_weights
+
+        for part in trainer.parts:  # each rank reads only the parameters it holds, cut to its shards
+            load_hf_weights(part, config.checkpoint.init_from_hf)
+        say(f"loaded Hugging Face weights from {config.checkpoint.init_from_hf}")
     if config.checkpoint.resume is not None:
         manifest = trainer.load(config.resume_path)
         say(f"resumed from {checkpoint.resolve(config.resume_path)}: step {manifest['step']} "
@@ -263,7 +278,8 @@ def _resuming_after_failure(config: Config) -> Config:
             checkpoint.resolve(root)
         except checkpoint.CheckpointError:
             return config
-        return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume="", init_from=None))
+        return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume="", init_from=None, init_from_hf=None),
+                               model=_hf_model_section(config))
     return config
 
 

@@ -361,7 +361,7 @@ class Trainer:
             "consumed_sequences": self.progress.consumed_tokens // c.data.seq_len,
             "consumed_tokens": self.progress.consumed_tokens,
             "steps": c.runtime.steps,
-            "model": {"preset": c.model.preset, "config": self.model_config.as_dict()},
+            "model": {"preset": c.model_name, "config": self.model_config.as_dict()},
             "seed": c.runtime.seed,
             "layout": self.layout.as_dict(),
             "sharding_strategy": c.parallel.fsdp.upper(),
@@ -380,7 +380,7 @@ class Trainer:
         c = self.config
 
         def check(resolved, manifest):
-            checkpoint.check_compatible(resolved, manifest, c.model.preset, self.model_config.as_dict(), c.data.seq_len)
+            checkpoint.check_compatible(resolved, manifest, c.model_name, self.model_config.as_dict(), c.data.seq_len)
 
         sharded, small = self.checkpoint_pieces()
         return checkpoint.CheckpointManager(None).load(path, sharded, small, check)

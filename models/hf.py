@@ -1,0 +1,187 @@
+"""Hugging Face Llama checkpoints in and out: config.json <-> ModelConfig, HF parameter names <-> tessera's.
+
+HF's Llama applies RoPE with `rotate_half` (dimension i pairs with i + D/2), which is tessera's layout, so
+the q and k weights map over unchanged (Meta's original checkpoints interleave pairs; HF's conversion
+script permutes them, and HF checkpoints are what this reads). Supported: LlamaForCausalLM with SiLU MLPs,
+no biases, untied embeddings, head_dim = hidden / heads, and no rope_scaling (Llama 3.1's "llama3"
+scaling is refused by name). Both config.json dialects are read: rope_theta at the top (transformers
+4.x) or in rope_parameters (5.x).. A rank loads only its own slices: parameters are read one at a time from
+the memory-mapped safetensors shards and cut to this rank's shard (no full state dict in any process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .llama import ModelConfig
+
+_LAYER = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+}
+_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+
+
+def hf_to_tessera_name(name: str) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+    if m and m.group(2) in _LAYER:
+        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+    raise ValueError(f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a Llama weight tessera knows)")
+
+
+def tessera_to_hf_name(name: str) -> str:
+    for hf, ours in _TOP.items():
+        if name == ours:
+            return hf
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    inverse = {v: k for k, v in _LAYER.items()}
+    if m and m.group(2) in inverse:
+        return f"model.layers.{m.group(1)}.{inverse[m.group(2)]}.weight"
+    raise ValueError(f"parameter {name!r} has no Hugging Face Llama name")
+
+
+# ----------------------------------------------------------------------------- config.json
+def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json; ValueError naming the file and the field for what
+    tessera's Llama cannot represent."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--init-from-hf {directory}: no config.json in it (a Hugging Face model directory)")
+    try:
+        c = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    arch = c.get("architectures") or [c.get("model_type")]
+    if c.get("model_type") != "llama" or arch[0] not in ("LlamaForCausalLM", "llama"):
+        raise ValueError(f"{path}: architecture {arch[0]!r} (model_type {c.get('model_type')!r}) is not supported; "
+                         f"tessera loads LlamaForCausalLM checkpoints")
+    for field, ok, why in (
+        ("tie_word_embeddings", not c.get("tie_word_embeddings", False), "tied embeddings (tessera's head is untied)"),
+        ("hidden_act", c.get("hidden_act", "silu") == "silu", f"activation {c.get('hidden_act')!r} (tessera's MLP is SwiGLU)"),
+        ("attention_bias", not c.get("attention_bias", False), "biases in attention"),
+        ("mlp_bias", not c.get("mlp_bias", False), "biases in the MLP"),
+        ("rope_scaling", not c.get("rope_scaling"), f"rope_scaling {c.get('rope_scaling')!r} (not implemented)"),
+        ("rope_parameters", (c.get("rope_parameters") or {}).get("rope_type", "default") == "default",
+         f"rope type {(c.get('rope_parameters') or {}).get('rope_type')!r} (only the default RoPE is implemented)"),
+    ):
+        if not ok:
+            raise ValueError(f"{path}: {field}: {why} is not supported")
+    heads = c["num_attention_heads"]
+    if c.get("head_dim") not in (None, c["hidden_size"] // heads):
+        raise ValueError(f"{path}: head_dim {c['head_dim']} differs from hidden_size / num_attention_heads "
+                         f"({c['hidden_size']} / {heads}); not supported")
+    return ModelConfig(
+        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=c.get("num_key_value_heads") or heads, vocab_size=c["vocab_size"], ffn_dim=c["intermediate_size"],
+        norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))),
+        max_seq_len=int(c.get("max_position_embeddings", 8192)),
+    )
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "vocab_size": cfg.vocab_size, "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": cfg.head_dim,
+        "torch_dtype": dtype, "dtype": dtype,
+        # transformers 4.x reads rope_theta, 5.x rope_parameters
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+    }
+
+
+def compare_with_preset(hf: ModelConfig, preset: ModelConfig, preset_name: str) -> None:
+    differ = [f"{k} {getattr(hf, k)} vs {getattr(preset, k)}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+              "vocab_size", "ffn_dim") if getattr(hf, k) != getattr(preset, k)]
+    if differ:
+        raise ValueError(f"--model {preset_name} does not match the Hugging Face config.json ({'; '.join(differ)}); "
+                         f"drop --model: the config is read from config.json")
+
+
+# ----------------------------------------------------------------------------- weights
+def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
+    """HF parameter name -> the safetensors file that holds it (sharded with an index, or one file)."""
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        return {name: d / file for name, file in mapping.items()}
+    single = d / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ValueError(f"{d}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin pickles are "
+                     f"not read: they can run code)")
+
+
+def check_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> None:
+    """Every tessera parameter is in the files with its shape; ValueError naming the file and the tensor."""
+    from safetensors import safe_open
+
+    from .llama import build_model
+
+    files = weight_files(directory)
+    want = {n: tuple(p.shape) for n, p in build_model(cfg, device="meta").named_parameters()}
+    ours = {}
+    for hf_name, file in files.items():
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        ours[hf_to_tessera_name(hf_name)] = (hf_name, file)
+    missing = sorted(set(want) - set(ours))
+    if missing:
+        raise ValueError(f"{directory}: the checkpoint lacks {tessera_to_hf_name(missing[0])} (and {len(missing) - 1} more)")
+    for name, (hf_name, file) in ours.items():
+        with safe_open(str(file), framework="pt") as f:
+            shape = tuple(f.get_slice(hf_name).get_shape())
+        if shape != want.get(name, shape):
+            raise ValueError(f"{file}: {hf_name} has shape {list(shape)}, config.json implies {list(want[name])}")
+
+
+@torch.no_grad()
+def load_hf_weights(part: nn.Module, directory: str | os.PathLike) -> None:
+    """Fill a (parallelized, materialized) model or pipeline stage with the HF checkpoint's weights. Each
+    parameter is read on its own from the memory-mapped files and cut to this rank's shard locally."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    files = weight_files(directory)
+    for name, p in part.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        hf_name = tessera_to_hf_name(name)
+        if hf_name not in files:
+            raise ValueError(f"{directory}: the checkpoint lacks {hf_name}")
+        with safe_open(str(files[hf_name]), framework="pt") as f:
+            full = f.get_tensor(hf_name)
+        if isinstance(p, DTensor):
+            local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full.to(p.dtype))
+
+
+def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, directory: str | os.PathLike) -> None:
+    """Write a Hugging Face Llama directory (config.json, model.safetensors) from a full tessera state dict."""
+    from tessera.parallel.safe_io import write_safetensors
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {tessera_to_hf_name(n): t for n, t in state.items() if not n.endswith(("rotary.cos", "rotary.sin"))}
+    dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    write_safetensors(tensors, d / "model.safetensors", {"format": "pt"})
+    (d / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=1))
