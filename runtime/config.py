@@ -93,6 +93,9 @@ class DataSection:
     seq_len: int = opt(64, "tokens per sequence")
     global_batch: int = opt(8, "sequences per optimizer step, over all data-parallel ranks")
     microbatches: int = opt(1, "split each dp rank's rows into M microbatches (gradient accumulation)")
+    eval_data: str | None = opt(None, "held-out token files for --eval-every (same format as --data)", metavar="PATH")
+    eval_every: int = opt(0, "every N steps, the mean loss on --eval-batches global batches of --eval-data (0: never)")
+    eval_batches: int = opt(1, "global batches of --eval-data per evaluation (the same ones each time)")
     path: str | None = opt(None, "token files (a .bin shard with its .json, or a directory of them) from `tessera "
                                  "tokenize`; default: the text shipped with tessera, byte-tokenized", flag="--data")
 

@@ -22,6 +22,22 @@ def check(config: Config) -> None:
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
     _check_paths(config, model)
+    d = config.data
+    if d.eval_every < 0 or d.eval_batches < 1:
+        raise ValueError(f"--eval-every {d.eval_every} must be >= 0 and --eval-batches {d.eval_batches} >= 1")
+    if d.eval_every and not d.eval_data:
+        raise ValueError(f"--eval-every {d.eval_every} needs --eval-data PATH (held-out token files)")
+    if d.eval_data and not d.eval_every:
+        raise ValueError(f"--eval-data {d.eval_data} is read only with --eval-every N; add it (or drop --eval-data)")
+    if d.eval_every and config.layout.pp > 1:
+        raise ValueError("--eval-every with --pp > 1 is not supported yet (the pipeline runs training steps only); "
+                         "evaluate on a checkpoint with a layout without pp")
+    if d.eval_data:
+        from tessera.models.tokens import TokenFileStream
+
+        held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch)
+        if held_out.vocab_size > model.vocab_size:
+            raise ValueError(f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} exceeds the model's {model.vocab_size}")
     if config.data.path:  # the files open, sizes match their sidecars, the vocabulary fits the model
         from tessera.models.tokens import TokenFileStream
 

@@ -113,6 +113,7 @@ def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: 
         f"step {m['step']:>4}/{config.runtime.steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
         f"eta {_duration(eta)} | {Layout(**m['layout'])}"
+        + (f" | eval loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else "")
         + (f" | {Straggler(**m['straggler']).describe()}" if m.get("straggler") else "")
     )
 
@@ -194,6 +195,8 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
         start, first_step = time.perf_counter(), trainer.step
         while trainer.step < config.runtime.steps:
             m = trainer.train_step().record()
+            if config.data.eval_every and trainer.step % config.data.eval_every == 0:
+                m["eval_loss"] = trainer.evaluate()
             history.append(m)
             if out:  # before the checkpoint: a crash in between repeats the step (and its line is cut), never skips it
                 out.write(json.dumps(m) + "\n")

@@ -55,6 +55,21 @@ class LocalRunner:
         return total
 
 
+def forward_only(model: nn.Module, loss_fn: LossFn, microbatches: Sequence[Microbatch],
+                 positions: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """(summed loss, valid targets) of this rank's microbatches without gradients (evaluation)."""
+    import torch
+
+    total, count = None, None
+    with torch.no_grad():
+        for inputs, targets in microbatches:
+            loss_sum, valid = loss_fn(model(inputs, positions(inputs) if positions is not None else None), targets)
+            total = loss_sum.float() if total is None else total + loss_sum.float()
+            valid = torch.as_tensor(valid, dtype=torch.float32, device=loss_sum.device)
+            count = valid if count is None else count + valid
+    return total, count
+
+
 def split_microbatches(inputs: Tensor, targets: Tensor, count: int) -> list[Microbatch]:
     """Rows cut into `count` equal microbatches (the config checks that they divide)."""
     return list(zip(inputs.chunk(count), targets.chunk(count)))

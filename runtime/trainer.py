@@ -261,6 +261,32 @@ class Trainer:
             inputs, targets = (zigzag_shard(t, 1, self.cp_index, self.layout.cp) for t in (inputs, targets))
         return inputs.to(self.device), targets.to(self.device)
 
+    def evaluate(self) -> float:
+        """The mean loss over --eval-batches global batches of --eval-data, read from their start each time
+        (every rank its own rows; the sums are added over the ranks that read different tokens)."""
+        from tessera.models.tokens import TokenFileStream
+
+        from .runners import forward_only
+
+        d = self.config.data
+        held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch, self.model_config.vocab_size)
+        model = self.parts[0]
+        totals = torch.zeros(2, dtype=torch.float32, device=self.device)
+        was_training = model.training
+        model.eval()
+        try:
+            for _ in range(d.eval_batches):
+                rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
+                inputs, targets = self.local_rows(rows_in, rows_tg)
+                loss_sum, count = forward_only(model, self.loss_fn, [(inputs, targets)], self.runner.positions)
+                totals += torch.stack([loss_sum, count])
+        finally:
+            model.train(was_training)
+        if self.meshes.loss is not None:
+            with collective("all_reduce (eval loss)", "dp_cp", self.meshes.loss.get_group()):
+                dist.all_reduce(totals, group=self.meshes.loss.get_group())
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
     def train_step(self, on_grads: Callable[[list[nn.Module]], None] | None = None) -> StepResult:
         """One optimizer step. `on_grads(parts)` runs after backward, before clipping (tests read grads).
         A collective that runs past --timeout raises CollectiveTimeout naming this rank and the step (and,

@@ -131,3 +131,28 @@ def test_tokenize_refuses_bad_input_with_one_line(tmp_path, tokenizer_file, caps
     assert main(["tokenize", "--tokenizer", str(tokenizer_file), "--separator", "<nope>", "--out", str(tmp_path / "o"),
                  str(tmp_path / "x.jsonl")]) == 2
     assert "--separator '<nope>' is not a token" in capsys.readouterr().err
+
+
+def test_eval_every_reports_the_held_out_loss_equally_on_every_layout(data_dir, tmp_path):
+    from tessera.run import train
+
+    common = dict(data=str(data_dir), eval_data=str(data_dir), eval_every=2, eval_batches=2, vocab_size=120,
+                  seq_len=16, global_batch=4, steps=4)
+    one = train(small_config(**common))
+    spread = train(small_config(**common, dp=2, tp=2))
+    assert [("eval_loss" in r) for r in one] == [False, True, False, True]
+    for a, b in zip(one, spread):
+        if "eval_loss" in a:
+            assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * a["eval_loss"]
+    assert one[3]["eval_loss"] < one[1]["eval_loss"]  # the same held-out batches, after two more steps
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(eval_every=2), "--eval-every 2 needs --eval-data PATH"),
+    (dict(eval_data="x"), "--eval-data x is read only with --eval-every N"),
+    (dict(eval_every=2, eval_data="x", pp=2, n_layers=2, microbatches=2), "--eval-every with --pp > 1 is not supported yet"),
+    (dict(eval_every=-1), "--eval-every -1 must be >= 0"),
+])
+def test_eval_flags_that_would_do_nothing_or_cannot_run_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        small_config(**overrides).check()
