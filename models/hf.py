@@ -5,8 +5,9 @@ the q and k weights map over unchanged (Meta's original checkpoints interleave p
 script permutes them, and HF checkpoints are what this reads). Supported: LlamaForCausalLM with SiLU MLPs,
 no biases, untied embeddings, head_dim = hidden / heads, and no rope_scaling (Llama 3.1's "llama3"
 scaling is refused by name). Both config.json dialects are read: rope_theta at the top (transformers
-4.x) or in rope_parameters (5.x).. A rank loads only its own slices: parameters are read one at a time from
-the memory-mapped safetensors shards and cut to this rank's shard (no full state dict in any process).
+4.x) or in rope_parameters (5.x). A rank reads only its own block of each parameter from the memory-mapped
+safetensors files (a parameter sharded in strides, FSDP over tp, is read whole, one at a time); no
+process ever holds the full state dict.
 """
 
 from __future__ import annotations
@@ -155,10 +156,12 @@ def check_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def load_hf_weights(part: nn.Module, directory: str | os.PathLike) -> None:
-    """Fill a (parallelized, materialized) model or pipeline stage with the HF checkpoint's weights. Each
-    parameter is read on its own from the memory-mapped files and cut to this rank's shard locally."""
+    """Fill a (parallelized, materialized) model or pipeline stage with the HF checkpoint's weights. A
+    parameter sharded in blocks (tp, or FSDP alone) is read as just this rank's block of the memory-mapped
+    file; one sharded in strides (FSDP over tp) is read whole, one parameter at a time, and cut locally."""
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     files = weight_files(directory)
     for name, p in part.named_parameters():
@@ -167,7 +170,13 @@ def load_hf_weights(part: nn.Module, directory: str | os.PathLike) -> None:
         if hf_name not in files:
             raise ValueError(f"{directory}: the checkpoint lacks {hf_name}")
         with safe_open(str(files[hf_name]), framework="pt") as f:
-            full = f.get_tensor(hf_name)
+            if isinstance(p, DTensor) and all(type(pl) in (Shard, Replicate) for pl in p.placements):
+                # a block of the global tensor: read just that block from the memory-mapped file
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                block = f.get_slice(hf_name)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                p.to_local().copy_(block.to(p.dtype))
+                continue
+            full = f.get_tensor(hf_name)  # strided shards (FSDP over tp): the whole parameter, then this rank's part
         if isinstance(p, DTensor):
             local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)
