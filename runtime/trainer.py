@@ -146,6 +146,7 @@ class StepResult:
     skipped: bool = False  # the update was dropped (a non-finite value, --on-nonfinite skip)
     skipped_steps: int = 0  # such steps so far in the run
     straggler: Straggler | None = None  # a rank the others have waited for, several steps in a row
+    tokens_checksum: int | None = None  # of the global batch's tokens (token files only)
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -161,6 +162,7 @@ class StepResult:
             "layout": self.layout,
             "skipped": self.skipped,
             "skipped_steps": self.skipped_steps,
+            **({"tokens_checksum": self.tokens_checksum} if self.tokens_checksum is not None else {}),
             "straggler": None if self.straggler is None else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s,
                                                               "steps": self.straggler.steps},
         }
@@ -307,12 +309,27 @@ class Trainer:
                 f"rank {self.rank} stalled at training step {step} in {where}: a peer never joined; "
                 f"look for a rank that raised, exited or froze. Underlying error: {e}") from e
 
+    def _tokens_checksum(self, inputs: Tensor, targets: Tensor) -> int:
+        """A checksum of the step's whole global batch from each dp rank's rows (ids weighted by their
+        global row and position), added over the dp ranks: equal runs read equal tokens on any layout."""
+        rows, seq = inputs.shape
+        first = self.meshes.batch_index * rows
+        tokens = torch.cat([inputs, targets[:, -1:]], dim=1).long()
+        weights = (torch.arange(first, first + rows).view(-1, 1) + 1) * (torch.arange(seq + 1).view(1, -1) + 1)
+        local = torch.tensor([int((tokens * weights).sum())], dtype=torch.int64, device=self.device)
+        if self.meshes.loss is not None:  # dp x cp ranks; the cp ranks of one dp rank hold the same rows
+            with collective("all_reduce (tokens checksum)", "dp_cp", self.meshes.loss.get_group()):
+                dist.all_reduce(local, group=self.meshes.loss.get_group())
+        return int(local.item()) // self.layout.cp
+
     def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         started = time.perf_counter()
         if hasattr(self.data, "next_local_batch"):  # token files: a rank reads only its rows
             rows_in, rows_tg, valid = self.data.next_local_batch(self.meshes.batch_index, self.layout.dp)
+            tokens_checksum = self._tokens_checksum(rows_in, rows_tg)
             local_inputs, local_targets = self.local_rows(rows_in, rows_tg)
         else:
+            tokens_checksum = None
             inputs, targets = self.data.next_global_batch()
             valid = count_valid(targets)  # over the whole global batch: the denominator on every rank
             local_inputs, local_targets = self.local_batch(inputs, targets)
@@ -348,7 +365,7 @@ class Trainer:
         self.progress.consumed_tokens += global_tokens
         return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, global_tokens, started,
                           self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps,
-                          straggler=straggler)
+                          straggler=straggler, tokens_checksum=tokens_checksum)
 
     def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
         """Which parameters hold a NaN or inf gradient, on which rank and shard (collective)."""

@@ -62,22 +62,29 @@ def test_a_dp_rank_reads_only_its_rows_and_they_tile_the_global_batch(data_dir):
             assert parts[0][2] == 4 * 16
 
 
-def _losses(config):
+def _losses(config, checksums=None):
     from tessera.run import train
 
-    return [(r["loss"], r["grad_norm"]) for r in train(config)]
+    history = train(config)
+    if checksums is not None:
+        checksums.extend(r["tokens_checksum"] for r in history)
+    return [(r["loss"], r["grad_norm"]) for r in history]
 
 
 def test_token_files_train_equally_on_dp2xtp2_and_one_process_and_resume_on_another_layout(data_dir, tmp_path):
     common = dict(data=str(data_dir), vocab_size=120, seq_len=16, global_batch=4, steps=6)
-    one = _losses(small_config(**common))
-    spread = _losses(small_config(**common, dp=2, tp=2))
+    sums_one, sums_spread, sums_resumed, sums_cp = [], [], [], []
+    one = _losses(small_config(**common), sums_one)
+    spread = _losses(small_config(**common, dp=2, tp=2), sums_spread)
+    _losses(small_config(**common, dp=2, cp=2), sums_cp)
+    assert sums_one == sums_spread == sums_cp and len(set(sums_one)) == 6  # the same tokens, a new batch each step
     for (l1, g1), (l2, g2) in zip(one, spread):
         assert abs(l1 - l2) <= 1e-5 * l1 and abs(g1 - g2) <= 1e-5 * g1
     # saved at step 3 on tp2, resumed from there on dp2: the data cursor carries over, the steps match the straight run
     ckpt = tmp_path / "ckpt"
     _losses(small_config(**common, tp=2, checkpoint_dir=str(ckpt), checkpoint_every=3))
-    resumed = _losses(small_config(**common, dp=2, resume=str(ckpt / "step_00000003")))
+    resumed = _losses(small_config(**common, dp=2, resume=str(ckpt / "step_00000003")), sums_resumed)
+    assert sums_resumed == sums_one[3:]  # token checksums per step: the resumed run reads what the straight one did
     assert len(resumed) == 3
     for (l1, g1), (l2, g2) in zip(one[3:], resumed):
         assert abs(l1 - l2) <= 1e-5 * l1 and abs(g1 - g2) <= 1e-5 * g1
