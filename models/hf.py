@@ -3,8 +3,8 @@
 HF's Llama applies RoPE with `rotate_half` (dimension i pairs with i + D/2), which is tessera's layout, so
 the q and k weights map over unchanged (Meta's original checkpoints interleave pairs; HF's conversion
 script permutes them, and HF checkpoints are what this reads). Supported: LlamaForCausalLM with SiLU MLPs,
-no biases, untied embeddings, head_dim = hidden / heads, and no rope_scaling (Llama 3.1's "llama3"
-scaling is refused by name). Both config.json dialects are read: rope_theta at the top (transformers
+no biases, untied embeddings, head_dim = hidden / heads, plain RoPE or Llama 3.1's "llama3" scaling
+(other RoPE types are refused by name). Both config.json dialects are read: rope_theta at the top (transformers
 4.x) or in rope_parameters (5.x). A rank reads only its own block of each parameter from the memory-mapped
 safetensors files (a parameter sharded in strides, FSDP over tp, is read whole, one at a time); no
 process ever holds the full state dict.
@@ -62,6 +62,10 @@ def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
         c = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
+    # RoPE: transformers 5.x writes rope_parameters, 4.x rope_scaling; the first that is not plain decides
+    candidates = [r for r in (c.get("rope_parameters"), c.get("rope_scaling")) if isinstance(r, dict)]
+    kinds = [r.get("rope_type", r.get("type", "default")) for r in candidates]
+    rope, rope_kind = next(((r, k) for r, k in zip(candidates, kinds) if k != "default"), ({}, "default"))
     arch = c.get("architectures") or [c.get("model_type")]
     if c.get("model_type") != "llama" or arch[0] not in ("LlamaForCausalLM", "llama"):
         raise ValueError(f"{path}: architecture {arch[0]!r} (model_type {c.get('model_type')!r}) is not supported; "
@@ -71,9 +75,7 @@ def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
         ("hidden_act", c.get("hidden_act", "silu") == "silu", f"activation {c.get('hidden_act')!r} (tessera's MLP is SwiGLU)"),
         ("attention_bias", not c.get("attention_bias", False), "biases in attention"),
         ("mlp_bias", not c.get("mlp_bias", False), "biases in the MLP"),
-        ("rope_scaling", not c.get("rope_scaling"), f"rope_scaling {c.get('rope_scaling')!r} (not implemented)"),
-        ("rope_parameters", (c.get("rope_parameters") or {}).get("rope_type", "default") == "default",
-         f"rope type {(c.get('rope_parameters') or {}).get('rope_type')!r} (only the default RoPE is implemented)"),
+        ("rope_scaling", rope_kind in ("default", "llama3"), f"rope type {rope_kind!r} (default and llama3 are implemented)"),
     ):
         if not ok:
             raise ValueError(f"{path}: {field}: {why} is not supported")
@@ -86,6 +88,8 @@ def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
         n_kv_heads=c.get("num_key_value_heads") or heads, vocab_size=c["vocab_size"], ffn_dim=c["intermediate_size"],
         norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))),
         max_seq_len=int(c.get("max_position_embeddings", 8192)),
+        rope_scaling=None if rope_kind == "default" else {k: rope[k] for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
     )
 
 
@@ -98,7 +102,9 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": cfg.head_dim,
         "torch_dtype": dtype, "dtype": dtype,
         # transformers 4.x reads rope_theta, 5.x rope_parameters
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "llama3" if cfg.rope_scaling else "default",
+                            **dict(cfg.rope_scaling or ())},
+        "rope_scaling": {"rope_type": "llama3", **dict(cfg.rope_scaling)} if cfg.rope_scaling else None,
     }
 
 

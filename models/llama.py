@@ -35,12 +35,22 @@ class ModelConfig:
     rope_theta: float = 500000.0
     max_seq_len: int = 8192
     init_std: float = 0.02
+    # Llama 3.1's "llama3" RoPE scaling: (("factor", f), ("high_freq_factor", h), ("low_freq_factor", l),
+    # ("original_max_position_embeddings", n)); None for plain RoPE. A dict is accepted and stored sorted.
+    rope_scaling: tuple | None = None
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted((k, float(v)) for k, v in self.rope_scaling.items())))
+        if self.rope_scaling is not None:
+            keys = {k for k, _ in self.rope_scaling}
+            need = {"factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings"}
+            if keys != need:
+                raise ValueError(f"rope_scaling needs exactly {sorted(need)}, got {sorted(keys)}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -57,7 +67,12 @@ class ModelConfig:
         return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.rope_scaling is None:  # plain RoPE: the dict checkpoints have always held
+            del out["rope_scaling"]
+        else:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        return out
 
 
 BYTE_VOCAB = 258  # 256 byte values + BOS + EOS (the byte-level tokenizer of models.data)
@@ -91,12 +106,25 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def llama3_scaled(inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_position_embeddings: float) -> Tensor:
+    """Llama 3.1's RoPE frequencies: wavelengths longer than the original context / low_freq_factor are
+    divided by `factor`, shorter than context / high_freq_factor kept, and the band between interpolated."""
+    context = original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    between = (wavelen >= context / high_freq_factor) & (wavelen <= context / low_freq_factor)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
 class Rotary(nn.Module):
     """RoPE tables; looked up by absolute position so sharded sequences rotate at their true positions."""
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: tuple | None = None):
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.scaling = dict(scaling) if scaling else None
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_tables()
@@ -104,6 +132,8 @@ class Rotary(nn.Module):
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         device = device or (self.cos.device if self.cos.device.type != "meta" else "cpu")
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim))
+        if self.scaling:
+            inv_freq = llama3_scaled(inv_freq, **self.scaling)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=device), inv_freq)
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
 
@@ -180,7 +210,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

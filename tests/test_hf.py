@@ -71,6 +71,34 @@ def test_a_transformers_llama_loads_on_one_process_tp2_and_dp2xtp2_with_its_logi
         assert err <= 1e-5 * max(1.0, want.abs().max().item()), (world, err)
 
 
+def test_llama3_rope_scaling_loads_with_transformers_logits_and_exports_back(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tessera.models.hf import hf_config_dict, read_hf_config
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}  # short: the 24-token input reaches the scaled band
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      rope_parameters=rope)
+    model = LlamaForCausalLM(cfg).float().eval()
+    model.save_pretrained(tmp_path / "l3", safe_serialization=True)
+    ours = read_hf_config(tmp_path / "l3")
+    assert dict(ours.rope_scaling)["factor"] == 8.0 and hf_config_dict(ours)["rope_parameters"]["rope_type"] == "llama3"
+    want = model(TOKENS).logits.detach()
+    got = run_ranks(_tessera_logits, 1, tmp_path / "l3", True, timeout=120)[0]
+    assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    # the scaling matters at these positions: the same weights with plain RoPE give other logits
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "model.safetensors").write_bytes((tmp_path / "l3" / "model.safetensors").read_bytes())
+    config = json.loads((tmp_path / "l3" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 50000.0}
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
+    plain = run_ranks(_tessera_logits, 1, tmp_path / "plain", True, timeout=120)[0]
+    assert (plain - want).abs().max().item() > 1e-3
+
+
 def test_train_from_hf_then_export_to_hf_loads_back_into_transformers(hf_dir, tmp_path):
     from transformers import LlamaForCausalLM
 
@@ -109,7 +137,7 @@ def test_bad_hugging_face_input_is_one_clear_line(hf_dir, tmp_path):
     # tied embeddings and rope scaling, refused by name
     cfg = json.loads((hf_dir / "config.json").read_text())
     for field, value, message in (("tie_word_embeddings", True, "tied embeddings"),
-                                  ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_scaling")):
+                                  ("rope_scaling", {"rope_type": "yarn", "factor": 8.0}, "rope type 'yarn'")):
         d = tmp_path / field
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**cfg, field: value}))
