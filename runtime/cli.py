@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--json", action="store_true", help="print bytes as JSON instead of the table")
     mem.set_defaults(func=_memory)
 
-    exp = sub.add_parser("export", help="write a checkpoint's model as one full safetensors file (no ranks needed)")
+    exp = sub.add_parser("export", help="a checkpoint's model as one full safetensors file, or a Hugging Face directory (no ranks needed)")
     exp.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir with a latest pointer")
     exp.add_argument("--out", default=None, help="the .safetensors file to write (tessera's names)")
     exp.add_argument("--to-hf", default=None, metavar="DIR", help="write a Hugging Face Llama directory (config.json, model.safetensors) instead")
