@@ -63,6 +63,36 @@ def test_under_torchrun_it_joins_the_job_and_matches_the_spawned_run(tmp_path):
     assert bad.returncode != 0 and len(errors) == 1 and "ValueError" not in bad.stderr, bad.stderr[-2000:]
 
 
+def test_two_simulated_nodes_join_one_job_through_c10d_rendezvous(tmp_path):
+    """Multi-node as far as one machine allows: two torchrun agents (2 processes each) meet at a c10d
+    rendezvous on localhost, as two nodes would at --rdzv-endpoint HOST:PORT; the 4-rank dp2 x tp2 job
+    trains exactly as the local launcher's."""
+    import socket
+    import uuid
+
+    common = ["train", "--dp", "2", "--tp", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "4", "--quiet"]
+    local = tmp_path / "local.jsonl"
+    assert _tessera(*common, "--metrics", str(local)).returncode == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    run_id = uuid.uuid4().hex[:8]
+    nodes = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc_per_node", "2", "--node-rank", str(n),
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                               "-m", "tessera", *common, "--metrics", str(tmp_path / f"node{n}.jsonl")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    try:
+        outs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-1500:] for _, err in outs]
+    written = [p for p in (tmp_path / "node0.jsonl", tmp_path / "node1.jsonl") if p.exists()]
+    assert len(written) == 1  # global rank 0 writes the metrics, on whichever node the rendezvous made first
+    assert [r["loss"] for r in _records(written[0])[1]] == [r["loss"] for r in _records(local)[1]]
+
+
 def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path):
     runs = {}
     for precision in ("fp32", "bf16"):
