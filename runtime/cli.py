@@ -25,16 +25,35 @@ def _memory(args: argparse.Namespace) -> int:
             from tessera.models import get_preset
 
             args.params = float(get_preset(args.model).num_params())
+        for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp), ("--dp-replicate", args.dp_replicate)):
+            if value < 1:
+                raise ValueError(f"{flag} {value} must be at least 1")
+        if args.dp % args.dp_replicate:
+            raise ValueError(f"--dp-replicate {args.dp_replicate} must divide --dp {args.dp} (dp = dp_replicate x dp_shard)")
+        # tp and pp split the model (evenly, in this analytic view; --dry-run counts exactly); FSDP / ZeRO
+        # shards what a rank holds over dp_shard x cp; dp_replicate holds copies
+        split = args.tp * args.pp
+        shard_group = args.dp // args.dp_replicate * args.cp
+        per_rank_params = args.params / split
         if args.json:
             rows = {
-                f"zero{s}": memory.model_state_bytes(args.params, dp=args.dp, zero_stage=s, recipe=args.recipe)
+                f"zero{s}": memory.model_state_bytes(per_rank_params, dp=shard_group, zero_stage=s, recipe=args.recipe)
                 for s in range(4)
             }
+            rows["layout"] = {"pp": args.pp, "dp_replicate": args.dp_replicate, "dp_shard": args.dp // args.dp_replicate,
+                              "cp": args.cp, "tp": args.tp, "params_per_model_shard": per_rank_params, "shard_group": shard_group}
             if args.gpu_memory is not None:
                 rows["min_gpus"] = memory.min_gpus(args.params, args.gpu_memory, args.recipe)
             print(json.dumps(rows))
         else:
-            print(memory.memory_table(args.params, args.dp, args.recipe, args.gpu_memory))
+            if split > 1 or shard_group != args.dp:
+                print(f"layout pp{args.pp} x dp_replicate{args.dp_replicate} x dp_shard{args.dp // args.dp_replicate} x "
+                      f"cp{args.cp} x tp{args.tp}: tp x pp split the model {split} ways ({per_rank_params / 1e9:g}B "
+                      f"parameters each, evenly: --dry-run counts exactly); ZeRO shards over dp_shard x cp = {shard_group} ranks")
+            table = memory.memory_table(per_rank_params, shard_group, args.recipe, None)
+            print(table)
+            if args.gpu_memory is not None:
+                print(memory.memory_table(args.params, 1, args.recipe, args.gpu_memory).splitlines()[-1])
         if args.dry_run:
             _memory_dry_run(args)
     except ValueError as e:
@@ -49,7 +68,7 @@ def _memory_dry_run(args: argparse.Namespace) -> None:
 
     if args.model is None:
         raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device)")
-    layout = Layout(pp=args.pp, dp_shard=args.dp, tp=args.tp)
+    layout = Layout(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp // args.dp_replicate, cp=args.cp, tp=args.tp)
     if args.pp > 1:
         from tessera.models import get_preset
 
@@ -170,8 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="per-rank model-state memory under ZeRO stages 0-3")
     mem.add_argument("--params", type=_float, default=None, help="parameter count, e.g. 70e9")
     mem.add_argument("--model", default=None, help="a model preset (its parameter count, and --dry-run)")
-    mem.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for --dry-run")
-    mem.add_argument("--pp", type=int, default=1, help="pipeline stages for --dry-run (per-stage figures)")
+    mem.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (splits the model)")
+    mem.add_argument("--pp", type=int, default=1, help="pipeline stages (split the model; --dry-run: per-stage figures)")
+    mem.add_argument("--cp", type=int, default=1, help="context-parallel degree (FSDP shards over dp_shard x cp)")
+    mem.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas: --dp = dp_replicate x dp_shard")
     mem.add_argument("--dry-run", action="store_true",
                      help="also build the preset on the fake backend and count the shards each rank holds")
     mem.add_argument("--dp", type=int, default=1, help="data-parallel ranks sharing the model states")

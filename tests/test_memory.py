@@ -79,3 +79,29 @@ def test_dry_run_70b_on_256_fake_ranks_matches_the_reference():
     assert round(measured["total"] * 70e9 / n / GB, 2) == 4.38
     no_shard = dry_run_model_states("70b", Layout(dp_shard=256), strategy="NO_SHARD")
     assert no_shard["total"] == pytest.approx(16 * n)
+
+
+def test_the_memory_command_honours_every_axis_it_is_given():
+    """tp and pp split the model, FSDP shards over dp_shard x cp, dp_replicate holds copies: no flag is
+    silently ignored (tp used to be, without --dry-run)."""
+    import json as _json
+
+    from tessera.models import get_preset
+    from tessera.topology.memory import model_state_bytes
+
+    def zero3(*flags):
+        out = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--model", "70b", "--json", *flags],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return _json.loads(out.stdout)["zero3"]["total"]
+
+    params = get_preset("70b").num_params()
+    assert zero3("--dp", "4", "--tp", "8") == model_state_bytes(params / 8, dp=4, zero_stage=3)["total"]
+    assert zero3("--dp", "4", "--tp", "8") < zero3("--dp", "4")
+    assert zero3("--dp", "4", "--cp", "2") == model_state_bytes(params, dp=8, zero_stage=3)["total"]
+    assert zero3("--dp", "8", "--dp-replicate", "2") == zero3("--dp", "4")  # HSDP shards over dp_shard only
+    assert zero3("--dp", "4", "--pp", "2") == model_state_bytes(params / 2, dp=4, zero_stage=3)["total"]
+    bad = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--model", "70b", "--dp", "4", "--dp-replicate", "3"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "tessera memory: error: --dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard)")
