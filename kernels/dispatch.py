@@ -57,6 +57,12 @@ def _check_backend(backend: str | None) -> None:
         raise ValueError(f"backend={backend!r}; use 'torch' or 'triton'")
 
 
+def _effective_backend(backend: str | None) -> str | None:
+    """The backend a call asked for (checked), else the process default (None: pick by device)."""
+    _check_backend(backend)
+    return backend or _default_backend
+
+
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -76,8 +82,7 @@ def flash_attention(
     Returns out (q's dtype), and with return_lse the log-sum-exp (B, Hq, Sq), fp32 (fp64 for fp64 inputs),
     natural log. Differentiable in q, k, v through out and lse."""
     check_attention_inputs(q, k, v)
-    _check_backend(backend)
-    backend = backend or _default_backend
+    backend = _effective_backend(backend)
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention
 
@@ -109,8 +114,7 @@ def flash_attention_backward(
     softmax the block is part of (ring attention's backward). CUDA: the Triton backward kernels; CPU:
     the blockwise torch reference."""
     check_attention_inputs(q, k, v)
-    _check_backend(backend)
-    backend = backend or _default_backend
+    backend = _effective_backend(backend)
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention
@@ -130,8 +134,7 @@ def flash_attention_backward(
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, backend: str | None = None) -> Tensor:
     """RMSNorm over the last dim, differentiable in x and weight."""
     check_rms_norm_inputs(x, weight)
-    _check_backend(backend)
-    backend = backend or _default_backend
+    backend = _effective_backend(backend)
     if backend == "triton" or (backend is None and x.is_cuda):
         from . import triton_rmsnorm
 

@@ -12,6 +12,7 @@ process ever holds the full state dict.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -117,6 +118,13 @@ def compare_with_preset(hf: ModelConfig, preset: ModelConfig, preset_name: str) 
 
 
 # ----------------------------------------------------------------------------- weights
+def _open_each(files: dict[str, Path], stack: contextlib.ExitStack) -> dict[Path, Any]:
+    """One memory-mapped safe_open handle per shard file (not one per tensor), closed with `stack`."""
+    from safetensors import safe_open
+
+    return {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(files.values())}
+
+
 def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
     """HF parameter name -> the safetensors file that holds it (sharded with an index, or one file)."""
     d = Path(directory)
@@ -139,8 +147,6 @@ def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
 
 def check_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> None:
     """Every tessera parameter is in the files with its shape; ValueError naming the file and the tensor."""
-    from safetensors import safe_open
-
     from .llama import build_model
 
     files = weight_files(directory)
@@ -153,11 +159,12 @@ def check_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> None:
     missing = sorted(set(want) - set(ours))
     if missing:
         raise ValueError(f"{directory}: the checkpoint lacks {tessera_to_hf_name(missing[0])} (and {len(missing) - 1} more)")
-    for name, (hf_name, file) in ours.items():
-        with safe_open(str(file), framework="pt") as f:
-            shape = tuple(f.get_slice(hf_name).get_shape())
-        if shape != want.get(name, shape):
-            raise ValueError(f"{file}: {hf_name} has shape {list(shape)}, config.json implies {list(want[name])}")
+    with contextlib.ExitStack() as stack:
+        handles = _open_each(files, stack)
+        for name, (hf_name, file) in ours.items():
+            shape = tuple(handles[file].get_slice(hf_name).get_shape())
+            if shape != want.get(name, shape):
+                raise ValueError(f"{file}: {hf_name} has shape {list(shape)}, config.json implies {list(want[name])}")
 
 
 @torch.no_grad()
@@ -165,29 +172,28 @@ def load_hf_weights(part: nn.Module, directory: str | os.PathLike) -> None:
     """Fill a (parallelized, materialized) model or pipeline stage with the HF checkpoint's weights. A
     parameter sharded in blocks (tp, or FSDP alone) is read as just this rank's block of the memory-mapped
     file; one sharded in strides (FSDP over tp) is read whole, one parameter at a time, and cut locally."""
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     files = weight_files(directory)
-    for name, p in part.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")
-        hf_name = tessera_to_hf_name(name)
-        if hf_name not in files:
-            raise ValueError(f"{directory}: the checkpoint lacks {hf_name}")
-        with safe_open(str(files[hf_name]), framework="pt") as f:
+    with contextlib.ExitStack() as stack:
+        handles = _open_each(files, stack)
+        for name, p in part.named_parameters():
+            name = name.replace("_checkpoint_wrapped_module.", "")
+            hf_name = tessera_to_hf_name(name)
+            if hf_name not in files:
+                raise ValueError(f"{directory}: the checkpoint lacks {hf_name}")
+            f = handles[files[hf_name]]
             if isinstance(p, DTensor) and all(type(pl) in (Shard, Replicate) for pl in p.placements):
                 # a block of the global tensor: read just that block from the memory-mapped file
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 block = f.get_slice(hf_name)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
                 p.to_local().copy_(block.to(p.dtype))
-                continue
-            full = f.get_tensor(hf_name)  # strided shards (FSDP over tp): the whole parameter, then this rank's part
-        if isinstance(p, DTensor):
-            local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
-            p.to_local().copy_(local)
-        else:
-            p.copy_(full.to(p.dtype))
+            elif isinstance(p, DTensor):  # strided shards (FSDP over tp): the whole parameter, then this rank's part
+                full = f.get_tensor(hf_name).to(p.dtype)
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+            else:
+                p.copy_(f.get_tensor(hf_name).to(p.dtype))
 
 
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, directory: str | os.PathLike) -> None:

@@ -50,7 +50,7 @@ def write_shard(path: str | Path, ids: Iterable[int] | np.ndarray, vocab_size: i
     if array.size and (array.min() < 0 or array.max() >= vocab_size):
         bad = int(array[(array < 0) | (array >= vocab_size)][0])
         raise ValueError(f"{path}: token id {bad} is outside the vocabulary of {vocab_size}")
-    array.astype(DTYPES[dtype]).astype(f"<{np.dtype(DTYPES[dtype]).str[1:]}").tofile(path)
+    array.astype(np.dtype(DTYPES[dtype]).newbyteorder("<")).tofile(path)  # little-endian on any host
     meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": int(vocab_size),
             "separator": int(separator), "tokens": int(array.size)}
     path.with_suffix(".json").write_text(json.dumps(meta, indent=1))

@@ -188,8 +188,6 @@ def check_fsdp_resharded(model: nn.Module, layout: str = "") -> None:
     """After a step, every FSDP2 unit that reshards holds only its shard: each parameter registered on
     the module is the sharded DTensor, not the gathered one (a unit never resharded keeps the whole
     parameter on every rank: the memory FSDP exists to save)."""
-    from torch.distributed.fsdp import FSDPModule  # noqa: F401
-
     units = _fsdp_modules(model)
     if not units:
         raise ValueError("check_fsdp_resharded: the model has no FSDP2 units (fully_shard was not applied)")

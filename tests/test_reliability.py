@@ -277,26 +277,52 @@ def _rank_pids(marker: str, launcher: int) -> list[int]:
     return out
 
 
+def _train_reference(tmp_path, common):
+    """The uninterrupted run of the CLI flags `common`: checkpoints in reference/, metrics in reference.jsonl."""
+    import argparse
+
+    from tessera.config import add_arguments, config_from_args
+    from tessera.run import train
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    train(config_from_args(parser.parse_args([*common, "--checkpoint-dir", str(tmp_path / "reference"),
+                                              "--metrics", str(tmp_path / "reference.jsonl")])))
+
+
+def _wait_for_step(metrics, step: int, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        if steps and max(steps) >= step:
+            return
+        time.sleep(0.02)
+
+
+def _assert_matches_reference(tmp_path, metrics, total_steps: int) -> list[dict]:
+    """Every step once, the reference's losses bitwise, and the final weights of run/ bitwise those of
+    reference/; returns the run's metric records."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if r.get("type") != "header"]
+    assert [r["step"] for r in steps] == list(range(1, total_steps + 1))  # none repeated, none missing
+    reference = [json.loads(line) for line in (tmp_path / "reference.jsonl").read_text().splitlines()][1:]
+    assert [r["loss"] for r in steps] == [r["loss"] for r in reference]  # bitwise
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    checkpoint.export_checkpoint(tmp_path / "reference", a)
+    checkpoint.export_checkpoint(tmp_path / "run", b)
+    ref_weights, run_weights = checkpoint.read_safetensors(a), checkpoint.read_safetensors(b)
+    assert all(torch.equal(ref_weights[n], run_weights[n]) for n in ref_weights)
+    return records
+
+
 @pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], ["--pp", "2", "--n-layers", "4", "--microbatches", "2"]],
                          ids=["dp2xtp2", "pp2"])
 def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_path, layout):
     import signal
     import uuid
 
-    from tessera.config import Config, add_arguments, config_from_args
-    from tessera.run import train
-
     common = ["--steps", "30", "--seq-len", "32", "--global-batch", "4", "--checkpoint-every", "5", "--quiet", *layout]
-    # the uninterrupted run
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    reference_dir = tmp_path / "reference"
-    config = config_from_args(parser.parse_args([*common, "--checkpoint-dir", str(reference_dir),
-                                                 "--metrics", str(tmp_path / "reference.jsonl")]))
-    assert isinstance(config, Config)
-    train(config)
+    _train_reference(tmp_path, common)
     # the same run, with one rank killed (SIGKILL) mid-run
     marker = uuid.uuid4().hex
     metrics = tmp_path / "run.jsonl"
@@ -304,12 +330,7 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_p
                              "--metrics", str(metrics), "--max-restarts", "1"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, TESSERA_TEST_RUN=marker))
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-            if steps and max(steps) >= 7:
-                break
-            time.sleep(0.02)
+        _wait_for_step(metrics, 7)
         victim = _rank_pids(f"TESSERA_TEST_RUN={marker}", proc.pid)[-1]
         os.kill(victim, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=240)
@@ -317,16 +338,7 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_p
         proc.kill()
     assert proc.returncode == 0, stderr
     assert "restarting every rank from the latest checkpoint" in stderr and "(restart 1 of 1)" in stderr
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steps = [r for r in records if r.get("type") != "header"]
-    assert [r["step"] for r in steps] == list(range(1, 31))  # every step once: none repeated, none missing
-    reference = [json.loads(line) for line in (tmp_path / "reference.jsonl").read_text().splitlines()][1:]
-    assert [r["loss"] for r in steps] == [r["loss"] for r in reference]  # bitwise
-    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    checkpoint.export_checkpoint(reference_dir, a)
-    checkpoint.export_checkpoint(tmp_path / "run", b)
-    ref_weights, run_weights = checkpoint.read_safetensors(a), checkpoint.read_safetensors(b)
-    assert all(torch.equal(ref_weights[n], run_weights[n]) for n in ref_weights)
+    _assert_matches_reference(tmp_path, metrics, 30)
 
 
 class _Crash(BaseException):
@@ -448,18 +460,9 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
     import signal
     import uuid
 
-    from tessera.run import train
-
     common = ["--steps", "20", "--seq-len", "32", "--global-batch", "4", "--checkpoint-every", "4", "--quiet",
               "--dp", "2", "--tp", "2"]
-    import argparse
-
-    from tessera.config import add_arguments, config_from_args
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    train(config_from_args(parser.parse_args([*common, "--checkpoint-dir", str(tmp_path / "reference"),
-                                              "--metrics", str(tmp_path / "reference.jsonl")])))
+    _train_reference(tmp_path, common)
     marker = uuid.uuid4().hex
     metrics = tmp_path / "run.jsonl"
     torchrun = shutil.which("torchrun", path=str(os.path.dirname(sys.executable))) or "torchrun"
@@ -468,12 +471,7 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, TESSERA_TEST_RUN=marker, OMP_NUM_THREADS="1"))
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-            if steps and max(steps) >= 6:
-                break
-            time.sleep(0.02)
+        _wait_for_step(metrics, 6)
         workers = [pid for pid in _processes_with(f"TESSERA_TEST_RUN={marker}") if pid != proc.pid
                    and int(open(f"/proc/{pid}/status").read().split("PPid:")[1].split()[0]) == proc.pid]
         assert len(workers) == 4, workers
@@ -482,14 +480,5 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = _assert_matches_reference(tmp_path, metrics, 20)
     assert [r["restart"] for r in records if r.get("type") == "header"] == [0, 1]
-    steps = [r for r in records if r.get("type") != "header"]
-    assert [r["step"] for r in steps] == list(range(1, 21))  # every step once after the restart
-    reference = [json.loads(line) for line in (tmp_path / "reference.jsonl").read_text().splitlines()][1:]
-    assert [r["loss"] for r in steps] == [r["loss"] for r in reference]  # bitwise
-    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    checkpoint.export_checkpoint(tmp_path / "reference", a)
-    checkpoint.export_checkpoint(tmp_path / "run", b)
-    ref_weights, run_weights = checkpoint.read_safetensors(a), checkpoint.read_safetensors(b)
-    assert all(torch.equal(ref_weights[n], run_weights[n]) for n in ref_weights)
