@@ -1,4 +1,4 @@
-"""The `tessera` command: train, memory, export, convert, tokenize (and --version)."""
+"""The `tessera` command: train, memory, plan, bench, export, convert, tokenize (and --version)."""
 
 from __future__ import annotations
 
@@ -221,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default: 100,000,000)")
     tok.add_argument("--quiet", action="store_true", help="no progress bar")
     tok.set_defaults(func=_tokenize)
+
+    from .plan_command import add_plan_parser
+
+    add_plan_parser(sub)
 
     from .config import add_arguments
 

@@ -1,0 +1,122 @@
+"""`tessera plan`: ranked layouts for a model on N GPUs, with the per-rank memory breakdown (topology/planner.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tessera.topology.memory import GB
+from tessera.topology.planner import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_INTER_GBPS,
+    DEFAULT_INTRA_GBPS,
+    H100_BF16_TFLOPS,
+    Estimate,
+    Hardware,
+    PlanError,
+    plan,
+    why_best,
+)
+
+MEMORY_COLUMNS = (("states", ("parameters", "gradients", "optimizer")), ("gathered", ("gathered_params",)),
+                  ("acc.grads", ("unsharded_grads",)), ("activ.", ("activations",)), ("logits", ("logits",)),
+                  ("buffers", ("buffers",)), ("total", ("total",)))
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="ranked layouts for a model on N GPUs, with the per-rank memory breakdown",
+        description="Enumerate every layout tessera can run (tp inside a node, cp, pp with its schedule, "
+                    "microbatches and virtual stages, dp_replicate x dp_shard, FSDP strategy, activation "
+                    "checkpointing), estimate per-rank memory and step time, rule out what does not fit and "
+                    "rank the rest. Estimates, not measurements: the assumptions are the options below.")
+    p.add_argument("--model", required=True, help="a model preset (debug, small, 1b, 8b, 70b, 405b)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside one (default 8)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the top layout on the fake backend (model on meta) and count each rank's parameters exactly")
+    p.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS,
+                   help=f"dense bf16 peak per GPU (default {H100_BF16_TFLOPS:g}: H100 SXM)")
+    p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
+                   help=f"share of the peak a step's matmuls reach (default {DEFAULT_EFFICIENCY})")
+    p.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_GBPS,
+                   help=f"GB/s per GPU reached inside a node (default {DEFAULT_INTRA_GBPS:g}: NVLink 4 at ~80%%)")
+    p.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_GBPS,
+                   help=f"GB/s per GPU reached across nodes (default {DEFAULT_INTER_GBPS:g}: 400 Gb/s at ~80%%)")
+    p.add_argument("--headroom", type=float, default=0.10,
+                   help="share of GPU memory kept free for the CUDA context, NCCL and fragmentation (default 0.10)")
+    p.set_defaults(func=run_plan)
+
+
+def _row(rank: int, x: Estimate) -> str:
+    mem = "".join(f"{sum(x.memory[k] for k in keys) / GB:>10.2f}" for _, keys in MEMORY_COLUMNS)
+    return (f"{rank:>3}  {x.candidate.describe():<62}{mem}{x.time['step']:>9.3f}{x.tokens_per_s:>12,.0f}"
+            f"{x.mfu:>7.1%}")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    try:
+        if args.top < 1:
+            raise PlanError(f"--top {args.top} must be at least 1")
+        hw = Hardware(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
+                      peak_tflops=args.peak_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
+                      inter_node_gbps=args.inter_node_gbps, headroom=args.headroom)
+        result = plan(args.model, hw, args.seq_len, args.global_batch, top=args.top)
+    except ValueError as e:  # PlanError and an unknown preset
+        print(f"tessera plan: error: {e}", file=sys.stderr)
+        return 2
+    best = result.ranked[0]
+    dry = _dry_run(args.model, best) if args.dry_run else None
+    if args.json:
+        print(json.dumps({"request": result.request, "considered": result.considered, "why": why_best(result),
+                          "ranked": [x.as_dict() for x in result.ranked], "dry_run": dry,
+                          "seconds": time.perf_counter() - started}))
+        return 0
+    print(f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), seq {args.seq_len}, "
+          f"global batch {args.global_batch}: {len(result.ranked)} of {result.considered} layouts shown "
+          f"(ranked by estimated step time; GB per rank)")
+    print(f"{'':>3}  {'layout':<62}" + "".join(f"{name:>10}" for name, _ in MEMORY_COLUMNS)
+          + f"{'s/step':>9}{'tokens/s':>12}{'MFU':>7}")
+    for i, x in enumerate(result.ranked, 1):
+        print(_row(i, x))
+    print(f"best: tessera train {best.candidate.flags()}".rstrip())
+    print(f"why: {why_best(result)}")
+    print(f"assumptions: {args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s, {args.intra_node_gbps:g} GB/s in a node, "
+          f"{args.inter_node_gbps:g} GB/s across nodes, {args.headroom:.0%} memory headroom, bf16 compute, "
+          f"fp32 master weights and Adam (16 B/parameter)")
+    if dry is not None:
+        for r in dry["ranks"]:
+            print(f"dry run, rank {r['rank']} (pp stages {r['stages']}): {r['local_params']:,} parameters "
+                  f"({r['tp_local_params']:,} before FSDP), model states {r['model_state_bytes'] / GB:.2f} GB")
+        most = max(r["model_state_bytes"] for r in dry["ranks"])
+        estimated = sum(best.memory[k] for k in ("parameters", "gradients", "optimizer"))
+        print(f"model states of the rank holding the most: {most / GB:.3f} GB counted, {estimated / GB:.3f} GB estimated")
+        print(f"dry run took {dry['seconds']:.1f} s")
+    return 0
+
+
+def _dry_run(model: str, best: Estimate) -> dict:
+    """Build the top layout on the fake backend for pp rank 0 and the last pp rank (they hold the
+    embedding and the head) and count their parameters exactly."""
+    from tessera.parallel.parallelize import dry_run_model_states
+    from tessera.parallel.pipeline import PipelineConfig
+
+    started = time.perf_counter()
+    c = best.candidate
+    lay = c.layout
+    ranks = sorted({0, lay.rank_of({"pp": lay.pp - 1})})
+    out = []
+    for rank in ranks:
+        m = dry_run_model_states(model, lay, "mixed_adam", c.strategy, c.sequence_parallel, rank=rank,
+                                 pipeline=PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual))
+        out.append({"rank": rank, "stages": m["stages"], "local_params": int(m["local_params"]),
+                    "tp_local_params": int(m["tp_local_params"]), "model_state_bytes": m["total"]})
+    return {"ranks": out, "seconds": time.perf_counter() - started}
