@@ -9,6 +9,7 @@ that error into a CollectiveTimeout naming the rank, the axis, the operation and
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Iterator
 
 import torch.distributed as dist
@@ -26,8 +27,14 @@ def is_timeout(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _TIMEOUT_MARKERS))
 
 
+# the axis of the tessera collective being issued now, for comm_stats (a group alone can be ambiguous: with
+# dp_shard 1, the cp ring and FSDP share one group)
+CURRENT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("tessera_collective_axis", default=None)
+
+
 @contextlib.contextmanager
 def collective(op: str, axis: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    token = CURRENT_AXIS.set(axis)
     try:
         yield
     except RuntimeError as e:
@@ -39,6 +46,8 @@ def collective(op: str, axis: str, group: dist.ProcessGroup | None = None) -> It
             f"rank {dist.get_rank()} stalled in {op} over the {axis} axis (group ranks {ranks}): a peer never "
             f"joined; look for a rank that raised, exited, or took another code path. Underlying error: {e}"
         ) from e
+    finally:
+        CURRENT_AXIS.reset(token)
 
 
 def stalled_collective(error: BaseException, layout, rank: int) -> str | None:

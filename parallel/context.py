@@ -133,10 +133,11 @@ class _RingPass:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.received = torch.empty_like(tensor)
         self.group, self.what, self.timeout = group, what, timeout
-        self.works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
-            dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % size), group),
-        ])
+        with collective(f"ring {what} (post)", "cp", group):
+            self.works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
+                dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % size), group),
+            ])
 
     def wait(self) -> Tensor:
         with collective(f"ring {self.what}", "cp", self.group):

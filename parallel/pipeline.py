@@ -303,7 +303,8 @@ class PipelineRunner:
         if not self.outbox:
             return
         ops = [op for op, _ in self.outbox]
-        works = dist.batch_isend_irecv(ops)
+        with collective("send/recv (post)", "pp", self.group):
+            works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # backends that return one work for the batch: wait on it for all
             works = [works[-1]] * len(ops)
         for (op, key), work in zip(self.outbox, works):

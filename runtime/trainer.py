@@ -147,6 +147,7 @@ class StepResult:
     skipped_steps: int = 0  # such steps so far in the run
     straggler: Straggler | None = None  # a rank the others have waited for, several steps in a row
     tokens_checksum: int | None = None  # of the global batch's tokens (token files only)
+    comm: dict[str, Any] | None = None  # --comm-stats: bytes sent by axis and collective, beside the analytic ones
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -163,6 +164,7 @@ class StepResult:
             "skipped": self.skipped,
             "skipped_steps": self.skipped_steps,
             **({"tokens_checksum": self.tokens_checksum} if self.tokens_checksum is not None else {}),
+            **({"comm": self.comm} if self.comm is not None else {}),
             "straggler": None if self.straggler is None else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s,
                                                               "steps": self.straggler.steps},
         }
@@ -295,7 +297,17 @@ class Trainer:
         for tessera's own collectives, the axis and the operation)."""
         step = self.progress.step + 1
         try:
-            return self._train_step(on_grads)
+            if not self.config.runtime.comm_stats:
+                return self._train_step(on_grads)
+            from tessera.parallel.comm_stats import CommCounter
+
+            from tessera.parallel.data import layout_for_strategy
+
+            data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
+            with CommCounter(data_layout, self.rank) as counter:
+                result = self._train_step(on_grads)
+            result.comm = {**counter.report(), "analytic_bytes_by_axis": self.analytic_comm()}
+            return result
         except CollectiveTimeout as e:
             named = str(e).replace(f"rank {self.rank} stalled in", f"rank {self.rank} stalled at training step {step} in", 1)
             raise CollectiveTimeout(named) from e
@@ -308,6 +320,17 @@ class Trainer:
             raise CollectiveTimeout(
                 f"rank {self.rank} stalled at training step {step} in {where}: a peer never joined; "
                 f"look for a rank that raised, exited or froze. Underlying error: {e}") from e
+
+    def analytic_comm(self) -> dict[str, float]:
+        """This rank's bytes per step by axis as topology.comm_model predicts them for this run."""
+        from tessera.topology.comm_model import comm_bytes_per_step
+
+        c, p = self.config, self.config.parallel_config()
+        act = torch.empty((), dtype=PRECISIONS[p.data.mixed_precision]).element_size()
+        return comm_bytes_per_step(
+            self.model_config, self.layout, c.data.seq_len, c.data.global_batch, c.data.microbatches,
+            p.sequence_parallel, p.data.strategy, p.pipeline.virtual, p.data.activation_checkpointing, p.cp_method,
+            self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4)
 
     def _tokens_checksum(self, inputs: Tensor, targets: Tensor) -> int:
         """A checksum of the step's whole global batch from each dp rank's rows (ids weighted by their

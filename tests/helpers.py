@@ -123,3 +123,10 @@ def resumed_full_parameters(config: Config):
     trainer.load(config.resume_path)
     out = gather_by_name(named_full_parameters(trainer))
     return out if trainer.rank == 0 else None
+
+
+def comm_of_first_step(config: Config):
+    """This rank's --comm-stats record of one step: bytes by axis counted, and predicted."""
+    trainer = Trainer(config)
+    comm = trainer.train_step().comm
+    return comm["bytes_by_axis"], comm["analytic_bytes_by_axis"], comm["bytes_by_collective"]

@@ -31,6 +31,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from .comm_model import comm_bytes_per_step
 from .layout import AXES, Layout, divisors
 from .memory import GB, get_recipe, min_gpus
 
@@ -320,21 +321,9 @@ def estimate(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int
     recompute = {"none": 0.0, "op": 0.0, "selective": 1 / 6, "full": 1 / 3}[cand.ac]
     compute = flops * (1 + recompute) / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
     compute_stretched = compute / (1 - bubble)
-    layers_here = layers_per_chunk * cand.virtual
-    act = mb_rows * seq * cfg.dim * e
-    tp_passes = 4 + (2 if cand.ac == "full" else 1 if cand.ac == "selective" else 0)
-    comm = {
-        "tp": _ring(act, lay.tp, "all_reduce") * tp_passes * layers_here * cand.microbatches,
-        "cp": 3 * (lay.cp - 1) * kv_block * layers_here * cand.microbatches,
-        "pp": (2 * cand.microbatches * cand.virtual * mb_rows * (seq // lay.tp if cand.sequence_parallel else seq)
-               * cfg.dim * e) if pipelined else 0.0,
-        "dp_shard_cp": 0.0, "dp_replicate": 0.0,
-    }
-    if fsdp > 1:
-        gathers = 1 if keeps_gathered else 2 * cand.microbatches
-        comm["dp_shard_cp"] = _ring(tp_local * e, fsdp, "all_gather") * gathers + _ring(tp_local * 4, fsdp, "reduce_scatter")
-    if lay.dp_replicate > 1:
-        comm["dp_replicate"] = _ring(sharded * 4 if fsdp > 1 else tp_local * 4, lay.dp_replicate, "all_reduce")
+    comm = comm_bytes_per_step(cfg, lay, seq_len, global_batch, cand.microbatches, cand.sequence_parallel,
+                               cand.strategy, cand.virtual, cand.ac, "ring", rank=0, act_bytes=e, param_bytes=e,
+                               reduce_bytes=4)
     bw = {"tp": axis_bandwidth(lay, "tp", hw), "cp": axis_bandwidth(lay, "cp", hw), "pp": axis_bandwidth(lay, "pp", hw),
           "dp_shard_cp": axis_bandwidth(lay, ("dp_shard", "cp"), hw),
           "dp_replicate": axis_bandwidth(lay, "dp_replicate", hw)}

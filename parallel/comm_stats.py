@@ -1,0 +1,125 @@
+"""Counting communication: the bytes each mesh axis and each collective moved in a step, as issued.
+
+`CommCounter` is a TorchDispatchMode. Every collective reaches the dispatcher as a c10d op (torch's
+`dist.*` calls: tessera's own tp / cp / pp collectives and FSDP2's all-gathers and reduce-scatters) or a
+functional-collective op (DTensor's), so counting there sees all of them, wherever they were issued,
+including inside autograd's backward. Each op's process group is mapped to the mesh axis with the same
+members (`axis_of_group`; tessera's own collectives name their axis in `comm.collective`, which
+settles groups two axes share, such as cp's and FSDP's when dp_shard is 1), and its payload to the bytes this rank puts on the wire with a ring algorithm
+(the same convention as topology/comm_model.py, which predicts them):
+
+    all-reduce 2 (n-1)/n x payload; all-gather (n-1)/n x output; reduce-scatter (n-1)/n x input; send: payload
+
+Received bytes are the senders' and are not counted twice. The mode adds a Python call per operator, so
+it runs only when asked (`tessera train --comm-stats`, and `tessera bench` for one counted step).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .comm import CURRENT_AXIS, axis_of_group
+
+# c10d op name -> (collective, which argument holds the payload)
+_C10D = {
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "send": ("send", 0),
+}
+_FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+               "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+               "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+               "broadcast": "broadcast", "all_to_all_single": "all_to_all"}
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+def wire_bytes(op: str, payload: int, n: int) -> float:
+    if op == "send":
+        return float(payload)
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return payload * 2 * (n - 1) / n
+    if op == "all_gather":
+        return payload * (n - 1) / n  # payload: the gathered output
+    return payload * (n - 1) / n  # reduce-scatter (payload: the input), broadcast, all-to-all
+
+
+class CommCounter(TorchDispatchMode):
+    """Within `with CommCounter(layout, rank) as c:` (the layout FSDP was built on: NO_SHARD's puts the dp
+    ranks on dp_replicate, see data.layout_for_strategy), c.bytes[axis][op] accumulates the wire bytes this
+    rank sent, c.calls[axis][op] the number of collectives. Axis names are the layout's (tp, cp, pp,
+    dp_shard, dp_replicate), its flattened ones (dp_shard_cp: FSDP; dp, dp_cp: the loss) or "world"."""
+
+    def __init__(self, layout, rank: int):
+        super().__init__()
+        self.layout, self.rank = layout, rank
+        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._axis_by_group: dict[str, tuple[str, int]] = {}
+
+    def _axis(self, group: dist.ProcessGroup) -> tuple[str, int]:
+        key = group.group_name
+        if key not in self._axis_by_group:
+            members = dist.get_process_group_ranks(group)
+            if len(members) > 1 and sorted(members) == sorted(self.layout.group(("dp_shard", "cp"), self.rank)):
+                name = "dp_shard_cp"  # FSDP's mesh, by that name even when cp or dp_shard is 1 (or it is the world)
+            else:
+                name = axis_of_group(self.layout, self.rank, members) or (
+                    "world" if len(members) == self.layout.world_size else f"group{sorted(members)}")
+            self._axis_by_group[key] = (name, len(members))
+        return self._axis_by_group[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        if ns == "c10d" and name in _C10D:
+            op, where = _C10D[name]
+            group = next((a for a in args if type(a).__name__ == "ScriptObject" and "ProcessGroup" in str(a._type())), None)
+            if group is not None:
+                self._count(op, _nbytes(args[where]), dist.ProcessGroup.unbox(group))
+        elif ns == "_c10d_functional" and name in _FUNCTIONAL:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group_name = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
+            out = func(*args, **kwargs)
+            payload = _nbytes(out) if _FUNCTIONAL[name] == "all_gather" else _nbytes(args[0])
+            self._count(_FUNCTIONAL[name], payload, _resolve_process_group(group_name))
+            return out
+        return func(*args, **kwargs)
+
+    def _count(self, op: str, payload: int, group: dist.ProcessGroup) -> None:
+        axis, n = self._axis(group)
+        issued_as = CURRENT_AXIS.get()  # tessera's own collectives say their axis
+        if issued_as is not None:
+            axis = issued_as
+        self.bytes[axis][op] += wire_bytes(op, payload, n)
+        self.calls[axis][op] += 1
+
+    def by_axis(self) -> dict[str, float]:
+        return {axis: sum(ops.values()) for axis, ops in self.bytes.items()}
+
+    def report(self) -> dict[str, Any]:
+        return {"bytes_by_axis": self.by_axis(),
+                "bytes_by_collective": {axis: dict(ops) for axis, ops in self.bytes.items()},
+                "calls": {axis: dict(ops) for axis, ops in self.calls.items()}}

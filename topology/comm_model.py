@@ -1,0 +1,144 @@
+"""Analytic communication volumes: the bytes one rank sends per training step, by mesh axis.
+
+Volumes are ring-algorithm bytes a rank puts on the wire (what NCCL's bus bandwidth is measured in):
+
+    all-reduce of S bytes over n ranks      2 (n-1)/n x S
+    all-gather into S bytes                   (n-1)/n x S
+    reduce-scatter of S bytes                 (n-1)/n x S
+    send of S bytes                                      S
+
+So for parameters of P bytes, FSDP (all-gather in forward and again in backward, reduce-scatter the
+gradients) moves 3 (n-1)/n x P a step, DDP's one all-reduce 2 (n-1)/n x P: the ZeRO paper's 1.5x.
+
+The formulas follow tessera's own collectives, per microbatch (b rows of s = seq/cp tokens, h = dim):
+tp      sequence parallel or not, 8 x (tp-1)/tp x b s h per block (the two block inputs and two outputs,
+        forward and backward), the embedding's and the head's 2 x (tp-1)/tp x b s h, the loss's three
+        fp32 statistics per token, the replicated norms' and K/V weights' gradient all-reduces; blocks
+        recomputed by activation checkpointing issue their forward collectives again, all but the last
+cp      ring: K and V of the local block passed cp-1 times forward and again in backward, with dK/dV
+        (fp32) passed cp times; all-gather attention: one all-gather of K/V, one reduce-scatter of dK/dV
+pp      each microbatch's activation to the next stage, its gradient to the previous one
+fsdp    per FSDP unit: all-gathers of the padded flat parameters (once a step inside a pipeline, where
+        units stay gathered across microbatches; twice per microbatch under FULL_SHARD, once under
+        SHARD_GRAD_OP), one reduce-scatter of the gradients (fp32), and under HSDP one all-reduce of the
+        gradient shard over dp_replicate
+Scalars (loss sums, grad-norm partials, the straggler watch's step times) are left out: bytes per step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .layout import Layout
+
+
+def _ring(nbytes: float, n: int, kind: str) -> float:
+    if n <= 1:
+        return 0.0
+    return nbytes * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
+
+
+def _stage_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[int]:
+    if layers_per_stage is not None:
+        return list(layers_per_stage)
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
+@functools.lru_cache(maxsize=65536)
+def padded_numel(cfg, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks: int, n: int) -> int:
+    """Elements FSDP2 gathers for these stages' units on one tp rank: each parameter's dim 0 padded to a
+    multiple of the n shards (its flat all-gather buffer)."""
+    from .planner import layer_param_shapes, stage_param_shapes
+
+    def padded(shapes) -> int:
+        return sum(n * -(-rows // n) * cols for rows, cols in shapes)
+
+    extra = [u for s in stages for u in stage_param_shapes(cfg, tp, s == 0, s == n_stages - 1, 0)]
+    return n_blocks * padded(layer_param_shapes(cfg, tp)) + sum(padded(u) for u in extra)
+
+
+def comm_bytes_per_step(
+    cfg,
+    layout: Layout,
+    seq_len: int,
+    global_batch: int,
+    microbatches: int = 1,
+    sequence_parallel: bool = False,
+    strategy: str = "FULL_SHARD",
+    virtual: int = 1,
+    ac: str = "none",
+    cp_method: str = "ring",
+    rank: int = 0,
+    layers_per_stage=None,
+    act_bytes: int = 4,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+) -> dict[str, float]:
+    """Bytes `rank` sends per step, by axis: "tp", "cp", "pp", "dp_shard_cp" (FSDP), "dp_replicate".
+    act_bytes: the activations' dtype; param_bytes: FSDP's all-gather dtype (mixed precision's param
+    dtype); reduce_bytes: the gradient reduction's dtype (tessera reduces in fp32)."""
+    t, cp, pp, m = layout.tp, layout.cp, layout.pp, microbatches
+    b = global_batch // layout.dp // m
+    s = seq_len // cp
+    h, e = cfg.dim, act_bytes
+    n_stages = pp * virtual
+    layers = _stage_layers(cfg.n_layers, n_stages, layers_per_stage)
+    p = layout.index("pp", rank)
+    stages = [p + k * pp for k in range(virtual)]
+    n_blocks = sum(layers[st] for st in stages)
+    recomputed = n_blocks if ac == "full" else (
+        sum(len(range(0, layers[st], 2)) for st in stages) if ac == "selective" else 0)
+    first, last = 0 in stages, n_stages - 1 in stages
+    act = b * s * h * e
+    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp_shard_cp": 0.0, "dp_replicate": 0.0}
+
+    if t > 1:
+        replicated_kv = cfg.n_kv_heads % t != 0
+        per_block = 8 * _ring(act, t, "all_gather") + (2 * _ring(h * e, t, "all_reduce") if sequence_parallel else 0.0)
+        if replicated_kv:
+            per_block += 2 * _ring(cfg.n_kv_heads * cfg.head_dim * h * e, t, "all_reduce")
+        # a recomputed block reissues its forward collectives but the last: torch's checkpoint stops once the
+        # last saved tensor is rebuilt, and the block's output collective feeds nothing saved
+        again = 3 * _ring(act, t, "all_gather") if sequence_parallel else _ring(act, t, "all_reduce")
+        tp = n_blocks * per_block + recomputed * again
+        if first:
+            tp += 2 * _ring(act, t, "all_gather")
+        if last:
+            tp += 2 * _ring(act, t, "all_gather") + 3 * _ring(b * s * max(4, e), t, "all_reduce")
+            tp += _ring(h * e, t, "all_reduce") if sequence_parallel else 0.0
+        out["tp"] = m * tp
+
+    if cp > 1:
+        heads = cfg.n_kv_heads // t if cfg.n_kv_heads % t == 0 else 1
+        kv = 2 * b * heads * s * cfg.head_dim
+        acc = max(4, e)
+        if cp_method == "ring":
+            per_block = (cp - 1) * kv * e * 2 + cp * kv * acc
+            per_recompute = (cp - 1) * kv * e
+        else:
+            per_block = _ring(cp * kv * e, cp, "all_gather") + _ring(cp * kv * acc, cp, "reduce_scatter")
+            per_recompute = _ring(cp * kv * e, cp, "all_gather")
+        out["cp"] = m * (n_blocks * per_block + recomputed * per_recompute)
+
+    if pp > 1:
+        boundary = b * (s // t if sequence_parallel else s) * h * e
+        sends = sum((st < n_stages - 1) + (st > 0) for st in stages)
+        out["pp"] = m * sends * boundary
+
+    data_layout = layout
+    if strategy == "NO_SHARD" and layout.dp_shard > 1:
+        data_layout = Layout(pp=pp, dp_replicate=layout.dp, dp_shard=1, cp=cp, tp=t)
+    n = data_layout.dp_shard * cp
+    replicas = data_layout.dp_replicate
+    if n * replicas > 1:
+        padded = padded_numel(cfg, t, tuple(stages), n_stages, n_blocks, n)
+        if pp > 1:
+            gathers = 1
+        elif strategy == "SHARD_GRAD_OP" or n == 1:
+            gathers = m
+        else:
+            gathers = 2 * m
+        out["dp_shard_cp"] = gathers * _ring(padded * param_bytes, n, "all_gather") + _ring(padded * reduce_bytes, n, "reduce_scatter")
+        out["dp_replicate"] = _ring(padded // n * reduce_bytes, replicas, "all_reduce")
+    return out
