@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tessera.topology import Layout
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -69,10 +69,39 @@ def layout_for_strategy(layout: Layout, strategy: str) -> Layout:
     return layout
 
 
+def _saved_by_op_policy() -> set:
+    """The ops whose outputs `--ac op` keeps: matmuls and attention (torchtitan's policy); the norms,
+    RoPE, SwiGLU's elementwise ops and the collectives are recomputed."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    tessera_ops = getattr(torch.ops, "tessera", None)
+    if tessera_ops is not None and hasattr(tessera_ops, "flash_attention_fwd"):
+        ops.add(tessera_ops.flash_attention_fwd.default)
+    return ops
+
+
+def _op_policy_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = _saved_by_op_policy()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: str = "layers.*") -> None:
     """full: recompute every block (the modules matching the plan pattern `blocks`) in backward.
-    selective: every other block (half the activation memory saved at half the recompute). Wrapping
-    keeps parameter names (checkpoint_wrapper's prefix is stripped from state dicts)."""
+    selective: every other block (half the activation memory saved at half the recompute).
+    op: every block, but the outputs of its matmuls and attention are kept, so backward recomputes only
+    the cheap ops (norms, RoPE, SwiGLU's elementwise ops) and the collectives between them.
+    Wrapping keeps parameter names (checkpoint_wrapper's prefix is stripped from state dicts)."""
     if mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -80,7 +109,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: str = "l
     from .plan import find_modules, replace_module
 
     for i, (name, block) in enumerate(find_modules(model, blocks)):
-        if mode == "full" or i % 2 == 0:
+        if mode == "op":
+            replace_module(model, name, checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_op_policy_context))
+        elif mode == "full" or i % 2 == 0:
             replace_module(model, name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 

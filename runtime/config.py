@@ -39,7 +39,8 @@ class ParallelSection:
     tp: int = opt(1, "tensor-parallel degree")
     sequence_parallel: bool = opt(False, "shard the norms and the residual stream over tp")
     fsdp: str = opt("FULL_SHARD", "FSDP strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
-    ac: str = opt("none", "activation checkpointing: none, full or selective (every other block)")
+    ac: str = opt("none", "activation checkpointing: none, full, selective (every other block) or op (keep matmul and "
+                                  "attention outputs, recompute the rest)")
     mixed_precision: str | None = opt(None, "parameter compute dtype, bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)")
     schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (default with --pp > 1: 1f1b)")

@@ -37,7 +37,8 @@ def test_a_4d_step_moves_the_analytic_bytes_per_axis(case, layout):
 
 
 @pytest.mark.parametrize("layout", [dict(dp=4, microbatches=2), dict(dp=2, tp=2, ac="full"), dict(dp=4, fsdp="SHARD_GRAD_OP"),
-                                    dict(dp=4, fsdp="NO_SHARD"), dict(cp=2, tp=2, sequence_parallel=True, ac="selective")], ids=str)
+                                    dict(dp=4, fsdp="NO_SHARD"), dict(cp=2, tp=2, sequence_parallel=True, ac="selective"),
+                                    dict(cp=2, tp=2, sequence_parallel=True, ac="op")], ids=str)
 def test_one_axis_layouts_move_the_analytic_bytes(layout):
     config = small_config(**layout, global_batch=8, comm_stats=True, steps=1)
     assert_matches_analytic(str(layout), run_ranks(comm_of_first_step, config.layout.world_size, config, timeout=120))

@@ -87,7 +87,7 @@ def comm_bytes_per_step(
     p = layout.index("pp", rank)
     stages = [p + k * pp for k in range(virtual)]
     n_blocks = sum(layers[st] for st in stages)
-    recomputed = n_blocks if ac == "full" else (
+    recomputed = n_blocks if ac in ("full", "op") else (
         sum(len(range(0, layers[st], 2)) for st in stages) if ac == "selective" else 0)
     first, last = 0 in stages, n_stages - 1 in stages
     act = b * s * h * e
