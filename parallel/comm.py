@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from typing import Iterator
 
 import torch.distributed as dist
@@ -32,9 +33,16 @@ def is_timeout(error: BaseException) -> bool:
 CURRENT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("tessera_collective_axis", default=None)
 
 
+# seconds spent inside tessera's collectives by axis, while a trainer step collects them (exposed
+# communication: the time a rank waits on tp, cp and pp traffic and on its peers)
+WAIT_SECONDS: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("tessera_wait_s", default=None)
+
+
 @contextlib.contextmanager
 def collective(op: str, axis: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     token = CURRENT_AXIS.set(axis)
+    waits = WAIT_SECONDS.get()
+    started = time.perf_counter() if waits is not None else 0.0
     try:
         yield
     except RuntimeError as e:
@@ -48,6 +56,8 @@ def collective(op: str, axis: str, group: dist.ProcessGroup | None = None) -> It
         ) from e
     finally:
         CURRENT_AXIS.reset(token)
+        if waits is not None and CURRENT_AXIS.get() is None:  # the outermost collective() only
+            waits[axis] = waits.get(axis, 0.0) + time.perf_counter() - started
 
 
 def stalled_collective(error: BaseException, layout, rank: int) -> str | None:

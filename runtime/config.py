@@ -126,8 +126,10 @@ class RuntimeSection:
     device: str = opt("auto", "cpu or cuda (auto: one GPU per rank when this machine has enough, else CPU)")
     kernels: str = opt("auto", "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton")
     quiet: bool = opt(False, "no start-up or progress lines")
-    comm_stats: bool = opt(False, "count the bytes each mesh axis and collective sends per step (rank 0's, in the "
-                                  "metrics beside the analytic volumes; adds a Python call per operator)")
+    comm_stats: str | None = opt(None, "count the bytes each mesh axis and collective sends, every step or the first "
+                                       "only (rank 0's, in the metrics beside the analytic volumes; a Python call "
+                                       "per operator while counting)", nargs="?", const="every", choices=("every", "first"),
+                                 metavar="every|first")
     max_restarts: int = opt(0, "when a rank fails, restart every rank from the latest checkpoint up to N times (under torchrun: its --max-restarts)")
     on_nonfinite: str = opt("stop", "a NaN or inf loss or gradient: stop (name it, apply and save nothing) or skip (drop that step's update)")
 

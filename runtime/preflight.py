@@ -22,6 +22,8 @@ def check(config: Config) -> None:
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
     _check_paths(config, model)
+    if config.runtime.comm_stats not in (None, "every", "first"):
+        raise ValueError(f"--comm-stats {config.runtime.comm_stats!r}: use every (each step) or first (the first step only)")
     d = config.data
     if d.eval_every < 0 or d.eval_batches < 1:
         raise ValueError(f"--eval-every {d.eval_every} must be >= 0 and --eval-batches {d.eval_batches} >= 1")

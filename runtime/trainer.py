@@ -27,7 +27,7 @@ from tessera.models.data import TokenStream
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint, materialize, parallelize
 from tessera.parallel.clip import clip_grad_norm_
-from tessera.parallel.comm import CollectiveTimeout, collective, is_timeout, stalled_collective
+from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
 from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.loss import CrossEntropySum, count_valid
@@ -148,6 +148,7 @@ class StepResult:
     straggler: Straggler | None = None  # a rank the others have waited for, several steps in a row
     tokens_checksum: int | None = None  # of the global batch's tokens (token files only)
     comm: dict[str, Any] | None = None  # --comm-stats: bytes sent by axis and collective, beside the analytic ones
+    collective_wait_s: dict[str, float] = field(default_factory=dict)  # time inside tessera's collectives, by axis
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -165,6 +166,7 @@ class StepResult:
             "skipped_steps": self.skipped_steps,
             **({"tokens_checksum": self.tokens_checksum} if self.tokens_checksum is not None else {}),
             **({"comm": self.comm} if self.comm is not None else {}),
+            "collective_wait_s": self.collective_wait_s,
             "straggler": None if self.straggler is None else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s,
                                                               "steps": self.straggler.steps},
         }
@@ -297,7 +299,8 @@ class Trainer:
         for tessera's own collectives, the axis and the operation)."""
         step = self.progress.step + 1
         try:
-            if not self.config.runtime.comm_stats:
+            counting = self.config.runtime.comm_stats == "every" or (self.config.runtime.comm_stats == "first" and step == 1)
+            if not counting:
                 return self._train_step(on_grads)
             from tessera.parallel.comm_stats import CommCounter
 
@@ -346,6 +349,16 @@ class Trainer:
         return int(local.item()) // self.layout.cp
 
     def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
+        waits: dict[str, float] = {}
+        token = WAIT_SECONDS.set(waits)
+        try:
+            result = self._train_step_inner(on_grads)
+        finally:
+            WAIT_SECONDS.reset(token)
+        result.collective_wait_s = waits
+        return result
+
+    def _train_step_inner(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         started = time.perf_counter()
         if hasattr(self.data, "next_local_batch"):  # token files: a rank reads only its rows
             rows_in, rows_tg, valid = self.data.next_local_batch(self.meshes.batch_index, self.layout.dp)

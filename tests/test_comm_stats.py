@@ -8,7 +8,7 @@ from tessera.parallel.launch import run_ranks
 
 AXES = ("tp", "cp", "pp", "dp_shard_cp", "dp_replicate")
 FOUR_D = dict(n_layers=8, global_batch=8, pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2,
-              comm_stats=True, steps=1)
+              comm_stats="every", steps=1)
 
 
 def assert_matches_analytic(case: str, results) -> None:
@@ -40,7 +40,7 @@ def test_a_4d_step_moves_the_analytic_bytes_per_axis(case, layout):
                                     dict(dp=4, fsdp="NO_SHARD"), dict(cp=2, tp=2, sequence_parallel=True, ac="selective"),
                                     dict(cp=2, tp=2, sequence_parallel=True, ac="op")], ids=str)
 def test_one_axis_layouts_move_the_analytic_bytes(layout):
-    config = small_config(**layout, global_batch=8, comm_stats=True, steps=1)
+    config = small_config(**layout, global_batch=8, comm_stats="every", steps=1)
     assert_matches_analytic(str(layout), run_ranks(comm_of_first_step, config.layout.world_size, config, timeout=120))
 
 
@@ -50,8 +50,8 @@ def test_fsdp_moves_one_and_a_half_times_ddp():
     from tessera.models import get_preset
 
     P = get_preset("debug").num_params() * 4
-    full = run_ranks(comm_of_first_step, 4, small_config(dp=4, comm_stats=True, steps=1), timeout=120)[0][0]
-    ddp = run_ranks(comm_of_first_step, 4, small_config(dp=4, fsdp="NO_SHARD", comm_stats=True, steps=1), timeout=120)[0][0]
+    full = run_ranks(comm_of_first_step, 4, small_config(dp=4, comm_stats="every", steps=1), timeout=120)[0][0]
+    ddp = run_ranks(comm_of_first_step, 4, small_config(dp=4, fsdp="NO_SHARD", comm_stats="every", steps=1), timeout=120)[0][0]
     assert full["dp_shard_cp"] == pytest.approx(3 * 3 / 4 * P, rel=0.02)  # FSDP2 pads shards: within 2%
     assert ddp["dp_replicate"] == pytest.approx(2 * 3 / 4 * P, rel=0.02)
     assert full["dp_shard_cp"] / ddp["dp_replicate"] == pytest.approx(1.5, rel=0.02)
