@@ -2,74 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from tessera.results import HBM_BANDWIDTH, cpu_name, device_info, versions  # noqa: F401 (re-exported)
+from tessera.results import write_results as _write
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# peak HBM bandwidth in bytes/s, by a substring of torch.cuda.get_device_name()
-HBM_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def device_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpu": cpu_name(), "cpu_count": os.cpu_count()}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        name = torch.cuda.get_device_name(0)
-        info.update(
-            device=name,
-            gpu_memory_bytes=props.total_memory,
-            sm_count=props.multi_processor_count,
-            hbm_bandwidth_bytes_per_s=next((v for k, v in HBM_BANDWIDTH.items() if k in name), None),
-        )
-    else:
-        info["device"] = info["cpu"]
-    return info
-
-
-def versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if torch.version.cuda:
-        out["cuda"] = torch.version.cuda
-    return out
-
 
 def write_results(name: str, config: dict[str, Any], results: Any, out: str | None = None) -> Path:
-    """Write the JSON to OUT: a file path, or a directory (created if it does not end in .json) that gets NAME.json."""
-    path = Path(out) if out else RESULTS
-    if path.suffix != ".json":
-        path = path / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "benchmark": name,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": device_info(),
-        "versions": versions(),
-        "config": config,
-        "results": results,
-    }
-    path.write_text(json.dumps(payload, indent=1))
-    return path
+    """Write the JSON to OUT: a file path, or a directory that gets NAME.json (default benchmarks/results/)."""
+    return _write(name, config, results, out or RESULTS)

@@ -1,7 +1,7 @@
 """parallelize: the one place that applies the parallel axes to a model, in DESIGN.md's order.
 
     tp (+ sequence parallel) -> cp (ring or all-gather attention in the attention seam) -> activation
-    checkpointing -> compile (not yet) -> FSDP2 over the data axes (dp_shard x cp, HSDP across
+    checkpointing -> compile (each block) -> FSDP2 over the data axes (dp_shard x cp, HSDP across
     dp_replicate)
 
 Each step is a flat `apply_*` function that takes only the mesh it needs (from `Meshes`, None when
@@ -40,6 +40,7 @@ class ParallelConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     cp_method: str = "ring"  # context-parallel attention: "ring" or "allgather"
     timeout: float | None = None  # seconds a ring step may wait (None: the process group's timeout)
+    compile: bool = False  # torch.compile each block (the plan's checkpoint_blocks)
 
     def check(self, model_config, seq_len: int | None = None, global_batch: int | None = None,
               microbatches: int | None = None) -> None:
@@ -87,9 +88,24 @@ def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelCon
         apply_cp(model, meshes.cp, config.cp_method, config.timeout)
     if plan.checkpoint_blocks:
         apply_activation_checkpointing(model, config.data.activation_checkpointing, plan.checkpoint_blocks)
+    if config.compile:
+        apply_compile(model, plan.checkpoint_blocks)
     if meshes.fsdp is not None:
         apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan)
     return model
+
+
+def apply_compile(model: nn.Module, blocks: str | None) -> None:
+    """torch.compile each block in place (Module.compile: parameter names and state dicts unchanged).
+    Per block rather than the whole model, as torchtitan does: blocks share one compiled graph, FSDP2's
+    hooks stay between them, and tessera's collectives (autograd Functions around c10d calls) break the
+    graph where they run."""
+    from .plan import find_modules
+
+    if not blocks:
+        raise ValueError("--compile needs the plan's checkpoint_blocks (the modules to compile)")
+    for _, block in find_modules(model, blocks):
+        block.compile()
 
 
 def _check_user_plan(model: nn.Module, config: ParallelConfig, plan: Plan) -> None:

@@ -222,9 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--quiet", action="store_true", help="no progress bar")
     tok.set_defaults(func=_tokenize)
 
+    from .bench import add_bench_parser
     from .plan_command import add_plan_parser
 
     add_plan_parser(sub)
+    add_bench_parser(sub)
 
     from .config import add_arguments
 

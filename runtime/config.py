@@ -43,6 +43,8 @@ class ParallelSection:
                                   "attention outputs, recompute the rest)")
     mixed_precision: str | None = opt(None, "parameter compute dtype, bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)")
+    compile: bool = opt(False, "torch.compile each transformer block (after tp, cp and checkpointing, before FSDP2; the "
+                               "first step compiles, on CPU through a C++ compiler)")
     schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (default with --pp > 1: 1f1b)")
     virtual: int = opt(1, "virtual pipeline stages per pp rank (interleaved-1f1b: stage s on rank s % pp)")
     pp_layers: str | None = opt(None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,...")
@@ -229,7 +231,7 @@ class Config:
         data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
         pipeline = PipelineConfig(p.schedule or "1f1b", p.virtual, p.layers_per_stage, self.data.microbatches)
         return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data, pipeline=pipeline,
-                              cp_method=p.cp_method or "ring", timeout=self.runtime.timeout)
+                              cp_method=p.cp_method or "ring", timeout=self.runtime.timeout, compile=p.compile)
 
     @property
     def resume_path(self) -> str:

@@ -141,6 +141,12 @@ def _check_device(config: Config, world: int) -> None:
             "--kernels triton on CPU ranks: the Triton kernels need CUDA tensors; use --kernels auto or torch "
             "(or set TRITON_INTERPRET=1 to run them through Triton's slow interpreter)"
         )
+    if config.parallel.compile and config.device_type() == "cpu":
+        import shutil
+
+        if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+            raise ValueError("--compile on CPU ranks: torch.compile's CPU backend needs a C++ compiler (c++, g++ or "
+                             "clang++) on PATH; install one, or drop --compile")
     if config.runtime.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is False); use --device cpu")

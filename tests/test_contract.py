@@ -31,6 +31,7 @@ LAYOUTS = {
     "ac_selective+prefetch": dict(dp=2, ac="selective", prefetch=1),
     "dp2xtp2+sp+ac_op": dict(dp=2, tp=2, sequence_parallel=True, ac="op"),
     "cp2xdp2+ac_op": dict(cp=2, dp=2, ac="op"),
+    "dp2xtp2+sp+compile": dict(dp=2, tp=2, sequence_parallel=True, compile=True),
     # gradient accumulation: microbatches on one process and under FSDP (sync on the last only)
     "microbatches4": dict(microbatches=4),
     "dp2+microbatches2": dict(dp=2, microbatches=2),

@@ -1,0 +1,279 @@
+"""`tessera bench`: the scaling sweep. Runs layouts through the real training job (local ranks, or the ranks
+of a torchrun / Slurm job) and writes JSON and PNG plots: throughput and efficiency against device count,
+memory per rank by layout, and the planner's predictions against the measurements.
+
+Layouts are named by their degrees joined with x, options after +:
+
+    one  dp4  tp2  dp2xtp2  dpr2xdp2 (HSDP: dp_replicate 2 x dp_shard 2)  pp2xdp2xcp2xtp2+sp
+    options: sp (sequence parallel), ac_op / ac_full / ac_selective, zero2 (SHARD_GRAD_OP), compile
+
+Per layout: the median over the steps after --warmup of the step time; tokens/s and tokens/s per device;
+MFU = model FLOPs per step (6 x matmul parameters + 6 x layers x dim x seq per token, causal attention)
+/ (step time x devices x peak FLOP/s per device: the bf16 peak of a known GPU, or on CPU one core's fp32
+matmul rate measured here at the start); the step split into exposed communication (time inside
+tessera's tp, cp and pp collectives, waiting on peers included) and the rest (compute, FSDP2's
+collectives and the optimizer); the bytes each axis moved in the first step, counted and predicted; rank
+0's peak memory (CUDA allocator peak, or peak RSS on CPU) beside the planner's tensor estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+AXIS_OF = {"pp": "pp", "dpr": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp"}
+OPTIONS = {"sp": dict(sequence_parallel=True), "ac_op": dict(ac="op"), "ac_full": dict(ac="full"),
+           "ac_selective": dict(ac="selective"), "zero2": dict(fsdp="SHARD_GRAD_OP"), "compile": dict(compile=True)}
+
+
+def parse_layout(name: str) -> dict[str, Any]:
+    """'pp2xdp2xcp2xtp2+sp' -> Config.create keywords (dp is dp_replicate x dp_shard)."""
+    degrees, *options = name.strip().split("+")
+    out: dict[str, Any] = {}
+    dp_shard = dp_replicate = 1
+    if degrees != "one":
+        for term in degrees.split("x"):
+            m = re.fullmatch(r"(pp|dpr|dp|cp|tp)(\d+)", term)
+            if m is None:
+                raise ValueError(f"layout {name!r}: {term!r} is not <axis><degree> with axis pp, dpr, dp, cp or tp "
+                                 f"(e.g. dp2xtp2, dpr2xdp2, pp2xdp2xcp2xtp2+sp)")
+            axis, degree = AXIS_OF[m.group(1)], int(m.group(2))
+            if axis == "dp_shard":
+                dp_shard = degree
+            elif axis == "dp_replicate":
+                dp_replicate = degree
+            else:
+                out[axis] = degree
+    if dp_shard * dp_replicate > 1:
+        out["dp"], out["dp_replicate"] = dp_shard * dp_replicate, dp_replicate
+    for option in options:
+        if option not in OPTIONS:
+            raise ValueError(f"layout {name!r}: unknown option +{option}; use {', '.join('+' + o for o in OPTIONS)}")
+        out.update(OPTIONS[option])
+    return out
+
+
+def series_layouts(kind: str, max_ranks: int, global_batch: int) -> list[tuple[str, int]]:
+    """(layout, global batch) for a data-parallel scaling series over 1, 2, 4, ... max_ranks ranks: weak
+    keeps the batch per rank (the global batch grows), strong keeps the global batch."""
+    if max_ranks < 1 or max_ranks & (max_ranks - 1):
+        raise ValueError(f"--max-ranks {max_ranks} must be a power of two (the series doubles the ranks)")
+    counts = [2 ** i for i in range(max_ranks.bit_length())]
+    if kind == "strong" and global_batch % max_ranks:
+        raise ValueError(f"--series strong keeps --global-batch {global_batch} fixed; it must divide over "
+                         f"--max-ranks {max_ranks} (use a multiple of {max_ranks})")
+    return [("one" if n == 1 else f"dp{n}", global_batch * n if kind == "weak" else global_batch) for n in counts]
+
+
+def cpu_core_peak_flops(size: int = 512, reps: int = 5) -> float:
+    """One thread's fp32 matmul rate, measured: the CPU's stand-in for a GPU's datasheet peak."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b
+        best = min(_timed(lambda: a @ b) for _ in range(reps))
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size ** 3 / best
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="the scaling sweep: runs layouts, writes results JSON and plots",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="debug", help="a model preset (default debug)")
+    p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of blocks")
+    p.add_argument("--layouts", default=None, help="comma-separated layouts, e.g. one,dp2,tp2,dp2xtp2")
+    p.add_argument("--series", choices=("weak", "strong"), default=None, help="a data-parallel scaling series instead of --layouts")
+    p.add_argument("--max-ranks", type=int, default=4, help="the series' largest rank count (a power of two)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (--series weak: per rank)")
+    p.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x pp with pp, else 1)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (the first also counts bytes)")
+    p.add_argument("--device", default="auto", help="cpu or cuda (auto: CUDA when there is a GPU for every rank)")
+    p.add_argument("--out", required=True, help="directory for bench-<model>-<device>.json and the PNG plots")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .config import Config
+
+    try:
+        if (args.layouts is None) == (args.series is None):
+            raise ValueError("give --layouts L1,L2,... or --series weak|strong (with --max-ranks N)")
+        if args.steps <= args.warmup:
+            raise ValueError(f"--steps {args.steps} must exceed --warmup {args.warmup} (the timed steps come after it)")
+        runs = (series_layouts(args.series, args.max_ranks, args.global_batch) if args.series
+                else [(name, args.global_batch) for name in args.layouts.split(",")])
+        configs = []
+        for name, batch in runs:
+            kw = parse_layout(name)
+            mb = args.microbatches or (2 * kw.get("pp", 1) if kw.get("pp", 1) > 1 else 1)
+            config = Config.create(model=args.model, n_layers=args.n_layers, seq_len=args.seq_len, global_batch=batch,
+                                   steps=args.steps, microbatches=mb, quiet=True, device=args.device,
+                                   comm_stats="first", **kw)
+            config.check()
+            configs.append((name, config))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    except (ValueError, OSError) as e:
+        print(f"tessera bench: error: {e}", file=sys.stderr)
+        return 2
+    return _sweep(args, configs, out)
+
+
+def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
+    import torch
+
+    from tessera.topology.planner import Candidate, Hardware, estimate, model_flops_per_token
+
+    from .results import BF16_PEAK, device_info, write_results
+    from .run import train
+
+    info = device_info()
+    on_gpu = configs[0][1].device_type() == "cuda"
+    per_device_peak = next((v for k, v in BF16_PEAK.items() if k in info["device"]), None) if on_gpu else cpu_core_peak_flops()
+    rows = []
+    for i, (name, config) in enumerate(configs, 1):
+        print(f"bench [{i}/{len(configs)}] {name}: {config.layout.world_size} rank(s), {config.runtime.steps} steps ...", flush=True)
+        history = train(config)
+        rows.append(_row(name, config, history, args.warmup, per_device_peak, on_gpu, model_flops_per_token, estimate,
+                         Candidate, Hardware, torch))
+        r = rows[-1]
+        print(f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per device), "
+              f"step {r['step_time_s'] * 1e3:.1f} ms ({r['exposed_comm_s'] * 1e3:.1f} ms exposed communication), "
+              f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}", flush=True)
+    _efficiency(rows, args.series)
+    device = "cuda" if on_gpu else "cpu"
+    name = f"bench-{args.model}-{args.series or 'layouts'}-{device}"
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["mfu_formula"] = ("(6 x matmul parameters + 6 x n_layers x dim x seq_len) x tokens per step / (step time x "
+                             "devices x peak); peak per device: " + ("the GPU's dense bf16 datasheet figure" if on_gpu else
+                             "one CPU core's fp32 matmul rate measured at the start; devices on CPU: min(ranks, cores)"))
+    config["peak_flops_per_device"] = per_device_peak
+    path = write_results(name, config, {"layouts": rows}, out)
+    plots = _plots(rows, out, name, args.series, info["device"])
+    print(f"wrote {path}" + "".join(f", {p}" for p in plots))
+    return 0
+
+
+def _row(name, config, history, warmup, peak, on_gpu, flops_per_token, estimate, Candidate, Hardware, torch) -> dict:
+    import os
+
+    timed = history[warmup:]
+    step = statistics.median(m["step_time_s"] for m in timed)
+    waits: dict[str, float] = {}
+    for axis in {a for m in timed for a in m["collective_wait_s"]}:
+        waits[axis] = statistics.median(m["collective_wait_s"].get(axis, 0.0) for m in timed)
+    exposed = min(step, sum(waits.values()))
+    lay, ranks = config.layout, config.layout.world_size
+    tokens = config.data.global_batch * config.data.seq_len
+    cfg = config.model_config
+    flops = flops_per_token(cfg, config.data.seq_len) * tokens
+    devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
+    p = config.parallel_config()
+    cand = Candidate(lay, p.data.strategy if p.data.strategy in ("FULL_SHARD", "SHARD_GRAD_OP") else "FULL_SHARD",
+                     p.data.activation_checkpointing, p.pipeline.schedule, config.data.microbatches, p.pipeline.virtual)
+    element = torch.empty((), dtype={"bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)).element_size()
+    hw = Hardware(gpus=ranks, gpu_memory_gb=1e6, gpus_per_node=max(8, ranks), dtype_bytes=element,
+                  recipe="mixed_adam" if element == 2 else "fp32_adam")
+    predicted = estimate(cfg, cand, hw, config.data.seq_len, config.data.global_batch)
+    comm = history[0].get("comm", {})
+    return {
+        "layout": name, "degrees": lay.as_dict(), "ranks": ranks, "devices": devices,
+        "global_batch": config.data.global_batch, "microbatches": config.data.microbatches,
+        "options": {"sequence_parallel": p.sequence_parallel, "ac": p.data.activation_checkpointing,
+                    "fsdp": p.data.strategy, "compile": getattr(config.parallel, "compile", False)},
+        "step_time_s": step, "step_times_s": [m["step_time_s"] for m in timed],
+        "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / devices,
+        "mfu": flops / (step * devices * peak) if peak else None,
+        "exposed_comm_s": exposed, "compute_and_fsdp_s": step - exposed, "collective_wait_s_by_axis": waits,
+        "peak_memory_bytes_rank0": max(m["peak_memory_bytes"] for m in history),
+        "peak_memory_kind": "CUDA allocator peak" if on_gpu else "process peak RSS (the Python and torch runtime included)",
+        "comm_bytes_counted": comm.get("bytes_by_axis", {}), "comm_bytes_by_collective": comm.get("bytes_by_collective", {}),
+        "predicted": {"comm_bytes": comm.get("analytic_bytes_by_axis", {}),
+                      "memory_bytes": predicted.memory, "planner_comm_bytes": predicted.comm_bytes},
+        "final_loss": history[-1]["loss"], "losses": [m["loss"] for m in history],
+    }
+
+
+def _efficiency(rows: list[dict], series: str | None) -> None:
+    base = next((r for r in rows if r["ranks"] == 1), rows[0])
+    for r in rows:
+        speedup = r["tokens_per_s"] / base["tokens_per_s"]
+        r["speedup_vs_first"] = speedup
+        # weak: per-device throughput kept; strong: speedup over the device ratio
+        r["scaling_efficiency"] = speedup / (r["devices"] / base["devices"])
+
+
+def _plots(rows: list[dict], out: Path, name: str, series: str | None, device: str) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'tessera-4d[bench]'): JSON only, no plots", file=sys.stderr)
+        return []
+    paths = []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ranks = [r["ranks"] for r in rows]
+    ax1.plot(ranks, [r["tokens_per_s"] for r in rows], "o-" if series else "o")
+    for r in rows:
+        ax1.annotate(r["layout"], (r["ranks"], r["tokens_per_s"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax1.set(xlabel="ranks", ylabel="tokens/s", title=f"throughput ({series or 'layouts'})", xscale="log", xticks=sorted(set(ranks)))
+    ax1.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax1.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax2.plot(ranks, [r["scaling_efficiency"] for r in rows], "o-" if series else "o")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set(xlabel="ranks", ylabel="scaling efficiency", title="efficiency vs the first layout", xscale="log", xticks=sorted(set(ranks)))
+    ax2.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax2.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+    fig.suptitle(f"tessera bench on {device}", fontsize=9)
+    fig.tight_layout()
+    paths.append(out / f"{name}-throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(5, len(rows) * 0.9), 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["peak_memory_bytes_rank0"] / 2**20 for r in rows], 0.4, label="measured (rank 0)")
+    ax.bar([x + 0.2 for x in xs], [r["predicted"]["memory_bytes"]["total"] / 2**20 for r in rows], 0.4, label="planner: tensors")
+    ax.set_xticks(list(xs), [r["layout"] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="MiB per rank", title=f"memory per rank ({rows[0]['peak_memory_kind']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / f"{name}-memory.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    for r in rows:
+        for axis, counted in r["comm_bytes_counted"].items():
+            want = r["predicted"]["comm_bytes"].get(axis)
+            if want:
+                ax.scatter(want, counted, s=14)
+                ax.annotate(f"{r['layout']}:{axis}", (want, counted), fontsize=6)
+    lo, hi = ax.get_xlim()
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="predicted bytes per step (comm_model)", ylabel="counted bytes per step",
+           title="communication per axis: predicted vs measured")
+    fig.tight_layout()
+    paths.append(out / f"{name}-predicted.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

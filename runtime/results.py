@@ -1,0 +1,75 @@
+"""What every benchmark result carries beside its figures: the device, the versions, the configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# peak HBM bandwidth in bytes/s, by a substring of torch.cuda.get_device_name()
+HBM_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
+# dense bf16 peak FLOP/s, by a substring of the device name
+BF16_PEAK = {"H200": 989e12, "H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "A100": 312e12}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def device_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu": cpu_name(), "cpu_count": os.cpu_count()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        name = torch.cuda.get_device_name(0)
+        info.update(
+            device=name,
+            gpu_memory_bytes=props.total_memory,
+            sm_count=props.multi_processor_count,
+            hbm_bandwidth_bytes_per_s=next((v for k, v in HBM_BANDWIDTH.items() if k in name), None),
+        )
+    else:
+        info["device"] = info["cpu"]
+    return info
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.version.cuda:
+        out["cuda"] = torch.version.cuda
+    return out
+
+
+def write_results(name: str, config: dict[str, Any], results: Any, out: str | Path) -> Path:
+    """Write the JSON to OUT: a file path, or a directory (created if it does not end in .json) that gets NAME.json."""
+    path = Path(out)
+    if path.suffix != ".json":
+        path = path / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": device_info(),
+        "versions": versions(),
+        "config": config,
+        "results": results,
+    }
+    path.write_text(json.dumps(payload, indent=1))
+    return path

@@ -1,0 +1,82 @@
+"""`tessera bench`: layouts through the real training job, JSON with the figures and predictions, PNG plots."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tessera.bench import parse_layout, series_layouts
+
+
+def _tessera(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+@given(st.dictionaries(st.sampled_from(["pp", "dpr", "dp", "cp", "tp"]), st.integers(1, 8), min_size=1),
+       st.lists(st.sampled_from(["sp", "ac_op", "zero2"]), unique=True))
+def test_layout_names_parse_to_their_degrees(degrees, options):
+    name = "x".join(f"{a}{d}" for a, d in degrees.items()) + "".join("+" + o for o in options)
+    kw = parse_layout(name)
+    for axis in ("pp", "cp", "tp"):
+        assert kw.get(axis, 1) == degrees.get(axis, 1)
+    dp = degrees.get("dp", 1) * degrees.get("dpr", 1)
+    assert kw.get("dp", 1) == dp and kw.get("dp_replicate", 1) == (degrees.get("dpr", 1) if dp > 1 else 1)
+    assert kw.get("sequence_parallel", False) == ("sp" in options)
+
+
+def test_series_double_the_ranks():
+    assert series_layouts("weak", 4, 2) == [("one", 2), ("dp2", 4), ("dp4", 8)]
+    assert series_layouts("strong", 4, 8) == [("one", 8), ("dp2", 8), ("dp4", 8)]
+    with pytest.raises(ValueError, match="--max-ranks 3 must be a power of two"):
+        series_layouts("weak", 3, 2)
+    with pytest.raises(ValueError, match="--global-batch 6 fixed; it must divide over --max-ranks 4"):
+        series_layouts("strong", 4, 6)
+
+
+def test_bench_runs_layouts_and_writes_json_and_plots(tmp_path):
+    out = _tessera("bench", "--model", "debug", "--layouts", "one,dp2,tp2+sp,pp2xdp2", "--steps", "4", "--warmup", "2",
+                   "--seq-len", "32", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    progress = [ln for ln in out.stdout.splitlines() if ln.startswith("bench [")]
+    assert len(progress) == 8 and "tok/s" in progress[-1]  # a line as each layout starts and one as it ends
+    data = json.loads((tmp_path / "bench-debug-layouts-cpu.json").read_text())
+    assert data["device"]["device"] and data["versions"]["torch"] and "6 x matmul parameters" in data["config"]["mfu_formula"]
+    rows = data["results"]["layouts"]
+    assert [r["layout"] for r in rows] == ["one", "dp2", "tp2+sp", "pp2xdp2"] and [r["ranks"] for r in rows] == [1, 2, 2, 4]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_memory_bytes_rank0"] > 0
+        assert r["exposed_comm_s"] + r["compute_and_fsdp_s"] == pytest.approx(r["step_time_s"])
+        assert r["predicted"]["memory_bytes"]["total"] > 0
+        for axis, want in r["predicted"]["comm_bytes"].items():  # the first step's bytes, counted and predicted
+            if want:
+                assert r["comm_bytes_counted"][axis] == pytest.approx(want, rel=0.02), (r["layout"], axis)
+        assert r["losses"] == pytest.approx(rows[0]["losses"], rel=1e-5)  # every layout trains the same model
+    assert rows[2]["collective_wait_s_by_axis"]["tp"] > 0 and rows[3]["comm_bytes_counted"]["pp"] > 0
+    for kind in ("throughput", "memory", "predicted"):
+        assert (tmp_path / f"bench-debug-layouts-cpu-{kind}.png").stat().st_size > 10_000
+
+
+def test_bench_weak_series(tmp_path):
+    out = _tessera("bench", "--series", "weak", "--max-ranks", "2", "--steps", "3", "--warmup", "1", "--seq-len", "32",
+                   "--global-batch", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench-debug-weak-cpu.json").read_text())["results"]["layouts"]
+    assert [(r["layout"], r["global_batch"]) for r in rows] == [("one", 2), ("dp2", 4)]
+    assert rows[0]["scaling_efficiency"] == 1.0 and rows[1]["scaling_efficiency"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layouts", "dp2xq2"], r"layout 'dp2xq2': 'q2' is not <axis><degree>"),
+    (["--layouts", "dp2+fast"], r"unknown option \+fast"),
+    (["--layouts", "tp3"], r"tp=3 does not divide the 4 attention heads"),
+    (["--layouts", "one", "--series", "weak"], r"give --layouts L1,L2,... or --series"),
+    (["--layouts", "one", "--steps", "2", "--warmup", "2"], r"--steps 2 must exceed --warmup 2"),
+])
+def test_bench_refuses_bad_requests_in_one_line(tmp_path, args, message):
+    import re
+
+    out = _tessera("bench", *args, "--out", str(tmp_path))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
