@@ -74,6 +74,7 @@ PIPELINE_LAYOUTS = {
     "pp2+ac_full": dict(pp=2, ac="full", microbatches=2),
     # all four axes at once: 16 ranks
     "pp2xdp2xcp2xtp2+sp": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2),
+    "pp2xhsdp2x2xtp2": dict(pp=2, dp=4, dp_replicate=2, tp=2, microbatches=2),
     "pp2xdp2xcp2xtp2-interleaved-allgather": dict(pp=2, dp=2, cp=2, tp=2, schedule="interleaved-1f1b", virtual=2,
                                                   microbatches=2, cp_method="allgather"),
 }
