@@ -54,7 +54,9 @@ def _all_gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
     with collective("all_gather", "tp", group):
         _all_gather_flat(out, x, group=group)
-    return out.movedim(0, dim)
+    # contiguous once here: a strided view would make every column-parallel matmul that reads it save
+    # its own contiguous copy for backward (three for q, k and v)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:

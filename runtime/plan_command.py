@@ -17,7 +17,6 @@ from tessera.topology.planner import (
     Hardware,
     PlanError,
     plan,
-    why_best,
 )
 
 MEMORY_COLUMNS = (("states", ("parameters", "gradients", "optimizer")), ("gathered", ("gathered_params",)),
@@ -57,7 +56,7 @@ def add_plan_parser(sub) -> None:
 
 def _row(rank: int, x: Estimate) -> str:
     mem = "".join(f"{sum(x.memory[k] for k in keys) / GB:>10.2f}" for _, keys in MEMORY_COLUMNS)
-    return (f"{rank:>3}  {x.candidate.describe():<62}{mem}{x.time['step']:>9.3f}{x.tokens_per_s:>12,.0f}"
+    return (f"{rank:>3}  {x.candidate.describe():<76}{mem}{x.time['step']:>9.3f}{x.tokens_per_s:>12,.0f}"
             f"{x.mfu:>7.1%}")
 
 
@@ -76,22 +75,22 @@ def run_plan(args: argparse.Namespace) -> int:
     best = result.ranked[0]
     dry = _dry_run(args.model, best) if args.dry_run else None
     if args.json:
-        print(json.dumps({"request": result.request, "considered": result.considered, "why": why_best(result),
+        print(json.dumps({"request": result.request, "considered": result.considered, "why": result.why,
                           "ranked": [x.as_dict() for x in result.ranked], "dry_run": dry,
                           "seconds": time.perf_counter() - started}))
         return 0
     print(f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), seq {args.seq_len}, "
           f"global batch {args.global_batch}: {len(result.ranked)} of {result.considered} layouts shown "
           f"(ranked by estimated step time; GB per rank)")
-    print(f"{'':>3}  {'layout':<62}" + "".join(f"{name:>10}" for name, _ in MEMORY_COLUMNS)
+    print(f"{'':>3}  {'layout':<76}" + "".join(f"{name:>10}" for name, _ in MEMORY_COLUMNS)
           + f"{'s/step':>9}{'tokens/s':>12}{'MFU':>7}")
     for i, x in enumerate(result.ranked, 1):
         print(_row(i, x))
     print(f"best: tessera train {best.candidate.flags()}".rstrip())
-    print(f"why: {why_best(result)}")
+    print(f"why: {result.why}")
     print(f"assumptions: {args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s, {args.intra_node_gbps:g} GB/s in a node, "
           f"{args.inter_node_gbps:g} GB/s across nodes, {args.headroom:.0%} memory headroom, bf16 compute, "
-          f"fp32 master weights and Adam (16 B/parameter)")
+          f"fp32 master weights and Adam (16 B/parameter), --ac op's recompute at 3% of the step")
     if dry is not None:
         for r in dry["ranks"]:
             print(f"dry run, rank {r['rank']} (pp stages {r['stages']}): {r['local_params']:,} parameters "

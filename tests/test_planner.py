@@ -112,7 +112,10 @@ def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_ex
         c, lay = x.candidate, x.candidate.layout
         assert lay.world_size == hw.gpus and lay.tp <= per_node
         assert x.memory["total"] <= hw.usable_bytes
-        assert x.memory["total"] == pytest.approx(sum(v for k, v in x.memory.items() if k != "total"))
+        parts = {k: v for k, v in x.memory.items() if k != "total"}
+        # the peak: the start of backward or the optimizer step, whichever holds more
+        assert parts["parameters"] + parts["optimizer"] + parts["activations"] <= x.memory["total"]
+        assert x.memory["total"] <= sum(parts.values()) + parts["gradients"]  # the optimizer step: grads + temporaries
         assert 0 <= x.bubble < 1 and (x.bubble == 0) == (lay.pp == 1)
         ParallelConfig(lay, c.sequence_parallel, DataParallelConfig(c.strategy, "bf16", c.ac),
                        PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual)).check(

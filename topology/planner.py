@@ -92,10 +92,12 @@ class Candidate:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual: int = 1
+    sp: bool | None = None  # sequence parallel; None: on whenever tp > 1
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.layout.tp > 1  # always worth it: it divides the norms' activations by tp for free
+        # the planner always turns it on: it divides the norms' activations by tp at no extra traffic
+        return self.layout.tp > 1 if self.sp is None else self.sp and self.layout.tp > 1
 
     def describe(self) -> str:
         parts = [str(self.layout), self.strategy if self.layout.dp_shard * self.layout.cp > 1 else "no FSDP",
@@ -172,25 +174,25 @@ def stage_param_shapes(cfg, tp: int, first: bool, last: bool, n_layers: int) -> 
 
 
 @functools.lru_cache(maxsize=65536)
-def rank_params(cfg, tp: int, pp: int, virtual: int, fsdp: int) -> tuple[int, int, int]:
-    """(parameters before FSDP, after FSDP, largest FSDP unit) on the pp rank that holds the most: pp rank
-    0 (the embedding) or the last (the head), with all of its virtual stages."""
+def rank_params_of(cfg, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int) -> tuple[int, int, int]:
+    """(parameters before FSDP, after FSDP, largest FSDP unit) on pipeline rank `pp_rank`."""
     n_stages = pp * virtual
     layers = _split(cfg.n_layers, n_stages)
     block = layer_param_shapes(cfg, tp)
     block_numel = sum(r * c for r, c in block)
     block_sharded = sum(fsdp_shard_numel(r, c, fsdp) for r, c in block)
-    best = (-1, 0, 0)
-    for pp_rank in sorted({0, pp - 1}):
-        stages = [pp_rank + k * pp for k in range(virtual)]
-        n_blocks = sum(layers[s] for s in stages)
-        extra = [u for s in stages for u in stage_param_shapes(cfg, tp, s == 0, s == n_stages - 1, 0)]
-        numel = n_blocks * block_numel + sum(r * c for u in extra for r, c in u)
-        sharded = n_blocks * block_sharded + sum(fsdp_shard_numel(r, c, fsdp) for u in extra for r, c in u)
-        unit_max = max([block_numel if n_blocks else 0] + [sum(r * c for r, c in u) for u in extra])
-        if numel > best[0]:
-            best = (numel, sharded, unit_max)
-    return best
+    stages = [pp_rank + k * pp for k in range(virtual)]
+    n_blocks = sum(layers[s] for s in stages)
+    extra = [u for s in stages for u in stage_param_shapes(cfg, tp, s == 0, s == n_stages - 1, 0)]
+    numel = n_blocks * block_numel + sum(r * c for u in extra for r, c in u)
+    sharded = n_blocks * block_sharded + sum(fsdp_shard_numel(r, c, fsdp) for u in extra for r, c in u)
+    unit_max = max([block_numel if n_blocks else 0] + [sum(r * c for r, c in u) for u in extra])
+    return numel, sharded, unit_max
+
+
+def rank_params(cfg, tp: int, pp: int, virtual: int, fsdp: int) -> tuple[int, int, int]:
+    """`rank_params_of` for the pp rank that holds the most: pp rank 0 (the embedding) or the last (the head)."""
+    return max((rank_params_of(cfg, tp, pp, virtual, fsdp, p) for p in sorted({0, pp - 1})), key=lambda x: x[0])
 
 
 def fsdp_shard_numel(rows: int, cols: int, shards: int, index: int = 0) -> int:
@@ -202,47 +204,62 @@ def fsdp_shard_numel(rows: int, cols: int, shards: int, index: int = 0) -> int:
 
 
 # ----------------------------------------------------------------------------- activations
-def layer_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: bool, ac: str, e: int) -> float:
-    """Bytes one block keeps for backward for `rows` sequences of `seq` local tokens on one tp rank.
+def layer_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: bool, ac: str, e: int,
+                           cp: int = 1) -> float:
+    """Bytes one block keeps for backward for `rows` sequences of `seq` local tokens on one tp rank, as
+    tessera's block saves them (counted with saved-tensor hooks; tests/test_planner_memory.py measures it).
 
-    Saved with ac none (elements, e bytes each): the two norm inputs (seq/tp tokens under sequence
-    parallel), the two normed inputs of the column-parallel matmuls (gathered: seq tokens), q, k and v
-    after RoPE and the attention output (heads / tp), the SwiGLU's w1 and w3 outputs, silu(w1) and the
-    product fed to w2 (ffn / tp each); the attention's log-sum-exp in fp32.
-    op: matmul and attention outputs are saved, the norms, RoPE and SwiGLU recomputed (torchtitan's policy).
-    full: only the block input. selective checkpoints every other block (see `activation_bytes`).
+    ac none, elements per token: each RMSNorm's input and x * rstd (seq/tp tokens under sequence parallel)
+    and its output, which the column-parallel matmuls keep (gathered: seq tokens); q, k and v after RoPE
+    (k and v repeated to the query heads for the fused kernel; ring attention keeps them at the kv heads),
+    the attention output and its (B, S, heads x dim) copy that wo reads; SwiGLU's w1 and w3 outputs,
+    silu(w1) and the product w2 reads (ffn / tp each); the log-sum-exp (fp32) and the norms' rstd.
+    op: matmul and attention outputs (q, k, v, out, wo, w1, w3, w2) and the block input; the rest recomputed.
+    full: only the block input. (selective checkpoints every other block: `activation_bytes`.)
     """
-    h, f = cfg.dim, cfg.ffn_dim
-    q, kv = cfg.n_heads * cfg.head_dim // tp, _kv_local(cfg, tp) if cfg.n_kv_heads % tp == 0 else cfg.head_dim
+    h, f = cfg.dim, cfg.ffn_dim // tp
+    hq = cfg.n_heads * cfg.head_dim // tp
+    kv = _kv_out(cfg, tp)
     sp = seq // tp if sequence_parallel else seq
-    lse = rows * seq * (cfg.n_heads // tp) * 4
+    small = rows * seq * (cfg.n_heads // tp) * 4 + 2 * rows * sp * 4  # lse, rstd (fp32)
     if ac == "full":
         return float(rows * sp * h * e)
+    attention = (hq + 2 * kv + hq) if cp > 1 else 4 * hq
     if ac == "op":
-        saved = sp * h + seq * (q + 2 * kv) + seq * q + 2 * seq * h + 2 * seq * f // tp
-        return float(rows * saved * e + lse)
-    saved = 2 * sp * h + 2 * seq * h + seq * (2 * q + 2 * kv) + 4 * seq * f // tp
-    return float(rows * saved * e + lse)
+        saved = sp * h + seq * (hq + 2 * kv) + seq * hq + 2 * sp * h + 2 * seq * f
+        return float(rows * saved * e + small)
+    saved = 4 * sp * h + 2 * seq * h + seq * (attention + hq) + 4 * seq * f
+    return float(rows * saved * e + small)
 
 
-def loss_activation_bytes(cfg, rows: int, seq: int, tp: int, e: int) -> float:
-    """The last stage's loss per microbatch: the head's gathered input and its vocab-parallel logits
-    (the compute dtype, then an fp32 copy for the log-softmax and its gradient)."""
+def _kv_out(cfg, tp: int) -> int:
+    """k (or v) features a tp rank computes: its share of the kv heads, or the one head its query heads
+    read when tp exceeds the kv heads."""
+    return cfg.n_kv_heads * cfg.head_dim // tp if cfg.n_kv_heads % tp == 0 else cfg.head_dim
+
+
+def loss_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int) -> tuple[float, float]:
+    """(kept per microbatch until its backward, transient at the loss's backward) on the last stage: the
+    final norm's input, x * rstd and output (the head's input, gathered), the vocab-parallel softmax
+    (fp32); then the logits, their fp32 copy and their gradient."""
     vocab = -(-cfg.vocab_size // tp)
-    return float(rows * seq * (cfg.dim * e + vocab * (e + 2 * 4)))
+    sp = seq // tp if sequence_parallel else seq
+    kept = rows * (2 * sp * cfg.dim * e + seq * cfg.dim * e + seq * vocab * 4)
+    transient = rows * seq * vocab * (e + 2 * 4)
+    return float(kept), float(transient)
 
 
 # ----------------------------------------------------------------------------- the schedule
 @functools.lru_cache(maxsize=4096)
-def pipeline_profile(kind: str, pp: int, microbatches: int, virtual: int) -> tuple[float, int]:
-    """(bubble fraction, most forwards in flight on any rank) from the schedule simulator, with a
+def pipeline_profile(kind: str, pp: int, microbatches: int, virtual: int) -> tuple[float, tuple[int, ...]]:
+    """(bubble fraction, forwards in flight at most, per pp rank) from the schedule simulator, with a
     backward costing twice a forward (B = W = F for the kinds that split it)."""
     if pp == 1:
-        return 0.0, 1
+        return 0.0, (1,)
     from tessera.parallel.schedule import build_schedule, simulate
 
     timeline = simulate(build_schedule(kind, pp, microbatches, virtual), {"F": 1.0, "B": 1.0, "W": 1.0})
-    return timeline.bubble, max(timeline.peak_activations)
+    return timeline.bubble, tuple(timeline.peak_activations)
 
 
 # ----------------------------------------------------------------------------- flops
@@ -272,53 +289,23 @@ def axis_bandwidth(layout: Layout, axis: str | tuple[str, ...], hw: Hardware) ->
 # ----------------------------------------------------------------------------- one estimate
 def estimate(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int) -> Estimate:
     lay, e = cand.layout, hw.dtype_bytes
-    r = get_recipe(hw.recipe)
-    n_stages = lay.pp * cand.virtual
-    from_layers = _split(cfg.n_layers, n_stages)
     rows_per_dp = global_batch // lay.dp
     mb_rows = rows_per_dp // cand.microbatches
     seq = seq_len // lay.cp
     fsdp = lay.dp_shard * lay.cp
     pipelined = lay.pp > 1
 
-    tp_local, sharded, unit_max = rank_params(cfg, lay.tp, lay.pp, cand.virtual, fsdp)
-    stage = 0 if fsdp == 1 else (2 if cand.strategy == "SHARD_GRAD_OP" else 3)
-    states = {"parameters": (sharded if stage == 3 else tp_local) * r.parameters,
-              "gradients": (sharded if stage >= 2 else tp_local) * r.gradients,
-              "optimizer": (sharded if stage >= 1 else tp_local) * r.optimizer}
-
-    # FSDP2's gathered compute copy and the unsharded gradients gradient accumulation keeps
-    keeps_gathered = fsdp > 1 and (cand.strategy == "SHARD_GRAD_OP" or pipelined)
-    gathered = tp_local * e if keeps_gathered else (2 * unit_max * e if fsdp > 1 else 0.0)
-    accumulating = fsdp > 1 and cand.microbatches > 1
-    unsharded_grads = tp_local * e if accumulating else 0.0
-
-    # activations on the busiest rank
-    bubble, in_flight = pipeline_profile(cand.schedule, lay.pp, cand.microbatches, cand.virtual) if pipelined else (0.0, 1)
-    layers_per_chunk = max(from_layers)
-    per_layer = layer_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, cand.ac, e)
-    if cand.ac == "full":
-        acts = in_flight * layers_per_chunk * per_layer + layer_activation_bytes(
-            cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, "none", e)
-    elif cand.ac == "selective":
-        full = layer_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, "none", e)
-        ckpt = layer_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, "full", e)
-        half = layers_per_chunk // 2
-        acts = in_flight * ((layers_per_chunk - half) * full + half * ckpt) + full
-    else:
-        acts = in_flight * layers_per_chunk * per_layer
-    logits = loss_activation_bytes(cfg, mb_rows, seq, lay.tp, e)
-    kv_block = 2 * mb_rows * seq * _kv_local(cfg, lay.tp) * e
-    buffers = (unit_max * 4 if fsdp > 1 else 0.0) + (2 * kv_block if lay.cp > 1 else 0.0) + (
-        4 * mb_rows * seq * cfg.dim * e if pipelined else 0.0)
-    memory = {**states, "gathered_params": gathered, "unsharded_grads": unsharded_grads,
-              "activations": acts, "logits": logits, "buffers": buffers}
-    memory["total"] = sum(memory.values())
+    bubble, in_flight = pipeline_profile(cand.schedule, lay.pp, cand.microbatches, cand.virtual) if pipelined else (0.0, (1,))
+    memory = max((_rank_memory(cfg, cand, hw, pp_rank, in_flight[pp_rank], mb_rows, seq, fsdp)
+                  for pp_rank in sorted({0, lay.pp - 1})), key=lambda m: m["total"])
 
     # step time
     tokens = global_batch * seq_len
     flops = model_flops_per_token(cfg, seq_len) * tokens
-    recompute = {"none": 0.0, "op": 0.0, "selective": 1 / 6, "full": 1 / 3}[cand.ac]
+    # recomputation as a share of the step's FLOPs: full reruns every block's forward (1/3 of fwd + bwd),
+    # selective half of them; op reruns only the norms, RoPE and SwiGLU's elementwise ops, memory-bound
+    # work costed at 3% of the step (an assumption, stated in `tessera plan`'s output)
+    recompute = {"none": 0.0, "op": 0.03, "selective": 1 / 6, "full": 1 / 3}[cand.ac]
     compute = flops * (1 + recompute) / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
     compute_stretched = compute / (1 - bubble)
     comm = comm_bytes_per_step(cfg, lay, seq_len, global_batch, cand.microbatches, cand.sequence_parallel,
@@ -335,6 +322,64 @@ def estimate(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int
     tokens_per_s = tokens / time["step"]
     mfu = flops / (time["step"] * hw.gpus * hw.peak_tflops * 1e12)
     return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble)
+
+
+def _rank_memory(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, mb_rows: int, seq: int,
+                 fsdp: int) -> dict[str, float]:
+    """Peak bytes on a rank of pipeline rank `pp_rank`, by component. The peak is the start of the last
+    backward (activations, the loss, accumulated gradients all live) or the optimizer step (gradients
+    and optimizer state), whichever is larger; "total" is that peak."""
+    lay, e, r = cand.layout, hw.dtype_bytes, get_recipe(hw.recipe)
+    n_stages = lay.pp * cand.virtual
+    layers = _split(cfg.n_layers, n_stages)
+    stages = [pp_rank + k * lay.pp for k in range(cand.virtual)]
+    tp_local, sharded, unit_max = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank)
+    stage = 0 if fsdp == 1 else (2 if cand.strategy == "SHARD_GRAD_OP" else 3)
+    # FSDP2 keeps every strategy's parameters sharded at rest; SHARD_GRAD_OP's are also gathered from
+    # forward to backward (gathered_params below): the ZeRO-2 figure of topology.memory plus that copy
+    m = {"parameters": (sharded if stage >= 2 else tp_local) * r.parameters,
+         "gradients": (sharded if stage >= 2 else tp_local) * r.gradients,
+         "optimizer": (sharded if stage >= 1 else tp_local) * r.optimizer}
+    # FSDP2's gathered compute copy: one unit at a time under FULL_SHARD; the whole stage under
+    # SHARD_GRAD_OP and inside a pipeline step (units stay gathered across microbatches)
+    pipelined = lay.pp > 1
+    keeps_gathered = fsdp > 1 and (cand.strategy == "SHARD_GRAD_OP" or pipelined)
+    # (under FULL_SHARD one unit at the start of backward; two when backward recomputes a block, whose
+    # re-gather overlaps the prefetch of the next)
+    per_unit = 2 if cand.ac in ("full", "op") else 1
+    m["gathered_params"] = tp_local * e if keeps_gathered else (per_unit * unit_max * e if fsdp > 1 else 0.0)
+    # gradients of earlier microbatches, kept while later ones run (unsharded under FSDP until the sync);
+    # a pipeline rank reaches its most forwards in flight before its first backward unless it runs more
+    # forwards than that (the steady state of 1F1B)
+    accumulating = cand.microbatches * cand.virtual > in_flight if pipelined else cand.microbatches > 1
+    m["unsharded_grads"] = (tp_local * e if fsdp > 1 else m["gradients"]) if accumulating else 0.0
+    chunk_layers = max(layers[s] for s in stages)
+    act = functools.partial(layer_activation_bytes, cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e=e, cp=lay.cp)
+    # a recomputed block's activations come back one block at a time, during its backward: full adds a
+    # whole block's, op the part its policy did not keep; selective recomputes the even blocks after the
+    # odd ones above them have freed theirs, so it adds nothing to the peak at the start of backward
+    if cand.ac == "selective":
+        ckpt = (chunk_layers + 1) // 2  # blocks 0, 2, 4, ...
+        acts = in_flight * ((chunk_layers - ckpt) * act(ac="none") + ckpt * act(ac="full"))
+    else:
+        recompute = {"none": 0.0, "full": act(ac="none"), "op": act(ac="none") - act(ac="op")}[cand.ac]
+        acts = in_flight * chunk_layers * act(ac=cand.ac) + recompute
+    m["activations"] = acts
+    last = n_stages - 1 in stages
+    kept, transient = loss_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e) if last else (0.0, 0.0)
+    m["logits"] = (in_flight if cand.schedule == "gpipe" else 1) * kept + transient
+    kv_block = 2 * mb_rows * seq * _kv_out(cfg, lay.tp) * e
+    rope = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4  # cos and sin tables, fp32
+    m["buffers"] = rope + (unit_max * 4 if fsdp > 1 else 0.0) + (2 * kv_block if lay.cp > 1 else 0.0) + (
+        4 * mb_rows * seq * cfg.dim * e if pipelined else 0.0)
+    # the gradients flowing through one block's backward (its SwiGLU's three ffn-wide ones, two residual-wide)
+    sp = seq // lay.tp if cand.sequence_parallel else seq
+    m["backward_transient"] = float(mb_rows * (3 * seq * cfg.ffn_dim // lay.tp + 2 * sp * cfg.dim) * e)
+    backward_start = (m["activations"] + max(m["logits"], m["backward_transient"]) + m["unsharded_grads"]
+                      + m["gathered_params"])
+    optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
+    m["total"] = m["parameters"] + m["optimizer"] + m["buffers"] + max(backward_start, optimizer_step)
+    return m
 
 
 def _split(n_layers: int, n_stages: int) -> list[int]:
@@ -404,6 +449,7 @@ class PlanResult:
     closest: Estimate | None  # when nothing fits: the candidate needing the least memory
     considered: int
     request: dict = field(default_factory=dict)
+    why: str = ""
 
 
 def plan(model: str, hw: Hardware, seq_len: int, global_batch: int, top: int | None = None) -> PlanResult:
@@ -424,7 +470,9 @@ def plan(model: str, hw: Hardware, seq_len: int, global_batch: int, top: int | N
     fitting = sorted((x for x in estimates if x.fits), key=lambda x: (round(x.time["step"], 6), x.memory["total"], x.candidate.layout.cp,
                                                                       x.candidate.layout.pp))
     closest = min(estimates, key=lambda x: x.memory["total"])
-    result = PlanResult(fitting[:top] if top else fitting, None if fitting else closest, len(cands), request)
+    result = PlanResult(fitting, None if fitting else closest, len(cands), request)
+    result.why = why_best(result)  # against every fitting layout, not only the ones shown
+    result.ranked = fitting[:top] if top else fitting
     if not fitting:
         floor = min_gpus(cfg.num_params(), hw.gpu_memory_gb, hw.recipe)
         raise PlanError(
