@@ -35,6 +35,7 @@ def _memory(args: argparse.Namespace) -> int:
         split = args.tp * args.pp
         shard_group = args.dp // args.dp_replicate * args.cp
         per_rank_params = args.params / split
+        exact = _planner_model_states(args, shard_group) if args.model is not None else None
         if args.json:
             rows = {
                 f"zero{s}": memory.model_state_bytes(per_rank_params, dp=shard_group, zero_stage=s, recipe=args.recipe)
@@ -44,6 +45,8 @@ def _memory(args: argparse.Namespace) -> int:
                               "cp": args.cp, "tp": args.tp, "params_per_model_shard": per_rank_params, "shard_group": shard_group}
             if args.gpu_memory is not None:
                 rows["min_gpus"] = memory.min_gpus(args.params, args.gpu_memory, args.recipe)
+            if exact is not None:
+                rows["planner_zero3"] = exact
             print(json.dumps(rows))
         else:
             if split > 1 or shard_group != args.dp:
@@ -54,12 +57,32 @@ def _memory(args: argparse.Namespace) -> int:
             print(table)
             if args.gpu_memory is not None:
                 print(memory.memory_table(args.params, 1, args.recipe, args.gpu_memory).splitlines()[-1])
+            if exact is not None:
+                print(f"the planner's count (tessera plan), FULL_SHARD, the rank holding the most (embedding or head, "
+                      f"K/V replicated beyond the kv heads): {exact['parameters_on_rank']:,} parameters, "
+                      f"{exact['total'] / 1e9:.2f} GB of model states")
         if args.dry_run:
             _memory_dry_run(args)
     except ValueError as e:
         print(f"tessera memory: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
+    """ZeRO-3 model states per rank as the planner counts them: exact per-rank parameters of the rank that
+    holds the most, the same recipe (topology.memory) as the table."""
+    from tessera.models import get_preset
+    from tessera.topology.memory import get_recipe
+    from tessera.topology.planner import rank_params
+
+    cfg = get_preset(args.model)
+    if args.pp > cfg.n_layers:
+        raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {cfg.n_layers} layers")
+    _, sharded, _ = rank_params(cfg, args.tp, args.pp, 1, shard_group)
+    r = get_recipe(args.recipe)
+    out = {c: float(sharded * getattr(r, c)) for c in ("parameters", "gradients", "optimizer")}
+    return {**out, "total": sum(out.values()), "parameters_on_rank": sharded}
 
 
 def _memory_dry_run(args: argparse.Namespace) -> None:

@@ -105,3 +105,23 @@ def test_the_memory_command_honours_every_axis_it_is_given():
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "tessera memory: error: --dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard)")
+
+
+def test_the_memory_command_agrees_with_the_planner():
+    """With a preset, `tessera memory` also prints the planner's exact count: the same recipe over the
+    parameters the rank holding the most really has (tp beyond the kv heads keeps whole K/V weights)."""
+    import json as _json
+
+    from tessera.models import get_preset
+    from tessera.topology import Layout
+    from tessera.topology.planner import Candidate, Hardware, estimate
+
+    out = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--model", "8b", "--json", "--dp", "4", "--tp", "16",
+                          "--pp", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    exact = _json.loads(out.stdout)["planner_zero3"]
+    est = estimate(get_preset("8b"), Candidate(Layout(pp=2, dp_shard=4, tp=16), microbatches=2), Hardware(gpus=128, gpus_per_node=16), 4096, 8)
+    # the planner's table shows the rank with the highest peak (pp rank 0, with more microbatches in flight);
+    # memory shows the rank with the most parameters (the last, whose final norm adds 4096 / 4 more)
+    assert exact["total"] == pytest.approx(est.memory["parameters"] + est.memory["gradients"] + est.memory["optimizer"], rel=1e-4)
+    assert exact["total"] > _json.loads(out.stdout)["zero3"]["total"]  # the even split misses the replicated K/V

@@ -413,7 +413,8 @@ def candidates(cfg, hw: Hardware, seq_len: int, global_batch: int) -> list[Candi
                 for dp_replicate in _pow2_divisors(dp):
                     lay = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, cp=cp, tp=tp)
                     fsdp = lay.dp_shard * cp > 1
-                    for strategy in (STRATEGIES if fsdp else ("FULL_SHARD",)):
+                    # inside a pipeline FSDP2 keeps units gathered across microbatches either way: one strategy
+                    for strategy in (STRATEGIES if fsdp and pp == 1 else ("FULL_SHARD",)):
                         for sched, virtual in _schedules(pp, cfg.n_layers):
                             for mb in _microbatch_counts(rows, pp):
                                 for ac in AC_MODES:
