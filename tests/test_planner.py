@@ -20,6 +20,7 @@ from tessera.topology.planner import (
     fsdp_shard_numel,
     plan,
     rank_params,
+    rank_params_of,
     why_best,
 )
 
@@ -57,6 +58,19 @@ def test_planner_counts_parameters_exactly_as_the_dry_run_builds_them(model, lay
                for p in sorted({0, layout.pp - 1})]
     most = max(counted, key=lambda m: m["tp_local_params"])
     assert tp_local == most["tp_local_params"] and sharded == most["local_params"]
+
+
+@pytest.mark.parametrize("model", ["1b", "8b", "70b", "405b"])
+def test_every_preset_builds_on_a_4d_layout_holding_only_its_share(model):
+    """Meta build on the fake backend, all five axes: a rank holds its pp stage's tp slice's FSDP shard."""
+    from tessera.parallel.parallelize import dry_run_model_states
+
+    cfg = get_preset(model)
+    layout = Layout(pp=4, dp_replicate=2, dp_shard=4, cp=2, tp=8)
+    for pp_rank in range(layout.pp):
+        m = dry_run_model_states(model, layout, rank=layout.rank_of({"pp": pp_rank}))
+        assert m["local_params"] == rank_params_of(cfg, 8, 4, 1, 8, pp_rank)[1]
+        assert m["local_params"] < 2 * cfg.num_params() / (4 * 8 * 8)  # about 1/(pp x tp x dp_shard x cp) of the model
 
 
 def test_the_dry_runs_fsdp_count_is_fully_shards(tmp_path):
