@@ -13,7 +13,8 @@ MFU = model FLOPs per step (6 x matmul parameters + 6 x layers x dim x seq per t
 matmul rate measured here at the start); the step split into exposed communication (time inside
 tessera's tp, cp and pp collectives, waiting on peers included) and the rest (compute, FSDP2's
 collectives and the optimizer); the bytes each axis moved in the first step, counted and predicted; rank
-0's peak memory (CUDA allocator peak, or peak RSS on CPU) beside the planner's tensor estimate.
+0's peak tensor memory (live tensor storage at the peak of step 2, measured) beside the planner's
+estimate, and its process peak (the CUDA allocator's, or peak RSS on CPU).
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if (args.layouts is None) == (args.series is None):
             raise ValueError("give --layouts L1,L2,... or --series weak|strong (with --max-ranks N)")
+        if args.warmup < 2:
+            raise ValueError(f"--warmup {args.warmup} must be at least 2: step 1 counts the bytes per axis and step 2 "
+                             f"measures the peak tensor memory, both slower than a plain step")
         if args.steps <= args.warmup:
             raise ValueError(f"--steps {args.steps} must exceed --warmup {args.warmup} (the timed steps come after it)")
         runs = (series_layouts(args.series, args.max_ranks, args.global_batch) if args.series
@@ -125,7 +129,7 @@ def run_bench(args: argparse.Namespace) -> int:
             mb = args.microbatches or (2 * kw.get("pp", 1) if kw.get("pp", 1) > 1 else 1)
             config = Config.create(model=args.model, n_layers=args.n_layers, seq_len=args.seq_len, global_batch=batch,
                                    steps=args.steps, microbatches=mb, quiet=True, device=args.device,
-                                   comm_stats="first", **kw)
+                                   comm_stats="first", track_memory=True, **kw)
             config.check()
             configs.append((name, config))
         out = Path(args.out)
@@ -204,6 +208,7 @@ def _row(name, config, history, warmup, peak, on_gpu, flops_per_token, estimate,
         "exposed_comm_s": exposed, "compute_and_fsdp_s": step - exposed, "collective_wait_s_by_axis": waits,
         "peak_memory_bytes_rank0": max(m["peak_memory_bytes"] for m in history),
         "peak_memory_kind": "CUDA allocator peak" if on_gpu else "process peak RSS (the Python and torch runtime included)",
+        "peak_tensor_bytes_rank0": history[1].get("peak_tensor_bytes"),
         "comm_bytes_counted": comm.get("bytes_by_axis", {}), "comm_bytes_by_collective": comm.get("bytes_by_collective", {}),
         "predicted": {"comm_bytes": comm.get("analytic_bytes_by_axis", {}),
                       "memory_bytes": predicted.memory, "planner_comm_bytes": predicted.comm_bytes},
@@ -251,10 +256,12 @@ def _plots(rows: list[dict], out: Path, name: str, series: str | None, device: s
 
     fig, ax = plt.subplots(figsize=(max(5, len(rows) * 0.9), 4))
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["peak_memory_bytes_rank0"] / 2**20 for r in rows], 0.4, label="measured (rank 0)")
-    ax.bar([x + 0.2 for x in xs], [r["predicted"]["memory_bytes"]["total"] / 2**20 for r in rows], 0.4, label="planner: tensors")
+    ax.bar([x - 0.2 for x in xs], [(r["peak_tensor_bytes_rank0"] or 0) / 2**20 for r in rows], 0.4,
+           label="measured: live tensors at the peak (rank 0, step 2)")
+    ax.bar([x + 0.2 for x in xs], [r["predicted"]["memory_bytes"]["total"] / 2**20 for r in rows], 0.4,
+           label="planner's estimate (the rank holding the most)")
     ax.set_xticks(list(xs), [r["layout"] for r in rows], rotation=30, ha="right", fontsize=8)
-    ax.set(ylabel="MiB per rank", title=f"memory per rank ({rows[0]['peak_memory_kind']})")
+    ax.set(ylabel="MiB per rank", title="peak tensor memory per rank")
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(out / f"{name}-memory.png")

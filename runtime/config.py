@@ -128,6 +128,8 @@ class RuntimeSection:
     device: str = opt("auto", "cpu or cuda (auto: one GPU per rank when this machine has enough, else CPU)")
     kernels: str = opt("auto", "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton")
     quiet: bool = opt(False, "no start-up or progress lines")
+    track_memory: bool = opt(False, "measure the peak tensor storage of step 2 (every live tensor, re-read around each "
+                                    "operator: a slow step) into the metrics' peak_tensor_bytes")
     comm_stats: str | None = opt(None, "count the bytes each mesh axis and collective sends, every step or the first "
                                        "only (rank 0's, in the metrics beside the analytic volumes; a Python call "
                                        "per operator while counting)", nargs="?", const="every", choices=("every", "first"),

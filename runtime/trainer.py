@@ -149,6 +149,7 @@ class StepResult:
     tokens_checksum: int | None = None  # of the global batch's tokens (token files only)
     comm: dict[str, Any] | None = None  # --comm-stats: bytes sent by axis and collective, beside the analytic ones
     collective_wait_s: dict[str, float] = field(default_factory=dict)  # time inside tessera's collectives, by axis
+    peak_tensor_bytes: int | None = None  # --track-memory, on step 2: live tensor storage at its peak
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -167,6 +168,7 @@ class StepResult:
             **({"tokens_checksum": self.tokens_checksum} if self.tokens_checksum is not None else {}),
             **({"comm": self.comm} if self.comm is not None else {}),
             "collective_wait_s": self.collective_wait_s,
+            **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
             "straggler": None if self.straggler is None else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s,
                                                               "steps": self.straggler.steps},
         }
@@ -300,6 +302,15 @@ class Trainer:
         step = self.progress.step + 1
         try:
             counting = self.config.runtime.comm_stats == "every" or (self.config.runtime.comm_stats == "first" and step == 1)
+            if self.config.runtime.track_memory and step == 2:  # the optimizer state exists from step 2 on
+                from tessera.memtrack import LiveTensorBytes
+
+                tracker = LiveTensorBytes()
+                tracker.track_existing(self.parts, self.optimizer.optimizers)
+                with tracker:
+                    result = self._train_step(on_grads)
+                result.peak_tensor_bytes = tracker.peak
+                return result
             if not counting:
                 return self._train_step(on_grads)
             from tessera.parallel.comm_stats import CommCounter

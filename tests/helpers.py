@@ -132,62 +132,14 @@ def comm_of_first_step(config: Config):
     return comm["bytes_by_axis"], comm["analytic_bytes_by_axis"], comm["bytes_by_collective"]
 
 
-class LiveTensorBytes:
-    """Bytes of tensor storage alive on this rank, and their peak, while active: every operator's outputs
-    are tracked (weak references, so freed storages drop out) and the total is re-read around each
-    operator, so storages FSDP2 resizes in place (its gathered parameters) count at their size then.
-    A TorchDispatchMode, built lazily so that importing helpers stays light."""
-
-    def __new__(cls):
-        import weakref
-
-        from torch.distributed.tensor import DTensor
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        class _Mode(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.live, self.now, self.peak = {}, 0, 0
-
-            def track(self, t):
-                if isinstance(t, DTensor):
-                    t = t._local_tensor
-                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                    return
-                st = t.untyped_storage()
-                if st._cdata not in self.live:
-                    self.live[st._cdata] = weakref.ref(st)
-                    weakref.finalize(st, self.live.pop, st._cdata, None)
-
-            def measure(self):
-                self.now = sum(st.nbytes() for st in (r() for r in list(self.live.values())) if st is not None)
-                self.peak = max(self.peak, self.now)
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.measure()
-                out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        self.track(t)
-                self.measure()
-                return out
-
-        return _Mode()
-
-
 def peak_tensor_bytes(config: Config) -> float:
     """This rank's peak tensor storage during its second training step (the optimizer state exists by then)."""
+    from tessera.memtrack import LiveTensorBytes
+
     trainer = Trainer(config)
     trainer.train_step()
     tracker = LiveTensorBytes()
-    for part in trainer.parts:
-        for t in list(part.parameters()) + list(part.buffers()):
-            tracker.track(t)
-    for optimizer in trainer.optimizer.optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                tracker.track(value)
+    tracker.track_existing(trainer.parts, trainer.optimizer.optimizers)
     with tracker:
         trainer.train_step()
     return float(tracker.peak)

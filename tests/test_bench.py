@@ -49,7 +49,7 @@ def test_bench_runs_layouts_and_writes_json_and_plots(tmp_path):
     for r in rows:
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_memory_bytes_rank0"] > 0
         assert r["exposed_comm_s"] + r["compute_and_fsdp_s"] == pytest.approx(r["step_time_s"])
-        assert r["predicted"]["memory_bytes"]["total"] > 0
+        assert r["predicted"]["memory_bytes"]["total"] > 0 and r["peak_tensor_bytes_rank0"] > 0
         for axis, want in r["predicted"]["comm_bytes"].items():  # the first step's bytes, counted and predicted
             if want:
                 assert r["comm_bytes_counted"][axis] == pytest.approx(want, rel=0.02), (r["layout"], axis)
@@ -60,7 +60,7 @@ def test_bench_runs_layouts_and_writes_json_and_plots(tmp_path):
 
 
 def test_bench_weak_series(tmp_path):
-    out = _tessera("bench", "--series", "weak", "--max-ranks", "2", "--steps", "3", "--warmup", "1", "--seq-len", "32",
+    out = _tessera("bench", "--series", "weak", "--max-ranks", "2", "--steps", "3", "--warmup", "2", "--seq-len", "32",
                    "--global-batch", "2", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "bench-debug-weak-cpu.json").read_text())["results"]["layouts"]
@@ -74,6 +74,7 @@ def test_bench_weak_series(tmp_path):
     (["--layouts", "tp3"], r"tp=3 does not divide the 4 attention heads"),
     (["--layouts", "one", "--series", "weak"], r"give --layouts L1,L2,... or --series"),
     (["--layouts", "one", "--steps", "2", "--warmup", "2"], r"--steps 2 must exceed --warmup 2"),
+    (["--layouts", "one", "--warmup", "1"], r"--warmup 1 must be at least 2"),
 ])
 def test_bench_refuses_bad_requests_in_one_line(tmp_path, args, message):
     import re
