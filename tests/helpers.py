@@ -143,3 +143,27 @@ def peak_tensor_bytes(config: Config) -> float:
     with tracker:
         trainer.train_step()
     return float(tracker.peak)
+
+
+def train_losses_and_grads_saving(config: Config, save_after: int):
+    """`train_losses_and_grads`, also saving a checkpoint into config's --checkpoint-dir after step `save_after`."""
+    from tessera.parallel.checkpoint import CheckpointManager
+
+    trainer = Trainer(config, torch.device("cpu"))
+    manager = CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(parts):
+        for part in parts:
+            for name, p in part.named_parameters():
+                grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
+
+    records = []
+    for s in range(config.runtime.steps):
+        records.append(trainer.train_step(on_grads=keep if s == 0 else None).record())
+        if s + 1 == save_after:
+            trainer.save(manager)
+    grads = gather_by_name(grads)
+    if trainer.rank != 0:
+        return None
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads
