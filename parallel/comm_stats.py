@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tessera.topology.comm_model import wire_bytes
+
 from .comm import CURRENT_AXIS, axis_of_group
 
 # c10d op name -> (collective, which argument holds the payload)
@@ -51,18 +53,6 @@ def _nbytes(x: Any) -> int:
     if isinstance(x, (list, tuple)):
         return sum(_nbytes(y) for y in x)
     return 0
-
-
-def wire_bytes(op: str, payload: int, n: int) -> float:
-    if op == "send":
-        return float(payload)
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return payload * 2 * (n - 1) / n
-    if op == "all_gather":
-        return payload * (n - 1) / n  # payload: the gathered output
-    return payload * (n - 1) / n  # reduce-scatter (payload: the input), broadcast, all-to-all
 
 
 class CommCounter(TorchDispatchMode):

@@ -155,7 +155,7 @@ def dry_run_model_states(
     from tessera.models import build_model, get_preset
     from tessera.topology import dry_run
     from tessera.topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
-    from tessera.topology.planner import fsdp_shard_numel
+    from tessera.topology.shapes import fsdp_shard_numel
 
     from .pipeline import build_stage, split_layers, stages_of_rank
 

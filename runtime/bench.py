@@ -140,11 +140,26 @@ def run_bench(args: argparse.Namespace) -> int:
     return _sweep(args, configs, out)
 
 
+def planner_estimate(config):
+    """The planner's Estimate for the layout a training config runs: its strategy (NO_SHARD as FSDP2 runs
+    it, every dp rank on dp_replicate; HYBRID_SHARD is FULL_SHARD on that 2-D mesh), checkpointing,
+    schedule, microbatches, virtual stages and sequence parallel, at its dtype (fp32 on CPU: fp32 Adam)."""
+    from tessera.parallel.data import PRECISIONS, layout_for_strategy
+    from tessera.topology.planner import Candidate, Hardware, estimate
+
+    p = config.parallel_config()
+    layout = layout_for_strategy(config.layout, p.data.strategy)
+    strategy = "SHARD_GRAD_OP" if p.data.strategy == "SHARD_GRAD_OP" else "FULL_SHARD"
+    cand = Candidate(layout, strategy, p.data.activation_checkpointing, p.pipeline.schedule, config.data.microbatches,
+                     p.pipeline.virtual, p.sequence_parallel)
+    element = PRECISIONS[p.data.mixed_precision].itemsize
+    ranks = layout.world_size
+    hw = Hardware(gpus=ranks, gpu_memory_gb=1e6, gpus_per_node=max(8, ranks), dtype_bytes=element,
+                  recipe="mixed_adam" if element == 2 else "fp32_adam")
+    return estimate(config.model_config, cand, hw, config.data.seq_len, config.data.global_batch)
+
+
 def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
-    import torch
-
-    from tessera.topology.planner import Candidate, Hardware, estimate, model_flops_per_token
-
     from .results import BF16_PEAK, device_info, write_results
     from .run import train
 
@@ -155,13 +170,12 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
     for i, (name, config) in enumerate(configs, 1):
         print(f"bench [{i}/{len(configs)}] {name}: {config.layout.world_size} rank(s), {config.runtime.steps} steps ...", flush=True)
         history = train(config)
-        rows.append(_row(name, config, history, args.warmup, per_device_peak, on_gpu, model_flops_per_token, estimate,
-                         Candidate, Hardware, torch))
+        rows.append(_row(name, config, history, args.warmup, per_device_peak, on_gpu))
         r = rows[-1]
         print(f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per device), "
               f"step {r['step_time_s'] * 1e3:.1f} ms ({r['exposed_comm_s'] * 1e3:.1f} ms exposed communication), "
               f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}", flush=True)
-    _efficiency(rows, args.series)
+    _efficiency(rows)
     device = "cuda" if on_gpu else "cpu"
     name = f"bench-{args.model}-{args.series or 'layouts'}-{device}"
     config = {k: v for k, v in vars(args).items() if k != "func"}
@@ -175,33 +189,28 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
     return 0
 
 
-def _row(name, config, history, warmup, peak, on_gpu, flops_per_token, estimate, Candidate, Hardware, torch) -> dict:
+def _row(name: str, config, history: list[dict], warmup: int, peak: float | None, on_gpu: bool) -> dict:
     import os
+
+    from tessera.topology.planner import model_flops_per_token
 
     timed = history[warmup:]
     step = statistics.median(m["step_time_s"] for m in timed)
-    waits: dict[str, float] = {}
-    for axis in {a for m in timed for a in m["collective_wait_s"]}:
-        waits[axis] = statistics.median(m["collective_wait_s"].get(axis, 0.0) for m in timed)
+    waits = {axis: statistics.median(m["collective_wait_s"].get(axis, 0.0) for m in timed)
+             for axis in {a for m in timed for a in m["collective_wait_s"]}}
     exposed = min(step, sum(waits.values()))
     lay, ranks = config.layout, config.layout.world_size
     tokens = config.data.global_batch * config.data.seq_len
-    cfg = config.model_config
-    flops = flops_per_token(cfg, config.data.seq_len) * tokens
+    flops = model_flops_per_token(config.model_config, config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
     p = config.parallel_config()
-    cand = Candidate(lay, p.data.strategy if p.data.strategy in ("FULL_SHARD", "SHARD_GRAD_OP") else "FULL_SHARD",
-                     p.data.activation_checkpointing, p.pipeline.schedule, config.data.microbatches, p.pipeline.virtual)
-    element = torch.empty((), dtype={"bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)).element_size()
-    hw = Hardware(gpus=ranks, gpu_memory_gb=1e6, gpus_per_node=max(8, ranks), dtype_bytes=element,
-                  recipe="mixed_adam" if element == 2 else "fp32_adam")
-    predicted = estimate(cfg, cand, hw, config.data.seq_len, config.data.global_batch)
+    predicted = planner_estimate(config)
     comm = history[0].get("comm", {})
     return {
         "layout": name, "degrees": lay.as_dict(), "ranks": ranks, "devices": devices,
         "global_batch": config.data.global_batch, "microbatches": config.data.microbatches,
         "options": {"sequence_parallel": p.sequence_parallel, "ac": p.data.activation_checkpointing,
-                    "fsdp": p.data.strategy, "compile": getattr(config.parallel, "compile", False)},
+                    "fsdp": p.data.strategy, "compile": p.compile},
         "step_time_s": step, "step_times_s": [m["step_time_s"] for m in timed],
         "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / devices,
         "mfu": flops / (step * devices * peak) if peak else None,
@@ -216,7 +225,7 @@ def _row(name, config, history, warmup, peak, on_gpu, flops_per_token, estimate,
     }
 
 
-def _efficiency(rows: list[dict], series: str | None) -> None:
+def _efficiency(rows: list[dict]) -> None:
     base = next((r for r in rows if r["ranks"] == 1), rows[0])
     for r in rows:
         speedup = r["tokens_per_s"] / base["tokens_per_s"]

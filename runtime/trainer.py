@@ -10,6 +10,7 @@ materialized: a rank allocates and initializes only its own shards.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -301,27 +302,7 @@ class Trainer:
         for tessera's own collectives, the axis and the operation)."""
         step = self.progress.step + 1
         try:
-            counting = self.config.runtime.comm_stats == "every" or (self.config.runtime.comm_stats == "first" and step == 1)
-            if self.config.runtime.track_memory and step == 2:  # the optimizer state exists from step 2 on
-                from tessera.memtrack import LiveTensorBytes
-
-                tracker = LiveTensorBytes()
-                tracker.track_existing(self.parts, self.optimizer.optimizers)
-                with tracker:
-                    result = self._train_step(on_grads)
-                result.peak_tensor_bytes = tracker.peak
-                return result
-            if not counting:
-                return self._train_step(on_grads)
-            from tessera.parallel.comm_stats import CommCounter
-
-            from tessera.parallel.data import layout_for_strategy
-
-            data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
-            with CommCounter(data_layout, self.rank) as counter:
-                result = self._train_step(on_grads)
-            result.comm = {**counter.report(), "analytic_bytes_by_axis": self.analytic_comm()}
-            return result
+            return self._measured_step(step, on_grads)
         except CollectiveTimeout as e:
             named = str(e).replace(f"rank {self.rank} stalled in", f"rank {self.rank} stalled at training step {step} in", 1)
             raise CollectiveTimeout(named) from e
@@ -335,12 +316,39 @@ class Trainer:
                 f"rank {self.rank} stalled at training step {step} in {where}: a peer never joined; "
                 f"look for a rank that raised, exited or froze. Underlying error: {e}") from e
 
+    def _measured_step(self, step: int, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
+        """`_train_step`, inside the measuring modes this step asks for: --comm-stats (every step, or the
+        first) and --track-memory (step 2, once the optimizer state exists). Both can run together."""
+        runtime = self.config.runtime
+        counting = runtime.comm_stats == "every" or (runtime.comm_stats == "first" and step == 1)
+        tracking = runtime.track_memory and step == 2
+        if not (counting or tracking):
+            return self._train_step(on_grads)
+        with contextlib.ExitStack() as modes:
+            if tracking:
+                from tessera.memtrack import LiveTensorBytes
+
+                tracker = modes.enter_context(LiveTensorBytes())
+                tracker.track_existing(self.parts, self.optimizer.optimizers)
+            if counting:
+                from tessera.parallel.comm_stats import CommCounter
+                from tessera.parallel.data import layout_for_strategy
+
+                data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
+                counter = modes.enter_context(CommCounter(data_layout, self.rank))
+            result = self._train_step(on_grads)
+        if tracking:
+            result.peak_tensor_bytes = tracker.peak
+        if counting:
+            result.comm = {**counter.report(), "analytic_bytes_by_axis": self.analytic_comm()}
+        return result
+
     def analytic_comm(self) -> dict[str, float]:
         """This rank's bytes per step by axis as topology.comm_model predicts them for this run."""
         from tessera.topology.comm_model import comm_bytes_per_step
 
         c, p = self.config, self.config.parallel_config()
-        act = torch.empty((), dtype=PRECISIONS[p.data.mixed_precision]).element_size()
+        act = PRECISIONS[p.data.mixed_precision].itemsize
         return comm_bytes_per_step(
             self.model_config, self.layout, c.data.seq_len, c.data.global_batch, c.data.microbatches,
             p.sequence_parallel, p.data.strategy, p.pipeline.virtual, p.data.activation_checkpointing, p.cp_method,

@@ -17,12 +17,12 @@ from tessera.topology.planner import (
     Hardware,
     PlanError,
     estimate,
-    fsdp_shard_numel,
     plan,
     rank_params,
     rank_params_of,
     why_best,
 )
+from tessera.topology.shapes import fsdp_shard_numel
 
 
 def _tessera(*args):

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import peak_tensor_bytes, small_config
 from tessera.parallel.launch import run_ranks
-from tessera.topology.planner import Candidate, Hardware, estimate
+from tessera.bench import planner_estimate
 
 BASE = dict(model="small", seq_len=128, global_batch=8)
 LAYOUTS = {
@@ -27,11 +27,7 @@ LAYOUTS = {
 
 
 def predicted_peak(config) -> dict:
-    p = config.parallel_config()
-    cand = Candidate(config.layout, p.data.strategy, p.data.activation_checkpointing, p.pipeline.schedule,
-                     config.data.microbatches, p.pipeline.virtual, p.sequence_parallel)
-    hw = Hardware(gpus=config.layout.world_size, gpus_per_node=64, dtype_bytes=4, recipe="fp32_adam")  # CPU: fp32
-    return estimate(config.model_config, cand, hw, config.data.seq_len, config.data.global_batch).memory
+    return planner_estimate(config).memory  # the layout, strategy, AC, schedule and sp the config runs, in fp32
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))

@@ -30,15 +30,23 @@ from __future__ import annotations
 import functools
 
 from .layout import Layout
+from .shapes import layer_param_shapes, stage_param_shapes
 
 
-def _ring(nbytes: float, n: int, kind: str) -> float:
+def wire_bytes(op: str, payload: float, n: int) -> float:
+    """Bytes one rank sends in collective `op` on n ranks (ring algorithms), by the table above: payload is
+    the buffer an all-reduce reduces, an all-gather's output, a reduce-scatter's input, a send's tensor.
+    comm_stats counts measured collectives with the same rule."""
+    if op == "send":
+        return float(payload)
     if n <= 1:
         return 0.0
-    return nbytes * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
+    return payload * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n)
 
 
-def _stage_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[int]:
+def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage=None) -> list[int]:
+    """Blocks per pipeline stage: `layers_per_stage`, or parallel.pipeline.split_layers' even split (the
+    remainder on the first stages), without importing torch."""
     if layers_per_stage is not None:
         return list(layers_per_stage)
     base, extra = divmod(n_layers, n_stages)
@@ -49,8 +57,6 @@ def _stage_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[i
 def padded_numel(cfg, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks: int, n: int) -> int:
     """Elements FSDP2 gathers for these stages' units on one tp rank: each parameter's dim 0 padded to a
     multiple of the n shards (its flat all-gather buffer)."""
-    from .planner import layer_param_shapes, stage_param_shapes
-
     def padded(shapes) -> int:
         return sum(n * -(-rows // n) * cols for rows, cols in shapes)
 
@@ -83,7 +89,7 @@ def comm_bytes_per_step(
     s = seq_len // cp
     h, e = cfg.dim, act_bytes
     n_stages = pp * virtual
-    layers = _stage_layers(cfg.n_layers, n_stages, layers_per_stage)
+    layers = stage_layer_counts(cfg.n_layers, n_stages, layers_per_stage)
     p = layout.index("pp", rank)
     stages = [p + k * pp for k in range(virtual)]
     n_blocks = sum(layers[st] for st in stages)
@@ -95,18 +101,18 @@ def comm_bytes_per_step(
 
     if t > 1:
         replicated_kv = cfg.n_kv_heads % t != 0
-        per_block = 8 * _ring(act, t, "all_gather") + (2 * _ring(h * e, t, "all_reduce") if sequence_parallel else 0.0)
+        per_block = 8 * wire_bytes("all_gather", act, t) + (2 * wire_bytes("all_reduce", h * e, t) if sequence_parallel else 0.0)
         if replicated_kv:
-            per_block += 2 * _ring(cfg.n_kv_heads * cfg.head_dim * h * e, t, "all_reduce")
+            per_block += 2 * wire_bytes("all_reduce", cfg.n_kv_heads * cfg.head_dim * h * e, t)
         # a recomputed block reissues its forward collectives but the last: torch's checkpoint stops once the
         # last saved tensor is rebuilt, and the block's output collective feeds nothing saved
-        again = 3 * _ring(act, t, "all_gather") if sequence_parallel else _ring(act, t, "all_reduce")
+        again = 3 * wire_bytes("all_gather", act, t) if sequence_parallel else wire_bytes("all_reduce", act, t)
         tp = n_blocks * per_block + recomputed * again
         if first:
-            tp += 2 * _ring(act, t, "all_gather")
+            tp += 2 * wire_bytes("all_gather", act, t)
         if last:
-            tp += 2 * _ring(act, t, "all_gather") + 3 * _ring(b * s * max(4, e), t, "all_reduce")
-            tp += _ring(h * e, t, "all_reduce") if sequence_parallel else 0.0
+            tp += 2 * wire_bytes("all_gather", act, t) + 3 * wire_bytes("all_reduce", b * s * max(4, e), t)
+            tp += wire_bytes("all_reduce", h * e, t) if sequence_parallel else 0.0
         out["tp"] = m * tp
 
     if cp > 1:
@@ -117,8 +123,8 @@ def comm_bytes_per_step(
             per_block = (cp - 1) * kv * e * 2 + cp * kv * acc
             per_recompute = (cp - 1) * kv * e
         else:
-            per_block = _ring(cp * kv * e, cp, "all_gather") + _ring(cp * kv * acc, cp, "reduce_scatter")
-            per_recompute = _ring(cp * kv * e, cp, "all_gather")
+            per_block = wire_bytes("all_gather", cp * kv * e, cp) + wire_bytes("reduce_scatter", cp * kv * acc, cp)
+            per_recompute = wire_bytes("all_gather", cp * kv * e, cp)
         out["cp"] = m * (n_blocks * per_block + recomputed * per_recompute)
 
     if pp > 1:
@@ -139,6 +145,6 @@ def comm_bytes_per_step(
             gathers = m
         else:
             gathers = 2 * m
-        out["dp_shard_cp"] = gathers * _ring(padded * param_bytes, n, "all_gather") + _ring(padded * reduce_bytes, n, "reduce_scatter")
-        out["dp_replicate"] = _ring(padded // n * reduce_bytes, replicas, "all_reduce")
+        out["dp_shard_cp"] = gathers * wire_bytes("all_gather", padded * param_bytes, n) + wire_bytes("reduce_scatter", padded * reduce_bytes, n)
+        out["dp_replicate"] = wire_bytes("all_reduce", padded // n * reduce_bytes, replicas)
     return out

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
-from .comm_model import comm_bytes_per_step
+from .comm_model import comm_bytes_per_step, stage_layer_counts
 from .layout import AXES, Layout, divisors
+from .shapes import fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 from .memory import GB, get_recipe, min_gpus
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
@@ -149,35 +150,11 @@ class Estimate:
 
 
 # ----------------------------------------------------------------------------- parameter counts
-def _kv_local(cfg, tp: int) -> int:
-    """Output features of the k (or v) projection on one tp rank: kv heads split, or all of them
-    replicated when tp exceeds the kv heads (tessera's ReplicatedHeads keeps the whole weight)."""
-    return cfg.n_kv_heads * cfg.head_dim // tp if cfg.n_kv_heads % tp == 0 else cfg.n_kv_heads * cfg.head_dim
-
-
-def layer_param_shapes(cfg, tp: int) -> list[tuple[int, int]]:
-    """(rows, cols) of each parameter of one block on one tp rank, in the rows FSDP2 shards (dim 0)."""
-    h, hd = cfg.dim, cfg.head_dim
-    kv = _kv_local(cfg, tp)
-    return [(h, 1), (cfg.n_heads * hd // tp, h), (kv, h), (kv, h), (h, cfg.n_heads * hd // tp), (h, 1),
-            (cfg.ffn_dim // tp, h), (cfg.ffn_dim // tp, h), (h, cfg.ffn_dim // tp)]
-
-
-def stage_param_shapes(cfg, tp: int, first: bool, last: bool, n_layers: int) -> list[list[tuple[int, int]]]:
-    """One list of (rows, cols) per FSDP unit of a stage on one tp rank: embedding, blocks, norm + head."""
-    vocab_rows = -(-cfg.vocab_size // tp)  # torch.chunk rows: ceil(V / tp)
-    units = [[(vocab_rows, cfg.dim)]] if first else []
-    units += [layer_param_shapes(cfg, tp) for _ in range(n_layers)]
-    if last:
-        units.append([(cfg.dim, 1), (vocab_rows, cfg.dim)])
-    return units
-
-
 @functools.lru_cache(maxsize=65536)
 def rank_params_of(cfg, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int) -> tuple[int, int, int]:
     """(parameters before FSDP, after FSDP, largest FSDP unit) on pipeline rank `pp_rank`."""
     n_stages = pp * virtual
-    layers = _split(cfg.n_layers, n_stages)
+    layers = stage_layer_counts(cfg.n_layers, n_stages)
     block = layer_param_shapes(cfg, tp)
     block_numel = sum(r * c for r, c in block)
     block_sharded = sum(fsdp_shard_numel(r, c, fsdp) for r, c in block)
@@ -195,14 +172,6 @@ def rank_params(cfg, tp: int, pp: int, virtual: int, fsdp: int) -> tuple[int, in
     return max((rank_params_of(cfg, tp, pp, virtual, fsdp, p) for p in sorted({0, pp - 1})), key=lambda x: x[0])
 
 
-def fsdp_shard_numel(rows: int, cols: int, shards: int, index: int = 0) -> int:
-    """Elements FSDP2 leaves on shard `index` of a (rows, cols) tensor: torch.chunk of dim 0."""
-    if shards == 1:
-        return rows * cols
-    per = -(-rows // shards)
-    return max(0, min(per, rows - index * per)) * cols
-
-
 # ----------------------------------------------------------------------------- activations
 def layer_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: bool, ac: str, e: int,
                            cp: int = 1) -> float:
@@ -215,7 +184,7 @@ def layer_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel:
     the attention output and its (B, S, heads x dim) copy that wo reads; SwiGLU's w1 and w3 outputs,
     silu(w1) and the product w2 reads (ffn / tp each); the log-sum-exp (fp32) and the norms' rstd.
     op: matmul and attention outputs (q, k, v, out, wo, w1, w3, w2) and the block input; the rest recomputed.
-    full: only the block input. (selective checkpoints every other block: `activation_bytes`.)
+    full: only the block input. (selective checkpoints every other block: `_rank_memory` combines them.)
     """
     h, f = cfg.dim, cfg.ffn_dim // tp
     hq = cfg.n_heads * cfg.head_dim // tp
@@ -268,13 +237,6 @@ def model_flops_per_token(cfg, seq_len: int) -> float:
     dim x seq_len for causal attention (QK^T and PV, forward 2 x 2 x dim x seq / 2, backward twice that)."""
     matmul_params = cfg.num_params() - cfg.vocab_size * cfg.dim
     return 6.0 * matmul_params + 6.0 * cfg.n_layers * cfg.dim * seq_len
-
-
-def _ring(bytes_: float, n: int, kind: str) -> float:
-    """Bytes one rank sends in a ring collective on n ranks over a buffer of `bytes_`."""
-    if n <= 1:
-        return 0.0
-    return bytes_ * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
 
 
 def axis_bandwidth(layout: Layout, axis: str | tuple[str, ...], hw: Hardware) -> float:
@@ -331,7 +293,7 @@ def _rank_memory(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: in
     and optimizer state), whichever is larger; "total" is that peak."""
     lay, e, r = cand.layout, hw.dtype_bytes, get_recipe(hw.recipe)
     n_stages = lay.pp * cand.virtual
-    layers = _split(cfg.n_layers, n_stages)
+    layers = stage_layer_counts(cfg.n_layers, n_stages)
     stages = [pp_rank + k * lay.pp for k in range(cand.virtual)]
     tp_local, sharded, unit_max = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank)
     stage = 0 if fsdp == 1 else (2 if cand.strategy == "SHARD_GRAD_OP" else 3)
@@ -382,11 +344,6 @@ def _rank_memory(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: in
     return m
 
 
-def _split(n_layers: int, n_stages: int) -> list[int]:
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if s < extra else 0) for s in range(n_stages)]
-
-
 # ----------------------------------------------------------------------------- enumeration
 def _pow2_divisors(n: int, cap: int | None = None) -> list[int]:
     return [d for d in divisors(n) if d & (d - 1) == 0 and (cap is None or d <= cap)]
@@ -420,7 +377,7 @@ def candidates(cfg, hw: Hardware, seq_len: int, global_batch: int) -> list[Candi
                                 for ac in AC_MODES:
                                     cand = Candidate(lay, strategy, ac, sched, mb, virtual)
                                     pc = ParallelConfig(lay, cand.sequence_parallel,
-                                                        DataParallelConfig(strategy, "bf16", "selective" if ac == "selective" else ac),
+                                                        DataParallelConfig(strategy, "bf16", ac),
                                                         PipelineConfig(schedule=sched, microbatches=mb, virtual=virtual))
                                     try:
                                         pc.check(cfg, seq_len, global_batch, mb)
@@ -505,7 +462,3 @@ def why_best(result: PlanResult) -> str:
     return (f"it wins by {label} ({diffs[key]:.3f} s/step): an estimated {best.time['step']:.3f} s/step against "
             f"{other.time['step']:.3f} s for the next slower layout ({other.candidate.describe()}), at "
             f"{best.memory['total'] / GB:.1f} GB per rank against {other.memory['total'] / GB:.1f} GB.{tie_note}")
-
-
-def with_layout(cand: Candidate, **degrees: int) -> Candidate:
-    return replace(cand, layout=replace(cand.layout, **degrees))
