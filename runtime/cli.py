@@ -305,14 +305,16 @@ def _train(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     code = int(args.func(args) or 0)
-    if args.command == "train":
+    if args.command == "train" and code == 0:
         from .run import under_torchrun
 
         if under_torchrun():
-            # a torchrun worker ends the way the local launcher's ranks do (multiprocessing leaves them with
-            # os._exit): the interpreter's teardown, after the process group is destroyed, aborted about one
-            # run in ten here in a C++ destructor ("terminate called without an active exception", SIGABRT)
-            # and failed a finished job. Everything is written and closed by now.
+            # a torchrun worker that finished its job ends the way the local launcher's ranks do
+            # (multiprocessing leaves them with os._exit): the interpreter's teardown, after the process group
+            # is destroyed, aborted about one run in ten here in a C++ destructor ("terminate called without
+            # an active exception", SIGABRT) and failed a finished job. Everything is written and closed by
+            # now. Not on an error: a rank that left at once would have torchrun kill rank 0 before it prints
+            # the job's one error line.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
