@@ -5,8 +5,9 @@ swapping its linear layers and norms for the parallel layers of `parallel/tensor
 `input_comm` hooks and (context parallel) the attention `core` slot below; the forward code here is
 the same on every layout. Head counts come from the tensors' shapes, never from attributes set from
 outside. A pipeline stage is this model with some parts set to None: without `tok_embeddings` the input
-is the previous stage's hidden states, without `norm`/`output` the output is hidden states. The loss
-lives outside the model (`tessera.parallel.loss`). Parameter names follow Meta's Llama checkpoints
+is the previous stage's hidden states, without `norm`/`output` the output is hidden states. The loss is
+`tessera.parallel.loss`'s: on the logits forward returns, or, given targets, inside the fused output head
+that `apply_loss_head` swaps in (never the full logits). Parameter names follow Meta's Llama checkpoints
 (tok_embeddings, layers.N.attention.wq, ..., norm, output), and a stage keeps the one-process names.
 """
 
@@ -215,12 +216,16 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, inputs: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, inputs: Tensor, positions: Tensor | None = None,
+                targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """tokens (B, S) -> logits (B, S, V): the local vocab shard (and sequence shard) when parallel.
 
         A stage without `tok_embeddings` takes hidden states (B, S, dim) instead of tokens; one without
         `output` returns hidden states. `positions` (S,) are the tokens' global positions (default
-        0..S-1); a context-parallel rank passes those of the chunks it holds."""
+        0..S-1); a context-parallel rank passes those of the chunks it holds. With `targets` (B, S) the
+        output module computes the loss itself and (loss sum over valid targets, their count) is returned
+        instead of logits: that needs the fused head that `tessera.parallel.loss.apply_loss_head` installs
+        (parallelize does, with --loss chunked), which never materializes the full logits."""
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
         h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
@@ -228,7 +233,16 @@ class Transformer(nn.Module):
             h = layer(h, self.rope, positions)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if targets is None:
+            return self.output(h) if self.output is not None else h
+        if self.output is None:
+            raise ValueError("targets given to a model part without the output head (a pipeline stage before the "
+                             "last): pass targets to the last stage only")
+        if not getattr(self.output, "takes_targets", False):
+            raise TypeError(f"Transformer.forward(targets=...) needs the fused loss head, and `output` is a "
+                            f"{type(self.output).__name__}: install it with tessera.parallel.loss.apply_loss_head(model) "
+                            f"(parallelize does, with --loss chunked), or call model(inputs) and a loss on the logits")
+        return self.output(h, targets)
 
 
 def build_model(cfg: ModelConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:

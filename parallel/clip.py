@@ -1,14 +1,16 @@
-"""Global gradient-norm clipping across every mesh axis.
+"""Global gradient-norm clipping across every mesh axis, without host round-trips.
 
 torch's clip_grad_norm_ stacks per-parameter norms and fails when parameters live on different meshes
-(e.g. 2-D tp x dp DTensors beside 1-D ones). Here each gradient contributes the squared sum of its local
-shard, summed over the mesh dims it is sharded on (never over dims it is replicated on), and the
-stages of a pipeline add theirs over the pp group. One all-reduce per distinct set of sharded dims.
+(e.g. 2-D tp x dp DTensors beside 1-D ones). Here the local shards are bucketed by the mesh dims they are
+sharded on (never the dims they are replicated on), each bucket's squared sum comes from foreach norms
+(one multi-tensor kernel per device and dtype), and each distinct process group gets ONE all-reduce: the
+sums of every bucket sharded over it travel together as a small vector. A bucket sharded on several dims
+is reduced over each in turn, which covers all its shards. Pipeline stages then add theirs over pp.
+Nothing here reads a value on the host.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -18,37 +20,72 @@ from torch.distributed.tensor import DTensor
 
 from .comm import collective
 
+Groups = tuple[tuple[str, dist.ProcessGroup], ...]
+
 
 def _is_sharded(placement) -> bool:
     # not `is_shard()`: FSDP2 over tp uses _StridedShard, which is a shard but answers False there (torch 2.13)
     return not (placement.is_replicate() or placement.is_partial())
 
 
-def _sharded_groups(t: DTensor) -> tuple:
+def _sharded_groups(t: DTensor) -> Groups:
     """(mesh dim name, group) for each mesh dim the tensor is sharded on."""
     mesh = t.device_mesh
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     return tuple((names[i], mesh.get_group(i)) for i, p in enumerate(t.placements) if _is_sharded(p) and mesh.size(i) > 1)
 
 
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _by_device_and_dtype(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """foreach kernels take one device and dtype per call (else they fall back to a per-tensor loop)."""
+    out: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
+def squared_sum(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The sum of squares of every element of `tensors`, in fp32 on `device` (a 0-d tensor)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, dtype), group in _by_device_and_dtype(tensors).items():
+        # half-precision shards are upcast inside the kernel; fp64 ones cannot narrow there, so after
+        norms = torch._foreach_norm(group, 2.0, dtype=None if dtype == torch.float64 else torch.float32)
+        total = total + torch.stack(norms).square().sum().to(device, torch.float32)
+    return total
+
+
 def global_grad_norm(parameters: Iterable[Tensor], pp_group: dist.ProcessGroup | None = None) -> Tensor:
     """The 2-norm of all gradients of the model as one vector (fp32 scalar, the same on every rank)."""
-    buckets: dict[tuple, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    buckets: dict[Groups, list[Tensor]] = {}
     device = None
     for p in parameters:
         g = p.grad
         if g is None:
             continue
-        local = g.to_local() if isinstance(g, DTensor) else g
-        device = local.device
-        key = _sharded_groups(g) if isinstance(g, DTensor) else ()
-        buckets[key] = buckets[key].to(device) + local.detach().float().pow(2).sum()
+        local = _local(g).detach()
+        device = device or local.device
+        buckets.setdefault(_sharded_groups(g) if isinstance(g, DTensor) else (), []).append(local)
+    device = device or torch.device("cpu")
+    sums = {key: squared_sum(tensors, device) for key, tensors in buckets.items()}
+    # the distinct groups in first-seen order: the same on every rank of a pipeline stage, which holds the
+    # same parameters (every non-pp group lies within one stage), so the collectives line up
+    distinct: dict[dist.ProcessGroup, str] = {}
+    for key in sums:
+        for axis, group in key:
+            distinct.setdefault(group, axis)
+    for group, axis in distinct.items():
+        keys = [key for key in sums if any(g is group for _, g in key)]
+        vector = torch.stack([sums[key] for key in keys])
+        with collective("all_reduce (grad norm)", axis, group):
+            dist.all_reduce(vector, group=group)
+        for key, value in zip(keys, vector.unbind()):
+            sums[key] = value
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for groups, sq in buckets.items():
-        for axis, group in groups:  # sharded on several mesh dims: summing over each in turn covers all shards
-            with collective("all_reduce (grad norm)", axis, group):
-                dist.all_reduce(sq, group=group)
-        total = total + sq
+    for value in sums.values():
+        total = total + value
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         with collective("all_reduce (grad norm)", "pp", pp_group):
             dist.all_reduce(total, group=pp_group)
@@ -63,7 +100,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, pp_group: dis
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     # a NaN/inf norm leaves the gradients as they are, so the non-finite ones can still be found by name
     coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-    for p in params:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        g.mul_(coef.to(g.device))
+    # on the local shards: a foreach op over DTensors of different meshes is refused by some torch versions
+    for (device, _), grads in _by_device_and_dtype([_local(p.grad) for p in params]).items():
+        torch._foreach_mul_(grads, coef.to(device))
     return norm

@@ -11,18 +11,39 @@ and the target logits); full logits never meet.
 
     op                            forward                         backward
     vocab-parallel cross-entropy  all-reduce max, sum-exp, target   local softmax - onehot (no comm)
+
+The memory-lean loss (`--loss chunked`, the default) never materializes the full [tokens x vocab]
+logits either. `LinearCrossEntropyHead` takes the output projection's place (same `output.weight`
+Parameter, same input collective) and, given targets, runs `linear_cross_entropy_sum`: over chunks of
+tokens it computes that chunk's logits h_c @ W_local^T (in the compute dtype of h and W), upcasts them
+to fp32, takes the cross-entropy sum (vocab-parallel statistics all-reduced per chunk under tp: the max,
+then sum-exp and target logit in one buffer) and, Liger-Kernel style, the gradients right away while the
+chunk's softmax is live: dlogits = softmax - onehot, dh_c = dlogits @ W_local, dW += dlogits^T @ h_c
+(fp32). Backward only scales the stored dh and dW by the loss's gradient, in place, and hands them over
+(out of place when the zero-bubble pipeline runs it twice). Peak memory is one chunk's fp32 logits
+(`chunk_tokens`) plus dW, instead of several copies of the full fp32 logits. Under tp, dh is
+this rank's partial sum over its vocab shard; the head's input collective (copy_to_tp / gather_sequence)
+sums it in backward, as for the column-parallel output layer.
+
+    op                            forward (per chunk)               backward
+    chunked linear cross-entropy  all-reduce max; sum-exp + target  scale stored dh, dW (no comm)
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from .tensor import all_reduce_tp, shard_range
+from .tensor import ColumnParallelLinear, all_reduce_tp, shard_range
 
 IGNORE_INDEX = -100
 
@@ -100,7 +121,200 @@ class CrossEntropySum:
             return cross_entropy_sum(logits, targets)
         return vocab_parallel_cross_entropy_sum(logits, targets, self.vocab_start, self.group)
 
+    def model_loss(self, model: nn.Module, inputs: Tensor, positions: Tensor | None,
+                   targets: Tensor) -> tuple[Tensor, Tensor]:
+        """(sum, count) of `model` on one microbatch: through its LinearCrossEntropyHead when parallelize
+        installed one (--loss chunked: no full logits), else this loss on the logits it returns."""
+        if has_loss_head(model):
+            return model(inputs, positions, targets=targets)
+        return self(model(inputs, positions), targets)
+
 
 def count_valid(targets: Tensor, ignore_index: int = IGNORE_INDEX) -> int:
     """Valid targets in a (global) batch: the denominator of every rank's loss."""
     return int((targets != ignore_index).sum())
+
+
+# ----------------------------------------------------------------------------- the chunked (fused) loss
+LOSS_KINDS = ("chunked", "logits")
+# fp32 logits one chunk may hold: 2^24 elements (64 MiB), up to 130 tokens at a 128256 vocabulary. Large
+# enough that the chunk's matmuls, not re-reading dW once per chunk, dominate the time (and that MKL keeps
+# its blocked kernels: below ~32 rows its dh sums over the vocabulary measured ~5x less accurate); small
+# enough that the chunk is a few percent of the full logits at training sizes.
+CHUNK_ELEMENTS = 2**24
+
+
+def check_loss(kind: str) -> str:
+    """`kind` if it names a loss, else a ValueError naming the value and the fix."""
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"unknown --loss {kind!r}; use chunked (fused linear cross-entropy over token chunks, "
+                         f"never the full logits) or logits (the full logits, then cross-entropy)")
+    return kind
+
+
+def chunk_tokens(n_tokens: int, vocab_rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Tokens per chunk: the fewest chunks whose fp32 logits (tokens x vocab_rows) stay within
+    `chunk_elements`, k = ceil(N * V / budget), cut as evenly as they go, ceil(N / k) tokens each (at least
+    1: a vocabulary row wider than the budget still runs one token at a time). Under tp `vocab_rows` is the
+    padded shard ceil(V / tp), so every tp rank cuts the same chunks and their collectives pair up."""
+    if n_tokens <= 0:
+        return 1
+    chunks = max(1, math.ceil(n_tokens * max(1, vocab_rows) / max(1, chunk_elements)))
+    return max(1, math.ceil(n_tokens / chunks))
+
+
+class _LinearCrossEntropy(Function):
+    """Sum over valid targets of cross-entropy(h @ W_local^T), chunk by chunk; gradients in the forward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, vocab_start, group, ignore_index, chunk, need_h, need_w, reusable):
+        n, v_local = h.shape[0], weight.shape[0]
+        stat = torch.promote_types(h.dtype, torch.float32)  # fp32 statistics at least (fp64 stays fp64)
+        total = torch.zeros((), dtype=stat, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=stat, device=weight.device) if need_w else None
+        for start in range(0, n, chunk):
+            h_c, t_c = h[start : start + chunk], targets[start : start + chunk]
+            rows = h_c.shape[0]
+            logits = torch.mm(h_c, weight.t()).to(stat)  # the chunk's logits in the compute dtype, then fp32
+            local_max = logits.amax(dim=-1) if v_local else logits.new_full((rows,), float("-inf"))
+            global_max = all_reduce_tp(local_max, group, dist.ReduceOp.MAX) if group is not None else local_max
+            local_target = t_c - vocab_start
+            valid = t_c != ignore_index
+            mine = (local_target >= 0) & (local_target < v_local) & valid
+            idx = local_target.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
+            picked = logits.gather(-1, idx).squeeze(-1) if v_local else logits.new_zeros(rows)
+            exp = logits.sub_(global_max.unsqueeze(-1)).exp_()  # in place: one chunk-sized buffer throughout
+            target_logit = torch.where(mine, picked - global_max, torch.zeros_like(picked))
+            stats = torch.stack([exp.sum(dim=-1), target_logit])
+            if group is not None:  # sum-exp and the target logit in one all-reduce
+                stats = all_reduce_tp(stats, group)
+            sum_exp, target_logit = stats[0], stats[1]
+            total += torch.where(valid, torch.log(sum_exp) - target_logit, torch.zeros_like(sum_exp)).sum()
+            if need_h or need_w:
+                grad = exp.div_(sum_exp.unsqueeze(-1))  # softmax
+                if v_local:
+                    grad.scatter_add_(-1, idx, -mine.to(grad.dtype).unsqueeze(-1))
+                grad.mul_(valid.to(grad.dtype).unsqueeze(-1))  # ignored targets: no gradient
+                grad = grad.to(h.dtype)  # the matmuls run in the compute dtype, as the logits' did
+                if need_h:
+                    torch.mm(grad, weight, out=grad_h[start : start + chunk])
+                if need_w:
+                    if grad.dtype == grad_w.dtype:
+                        grad_w.addmm_(grad.t(), h_c)
+                    else:  # bf16 matmul, accumulated over chunks in fp32
+                        grad_w.add_(torch.mm(grad.t(), h_c))
+                del grad
+            del logits, exp  # before the next chunk's matmul: one chunk of logits alive at a time
+        # held on ctx, not saved tensors: a single-use backward scales them in place and lets them go
+        ctx.grads, ctx.reusable, ctx.weight_dtype = (grad_h, grad_w), reusable, weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.grads
+        if grad_h is None and grad_w is None:
+            raise RuntimeError("the chunked loss's backward ran twice: its gradients are computed in the forward and "
+                               "handed over once; set reuse_backward=True on the LinearCrossEntropyHead (the "
+                               "zero-bubble pipeline does) to keep them for a second backward")
+        if ctx.reusable:  # out of place: the zero-bubble W pass runs this again after B (retain_graph)
+            dh = None if grad_h is None else (grad_h.to(grad_total.dtype) * grad_total).to(grad_h.dtype)
+            dw = None if grad_w is None else (grad_w * grad_total).to(ctx.weight_dtype)
+        else:  # in place and released: dW needs no second weight-sized buffer (AccumulateGrad takes it as is)
+            ctx.grads = (None, None)
+            dh = None if grad_h is None else (grad_h.mul_(grad_total) if grad_h.dtype == grad_total.dtype
+                                              else (grad_h.to(grad_total.dtype) * grad_total).to(grad_h.dtype))
+            dw = None if grad_w is None else grad_w.mul_(grad_total).to(ctx.weight_dtype)
+        return dh, dw, None, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy_sum(h: Tensor, weight: Tensor, targets: Tensor, vocab_start: int = 0,
+                             group: dist.ProcessGroup | None = None, ignore_index: int = IGNORE_INDEX,
+                             chunk_elements: int = CHUNK_ELEMENTS, vocab_rows: int | None = None,
+                             reuse_backward: bool = False) -> tuple[Tensor, Tensor]:
+    """(sum of cross-entropy of h @ weight^T over non-ignored targets, their count), without the full logits.
+
+    h (..., D) in the compute dtype; weight (V_local, D) holds vocab rows [vocab_start, vocab_start +
+    V_local) (all of them without tp); targets (...) global ids. With `group` (tp) the statistics are
+    all-reduced over it and h's gradient is this rank's partial sum (the caller's input collective sums it).
+    `vocab_rows`: the rows that set the chunk size (default V_local; under tp ceil(V / tp) on every rank).
+    The backward hands its stored gradients over once (scaled in place); `reuse_backward` keeps them for a
+    second backward through the same graph (retain_graph; the zero-bubble pipeline's W pass)."""
+    flat = targets.reshape(-1)
+    h2 = h.reshape(flat.numel(), h.shape[-1])
+    chunk = chunk_tokens(flat.numel(), weight.shape[0] if vocab_rows is None else vocab_rows, chunk_elements)
+    grads = torch.is_grad_enabled()  # evaluation (no_grad): the loss only, no gradient buffers
+    total = _LinearCrossEntropy.apply(h2, weight, flat, vocab_start, group, ignore_index, chunk,
+                                      grads and h2.requires_grad, grads and weight.requires_grad, reuse_backward)
+    return total, (flat != ignore_index).sum()
+
+
+class LinearCrossEntropyHead(nn.Module):
+    """The output projection with the loss inside it: forward(h) returns the logits as the layer it
+    replaces did (vocab-sharded under tp); forward(h, targets) returns (loss sum, valid count) through
+    `linear_cross_entropy_sum`. It holds the replaced layer's `weight` Parameter (a tp DTensor Shard(0) or
+    a plain tensor), so the parameter is still `output.weight`, and runs inside this module's forward, so
+    FSDP2 has gathered (and cast) the weight before and reduces its gradient after."""
+
+    takes_targets = True  # models.Transformer.forward(targets=...) looks for this
+    reuse_backward = False  # True: the backward may run twice (PipelineRunner sets it for zero-bubble kinds)
+
+    def __init__(self, weight: nn.Parameter, input_comm: nn.Module | None = None,
+                 chunk_elements: int = CHUNK_ELEMENTS, ignore_index: int = IGNORE_INDEX):
+        super().__init__()
+        self.weight = weight
+        self.input_comm = input_comm if input_comm is not None else nn.Identity()
+        self.chunk_elements, self.ignore_index = chunk_elements, ignore_index
+        vocab = weight.shape[0]  # global rows (a DTensor reports its logical shape)
+        mesh = weight.device_mesh if isinstance(weight, DTensor) else None
+        tp = mesh.size() if mesh is not None else 1
+        self.group = mesh.get_group() if tp > 1 else None
+        self.vocab_start = shard_range(vocab, mesh.get_local_rank(), tp)[0] if tp > 1 else 0
+        self.vocab_rows = -(-vocab // tp)
+
+    def forward(self, h: Tensor, targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        h = self.input_comm(h)
+        w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        if targets is None:
+            return F.linear(h, w)
+        return linear_cross_entropy_sum(h, w, targets, self.vocab_start, self.group, self.ignore_index,
+                                        self.chunk_elements, self.vocab_rows, self.reuse_backward)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.weight.shape[0]}, chunk_elements={self.chunk_elements}, tp_vocab_start={self.vocab_start}"
+
+
+def _accepts_targets(model: nn.Module) -> bool:
+    try:
+        return "targets" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def apply_loss_head(model: nn.Module, chunk_elements: int = CHUNK_ELEMENTS) -> nn.Module:
+    """Swap `model.output` for a LinearCrossEntropyHead, in place, after tp (+cp) and before activation
+    checkpointing, compile and FSDP2. Only a bias-free nn.Linear or column-parallel layer is swapped, and
+    only on a model whose forward takes `targets` (tessera's Transformer, or a stage of it with the head);
+    anything else (a user's model, a stage without `output`) is left as it is."""
+    out = getattr(model, "output", None)
+    if isinstance(out, LinearCrossEntropyHead) or not _accepts_targets(model):
+        return model
+    if isinstance(out, nn.Linear) and out.bias is None:
+        model.output = LinearCrossEntropyHead(out.weight, None, chunk_elements)
+    elif isinstance(out, ColumnParallelLinear) and getattr(out, "bias", None) is None:
+        model.output = LinearCrossEntropyHead(out.weight, out.input_comm, chunk_elements)
+    return model
+
+
+def has_loss_head(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "output", None), LinearCrossEntropyHead)
+
+
+def model_loss(loss_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], model: nn.Module, inputs: Tensor,
+               positions: Tensor | None, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """What the runners call per microbatch: `loss_fn.model_loss` when the loss object has one (the fused
+    head, when installed), else loss_fn(model(inputs, positions), targets) for a plain function."""
+    method = getattr(loss_fn, "model_loss", None)
+    if method is not None:
+        return method(model, inputs, positions, targets)
+    return loss_fn(model(inputs, positions), targets)

@@ -27,6 +27,7 @@ from .data import (
     layout_for_strategy,
 )
 from .context import apply_cp, check_context
+from .loss import apply_loss_head, check_loss
 from .pipeline import PipelineConfig, check_pipeline
 from .plan import ColwiseParallel, Plan, PrepareInput, apply_plan, llama_plan
 from .tensor import apply_tp, check_tensor_parallel
@@ -41,6 +42,7 @@ class ParallelConfig:
     cp_method: str = "ring"  # context-parallel attention: "ring" or "allgather"
     timeout: float | None = None  # seconds a ring step may wait (None: the process group's timeout)
     compile: bool = False  # torch.compile each block (the plan's checkpoint_blocks)
+    loss: str = "chunked"  # "chunked": the fused head, never the full logits (parallel/loss.py); "logits"
 
     def check(self, model_config, seq_len: int | None = None, global_batch: int | None = None,
               microbatches: int | None = None) -> None:
@@ -48,6 +50,7 @@ class ParallelConfig:
         layout = self.layout
         microbatches = microbatches or self.pipeline.microbatches
         check_context(seq_len, layout.cp, self.cp_method, layout.tp, self.sequence_parallel)
+        check_loss(self.loss)
         check_tensor_parallel(model_config, layout.tp, self.sequence_parallel,
                               None if seq_len is None else seq_len // layout.cp)
         check_data_parallel(self.data, layout)
@@ -86,12 +89,19 @@ def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelCon
         apply_plan(model, meshes.tp, plan, config.sequence_parallel)
     if meshes.cp is not None:
         apply_cp(model, meshes.cp, config.cp_method, config.timeout)
+    if check_loss(config.loss) == "chunked":  # the output head computes the loss; before ac, compile, FSDP2
+        apply_loss_head(model)
     if plan.checkpoint_blocks:
         apply_activation_checkpointing(model, config.data.activation_checkpointing, plan.checkpoint_blocks)
     if config.compile:
         apply_compile(model, plan.checkpoint_blocks)
     if meshes.fsdp is not None:
         apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan)
+    elif config.data.mixed_precision != "fp32":
+        # no data axes to shard over, but the same precision policy as every other layout: FSDP2 on the
+        # degree-1 data mesh casts the fp32 master weights to the compute dtype once per step (gathered
+        # for the whole step, as nothing is saved by resharding) and reduces gradients in fp32
+        apply_fsdp(model, meshes.precision, config.data, pipelined=True, plan=plan)
     return model
 
 

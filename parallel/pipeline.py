@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .comm import collective
+from .loss import LinearCrossEntropyHead, model_loss
 from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule, simulate, validate
 
 __all__ = ["build_schedule", "PipelineConfig", "split_layers", "stages_of_rank", "build_stage", "check_pipeline",
@@ -96,10 +97,6 @@ def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, a
     kind = config.schedule
     check_schedule(kind, pp, config.microbatches, config.virtual)
     split_layers(n_layers, pp * config.virtual, config.layers_per_stage)
-    if kind in SPLIT_BACKWARD and fsdp:
-        raise ValueError(f"--schedule {kind} with FSDP2 (the data axes) is not supported: FSDP2 reduces a block's "
-                         f"gradients when its input gradient is ready, before the deferred W pass; use --schedule "
-                         f"1f1b or interleaved-1f1b with --dp, or {kind} with --tp only")
     if kind in SPLIT_BACKWARD and activation_checkpointing != "none":
         raise ValueError(f"--schedule {kind} with --ac {activation_checkpointing} is not supported (the W pass "
                          f"would recompute the block again); use --ac none or --schedule 1f1b")
@@ -141,6 +138,8 @@ class PipelineRunner:
             schedule = build_schedule(schedule, self.pp, microbatches, virtual)
         n_stages, n_microbatches, self.split = validate(schedule)
         simulate(schedule)  # ValueError naming the stuck ranks if it would deadlock
+        for head in (m for part in stages.values() for m in part.modules() if isinstance(m, LinearCrossEntropyHead)):
+            head.reuse_backward = self.split  # W runs the fused loss head's backward again, after B
         if len(schedule) != self.pp or n_stages != self.n_stages or n_microbatches != microbatches:
             raise ValueError(f"the schedule has {len(schedule)} ranks, {n_stages} stages and {n_microbatches} "
                              f"microbatches; this pipeline has {self.pp}, {self.n_stages} and {microbatches}")
@@ -212,6 +211,9 @@ class PipelineRunner:
             with collective("send (pipeline)", "pp", self.group):
                 work.wait(self.timeout)
         self.sends.clear()
+        if self.split:  # every W has run: now FSDP2 reduces each stage's accumulated gradients
+            for part in self.stages.values():
+                _reduce_gradients_now(part)
         assert not self.saved and not self.posted, "every activation is consumed by the end of the step"
         return self.loss
 
@@ -220,10 +222,13 @@ class PipelineRunner:
         inputs, targets = self.data[a.microbatch]
         x = inputs if a.stage == 0 else received
         captured: list[tuple[Tensor, list[nn.Parameter]]] = []
+        last = a.stage == self.n_stages - 1
         with _capture_weight_users(part, captured) if self.split else _nothing():
-            out = part(x, self.positions)
-        if a.stage == self.n_stages - 1:
-            loss_sum, _ = self.loss_fn(out, targets)
+            if last:  # through the fused loss head when the stage has one (no full logits)
+                loss_sum, _ = model_loss(self.loss_fn, part, x, self.positions, targets)
+            else:
+                out = part(x, self.positions)
+        if last:
             self.loss += loss_sum.detach().float()
             out = loss_sum * self.scale  # backward starts here, with no output gradient
         else:
@@ -233,7 +238,8 @@ class PipelineRunner:
     def _B(self, a: Action, k: int, grad: Tensor | None) -> None:
         saved = self.saved[(a.microbatch, a.stage)]
         part, x, out = self.stages[a.stage], saved["input"], saved["output"]
-        _set_gradient_sync(part, k == self.last_backward[a.stage])
+        # split kinds: FSDP2 would reduce when the input gradient is ready, before W; they reduce after W
+        _set_gradient_sync(part, k == self.last_backward[a.stage] and not self.split)
         if self.split:  # input gradient now; the weight gradient waits for W
             users = [y for y, _ in saved["weight_users"]]
             wanted = ([x] if x is not None else []) + users
@@ -334,9 +340,33 @@ def _set_gradient_sync(part: nn.Module, last: bool) -> None:
         part.set_reshard_after_backward(last)
 
 
+def _reduce_gradients_now(part: nn.Module) -> None:
+    """FSDP2's post-backward for every unit of `part`, run by hand (torch.distributed.pipelining's
+    REDUCE_GRAD does the same): the split schedules compute weight gradients in W passes that FSDP2's
+    autograd hooks never see, so each unit's gradients (accumulated unsharded, with sync off) are reduced
+    here, after the last W, and the units resharded."""
+    if not hasattr(part, "set_requires_gradient_sync"):
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    part.set_requires_gradient_sync(True)
+    part.set_reshard_after_backward(True)
+    if hasattr(part, "set_is_last_backward"):
+        part.set_is_last_backward(True)
+    state = fully_shard.state(part)
+    for unit in state._state_ctx.all_states:
+        groups = getattr(unit, "_fsdp_param_groups", None)  # torch 2.13; 2.11 holds one group
+        if groups is None:
+            groups = [g for g in [getattr(unit, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
 class _capture_weight_users:
     """Record the output of every module that owns parameters during one forward: W later runs the
-    backward from each output to that module's own weights only (ZB's weight-gradient pass)."""
+    backward from each output to that module's own weights only (ZB's weight-gradient pass). A module
+    returning a tuple (the fused loss head: loss sum, count) is recorded by its first tensor."""
 
     def __init__(self, part: nn.Module, out: list[tuple[Tensor, list[nn.Parameter]]]):
         self.modules = [m for m in part.modules() if any(True for _ in m.parameters(recurse=False))]
@@ -344,6 +374,8 @@ class _capture_weight_users:
 
     def _hook(self, module: nn.Module, args, output) -> None:
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if isinstance(output, tuple):
+            output = next((o for o in output if isinstance(o, Tensor)), None)
         if isinstance(output, Tensor) and output.requires_grad and params:
             self.out.append((output, params))
 

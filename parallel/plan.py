@@ -47,7 +47,7 @@ from .tensor import (
     TPRMSNorm,
     VocabParallelEmbedding,
     _shard_param,
-    copy_to_tp,
+    copy_weight_to_tp,
 )
 
 
@@ -119,7 +119,7 @@ class RowwiseLinear(RowParallelLinear):
         if self.bias is None:
             return y
         b = self.bias.to_local()
-        return y + (copy_to_tp(b, self.group) if self.sequence_parallel else b)
+        return y + (copy_weight_to_tp(b, self.group) if self.sequence_parallel else b)
 
 
 @dataclass(repr=False)
@@ -163,7 +163,7 @@ class TPLayerNorm(nn.Module):
     def _local(self, p):
         if p is None:
             return None
-        return copy_to_tp(p.to_local(), self.group) if self.sequence_parallel else p.to_local()
+        return copy_weight_to_tp(p.to_local(), self.group) if self.sequence_parallel else p.to_local()
 
     def forward(self, x):
         return torch.nn.functional.layer_norm(x, self.normalized_shape, self._local(self.weight), self._local(self.bias), self.eps)

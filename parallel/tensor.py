@@ -113,8 +113,28 @@ class _ScatterSequence(Function):
         return _all_gather(grad, SEQ_DIM, ctx.group), None
 
 
+class _CopyWeightToTP(Function):
+    """copy_to_tp for a weight used on every tp rank: its gradient's partial sums are added in fp32 (the
+    precision policy reduces gradients in fp32) and rounded to the weight's dtype once, as the one-process
+    matmul over all tokens rounds its fp32 accumulation once."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_tp(grad.float(), ctx.group).to(grad.dtype), None
+
+
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _CopyToTP.apply(x, group)
+
+
+def copy_weight_to_tp(weight: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """A replicated weight (norm, bias, replicated kv heads) read by every tp rank's tokens or heads."""
+    return _CopyWeightToTP.apply(weight, group)
 
 
 def reduce_from_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -194,7 +214,7 @@ class ReplicatedHeadsLinear(nn.Module):
         self.group, self.rows = tp_mesh.get_group(), slice(head * head_dim, (head + 1) * head_dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, copy_to_tp(self.weight.to_local(), self.group)[self.rows])
+        return F.linear(x, copy_weight_to_tp(self.weight.to_local(), self.group)[self.rows])
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -230,7 +250,7 @@ class TPRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight.to_local()
-        return rms_norm(x, copy_to_tp(w, self.group) if self.sequence_parallel else w, self.eps)
+        return rms_norm(x, copy_weight_to_tp(w, self.group) if self.sequence_parallel else w, self.eps)
 
 
 # ----------------------------------------------------------------------------- validation and application

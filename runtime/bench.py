@@ -8,13 +8,20 @@ Layouts are named by their degrees joined with x, options after +:
     options: sp (sequence parallel), ac_op / ac_full / ac_selective, zero2 (SHARD_GRAD_OP), compile
 
 Per layout: the median over the steps after --warmup of the step time; tokens/s and tokens/s per device;
-MFU = model FLOPs per step (6 x matmul parameters + 6 x layers x dim x seq per token, causal attention)
-/ (step time x devices x peak FLOP/s per device: the bf16 peak of a known GPU, or on CPU one core's fp32
-matmul rate measured here at the start); the step split into exposed communication (time inside
-tessera's tp, cp and pp collectives, waiting on peers included) and the rest (compute, FSDP2's
-collectives and the optimizer); the bytes each axis moved in the first step, counted and predicted; rank
-0's peak tensor memory (live tensor storage at the peak of step 2, measured) beside the planner's
-estimate, and its process peak (the CUDA allocator's, or peak RSS on CPU).
+MFU = model FLOPs per step (6 x matmul parameters + 6 x layers x dim x seq per token: the second term is
+causal attention's QK^T and PV, forward and backward, at half the dense count) / (step time x devices x
+peak FLOP/s per device: the bf16 peak of a known GPU, or on CPU one core's fp32 matmul rate measured here
+at the start); the dtype the matmuls ran in (the records' compute_dtype, read from the tensors); the step
+split into exposed communication (time inside tessera's tp, cp and pp collectives, waiting on peers
+included) and the rest (compute, FSDP2's collectives and the optimizer); the bytes each axis moved in the
+first step, counted and predicted; rank 0's peak tensor memory (live tensor storage at the peak of step
+2, measured) and its process peak (the CUDA allocator's torch.cuda.max_memory_allocated, or peak RSS on
+CPU); beside them the planner's step time and memory, its step time at rates calibrated on this device at
+the start (tessera plan --calibrate's measurement, topology/step_time.py), with measured / predicted.
+
+--baseline adds a plain-torch row (tessera.baseline: the same weights, data, sequence and batch on one
+device, FSDP2 on a one-rank mesh with the same mixed precision, SDPA, torch.compile per block on CUDA,
+fused AdamW on CUDA / foreach on CPU) and each layout's step time over the baseline's.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+MFU_FORMULA = ("(6 x matmul parameters + 6 x n_layers x dim x seq_len) x tokens per step / (step time x devices x peak); "
+               "the second term is causal attention (QK^T and PV, forward + backward, half the dense 12 x n_layers x "
+               "dim x seq_len); peak per device: ")
 AXIS_OF = {"pp": "pp", "dpr": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp"}
 OPTIONS = {"sp": dict(sequence_parallel=True), "ac_op": dict(ac="op"), "ac_full": dict(ac="full"),
            "ac_selective": dict(ac="selective"), "zero2": dict(fsdp="SHARD_GRAD_OP"), "compile": dict(compile=True)}
@@ -106,6 +116,13 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (the first also counts bytes)")
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: CUDA when there is a GPU for every rank)")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--baseline", nargs="?", const="auto", choices=("auto", "eager", "compile"), default=None,
+                   help="also run the plain-torch baseline (tessera.baseline) at the first layout's batch; compiled per "
+                        "block or not (auto: compiled on CUDA, eager on CPU)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip measuring this device's rates at the start (the predicted step time then uses the "
+                        "planner's uncalibrated constants)")
     p.add_argument("--out", required=True, help="directory for bench-<model>-<device>.json and the PNG plots")
     p.set_defaults(func=run_bench)
 
@@ -129,7 +146,7 @@ def run_bench(args: argparse.Namespace) -> int:
             mb = args.microbatches or (2 * kw.get("pp", 1) if kw.get("pp", 1) > 1 else 1)
             config = Config.create(model=args.model, n_layers=args.n_layers, seq_len=args.seq_len, global_batch=batch,
                                    steps=args.steps, microbatches=mb, quiet=True, device=args.device,
-                                   comm_stats="first", track_memory=True, **kw)
+                                   mixed_precision=args.mixed_precision, comm_stats="first", track_memory=True, **kw)
             config.check()
             configs.append((name, config))
         out = Path(args.out)
@@ -140,10 +157,11 @@ def run_bench(args: argparse.Namespace) -> int:
     return _sweep(args, configs, out)
 
 
-def planner_estimate(config):
+def planner_estimate(config, calibration=None):
     """The planner's Estimate for the layout a training config runs: its strategy (NO_SHARD as FSDP2 runs
     it, every dp rank on dp_replicate; HYBRID_SHARD is FULL_SHARD on that 2-D mesh), checkpointing,
-    schedule, microbatches, virtual stages and sequence parallel, at its dtype (fp32 on CPU: fp32 Adam)."""
+    schedule, microbatches, virtual stages and sequence parallel, at its dtype (fp32 on CPU: fp32 Adam);
+    its step time at a calibration's measured rates when one is given (topology/step_time.py)."""
     from tessera.parallel.data import PRECISIONS, layout_for_strategy
     from tessera.topology.planner import Candidate, Hardware, estimate
 
@@ -155,8 +173,45 @@ def planner_estimate(config):
     element = PRECISIONS[p.data.mixed_precision].itemsize
     ranks = layout.world_size
     hw = Hardware(gpus=ranks, gpu_memory_gb=1e6, gpus_per_node=max(8, ranks), dtype_bytes=element,
-                  recipe="mixed_adam" if element == 2 else "fp32_adam")
+                  recipe="mixed_adam" if element == 2 else "fp32_adam", calibration=calibration)
     return estimate(config.model_config, cand, hw, config.data.seq_len, config.data.global_batch)
+
+
+def calibrate_rank(config, quick: bool = True) -> dict:
+    """On a one-rank job (the threads and device of a rank): this device's rates at the config's shapes, a
+    dp rank's microbatch (tessera.calibrate.measure)."""
+    import torch
+
+    from .calibrate import measure
+    from .trainer import current_device
+
+    rows = max(1, config.data.global_batch // config.layout.dp // config.data.microbatches)
+    device = current_device() if config.device_type() == "cuda" else torch.device("cpu")
+    return measure(config.model_config, config.data.seq_len // config.layout.cp, rows, device, config.mixed_precision, quick=quick)
+
+
+def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
+    """On a one-rank job: the plain-torch baseline (tessera.baseline) at the config's model, seed, data,
+    sequence, global batch, mixed precision and optimizer; its step records."""
+    import torch
+
+    from . import baseline
+    from .trainer import current_device
+
+    device = current_device() if config.device_type() == "cuda" else torch.device("cpu")
+    cfg, o = config.model_config, config.optimizer
+    options = baseline.Options(mixed_precision=config.mixed_precision, compile=compile, lr=o.lr, warmup=o.warmup,
+                               min_lr_ratio=o.min_lr_ratio, total_steps=config.runtime.steps, betas=(o.beta1, o.beta2),
+                               eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+    batches = baseline.tessera_batches(cfg, config.data.seq_len, config.data.global_batch)
+    return baseline.train(cfg, batches, steps, device, lambda: baseline.tessera_state(cfg, config.runtime.seed), options)
+
+
+def _one_rank(fn, config, *args):
+    from tessera.parallel.launch import run_ranks
+
+    backend = "nccl" if config.device_type() == "cuda" else "gloo"
+    return run_ranks(fn, 1, config, *args, timeout=None, backend=backend)[0]
 
 
 def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
@@ -166,30 +221,79 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
     info = device_info()
     on_gpu = configs[0][1].device_type() == "cuda"
     per_device_peak = next((v for k, v in BF16_PEAK.items() if k in info["device"]), None) if on_gpu else cpu_core_peak_flops()
+    calibration = None
+    if args.calibrate:
+        print(f"bench: calibrating this device at {configs[0][0]}'s shapes ...", flush=True)
+        calibration = _one_rank(calibrate_rank, configs[0][1])
+        from .calibrate import describe
+
+        print(f"bench: {describe(calibration)} ({calibration['seconds']:.1f} s)", flush=True)
     rows = []
     for i, (name, config) in enumerate(configs, 1):
         print(f"bench [{i}/{len(configs)}] {name}: {config.layout.world_size} rank(s), {config.runtime.steps} steps ...", flush=True)
         history = train(config)
-        rows.append(_row(name, config, history, args.warmup, per_device_peak, on_gpu))
+        rows.append(_row(name, config, history, args.warmup, per_device_peak, on_gpu, calibration))
         r = rows[-1]
         print(f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per device), "
               f"step {r['step_time_s'] * 1e3:.1f} ms ({r['exposed_comm_s'] * 1e3:.1f} ms exposed communication), "
-              f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}", flush=True)
+              f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}, {r['compute_dtype']}; predicted step "
+              f"{r['predicted']['step_time_s'] * 1e3:.1f} ms (measured / predicted {r['measured_over_predicted']['step_time']:.2f})",
+              flush=True)
     _efficiency(rows)
+    baseline = None
+    if args.baseline:
+        base_config = configs[0][1]
+        compile = args.baseline == "compile" or (args.baseline == "auto" and on_gpu)
+        print(f"bench [baseline] plain torch{' (compiled blocks)' if compile else ''}: 1 rank, {args.steps} steps ...", flush=True)
+        records = _one_rank(baseline_rank, base_config, compile, args.steps)
+        baseline = _baseline_row(base_config, records, args.warmup, per_device_peak, compile)
+        for r in rows:
+            r["baseline_step_time_s"] = baseline["step_time_s"]
+            # tessera / baseline at the same global batch: > 1 is slower than plain torch
+            r["step_time_vs_baseline"] = r["step_time_s"] / baseline["step_time_s"] if r["global_batch"] == baseline["global_batch"] else None
+        print(f"bench [baseline]: {baseline['tokens_per_s']:,.0f} tok/s, step {baseline['step_time_s'] * 1e3:.1f} ms, MFU "
+              f"{baseline['mfu']:.1%}, {baseline['compute_dtype']}; tessera / baseline step time: "
+              + ", ".join(f"{r['layout']} {r['step_time_vs_baseline']:.3f}" for r in rows if r.get("step_time_vs_baseline")), flush=True)
     device = "cuda" if on_gpu else "cpu"
     name = f"bench-{args.model}-{args.series or 'layouts'}-{device}"
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config["mfu_formula"] = ("(6 x matmul parameters + 6 x n_layers x dim x seq_len) x tokens per step / (step time x "
-                             "devices x peak); peak per device: " + ("the GPU's dense bf16 datasheet figure" if on_gpu else
-                             "one CPU core's fp32 matmul rate measured at the start; devices on CPU: min(ranks, cores)"))
+    config["mfu_formula"] = MFU_FORMULA + ("the GPU's dense bf16 datasheet figure" if on_gpu else
+                                           "one CPU core's fp32 matmul rate measured at the start; devices on CPU: min(ranks, cores)")
+    config["attention_flops_included"] = True
     config["peak_flops_per_device"] = per_device_peak
-    path = write_results(name, config, {"layouts": rows}, out)
+    config["predicted_step_time"] = ("the planner's estimate (topology/planner.py) at rates measured on this device at the start "
+                                     "(topology/step_time.py: matmuls, attention, elementwise traffic, loss, optimizer, "
+                                     "host dispatch); ratios are measured / predicted" if calibration else
+                                     "the planner's uncalibrated estimate (FLOPs at its efficiency of the H100 bf16 peak)")
+    config["calibration"] = calibration
+    results = {"layouts": rows}
+    if baseline is not None:
+        results["baseline"] = baseline
+    path = write_results(name, config, results, out)
     plots = _plots(rows, out, name, args.series, info["device"])
     print(f"wrote {path}" + "".join(f", {p}" for p in plots))
     return 0
 
 
-def _row(name: str, config, history: list[dict], warmup: int, peak: float | None, on_gpu: bool) -> dict:
+def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, compile: bool) -> dict:
+    from tessera.topology.planner import model_flops_per_token
+
+    timed = records[warmup:]
+    step = statistics.median(m["step_time_s"] for m in timed)
+    tokens = config.data.global_batch * config.data.seq_len
+    flops = model_flops_per_token(config.model_config, config.data.seq_len) * tokens
+    devices = 1
+    return {"layout": "baseline", "implementation": "tessera.baseline (plain torch: FSDP2 on a one-rank mesh, SDPA, "
+            "fused/foreach AdamW)", "compile": compile, "mixed_precision": config.mixed_precision, "ranks": 1, "devices": devices,
+            "global_batch": config.data.global_batch, "seq_len": config.data.seq_len, "step_time_s": step,
+            "step_times_s": [m["step_time_s"] for m in timed], "tokens_per_s": tokens / step,
+            "tokens_per_s_per_device": tokens / step / devices, "mfu": flops / (step * devices * peak) if peak else None,
+            "compute_dtype": records[0].get("compute_dtype"), "peak_memory_bytes": max(m["peak_memory_bytes"] for m in records),
+            "final_loss": records[-1]["loss"], "losses": [m["loss"] for m in records]}
+
+
+def _row(name: str, config, history: list[dict], warmup: int, peak: float | None, on_gpu: bool,
+         calibration: dict | None = None) -> dict:
     import os
 
     from tessera.topology.planner import model_flops_per_token
@@ -204,8 +308,13 @@ def _row(name: str, config, history: list[dict], warmup: int, peak: float | None
     flops = model_flops_per_token(config.model_config, config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
     p = config.parallel_config()
-    predicted = planner_estimate(config)
+    from tessera.topology.step_time import Calibration
+
+    predicted = planner_estimate(config, Calibration.from_entry(calibration) if calibration else None)
     comm = history[0].get("comm", {})
+    peak_process = max(m["peak_memory_bytes"] for m in history)
+    # measured memory against the planner's: the allocator's peak on a GPU, the live tensors' on CPU
+    measured_memory = peak_process if on_gpu else history[1].get("peak_tensor_bytes")
     return {
         "layout": name, "degrees": lay.as_dict(), "ranks": ranks, "devices": devices,
         "global_batch": config.data.global_batch, "microbatches": config.data.microbatches,
@@ -215,12 +324,20 @@ def _row(name: str, config, history: list[dict], warmup: int, peak: float | None
         "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / devices,
         "mfu": flops / (step * devices * peak) if peak else None,
         "exposed_comm_s": exposed, "compute_and_fsdp_s": step - exposed, "collective_wait_s_by_axis": waits,
-        "peak_memory_bytes_rank0": max(m["peak_memory_bytes"] for m in history),
+        "peak_memory_bytes_rank0": peak_process,
         "peak_memory_kind": "CUDA allocator peak" if on_gpu else "process peak RSS (the Python and torch runtime included)",
         "peak_tensor_bytes_rank0": history[1].get("peak_tensor_bytes"),
         "comm_bytes_counted": comm.get("bytes_by_axis", {}), "comm_bytes_by_collective": comm.get("bytes_by_collective", {}),
+        "compute_dtype": next((m["compute_dtype"] for m in history if m.get("compute_dtype")), None),
+        "allocator_peak_bytes_rank0": peak_process if on_gpu else None,
         "predicted": {"comm_bytes": comm.get("analytic_bytes_by_axis", {}),
-                      "memory_bytes": predicted.memory, "planner_comm_bytes": predicted.comm_bytes},
+                      "memory_bytes": predicted.memory, "planner_comm_bytes": predicted.comm_bytes,
+                      "step_time_s": predicted.time["step"], "time_s": predicted.time,
+                      "compute_parts_s": predicted.compute_parts, "calibrated": calibration is not None},
+        "measured_over_predicted": {
+            "step_time": step / predicted.time["step"],
+            "memory": measured_memory / predicted.memory["total"] if measured_memory else None,
+            "memory_measure": "CUDA allocator peak (rank 0)" if on_gpu else "live tensors at step 2's peak (rank 0)"},
         "final_loss": history[-1]["loss"], "losses": [m["loss"] for m in history],
     }
 

@@ -49,6 +49,8 @@ class ParallelSection:
     virtual: int = opt(1, "virtual pipeline stages per pp rank (interleaved-1f1b: stage s on rank s % pp)")
     pp_layers: str | None = opt(None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,...")
     cp_method: str | None = opt(None, "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); default with --cp > 1: ring")
+    loss: str = opt("chunked", "the loss: chunked (fused linear cross-entropy over token chunks, never the full fp32 "
+                               "logits) or logits (the full logits, then cross-entropy)", metavar="chunked|logits")
 
     @property
     def layers_per_stage(self) -> tuple[int, ...] | None:
@@ -136,6 +138,13 @@ class RuntimeSection:
                                  metavar="every|first")
     max_restarts: int = opt(0, "when a rank fails, restart every rank from the latest checkpoint up to N times (under torchrun: its --max-restarts)")
     on_nonfinite: str = opt("stop", "a NaN or inf loss or gradient: stop (name it, apply and save nothing) or skip (drop that step's update)")
+    profile: str | None = opt(None, "trace --profile-steps with torch.profiler: every rank writes DIR/rank{R}.trace.json "
+                                    "(Perfetto / chrome://tracing JSON); rank 0 prints its top ops by self time at the end",
+                              metavar="DIR")
+    profile_steps: str | None = opt(None, "the steps --profile records, A:B inclusive (default: the run's 2nd and 3rd "
+                                          "steps, leaving out the first step's warm-up)", metavar="A:B")
+    profile_shapes: bool = opt(False, "with --profile: record each op's input shapes too (larger traces; the table "
+                                      "groups ops by shape)")
 
 
 SECTIONS = {
@@ -233,7 +242,8 @@ class Config:
         data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
         pipeline = PipelineConfig(p.schedule or "1f1b", p.virtual, p.layers_per_stage, self.data.microbatches)
         return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data, pipeline=pipeline,
-                              cp_method=p.cp_method or "ring", timeout=self.runtime.timeout, compile=p.compile)
+                              cp_method=p.cp_method or "ring", timeout=self.runtime.timeout, compile=p.compile,
+                              loss=p.loss)
 
     @property
     def resume_path(self) -> str:
@@ -293,6 +303,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default = f.default
             extra = dict(f.metadata.get("argparse", {}))
             help_ = f.metadata["doc"] + ("" if default in (None, False) else f" (default: {default})")
+            help_ = help_.replace("%", "%%")  # argparse %-formats help texts ("rank s % pp" broke --help)
             dest = f"{section}.{f.name}"
             if isinstance(default, bool):
                 group.add_argument(flag_of(f), dest=dest, action="store_true", help=help_)

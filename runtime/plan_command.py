@@ -32,11 +32,12 @@ def add_plan_parser(sub) -> None:
                     "checkpointing), estimate per-rank memory and step time, rule out what does not fit and "
                     "rank the rest. Estimates, not measurements: the assumptions are the options below.")
     p.add_argument("--model", required=True, help="a model preset (debug, small, 1b, 8b, 70b, 405b)")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (required unless --calibrate)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside one (default 8)")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (required unless --calibrate: default 1024)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (required unless --calibrate; there: the rows measured, default 1)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     p.add_argument("--dry-run", action="store_true",
@@ -51,6 +52,22 @@ def add_plan_parser(sub) -> None:
                    help=f"GB/s per GPU reached across nodes (default {DEFAULT_INTER_GBPS:g}: 400 Gb/s at ~80%%)")
     p.add_argument("--headroom", type=float, default=0.10,
                    help="share of GPU memory kept free for the CUDA context, NCCL and fragmentation (default 0.10)")
+    cal = p.add_argument_group(
+        "calibration", "Measured rates instead of --peak-tflops x --efficiency: --calibrate measures this machine (a "
+        "matmul at the model's shapes in the compute dtype, tessera's attention, the bandwidth a block's elementwise operators reach beside a plain copy, the host's "
+        "cost per operator) and stores the figures by device kind; --device-kind plans with a stored kind "
+        "(topology/step_time.py states what the step-time model counts)")
+    cal.add_argument("--calibrate", action="store_true",
+                     help="measure this device at --model's shapes (--seq-len x --global-batch tokens) and store the figures")
+    cal.add_argument("--calibration", default=None, metavar="PATH",
+                     help="the calibration file (default $TESSERA_CALIBRATION or ~/.cache/tessera/calibration.json)")
+    cal.add_argument("--device-kind", default=None, metavar="KIND",
+                     help="plan with the stored calibration whose device kind contains KIND (e.g. H100, cpu)")
+    cal.add_argument("--mixed-precision", choices=("bf16", "fp32"), default=None,
+                     help="--calibrate: the compute dtype to measure (default bf16 on CUDA, fp32 on CPU)")
+    cal.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="--calibrate: the device to measure")
+    cal.add_argument("--threads", type=int, default=1, help="--calibrate on CPU: threads (default 1, as one tessera rank runs)")
+    cal.add_argument("--quick", action="store_true", help="--calibrate: smaller measurements (a few seconds on a CPU)")
     p.set_defaults(func=run_plan)
 
 
@@ -62,12 +79,19 @@ def _row(rank: int, x: Estimate) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    if args.calibrate:
+        return _calibrate(args)
     try:
         if args.top < 1:
             raise PlanError(f"--top {args.top} must be at least 1")
+        missing = [f"--{n.replace('_', '-')}" for n in ("gpus", "seq_len", "global_batch") if getattr(args, n) is None]
+        if missing:
+            raise PlanError(f"{', '.join(missing)} required (or --calibrate to measure this device)")
+        calibration, dtype_bytes = _calibration(args)
         hw = Hardware(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
                       peak_tflops=args.peak_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
-                      inter_node_gbps=args.inter_node_gbps, headroom=args.headroom)
+                      inter_node_gbps=args.inter_node_gbps, headroom=args.headroom, calibration=calibration,
+                      dtype_bytes=dtype_bytes, recipe="mixed_adam" if dtype_bytes == 2 else "fp32_adam")
         result = plan(args.model, hw, args.seq_len, args.global_batch, top=args.top)
     except ValueError as e:  # PlanError and an unknown preset
         print(f"tessera plan: error: {e}", file=sys.stderr)
@@ -88,9 +112,12 @@ def run_plan(args: argparse.Namespace) -> int:
         print(_row(i, x))
     print(f"best: tessera train {best.candidate.flags()}".rstrip())
     print(f"why: {result.why}")
-    print(f"assumptions: {args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s, {args.intra_node_gbps:g} GB/s in a node, "
-          f"{args.inter_node_gbps:g} GB/s across nodes, {args.headroom:.0%} memory headroom, bf16 compute, "
-          f"fp32 master weights and Adam (16 B/parameter), --ac op's recompute at 3% of the step")
+    compute = (f"{args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s" if hw.calibration is None else
+               f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})")
+    print(f"assumptions: {compute}, {args.intra_node_gbps:g} GB/s in a node, "
+          f"{args.inter_node_gbps:g} GB/s across nodes, {args.headroom:.0%} memory headroom, "
+          f"{'bf16 compute, fp32 master weights and Adam (16 B/parameter)' if hw.dtype_bytes == 2 else 'fp32 compute and Adam'}, "
+          f"--ac op's recompute at 3% of the step")
     if dry is not None:
         for r in dry["ranks"]:
             print(f"dry run, rank {r['rank']} (pp stages {r['stages']}): {r['local_params']:,} parameters "
@@ -99,6 +126,53 @@ def run_plan(args: argparse.Namespace) -> int:
         estimated = sum(best.memory[k] for k in ("parameters", "gradients", "optimizer"))
         print(f"model states of the rank holding the most: {most / GB:.3f} GB counted, {estimated / GB:.3f} GB estimated")
         print(f"dry run took {dry['seconds']:.1f} s")
+    return 0
+
+
+def _calibration(args: argparse.Namespace):
+    """(the Calibration of --device-kind from the calibration file, or None; the compute dtype's bytes)."""
+    if args.device_kind is None:
+        return None, 2
+    from tessera.calibrate import load
+    from tessera.topology.step_time import Calibration, find_entry
+
+    entry = find_entry(load(args.calibration), args.device_kind)
+    calibration = Calibration.from_entry(entry)
+    return calibration, 4 if calibration.dtype == "float32" else 2
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Measure this device at the model's shapes and store the figures (tessera/calibrate.py)."""
+    started = time.perf_counter()
+    try:
+        from tessera.models import get_preset
+
+        cfg = get_preset(args.model)
+        seq_len = args.seq_len or min(1024, cfg.max_seq_len)
+        rows = args.global_batch or 1
+        if seq_len < 1 or rows < 1 or args.threads < 1:
+            raise PlanError(f"--seq-len {seq_len}, --global-batch {rows} and --threads {args.threads} must be positive")
+        import torch
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise PlanError("--device cuda: torch sees no CUDA GPU here; calibrate on the GPU machine or use --device cpu")
+        device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+        dtype = args.mixed_precision or ("bf16" if device.type == "cuda" else "fp32")
+        if device.type == "cpu":
+            torch.set_num_threads(args.threads)
+        from tessera.calibrate import describe, measure, save
+
+        entry = measure(cfg, seq_len, rows, device, dtype, quick=args.quick)
+        path = save(entry, args.calibration)
+    except (ValueError, OSError) as e:
+        print(f"tessera plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"path": str(path), "entry": entry, "seconds": time.perf_counter() - started}))
+        return 0
+    print(f"calibrated {describe(entry)}; measured at {args.model}'s shapes, {rows} x {seq_len} tokens, in "
+          f"{entry['seconds']:.1f} s")
+    print(f"wrote {path}: plan with it by tessera plan ... --device-kind {entry['device_kind'].split(',')[0]!r}")
     return 0
 
 

@@ -22,6 +22,7 @@ def check(config: Config) -> None:
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
     _check_paths(config, model)
+    _check_profile(config)
     if config.runtime.comm_stats not in (None, "every", "first"):
         raise ValueError(f"--comm-stats {config.runtime.comm_stats!r}: use every (each step) or first (the first step only)")
     d = config.data
@@ -200,3 +201,19 @@ def _check_paths(config: Config, model) -> None:
             raise ValueError("--init-from-hf starts a run from Hugging Face weights: drop --init-from / --resume (resume "
                              f"a run begun from them with --model hf:{c.init_from_hf} --resume)")
         check_hf_weights(c.init_from_hf, model)
+
+
+def _check_profile(config: Config) -> None:
+    """--profile DIR is writable and --profile-steps A:B are steps this run takes (a resumed run starts
+    after its checkpoint's step)."""
+    from .profiling import check_profile
+
+    r = config.runtime
+    if r.profile_shapes and r.profile is None:
+        raise ValueError("--profile-shapes applies to --profile DIR; add --profile DIR (or drop --profile-shapes)")
+    done = 0
+    if r.profile is not None and config.checkpoint.resume is not None:
+        from tessera.parallel import checkpoint
+
+        done = int(checkpoint.read_manifest(checkpoint.resolve(config.resume_path))["step"])
+    check_profile(r.profile, r.profile_steps, r.steps, done)

@@ -1,7 +1,8 @@
 """Runners: how one optimizer step's forward and backward passes run over the microbatches.
 
 The trainer owns the optimizer, clipping and metrics; a runner only turns microbatches into
-gradients and returns this rank's summed loss. Every microbatch's loss is its SUM over valid targets
+gradients and returns this rank's summed loss (through the model's fused loss head when it has one:
+`tessera.parallel.loss.model_loss`). Every microbatch's loss is its SUM over valid targets
 divided by the valid targets of the whole global batch, so the accumulated gradients are those of
 the global-batch mean whatever the layout and however targets are masked. FSDP2 averages gradients
 over its mesh; `grad_scale` (that mesh's size) turns the average back into the sum.
@@ -15,6 +16,8 @@ from __future__ import annotations
 from typing import Callable, Protocol, Sequence
 
 from torch import Tensor, nn
+
+from tessera.parallel.loss import model_loss
 
 Microbatch = tuple[Tensor, Tensor]  # (inputs, targets) of shape (rows, seq)
 LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (logits, targets) -> (sum, count)
@@ -47,7 +50,7 @@ class LocalRunner:
             # FSDP2 reduce-scatters only after the last microbatch; earlier ones accumulate locally
             _set_gradient_sync(self.model, i == len(microbatches) - 1)
             positions = self.positions(inputs) if self.positions is not None else None
-            loss_sum, _ = self.loss_fn(self.model(inputs, positions), targets)
+            loss_sum, _ = model_loss(self.loss_fn, self.model, inputs, positions, targets)
             (loss_sum * scale).backward()
             part = loss_sum.detach().float()
             total = part if total is None else total + part
@@ -63,7 +66,7 @@ def forward_only(model: nn.Module, loss_fn: LossFn, microbatches: Sequence[Micro
     total, count = None, None
     with torch.no_grad():
         for inputs, targets in microbatches:
-            loss_sum, valid = loss_fn(model(inputs, positions(inputs) if positions is not None else None), targets)
+            loss_sum, valid = model_loss(loss_fn, model, inputs, positions(inputs) if positions is not None else None, targets)
             total = loss_sum.float() if total is None else total + loss_sum.float()
             valid = torch.as_tensor(valid, dtype=torch.float32, device=loss_sum.device)
             count = valid if count is None else count + valid

@@ -11,7 +11,6 @@ materialized: a rank allocates and initializes only its own shards.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import resource
 import time
@@ -36,20 +35,9 @@ from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers,
 from tessera.topology import Meshes
 
 from .config import Config
+from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
 from .runners import LocalRunner, Runner, split_microbatches
 from .straggler import Straggler, StragglerWatch
-
-
-def lr_lambda(warmup: int, steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
-    """Linear warm-up over `warmup` steps, then cosine decay to `min_ratio` of the peak at `steps`."""
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -87,51 +75,6 @@ class Progress:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-class PartOptimizers:
-    """One AdamW per model part (a pipeline rank may hold several stages), stepped together. Per part,
-    so that checkpoints key each part's optimizer state by its parameters' one-process names."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self) -> dict[Tensor, Any]:
-        return {p: s for o in self.optimizers for p, s in o.state.items()}
-
-
-class PartSchedulers:
-    """The same LR schedule on each part's optimizer; Stateful as one schedule."""
-
-    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]):
-        self.schedulers = schedulers
-
-    def step(self) -> None:
-        for s in self.schedulers:
-            s.step()
-
-    def get_last_lr(self) -> list[float]:
-        return self.schedulers[0].get_last_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.schedulers[0].state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for s in self.schedulers:
-            s.load_state_dict(state)
-
-
 @dataclass
 class StepResult:
     """One step's figures, as tensors until `record()` reads them (one host sync, at logging time)."""
@@ -151,6 +94,9 @@ class StepResult:
     comm: dict[str, Any] | None = None  # --comm-stats: bytes sent by axis and collective, beside the analytic ones
     collective_wait_s: dict[str, float] = field(default_factory=dict)  # time inside tessera's collectives, by axis
     peak_tensor_bytes: int | None = None  # --track-memory, on step 2: live tensor storage at its peak
+    # the dtype that carried most matmul FLOPs, read from the tensors during this process's first step
+    compute_dtype: str | None = None
+    matmul_flops_by_dtype: dict[str, int] | None = None  # that first step's breakdown (its record only)
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -164,6 +110,8 @@ class StepResult:
             "step_time_s": elapsed,
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "layout": self.layout,
+            "compute_dtype": self.compute_dtype,
+            **({"matmul_flops_by_dtype": self.matmul_flops_by_dtype} if self.matmul_flops_by_dtype is not None else {}),
             "skipped": self.skipped,
             "skipped_steps": self.skipped_steps,
             **({"tokens_checksum": self.tokens_checksum} if self.tokens_checksum is not None else {}),
@@ -198,7 +146,7 @@ class Trainer:
                                       positions=self.positions_of)
         o = config.optimizer
         self.optimizer = PartOptimizers([
-            torch.optim.AdamW(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+            build_adamw(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
             for part in self.parts
         ])
         self.scheduler = PartSchedulers([
@@ -210,6 +158,8 @@ class Trainer:
         self.data = data if data is not None else TokenStream(config.data.seq_len, config.data.global_batch)
         self.progress = Progress()
         self.straggler_watch = StragglerWatch(self.device)
+        # measured during this process's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}
+        self.dtype_report: dict[str, Any] | None = None
 
     def _build_pipeline(self) -> tuple[list[nn.Module], Runner]:
         """Only this rank's stage(s), each built on the meta device, parallelized, then materialized."""
@@ -224,7 +174,7 @@ class Trainer:
             materialize(part, self.device, c.runtime.seed)
             stages[s] = part
         tp = self.layout.tp if c.parallel.sequence_parallel else 1
-        dtype = PRECISIONS[pc.data.mixed_precision] if self.meshes.fsdp is not None else torch.float32
+        dtype = PRECISIONS[pc.data.mixed_precision]  # the compute dtype on every layout (parallelize)
         dim = self.model_config.dim
 
         def activation(rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -322,9 +272,16 @@ class Trainer:
         runtime = self.config.runtime
         counting = runtime.comm_stats == "every" or (runtime.comm_stats == "first" and step == 1)
         tracking = runtime.track_memory and step == 2
-        if not (counting or tracking):
-            return self._train_step(on_grads)
+        probing = self.dtype_report is None  # this process's first step: what the matmuls ran in
+        if not (counting or tracking or probing):
+            result = self._train_step(on_grads)
+            result.compute_dtype = self.dtype_report["compute_dtype"]
+            return result
         with contextlib.ExitStack() as modes:
+            if probing:
+                from .dtype_probe import MatmulDtypes
+
+                probe = modes.enter_context(MatmulDtypes())
             if tracking:
                 from tessera.memtrack import LiveTensorBytes
 
@@ -337,6 +294,10 @@ class Trainer:
                 data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
                 counter = modes.enter_context(CommCounter(data_layout, self.rank))
             result = self._train_step(on_grads)
+        if probing:
+            self.dtype_report = probe.report()
+            result.matmul_flops_by_dtype = self.dtype_report["matmul_flops_by_dtype"]
+        result.compute_dtype = self.dtype_report["compute_dtype"]
         if tracking:
             result.peak_tensor_bytes = tracker.peak
         if counting:

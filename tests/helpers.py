@@ -167,3 +167,21 @@ def train_losses_and_grads_saving(config: Config, save_after: int):
     if trainer.rank != 0:
         return None
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads
+
+
+def train_with_dtypes(config: Config):
+    """`train_losses_and_grads` plus the matmul dtype each step's record reports (measured on step 1)."""
+    trainer = Trainer(config, torch.device("cpu"))
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(parts):
+        for part in parts:
+            for name, p in part.named_parameters():
+                grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
+
+    records = [trainer.train_step(on_grads=keep if s == 0 else None).record() for s in range(config.runtime.steps)]
+    grads = gather_by_name(grads)
+    if trainer.rank != 0:
+        return None
+    return ([r["loss"] for r in records], [r["grad_norm"] for r in records], grads,
+            [r["compute_dtype"] for r in records], records[0]["matmul_flops_by_dtype"])

@@ -81,3 +81,33 @@ def test_bench_refuses_bad_requests_in_one_line(tmp_path, args, message):
 
     out = _tessera("bench", *args, "--out", str(tmp_path))
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
+
+
+def test_bench_rows_carry_dtype_predictions_and_the_baseline_as_the_readme_runs_it(tmp_path):
+    """The README's bench command with --baseline: each row has the dtype the matmuls ran in (from the step
+    records), the planner's calibrated step time and memory with measured / predicted, and tessera / baseline."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [ln for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for ln in block.splitlines()]
+    command = next(ln for ln in lines if ln.startswith("tessera bench ") and "--baseline" in ln)
+    args = command.split()[1:]
+    args[args.index("--out") + 1] = str(tmp_path)
+    out = _tessera(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bench: cpu: " in out.stdout and "bench [baseline]" in out.stdout
+    model = args[args.index("--model") + 1]
+    data = json.loads((tmp_path / f"bench-{model}-layouts-cpu.json").read_text())
+    assert data["config"]["attention_flops_included"] and "causal attention" in data["config"]["mfu_formula"]
+    assert data["config"]["calibration"]["matmul_flops_per_s"] > 0
+    rows, base = data["results"]["layouts"], data["results"]["baseline"]
+    assert [r["options"]["compile"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["compute_dtype"] == "float32" and r["predicted"]["calibrated"]
+        assert r["measured_over_predicted"]["step_time"] == pytest.approx(r["step_time_s"] / r["predicted"]["step_time_s"])
+        assert r["measured_over_predicted"]["memory"] == pytest.approx(
+            r["peak_tensor_bytes_rank0"] / r["predicted"]["memory_bytes"]["total"])
+        assert r["step_time_vs_baseline"] == pytest.approx(r["step_time_s"] / base["step_time_s"])
+    assert base["compute_dtype"] == "float32" and base["global_batch"] == rows[0]["global_batch"] and not base["compile"]
+    assert base["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=1e-4)  # the same weights and batch

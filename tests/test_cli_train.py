@@ -93,13 +93,3 @@ def test_two_simulated_nodes_join_one_job_through_c10d_rendezvous(tmp_path):
     assert [r["loss"] for r in _records(written[0])[1]] == [r["loss"] for r in _records(local)[1]]
 
 
-def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path):
-    runs = {}
-    for precision in ("fp32", "bf16"):
-        runs[precision] = tmp_path / f"{precision}.jsonl"
-        out = _tessera("train", "--dp", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "4", "--quiet",
-                       "--mixed-precision", precision, "--metrics", str(runs[precision]))
-        assert out.returncode == 0, out.stderr
-    fp32, bf16 = ([r["loss"] for r in _records(runs[p])[1]] for p in ("fp32", "bf16"))
-    assert fp32 != bf16  # bf16 parameters really were used
-    assert all(abs(a - b) < 1e-2 * a for a, b in zip(bf16, fp32))

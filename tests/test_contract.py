@@ -32,6 +32,9 @@ LAYOUTS = {
     "dp2xtp2+sp+ac_op": dict(dp=2, tp=2, sequence_parallel=True, ac="op"),
     "cp2xdp2+ac_op": dict(cp=2, dp=2, ac="op"),
     "tp2+sp+compile": dict(tp=2, sequence_parallel=True, compile=True),  # tessera's collectives break the graph
+    # today's loss on full logits against the chunked (fused) default of the reference
+    "loss_logits": dict(loss="logits"),
+    "tp2+sp+loss_logits": dict(tp=2, sequence_parallel=True, loss="logits"),
     # gradient accumulation: microbatches on one process and under FSDP (sync on the last only)
     "microbatches4": dict(microbatches=4),
     "dp2+microbatches2": dict(dp=2, microbatches=2),
@@ -70,6 +73,8 @@ PIPELINE_LAYOUTS = {
     "pp2xtp2-zb-h1+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="zb-h1", microbatches=2),
     "pp2xdp2": dict(pp=2, dp=2, microbatches=2),
     "pp2xdp2-interleaved": dict(pp=2, dp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2),
+    # zero bubble under FSDP2: the weight gradients of the deferred W passes are reduced after the last W
+    "pp2xdp2-zb-h1": dict(pp=2, dp=2, schedule="zb-h1", microbatches=2),
     "pp2xhsdp2x2": dict(pp=2, dp=4, dp_replicate=2, microbatches=2),
     "pp2+ac_full": dict(pp=2, ac="full", microbatches=2),
     # all four axes at once: 16 ranks (pp2 x dp2 x cp2 x tp2 + sp and pp2 x HSDP x tp2: tests/test_four_d.py)

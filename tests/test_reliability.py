@@ -436,7 +436,8 @@ def _rank_one_straggles(config):
         step = trainer.optimizer.step
 
         def slow_step(*a, **kw):
-            time.sleep(0.3)
+            # well past 20% of a step, step 1 included (it also measures the matmul dtypes, slower on a loaded CPU)
+            time.sleep(1.0)
             return step(*a, **kw)
 
         trainer.optimizer.step = slow_step

@@ -59,6 +59,8 @@ class Meshes:
     pp      pipeline stages' point-to-point sends and the grad-norm sum across stages (1-D "pp")
     cp      ring attention's K/V exchange (1-D "cp")
     fsdp    FSDP2 sharding: 1-D "dp_shard_cp", or 2-D ("dp_replicate", "dp_shard_cp") for HSDP
+    precision  fsdp, or where that is off the degree-1 "dp_shard_cp" mesh (never None): FSDP2 runs on it
+            for the mixed-precision policy alone when the compute dtype is not fp32
     batch   the ranks that read different rows of the global batch: "dp" (dp_replicate x dp_shard)
     loss    the ranks whose loss sums add up to the global one: "dp_cp" (tp and pp ranks share theirs)
     """
@@ -79,6 +81,9 @@ class Meshes:
             self.fsdp = submesh(self.world, "dp_replicate", "dp_shard_cp")
         else:
             self.fsdp = on(layout.dp_shard * layout.cp, "dp_shard_cp")
+        # the degree-1 data mesh where FSDP2 is off: FSDP2 on it shards nothing and applies only the
+        # mixed-precision policy, so every layout computes in the same dtype (parallel/data.py)
+        self.precision = self.fsdp if self.fsdp is not None else submesh(self.world, "dp_shard_cp")
         self.batch = on(layout.dp, "dp")
         self.loss = on(layout.dp * layout.cp, "dp_cp")
 

@@ -14,7 +14,9 @@ memory  model states (parameters, gradients, optimizer: topology.memory's recipe
         activation checkpointing, plus the vocab-parallel loss's logits
       + communication buffers (a unit's reduce-scatter input, ring K/V blocks, pipeline send/receive)
 step    model FLOPs (6 N per token plus causal attention, the formula in `model_flops_per_token`) and
-        recomputation at `efficiency` x `peak_tflops`, stretched by the pipeline bubble from the simulator;
+        recomputation at `efficiency` x `peak_tflops` (or, with a calibration of the device kind, matmuls,
+        attention, elementwise memory traffic, the loss, the optimizer and the host's dispatch at the
+        measured rates: topology/step_time.py), stretched by the pipeline bubble from the simulator;
         tp and pp traffic exposed; FSDP and ring K/V traffic overlapped with compute (only their excess
         over compute is exposed). Each axis's bytes go over the intra-node bandwidth when its group fits
         inside a node (the mesh order puts tp innermost), else over the inter-node bandwidth.
@@ -35,6 +37,7 @@ from .comm_model import comm_bytes_per_step, stage_layer_counts
 from .layout import AXES, Layout, divisors
 from .shapes import fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 from .memory import GB, get_recipe, min_gpus
+from .step_time import Calibration, step_parts
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
 # InfiniBand per GPU, as algorithm bandwidths a well-tuned collective reaches.
@@ -64,6 +67,8 @@ class Hardware:
     headroom: float = 0.10  # share of memory kept free for the CUDA context, NCCL and fragmentation
     dtype_bytes: int = 2  # compute dtype (bf16); activations and the gathered copy use it
     recipe: str = "mixed_adam"
+    # measured rates of the device kind (tessera plan --calibrate): they replace peak x efficiency
+    calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
@@ -140,13 +145,15 @@ class Estimate:
     mfu: float
     fits: bool
     bubble: float
+    compute_parts: dict[str, float] = field(default_factory=dict)  # calibrated: the compute's components
 
     def as_dict(self) -> dict:
         c = self.candidate
         return {"layout": c.layout.as_dict(), "strategy": c.strategy, "ac": c.ac, "schedule": c.schedule,
                 "microbatches": c.microbatches, "virtual": c.virtual, "sequence_parallel": c.sequence_parallel,
                 "flags": c.flags(), "memory_bytes": self.memory, "time_s": self.time, "comm_bytes": self.comm_bytes,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble, "fits": self.fits}
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble, "fits": self.fits,
+                **({"compute_parts_s": self.compute_parts} if self.compute_parts else {})}
 
 
 # ----------------------------------------------------------------------------- parameter counts
@@ -268,7 +275,12 @@ def estimate(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int
     # selective half of them; op reruns only the norms, RoPE and SwiGLU's elementwise ops, memory-bound
     # work costed at 3% of the step (an assumption, stated in `tessera plan`'s output)
     recompute = {"none": 0.0, "op": 0.03, "selective": 1 / 6, "full": 1 / 3}[cand.ac]
-    compute = flops * (1 + recompute) / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
+    parts: dict[str, float] = {}
+    if hw.calibration is not None:
+        parts = calibrated_compute(cfg, cand, hw, seq_len, global_batch, recompute)
+        compute = parts["step"]
+    else:
+        compute = flops * (1 + recompute) / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
     compute_stretched = compute / (1 - bubble)
     comm = comm_bytes_per_step(cfg, lay, seq_len, global_batch, cand.microbatches, cand.sequence_parallel,
                                cand.strategy, cand.virtual, cand.ac, "ring", rank=0, act_bytes=e, param_bytes=e,
@@ -283,7 +295,26 @@ def estimate(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int
     time["step"] = sum(time.values())
     tokens_per_s = tokens / time["step"]
     mfu = flops / (time["step"] * hw.gpus * hw.peak_tflops * 1e12)
-    return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble)
+    return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble, parts)
+
+
+def calibrated_compute(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int,
+                       recompute: float) -> dict[str, float]:
+    """One rank's compute (no communication, no bubble) at the calibration's rates: every rank does
+    1 / gpus of the model's FLOPs and activation traffic; its optimizer steps its own (sharded) parameters;
+    its host dispatches the operators of its stage's blocks (topology/step_time.py)."""
+    lay = cand.layout
+    fsdp = lay.dp_shard * lay.cp
+    biggest = max(sorted({0, lay.pp - 1}), key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p)[0])
+    _, sharded, _ = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, biggest)
+    n_stages = lay.pp * cand.virtual
+    layers = stage_layer_counts(cfg.n_layers, n_stages)
+    stages = [biggest + k * lay.pp for k in range(cand.virtual)]
+    blocks = sum(layers[s] for s in stages)
+    # parameter tensors: 9 per block, the embedding on the first stage, the final norm and head on the last
+    tensors = 9 * blocks + (1 if 0 in stages else 0) + (2 if n_stages - 1 in stages else 0)
+    return step_parts(cfg, hw.calibration, global_batch * seq_len, seq_len, sharded, tensors, blocks, hw.dtype_bytes,
+                      recompute, share=1.0 / lay.world_size, microbatches=cand.microbatches)
 
 
 def _rank_memory(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, mb_rows: int, seq: int,

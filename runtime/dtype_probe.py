@@ -1,0 +1,112 @@
+"""What the matmuls actually ran in: a step's matrix-multiply FLOPs by dtype, read from the tensors.
+
+`MatmulDtypes` is a TorchDispatchMode. Every matrix multiply reaches the dispatcher as an aten op below
+autograd (forward and backward alike: mm, addmm, bmm, baddbmm, grouped mm, the fused attention kernels
+and tessera's own Triton attention op), so counting there sees the dtype of the operands the hardware
+was given, whatever the config said. The trainer runs it over a process's first step (one Python call
+per operator, for one step only), and the run's records report the dtype that carried most of the
+matmul FLOPs (`compute_dtype`) with the whole breakdown (`matmul_flops_by_dtype`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.float64: "float64"}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _local(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _mm_flops(a: torch.Tensor, b: torch.Tensor) -> int:
+    """2 m n k for a (…, m, k) @ (…, k, n), batch dims included."""
+    batch = math.prod(a.shape[:-2]) if a.dim() > 2 else 1
+    return 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, backward: bool) -> int:
+    """QK^T and PV of a (B, H, Sq, D) x (B, H, Sk, D) attention (dense count; causal halves it in the
+    kernel, which does not change the dtype): 4 B H Sq Sk D forward, 2.5x that in backward."""
+    b, h, sq, d = q.shape
+    flops = 4 * b * h * sq * k.shape[-2] * d
+    return int(flops * 2.5) if backward else flops
+
+
+def _attention_ops() -> dict[Any, bool]:
+    """Attention kernels (op -> is a backward), as far as this torch build has them."""
+    aten = torch.ops.aten
+    found: dict[Any, bool] = {}
+    for name, backward in (("_scaled_dot_product_flash_attention_for_cpu", False),
+                           ("_scaled_dot_product_flash_attention_for_cpu_backward", True),
+                           ("_scaled_dot_product_flash_attention", False),
+                           ("_scaled_dot_product_flash_attention_backward", True),
+                           ("_scaled_dot_product_efficient_attention", False),
+                           ("_scaled_dot_product_efficient_attention_backward", True),
+                           ("_scaled_dot_product_cudnn_attention", False),
+                           ("_scaled_dot_product_cudnn_attention_backward", True)):
+        if hasattr(aten, name):
+            found[getattr(aten, name).default] = backward
+    tessera_ops = getattr(torch.ops, "tessera", None)
+    for name, backward in (("flash_attention_fwd", False), ("flash_attention_bwd", True)):
+        if tessera_ops is not None and hasattr(tessera_ops, name):
+            found[getattr(tessera_ops, name).default] = backward
+    return found
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Within `with MatmulDtypes() as m:`, m.flops[dtype name] accumulates the matmul FLOPs run in that
+    dtype and m.calls[dtype name] their count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        aten = torch.ops.aten
+        self.flops: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._mm = {aten.mm.default, aten.bmm.default}
+        self._add_mm = {aten.addmm.default, aten.baddbmm.default}
+        self._grouped = {getattr(aten, "_grouped_mm").default} if hasattr(aten, "_grouped_mm") else set()
+        self._attention = _attention_ops()
+
+    def _count(self, dtype: torch.dtype, flops: int) -> None:
+        self.flops[_name(dtype)] += int(flops)
+        self.calls[_name(dtype)] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            if func in self._mm:
+                a, b = _local(args[0]), _local(args[1])
+                self._count(a.dtype, _mm_flops(a, b))
+            elif func in self._add_mm:
+                a, b = _local(args[1]), _local(args[2])
+                self._count(a.dtype, _mm_flops(a, b))
+            elif func in self._grouped:
+                a, b = _local(args[0]), _local(args[1])
+                self._count(a.dtype, 2 * a.shape[-2 if a.dim() > 1 else 0] * a.shape[-1] * b.shape[-1])
+            elif func in self._attention:
+                backward = self._attention[func]  # a backward's first argument is the output gradient
+                q, k = _local(args[1 if backward else 0]), _local(args[2 if backward else 1])
+                self._count(q.dtype, _attention_flops(q, k, self._attention[func]))
+        except (IndexError, AttributeError, TypeError):  # an overload with other arguments: count the call only
+            pass
+        return func(*args, **kwargs)
+
+    def report(self) -> dict[str, Any]:
+        """{"compute_dtype": the dtype with the most matmul FLOPs (None if none ran), "matmul_flops_by_dtype",
+        "matmul_calls_by_dtype"}."""
+        flops = dict(self.flops)
+        top = max(flops, key=flops.get) if flops else None
+        return {"compute_dtype": top, "matmul_flops_by_dtype": flops, "matmul_calls_by_dtype": dict(self.calls)}

@@ -1,0 +1,126 @@
+"""The optimizer side of a step: one AdamW per model part, its LR schedule, and their Stateful wrappers.
+
+AdamW runs its multi-tensor kernels (fused on CUDA: one kernel launch per group for the whole update;
+foreach on CPU), never the per-parameter loop. Those kernels refuse plain tensors beside DTensors in one
+call, and torch before 2.9 refuses DTensors of different meshes, so each part's parameters are split
+into param groups by mesh. The groups do not reach checkpoints: optimizer state is saved flattened by
+parameter name (parallel/checkpoint.py), so any grouping loads any other.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+
+def lr_lambda(warmup: int, steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
+    """Linear warm-up over `warmup` steps, then cosine decay to `min_ratio` of the peak at `steps`."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def groups_by_mesh(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters split by the mesh they live on (plain tensors apart), in first-seen order."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        key = (p.device_mesh if isinstance(p, DTensor) else None, p.device.type)
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def kernel_options(params: list[nn.Parameter]) -> dict[str, bool]:
+    """fused on CUDA, foreach elsewhere (fused needs every parameter on the GPU)."""
+    if params and all(p.device.type == "cuda" for p in params):
+        return {"fused": True, "foreach": False}
+    return {"fused": False, "foreach": True}
+
+
+def build_adamw(params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float], eps: float,
+                weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over `params` with the multi-tensor kernels, one param group per mesh."""
+    params = list(params)
+    options = kernel_options(params)
+    optimizer = torch.optim.AdamW([{"params": g} for g in groups_by_mesh(params)], lr=lr, betas=betas, eps=eps,
+                                  weight_decay=weight_decay, **options)
+    optimizer.register_load_state_dict_post_hook(lambda o: _keep_kernels(o, options))
+    return optimizer
+
+
+def _keep_kernels(optimizer: torch.optim.Optimizer, options: dict[str, bool]) -> None:
+    """Loading restores the saved groups' options, the kernel choice included: keep this run's (a
+    checkpoint saved on CPU resumes fused on CUDA; one saved before this choice, per-parameter loop,
+    gets the kernels too). The fused kernel wants each step count on its parameter's device."""
+    for group in optimizer.param_groups:
+        group.update(options)
+        if options["fused"]:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if state and "step" in state:
+                    state["step"] = state["step"].to(dtype=torch.float32, device=p.device)
+
+
+class PartOptimizers:
+    """One AdamW per model part (a pipeline rank may hold several stages), stepped together. Per part,
+    so that checkpoints key each part's optimizer state by its parameters' one-process names."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[Tensor, Any]:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+
+class PartSchedulers:
+    """The same LR schedule on each part's optimizer; Stateful as one schedule."""
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]):
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for s in self.schedulers:
+            s.load_state_dict(_fit_groups(state, len(s.optimizer.param_groups)))
+
+
+def _fit_groups(state: dict[str, Any], groups: int) -> dict[str, Any]:
+    """A schedule's state for `groups` param groups: a checkpoint from a layout whose parts grouped their
+    parameters otherwise holds one entry per group of its own (every group shares one schedule and
+    peak rate, so any entry serves; without this, LambdaLR would update only the groups it has rates for)."""
+    fitted = dict(state)
+    for key in ("base_lrs", "_last_lr"):
+        values = state.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            fitted[key] = [values[0]] * groups
+    return fitted

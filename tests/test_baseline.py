@@ -1,0 +1,55 @@
+"""The plain-torch baseline (tessera.baseline): a real Llama training step, self-contained (no tessera
+parallel layers), that starts from tessera's weights and batch and so gives tessera's first-step loss."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _first_steps(steps: int):
+    """On one rank: tessera's one-process losses and the baseline's, same seed, data, sequence and batch (fp32)."""
+    import torch
+
+    from tessera import baseline
+    from tessera.config import Config
+    from tessera.trainer import Trainer
+
+    config = Config.create(model="debug", seq_len=32, global_batch=4, steps=steps, quiet=True, mixed_precision="fp32")
+    trainer = Trainer(config, torch.device("cpu"))
+    ours = [trainer.train_step().record() for _ in range(steps)]
+    cfg, o = config.model_config, config.optimizer
+    options = baseline.Options(mixed_precision="fp32", lr=o.lr, warmup=o.warmup, min_lr_ratio=o.min_lr_ratio,
+                               total_steps=steps, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                               max_grad_norm=o.max_grad_norm)
+    theirs = baseline.train(cfg, baseline.tessera_batches(cfg, 32, 4), steps, "cpu",
+                            lambda: baseline.tessera_state(cfg, config.runtime.seed), options)
+    return ours, theirs
+
+
+def test_baseline_first_loss_is_tesseras_for_the_same_weights_and_batch():
+    from tessera.parallel.launch import run_ranks
+
+    ours, theirs = run_ranks(_first_steps, 1, 2, timeout=180)[0]
+    assert len(theirs) == 2
+    assert theirs[0]["loss"] == pytest.approx(ours[0]["loss"], rel=1e-4)
+    assert theirs[0]["grad_norm"] == pytest.approx(ours[0]["grad_norm"], rel=1e-4)
+    # a real model training: the same schedule and AdamW move it the same way
+    assert theirs[1]["loss"] < theirs[0]["loss"] and theirs[1]["loss"] == pytest.approx(ours[1]["loss"], rel=1e-4)
+    for r in theirs:
+        assert r["compute_dtype"] == "float32" and r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+
+
+def test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_line():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [ln for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for ln in block.splitlines()]
+    args = next(ln for ln in lines if ln.startswith("python -m tessera.baseline")).split()[3:]  # the README's command
+    code = (f"import sys, tessera.baseline as b; b.main({args!r}); "
+            "bad = [m for m in sys.modules if m.startswith(('tessera.parallel', 'tessera.trainer'))]; assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert len(records) == int(args[args.index("--steps") + 1]) and '"compute_dtype": "float32"' in records[0]

@@ -1,0 +1,115 @@
+"""The numerics contract in bf16: every layout kind of the fp32 table (tests/test_contract.py) also trains in
+bf16 like the one-process bf16 run, and its records say bf16 because its matmuls ran in bf16.
+
+The tolerance, derived. A bf16 run is the exact (here: fp32) trajectory plus rounding error: each
+bf16 rounding has relative error at most u = 2^-8, and a layout rounds the same quantities at the same
+precision, only at other points (a row-parallel matmul rounds tp partial sums and adds them; FSDP adds
+per-rank bf16 gradient contributions in fp32; ring attention merges bf16 blocks). So a layout's error
+against the exact run has the size of the one-process bf16 run's own error, E = |bf16 - fp32| of the
+one-process run (measured here, per quantity), and by the triangle inequality
+
+    |layout_bf16 - one_process_bf16| <= |layout_bf16 - exact| + |exact - one_process_bf16| ~ 2 E.
+
+Losses and grad norms: within 2 x the largest one-process |bf16 - fp32| over the 3 steps (the error grows
+with the steps as AdamW amplifies it; the largest is the scale of this model's bf16 rounding, and step 1's
+alone can cancel to nearly zero by chance). Gradients of step 1 by name: ||g - g_ref|| <= 2 ||g_bf16 -
+g_fp32|| of the one-process run, per tensor (Frobenius norms over many elements concentrate, so the
+per-tensor scale is stable). A real bug (a missing or doubled reduction, a wrong shard, a mask off by
+one) moves these by O(1) relative, orders of magnitude past 2E. The fp32 contract is unchanged.
+"""
+
+import pytest
+import torch
+
+from conftest import PIPELINE_BASE
+from helpers import small_config, train_with_dtypes
+from tessera.parallel.launch import run_ranks
+
+BF16 = dict(mixed_precision="bf16")
+
+# one case per layout kind of the fp32 table
+LAYOUTS = {
+    "tp2+sp": dict(tp=2, sequence_parallel=True),
+    "tp4": dict(tp=4),  # tp beyond the kv heads: replicated kv
+    "dp_shard2": dict(dp=2),
+    "hsdp2x2": dict(dp=4, dp_replicate=2),
+    "shard_grad_op": dict(dp=2, fsdp="SHARD_GRAD_OP"),
+    "no_shard": dict(dp=2, fsdp="NO_SHARD"),
+    "hybrid_shard": dict(dp=4, dp_replicate=2, fsdp="HYBRID_SHARD"),
+    "ac_full": dict(dp=2, ac="full"),
+    "dp2xtp2+sp+ac_op": dict(dp=2, tp=2, sequence_parallel=True, ac="op"),
+    "tp2+sp+compile": dict(tp=2, sequence_parallel=True, compile=True),
+    "microbatches4": dict(microbatches=4),
+    "dp2xtp2+microbatches2": dict(dp=2, tp=2, microbatches=2),
+    "cp2-ring": dict(cp=2),
+    "cp2-allgather": dict(cp=2, cp_method="allgather"),
+    "cp2xtp2+sp-ring": dict(cp=2, tp=2, sequence_parallel=True),
+    "cp2xdp2-ring": dict(cp=2, dp=2),
+    "pp2xcp2": dict(pp=2, cp=2, microbatches=2),
+}
+
+PIPELINE_LAYOUTS = {
+    "pp2-gpipe": dict(pp=2, schedule="gpipe", microbatches=4),
+    "pp2-1f1b": dict(pp=2, schedule="1f1b", microbatches=4),
+    "pp2-zb-h1": dict(pp=2, schedule="zb-h1", microbatches=4),
+    "pp2-interleaved-v2": dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=4),
+    "pp2xtp2+sp": dict(pp=2, tp=2, sequence_parallel=True, microbatches=4),
+    "pp2xhsdp2x2": dict(pp=2, dp=4, dp_replicate=2, microbatches=2),
+    "pp2xdp2xcp2xtp2+sp": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2),  # 4D, 16 ranks
+}
+
+
+def _one_process(**kw):
+    """(bf16 run, fp32 run) of one process."""
+    bf16 = run_ranks(train_with_dtypes, 1, small_config(**kw, **BF16), timeout=120)[0]
+    fp32 = run_ranks(train_with_dtypes, 1, small_config(**kw, mixed_precision="fp32"), timeout=120)[0]
+    return bf16, fp32
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return _one_process()
+
+
+@pytest.fixture(scope="module")
+def deep_one_process():
+    return _one_process(**PIPELINE_BASE)
+
+
+def assert_trains_like_one_process_in_bf16(case: str, run, one_process) -> None:
+    losses, norms, grads, dtypes, flops = run
+    (ref_losses, ref_norms, ref_grads, _, _), (fp_losses, fp_norms, fp_grads, _, _) = one_process
+    assert dtypes == ["bfloat16"] * 3, f"{case}: the records say the matmuls ran in {dtypes}"
+    assert flops["bfloat16"] > 0.9 * sum(flops.values()), f"{case}: matmul FLOPs by dtype {flops}"
+    loss_tol = 2 * max(abs(a - b) for a, b in zip(ref_losses, fp_losses))
+    norm_tol = 2 * max(abs(a - b) for a, b in zip(ref_norms, fp_norms))
+    for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
+        assert abs(a - b) <= loss_tol, f"{case} step {step}: loss {a} vs one-process bf16 {b} (tolerance {loss_tol:.2e})"
+    for step, (a, b) in enumerate(zip(norms, ref_norms), 1):
+        assert abs(a - b) <= norm_tol, f"{case} step {step}: grad norm {a} vs one-process bf16 {b} (tolerance {norm_tol:.2e})"
+    assert sorted(grads) == sorted(ref_grads)
+    for name, g in grads.items():
+        tol = 2 * (ref_grads[name] - fp_grads[name]).norm()
+        err = (g - ref_grads[name]).norm()
+        assert err <= tol, f"{case} {name}: ||g - g_ref|| = {err:.3e} > 2 ||g_bf16 - g_fp32|| = {tol:.3e}"
+
+
+def test_bf16_differs_from_fp32_on_one_process(one_process):
+    (bf16_losses, _, _, bf16_dtypes, flops), (fp32_losses, _, _, fp32_dtypes, _) = one_process
+    assert bf16_dtypes == ["bfloat16"] * 3 and fp32_dtypes == ["float32"] * 3
+    assert all(a != b for a, b in zip(bf16_losses, fp32_losses))
+    assert flops["bfloat16"] > 0.9 * sum(flops.values())
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_layout_trains_like_one_process_in_bf16(one_process, case):
+    config = small_config(**LAYOUTS[case], **BF16)
+    run = run_ranks(train_with_dtypes, config.layout.world_size, config, timeout=300)[0]
+    assert_trains_like_one_process_in_bf16(case, run, one_process)
+
+
+@pytest.mark.parametrize("case", list(PIPELINE_LAYOUTS))
+def test_pipeline_layout_trains_like_one_process_in_bf16(deep_one_process, case):
+    config = small_config(**PIPELINE_BASE, **PIPELINE_LAYOUTS[case], **BF16)
+    run = run_ranks(train_with_dtypes, config.layout.world_size, config, timeout=300)[0]
+    assert_trains_like_one_process_in_bf16(case, run, deep_one_process)

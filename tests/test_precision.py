@@ -1,0 +1,60 @@
+"""One precision policy on every layout, and records that say what ran: the dtype of the matmuls is read
+from the tensors during step 1 (runtime/dtype_probe.py), never from the config."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tessera.dtype_probe import MatmulDtypes
+
+
+def _tessera(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_probe_counts_matmul_flops_by_the_dtype_they_ran_in():
+    a, b = torch.randn(3, 5), torch.randn(5, 7)
+    with MatmulDtypes() as probe:
+        a @ b  # mm: 2 * 3 * 5 * 7
+        torch.nn.functional.linear(a.bfloat16(), b.t().bfloat16(), torch.zeros(7, dtype=torch.bfloat16))  # addmm
+        torch.bmm(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 4, 6, dtype=torch.float64))
+        torch.randn(4) + 1  # not a matmul
+    report = probe.report()
+    assert report["matmul_flops_by_dtype"] == {"float32": 2 * 3 * 5 * 7, "bfloat16": 2 * 3 * 5 * 7, "float64": 2 * 2 * 3 * 4 * 6}
+    assert report["matmul_calls_by_dtype"] == {"float32": 1, "bfloat16": 1, "float64": 1}
+    assert report["compute_dtype"] == "float64"  # the most FLOPs
+
+
+def test_the_probe_sees_backward_matmuls_and_attention():
+    q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
+    with MatmulDtypes() as probe:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    assert set(probe.report()["matmul_flops_by_dtype"]) == {"bfloat16"} and probe.report()["compute_dtype"] == "bfloat16"
+
+
+def _run(tmp_path, precision, *extra):
+    metrics = tmp_path / f"{precision}.jsonl"
+    out = _tessera("train", "--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "4",
+                   "--mixed-precision", precision, "--metrics", str(metrics), *extra)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return out.stdout, lines[0], lines[1:]
+
+
+@pytest.mark.slow
+def test_bf16_runs_in_bf16_on_one_process_and_says_so_from_what_ran(tmp_path):
+    """The issue's reproduction: --mixed-precision bf16 printed bitwise fp32's losses on one process. (tp-only,
+    pp-only and every other layout: tests/test_contract_bf16.py reads compute_dtype from their records.)"""
+    bf16_out, bf16_header, bf16_rows = _run(tmp_path, "bf16")
+    fp32_out, fp32_header, fp32_rows = _run(tmp_path, "fp32")
+    assert all(a["loss"] != b["loss"] for a, b in zip(bf16_rows, fp32_rows))  # bf16 really ran
+    assert all(abs(a["loss"] - b["loss"]) < 1e-2 * b["loss"] for a, b in zip(bf16_rows, fp32_rows))
+    assert bf16_header["compute_dtype"] == "bfloat16" and fp32_header["compute_dtype"] == "float32"
+    assert bf16_header["matmul_flops_by_dtype"]["bfloat16"] > 0.9 * sum(bf16_header["matmul_flops_by_dtype"].values())
+    assert bf16_header["mixed_precision_configured"] == "bf16"
+    assert [r["compute_dtype"] for r in bf16_rows] == ["bfloat16"] * 3
+    assert [r["compute_dtype"] for r in fp32_rows] == ["float32"] * 3
+    assert "matmuls in bfloat16 (" in bf16_out.splitlines()[0] and "matmuls in float32 (100.0%" in fp32_out.splitlines()[0]

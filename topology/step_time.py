@@ -1,0 +1,170 @@
+"""The planner's step time from calibrated figures: what one rank's training step costs on a device whose
+achieved rates were measured (`tessera plan --calibrate`, tessera/calibrate.py), instead of a datasheet
+peak times an assumed efficiency.
+
+A calibration holds, per device kind and compute dtype, four measured figures:
+
+    matmul_flops_per_s     forward + backward of the model's own linear layers (x @ W^T, dx, dW) at its
+                           shapes and in the compute dtype, the FLOPs of all of them over their summed time
+    attention_flops_per_s  tessera's attention forward + backward (causal) at the model's heads, head dim
+                           and sequence, counted as the model FLOPs below (6 x dim x seq per token and layer)
+    memory_bytes_per_s     the bandwidth a block's elementwise operators reach on activation-sized tensors
+                           (broadcast multiplies as RMSNorm and RoPE run them, a two-input multiply and add,
+                           SiLU, a squared mean; bytes read + written over their time), measured beside a
+                           plain copy of the ffn-wide activation (kept as copy_bytes_per_s; on a GPU both at
+                           least 256 MiB, so they measure HBM and not the L2). On a CPU thread the mix runs
+                           at a fraction of the copy's rate; on a GPU near it
+    op_overhead_s          the host's cost of one dispatched operator (Python, modules and autograd
+                           included): a plain-torch block at a tiny size, forward and backward, over the
+                           operators the dispatcher saw
+
+and the step of one rank is
+
+    device = matmul FLOPs / matmul rate + attention FLOPs / attention rate + memory traffic / bandwidth
+    host   = dispatched operators x op overhead
+    step   = device + host on a CPU (one thread does both); max(device, host) on a GPU (launches are
+             asynchronous, so the host runs ahead of the device)
+
+What it counts, per step (T tokens, L layers, D = dim, Q = heads x head dim, K = kv heads x head dim,
+F = ffn dim, V = vocab, P = parameters, e = bytes of the compute dtype):
+
+    matmul FLOPs     6 x (parameters in matmuls: all but the embedding table) x T; the output head (the
+                     loss's matmul) included
+    attention FLOPs  6 x L x D x seq x T (causal: QK^T and PV at half the dense count; backward twice the
+                     forward). Activation checkpointing adds its recomputed share to both
+    memory traffic   the elementwise operators of tessera's eager step, counted in elements read + written
+                     per token: a block's forward 20 D + 11 Q + 9 K + 5 F (two RMSNorms 7 D each, RoPE 9 Q
+                     + 9 K, the attention output's copy 2 Q, two residual adds, SiLU and the gate product),
+                     plus 2 (Q + K) for repeating K and V to the query heads when there are fewer kv heads;
+                     its backward 60 D + 12 Q + 14 K + 9 F (+ 2 (Q + K)); the embedding and the final norm
+                     33 D; all x e. (On a GPU tessera's Triton RMSNorm fuses the norms' 62 D per block into
+                     about 16 D, and RoPE runs in fp32, about 2.5x its elements above: for the 1b preset the
+                     two nearly cancel, 8% apart on this term; the eager counts stand for both.) The loss:
+                     6 passes over the fp32 logits, 24 V bytes per token (+ 6 V for the cast from a 2-byte
+                     compute dtype), chunked or not. The optimizer, per parameter of fp32 master weights:
+                     the clip reads the gradients and scales them (12 bytes), then AdamW: foreach on a CPU,
+                     84 bytes (its eight multi-tensor passes; 96 in all, counted), fused on a GPU, one pass
+                     over the parameter, gradient and both moments, 28 bytes (40 in all); with a 2-byte compute dtype FSDP2's casts add
+                     32 bytes (the parameter's cast to its compute copy and that copy's one-rank all-gather,
+                     6 + 4; the gradient's cast to fp32 and its one-rank reduce-scatter into the sharded
+                     gradient, 6 + 16)
+    operators        (57 + 232 per block (forward and backward, views included)) per microbatch + 7 per
+                     parameter tensor + 28 (clip and optimizer), counted; and the trainer's own Python per
+                     step (reading the batch, the microbatch split, the schedule, the step's record), costed
+                     as 400 operators: fitted, the intercept of the debug preset's measured step over 1, 2
+                     and 4 blocks (2-4 ms on a CPU thread; nothing next to a GPU step, where it overlaps)
+
+The counts are those of tessera's eager step on CPU with torch 2.13, counted at the dispatcher (tests/
+test_calibration.py recounts a block's and holds them within 25%). Compiled blocks fuse the elementwise
+work, so the model over-predicts their step: it is an eager model, and the bench shows compiled rows'
+ratio beside the eager ones. Matmuls dominate at scale; the counted terms are what is left at small sizes.
+Without a calibration the planner keeps its uncalibrated model (FLOPs at `efficiency` of a datasheet peak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA = 1
+OPTIMIZER_BYTES_PER_PARAM = {"cpu": 96, "cuda": 40}  # clip 12 + AdamW: foreach 84 (counted), fused 28
+MIXED_PRECISION_BYTES_PER_PARAM = 32  # FSDP2 with a 2-byte compute dtype: parameter cast + copy 10, gradient 22
+LOSS_PASSES = 6  # over the fp32 logits: log-softmax (2), its backward (3), the nll backward's write (1)
+OPS_FIXED, OPS_PER_BLOCK, OPS_PER_TENSOR, OPS_OPTIMIZER = 57, 232, 7, 28  # counted at the dispatcher
+OPS_TRAINER = 400  # the trainer's per-step Python, as operators' worth of host time (fitted: module doc)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Achieved rates of one device kind in one compute dtype (see the module docstring)."""
+
+    device_kind: str
+    dtype: str  # "float32" or "bfloat16": the dtype the matmuls were measured in
+    matmul_flops_per_s: float
+    attention_flops_per_s: float
+    memory_bytes_per_s: float
+    op_overhead_s: float
+    device_type: str  # "cuda" (the host's dispatch runs ahead of the device; fused AdamW) or "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"calibration {self.device_kind!r}: {name} {getattr(self, name)!r} must be positive")
+        if not self.op_overhead_s >= 0:
+            raise ValueError(f"calibration {self.device_kind!r}: op_overhead_s {self.op_overhead_s!r} must be >= 0")
+        if self.device_type not in OPTIMIZER_BYTES_PER_PARAM:
+            raise ValueError(f"calibration {self.device_kind!r}: device_type {self.device_type!r} must be cpu or cuda")
+
+    @property
+    def host_overlaps(self) -> bool:
+        """A GPU's launches are asynchronous: the host runs ahead of the device."""
+        return self.device_type == "cuda"
+
+    @classmethod
+    def from_entry(cls, entry: dict) -> "Calibration":
+        """From one entry of a calibration file (its extra fields, such as where it was measured, are kept
+        in the file, not here)."""
+        missing = [f for f in cls.__dataclass_fields__ if f not in entry]
+        if missing:
+            raise ValueError(f"calibration entry lacks {', '.join(missing)}; recalibrate with tessera plan --calibrate")
+        return cls(**{f: entry[f] for f in cls.__dataclass_fields__})
+
+
+def entry_key(device_kind: str, dtype: str) -> str:
+    return f"{device_kind} | {dtype}"
+
+
+def find_entry(data: dict, device_kind: str, dtype: str | None = None) -> dict:
+    """The entry of a calibration file (parsed JSON) whose device kind contains `device_kind` (case-
+    insensitive) and, if given, measured in `dtype`; ValueError naming the entries there are otherwise."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
+        raise ValueError(f"not a tessera calibration file of schema {SCHEMA}; recalibrate with tessera plan --calibrate")
+    found = [e for e in data["entries"].values()
+             if device_kind.lower() in str(e.get("device_kind", "")).lower() and (dtype is None or e.get("dtype") == dtype)]
+    if not found:
+        have = "; ".join(sorted(data["entries"])) or "none"
+        raise ValueError(f"no calibration for device kind {device_kind!r}{f' in {dtype}' if dtype else ''} (the file holds: "
+                         f"{have}); run tessera plan --calibrate on such a device")
+    return max(found, key=lambda e: e.get("created", ""))
+
+
+def block_elements_per_token(cfg, tp: int = 1) -> float:
+    """Elements a block's elementwise operators read and write per token, forward + backward (module doc)."""
+    D = cfg.dim
+    Q = cfg.n_heads * cfg.head_dim // tp
+    K = max(1, cfg.n_kv_heads // tp) * cfg.head_dim
+    F = cfg.ffn_dim // tp
+    repeat = 2 * (Q + K) if cfg.n_kv_heads < cfg.n_heads else 0
+    forward = 20 * D + 11 * Q + 9 * K + 5 * F + repeat
+    backward = 60 * D + 12 * Q + 14 * K + 9 * F + repeat
+    return float(forward + backward)
+
+
+def matmul_flops_per_token(cfg) -> float:
+    return 6.0 * (cfg.num_params() - cfg.vocab_size * cfg.dim)
+
+
+def attention_flops_per_token(cfg, seq_len: int) -> float:
+    return 6.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def step_parts(cfg, cal: Calibration, tokens: int, seq_len: int, params: float, param_tensors: int, layers: int,
+               dtype_bytes: int, recompute: float = 0.0, share: float = 1.0, microbatches: int = 1) -> dict[str, float]:
+    """Seconds of one rank's step by component: matmul, attention, memory, host, and "step" (their
+    combination, module doc). `tokens` and `seq_len` are the step's whole (global) figures, `share` the
+    fraction of the model FLOPs and traffic this rank does (1 / ranks for an even split); `params` and
+    `param_tensors` are what this rank's optimizer steps; `layers` the blocks it runs; `recompute` the
+    share of FLOPs activation checkpointing adds; `microbatches` how often it runs each of its blocks."""
+    e = dtype_bytes
+    matmul = matmul_flops_per_token(cfg) * tokens * share * (1 + recompute) / cal.matmul_flops_per_s
+    attention = attention_flops_per_token(cfg, seq_len) * tokens * share * (1 + recompute) / cal.attention_flops_per_s
+    activations = (cfg.n_layers * block_elements_per_token(cfg) + 33 * cfg.dim) * e * tokens * share
+    loss = (LOSS_PASSES * 4 + (6 if e == 2 else 0)) * cfg.vocab_size * tokens * share
+    optimizer = params * (OPTIMIZER_BYTES_PER_PARAM[cal.device_type] + (MIXED_PRECISION_BYTES_PER_PARAM if e == 2 else 0))
+    traffic = activations + loss + optimizer
+    memory = traffic / cal.memory_bytes_per_s
+    ops = OPS_TRAINER + (OPS_FIXED + OPS_PER_BLOCK * layers) * microbatches + OPS_PER_TENSOR * param_tensors + OPS_OPTIMIZER
+    host = ops * cal.op_overhead_s
+    device = matmul + attention + memory
+    step = max(device, host) if cal.host_overlaps else device + host
+    return {"matmul": matmul, "attention": attention, "memory": memory, "host": host, "step": step,
+            "memory_traffic_bytes": traffic, "operators": float(ops)}
