@@ -43,6 +43,8 @@ from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from tessera.topology.shapes import CHUNK_ELEMENTS, chunk_tokens
+
 from .tensor import ColumnParallelLinear, all_reduce_tp, shard_range
 
 IGNORE_INDEX = -100
@@ -137,11 +139,7 @@ def count_valid(targets: Tensor, ignore_index: int = IGNORE_INDEX) -> int:
 
 # ----------------------------------------------------------------------------- the chunked (fused) loss
 LOSS_KINDS = ("chunked", "logits")
-# fp32 logits one chunk may hold: 2^24 elements (64 MiB), up to 130 tokens at a 128256 vocabulary. Large
-# enough that the chunk's matmuls, not re-reading dW once per chunk, dominate the time (and that MKL keeps
-# its blocked kernels: below ~32 rows its dh sums over the vocabulary measured ~5x less accurate); small
-# enough that the chunk is a few percent of the full logits at training sizes.
-CHUNK_ELEMENTS = 2**24
+# the chunk rule is plain data the planner also reads: topology/shapes.py (CHUNK_ELEMENTS, chunk_tokens)
 
 
 def check_loss(kind: str) -> str:
@@ -150,17 +148,6 @@ def check_loss(kind: str) -> str:
         raise ValueError(f"unknown --loss {kind!r}; use chunked (fused linear cross-entropy over token chunks, "
                          f"never the full logits) or logits (the full logits, then cross-entropy)")
     return kind
-
-
-def chunk_tokens(n_tokens: int, vocab_rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
-    """Tokens per chunk: the fewest chunks whose fp32 logits (tokens x vocab_rows) stay within
-    `chunk_elements`, k = ceil(N * V / budget), cut as evenly as they go, ceil(N / k) tokens each (at least
-    1: a vocabulary row wider than the budget still runs one token at a time). Under tp `vocab_rows` is the
-    padded shard ceil(V / tp), so every tp rank cuts the same chunks and their collectives pair up."""
-    if n_tokens <= 0:
-        return 1
-    chunks = max(1, math.ceil(n_tokens * max(1, vocab_rows) / max(1, chunk_elements)))
-    return max(1, math.ceil(n_tokens / chunks))
 
 
 class _LinearCrossEntropy(Function):

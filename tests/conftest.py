@@ -13,7 +13,29 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# modules whose tests start ranks or the CLI (seconds each): the slow tier; `-m 'not slow'` is the fast one
+SLOW_MODULES = {
+    "test_contract", "test_contract_bf16", "test_four_d", "test_reliability", "test_cli_train", "test_readme",
+    "test_hf", "test_checkpoint", "test_pipeline", "test_context", "test_comm_stats", "test_planner_memory",
+    "test_profile", "test_bench", "test_gpu_suite", "test_fuzz_config", "test_activation_checkpointing",
+}
+
+# and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
+SLOW_TESTS = {
+    "test_the_memory_command_honours_every_axis_it_is_given",
+    "test_token_files_train_equally_on_dp2xtp2_and_one_process_and_resume_on_another_layout",
+    "test_eval_every_reports_the_held_out_loss_equally_on_every_layout",
+    "test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads",
+    "test_the_readme_calibration_commands_run_as_written",
+    "test_bench_planner_check_smoke",
+    "test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_line",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

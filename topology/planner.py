@@ -214,14 +214,24 @@ def _kv_out(cfg, tp: int) -> int:
     return cfg.n_kv_heads * cfg.head_dim // tp if cfg.n_kv_heads % tp == 0 else cfg.head_dim
 
 
-def loss_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int) -> tuple[float, float]:
-    """(kept per microbatch until its backward, transient at the loss's backward) on the last stage: the
-    final norm's input, x * rstd and output (the head's input, gathered), the vocab-parallel softmax
-    (fp32); then the logits, their fp32 copy and their gradient."""
+def loss_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int,
+                          loss: str = "chunked") -> tuple[float, float]:
+    """(kept per microbatch until its backward, transient) on the last stage, for `--loss`:
+    both: the final norm's input and x * rstd (sequence-parallel shards) and its gathered output;
+    logits: the vocab-parallel softmax (fp32) kept, then the logits, their fp32 copy and their gradient;
+    chunked (the default, parallel/loss.py): the gradients computed in the forward are kept (dh in the
+    compute dtype, dW in fp32), and one chunk at a time holds its fp32 logits, their compute-dtype copy
+    and gradient, plus dW's compute-dtype matmul result when that is not fp32."""
+    from .shapes import chunk_tokens
+
     vocab = -(-cfg.vocab_size // tp)
     sp = seq // tp if sequence_parallel else seq
-    kept = rows * (2 * sp * cfg.dim * e + seq * cfg.dim * e + seq * vocab * 4)
-    transient = rows * seq * vocab * (e + 2 * 4)
+    norm = rows * (2 * sp * cfg.dim * e + seq * cfg.dim * e)
+    if loss == "logits":
+        return float(norm + rows * seq * vocab * 4), float(rows * seq * vocab * (e + 2 * 4))
+    chunk = chunk_tokens(rows * seq, vocab)
+    kept = norm + vocab * cfg.dim * 4
+    transient = chunk * vocab * (4 + 2 * e) + (vocab * cfg.dim * e if e < 4 else 0)
     return float(kept), float(transient)
 
 

@@ -4,6 +4,8 @@ build in tests/test_planner.py)."""
 
 from __future__ import annotations
 
+import math
+
 
 def _kv_local(cfg, tp: int) -> int:
     """Output features of the k (or v) projection on one tp rank: kv heads split, or all of them
@@ -35,3 +37,21 @@ def fsdp_shard_numel(rows: int, cols: int, shards: int, index: int = 0) -> int:
         return rows * cols
     per = -(-rows // shards)
     return max(0, min(per, rows - index * per)) * cols
+
+
+# fp32 logits one chunk may hold: 2^24 elements (64 MiB), up to 130 tokens at a 128256 vocabulary. Large
+# enough that the chunk's matmuls, not re-reading dW once per chunk, dominate the time (and that MKL keeps
+# its blocked kernels: below ~32 rows its dh sums over the vocabulary measured ~5x less accurate); small
+# enough that the chunk is a few percent of the full logits at training sizes.
+CHUNK_ELEMENTS = 2**24
+
+
+def chunk_tokens(n_tokens: int, vocab_rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Tokens per chunk: the fewest chunks whose fp32 logits (tokens x vocab_rows) stay within
+    `chunk_elements`, k = ceil(N * V / budget), cut as evenly as they go, ceil(N / k) tokens each (at least
+    1: a vocabulary row wider than the budget still runs one token at a time). Under tp `vocab_rows` is the
+    padded shard ceil(V / tp), so every tp rank cuts the same chunks and their collectives pair up."""
+    if n_tokens <= 0:
+        return 1
+    chunks = max(1, math.ceil(n_tokens * max(1, vocab_rows) / max(1, chunk_elements)))
+    return max(1, math.ceil(n_tokens / chunks))
