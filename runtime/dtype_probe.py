@@ -45,25 +45,24 @@ def _attention_flops(q: torch.Tensor, k: torch.Tensor, backward: bool) -> int:
     return int(flops * 2.5) if backward else flops
 
 
-def _attention_ops() -> dict[Any, bool]:
-    """Attention kernels (op -> is a backward), as far as this torch build has them."""
-    aten = torch.ops.aten
-    found: dict[Any, bool] = {}
-    for name, backward in (("_scaled_dot_product_flash_attention_for_cpu", False),
-                           ("_scaled_dot_product_flash_attention_for_cpu_backward", True),
-                           ("_scaled_dot_product_flash_attention", False),
-                           ("_scaled_dot_product_flash_attention_backward", True),
-                           ("_scaled_dot_product_efficient_attention", False),
-                           ("_scaled_dot_product_efficient_attention_backward", True),
-                           ("_scaled_dot_product_cudnn_attention", False),
-                           ("_scaled_dot_product_cudnn_attention_backward", True)):
-        if hasattr(aten, name):
-            found[getattr(aten, name).default] = backward
-    tessera_ops = getattr(torch.ops, "tessera", None)
-    for name, backward in (("flash_attention_fwd", False), ("flash_attention_bwd", True)):
-        if tessera_ops is not None and hasattr(tessera_ops, name):
-            found[getattr(tessera_ops, name).default] = backward
-    return found
+# attention kernels by operator name (every overload), each with whether it is a backward; looked up by
+# name at each call, so ops registered after the probe starts (tessera's Triton attention is imported at
+# its first call, inside step 1) count too
+_ATTENTION = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": False,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": True,
+    "aten::_scaled_dot_product_flash_attention": False,
+    "aten::_scaled_dot_product_flash_attention_backward": True,
+    "aten::_scaled_dot_product_efficient_attention": False,
+    "aten::_scaled_dot_product_efficient_attention_backward": True,
+    "aten::_scaled_dot_product_cudnn_attention": False,
+    "aten::_scaled_dot_product_cudnn_attention_backward": True,
+    "tessera::flash_attention_fwd": False,
+    "tessera::flash_attention_bwd": True,
+}
+# matmuls by operator name, every overload (mm.out, addmm_ ...): (a, b) at these argument positions
+_MATMULS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1, "aten::addmm_": 1, "aten::baddbmm": 1,
+            "aten::baddbmm_": 1, "aten::_grouped_mm": 0}
 
 
 class MatmulDtypes(TorchDispatchMode):
@@ -72,13 +71,8 @@ class MatmulDtypes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        aten = torch.ops.aten
         self.flops: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
-        self._mm = {aten.mm.default, aten.bmm.default}
-        self._add_mm = {aten.addmm.default, aten.baddbmm.default}
-        self._grouped = {getattr(aten, "_grouped_mm").default} if hasattr(aten, "_grouped_mm") else set()
-        self._attention = _attention_ops()
 
     def _count(self, dtype: torch.dtype, flops: int) -> None:
         self.flops[_name(dtype)] += int(flops)
@@ -86,20 +80,19 @@ class MatmulDtypes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = func._schema.name
         try:
-            if func in self._mm:
-                a, b = _local(args[0]), _local(args[1])
-                self._count(a.dtype, _mm_flops(a, b))
-            elif func in self._add_mm:
-                a, b = _local(args[1]), _local(args[2])
-                self._count(a.dtype, _mm_flops(a, b))
-            elif func in self._grouped:
-                a, b = _local(args[0]), _local(args[1])
-                self._count(a.dtype, 2 * a.shape[-2 if a.dim() > 1 else 0] * a.shape[-1] * b.shape[-1])
-            elif func in self._attention:
-                backward = self._attention[func]  # a backward's first argument is the output gradient
+            if name in _MATMULS:
+                i = _MATMULS[name]
+                a, b = _local(args[i]), _local(args[i + 1])
+                if name == "aten::_grouped_mm":  # (tokens, k) x (groups, k, n): each token meets one group
+                    self._count(a.dtype, 2 * a.shape[-2 if a.dim() > 1 else 0] * a.shape[-1] * b.shape[-1])
+                else:
+                    self._count(a.dtype, _mm_flops(a, b))
+            elif name in _ATTENTION:
+                backward = _ATTENTION[name]  # a backward's first argument is the output gradient
                 q, k = _local(args[1 if backward else 0]), _local(args[2 if backward else 1])
-                self._count(q.dtype, _attention_flops(q, k, self._attention[func]))
+                self._count(q.dtype, _attention_flops(q, k, backward))
         except (IndexError, AttributeError, TypeError):  # an overload with other arguments: count the call only
             pass
         return func(*args, **kwargs)

@@ -136,7 +136,9 @@ def _calibration(args: argparse.Namespace):
     from tessera.calibrate import load
     from tessera.topology.step_time import Calibration, find_entry
 
-    entry = find_entry(load(args.calibration), args.device_kind)
+    precision = getattr(args, "mixed_precision", None)
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision] if precision else None
+    entry = find_entry(load(args.calibration), args.device_kind, dtype)
     calibration = Calibration.from_entry(entry)
     return calibration, 4 if calibration.dtype == "float32" else 2
 

@@ -205,6 +205,7 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     from .profiling import StepProfiler
 
     profiler = StepProfiler(config, rank, trainer.device, trainer.step)  # --profile (else it does nothing)
+    header_written = False
     try:
         start, first_step = time.perf_counter(), trainer.step
         profiler.start()
@@ -214,6 +215,7 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
                 say(startup_line(config, trainer))
                 if out:
                     out.write(json.dumps({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
+                    header_written = True
             if config.data.eval_every and trainer.step % config.data.eval_every == 0:
                 m["eval_loss"] = trainer.evaluate()
             history.append(m)
@@ -230,11 +232,11 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
                 break
             profiler.step()
             say(progress_line(m, config, time.perf_counter() - start, trainer.step - first_step))
-        if trainer.step == first_step and out:  # nothing left to train (resumed at the last step)
-            out.write(json.dumps({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
     finally:
         profiler.stop()  # a window cut short (SIGTERM, an error) is still written
         if out:
+            if not header_written:  # nothing left to train (resumed at the last step), or step 1 failed
+                out.write(json.dumps({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
             out.close()
     summary = profiler.summary()
     if summary and rank == 0:  # asked for with --profile: printed even with --quiet

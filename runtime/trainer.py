@@ -296,6 +296,11 @@ class Trainer:
             result = self._train_step(on_grads)
         if probing:
             self.dtype_report = probe.report()
+        if self.config.parallel.compile:
+            # dynamo skips (and marks skipped for good) a frame first seen under a dispatch mode: forget
+            # that, so the blocks compile from the next step on
+            torch._dynamo.reset()
+        if probing:
             result.matmul_flops_by_dtype = self.dtype_report["matmul_flops_by_dtype"]
         result.compute_dtype = self.dtype_report["compute_dtype"]
         if tracking:

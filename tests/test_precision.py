@@ -33,6 +33,19 @@ def test_the_probe_sees_backward_matmuls_and_attention():
     with MatmulDtypes() as probe:
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
     assert set(probe.report()["matmul_flops_by_dtype"]) == {"bfloat16"} and probe.report()["compute_dtype"] == "bfloat16"
+    # the fused attention kernels themselves, forward and backward (4 B H S^2 D, and 2.5x that)
+    assert probe.report()["matmul_flops_by_dtype"]["bfloat16"] >= 4 * 2 * 8 * 8 * 4 * 3.5
+
+
+def test_the_probe_counts_every_matmul_of_the_chunked_loss():
+    """dh is written with mm(out=) and dW accumulated with addmm_: every overload counts (3 matmuls of 2 N V D)."""
+    from tessera.parallel.loss import linear_cross_entropy_sum
+
+    n, v, d = 6, 10, 4
+    h, w = torch.randn(n, d, requires_grad=True), torch.randn(v, d, requires_grad=True)
+    with MatmulDtypes() as probe:
+        linear_cross_entropy_sum(h, w, torch.randint(0, v, (n,)))[0].backward()
+    assert probe.report()["matmul_flops_by_dtype"] == {"float32": 3 * 2 * n * v * d}
 
 
 def _run(tmp_path, precision, *extra):
@@ -58,3 +71,22 @@ def test_bf16_runs_in_bf16_on_one_process_and_says_so_from_what_ran(tmp_path):
     assert [r["compute_dtype"] for r in bf16_rows] == ["bfloat16"] * 3
     assert [r["compute_dtype"] for r in fp32_rows] == ["float32"] * 3
     assert "matmuls in bfloat16 (" in bf16_out.splitlines()[0] and "matmuls in float32 (100.0%" in fp32_out.splitlines()[0]
+
+
+def _graphs_compiled_in_two_steps(config):
+    import torch._dynamo.utils
+
+    from tessera.trainer import Trainer
+
+    trainer = Trainer(config, torch.device("cpu"))
+    trainer.train_step()  # step 1 runs under the dtype probe, where dynamo skips frames
+    trainer.train_step()
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_compile_still_compiles_after_the_probed_first_step():
+    from helpers import small_config
+    from tessera.parallel.launch import run_ranks
+
+    assert run_ranks(_graphs_compiled_in_two_steps, 1, small_config(compile=True), timeout=300)[0] > 0

@@ -230,7 +230,7 @@ def loss_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: 
     if loss == "logits":
         return float(norm + rows * seq * vocab * 4), float(rows * seq * vocab * (e + 2 * 4))
     chunk = chunk_tokens(rows * seq, vocab)
-    kept = norm + vocab * cfg.dim * 4
+    kept = norm + vocab * cfg.dim * 4  # (dh, the gathered output's size, is in `norm`)
     transient = chunk * vocab * (4 + 2 * e) + (vocab * cfg.dim * e if e < 4 else 0)
     return float(kept), float(transient)
 
@@ -346,7 +346,9 @@ def _rank_memory(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: in
     # FSDP2's gathered compute copy: one unit at a time under FULL_SHARD; the whole stage under
     # SHARD_GRAD_OP and inside a pipeline step (units stay gathered across microbatches)
     pipelined = lay.pp > 1
-    keeps_gathered = fsdp > 1 and (cand.strategy == "SHARD_GRAD_OP" or pipelined)
+    # without data axes a compute dtype below fp32 runs FSDP2 on the degree-1 mesh for the precision policy
+    # alone (parallelize): the whole stage's compute copy stays for the step
+    keeps_gathered = (fsdp > 1 and (cand.strategy == "SHARD_GRAD_OP" or pipelined)) or (fsdp == 1 and e < 4)
     # (under FULL_SHARD one unit at the start of backward; two when backward recomputes a block, whose
     # re-gather overlaps the prefetch of the next)
     per_unit = 2 if cand.ac in ("full", "op") else 1
