@@ -71,14 +71,20 @@ def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
 
 
 class _CopyToTP(Function):
+    """Identity forward, all-reduce of the gradient backward; `in_fp32`: the partial sums are added in
+    fp32 and rounded to the gradient's dtype once (a replicated weight's gradient: the precision policy
+    reduces gradients in fp32, as the one-process matmul over all tokens rounds its fp32 sum once)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, in_fp32=False):
+        ctx.group, ctx.in_fp32 = group, in_fp32
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_tp(grad, ctx.group), None
+        if ctx.in_fp32:
+            return all_reduce_tp(grad.float(), ctx.group).to(grad.dtype), None, None
+        return all_reduce_tp(grad, ctx.group), None, None
 
 
 class _ReduceFromTP(Function):
@@ -113,28 +119,13 @@ class _ScatterSequence(Function):
         return _all_gather(grad, SEQ_DIM, ctx.group), None
 
 
-class _CopyWeightToTP(Function):
-    """copy_to_tp for a weight used on every tp rank: its gradient's partial sums are added in fp32 (the
-    precision policy reduces gradients in fp32) and rounded to the weight's dtype once, as the one-process
-    matmul over all tokens rounds its fp32 accumulation once."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_tp(grad.float(), ctx.group).to(grad.dtype), None
-
-
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _CopyToTP.apply(x, group)
 
 
 def copy_weight_to_tp(weight: Tensor, group: dist.ProcessGroup) -> Tensor:
     """A replicated weight (norm, bias, replicated kv heads) read by every tp rank's tokens or heads."""
-    return _CopyWeightToTP.apply(weight, group)
+    return _CopyToTP.apply(weight, group, True)
 
 
 def reduce_from_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:

@@ -50,10 +50,8 @@ def gather_by_name(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return merged
 
 
-def train_losses_and_grads(config: Config, masked: bool = False):
-    """Run config's steps; return (per-step losses, per-step grad norms, full gradients of step 1 before
-    clipping) on rank 0 and None elsewhere. Every rank takes part in gathering the gradients."""
-    data = MaskedStream(config.data.seq_len, config.data.global_batch) if masked else None
+def _records_and_grads(config: Config, data=None):
+    """(rank, step records, full gradients of step 1 before clipping gathered by name) of config's steps."""
     trainer = Trainer(config, torch.device("cpu"), data=data)
     grads: dict[str, torch.Tensor] = {}
 
@@ -63,8 +61,15 @@ def train_losses_and_grads(config: Config, masked: bool = False):
                 grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
 
     records = [trainer.train_step(on_grads=keep if s == 0 else None).record() for s in range(config.runtime.steps)]
-    grads = gather_by_name(grads)
-    if trainer.rank != 0:
+    return trainer.rank, records, gather_by_name(grads)
+
+
+def train_losses_and_grads(config: Config, masked: bool = False):
+    """Run config's steps; return (per-step losses, per-step grad norms, full gradients of step 1 before
+    clipping) on rank 0 and None elsewhere. Every rank takes part in gathering the gradients."""
+    data = MaskedStream(config.data.seq_len, config.data.global_batch) if masked else None
+    rank, records, grads = _records_and_grads(config, data)
+    if rank != 0:
         return None
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads
 
@@ -171,17 +176,8 @@ def train_losses_and_grads_saving(config: Config, save_after: int):
 
 def train_with_dtypes(config: Config):
     """`train_losses_and_grads` plus the matmul dtype each step's record reports (measured on step 1)."""
-    trainer = Trainer(config, torch.device("cpu"))
-    grads: dict[str, torch.Tensor] = {}
-
-    def keep(parts):
-        for part in parts:
-            for name, p in part.named_parameters():
-                grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
-
-    records = [trainer.train_step(on_grads=keep if s == 0 else None).record() for s in range(config.runtime.steps)]
-    grads = gather_by_name(grads)
-    if trainer.rank != 0:
+    rank, records, grads = _records_and_grads(config)
+    if rank != 0:
         return None
     return ([r["loss"] for r in records], [r["grad_norm"] for r in records], grads,
             [r["compute_dtype"] for r in records], records[0]["matmul_flops_by_dtype"])
