@@ -170,6 +170,17 @@ def _check_writable_file(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path} is not writable; choose a path you can write")
 
 
+def check_writable_dir(flag: str, path: str) -> None:
+    """Create directory `path` if needed; ValueError naming `flag` if it cannot be, or cannot be written."""
+    d = Path(path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be created ({e.strerror}); choose a writable directory") from None
+    if not os.access(d, os.W_OK):
+        raise ValueError(f"{flag} {path} is not writable; choose a writable directory")
+
+
 def _check_paths(config: Config, model) -> None:
     from tessera.parallel import checkpoint
 
@@ -177,13 +188,7 @@ def _check_paths(config: Config, model) -> None:
     if r.metrics:
         _check_writable_file("--metrics", r.metrics)
     if c.dir:
-        d = Path(c.dir)
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--checkpoint-dir {c.dir} cannot be created ({e.strerror}); choose a writable directory") from None
-        if not os.access(d, os.W_OK):
-            raise ValueError(f"--checkpoint-dir {c.dir} is not writable; choose a writable directory")
+        check_writable_dir("--checkpoint-dir", c.dir)
     if c.resume is not None:
         path = checkpoint.resolve(config.resume_path)
         problem = checkpoint.structural_problem(path)  # missing or truncated files, before any rank starts

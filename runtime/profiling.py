@@ -9,7 +9,6 @@ up the allocator, the kernels and any compiled graphs.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +53,11 @@ def check_profile(profile: str | None, profile_steps: str | None, steps: int, do
     if first <= done:
         raise ValueError(f"--profile-steps {given}: the resumed run starts after step {done}, so step {first} "
                          f"never runs; record later steps, e.g. --profile-steps {done + 1}:{min(done + 2, steps)}")
-    d = Path(profile)
-    if d.exists() and not d.is_dir():
+    if Path(profile).exists() and not Path(profile).is_dir():
         raise ValueError(f"--profile {profile} is a file; give a directory for the traces")
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--profile {profile} cannot be created ({e.strerror}); choose a writable directory") from None
-    if not os.access(d, os.W_OK):
-        raise ValueError(f"--profile {profile} is not writable; choose a writable directory")
+    from .preflight import check_writable_dir
+
+    check_writable_dir("--profile", profile)
 
 
 class StepProfiler:
