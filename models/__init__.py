@@ -1,5 +1,26 @@
-"""A Llama-style decoder and its size presets, and the deterministic token stream."""
+"""Model families, each one file with its spec (models/spec.py), registered by name: Llama and Qwen3.
 
-from .llama import PRESETS, ModelConfig, Transformer, build_model, get_preset, init_weights
+Adding a family is one file that builds and registers a `ModelSpec`, and its import line below.
+"""
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model", "get_preset", "init_weights"]
+from . import llama  # noqa: F401  (registers the family)
+from . import qwen3  # noqa: F401  (registers the family)
+from .init import init_parameters
+from .llama import PRESETS, ModelConfig, Transformer
+from .qwen3 import Qwen3, Qwen3Config
+from .spec import (
+    HFAdapter,
+    ModelSpec,
+    PipelineSplit,
+    build_model,
+    families,
+    get_preset,
+    get_spec,
+    init_weights,
+    register,
+    spec_of,
+)
+
+__all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model", "get_preset", "init_weights", "ModelSpec",
+           "PipelineSplit", "HFAdapter", "register", "get_spec", "spec_of", "families", "init_parameters",
+           "Qwen3", "Qwen3Config"]

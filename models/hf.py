@@ -1,61 +1,66 @@
-"""Hugging Face Llama checkpoints in and out: config.json <-> ModelConfig, HF parameter names <-> tessera's.
+"""Hugging Face checkpoints in and out for any registered family with an `HFAdapter` (models/spec.py):
+config.json <-> the family's config, HF parameter names <-> the family's, safetensors weights in and out.
 
-HF's Llama applies RoPE with `rotate_half` (dimension i pairs with i + D/2), which is tessera's layout, so
-the q and k weights map over unchanged (Meta's original checkpoints interleave pairs; HF's conversion
-script permutes them, and HF checkpoints are what this reads). Supported: LlamaForCausalLM with SiLU MLPs,
-no biases, untied embeddings, head_dim = hidden / heads, plain RoPE or Llama 3.1's "llama3" scaling
-(other RoPE types are refused by name). Both config.json dialects are read: rope_theta at the top (transformers
-4.x) or in rope_parameters (5.x). A rank reads only its own block of each parameter from the memory-mapped
-safetensors files (a parameter sharded in strides, FSDP over tp, is read whole, one at a time); no
-process ever holds the full state dict.
+config.json's model_type picks the family (`spec.spec_for_hf`); the family's adapter reads the rest and
+refuses, by field name, what its modules cannot represent. Everything else here goes through the spec:
+parameter names through `to_hf`/`from_hf`, shapes from the model built on the meta device. Tied weights
+(one nn.Parameter under two names, e.g. a head tied to the token embedding) are found by identity on that
+meta build: tessera's name is the owner's (`named_parameters()`'s first), a checkpoint may hold the
+parameter under either name, and an export writes it once, under the owner's name, as transformers
+does (a tied checkpoint has no lm_head.weight). A rank reads only its own block of each parameter from the
+memory-mapped safetensors files (a parameter sharded in strides, FSDP over tp, is read whole, one at a
+time); no process ever holds the full state dict.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .llama import ModelConfig
+from tessera.topology.shapes import ModelShape
 
-_LAYER = {
-    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
-    "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
-}
-_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+from .init import one_process_name
+from .spec import HFAdapter, ModelSpec, all_presets, families, get_spec, spec_for_hf, spec_of
 
 
-def hf_to_tessera_name(name: str) -> str:
-    if name in _TOP:
-        return _TOP[name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-    if m and m.group(2) in _LAYER:
-        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
-    raise ValueError(f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a Llama weight tessera knows)")
+def _spec(model: Any) -> ModelSpec:
+    """The spec of a ModelSpec, a family's config, or a model (its `.config`)."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, nn.Module):
+        model = model.config
+    return spec_of(model)
 
 
-def tessera_to_hf_name(name: str) -> str:
-    for hf, ours in _TOP.items():
-        if name == ours:
-            return hf
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
-    inverse = {v: k for k, v in _LAYER.items()}
-    if m and m.group(2) in inverse:
-        return f"model.layers.{m.group(1)}.{inverse[m.group(2)]}.weight"
-    raise ValueError(f"parameter {name!r} has no Hugging Face Llama name")
+def _adapter(model: Any) -> HFAdapter:
+    spec = _spec(model)
+    if spec.hf is None:
+        raise ValueError(f"model family {spec.name!r} has no Hugging Face adapter (its ModelSpec.hf is None)")
+    return spec.hf
+
+
+def hf_to_tessera_name(name: str, model: Any) -> str | None:
+    """A Hugging Face parameter name -> the family's (None: not a parameter, e.g. rotary buffers). `model`:
+    the family's config, spec or model. ValueError for a name the family does not know."""
+    return _adapter(model).from_hf(name)
+
+
+def tessera_to_hf_name(name: str, model: Any) -> str:
+    """The family's parameter name -> Hugging Face's. `model`: the family's config, spec or model."""
+    return _adapter(model).to_hf(name)
 
 
 # ----------------------------------------------------------------------------- config.json
-def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json; ValueError naming the file and the field for what
-    tessera's Llama cannot represent."""
+def read_hf_config(directory: str | os.PathLike) -> Any:
+    """The family's config from a Hugging Face config.json, the family chosen by its model_type;
+    ValueError naming the file and the field for what the family cannot represent."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise ValueError(f"--init-from-hf {directory}: no config.json in it (a Hugging Face model directory)")
@@ -63,61 +68,75 @@ def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
         c = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
-    # RoPE: transformers 5.x writes rope_parameters, 4.x rope_scaling; the first that is not plain decides
-    candidates = [r for r in (c.get("rope_parameters"), c.get("rope_scaling")) if isinstance(r, dict)]
-    kinds = [r.get("rope_type", r.get("type", "default")) for r in candidates]
-    rope, rope_kind = next(((r, k) for r, k in zip(candidates, kinds) if k != "default"), ({}, "default"))
-    arch = c.get("architectures") or [c.get("model_type")]
-    if c.get("model_type") != "llama" or arch[0] not in ("LlamaForCausalLM", "llama"):
-        raise ValueError(f"{path}: architecture {arch[0]!r} (model_type {c.get('model_type')!r}) is not supported; "
-                         f"tessera loads LlamaForCausalLM checkpoints")
-    for field, ok, why in (
-        ("tie_word_embeddings", not c.get("tie_word_embeddings", False), "tied embeddings (tessera's head is untied)"),
-        ("hidden_act", c.get("hidden_act", "silu") == "silu", f"activation {c.get('hidden_act')!r} (tessera's MLP is SwiGLU)"),
-        ("attention_bias", not c.get("attention_bias", False), "biases in attention"),
-        ("mlp_bias", not c.get("mlp_bias", False), "biases in the MLP"),
-        ("rope_scaling", rope_kind in ("default", "llama3"), f"rope type {rope_kind!r} (default and llama3 are implemented)"),
-    ):
-        if not ok:
-            raise ValueError(f"{path}: {field}: {why} is not supported")
-    heads = c["num_attention_heads"]
-    if c.get("head_dim") not in (None, c["hidden_size"] // heads):
-        raise ValueError(f"{path}: head_dim {c['head_dim']} differs from hidden_size / num_attention_heads "
-                         f"({c['hidden_size']} / {heads}); not supported")
-    return ModelConfig(
-        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=c.get("num_key_value_heads") or heads, vocab_size=c["vocab_size"], ffn_dim=c["intermediate_size"],
-        norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))),
-        max_seq_len=int(c.get("max_position_embeddings", 8192)),
-        rope_scaling=None if rope_kind == "default" else {k: rope[k] for k in (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
-    )
+    if not isinstance(c, dict):
+        raise ValueError(f"{path}: not a Hugging Face config (a JSON object)")
+    model_type = c.get("model_type")
+    known = {s.hf.model_type: s.hf.architecture for s in families().values() if s.hf is not None}
+    if model_type not in known:
+        arch = (c.get("architectures") or [model_type])[0]
+        raise ValueError(f"{path}: architecture {arch!r} (model_type {model_type!r}) is not supported; tessera loads "
+                         + ", ".join(f"{a} (model_type {t!r})" for t, a in known.items()))
+    return spec_for_hf(model_type, str(path)).hf.read_config(c, str(path))
 
 
-def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "vocab_size": cfg.vocab_size, "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": cfg.head_dim,
-        "torch_dtype": dtype, "dtype": dtype,
-        # transformers 4.x reads rope_theta, 5.x rope_parameters
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "llama3" if cfg.rope_scaling else "default",
-                            **dict(cfg.rope_scaling or ())},
-        "rope_scaling": {"rope_type": "llama3", **dict(cfg.rope_scaling)} if cfg.rope_scaling else None,
-    }
+def hf_config_dict(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json contents of a family's config (`dtype` names the weights' dtype)."""
+    return _adapter(cfg).config_dict(cfg, dtype)
 
 
-def compare_with_preset(hf: ModelConfig, preset: ModelConfig, preset_name: str) -> None:
-    differ = [f"{k} {getattr(hf, k)} vs {getattr(preset, k)}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
-              "vocab_size", "ffn_dim") if getattr(hf, k) != getattr(preset, k)]
+def compare_with_preset(hf: Any, preset: Any, preset_name: str) -> None:
+    """ValueError unless a --model preset has the sizes (and family) of the config read from config.json."""
+    a, b = _spec(hf).shape(hf), _spec(preset).shape(preset)
+    differ = [f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in dataclasses.fields(ModelShape)
+              if getattr(a, f.name) != getattr(b, f.name)]
     if differ:
         raise ValueError(f"--model {preset_name} does not match the Hugging Face config.json ({'; '.join(differ)}); "
                          f"drop --model: the config is read from config.json")
 
 
-# ----------------------------------------------------------------------------- weights
+def config_from_manifest(model: dict[str, Any]) -> Any:
+    """The config a checkpoint manifest's "model" entry ({"preset", "config"}, maybe "family") describes.
+    The family: the entry's own, else the preset's, else an hf:DIR's config.json model_type, else the one
+    registered family whose config takes exactly the saved fields."""
+    saved = dict(model["config"])
+    family = model.get("family")
+    preset = str(model.get("preset", ""))
+    if family is None and preset.lower() in all_presets():
+        family = all_presets()[preset.lower()][0].name
+    if family is None and preset.startswith("hf:") and (Path(preset[3:]) / "config.json").is_file():
+        with contextlib.suppress(ValueError, OSError):
+            family = _spec(read_hf_config(preset[3:])).name
+    if family is None:
+        fits = []
+        for spec in families().values():
+            fields = dataclasses.fields(spec.config_type)
+            required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+            if set(saved) <= {f.name for f in fields} and required <= set(saved):
+                fits.append(spec.name)
+        if len(fits) != 1:
+            raise ValueError(f"the checkpoint's model {preset!r} (fields {sorted(saved)}) is not one registered family's "
+                             f"config (matching: {fits or 'none'})")
+        family = fits[0]
+    return get_spec(family).config_type(**saved)
+
+
+# ----------------------------------------------------------------------------- names and shapes
+def _parameters(cfg: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[str, ...]]]:
+    """The model of `cfg` built on meta: (owner name -> shape, every name -> the names of its parameter,
+    the owner first). A tied parameter has two names; the owner is `named_parameters()`'s."""
+    model = _spec(cfg).build_model(cfg, device="meta")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    groups: dict[str, tuple[str, ...]] = {}
+    for names in by_id.values():
+        owner = next(n for n in names if n in shapes)
+        group = (owner, *[n for n in names if n != owner])
+        groups.update({n: group for n in names})
+    return shapes, groups
+
+
 def _open_each(files: dict[str, Path], stack: contextlib.ExitStack) -> dict[Path, Any]:
     """One memory-mapped safe_open handle per shard file (not one per tensor), closed with `stack`."""
     from safetensors import safe_open
@@ -145,45 +164,72 @@ def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
                      f"not read: they can run code)")
 
 
-def check_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> None:
-    """Every tessera parameter is in the files with its shape; ValueError naming the file and the tensor."""
-    from .llama import build_model
-
-    files = weight_files(directory)
-    want = {n: tuple(p.shape) for n, p in build_model(cfg, device="meta").named_parameters()}
-    ours = {}
+def _weight_map(files: dict[str, Path], cfg: Any, groups: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, Path]]:
+    """tessera owner name -> (HF name, file) for every parameter of `cfg` the files hold. A tied parameter
+    stored under either of its names is found; under both, the owner's copy is read. HF tensors that are
+    not parameters (rotary buffers) or that the config does not imply (layers past n_layers) are skipped;
+    a name the family does not know is a ValueError."""
+    adapter = _adapter(cfg)
+    found: dict[str, tuple[int, str, Path]] = {}
     for hf_name, file in files.items():
-        if hf_name.endswith("rotary_emb.inv_freq"):
+        ours = adapter.from_hf(hf_name)
+        if ours is None or ours not in groups:
             continue
-        ours[hf_to_tessera_name(hf_name)] = (hf_name, file)
-    missing = sorted(set(want) - set(ours))
+        group = groups[ours]
+        rank = group.index(ours)
+        if group[0] not in found or rank < found[group[0]][0]:
+            found[group[0]] = (rank, hf_name, file)
+    return {owner: (hf_name, file) for owner, (_, hf_name, file) in found.items()}
+
+
+def hf_weight_map(directory: str | os.PathLike, cfg: Any) -> dict[str, tuple[str, Path]]:
+    """tessera parameter name (a tied parameter's owner name) -> (HF name, safetensors file) for the
+    Hugging Face directory's weights of the model `cfg` describes."""
+    _, groups = _parameters(cfg)
+    return _weight_map(weight_files(directory), cfg, groups)
+
+
+def check_hf_weights(directory: str | os.PathLike, cfg: Any) -> None:
+    """Every parameter of `cfg`'s model is in the files with its shape; ValueError naming the file and the tensor."""
+    files = weight_files(directory)
+    want, groups = _parameters(cfg)
+    ours = _weight_map(files, cfg, groups)
+    missing = [n for n in want if n not in ours]
     if missing:
-        raise ValueError(f"{directory}: the checkpoint lacks {tessera_to_hf_name(missing[0])} (and {len(missing) - 1} more)")
+        raise ValueError(f"{directory}: the checkpoint lacks {tessera_to_hf_name(missing[0], cfg)} "
+                         f"(and {len(missing) - 1} more)")
     with contextlib.ExitStack() as stack:
         handles = _open_each(files, stack)
         for name, (hf_name, file) in ours.items():
             shape = tuple(handles[file].get_slice(hf_name).get_shape())
-            if shape != want.get(name, shape):
+            if shape != want[name]:
                 raise ValueError(f"{file}: {hf_name} has shape {list(shape)}, config.json implies {list(want[name])}")
 
 
+# ----------------------------------------------------------------------------- weights in and out
 @torch.no_grad()
-def load_hf_weights(part: nn.Module, directory: str | os.PathLike) -> None:
-    """Fill a (parallelized, materialized) model or pipeline stage with the HF checkpoint's weights. A
-    parameter sharded in blocks (tp, or FSDP alone) is read as just this rank's block of the memory-mapped
-    file; one sharded in strides (FSDP over tp) is read whole, one parameter at a time, and cut locally."""
+def load_hf_weights(part: nn.Module, directory: str | os.PathLike, config: Any | None = None) -> None:
+    """Fill a (parallelized, materialized) model or pipeline stage with the HF checkpoint's weights.
+    `config`: the family's config (default: `part.config`). A parameter sharded in blocks (tp, or FSDP
+    alone) is read as just this rank's block of the memory-mapped file; one sharded in strides (FSDP over
+    tp) is read whole, one parameter at a time, and cut locally. A tied parameter is read once, under
+    whichever of its names the part calls it."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    cfg = config if config is not None else part.config
     files = weight_files(directory)
+    _, groups = _parameters(cfg)
+    where = _weight_map(files, cfg, groups)
     with contextlib.ExitStack() as stack:
         handles = _open_each(files, stack)
         for name, p in part.named_parameters():
-            name = name.replace("_checkpoint_wrapped_module.", "")
-            hf_name = tessera_to_hf_name(name)
-            if hf_name not in files:
-                raise ValueError(f"{directory}: the checkpoint lacks {hf_name}")
-            f = handles[files[hf_name]]
+            name = one_process_name(name)
+            owner = groups.get(name, (name,))[0]
+            if owner not in where:
+                raise ValueError(f"{directory}: the checkpoint lacks {tessera_to_hf_name(name, cfg)}")
+            hf_name, file = where[owner]
+            f = handles[file]
             if isinstance(p, DTensor) and all(type(pl) in (Shard, Replicate) for pl in p.placements):
                 # a block of the global tensor: read just that block from the memory-mapped file
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
@@ -196,13 +242,31 @@ def load_hf_weights(part: nn.Module, directory: str | os.PathLike) -> None:
                 p.copy_(f.get_tensor(hf_name).to(p.dtype))
 
 
-def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, directory: str | os.PathLike) -> None:
-    """Write a Hugging Face Llama directory (config.json, model.safetensors) from a full tessera state dict."""
-    from tessera.parallel.safe_io import write_safetensors
+def save_hf(state: dict[str, torch.Tensor], cfg: Any, directory: str | os.PathLike) -> None:
+    """Write a Hugging Face directory (config.json, model.safetensors) of `cfg`'s family from a full
+    tessera state dict. A tied parameter is written once, under its owner's HF name (transformers re-ties
+    the other from config.json's tie_word_embeddings)."""
+    from .safetensors_io import write_safetensors
 
+    want, groups = _parameters(cfg)
+    by_owner: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        name = one_process_name(name)
+        if name not in groups:
+            tessera_to_hf_name(name, cfg)  # a name the family does not know: its ValueError
+            raise ValueError(f"{name} is not a parameter of the {_spec(cfg).name} model config.json describes")
+        owner = groups[name][0]
+        if owner in by_owner and not torch.equal(by_owner[owner], t):  # one tensor in the model: must be one here
+            raise ValueError(f"{name} and {owner} are one tied parameter of the {_spec(cfg).name} model, but the state "
+                             f"dict holds different values under the two names (the tie was broken in training)")
+        if owner not in by_owner or name == owner:
+            by_owner[owner] = t
+    missing = [n for n in want if n not in by_owner]
+    if missing:
+        raise ValueError(f"the state dict lacks {missing[0]} (and {len(missing) - 1} more)")
+    tensors = {tessera_to_hf_name(n, cfg): by_owner[n].contiguous() for n in want}
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {tessera_to_hf_name(n): t for n, t in state.items() if not n.endswith(("rotary.cos", "rotary.sin"))}
     dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
     write_safetensors(tensors, d / "model.safetensors", {"format": "pt"})
     (d / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=1))

@@ -14,18 +14,24 @@ that `apply_loss_head` swaps in (never the full logits). Parameter names follow 
 from __future__ import annotations
 
 import math
-import zlib
-from dataclasses import asdict, dataclass, replace
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.kernels import flash_attention, rms_norm
+from tessera.topology.shapes import ModelShape
+
+from .init import ONES
+from .layers import CausalAttention, RMSNorm, Rotary
+from .spec import HFAdapter, ModelSpec, PipelineSplit, get_preset, register
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    family = "llama"  # the registered spec (models/spec.py); a class attribute, not a field
     dim: int
     n_layers: int
     n_heads: int
@@ -61,11 +67,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Exact parameter count (unpadded vocab)."""
-        hd = self.head_dim
-        attn = self.dim * hd * (self.n_heads * 2 + self.n_kv_heads * 2)
-        mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + 2 * self.dim
-        return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
+        return model_shape(self).num_params()
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -90,71 +92,6 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_preset(name: str, **overrides) -> ModelConfig:
-    key = name.lower()
-    if key not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return replace(PRESETS[key], **overrides) if overrides else PRESETS[key]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def llama3_scaled(inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                  original_max_position_embeddings: float) -> Tensor:
-    """Llama 3.1's RoPE frequencies: wavelengths longer than the original context / low_freq_factor are
-    divided by `factor`, shorter than context / high_freq_factor kept, and the band between interpolated."""
-    context = original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > context / low_freq_factor, inv_freq / factor, inv_freq)
-    smooth = (context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    between = (wavelen >= context / high_freq_factor) & (wavelen <= context / low_freq_factor)
-    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-
-
-class Rotary(nn.Module):
-    """RoPE tables; looked up by absolute position so sharded sequences rotate at their true positions."""
-
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: tuple | None = None):
-        super().__init__()
-        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
-        self.scaling = dict(scaling) if scaling else None
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.reset_tables()
-
-    def reset_tables(self, device: torch.device | str | None = None) -> None:
-        device = device or (self.cos.device if self.cos.device.type != "meta" else "cpu")
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim))
-        if self.scaling:
-            inv_freq = llama3_scaled(inv_freq, **self.scaling)
-        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=device), inv_freq)
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()
-
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x (B, H, S, D); positions (S,) absolute token positions, below max_seq_len (checked by the
-        config, not here: a check would sync the host every layer). Pairs (i, i + D/2) rotate together."""
-        cos, sin = self.cos[positions], self.sin[positions]  # (S, D/2)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-        return out.to(x.dtype)
-
-
-class CoreAttention(nn.Module):
-    """The attention op itself, (q, k, v) -> o, behind one module slot: context parallel swaps in ring
-    attention here; everything around it (projections, RoPE) stays the same."""
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return flash_attention(q, k, v, causal=True)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -166,7 +103,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         # identity on one process; copy-to-tp or sequence all-gather once the block is tensor parallel
         self.input_comm: nn.Module = nn.Identity()
-        self.core: nn.Module = CoreAttention()
+        self.core: nn.Module = CausalAttention()
 
     def forward(self, x: Tensor, rope: Rotary, positions: Tensor) -> Tensor:
         x = self.input_comm(x)
@@ -245,89 +182,135 @@ class Transformer(nn.Module):
         return self.output(h, targets)
 
 
-def build_model(cfg: ModelConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
-    """Build the one-process model on `device` and initialize it from `seed`; on "meta" nothing is
-    allocated (parallelize it, `to_empty` on the real device, then `init_weights`)."""
-    cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
-    with torch.device(device):
-        model = Transformer(cfg)
-    if str(device) != "meta" and seed is not None:
-        init_weights(model, seed)
-    return model
 
-
-INIT_TILE = (256, 256)  # rows x columns drawn by one generator
-
-
-def param_init_std(name: str, cfg: ModelConfig) -> float | None:
-    """The truncated-normal std of a parameter (None: ones, the norms). Output projections (wo, w2) are
+def param_init_std(name: str, cfg: ModelConfig) -> float | str:
+    """The truncated-normal std of a parameter (ONES: the norms). Output projections (wo, w2) are
     scaled by 1/sqrt(2 * n_layers)."""
     if name.endswith("norm.weight"):
-        return None
+        return ONES
     return cfg.init_std * (1.0 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0)
 
 
-def init_region(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...], std: float | None,
-                seed: int, out: Tensor | None = None) -> Tensor:
-    """The values of rows/columns [offset, offset + size) of parameter `name` (global `shape`), written
-    into `out` (any dtype and device) or a new float32 tensor.
-
-    The global tensor is cut into fixed INIT_TILE tiles, each drawn from its own generator seeded by
-    (seed, name, tile); a region draws only the tiles it covers. So every rank's shard equals that slice
-    of the one-process initialization, and no rank ever holds more than its shard plus one tile."""
-    if out is None:
-        out = torch.empty(size)
-    if std is None:
-        return out.fill_(1.0)
-    if len(shape) > 2:
-        raise ValueError(f"{name}: init_region handles 1-D and 2-D parameters, not shape {tuple(shape)}")
-    shape2 = (shape[0], shape[1] if len(shape) == 2 else 1)
-    off2 = (offset[0], offset[1] if len(shape) == 2 else 0)
-    size2 = (size[0], size[1] if len(shape) == 2 else 1)
-    view = out.view(size2)
-    (tr, tc) = INIT_TILE
-    for i in range(off2[0] // tr, -(-(off2[0] + size2[0]) // tr)):
-        for j in range(off2[1] // tc, -(-(off2[1] + size2[1]) // tc)):
-            r0, c0 = i * tr, j * tc
-            tile_shape = (min(tr, shape2[0] - r0), min(tc, shape2[1] - c0))
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}/{i}/{j}".encode())) % 2**63)
-            tile = torch.nn.init.trunc_normal_(torch.empty(tile_shape), std=std, a=-3 * std, b=3 * std, generator=gen)
-            # the part of the tile inside the region
-            a0, a1 = max(r0, off2[0]), min(r0 + tile_shape[0], off2[0] + size2[0])
-            b0, b1 = max(c0, off2[1]), min(c0 + tile_shape[1], off2[1] + size2[1])
-            view[a0 - off2[0] : a1 - off2[0], b0 - off2[1] : b1 - off2[1]] = tile[a0 - r0 : a1 - r0, b0 - c0 : b1 - c0]
-    return out
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    return ModelShape(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                      head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, ffn_dim=cfg.ffn_dim, family="llama",
+                      max_seq_len=cfg.max_seq_len)
 
 
-def local_region(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global offset, local shape) of the piece of `p` this rank holds (the whole tensor if not a DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor):
-        return (0,) * p.dim(), tuple(p.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return tuple(offset), tuple(size)
+# ----------------------------------------------------------------------------- Hugging Face names and config
+_LAYER = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+}
+_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
 
 
-def init_weights(model: Transformer, seed: int) -> None:
-    """Initialize every parameter this rank holds from the seed (see `init_region`): the one-process
-    model, or a model built on the meta device, parallelized and materialized with `to_empty`, whose
-    DTensor shards are filled from the tiles they cover. Values depend only on the seed and the
-    parameter's one-process name, never on the layout or the order modules were built in."""
-    from torch.distributed.tensor import DTensor
+def hf_to_tessera_name(name: str) -> str | None:
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name in _TOP:
+        return _TOP[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+    if m and m.group(2) in _LAYER:
+        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+    raise ValueError(f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a Llama weight tessera knows)")
 
-    cfg = model.config
-    for name, p in model.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")  # the one-process name seeds the generators
-        local = p.to_local() if isinstance(p, DTensor) else p
-        offset, size = local_region(p)
-        if tuple(local.shape) != tuple(size):
-            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {size} at {offset}")
-        with torch.no_grad():  # in place, tile by tile: no shard-sized temporary
-            if local.is_contiguous():
-                init_region(name, tuple(p.shape), offset, size, param_init_std(name, cfg), seed, out=local)
-            else:
-                local.copy_(init_region(name, tuple(p.shape), offset, size, param_init_std(name, cfg), seed))
-    model.rope.reset_tables(next(model.parameters()).device)
+
+def tessera_to_hf_name(name: str) -> str:
+    for hf, ours in _TOP.items():
+        if name == ours:
+            return hf
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    inverse = {v: k for k, v in _LAYER.items()}
+    if m and m.group(2) in inverse:
+        return f"model.layers.{m.group(1)}.{inverse[m.group(2)]}.weight"
+    raise ValueError(f"parameter {name!r} has no Hugging Face Llama name")
+
+
+def read_hf_config(c: dict, path: str) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json's contents; ValueError naming the file and the field for
+    what tessera's Llama cannot represent."""
+    # RoPE: transformers 5.x writes rope_parameters, 4.x rope_scaling; the first that is not plain decides
+    candidates = [r for r in (c.get("rope_parameters"), c.get("rope_scaling")) if isinstance(r, dict)]
+    kinds = [r.get("rope_type", r.get("type", "default")) for r in candidates]
+    rope, rope_kind = next(((r, k) for r, k in zip(candidates, kinds) if k != "default"), ({}, "default"))
+    arch = c.get("architectures") or [c.get("model_type")]
+    if c.get("model_type") != "llama" or arch[0] not in ("LlamaForCausalLM", "llama"):
+        raise ValueError(f"{path}: architecture {arch[0]!r} (model_type {c.get('model_type')!r}) is not supported; "
+                         f"tessera loads LlamaForCausalLM checkpoints")
+    for field, ok, why in (
+        ("tie_word_embeddings", not c.get("tie_word_embeddings", False), "tied embeddings (tessera's head is untied)"),
+        ("hidden_act", c.get("hidden_act", "silu") == "silu", f"activation {c.get('hidden_act')!r} (tessera's MLP is SwiGLU)"),
+        ("attention_bias", not c.get("attention_bias", False), "biases in attention"),
+        ("mlp_bias", not c.get("mlp_bias", False), "biases in the MLP"),
+        ("rope_scaling", rope_kind in ("default", "llama3"), f"rope type {rope_kind!r} (default and llama3 are implemented)"),
+    ):
+        if not ok:
+            raise ValueError(f"{path}: {field}: {why} is not supported")
+    heads = c["num_attention_heads"]
+    if c.get("head_dim") not in (None, c["hidden_size"] // heads):
+        raise ValueError(f"{path}: head_dim {c['head_dim']} differs from hidden_size / num_attention_heads "
+                         f"({c['hidden_size']} / {heads}); not supported")
+    return ModelConfig(
+        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=c.get("num_key_value_heads") or heads, vocab_size=c["vocab_size"], ffn_dim=c["intermediate_size"],
+        norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))),
+        max_seq_len=int(c.get("max_position_embeddings", 8192)),
+        rope_scaling=None if rope_kind == "default" else {k: rope[k] for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
+    )
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "vocab_size": cfg.vocab_size, "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": cfg.head_dim,
+        "torch_dtype": dtype, "dtype": dtype,
+        # transformers 4.x reads rope_theta, 5.x rope_parameters
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "llama3" if cfg.rope_scaling else "default",
+                            **dict(cfg.rope_scaling or ())},
+        "rope_scaling": {"rope_type": "llama3", **dict(cfg.rope_scaling)} if cfg.rope_scaling else None,
+    }
+
+
+
+LLAMA = register(ModelSpec(
+    name="llama",
+    config_type=ModelConfig,
+    build=Transformer,
+    init_std=param_init_std,
+    shape=model_shape,
+    tp_plan=(
+        ("tok_embeddings", "embedding"),
+        ("layers.*.attention", "block_input"),
+        ("layers.*.attention.wq", "colwise"),
+        ("layers.*.attention.wk", "kv"),
+        ("layers.*.attention.wv", "kv"),
+        ("layers.*.attention.wo", "rowwise"),
+        ("layers.*.feed_forward", "block_input"),
+        ("layers.*.feed_forward.w[13]", "colwise"),
+        ("layers.*.feed_forward.w2", "rowwise"),
+        ("layers.*.attention_norm", "norm"),
+        ("layers.*.ffn_norm", "norm"),
+        ("norm", "norm"),
+        # the logits stay split over the vocabulary: tessera.parallel.loss reads them so
+        ("output", "colwise_gather"),
+    ),
+    blocks="layers.*",
+    pipeline=PipelineSplit(first=("tok_embeddings",), blocks="layers", last=("norm", "output")),
+    attention="layers.*.attention.core",
+    head="output",
+    presets=PRESETS,
+    hf=HFAdapter(model_type="llama", architecture="LlamaForCausalLM", read_config=read_hf_config,
+                 config_dict=hf_config_dict, to_hf=tessera_to_hf_name, from_hf=hf_to_tessera_name),
+))
+
+
+def build_model(cfg: ModelConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
+    """Build the one-process model on `device` and initialize it from `seed`; on "meta" nothing is
+    allocated (parallelize it, `to_empty` on the real device, then `init_weights`)."""
+    return LLAMA.build_model(get_preset(cfg) if isinstance(cfg, str) else cfg, device, seed)

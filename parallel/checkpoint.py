@@ -183,7 +183,7 @@ class ModelOptimizerState:
 
     Each part has its own optimizer (`optimizers.optimizers`, or one plain optimizer for one part), and
     both model and optimizer state are keyed by the one-process parameter names (the optimizer state
-    flattened: state.layers.5.attention.wq.weight.exp_avg), so a checkpoint saved on any layout, any
+    flattened: state.<parameter name>.exp_avg), so a checkpoint saved on any layout, any
     pp split included, loads on any other."""
 
     def __init__(self, parts: list[torch.nn.Module], optimizers: Any):
@@ -217,7 +217,7 @@ def get_model_state_dict_names(part: torch.nn.Module) -> list[str]:
 
 
 def _optim_key_param(key: str) -> str:
-    """state.layers.0.attention.wq.weight.exp_avg -> layers.0.attention.wq.weight (the same for param_groups)."""
+    """state.<parameter name>.exp_avg -> <parameter name> (the same for param_groups)."""
     return key.split(".", 1)[1].rsplit(".", 1)[0]
 
 
@@ -422,7 +422,7 @@ def load_full_state_dict(model: torch.nn.Module, file: str | os.PathLike) -> Non
 
 def check_full_state_dict_file(file: str | os.PathLike, model_config: Any) -> None:
     """Raise CheckpointError unless `file` holds exactly the parameters of `model_config`, shape for shape."""
-    from tessera.models import build_model
+    from tessera.models.spec import build_model
 
     header = read_safetensors_header(file)
     want = {k: list(v.shape) for k, v in build_model(model_config, device="meta").state_dict().items()}

@@ -93,10 +93,15 @@ def global_grad_norm(parameters: Iterable[Tensor], pp_group: dist.ProcessGroup |
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None) -> Tensor:
-    """Scale all gradients so their global norm is at most max_norm; returns the norm before clipping."""
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                    scale_also: Iterable[Tensor] | None = None) -> Tensor:
+    """Scale all gradients so their global norm is at most max_norm; returns the norm before clipping.
+    `scale_also`: the parameters to scale when they are more than those counted (a tied weight's second
+    copy on a pipeline stage is scaled, not counted twice)."""
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params, pp_group)
+    if scale_also is not None:
+        params = [p for p in scale_also if p.grad is not None]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     # a NaN/inf norm leaves the gradients as they are, so the non-finite ones can still be found by name
     coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))

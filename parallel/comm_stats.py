@@ -10,8 +10,10 @@ settles groups two axes share, such as cp's and FSDP's when dp_shard is 1), and 
 
     all-reduce 2 (n-1)/n x payload; all-gather (n-1)/n x output; reduce-scatter (n-1)/n x input; send: payload
 
-Received bytes are the senders' and are not counted twice. The mode adds a Python call per operator, so
-it runs only when asked (`tessera train --comm-stats`, and `tessera bench` for one counted step).
+Received bytes are the senders' and are not counted twice. The names bytes are accounted under are the
+axes table's (topology/axes.py: each axis's `comm`, FSDP's traffic under its flattened mesh), the same names
+topology/comm_model.py predicts. The mode adds a Python call per operator, so it runs only when asked
+(`tessera train --comm-stats`, and `tessera bench` for one counted step).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tessera.topology.axes import COMM_AXES, FLATTENED_BY_PURPOSE
 from tessera.topology.comm_model import wire_bytes
 
 from .comm import CURRENT_AXIS, axis_of_group
@@ -59,7 +62,8 @@ class CommCounter(TorchDispatchMode):
     """Within `with CommCounter(layout, rank) as c:` (the layout FSDP was built on: NO_SHARD's puts the dp
     ranks on dp_replicate, see data.layout_for_strategy), c.bytes[axis][op] accumulates the wire bytes this
     rank sent, c.calls[axis][op] the number of collectives. Axis names are the layout's (tp, cp, pp,
-    dp_shard, dp_replicate), its flattened ones (dp_shard_cp: FSDP; dp, dp_cp: the loss) or "world"."""
+    dp_shard, dp_replicate), its flattened ones (dp_shard_cp: FSDP; dp, dp_cp: the loss) or "world";
+    `by_axis` gives every name of the table's accounting (COMM_AXES), 0 where nothing was sent."""
 
     def __init__(self, layout, rank: int):
         super().__init__()
@@ -72,8 +76,9 @@ class CommCounter(TorchDispatchMode):
         key = group.group_name
         if key not in self._axis_by_group:
             members = dist.get_process_group_ranks(group)
-            if len(members) > 1 and sorted(members) == sorted(self.layout.group(("dp_shard", "cp"), self.rank)):
-                name = "dp_shard_cp"  # FSDP's mesh, by that name even when cp or dp_shard is 1 (or it is the world)
+            fsdp = FLATTENED_BY_PURPOSE["fsdp"]
+            if len(members) > 1 and sorted(members) == sorted(self.layout.group(fsdp.axes, self.rank)):
+                name = fsdp.name  # FSDP's mesh, by that name even when cp or dp_shard is 1 (or it is the world)
             else:
                 name = axis_of_group(self.layout, self.rank, members) or (
                     "world" if len(members) == self.layout.world_size else f"group{sorted(members)}")
@@ -107,7 +112,9 @@ class CommCounter(TorchDispatchMode):
         self.calls[axis][op] += 1
 
     def by_axis(self) -> dict[str, float]:
-        return {axis: sum(ops.values()) for axis, ops in self.bytes.items()}
+        out = dict.fromkeys(COMM_AXES, 0.0)
+        out.update({axis: sum(ops.values()) for axis, ops in self.bytes.items()})
+        return out
 
     def report(self) -> dict[str, Any]:
         return {"bytes_by_axis": self.by_axis(),

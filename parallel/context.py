@@ -3,7 +3,7 @@
     zigzag_shard / zigzag_unshard   the sequence cut into 2*cp chunks; rank i keeps chunks i and 2*cp-1-i
     ring_attention                  K/V blocks travel the ring; partial results merge by log-sum-exp
     allgather_attention             K/V gathered once per layer (Llama 3's choice for few kv heads)
-    apply_cp                        puts one of them in every block's attention `core` slot
+    apply_cp                        puts one of them in every attention slot the model's spec names
 
 Why zigzag: under a causal mask, the queries late in the sequence see more keys. Contiguous chunks
 would give the last rank cp times the first one's work; chunk i paired with chunk 2*cp-1-i gives every
@@ -300,12 +300,23 @@ class ContextParallelAttention(nn.Module):
         return f"method={self.method}, cp={dist.get_world_size(self.group)}"
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str = "ring", timeout: float | None = None) -> nn.Module:
-    """Swap every block's attention core for context-parallel attention over `cp_mesh`, in place."""
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str = "ring", timeout: float | None = None,
+             slots: str | None = None) -> nn.Module:
+    """Swap every attention slot (the modules matching `slots`, the spec's `attention` pattern; by default
+    the model's family spec's) for context-parallel attention over `cp_mesh`, in place."""
     if method not in METHODS:
         raise ValueError(f"unknown --cp-method {method!r}; use one of {', '.join(METHODS)}")
+    from tessera.models.spec import spec_of
+
+    from .plan import find_modules, replace_module
+
+    slots = slots or spec_of(model.config).attention
     group = cp_mesh.get_group()
-    for block in model.layers.values():
-        attention = getattr(block, "_checkpoint_wrapped_module", block).attention
-        attention.core = ContextParallelAttention(group, method, timeout)
+    found = find_modules(model, slots)
+    if not found and any(True for _ in model.parameters()):
+        # a stage always holds at least one block: a pattern that finds no slot would leave attention local
+        raise ValueError(f"context parallel: the attention pattern {slots!r} matches no module of "
+                         f"{type(model).__name__}; the spec's `attention` must name the (q, k, v) -> o slots")
+    for name, _ in found:
+        replace_module(model, name, ContextParallelAttention(group, method, timeout))
     return model

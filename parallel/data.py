@@ -117,17 +117,21 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: str = "l
 
 def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConfig, pipelined: bool = False,
                plan=None) -> nn.Module:
-    """fully_shard bottom-up over the data axes, in place: the plan's units in order (tessera's Llama:
+    """fully_shard bottom-up over the data axes, in place: the plan's units in order (a family's spec:
     the embedding, each block, the final norm with the output head), then the root. `fsdp_mesh` is
-    Meshes.fsdp (1-D, or 2-D for HSDP); parts a pipeline stage lacks are skipped."""
-    from .plan import llama_plan
-
+    Meshes.fsdp (1-D, or 2-D for HSDP); parts a pipeline stage lacks are skipped. A unit that shares a
+    parameter with another (a tied embedding and head) is left to the root: FSDP2 shards a tensor once."""
     if plan is None:
-        plan = llama_plan(model.config, 1)
+        from tessera.models.spec import spec_of
+
+        from .plan import spec_plan
+
+        spec = spec_of(model.config)
+        plan = spec_plan(spec, spec.shape(model.config), 1)
     reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[config.mixed_precision], reduce_dtype=torch.float32)
     kw = dict(mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    units = plan.units(model)
+    units = _without_shared(plan.units(model))
     for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], **kw)
     fully_shard(model, **kw)
@@ -143,6 +147,16 @@ def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConf
             if behind:
                 block.set_modules_to_backward_prefetch(behind)
     return model
+
+
+def _without_shared(units: list[list[nn.Module]]) -> list[list[nn.Module]]:
+    owners: dict[int, set[int]] = {}
+    for i, unit in enumerate(units):
+        for m in unit:
+            for p in m.parameters():
+                owners.setdefault(id(p), set()).add(i)
+    shared = {i for holders in owners.values() if len(holders) > 1 for i in holders}
+    return [unit for i, unit in enumerate(units) if i not in shared]
 
 
 def model_state_bytes_on_rank(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

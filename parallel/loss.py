@@ -278,23 +278,42 @@ def _accepts_targets(model: nn.Module) -> bool:
         return False
 
 
-def apply_loss_head(model: nn.Module, chunk_elements: int = CHUNK_ELEMENTS) -> nn.Module:
-    """Swap `model.output` for a LinearCrossEntropyHead, in place, after tp (+cp) and before activation
-    checkpointing, compile and FSDP2. Only a bias-free nn.Linear or column-parallel layer is swapped, and
-    only on a model whose forward takes `targets` (tessera's Transformer, or a stage of it with the head);
-    anything else (a user's model, a stage without `output`) is left as it is."""
-    out = getattr(model, "output", None)
+def apply_loss_head(model: nn.Module, chunk_elements: int = CHUNK_ELEMENTS, head: str | None = None) -> nn.Module:
+    """Swap the output head (the module named `head`: the spec's, or `output` for a model without one) for
+    a LinearCrossEntropyHead, in place, after tp (+cp) and before activation checkpointing, compile and
+    FSDP2. Only a bias-free nn.Linear or column-parallel layer is swapped, and only on a model whose forward
+    takes `targets` (a spec'd family's model, or a stage of it with the head); anything else (a user's
+    model without that, a stage without the head) is left as it is."""
+    if head is None:
+        from tessera.models.spec import spec_of
+
+        try:
+            head = spec_of(model.config).head
+        except (AttributeError, TypeError, ValueError):
+            head = "output"
+    out = _get(model, head)
     if isinstance(out, LinearCrossEntropyHead) or not _accepts_targets(model):
         return model
     if isinstance(out, nn.Linear) and out.bias is None:
-        model.output = LinearCrossEntropyHead(out.weight, None, chunk_elements)
+        new = LinearCrossEntropyHead(out.weight, None, chunk_elements)
     elif isinstance(out, ColumnParallelLinear) and getattr(out, "bias", None) is None:
-        model.output = LinearCrossEntropyHead(out.weight, out.input_comm, chunk_elements)
+        new = LinearCrossEntropyHead(out.weight, out.input_comm, chunk_elements)
+    else:
+        return model
+    parent_name, _, child = head.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return model
 
 
+def _get(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def has_loss_head(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "output", None), LinearCrossEntropyHead)
+    return any(isinstance(m, LinearCrossEntropyHead) for m in model.modules())
 
 
 def model_loss(loss_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], model: nn.Module, inputs: Tensor,

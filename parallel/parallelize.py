@@ -29,8 +29,18 @@ from .data import (
 from .context import apply_cp, check_context
 from .loss import apply_loss_head, check_loss
 from .pipeline import PipelineConfig, check_pipeline
-from .plan import ColwiseParallel, Plan, PrepareInput, apply_plan, llama_plan
-from .tensor import apply_tp, check_tensor_parallel
+from .plan import ColwiseParallel, Plan, PrepareInput, apply_plan, apply_tp, spec_plan
+from .tensor import check_tensor_parallel
+
+
+def model_shape_of(model_config, spec=None):
+    """The plain-number shape (topology.shapes.ModelShape) of a family's config; a ModelShape as it is."""
+    from tessera.models.spec import spec_of
+    from tessera.topology.shapes import ModelShape
+
+    if isinstance(model_config, ModelShape):
+        return model_config
+    return (spec or spec_of(model_config)).shape(model_config)
 
 
 @dataclass(frozen=True)
@@ -45,9 +55,11 @@ class ParallelConfig:
     loss: str = "chunked"  # "chunked": the fused head, never the full logits (parallel/loss.py); "logits"
 
     def check(self, model_config, seq_len: int | None = None, global_batch: int | None = None,
-              microbatches: int | None = None) -> None:
-        """Every check that can fail, before any process group starts."""
+              microbatches: int | None = None, spec=None) -> None:
+        """Every check that can fail, before any process group starts. `model_config` is a family's config
+        (its spec found by its `family`, or given as `spec`) or a ModelShape."""
         layout = self.layout
+        model_config = model_shape_of(model_config, spec)
         microbatches = microbatches or self.pipeline.microbatches
         check_context(seq_len, layout.cp, self.cp_method, layout.tp, self.sequence_parallel)
         check_loss(self.loss)
@@ -74,23 +86,32 @@ class ParallelConfig:
         return self.layout.dp_shard * self.layout.cp * self.layout.dp_replicate > 1
 
 
-def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelConfig, plan: Plan | None = None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelConfig, plan: Plan | None = None,
+                spec=None) -> nn.Module:
     """Turn a one-process model into this rank's part of the mesh-parallel model, in place. `mesh` is a
-    Meshes, or the DeviceMesh of `Layout.build_mesh`. Without a plan the model is a `models.Transformer`
-    (or a pipeline stage of it) and gets `llama_plan`; any other model passes its own `Plan` (tensor
-    parallel by module-name rules, FSDP2 over the blocks it names; no pp or cp: those need tessera's model)."""
-    if plan is None:
-        config.check(model.config)
-        plan = llama_plan(model.config, config.layout.tp)
-    else:
+    Meshes, or the DeviceMesh of `Layout.build_mesh`. The model (or a pipeline stage of it) is described by
+    its family's spec (models/spec.py): the registered one of `model.config`, or `spec` for a user's model
+    that is not registered; every axis reads only the spec. A `plan` alone (no spec) parallelizes a model
+    by module-name rules over tp and FSDP2 only: pp and cp need a spec's stages and attention slots."""
+    if plan is not None and spec is None:
         _check_user_plan(model, config, plan)
+        head, attention = None, None
+    else:
+        if spec is None:
+            from tessera.models.spec import spec_of
+
+            spec = spec_of(model.config)
+        shape = spec.shape(model.config)
+        config.check(shape)
+        plan = plan or spec_plan(spec, shape, config.layout.tp)
+        head, attention = spec.head, spec.attention
     meshes = mesh if isinstance(mesh, Meshes) else Meshes(config.layout, mesh.device_type, mesh=mesh)
     if meshes.tp is not None:
         apply_plan(model, meshes.tp, plan, config.sequence_parallel)
     if meshes.cp is not None:
-        apply_cp(model, meshes.cp, config.cp_method, config.timeout)
+        apply_cp(model, meshes.cp, config.cp_method, config.timeout, slots=attention)
     if check_loss(config.loss) == "chunked":  # the output head computes the loss; before ac, compile, FSDP2
-        apply_loss_head(model)
+        apply_loss_head(model, head=head)
     if plan.checkpoint_blocks:
         apply_activation_checkpointing(model, config.data.activation_checkpointing, plan.checkpoint_blocks)
     if config.compile:
@@ -122,8 +143,9 @@ def _check_user_plan(model: nn.Module, config: ParallelConfig, plan: Plan) -> No
     layout = config.layout
     if layout.pp > 1 or layout.cp > 1:
         raise ValueError(
-            f"a user plan supports dp (FSDP2/HSDP) and tp only: pp={layout.pp}, cp={layout.cp}; pipeline and context "
-            f"parallel need tessera's Transformer (its stages and attention slot)"
+            f"a plan without a model spec supports dp (FSDP2/HSDP) and tp only: pp={layout.pp}, cp={layout.cp}; "
+            f"pipeline and context parallel read the stages and attention slots from a spec: pass "
+            f"parallelize(..., spec=ModelSpec(...)) (tessera.models.spec; examples/custom_model.py)"
         )
     check_data_parallel(config.data, layout)
     if config.data.activation_checkpointing != "none" and not plan.checkpoint_blocks:
@@ -138,13 +160,18 @@ def _check_user_plan(model: nn.Module, config: ParallelConfig, plan: Plan) -> No
         raise ValueError("sequence parallel with a plan that has no PrepareInput or ColwiseParallel: nothing would gather the sequence")
 
 
-def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
+def materialize(model: nn.Module, device: torch.device | str, seed: int, spec=None) -> nn.Module:
     """Allocate a meta-built, parallelized model's local shards on `device` and initialize them to their
-    slice of the one-process initialization for `seed` (no rank draws a tensor it does not hold)."""
-    from tessera.models import init_weights
+    slice of the one-process initialization for `seed` (no rank draws a tensor it does not hold), by the
+    init rule of its family's spec (`spec`, or the registered one of `model.config`)."""
+    from tessera.models.spec import spec_of
 
-    model.to_empty(device=device)
-    init_weights(model, seed)
+    from .tied import retie, shared_parameters
+
+    tied = shared_parameters(model)
+    model.to_empty(device=device)  # allocates each registration of a shared parameter apart: tie them again
+    retie(model, tied)
+    (spec or spec_of(model.config)).init_weights(model, seed, model.config)
     return model
 
 
@@ -162,7 +189,7 @@ def dry_run_model_states(
     parallelized on the fake backend, so any layout (thousands of ranks) is measured in one process."""
     from torch.distributed.tensor import DTensor
 
-    from tessera.models import build_model, get_preset
+    from tessera.models.spec import get_preset, spec_of
     from tessera.topology import dry_run
     from tessera.topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
     from tessera.topology.shapes import fsdp_shard_numel
@@ -184,7 +211,7 @@ def dry_run_model_states(
             stages = stages_of_rank(layout.index("pp", rank), layout.pp, pipeline.virtual)
             parts = [build_stage(cfg, s, n_stages, layers[s]) for s in stages]
         else:
-            stages, layers, parts = [0], [range(cfg.n_layers)], [build_model(cfg, device="meta")]
+            stages, layers, parts = [0], [range(cfg.n_layers)], [spec_of(cfg).build_model(cfg, device="meta")]
         stage_params = local_numel(parts)  # the stage(s) whole, before tp and FSDP
         for m in parts:
             if meshes.tp is not None:

@@ -1,9 +1,9 @@
 """Pipeline parallel over the "pp" axis: stage splitting, stage-only builds, and the executor.
 
     split_layers        n_layers -> one range of layer indices per (virtual) stage, even or --pp-layers
-    build_stage         the one-process model with only stage s's layers (embedding on the first stage,
-                        final norm and head on the last), built on the meta device; names unchanged, so
-                        `layers.5.attention.wq` is `layers.5.attention.wq` on every pp degree
+    build_stage         the one-process model with only stage s's blocks (the spec's first-stage modules on
+                        the first stage, its last-stage modules on the last), built on the meta device;
+                        names unchanged, so block 5's parameters have one name on every pp degree
     PipelineRunner      runs this rank's actions of a schedule (`tessera.parallel.schedule`): F, B and W
                         over batched isend/irecv on the pp group
 
@@ -76,19 +76,35 @@ def stages_of_rank(pp_rank: int, pp: int, virtual: int = 1) -> list[int]:
     return [pp_rank + k * pp for k in range(virtual)]
 
 
-def build_stage(model_config, stage: int, n_stages: int, layers: range, device: torch.device | str = "meta") -> nn.Module:
-    """The one-process Transformer cut down to one stage. Built on the meta device nothing is allocated;
-    `parallelize` and `materialize` then give it its shards of the one-process initialization (the
-    init is seeded by parameter name and scaled by the full model's depth, so the stage's values are
-    the one-process values)."""
-    from tessera.models import build_model
+def build_stage(model_config, stage: int, n_stages: int, layers: range, device: torch.device | str = "meta",
+                spec=None) -> nn.Module:
+    """The one-process model cut down to one stage, by its family's spec (`spec`, or the registered one of
+    `model_config`): the blocks in `layers`, the spec's first-stage modules on stage 0 only, its last-stage
+    modules on the last stage only; the others are set to None. A module that owns a weight tied to a kept
+    one (the embedding of a tied head) stays on the stage, so the tensor keeps its one-process name. Built
+    on the meta device nothing is allocated; `parallelize` and `materialize` then give it its shards of
+    the one-process initialization (seeded by parameter name, so the stage's values are the one-process
+    values)."""
+    from tessera.models.spec import spec_of
 
-    model = build_model(model_config, device=device, seed=None if str(device) == "meta" else 0)
-    model.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < n_stages - 1:
-        model.norm = model.output = None
+    from .tied import shared_parameters
+
+    spec = spec or spec_of(model_config)
+    model = spec.build_model(model_config, device=device, seed=None if str(device) == "meta" else 0)
+    split = spec.pipeline
+    blocks = model.get_submodule(split.blocks)
+    kept = nn.ModuleDict({str(i): blocks[str(i)] for i in layers})
+    parent, _, attr = split.blocks.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, kept)
+    drop = ([] if stage == 0 else list(split.first)) + ([] if stage == n_stages - 1 else list(split.last))
+    kept_names = {n for n in split.first + split.last if n not in drop}
+    for owner, *aliases in shared_parameters(model):  # keep the owner of a weight that a kept module shares
+        owner_module = owner.rpartition(".")[0]
+        if {a.rpartition(".")[0] for a in aliases} & kept_names:
+            drop = [m for m in drop if m != owner_module]
+    for name in drop:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, None)
     return model
 
 

@@ -1,8 +1,8 @@
 """Sharding plans: which module of a model becomes which tensor-parallel layer, by module-name pattern.
 
 A `Plan` maps patterns to styles and names the blocks that FSDP2 wraps one by one (and activation
-checkpointing recomputes). tessera's own Llama is parallelized by `llama_plan`; a user's model by a plan
-written for it. Patterns match module names segment by segment: `*` is one segment (`layers.*.mlp`
+checkpointing recomputes). A model family's spec (models/spec.py) names its tp plan as data and
+`spec_plan` turns it into a Plan; a user's model may also pass a plan written for it directly. Patterns match module names segment by segment: `*` is one segment (`layers.*.mlp`
 matches `layers.3.mlp`, not `layers.3.x.mlp`), fnmatch inside a segment (`w[13]`).
 
     plan = Plan({
@@ -27,6 +27,8 @@ Styles (all keep the parameter names of the one-process model, so checkpoints an
     PrepareInput      the sequence-parallel boundary in front of a block: its input is copied (or
                       gathered) once for every column-parallel layer inside.
     ReplicatedHeads   a K/V projection when tp exceeds the kv heads: replicated, each rank uses its head.
+    HeadNorm          a norm over head_dim on each rank's own heads (QK-norm): replicated weights whose
+                      gradients are partial sums on every layout, so always all-reduced.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .tensor import (
     TPRMSNorm,
     VocabParallelEmbedding,
     _shard_param,
+    check_tensor_parallel,
     copy_weight_to_tp,
 )
 
@@ -185,6 +188,18 @@ class ReplicatedNorm(Style):
 
 
 @dataclass(repr=False)
+class HeadNorm(Style):
+    def apply(self, module, tp_mesh, sequence_parallel):
+        eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
+        # each rank normalizes only its heads: the weight's gradient is a partial sum even without SP
+        return TPRMSNorm(module.weight, eps, tp_mesh, sequence_parallel=True)
+
+    def check(self, name, module, tp):
+        if not (hasattr(module, "weight") and hasattr(module, "eps")) or len(list(module.parameters())) != 1:
+            raise ValueError(f"plan: HeadNorm on {name!r} needs an RMSNorm (one weight and eps), got {type(module).__name__}")
+
+
+@dataclass(repr=False)
 class PrepareInput(Style):
     """A module's input is copied to (or gathered over) the tp ranks once. The module's own `input_comm`
     slot is used when it has one (tessera's blocks); otherwise a forward pre-hook on its first argument."""
@@ -259,37 +274,52 @@ class Plan:
 
 def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan, sequence_parallel: bool = False) -> nn.Module:
     """Swap the modules a plan names for their tensor-parallel forms, in place (children before the
-    PrepareInput hooks of their parents do not matter: each style touches only its own module)."""
+    PrepareInput hooks of their parents do not matter: each style touches only its own module). Tied
+    weights (one parameter under two names) are one tensor again afterwards."""
+    from .tied import retie, shared_parameters
+
     plan.check(model, tp_mesh.size())
+    tied = shared_parameters(model)
     for name, module, style in plan.assignments(model):
         new = style.apply(module, tp_mesh, sequence_parallel)
         if new is not module:
             replace_module(model, name, new)
+    retie(model, tied)
     return model
 
 
-def llama_plan(model_config, tp: int) -> Plan:
-    """tessera's Llama (models.Transformer, or a pipeline stage of it) as a plan."""
-    kv_split = model_config.n_kv_heads % tp == 0
-    kv = ColwiseParallel(gather_input=False) if kv_split else ReplicatedHeads(model_config.n_kv_heads, model_config.head_dim)
+def _style(kind: str, shape, tp: int) -> Style:
+    """A spec's style name (models.spec.TP_STYLES) as the Style that applies it."""
+    if kind == "kv":  # split the kv heads when tp divides them, else replicate, each rank its head
+        if shape.n_kv_heads % tp == 0:
+            return ColwiseParallel(gather_input=False)
+        return ReplicatedHeads(shape.n_kv_heads, shape.head_dim)
+    return {
+        "embedding": VocabEmbedding, "block_input": PrepareInput, "rowwise": RowwiseParallel,
+        "colwise": lambda: ColwiseParallel(gather_input=False), "colwise_gather": lambda: ColwiseParallel(gather_input=True),
+        "norm": ReplicatedNorm, "head_norm": HeadNorm,
+    }[kind]()
+
+
+def spec_plan(spec, shape, tp: int) -> Plan:
+    """A model family's plan (its spec's tp_plan, blocks and pipeline split) for `tp` ranks; `shape` is
+    spec.shape(config). FSDP2 units: the first-stage modules, each block, the last-stage modules together
+    (units that hold a tied weight go to the root: apply_fsdp)."""
+    split = spec.pipeline
     return Plan(
-        rules={
-            "tok_embeddings": VocabEmbedding(),
-            "layers.*.attention": PrepareInput(),
-            "layers.*.attention.wq": ColwiseParallel(gather_input=False),
-            "layers.*.attention.wk": kv,
-            "layers.*.attention.wv": kv,
-            "layers.*.attention.wo": RowwiseParallel(),
-            "layers.*.feed_forward": PrepareInput(),
-            "layers.*.feed_forward.w[13]": ColwiseParallel(gather_input=False),
-            "layers.*.feed_forward.w2": RowwiseParallel(),
-            "layers.*.attention_norm": ReplicatedNorm(),
-            "layers.*.ffn_norm": ReplicatedNorm(),
-            "norm": ReplicatedNorm(),
-            # the logits stay split over the vocabulary: tessera.parallel.loss reads them so
-            "output": ColwiseParallel(gather_input=True),
-        },
-        blocks=("tok_embeddings", "layers.*", ("norm", "output")),
-        checkpoint_blocks="layers.*",
-        allow_unmatched=True,
+        rules={pattern: _style(kind, shape, tp) for pattern, kind in spec.tp_plan},
+        blocks=(*split.first, spec.blocks, tuple(split.last)),
+        checkpoint_blocks=spec.blocks,
+        allow_unmatched=True,  # a pipeline stage lacks some modules
     )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, spec=None) -> nn.Module:
+    """Swap a spec'd model's (or stage's) one-process layers for tensor-parallel ones, in place: its
+    family's plan, the same mechanism users' plans go through. Tied weights stay one tensor."""
+    from tessera.models.spec import spec_of
+
+    spec = spec or spec_of(model.config)
+    shape = spec.shape(model.config)
+    check_tensor_parallel(shape, tp_mesh.size(), sequence_parallel)
+    return apply_plan(model, tp_mesh, spec_plan(spec, shape, tp_mesh.size()), sequence_parallel)

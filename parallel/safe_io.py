@@ -9,7 +9,6 @@ safetensors library (a JSON header and raw bytes: nothing in them can run).
 
 from __future__ import annotations
 
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
+# the safetensors side lives with the models (Hugging Face files are read there); re-exported here
+from tessera.models.safetensors_io import (
+    CheckpointError,
+    read_safetensors,
+    read_safetensors_header,
+    read_safetensors_slice,
+    write_safetensors,
+)
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded faithfully; the message names the file and the reason."""
+__all__ = ["CheckpointError", "SafeFileSystemReader", "SafeLoadPlanner", "read_safetensors", "read_safetensors_header",
+           "read_safetensors_slice", "write_safetensors"]
 
 
-# ----------------------------------------------------------------------------- DCP, read safely
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -95,58 +101,3 @@ class _SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
 # ----------------------------------------------------------------------------- safetensors
 # The safetensors library: every dtype it knows, memory-mapped reads, and slices of one tensor without
 # reading the rest (what a rank needs to take only its shard of a large file).
-
-
-def _unsafe(file, error: Exception) -> CheckpointError:
-    text = str(error)
-    if any(m in text.lower() for m in ("incomplete", "not fully covered", "out of bounds")):
-        return CheckpointError(f"{file} is truncated or not a safetensors file ({text})")
-    return CheckpointError(f"{file} is not a safetensors file: {text}")
-
-
-def write_safetensors(tensors: dict[str, torch.Tensor], file: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    """Write `tensors` (any dtype safetensors supports) to `file` atomically (a temporary file, renamed)."""
-    from safetensors.torch import save_file
-
-    contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-    tmp = Path(f"{file}.tmp")
-    save_file(contiguous, str(tmp), metadata=metadata or {})
-    os.replace(tmp, file)
-
-
-def read_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file (memory-mapped while read); CheckpointError if it is damaged."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not Path(file).exists():
-        raise CheckpointError(f"{file}: no such file")
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise _unsafe(file, e) from None
-
-
-def read_safetensors_header(file: str | os.PathLike) -> dict[str, Any]:
-    """name -> {"dtype", "shape"} of a safetensors file, without reading any tensor data."""
-    from safetensors import SafetensorError, safe_open
-
-    if not Path(file).exists():
-        raise CheckpointError(f"{file}: no such file")
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {name: {"dtype": f.get_slice(name).get_dtype(), "shape": list(f.get_slice(name).get_shape())}
-                    for name in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise _unsafe(file, e) from None
-
-
-def read_safetensors_slice(file: str | os.PathLike, name: str, index: tuple) -> torch.Tensor:
-    """tensor[name][index] read from `file` without loading the rest (index: a tuple of slices)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return f.get_slice(name)[index]
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise _unsafe(file, e) from None

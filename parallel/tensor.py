@@ -31,7 +31,7 @@ from tessera.kernels import rms_norm
 
 from .comm import collective
 
-__all__ = ["apply_tp", "check_tensor_parallel", "shard_range", "all_reduce_tp", "full_tensor"]
+__all__ = ["check_tensor_parallel", "shard_range", "all_reduce_tp", "full_tensor"]
 
 SEQ_DIM = 1  # activations are (batch, seq, features)
 
@@ -246,7 +246,8 @@ class TPRMSNorm(nn.Module):
 
 # ----------------------------------------------------------------------------- validation and application
 def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
-    """Raise ValueError naming the value and the fix if `cfg` cannot be split over `tp` ranks."""
+    """Raise ValueError naming the value and the fix if a model of shape `cfg` (a ModelShape, or a config
+    with n_heads, n_kv_heads and ffn_dim) cannot be split over `tp` ranks."""
     if cfg.n_heads % tp:
         raise ValueError(f"tp={tp} does not divide the {cfg.n_heads} attention heads; use a tp that divides {cfg.n_heads}")
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
@@ -261,15 +262,6 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len
             f"sequence parallel needs the sequence length divisible by tp: seq_len={seq_len}, tp={tp}; "
             f"use --seq-len {seq_len - seq_len % tp or tp}"
         )
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Swap the one-process layers of a `models.Transformer` (or a stage of it) for tensor-parallel ones,
-    in place: the Llama sharding plan (parallel/plan.py), the same mechanism users' models go through."""
-    from .plan import apply_plan, llama_plan
-
-    check_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
-    return apply_plan(model, tp_mesh, llama_plan(model.config, tp_mesh.size()), sequence_parallel)
 
 
 def full_tensor(x: Tensor) -> Tensor:

@@ -174,7 +174,9 @@ def planner_estimate(config, calibration=None):
     ranks = layout.world_size
     hw = Hardware(gpus=ranks, gpu_memory_gb=1e6, gpus_per_node=max(8, ranks), dtype_bytes=element,
                   recipe="mixed_adam" if element == 2 else "fp32_adam", calibration=calibration)
-    return estimate(config.model_config, cand, hw, config.data.seq_len, config.data.global_batch)
+    from .plan_command import model_shape
+
+    return estimate(model_shape(config.model_config), cand, hw, config.data.seq_len, config.data.global_batch)
 
 
 def calibrate_rank(config, quick: bool = True) -> dict:
@@ -278,10 +280,12 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
 def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, compile: bool) -> dict:
     from tessera.topology.planner import model_flops_per_token
 
+    from .plan_command import model_shape
+
     timed = records[warmup:]
     step = statistics.median(m["step_time_s"] for m in timed)
     tokens = config.data.global_batch * config.data.seq_len
-    flops = model_flops_per_token(config.model_config, config.data.seq_len) * tokens
+    flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = 1
     return {"layout": "baseline", "implementation": "tessera.baseline (plain torch: FSDP2 on a one-rank mesh, SDPA, "
             "fused/foreach AdamW)", "compile": compile, "mixed_precision": config.mixed_precision, "ranks": 1, "devices": devices,
@@ -298,6 +302,8 @@ def _row(name: str, config, history: list[dict], warmup: int, peak: float | None
 
     from tessera.topology.planner import model_flops_per_token
 
+    from .plan_command import model_shape
+
     timed = history[warmup:]
     step = statistics.median(m["step_time_s"] for m in timed)
     waits = {axis: statistics.median(m["collective_wait_s"].get(axis, 0.0) for m in timed)
@@ -305,7 +311,7 @@ def _row(name: str, config, history: list[dict], warmup: int, peak: float | None
     exposed = min(step, sum(waits.values()))
     lay, ranks = config.layout, config.layout.world_size
     tokens = config.data.global_batch * config.data.seq_len
-    flops = model_flops_per_token(config.model_config, config.data.seq_len) * tokens
+    flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
     p = config.parallel_config()
     from tessera.topology.step_time import Calibration

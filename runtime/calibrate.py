@@ -69,12 +69,17 @@ def _median_seconds(fn: Callable[[], Any], device: torch.device, reps: int, warm
     return statistics.median(samples)
 
 
-def linear_shapes(cfg) -> list[tuple[int, int, int]]:
-    """(in, out, count) of the model's linear layers: the block's seven per layer and the output head."""
+def linear_shapes(model) -> list[tuple[int, int, int]]:
+    """(in, out, count) of the model's linear layers: the block's per layer (q, k, v, o and the MLP's two or
+    three matrices) and the output head. `model`: a ModelShape, a family's config or a preset name."""
+    from tessera.models.spec import shape_of as model_shape
+
+    cfg = model_shape(model)
     hd = cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     shapes = {(cfg.dim, q): 0, (cfg.dim, kv): 0, (q, cfg.dim): 0, (cfg.dim, cfg.ffn_dim): 0, (cfg.ffn_dim, cfg.dim): 0}
-    for key, n in (((cfg.dim, q), 1), ((cfg.dim, kv), 2), ((q, cfg.dim), 1), ((cfg.dim, cfg.ffn_dim), 2), ((cfg.ffn_dim, cfg.dim), 1)):
+    for key, n in (((cfg.dim, q), 1), ((cfg.dim, kv), 2), ((q, cfg.dim), 1), ((cfg.dim, cfg.ffn_dim), cfg.mlp_matrices - 1),
+                   ((cfg.ffn_dim, cfg.dim), 1)):
         shapes[key] += n * cfg.n_layers
     out = [(i, o, n) for (i, o), n in shapes.items()]
     out.append((cfg.dim, cfg.vocab_size, 1))
@@ -85,7 +90,11 @@ def measure(cfg, seq_len: int, rows: int, device: torch.device | str = "cpu", dt
             reps: int | None = None) -> dict[str, Any]:
     """One calibration entry measured here: see the module docstring. `rows` x `seq_len` tokens (the
     step's microbatch); each matmul shape is measured at no more than MAX_FLOPS (QUICK_MAX_FLOPS with
-    `quick`) by taking fewer tokens, and the entry says how many it took."""
+    `quick`) by taking fewer tokens, and the entry says how many it took. `cfg`: a family's config, a
+    preset name or a ModelShape."""
+    from tessera.models.spec import shape_of as model_shape
+
+    cfg = model_shape(cfg)
     device = torch.device(device)
     kind = "cuda" if device.type == "cuda" else "cpu"
     dt = DTYPES[dtype]
@@ -142,7 +151,7 @@ def measure(cfg, seq_len: int, rows: int, device: torch.device | str = "cpu", dt
         "memory_bytes_per_s": mix, "copy_bytes_per_s": copy, "op_overhead_s": overhead, "device_type": device.type,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "measured_at": {"dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
-                        "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.vocab_size, "seq_len": seq_len, "rows": rows,
+                        "head_dim": cfg.head_dim, "mlp": cfg.mlp, "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.vocab_size, "seq_len": seq_len, "rows": rows,
                         "attention_rows": b, "copy_bytes": copy_bytes, "quick": quick, "reps": reps},
         "matmul_by_shape": by_shape,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -72,11 +72,12 @@ def _memory(args: argparse.Namespace) -> int:
 def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
     """ZeRO-3 model states per rank as the planner counts them: exact per-rank parameters of the rank that
     holds the most, the same recipe (topology.memory) as the table."""
-    from tessera.models import get_preset
     from tessera.topology.memory import get_recipe
     from tessera.topology.planner import rank_params
 
-    cfg = get_preset(args.model)
+    from .plan_command import model_shape
+
+    cfg = model_shape(args.model)
     if args.pp > cfg.n_layers:
         raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {cfg.n_layers} layers")
     _, sharded, _ = rank_params(cfg, args.tp, args.pp, 1, shard_group)
@@ -157,27 +158,26 @@ def _export(args: argparse.Namespace) -> int:
 def _export_hf(checkpoint_path: str, directory: str) -> dict:
     import tempfile
 
-    from tessera.models.hf import save_hf
-    from tessera.models.llama import ModelConfig
+    from tessera.models.hf import config_from_manifest, save_hf
     from tessera.parallel.checkpoint import export_checkpoint, read_safetensors
 
     with tempfile.TemporaryDirectory() as tmp:
         manifest = export_checkpoint(checkpoint_path, os.path.join(tmp, "full.safetensors"))
         state = read_safetensors(os.path.join(tmp, "full.safetensors"))
-    save_hf(state, ModelConfig(**manifest["model"]["config"]), directory)
+    save_hf(state, config_from_manifest(manifest["model"]), directory)  # the family's HF adapter
     return manifest
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from tessera.models.hf import check_hf_weights, hf_to_tessera_name, read_hf_config, weight_files
+    from tessera.models.hf import check_hf_weights, hf_weight_map, read_hf_config
     from tessera.parallel.safe_io import read_safetensors_slice, write_safetensors
 
     try:
-        cfg = read_hf_config(args.from_hf)
+        cfg = read_hf_config(args.from_hf)  # the family from config.json's model_type
         check_hf_weights(args.from_hf, cfg)
-        tensors = {hf_to_tessera_name(n): read_safetensors_slice(f, n, (slice(None),)) for n, f in weight_files(args.from_hf).items()
-                   if not n.endswith("rotary_emb.inv_freq")}
-        write_safetensors(tensors, args.out, {"source": "huggingface", "config": json.dumps(cfg.as_dict())})
+        # tessera's names; a tied parameter once, under its owner's name
+        tensors = {ours: read_safetensors_slice(f, n, (slice(None),)) for ours, (n, f) in hf_weight_map(args.from_hf, cfg).items()}
+        write_safetensors(tensors, args.out, {"source": "huggingface", "family": cfg.family, "config": json.dumps(cfg.as_dict())})
     except (ValueError, OSError) as e:
         print(f"tessera convert: error: {e}", file=sys.stderr)
         return 2
@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--to-hf", default=None, metavar="DIR", help="write a Hugging Face Llama directory (config.json, model.safetensors) instead")
     exp.set_defaults(func=_export)
 
-    conv = sub.add_parser("convert", help="a Hugging Face Llama directory to one safetensors file in tessera's names")
+    conv = sub.add_parser("convert", help="a Hugging Face directory (Llama, Qwen3: by config.json's model_type) to one "
+                                          "safetensors file in tessera's names")
     conv.add_argument("--from-hf", required=True, metavar="DIR", help="config.json + model.safetensors (or sharded with an index)")
     conv.add_argument("--out", required=True, help="the .safetensors file to write")
     conv.set_defaults(func=_convert)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tessera.topology import Layout
+from tessera.topology import axes as _axes
 
 
 def opt(default: Any, doc: str, flag: str | None = None, **argparse_kw: Any) -> Any:
@@ -23,20 +24,29 @@ def opt(default: Any, doc: str, flag: str | None = None, **argparse_kw: Any) -> 
     return field(default=default, metadata={"doc": doc, "flag": flag, "argparse": argparse_kw})
 
 
+def degree_opt(name: str) -> Any:
+    """The degree field of the axis whose flag is `name`: default 1, its help from topology/axes.py's table."""
+    axis = next(a for a in _axes.TABLE if a.flag == name)
+    return opt(1, axis.help)
+
+
 @dataclass(frozen=True)
 class ModelSection:
-    preset: str = opt("debug", "model preset: debug, small, 1b, 8b, 70b, 405b, or hf:DIR (a Hugging Face Llama's config.json)", flag="--model")
+    preset: str = opt("debug", "model preset of a registered family: llama (debug, small, 1b, 8b, 70b, "
+                         "405b), qwen3 (qwen3-debug, qwen3-0.6b, qwen3-1.7b, qwen3-8b); or hf:DIR (a Hugging Face "
+                         "config.json, the family from its model_type)", flag="--model")
     n_layers: int | None = opt(None, "override the preset's number of transformer blocks")
     vocab_size: int | None = opt(None, "override the preset's vocabulary (e.g. a tokenizer's for --data)")
 
 
 @dataclass(frozen=True)
 class ParallelSection:
-    pp: int = opt(1, "pipeline-parallel ranks (stages of the model, each on its own ranks)")
-    dp: int = opt(1, "data-parallel degree (dp_replicate x dp_shard), sharded with FSDP2")
-    dp_replicate: int = opt(1, "replicas of the FSDP shard group (HSDP); must divide --dp")
-    cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (zigzag), attention over the ring")
-    tp: int = opt(1, "tensor-parallel degree")
+    # one degree per axis of topology/axes.py's table (its flag and help; --dp gives dp_replicate x dp_shard)
+    pp: int = degree_opt("pp")
+    dp: int = degree_opt("dp")
+    dp_replicate: int = degree_opt("dp_replicate")
+    cp: int = degree_opt("cp")
+    tp: int = degree_opt("tp")
     sequence_parallel: bool = opt(False, "shard the norms and the residual stream over tp")
     fsdp: str = opt("FULL_SHARD", "FSDP strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
     ac: str = opt("none", "activation checkpointing: none, full, selective (every other block) or op (keep matmul and "
@@ -66,18 +76,9 @@ class ParallelSection:
     @property
     def layout(self) -> Layout:
         """The mesh shape these degrees ask for (NO_SHARD puts every dp rank on dp_replicate)."""
-        for axis in ("pp", "dp", "dp_replicate", "cp", "tp"):
-            value = getattr(self, axis)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{axis}={value} must be a positive integer; use --{axis.replace('_', '-')} 1 or more")
-        if self.dp % self.dp_replicate:
-            raise ValueError(
-                f"--dp-replicate {self.dp_replicate} must divide --dp {self.dp} (dp = dp_replicate x dp_shard); "
-                f"use --dp {self.dp_replicate * max(1, self.dp // self.dp_replicate)}"
-            )
         from tessera.parallel.data import layout_for_strategy
 
-        layout = Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp // self.dp_replicate, cp=self.cp, tp=self.tp)
+        layout = Layout(**_axes.degrees_from_flags({name: getattr(self, name) for name in DEGREE_FLAGS}))
         return layout_for_strategy(layout, self.fsdp.upper())
 
 
@@ -195,7 +196,10 @@ class Config:
 
     @property
     def model_config(self):
-        from tessera.models import get_preset
+        """The model's config: any registered family's preset (models.spec.get_preset), with --n-layers /
+        --vocab-size applied, or the config.json of --init-from-hf / --model hf:DIR read by the family its
+        model_type names (models.hf.read_hf_config)."""
+        from tessera.models import get_preset  # importing tessera.models registers every family
 
         overrides = {} if self.model.n_layers is None else {"n_layers": self.model.n_layers}
         if self.model.vocab_size is not None:
@@ -291,7 +295,7 @@ def _parse_type(f: dataclasses.Field, default: Any):
     return str
 
 
-DEGREE_FLAGS = ("pp", "dp", "dp_replicate", "cp", "tp")
+DEGREE_FLAGS = _axes.FLAGS  # one per axis: pp, dp_replicate, dp (dp_replicate x dp_shard), cp, tp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -326,16 +330,19 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
                 parts[section][name] = value
     degrees = parts["parallel"]
     given = {k: v for k, v in degrees.items() if k in DEGREE_FLAGS and v is not None}
-    if world_size is not None and "dp" not in given:
+    rest = _axes.AXIS[_axes.rest_axes()[0]]  # dp_shard, whose flag --dp counts dp_replicate x dp_shard
+    if world_size is not None and rest.flag not in given:
         for k, v in given.items():
             if v < 1:
                 raise ValueError(f"{k}={v} must be a positive integer; use --{k.replace('_', '-')} 1 or more")
-        fixed = math.prod(v for k, v in given.items() if k in ("pp", "cp", "tp"))
+        others = [a.flag for a in _axes.TABLE if a.name not in rest.counts]  # pp, cp, tp
+        fixed = math.prod(given.get(k, 1) for k in others)
         if world_size % fixed:
             raise ValueError(
-                f"WORLD_SIZE={world_size} is not divisible by pp x cp x tp = {fixed}; launch a multiple of {fixed} ranks"
+                f"WORLD_SIZE={world_size} is not divisible by {' x '.join(others)} = {fixed}; launch a multiple of "
+                f"{fixed} ranks"
             )
-        given["dp"] = world_size // fixed
+        given[rest.flag] = world_size // fixed
     for k in DEGREE_FLAGS:
         degrees[k] = given.get(k, 1)
     return Config(**{s: SECTIONS[s](**kw) for s, kw in parts.items()})

@@ -1,8 +1,13 @@
-"""`tessera plan`: ranked layouts for a model on N GPUs, with the per-rank memory breakdown (topology/planner.py)."""
+"""`tessera plan`: ranked layouts for a model on N GPUs, with the per-rank memory breakdown (topology/planner.py).
+
+The planner counts with a ModelShape (plain numbers, topology/shapes.py); `model_shape` is where a preset
+name or a family's config becomes one (its spec's `shape`), here in the runtime, so topology/ never imports
+tessera.models."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -19,6 +24,14 @@ from tessera.topology.planner import (
     plan,
 )
 
+def model_shape(model):
+    """The ModelShape of a preset name, a family's config or a ModelShape (models/spec.py's shape_of),
+    imported when called: the planner's own modules load no torch."""
+    from tessera.models.spec import shape_of
+
+    return shape_of(model)
+
+
 MEMORY_COLUMNS = (("states", ("parameters", "gradients", "optimizer")), ("gathered", ("gathered_params",)),
                   ("acc.grads", ("unsharded_grads",)), ("activ.", ("activations",)), ("logits", ("logits",)),
                   ("buffers", ("buffers",)), ("total", ("total",)))
@@ -31,7 +44,7 @@ def add_plan_parser(sub) -> None:
                     "microbatches and virtual stages, dp_replicate x dp_shard, FSDP strategy, activation "
                     "checkpointing), estimate per-rank memory and step time, rule out what does not fit and "
                     "rank the rest. Estimates, not measurements: the assumptions are the options below.")
-    p.add_argument("--model", required=True, help="a model preset (debug, small, 1b, 8b, 70b, 405b)")
+    p.add_argument("--model", required=True, help="a model preset of any registered family (debug, small, 1b, 8b, 70b, 405b, qwen3-0.6b, ...)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (required unless --calibrate)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside one (default 8)")
@@ -92,7 +105,7 @@ def run_plan(args: argparse.Namespace) -> int:
                       peak_tflops=args.peak_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
                       inter_node_gbps=args.inter_node_gbps, headroom=args.headroom, calibration=calibration,
                       dtype_bytes=dtype_bytes, recipe="mixed_adam" if dtype_bytes == 2 else "fp32_adam")
-        result = plan(args.model, hw, args.seq_len, args.global_batch, top=args.top)
+        result = plan(model_shape(args.model), hw, args.seq_len, args.global_batch, top=args.top, name=args.model)
     except ValueError as e:  # PlanError and an unknown preset
         print(f"tessera plan: error: {e}", file=sys.stderr)
         return 2

@@ -10,8 +10,11 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .config import Config
+if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.check), not the other way round
+    from .config import Config
+from .paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 
 
 def check(config: Config) -> None:
@@ -168,17 +171,6 @@ def _check_writable_file(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first")
     if (p.exists() and not os.access(p, os.W_OK)) or not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path} is not writable; choose a path you can write")
-
-
-def check_writable_dir(flag: str, path: str) -> None:
-    """Create directory `path` if needed; ValueError naming `flag` if it cannot be, or cannot be written."""
-    d = Path(path)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{flag} {path} cannot be created ({e.strerror}); choose a writable directory") from None
-    if not os.access(d, os.W_OK):
-        raise ValueError(f"{flag} {path} is not writable; choose a writable directory")
 
 
 def _check_paths(config: Config, model) -> None:

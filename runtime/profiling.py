@@ -55,7 +55,7 @@ def check_profile(profile: str | None, profile_steps: str | None, steps: int, do
                          f"never runs; record later steps, e.g. --profile-steps {done + 1}:{min(done + 2, steps)}")
     if Path(profile).exists() and not Path(profile).is_dir():
         raise ValueError(f"--profile {profile} is a file; give a directory for the traces")
-    from .preflight import check_writable_dir
+    from .paths import check_writable_dir
 
     check_writable_dir("--profile", profile)
 

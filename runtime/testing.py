@@ -14,6 +14,7 @@ gradient diverges is named with its layout, step and error (LayoutsDiverge, an A
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -38,6 +39,9 @@ class RunSpec:
     seed: int
     loss_fn: Callable[[Tensor, Tensor], Tensor] | None
     fsdp: str
+    model_spec: Any = None  # a tessera.models.spec.ModelSpec: every axis, through tessera's own parts
+    microbatches: int = 1
+    schedule: str = "1f1b"
 
 
 def _default_loss(output: Tensor, targets: Tensor) -> Tensor:
@@ -87,6 +91,69 @@ def train_on_layout(spec: RunSpec) -> dict[str, Any] | None:
             full = g.full_tensor() if isinstance(g, DTensor) else (torch.zeros_like(p) if g is None else g)
             step_grads[_clean(name)] = full.detach().clone()
         grads.append(step_grads)
+        optimizer.step()
+    return {"losses": losses, "grads": grads} if rank == 0 else None
+
+
+def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
+    """One rank of a spec'd model's run on any layout (pp and cp included), through the parts and runners
+    tessera's trainer uses (runtime/parts.py): the loss is the cross-entropy mean over the batch's valid
+    targets (-100 ignored), summed per rank and divided by the global count, as on every layout."""
+    import torch.distributed as dist
+
+    from tessera.parallel import ParallelConfig
+    from tessera.parallel.context import zigzag_indices, zigzag_shard
+    from tessera.parallel.data import DataParallelConfig
+    from tessera.parallel.loss import CrossEntropySum, count_valid
+    from tessera.parallel.pipeline import PipelineConfig
+    from tessera.topology import Meshes
+
+    from .parts import build_parts
+    from .runners import split_microbatches
+
+    layout, rank = spec.layout, dist.get_rank()
+    with torch.device("meta"):
+        model_config = spec.build_model().config
+    meshes = Meshes(layout, "cpu")
+    parallel = ParallelConfig(layout, data=DataParallelConfig(strategy=spec.fsdp),
+                              pipeline=PipelineConfig(schedule=spec.schedule, microbatches=spec.microbatches))
+    cp, cp_index = layout.cp, layout.index("cp", rank)
+
+    def positions(tokens: Tensor) -> Tensor | None:
+        return None if cp == 1 else zigzag_indices(tokens.shape[1] * cp, cp_index, cp, tokens.device)
+
+    loss_fn = CrossEntropySum(model_config.vocab_size, meshes.tp)
+    built = build_parts(spec.model_spec, model_config, meshes, parallel, torch.device("cpu"), spec.seed,
+                        spec.microbatches, loss_fn, positions)
+    params = [p for part in built.parts for p in part.parameters()]
+    optimizer = torch.optim.SGD(params, lr=spec.lr)
+    inputs, targets = spec.batch
+    rows = inputs.shape[0] // layout.dp
+    i = meshes.batch_index
+    x, y = inputs[i * rows:(i + 1) * rows], targets[i * rows:(i + 1) * rows]
+    if cp > 1:
+        x, y = (zigzag_shard(t, 1, cp_index, cp) for t in (x, y))
+    valid = count_valid(targets)
+    # gathering FSDP-over-tp gradients whole: torch logs a note per rank about its two all-gathers
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    losses, grads = [], []
+    for _ in range(spec.steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = built.runner.forward_backward(split_microbatches(x, y, spec.microbatches), valid)
+        built.tied.synchronize()
+        for mesh in (meshes.pp, meshes.loss):  # the last stage's sums, over the ranks reading other tokens
+            if mesh is not None:
+                dist.all_reduce(loss_sum, group=mesh.get_group())
+        losses.append(loss_sum.item() / max(1, valid))
+        local = {}
+        for part in built.parts:
+            for name, p in part.named_parameters():
+                g = p.grad
+                g = torch.zeros(p.shape) if g is None else (g.full_tensor() if hasattr(g, "full_tensor") else g)
+                local[_clean(name)] = g.detach().clone()
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        grads.append({n: g for part in everyone for n, g in part.items()})
         optimizer.step()
     return {"losses": losses, "grads": grads} if rank == 0 else None
 
@@ -153,24 +220,48 @@ def assert_layouts_equivalent(
     seed: int = 0,
     fsdp: str = "FULL_SHARD",
     timeout: float = 120.0,
+    spec: Any = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
 ) -> None:
     """Train `build_model()` on each layout over CPU ranks (gloo) and on one process; raise LayoutsDiverge
-    naming the first diverging parameter, with its layout, step and error. `plan` is the tessera.parallel.plan.Plan
-    for the user's model (None: the model is tessera's Transformer). Layouts may use dp_replicate, dp_shard
-    and tp (FSDP2 over dp with strategy `fsdp`); the batch's rows must split over each layout's dp. The
-    model's output must be whole on every rank (end on a RowwiseParallel layer or a replicated one).
-    SGD, not AdamW: AdamW's normalization would hide a gradient scaled wrongly."""
+    naming the first diverging parameter, with its layout, step and error. SGD, not AdamW: AdamW's
+    normalization would hide a gradient scaled wrongly.
+
+    With `spec` (a tessera.models.spec.ModelSpec of the model; `build_model()` returns a model with its
+    `.config`) every axis is open: pp (the spec's split, `microbatches` per step, default pp, on
+    `schedule`), cp (its attention slots), tp (its plan) and FSDP2, through the same parts the trainer
+    builds; the loss is the cross-entropy over the targets (`loss_fn` must be None), and every layout,
+    one process included, starts from the spec's seeded init.
+
+    Without a spec, `plan` is the tessera.parallel.plan.Plan for the user's model (None: a registered
+    family's model). Layouts may then use dp_replicate, dp_shard and tp (FSDP2 over dp with strategy
+    `fsdp`); the model's output must be whole on every rank (end on a RowwiseParallel layer or a
+    replicated one). Either way the batch's rows must split over each layout's dp."""
     from tessera.parallel.launch import run_ranks
     from tessera.parallel.data import DataParallelConfig, check_data_parallel
 
     layouts = [lay if isinstance(lay, Layout) else Layout(**lay) for lay in layouts]
     inputs, targets = batch
+    if spec is not None and (plan is not None or loss_fn is not None):
+        raise ValueError("with spec=..., the plan comes from the spec and the loss is cross-entropy over the targets: "
+                         "drop plan= and loss_fn=")
     for layout in layouts:  # every input error before any rank starts
-        if layout.pp > 1 or layout.cp > 1:
-            raise ValueError(f"layout {layout}: the equivalence runner takes dp_replicate, dp_shard and tp (pp and cp need tessera's Transformer)")
+        if spec is None and (layout.pp > 1 or layout.cp > 1):
+            raise ValueError(f"layout {layout}: pp and cp read a model's stages and attention slots from its spec: "
+                             f"pass spec=ModelSpec(...) (tessera.models.spec; examples/custom_model.py)")
         if inputs.shape[0] % layout.dp:
             raise ValueError(f"layout {layout}: the batch's {inputs.shape[0]} rows do not split over dp={layout.dp}; use a multiple of {layout.dp} rows")
         check_data_parallel(DataParallelConfig(strategy=fsdp), layout)
+        if spec is not None:
+            from tessera.parallel import ParallelConfig
+            from tessera.parallel.pipeline import PipelineConfig
+
+            with torch.device("meta"):
+                model_config = build_model().config
+            count = microbatches or layout.pp
+            ParallelConfig(layout, pipeline=PipelineConfig(schedule=schedule, microbatches=count)).check(
+                model_config, seq_len=inputs.shape[1], global_batch=inputs.shape[0], microbatches=count, spec=spec)
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
     if plan is not None and any(layout.tp > 1 for layout in layouts):
@@ -180,10 +271,12 @@ def assert_layouts_equivalent(
             plan.check(probe, tp)
 
     def run(layout: Layout) -> dict:
-        spec = RunSpec(build_model, layout, plan, (inputs, targets), steps, lr, seed, loss_fn, fsdp)
-        return run_ranks(train_on_layout, layout.world_size, spec, timeout=timeout)[0]
+        run_spec = RunSpec(build_model, layout, plan, (inputs, targets), steps, lr, seed, loss_fn, fsdp, spec,
+                           microbatches or layout.pp, schedule)
+        fn = train_on_layout if spec is None else train_spec_on_layout
+        return run_ranks(fn, layout.world_size, run_spec, timeout=timeout)[0]
 
-    key = _reference_key(build_model, inputs, targets, steps, lr, seed, loss_fn)
+    key = _reference_key(build_model, inputs, targets, steps, lr, seed, loss_fn) + (spec is not None,)
     if key not in _REFERENCES:  # one-process runs are reused across calls (a hypothesis test makes many)
         _REFERENCES[key] = run(Layout())
     reference = _REFERENCES[key]

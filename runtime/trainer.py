@@ -22,21 +22,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tessera.models import build_model
 from tessera.models.data import TokenStream
+from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
-from tessera.parallel import checkpoint, materialize, parallelize
+from tessera.parallel import checkpoint
 from tessera.parallel.clip import clip_grad_norm_
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
 from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.loss import CrossEntropySum, count_valid
-from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank
 from tessera.topology import Meshes
 
 from .config import Config
 from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
-from .runners import LocalRunner, Runner, split_microbatches
+from .parts import build_parts
+from .runners import split_microbatches
 from .straggler import Straggler, StragglerWatch
 
 
@@ -133,17 +133,13 @@ class Trainer:
         self.meshes = Meshes(self.layout, self.device.type, timeout=config.runtime.timeout)
         self.rank = dist.get_rank()
         self.model_config = config.model_config
+        self.spec = spec_of(self.model_config)
         self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
         self.cp_index = self.layout.index("cp", self.rank)
-        if self.layout.pp > 1:
-            self.parts, self.runner = self._build_pipeline()
-        else:
-            model = build_model(self.model_config, device="meta")
-            parallelize(model, self.meshes, config.parallel_config())
-            materialize(model, self.device, config.runtime.seed)
-            self.parts = [model]
-            self.runner = LocalRunner(model, self.loss_fn, grad_scale=self.meshes.fsdp_size,
-                                      positions=self.positions_of)
+        built = build_parts(self.spec, self.model_config, self.meshes, config.parallel_config(), self.device,
+                            config.runtime.seed, config.data.microbatches, self.loss_fn, self.positions_of,
+                            timeout=config.runtime.timeout)
+        self.parts, self.runner, self.tied = built.parts, built.runner, built.tied
         o = config.optimizer
         self.optimizer = PartOptimizers([
             build_adamw(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
@@ -161,30 +157,6 @@ class Trainer:
         # measured during this process's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}
         self.dtype_report: dict[str, Any] | None = None
 
-    def _build_pipeline(self) -> tuple[list[nn.Module], Runner]:
-        """Only this rank's stage(s), each built on the meta device, parallelized, then materialized."""
-        c, pc = self.config, self.config.parallel_config()
-        pp, virtual = self.layout.pp, pc.pipeline.virtual
-        n_stages = pp * virtual
-        layers = split_layers(self.model_config.n_layers, n_stages, pc.pipeline.layers_per_stage)
-        stages: dict[int, nn.Module] = {}
-        for s in stages_of_rank(self.layout.index("pp", self.rank), pp, virtual):
-            part = build_stage(self.model_config, s, n_stages, layers[s])
-            parallelize(part, self.meshes, pc)
-            materialize(part, self.device, c.runtime.seed)
-            stages[s] = part
-        tp = self.layout.tp if c.parallel.sequence_parallel else 1
-        dtype = PRECISIONS[pc.data.mixed_precision]  # the compute dtype on every layout (parallelize)
-        dim = self.model_config.dim
-
-        def activation(rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
-            return (rows, seq // tp, dim), dtype  # sequence parallel: S / tp positions between stages
-
-        runner = PipelineRunner(stages, pc.pipeline.schedule, Meshes.group(self.meshes.pp), c.data.microbatches,
-                                virtual, self.loss_fn, activation, self.device, grad_scale=self.meshes.fsdp_size,
-                                timeout=c.runtime.timeout, positions=self.positions_of)
-        return list(stages.values()), runner
-
     @property
     def model(self) -> nn.Module:
         """The model of a run without pipeline stages (a pipeline rank holds `parts`)."""
@@ -198,6 +170,11 @@ class Trainer:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """The parameters the global grad norm counts: every one once (a tied weight's copy on the last
+        pipeline stage is left out, as one process holds the tensor once)."""
+        return self.tied.for_norm(self.parameters())
 
     def positions_of(self, inputs: Tensor) -> Tensor | None:
         """The global positions of this rank's tokens `inputs` (rows, S / cp): its zigzag chunks under
@@ -311,12 +288,13 @@ class Trainer:
 
     def analytic_comm(self) -> dict[str, float]:
         """This rank's bytes per step by axis as topology.comm_model predicts them for this run."""
+        from tessera.models.spec import shape_of
         from tessera.topology.comm_model import comm_bytes_per_step
 
         c, p = self.config, self.config.parallel_config()
         act = PRECISIONS[p.data.mixed_precision].itemsize
         return comm_bytes_per_step(
-            self.model_config, self.layout, c.data.seq_len, c.data.global_batch, c.data.microbatches,
+            shape_of(self.model_config), self.layout, c.data.seq_len, c.data.global_batch, c.data.microbatches,
             p.sequence_parallel, p.data.strategy, p.pipeline.virtual, p.data.activation_checkpointing, p.cp_method,
             self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4)
 
@@ -358,9 +336,11 @@ class Trainer:
         microbatches = split_microbatches(local_inputs, local_targets, self.config.data.microbatches)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         loss_sum = self.runner.forward_backward(microbatches, valid)
+        self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
         if on_grads is not None:
             on_grads(self.parts)
-        grad_norm = clip_grad_norm_(self.parameters(), self.config.optimizer.max_grad_norm, Meshes.group(self.meshes.pp))
+        grad_norm = clip_grad_norm_(self.norm_parameters(), self.config.optimizer.max_grad_norm, Meshes.group(self.meshes.pp),
+                                    scale_also=self.parameters())
         if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
             with collective("all_reduce (loss)", "pp", self.meshes.pp.get_group()):
                 dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
@@ -425,7 +405,7 @@ class Trainer:
             "consumed_sequences": self.progress.consumed_tokens // c.data.seq_len,
             "consumed_tokens": self.progress.consumed_tokens,
             "steps": c.runtime.steps,
-            "model": {"preset": c.model_name, "config": self.model_config.as_dict()},
+            "model": {"preset": c.model_name, "family": self.spec.name, "config": self.model_config.as_dict()},
             "seed": c.runtime.seed,
             "layout": self.layout.as_dict(),
             "sharding_strategy": c.parallel.fsdp.upper(),

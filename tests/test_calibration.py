@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tessera.models import get_preset
+from tessera.plan_command import model_shape
 from tessera.topology import Layout
 from tessera.topology.planner import Candidate, Hardware, estimate
 from tessera.topology.step_time import (
@@ -55,7 +56,7 @@ def test_calibration_entries_parse_and_are_found_by_device_kind():
 
 
 def test_the_planner_uses_a_calibrations_rates():
-    cfg = get_preset("1b")
+    cfg = model_shape("1b")
     cand = Candidate(Layout())
     plain = estimate(cfg, cand, Hardware(gpus=1), 2048, 4)
     cal = Calibration(**FAKE)
@@ -78,9 +79,29 @@ def test_the_planner_uses_a_calibrations_rates():
     cpu = Calibration(**{**FAKE, "device_type": "cpu"})
     p = step_parts(cfg, cpu, tokens, 2048, cfg.num_params(), 9 * cfg.n_layers + 3, cfg.n_layers, 2)
     assert p["step"] == pytest.approx(p["matmul"] + p["attention"] + p["memory"] + p["host"])
+    # the operators dispatched for the parameter tensors: Llama's 9 per block, the embedding, final norm and head
+    assert parts["operators"] == p["operators"]
     # the planner splits the FLOPs over the ranks: dp2 does half a step's matmuls per rank
     dp2 = estimate(cfg, Candidate(Layout(dp_shard=2)), Hardware(gpus=2, calibration=cal), 2048, 4)
     assert dp2.compute_parts["matmul"] == pytest.approx(parts["matmul"] / 2)
+
+
+def test_the_step_time_model_reads_the_shape():
+    """Qwen3's attention is heads x head_dim wide (2048 for a dim of 1024), its qk-norms add elementwise
+    traffic; a GELU MLP moves less than SwiGLU's; the calibration's matmul shapes follow the MLP."""
+    from dataclasses import replace
+
+    from tessera.calibrate import linear_shapes
+    from tessera.topology.step_time import attention_flops_per_token
+
+    qwen = model_shape("qwen3-0.6b")
+    assert attention_flops_per_token(qwen, 4096) == 6 * 28 * 16 * 128 * 4096
+    assert block_elements_per_token(qwen) > block_elements_per_token(replace(qwen, qk_norm=False))
+    assert block_elements_per_token(replace(qwen, mlp="gelu")) < block_elements_per_token(qwen)
+    assert matmul_flops_per_token(replace(qwen, mlp="gelu")) == matmul_flops_per_token(qwen) - 6 * 28 * 1024 * 3072
+    counts = {(i, o): n for i, o, n in linear_shapes(replace(qwen, mlp="gelu"))}
+    assert counts[(1024, 3072)] == 28 and counts[(3072, 1024)] == 28 and counts[(1024, 2048)] == 28
+    assert {(i, o): n for i, o, n in linear_shapes(qwen)}[(1024, 3072)] == 2 * 28
 
 
 def test_bench_planner_check_smoke(tmp_path):

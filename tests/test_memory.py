@@ -112,7 +112,7 @@ def test_the_memory_command_agrees_with_the_planner():
     parameters the rank holding the most really has (tp beyond the kv heads keeps whole K/V weights)."""
     import json as _json
 
-    from tessera.models import get_preset
+    from tessera.plan_command import model_shape
     from tessera.topology import Layout
     from tessera.topology.planner import Candidate, Hardware, estimate
 
@@ -120,7 +120,7 @@ def test_the_memory_command_agrees_with_the_planner():
                           "--pp", "2"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     exact = _json.loads(out.stdout)["planner_zero3"]
-    est = estimate(get_preset("8b"), Candidate(Layout(pp=2, dp_shard=4, tp=16), microbatches=2), Hardware(gpus=128, gpus_per_node=16), 4096, 8)
+    est = estimate(model_shape("8b"), Candidate(Layout(pp=2, dp_shard=4, tp=16), microbatches=2), Hardware(gpus=128, gpus_per_node=16), 4096, 8)
     # the planner's table shows the rank with the highest peak (pp rank 0, with more microbatches in flight);
     # memory shows the rank with the most parameters (the last, whose final norm adds 4096 / 4 more)
     assert exact["total"] == pytest.approx(est.memory["parameters"] + est.memory["gradients"] + est.memory["optimizer"], rel=1e-4)

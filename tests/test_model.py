@@ -112,7 +112,7 @@ def test_token_stream_is_deterministic_and_sliced_by_dp():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 700), st.integers(1, 600), st.data())
 def test_tiled_init_of_a_region_is_that_slice_of_the_whole(rows, cols, data):
-    from tessera.models.llama import init_region
+    from tessera.models.init import init_region
 
     r0 = data.draw(st.integers(0, rows - 1))
     c0 = data.draw(st.integers(0, cols - 1))

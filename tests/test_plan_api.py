@@ -115,19 +115,18 @@ def test_a_plan_rule_that_matches_nothing_or_the_wrong_kind_is_a_clear_error():
             parallelize(build_tiny_lm(), mesh, ParallelConfig(Layout(tp=2)), plan=Plan({"mixers.*.qkv": ColwiseParallel()}))
         with pytest.raises(ValueError, match=r"ColwiseParallel on 'mixers.0.pre' needs a Linear, got LayerNorm"):
             parallelize(build_tiny_lm(), mesh, ParallelConfig(Layout(tp=2)), plan=Plan({"mixers.*.pre": ColwiseParallel()}))
-    with pytest.raises(ValueError, match="a user plan supports dp .* and tp only: pp=2"):
+    with pytest.raises(ValueError, match="a plan without a model spec supports dp .* and tp only: pp=2"):
         with dry_run(Layout(pp=2)) as mesh:
             parallelize(build_tiny_lm(), mesh, ParallelConfig(Layout(pp=2)), plan=PLAN)
 
 
 def test_tesseras_llama_goes_through_the_same_plan_mechanism():
-    from tessera.models import build_model, get_preset
-    from tessera.parallel.plan import ColwiseLinear, RowwiseLinear, llama_plan
-    from tessera.parallel.tensor import apply_tp
+    from tessera.models import build_model, get_preset, spec_of
+    from tessera.parallel.plan import ColwiseLinear, RowwiseLinear, apply_tp, spec_plan
     from tessera.topology import dry_run
 
     cfg = get_preset("debug")
-    plan = llama_plan(cfg, 2)
+    plan = spec_plan(spec_of(cfg), spec_of(cfg).shape(cfg), 2)
     assert {"layers.*.attention.wq", "layers.*.feed_forward.w2", "output", "tok_embeddings"} <= set(plan.rules)
     with dry_run(Layout(tp=2)) as mesh:
         model = apply_tp(build_model(cfg, device="meta"), mesh["tp"])
@@ -333,7 +332,7 @@ def test_strategies_refuse_unknown_axes():
 def test_a_diverging_layout_stops_with_every_input_error_first():
     with pytest.raises(ValueError, match="the batch's 3 rows do not split over dp=2; use a multiple of 2 rows"):
         assert_layouts_equivalent(build_tiny_lm, [Layout(dp_shard=2)], batch(rows=3), plan=PLAN)
-    with pytest.raises(ValueError, match="the equivalence runner takes dp_replicate, dp_shard and tp"):
+    with pytest.raises(ValueError, match="pp and cp read a model's stages and attention slots from its spec: pass spec=ModelSpec"):
         assert_layouts_equivalent(build_tiny_lm, [Layout(cp=2)], batch(), plan=PLAN)
 
 

@@ -1,5 +1,6 @@
 """The layout planner (topology/planner.py) and `tessera plan`: exact parameter counts against the fake-backend
-build, the reference chapter's figures, the constraints every ranked layout keeps, and the CLI's answers."""
+build, the reference chapter's figures, the constraints every ranked layout keeps, the CLI's answers, and
+the model shapes (topology/shapes.py) it counts with: every family's tensors, FLOPs, torch-free validity."""
 
 import json
 import subprocess
@@ -10,19 +11,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera.models import get_preset
+from tessera.plan_command import model_shape
 from tessera.topology import Layout
+from tessera.topology.comm_model import stage_layer_counts
 from tessera.topology.memory import GB, min_gpus, model_state_bytes
 from tessera.topology.planner import (
+    AC_MODES,
+    SCHEDULES,
+    STRATEGIES,
     Candidate,
     Hardware,
     PlanError,
+    candidates,
     estimate,
+    model_flops_per_token,
     plan,
     rank_params,
     rank_params_of,
     why_best,
+    why_not_runnable,
 )
-from tessera.topology.shapes import fsdp_shard_numel
+from tessera.topology.shapes import ModelShape, as_shape, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 
 
 def _tessera(*args):
@@ -33,7 +42,7 @@ def test_the_reference_chapter_figures():
     assert round(model_state_bytes(70e9, dp=256, zero_stage=3)["total"] / GB, 2) == 4.38
     assert min_gpus(70e9, 80) == 14
     # the planner's model states for 70B on dp_shard 256 are the same recipe, on the preset's exact count
-    cfg = get_preset("70b")
+    cfg = model_shape("70b")
     est = estimate(cfg, Candidate(Layout(dp_shard=256), ac="full"), Hardware(gpus=256), 4096, 256)
     states = est.memory["parameters"] + est.memory["gradients"] + est.memory["optimizer"]
     assert states == pytest.approx(model_state_bytes(cfg.num_params(), dp=256, zero_stage=3)["total"], rel=2e-3)
@@ -46,14 +55,18 @@ def test_the_reference_chapter_figures():
     ("8b", Layout(dp_shard=3, tp=16), 1),  # tp beyond the 8 kv heads: K/V replicated; 3 shards cut unevenly
     ("debug", Layout(dp_replicate=2, dp_shard=5, tp=4), 1),
     ("405b", Layout(pp=8, dp_shard=64, tp=8), 1),
+    # Qwen3: head_dim 128 != dim / heads, qk-norm weights, a tied head whose last pipeline stage holds a copy
+    ("qwen3-0.6b", Layout(pp=2, dp_shard=4, tp=2), 1),
+    ("qwen3-debug", Layout(dp_shard=3, tp=4), 1),  # tp beyond its 2 kv heads, tied, one stage
+    ("qwen3-8b", Layout(pp=2, dp_shard=2, cp=2, tp=8), 2),  # untied
 ], ids=str)
 def test_planner_counts_parameters_exactly_as_the_dry_run_builds_them(model, layout, virtual):
     from tessera.parallel.parallelize import dry_run_model_states
     from tessera.parallel.pipeline import PipelineConfig
 
-    cfg = get_preset(model)
+    shape = model_shape(model)
     fsdp = layout.dp_shard * layout.cp
-    tp_local, sharded, _ = rank_params(cfg, layout.tp, layout.pp, virtual, fsdp)
+    tp_local, sharded, _ = rank_params(shape, layout.tp, layout.pp, virtual, fsdp)
     counted = [dry_run_model_states(model, layout, rank=layout.rank_of({"pp": p}), pipeline=PipelineConfig(virtual=virtual))
                for p in sorted({0, layout.pp - 1})]
     most = max(counted, key=lambda m: m["tp_local_params"])
@@ -65,7 +78,7 @@ def test_every_preset_builds_on_a_4d_layout_holding_only_its_share(model):
     """Meta build on the fake backend, all five axes: a rank holds its pp stage's tp slice's FSDP shard."""
     from tessera.parallel.parallelize import dry_run_model_states
 
-    cfg = get_preset(model)
+    cfg = model_shape(model)
     layout = Layout(pp=4, dp_replicate=2, dp_shard=4, cp=2, tp=8)
     for pp_rank in range(layout.pp):
         m = dry_run_model_states(model, layout, rank=layout.rank_of({"pp": pp_rank}))
@@ -82,7 +95,7 @@ def test_the_dry_runs_fsdp_count_is_fully_shards(tmp_path):
     from tessera.models import build_model
     from tessera.parallel.data import DataParallelConfig, apply_fsdp
     from tessera.parallel.parallelize import dry_run_model_states
-    from tessera.parallel.tensor import apply_tp
+    from tessera.parallel.plan import apply_tp
     from tessera.topology import Meshes, dry_run
 
     for layout in (Layout(dp_shard=3, tp=2), Layout(dp_replicate=2, dp_shard=2, cp=2, tp=4)):
@@ -105,13 +118,13 @@ def test_fsdp_shards_partition_the_rows(rows, cols, log_shards):
 
 
 @settings(max_examples=25, deadline=None)
-@given(model=st.sampled_from(["debug", "small", "1b", "8b"]), nodes=st.sampled_from([1, 2, 4]),
+@given(model=st.sampled_from(["debug", "small", "1b", "8b", "qwen3-0.6b"]), nodes=st.sampled_from([1, 2, 4]),
        per_node=st.sampled_from([2, 4, 8]), seq_exp=st.integers(8, 13), batch_mult=st.sampled_from([1, 2, 4]),
        memory=st.sampled_from([16.0, 40.0, 80.0]))
 def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_exp, batch_mult, memory):
     hw = Hardware(gpus=nodes * per_node, gpu_memory_gb=memory, gpus_per_node=per_node)
     try:
-        result = plan(model, hw, 2 ** seq_exp, hw.gpus * batch_mult)
+        result = plan(model_shape(model), hw, 2 ** seq_exp, hw.gpus * batch_mult, name=model)
     except PlanError as e:
         assert "short by" in str(e) and "closest" in str(e)
         return
@@ -140,7 +153,7 @@ def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_ex
 def test_memory_model_directions():
     """Checkpointing saves memory and costs time; SHARD_GRAD_OP holds the gathered stage; tp beyond the kv
     heads holds the whole K/V weights (the planner counts them, an even 1/tp split would not)."""
-    cfg, hw = get_preset("8b"), Hardware(gpus=16)
+    cfg, hw = model_shape("8b"), Hardware(gpus=16)
     base = Candidate(Layout(dp_shard=2, tp=8), microbatches=1)
     none, full = (estimate(cfg, Candidate(base.layout, ac=ac), hw, 4096, 16) for ac in ("none", "full"))
     assert full.memory["activations"] < none.memory["activations"] / 5 and full.time["compute"] > none.time["compute"]
@@ -188,3 +201,162 @@ def test_plan_cli_refuses_with_one_line(args, message):
     out = _tessera("plan", *args)
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
+
+
+# ----------------------------------------------------------------------------- model shapes
+@st.composite
+def model_shapes(draw, max_layers: int = 6) -> ModelShape:
+    """Random decoder shapes over every option a ModelShape has (head_dim independent of dim)."""
+    kv = draw(st.integers(1, 4))
+    return ModelShape(
+        dim=draw(st.integers(1, 48)), n_layers=draw(st.integers(1, max_layers)), n_heads=kv * draw(st.integers(1, 4)),
+        n_kv_heads=kv, head_dim=2 * draw(st.integers(1, 12)), vocab_size=draw(st.integers(1, 500)),
+        ffn_dim=draw(st.integers(1, 96)), mlp=draw(st.sampled_from(["swiglu", "gelu"])),
+        norm=draw(st.sampled_from(["rms", "layer"])), qk_norm=draw(st.booleans()), tied_embeddings=draw(st.booleans()),
+        bias=draw(st.booleans()), learned_positions=draw(st.sampled_from([0, 0, 1, 7, 64])))
+
+
+def _numel(units) -> int:
+    return sum(r * c for u in units for r, c in u)
+
+
+@settings(max_examples=300, deadline=None)
+@given(model_shapes(), st.data())
+def test_the_stages_hold_every_parameter_once_but_a_tied_heads_copy(shape, data):
+    """Over a pipeline's stages (one rank of tp each): num_params, plus the copy of a tied embedding that a
+    last stage after the first holds."""
+    n_stages = data.draw(st.integers(1, shape.n_layers))
+    layers = stage_layer_counts(shape.n_layers, n_stages)
+    held = sum(_numel(stage_param_shapes(shape, 1, s == 0, s == n_stages - 1, layers[s])) for s in range(n_stages))
+    copy = shape.vocab_size * shape.dim if shape.tied_embeddings and n_stages > 1 else 0
+    assert held == shape.num_params() + copy
+    assert _numel([layer_param_shapes(shape, 1)]) == shape.block_params()
+
+
+@settings(max_examples=200, deadline=None)
+@given(model_shapes(max_layers=2), st.sampled_from([2, 4]))
+def test_tp_ranks_split_every_matrix_and_replicate_the_rest(shape, tp):
+    """Summed over the tp ranks of one stage, a block holds its matrices once and each replicated vector
+    (norms, qk-norms, the row-parallel biases) tp times, with tp dividing the heads, kv heads and width."""
+    shape = ModelShape(**{**shape.__dict__, "n_heads": shape.n_heads * tp, "n_kv_heads": shape.n_kv_heads * tp,
+                          "ffn_dim": shape.ffn_dim * tp, "vocab_size": shape.vocab_size * tp,
+                          "learned_positions": shape.learned_positions * tp})
+    replicated = 2 * shape.norm_params + (2 * shape.head_dim if shape.qk_norm else 0) + (2 * shape.dim if shape.bias else 0)
+    assert tp * _numel([layer_param_shapes(shape, tp)]) == shape.block_params() + (tp - 1) * replicated
+    whole = sum(_numel(stage_param_shapes(shape, tp, True, True, shape.n_layers)) for _ in range(tp))
+    assert whole == shape.num_params() + (tp - 1) * (shape.n_layers * replicated + shape.norm_params)
+
+
+@given(model_shapes(), st.integers(1, 4096))
+def test_flops_count_the_mlps_matrices_the_head_and_the_heads_attention(shape, seq):
+    """6 x (matmul parameters: the blocks, the final norm and the head, never the lookup tables) + 6 x layers
+    x heads x head_dim x seq; a GELU MLP has two matrices, SwiGLU three; tying the head changes nothing."""
+    q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    h, f = shape.dim, shape.ffn_dim
+    block = h * (2 * q + 2 * kv) + (3 if shape.mlp == "swiglu" else 2) * h * f + 2 * shape.norm_params
+    block += (q + 2 * kv + h + (2 if shape.mlp == "swiglu" else 1) * f + h) if shape.bias else 0
+    block += 2 * shape.head_dim if shape.qk_norm else 0
+    matmul = shape.n_layers * block + shape.norm_params + shape.vocab_size * h
+    expected = 6 * matmul + 6 * shape.n_layers * q * seq
+    assert model_flops_per_token(shape, seq) == pytest.approx(expected, rel=1e-12)
+    other = {"swiglu": "gelu", "gelu": "swiglu"}[shape.mlp]
+    swapped = ModelShape(**{**shape.__dict__, "mlp": other})
+    gelu, swiglu = (shape, swapped) if shape.mlp == "gelu" else (swapped, shape)
+    bias = f if shape.bias else 0
+    assert model_flops_per_token(swiglu, seq) - model_flops_per_token(gelu, seq) == pytest.approx(
+        6 * shape.n_layers * (h * f + bias))
+    tied = ModelShape(**{**shape.__dict__, "tied_embeddings": not shape.tied_embeddings})
+    assert model_flops_per_token(tied, seq) == pytest.approx(model_flops_per_token(shape, seq))
+
+
+def test_a_gelu_mlp_counts_two_matrices():
+    swiglu = ModelShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, vocab_size=100, ffn_dim=256)
+    gelu = ModelShape(**{**swiglu.__dict__, "mlp": "gelu", "norm": "layer", "bias": True, "learned_positions": 32})
+    assert [r * c for r, c in layer_param_shapes(gelu, 1)].count(64 * 256) == 2
+    assert [r * c for r, c in layer_param_shapes(swiglu, 1)].count(64 * 256) == 3
+    lookups = 100 * 64 + 32 * 64
+    assert model_flops_per_token(gelu, 1) == 6 * (gelu.num_params() - lookups) + 6 * 2 * 64
+    # a GELU MLP keeps two ffn-wide activations for backward where SwiGLU keeps four
+    from tessera.topology.planner import layer_activation_bytes
+
+    acts = {s.mlp: layer_activation_bytes(s, 1, 8, 1, False, "none", 4) for s in (swiglu, gelu)}
+    assert acts["swiglu"] - acts["gelu"] > 2 * 8 * 256 * 4
+
+
+def test_qwen3s_head_dim_is_its_own():
+    """Qwen3-0.6B: dim 1024, 16 heads of 128: q is 2048 wide, attention FLOPs count 16 x 128 per layer."""
+    shape = model_shape("qwen3-0.6b")
+    assert shape.head_dim == 128 and shape.qk_norm and shape.tied_embeddings
+    assert layer_param_shapes(shape, 2)[1] == (16 * 128 // 2, 1024)
+    assert shape.num_params() == get_preset("qwen3-0.6b").num_params()
+    base = model_flops_per_token(shape, 0)
+    assert model_flops_per_token(shape, 4096) - base == 6 * 28 * 2048 * 4096
+    with pytest.raises(TypeError, match="spec_of"):
+        as_shape(get_preset("qwen3-0.6b"))  # another family's config is not read by names: its spec says
+
+
+@pytest.mark.parametrize("model", ["debug", "small", "1b", "8b", "70b", "405b"])
+def test_a_llama_config_reads_as_its_specs_shape(model):
+    cfg = get_preset(model)
+    assert as_shape(cfg) == model_shape(model) and model_shape(cfg) == model_shape(model)
+    assert as_shape(cfg).max_seq_len == cfg.max_seq_len
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=st.sampled_from(["debug", "small", "8b", "qwen3-0.6b", "qwen3-debug"]),
+       tp=st.sampled_from([1, 2, 3, 4, 8, 16]), cp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 3, 4, 8, 64]),
+       dp=st.sampled_from([1, 2, 3]), strategy=st.sampled_from(STRATEGIES), ac=st.sampled_from(AC_MODES),
+       schedule=st.sampled_from(SCHEDULES), mb=st.sampled_from([1, 2, 3, 4, 8]), virtual=st.sampled_from([1, 2, 4]),
+       sp=st.sampled_from([None, False]), seq=st.sampled_from([24, 64, 96, 4096]), batch=st.sampled_from([3, 8, 12, 48]))
+def test_the_planners_validity_checks_are_tesseras_own(model, tp, cp, pp, dp, strategy, ac, schedule, mb, virtual, sp, seq,
+                                                      batch):
+    """The planner decides what runs without importing tessera.parallel: the same answer as ParallelConfig.check."""
+    from tessera.parallel.data import DataParallelConfig
+    from tessera.parallel.parallelize import ParallelConfig
+    from tessera.parallel.pipeline import PipelineConfig
+
+    cand = Candidate(Layout(pp=pp, dp_shard=dp, cp=cp, tp=tp), strategy, ac, schedule, mb, virtual, sp)
+    try:
+        ParallelConfig(cand.layout, cand.sequence_parallel, DataParallelConfig(strategy, "bf16", ac),
+                       PipelineConfig(schedule=schedule, microbatches=mb, virtual=virtual)).check(
+            get_preset(model), seq, batch, mb)
+        runs = True
+    except ValueError:
+        runs = False
+    assert (why_not_runnable(model_shape(model), cand, seq, batch) is None) == runs
+
+
+def test_the_candidates_of_a_preset_are_those_tessera_runs():
+    """Every candidate passes ParallelConfig.check; the count is today's for the 8b preset on 16 GPUs."""
+    from tessera.parallel.data import DataParallelConfig
+    from tessera.parallel.parallelize import ParallelConfig
+    from tessera.parallel.pipeline import PipelineConfig
+
+    hw, cfg = Hardware(gpus=16), get_preset("8b")
+    cands = candidates(model_shape("8b"), hw, 4096, 32)
+    assert len(cands) == 2127
+    for c in cands[::7]:
+        ParallelConfig(c.layout, c.sequence_parallel, DataParallelConfig(c.strategy, "bf16", c.ac),
+                       PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual)).check(
+            cfg, 4096, 32, c.microbatches)
+
+
+def test_topology_counts_without_torch_or_the_layers_above_it():
+    """The planner, the memory, communication and step-time models and the schedules import no torch, no
+    tessera.models, no tessera.parallel and nothing of the runtime."""
+    code = ("import sys\n"
+            "import tessera.topology.planner, tessera.topology.comm_model, tessera.topology.step_time\n"
+            "import tessera.topology.memory, tessera.topology.schedule, tessera.topology.shapes, tessera.topology.layout\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('tessera.models', "
+            "'tessera.parallel', 'tessera.kernels')) or m.count('.') == 1 and m.startswith('tessera.') and "
+            "not m.startswith('tessera.topology')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_plan_takes_a_shape_not_a_name():
+    with pytest.raises(TypeError, match="ModelShape"):
+        plan("8b", Hardware(gpus=8), 4096, 8)
+    result = plan(model_shape("qwen3-0.6b"), Hardware(gpus=8), 4096, 16, top=2, name="qwen3-0.6b")
+    assert result.request["model"] == "qwen3-0.6b" and result.request["params"] == get_preset("qwen3-0.6b").num_params()

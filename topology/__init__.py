@@ -1,4 +1,5 @@
-"""Layouts of the five mesh axes, DeviceMesh construction, memory models and dry runs."""
+"""Layouts of the five mesh axes (the axes as data: topology/axes.py), DeviceMesh construction, memory
+models and dry runs."""
 
 from .layout import AXES, FLATTENED, Layout
 

@@ -12,17 +12,22 @@ gradients) moves 3 (n-1)/n x P a step, DDP's one all-reduce 2 (n-1)/n x P: the Z
 
 The formulas follow tessera's own collectives, per microbatch (b rows of s = seq/cp tokens, h = dim):
 tp      sequence parallel or not, 8 x (tp-1)/tp x b s h per block (the two block inputs and two outputs,
-        forward and backward), the embedding's and the head's 2 x (tp-1)/tp x b s h, the loss's three
-        fp32 statistics per token, the replicated norms' and K/V weights' gradient all-reduces; blocks
-        recomputed by activation checkpointing issue their forward collectives again, all but the last
+        forward and backward), the embedding's (and a learned position table's) and the head's
+        2 x (tp-1)/tp x b s h, the loss's three fp32 statistics per token, the gradient all-reduces of
+        replicated weights: the norms' (weight, and bias for a layer norm) and the row-parallel biases'
+        under sequence parallel, the qk-norms' always (each rank normalizes its own heads), K/V's when tp
+        exceeds the kv heads; blocks recomputed by activation checkpointing issue their forward
+        collectives again, all but the last
 cp      ring: K and V of the local block passed cp-1 times forward and again in backward, with dK/dV
         (fp32) passed cp times; all-gather attention: one all-gather of K/V, one reduce-scatter of dK/dV
-pp      each microbatch's activation to the next stage, its gradient to the previous one
+pp      each microbatch's activation to the next stage, its gradient to the previous one; with a tied
+        head, the first and last stages' all-reduce of the embedding's gradient shard (fp32) once a step
 fsdp    per FSDP unit: all-gathers of the padded flat parameters (once a step inside a pipeline, where
         units stay gathered across microbatches; twice per microbatch under FULL_SHARD, once under
         SHARD_GRAD_OP), one reduce-scatter of the gradients (fp32), and under HSDP one all-reduce of the
         gradient shard over dp_replicate
 Scalars (loss sums, grad-norm partials, the straggler watch's step times) are left out: bytes per step.
+The model is a ModelShape (topology/shapes.py; tessera's Llama ModelConfig is read by the same names).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import functools
 
 from .layout import Layout
-from .shapes import layer_param_shapes, stage_param_shapes
+from .shapes import as_shape, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 
 
 def wire_bytes(op: str, payload: float, n: int) -> float:
@@ -54,9 +59,11 @@ def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage=None) -> l
 
 
 @functools.lru_cache(maxsize=65536)
-def padded_numel(cfg, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks: int, n: int) -> int:
+def padded_numel(shape, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks: int, n: int) -> int:
     """Elements FSDP2 gathers for these stages' units on one tp rank: each parameter's dim 0 padded to a
     multiple of the n shards (its flat all-gather buffer)."""
+    cfg = as_shape(shape)
+
     def padded(shapes) -> int:
         return sum(n * -(-rows // n) * cols for rows, cols in shapes)
 
@@ -65,7 +72,7 @@ def padded_numel(cfg, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks:
 
 
 def comm_bytes_per_step(
-    cfg,
+    shape,
     layout: Layout,
     seq_len: int,
     global_batch: int,
@@ -83,7 +90,9 @@ def comm_bytes_per_step(
 ) -> dict[str, float]:
     """Bytes `rank` sends per step, by axis: "tp", "cp", "pp", "dp_shard_cp" (FSDP), "dp_replicate".
     act_bytes: the activations' dtype; param_bytes: FSDP's all-gather dtype (mixed precision's param
-    dtype); reduce_bytes: the gradient reduction's dtype (tessera reduces in fp32)."""
+    dtype); reduce_bytes: the gradient reduction's dtype (tessera reduces in fp32). `shape` is the model's
+    ModelShape."""
+    cfg = as_shape(shape)
     t, cp, pp, m = layout.tp, layout.cp, layout.pp, microbatches
     b = global_batch // layout.dp // m
     s = seq_len // cp
@@ -101,18 +110,24 @@ def comm_bytes_per_step(
 
     if t > 1:
         replicated_kv = cfg.n_kv_heads % t != 0
-        per_block = 8 * wire_bytes("all_gather", act, t) + (2 * wire_bytes("all_reduce", h * e, t) if sequence_parallel else 0.0)
+        # replicated weights whose gradients are partial under sequence parallel: two norms, o's and the
+        # MLP down matrix's biases
+        sp_replicated = 2 * cfg.norm_params + (2 * h if cfg.bias else 0)
+        per_block = 8 * wire_bytes("all_gather", act, t) + (wire_bytes("all_reduce", sp_replicated * e, t) if sequence_parallel else 0.0)
+        if cfg.qk_norm:
+            per_block += wire_bytes("all_reduce", 2 * cfg.head_dim * e, t)
         if replicated_kv:
-            per_block += 2 * wire_bytes("all_reduce", cfg.n_kv_heads * cfg.head_dim * h * e, t)
+            kv_weight = cfg.n_kv_heads * cfg.head_dim * (h + (1 if cfg.bias else 0))
+            per_block += 2 * wire_bytes("all_reduce", kv_weight * e, t)
         # a recomputed block reissues its forward collectives but the last: torch's checkpoint stops once the
         # last saved tensor is rebuilt, and the block's output collective feeds nothing saved
         again = 3 * wire_bytes("all_gather", act, t) if sequence_parallel else wire_bytes("all_reduce", act, t)
         tp = n_blocks * per_block + recomputed * again
         if first:
-            tp += 2 * wire_bytes("all_gather", act, t)
+            tp += 2 * wire_bytes("all_gather", act, t) * (2 if cfg.learned_positions else 1)
         if last:
             tp += 2 * wire_bytes("all_gather", act, t) + 3 * wire_bytes("all_reduce", b * s * max(4, e), t)
-            tp += wire_bytes("all_reduce", h * e, t) if sequence_parallel else 0.0
+            tp += wire_bytes("all_reduce", cfg.norm_params * e, t) if sequence_parallel else 0.0
         out["tp"] = m * tp
 
     if cp > 1:
@@ -131,6 +146,9 @@ def comm_bytes_per_step(
         boundary = b * (s // t if sequence_parallel else s) * h * e
         sends = sum((st < n_stages - 1) + (st > 0) for st in stages)
         out["pp"] = m * sends * boundary
+        if cfg.tied_embeddings and (first or last):  # the tied embedding's gradient shard, summed over 2 ranks
+            shard = fsdp_shard_numel(-(-cfg.vocab_size // t), h, layout.dp_shard * cp)
+            out["pp"] += wire_bytes("all_reduce", shard * reduce_bytes, 2)
 
     data_layout = layout
     if strategy == "NO_SHARD" and layout.dp_shard > 1:

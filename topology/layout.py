@@ -1,9 +1,10 @@
 """Layout: how a world of ranks factors into the five mesh axes.
 
-The axis order is fixed: ("pp", "dp_replicate", "dp_shard", "cp", "tp"). tp is innermost, so a tp
-group is a run of consecutive ranks (one node, fastest links); pp is outermost. A rank's coordinate is
-the row-major unravel of the rank over `shape`. Everything here is pure arithmetic, so it is cheap to
-property-test; `build_mesh` is the one method that talks to torch.distributed.
+The axes, their order and their flattened submeshes are the table of topology/axes.py: ("pp",
+"dp_replicate", "dp_shard", "cp", "tp"). tp is innermost, so a tp group is a run of consecutive ranks (one
+node, fastest links); pp is outermost. A rank's coordinate is the row-major unravel of the rank over
+`shape`. Everything here is pure arithmetic, so it is cheap to property-test; `build_mesh` is the one
+method that talks to torch.distributed (through topology/mesh.py, imported when it is called).
 """
 
 from __future__ import annotations
@@ -11,37 +12,20 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+from .axes import FLATTENED, MESH_AXES, TABLE, check_degree, divisors, problems, rest_axes
 
 if TYPE_CHECKING:  # torch is imported lazily so `tessera memory` and pure tests start fast
     from torch.distributed.device_mesh import DeviceMesh
 
-AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-# Flattened submeshes and the axes they merge (in mesh order):
+# the mesh's axes, outermost first, and its flattened submeshes (name -> axes, in mesh order):
 #   dp          data loading: ranks with the same dp coordinate read the same batch slice
 #   dp_shard_cp FSDP2 sharding: cp ranks hold identical parameters, so they shard them too
 #   dp_cp       loss and gradient reduction across every rank that sees different tokens
-FLATTENED: dict[str, tuple[str, ...]] = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
-
-
-def _check_degree(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        if isinstance(value, float) and value.is_integer() and value > 0:
-            return int(value)
-        raise ValueError(f"{name}={value!r} is not a whole number; degrees are positive integers, e.g. {name}=2")
-    if value <= 0:
-        raise ValueError(f"{name}={value} must be a positive integer; use {name}=1 to leave the axis unused")
-    return int(value)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+AXES: tuple[str, ...] = MESH_AXES
+_check_degree = check_degree
 
 
 def _suggest(n: int, bad: int) -> str:
@@ -55,7 +39,8 @@ def _suggest(n: int, bad: int) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees of the five parallel axes; every degree defaults to 1."""
+    """Degrees of the parallel axes (one field per entry of topology/axes.py's table, checked at import);
+    every degree defaults to 1."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -67,8 +52,8 @@ class Layout:
     FLATTENED = FLATTENED
 
     def __post_init__(self) -> None:
-        for axis in AXES:
-            object.__setattr__(self, axis, _check_degree(axis, getattr(self, axis)))
+        for axis in TABLE:
+            object.__setattr__(self, axis.name, _check_degree(axis.name, getattr(self, axis.name)))
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -79,9 +64,10 @@ class Layout:
         Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)
         """
         world_size = _check_degree("world_size", world_size)
-        unknown = sorted(set(fixed) - set(AXES))
+        names = tuple(a.name for a in TABLE)
+        unknown = sorted(set(fixed) - set(names))
         if unknown:
-            raise ValueError(f"unknown axis {unknown[0]!r}; the axes are {', '.join(AXES)}")
+            raise ValueError(f"unknown axis {unknown[0]!r}; the axes are {', '.join(names)}")
         degrees = {axis: _check_degree(axis, v) for axis, v in fixed.items()}
         for axis, d in degrees.items():
             if world_size % d:
@@ -89,10 +75,10 @@ class Layout:
                     f"{world_size} ranks cannot hold {axis}={d}: {axis} must divide {world_size}; "
                     f"try {axis}={_suggest(world_size, d).replace(' or ', f' or {axis}=')}"
                 )
-        product = math.prod(degrees.values())
+        product = math.prod(d for axis, d in degrees.items() if axis in AXES)  # borrowed axes use no ranks
         # the rest goes to dp_shard; if dp_shard is fixed, to dp_replicate (HSDP replicas of the shard group)
-        rest_axis = "dp_shard" if "dp_shard" not in degrees else "dp_replicate"
-        if rest_axis in degrees:
+        rest = rest_axes(degrees)
+        if not rest:
             if product != world_size:
                 raise ValueError(
                     f"{world_size} ranks cannot hold {_describe(degrees)} = {product} ranks; the degrees must "
@@ -105,7 +91,7 @@ class Layout:
                 f"{world_size}; choose degrees whose product divides {world_size} (e.g. use "
                 f"{_nearest_world(world_size, product)} ranks, or change a degree)"
             )
-        return cls(**{**degrees, rest_axis: world_size // product})
+        return cls(**{**degrees, rest[0]: world_size // product})
 
     # ----------------------------------------------------------------- shape
     @property
@@ -125,10 +111,15 @@ class Layout:
         return math.prod(getattr(self, a) for a in self._axes_of(axis))
 
     def as_dict(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
+        return {axis.name: getattr(self, axis.name) for axis in TABLE}
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1) or "single"
+        return " x ".join(f"{a.name}{getattr(self, a.name)}" for a in TABLE if getattr(self, a.name) > 1) or "single"
+
+    def problems(self, shape=None, **values) -> list[str]:
+        """The degree rules of topology/axes.py's table these degrees break for a model's shape (a ModelShape,
+        a family's config) and the values given (seq_len, global_batch, sequence_parallel), in words."""
+        return problems(self.as_dict(), shape, **values)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise if this layout does not use exactly `world_size` ranks (e.g. WORLD_SIZE under torchrun)."""
@@ -221,20 +212,9 @@ class Layout:
         subgroup of the mesh: torch creates them with its own default (30 minutes on gloo, 10 on NCCL),
         not the world group's timeout, so a stalled tp or FSDP collective would otherwise hang that long.
         """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+        from .mesh import build_mesh  # the DeviceMesh side (torch), loaded only here
 
-        if not dist.is_initialized():
-            raise RuntimeError("build_mesh needs an initialized process group; call torch.distributed.init_process_group first")
-        self.check_world_size(dist.get_world_size())
-        if gpus_per_node is not None:
-            self.check_nodes(gpus_per_node)
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
-        for name, axes in FLATTENED.items():
-            mesh[axes]._flatten(name)
-        if timeout is not None:
-            set_mesh_timeout(mesh, timeout)
-        return mesh
+        return build_mesh(self, device_type, gpus_per_node, timeout)
 
     def check_nodes(self, gpus_per_node: int) -> None:
         """Warn when a tp group would cross a node boundary (tp traffic then leaves NVLink)."""
@@ -245,6 +225,12 @@ class Layout:
                 f"the inter-node network; use tp dividing {gpus_per_node} (e.g. tp={_suggest(gpus_per_node, self.tp)})",
                 stacklevel=2,
             )
+
+
+# one degree field per axis of the table, in its order (a new axis: add its field above, default 1)
+if tuple(f.name for f in fields(Layout)) != tuple(a.name for a in TABLE):
+    raise ImportError(f"Layout's fields {[f.name for f in fields(Layout)]} differ from topology/axes.py's table "
+                      f"{[a.name for a in TABLE]}: give Layout one degree field per axis, in the table's order")
 
 
 def _describe(degrees: Mapping[str, int]) -> str:
@@ -260,20 +246,3 @@ def _product_ranges(sizes: Iterable[int]) -> Iterable[tuple[int, ...]]:
     for s in sizes:
         out = [prefix + (i,) for prefix in out for i in range(s)]
     return out
-
-
-def set_mesh_timeout(mesh: "DeviceMesh", timeout: float) -> None:
-    """Give every process group of `mesh` (each axis and each flattened submesh) `timeout` seconds."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    from .mesh import submesh
-
-    groups = [mesh.get_group(i) for i in range(mesh.ndim)] + [submesh(mesh, name).get_group() for name in FLATTENED]
-    seen: set[int] = set()
-    for group in groups:
-        if id(group) not in seen and dist.get_world_size(group) > 1:
-            seen.add(id(group))
-            _set_pg_timeout(timedelta(seconds=timeout), group)

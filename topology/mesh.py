@@ -1,4 +1,7 @@
-"""DeviceMesh helpers: slicing the mesh of `Layout.build_mesh`, and dry runs on the fake backend.
+"""The DeviceMesh side of topology: building and slicing the mesh of `Layout.build_mesh`, the meshes by
+purpose, and dry runs on the fake backend. The axes, their order and the flattened submeshes are read from
+topology/axes.py's table; this module imports no other part of topology (Layout only for annotations), so
+layout.py can load it lazily without an import cycle.
 
 A dry run builds the mesh of any layout (thousands of ranks) in one process on torch's fake process
 group: collectives are no-ops, so layouts, sharding plans and meta-device models can be checked far
@@ -9,12 +12,45 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Iterator
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .layout import Layout
+from .axes import FLATTENED_BY_PURPOSE, FLATTENED_MESHES, MESH_AXES, TABLE
+
+if TYPE_CHECKING:
+    from .layout import Layout
+
+
+def build_mesh(layout: "Layout", device_type: str, gpus_per_node: int | None = None,
+               timeout: float | None = None) -> DeviceMesh:
+    """`Layout.build_mesh`: one DeviceMesh over the mesh axes, with the flattened submeshes of the table."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs an initialized process group; call torch.distributed.init_process_group first")
+    layout.check_world_size(dist.get_world_size())
+    if gpus_per_node is not None:
+        layout.check_nodes(gpus_per_node)
+    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
+    for flat in FLATTENED_MESHES:
+        mesh[flat.axes]._flatten(flat.name)
+    if timeout is not None:
+        set_mesh_timeout(mesh, timeout)
+    return mesh
+
+
+def set_mesh_timeout(mesh: DeviceMesh, timeout: float) -> None:
+    """Give every process group of `mesh` (each axis and each flattened submesh) `timeout` seconds."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    groups += [submesh(mesh, flat.name).get_group() for flat in FLATTENED_MESHES]
+    seen: set[int] = set()
+    for group in groups:
+        if id(group) not in seen and dist.get_world_size(group) > 1:
+            seen.add(id(group))
+            _set_pg_timeout(timedelta(seconds=timeout), group)
 
 
 def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
@@ -33,7 +69,7 @@ def mesh_group_ranks(mesh: DeviceMesh, *names: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def dry_run(layout: Layout, rank: int = 0, device_type: str = "cpu") -> Iterator[DeviceMesh]:
+def dry_run(layout: "Layout", rank: int = 0, device_type: str = "cpu") -> Iterator[DeviceMesh]:
     """Build `layout`'s mesh as `rank` on the fake backend, in this process; destroyed on exit.
 
     >>> with dry_run(Layout.infer(4096, tp=8, pp=4, cp=2)) as mesh:
@@ -53,7 +89,8 @@ def dry_run(layout: Layout, rank: int = 0, device_type: str = "cpu") -> Iterator
 
 class Meshes:
     """The run's DeviceMesh and the meshes each part of tessera needs, named by purpose (each None when
-    its axes are off, so a caller never slices strings or branches on degrees itself):
+    its axes are off, so a caller never slices strings or branches on degrees itself). They are read from
+    topology/axes.py's table: each axis with a `mesh` gets its 1-D mesh, each flattened submesh its purpose.
 
     tp      tensor-parallel layers and the vocab-parallel loss (1-D "tp")
     pp      pipeline stages' point-to-point sends and the grad-norm sum across stages (1-D "pp")
@@ -65,7 +102,10 @@ class Meshes:
     loss    the ranks whose loss sums add up to the global one: "dp_cp" (tp and pp ranks share theirs)
     """
 
-    def __init__(self, layout: Layout, device_type: str = "cpu", mesh: DeviceMesh | None = None,
+    # the purpose meshes, by name: the axes' own, then the flattened ones'
+    PURPOSES: tuple[str, ...] = tuple(a.mesh for a in TABLE if a.mesh) + tuple(f.purpose for f in FLATTENED_MESHES)
+
+    def __init__(self, layout: "Layout", device_type: str = "cpu", mesh: DeviceMesh | None = None,
                  timeout: float | None = None):
         self.layout = layout
         self.device_type = device_type
@@ -74,18 +114,17 @@ class Meshes:
         def on(size: int, *names: str) -> DeviceMesh | None:
             return submesh(self.world, *names) if size > 1 else None
 
-        self.tp = on(layout.tp, "tp")
-        self.pp = on(layout.pp, "pp")
-        self.cp = on(layout.cp, "cp")
-        if layout.dp_replicate > 1:
-            self.fsdp = submesh(self.world, "dp_replicate", "dp_shard_cp")
-        else:
-            self.fsdp = on(layout.dp_shard * layout.cp, "dp_shard_cp")
+        for axis in TABLE:  # tp, pp, cp
+            if axis.mesh:
+                setattr(self, axis.mesh, on(layout.degree(axis.name), axis.name))
+        for flat in FLATTENED_MESHES:  # batch, fsdp, loss
+            if flat.replicate is not None and layout.degree(flat.replicate) > 1:  # HSDP: (dp_replicate, dp_shard_cp)
+                setattr(self, flat.purpose, submesh(self.world, flat.replicate, flat.name))
+            else:
+                setattr(self, flat.purpose, on(layout.degree(flat.name), flat.name))
         # the degree-1 data mesh where FSDP2 is off: FSDP2 on it shards nothing and applies only the
         # mixed-precision policy, so every layout computes in the same dtype (parallel/data.py)
-        self.precision = self.fsdp if self.fsdp is not None else submesh(self.world, "dp_shard_cp")
-        self.batch = on(layout.dp, "dp")
-        self.loss = on(layout.dp * layout.cp, "dp_cp")
+        self.precision = self.fsdp if self.fsdp is not None else submesh(self.world, FLATTENED_BY_PURPOSE["fsdp"].name)
 
     @staticmethod
     def group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
@@ -99,7 +138,7 @@ class Meshes:
     @property
     def batch_index(self) -> int:
         """Which slice of the global batch's rows this rank reads (its dp coordinate)."""
-        return self.layout.index("dp", self.rank)
+        return self.layout.index(FLATTENED_BY_PURPOSE["batch"].name, self.rank)
 
     @property
     def fsdp_size(self) -> int:
@@ -107,5 +146,5 @@ class Meshes:
         return 1 if self.fsdp is None else self.fsdp.size()
 
     def __repr__(self) -> str:
-        on = [name for name in ("tp", "pp", "cp", "fsdp", "batch", "loss") if getattr(self, name) is not None]
+        on = [name for name in self.PURPOSES if getattr(self, name) is not None]
         return f"Meshes({self.layout}, on: {', '.join(on) or 'none'})"

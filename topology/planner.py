@@ -21,6 +21,11 @@ step    model FLOPs (6 N per token plus causal attention, the formula in `model_
         over compute is exposed). Each axis's bytes go over the intra-node bandwidth when its group fits
         inside a node (the mesh order puts tp innermost), else over the inter-node bandwidth.
 
+The model is a `ModelShape` (topology/shapes.py: plain numbers a family's spec gives, `spec.shape(config)`;
+tessera's Llama ModelConfig is read by the same field names): its matrices (two or three in the MLP),
+head_dim, qk-norm, norms, biases, tied head and position table are what the counts above count. Nothing
+here imports torch, tessera.models or tessera.parallel: `tessera plan` resolves a preset name to a shape.
+
 Candidates that do not fit `gpu_memory_gb x (1 - headroom)` are ruled out; the rest are ranked by
 estimated step time (then memory). The figures are estimates with stated assumptions; `tessera plan
 --dry-run` builds the chosen layout on the fake backend and counts its parameters exactly, and `tessera
@@ -35,7 +40,8 @@ from dataclasses import asdict, dataclass, field
 
 from .comm_model import comm_bytes_per_step, stage_layer_counts
 from .layout import AXES, Layout, divisors
-from .shapes import fsdp_shard_numel, layer_param_shapes, stage_param_shapes
+from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, simulate
+from .shapes import ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 from .memory import GB, get_recipe, min_gpus
 from .step_time import Calibration, step_parts
 
@@ -158,8 +164,10 @@ class Estimate:
 
 # ----------------------------------------------------------------------------- parameter counts
 @functools.lru_cache(maxsize=65536)
-def rank_params_of(cfg, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int) -> tuple[int, int, int]:
-    """(parameters before FSDP, after FSDP, largest FSDP unit) on pipeline rank `pp_rank`."""
+def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int) -> tuple[int, int, int]:
+    """(parameters before FSDP, after FSDP, largest FSDP unit) on pipeline rank `pp_rank` of a model of
+    `shape` (a ModelShape)."""
+    cfg = as_shape(shape)
     n_stages = pp * virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages)
     block = layer_param_shapes(cfg, tp)
@@ -174,13 +182,13 @@ def rank_params_of(cfg, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int)
     return numel, sharded, unit_max
 
 
-def rank_params(cfg, tp: int, pp: int, virtual: int, fsdp: int) -> tuple[int, int, int]:
+def rank_params(shape, tp: int, pp: int, virtual: int, fsdp: int) -> tuple[int, int, int]:
     """`rank_params_of` for the pp rank that holds the most: pp rank 0 (the embedding) or the last (the head)."""
-    return max((rank_params_of(cfg, tp, pp, virtual, fsdp, p) for p in sorted({0, pp - 1})), key=lambda x: x[0])
+    return max((rank_params_of(shape, tp, pp, virtual, fsdp, p) for p in sorted({0, pp - 1})), key=lambda x: x[0])
 
 
 # ----------------------------------------------------------------------------- activations
-def layer_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: bool, ac: str, e: int,
+def layer_activation_bytes(shape, rows: int, seq: int, tp: int, sequence_parallel: bool, ac: str, e: int,
                            cp: int = 1) -> float:
     """Bytes one block keeps for backward for `rows` sequences of `seq` local tokens on one tp rank, as
     tessera's block saves them (counted with saved-tensor hooks; tests/test_planner_memory.py measures it).
@@ -188,33 +196,43 @@ def layer_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel:
     ac none, elements per token: each RMSNorm's input and x * rstd (seq/tp tokens under sequence parallel)
     and its output, which the column-parallel matmuls keep (gathered: seq tokens); q, k and v after RoPE
     (k and v repeated to the query heads for the fused kernel; ring attention keeps them at the kv heads),
-    the attention output and its (B, S, heads x dim) copy that wo reads; SwiGLU's w1 and w3 outputs,
-    silu(w1) and the product w2 reads (ffn / tp each); the log-sum-exp (fp32) and the norms' rstd.
-    op: matmul and attention outputs (q, k, v, out, wo, w1, w3, w2) and the block input; the rest recomputed.
-    full: only the block input. (selective checkpoints every other block: `_rank_memory` combines them.)
+    the attention output and its (B, S, heads x dim) copy that the output projection reads; SwiGLU's gate and up outputs,
+    silu(gate) and the product the down projection reads (ffn / tp each; a GELU MLP: its up matrix's output and the GELU of it);
+    with qk-norm, the q and k norms' inputs and x * rstd; the log-sum-exp (fp32) and the norms' rstd (a
+    layer norm keeps its input, mean and rstd instead: F.layer_norm).
+    op: matmul and attention outputs (q, k, v, out, the output projection, the MLP's matrices) and the block input; the rest
+    recomputed. full: only the block input. (selective checkpoints every other block: `_rank_memory`
+    combines them.)
     """
+    cfg = as_shape(shape)
     h, f = cfg.dim, cfg.ffn_dim // tp
     hq = cfg.n_heads * cfg.head_dim // tp
     kv = _kv_out(cfg, tp)
+    ups = cfg.mlp_matrices - 1
     sp = seq // tp if sequence_parallel else seq
-    small = rows * seq * (cfg.n_heads // tp) * 4 + 2 * rows * sp * 4  # lse, rstd (fp32)
+    rms = cfg.norm == "rms"
+    # lse and the norms' statistics (fp32): rstd per token (a layer norm's mean too), the qk-norms' per head
+    small = rows * seq * (cfg.n_heads // tp) * 4 + (2 if rms else 4) * rows * sp * 4
+    if cfg.qk_norm:
+        small += rows * seq * (hq + kv) // cfg.head_dim * 4
     if ac == "full":
         return float(rows * sp * h * e)
     attention = (hq + 2 * kv + hq) if cp > 1 else 4 * hq
     if ac == "op":
-        saved = sp * h + seq * (hq + 2 * kv) + seq * hq + 2 * sp * h + 2 * seq * f
+        saved = sp * h + seq * (hq + 2 * kv) + seq * hq + 2 * sp * h + ups * seq * f
         return float(rows * saved * e + small)
-    saved = 4 * sp * h + 2 * seq * h + seq * (attention + hq) + 4 * seq * f
+    norms = (4 if rms else 2) * sp * h + 2 * seq * h + (2 * seq * (hq + kv) if cfg.qk_norm else 0)
+    saved = norms + seq * (attention + hq) + 2 * ups * seq * f
     return float(rows * saved * e + small)
 
 
-def _kv_out(cfg, tp: int) -> int:
+def _kv_out(shape: ModelShape, tp: int) -> int:
     """k (or v) features a tp rank computes: its share of the kv heads, or the one head its query heads
     read when tp exceeds the kv heads."""
-    return cfg.n_kv_heads * cfg.head_dim // tp if cfg.n_kv_heads % tp == 0 else cfg.head_dim
+    return shape.n_kv_heads * shape.head_dim // tp if shape.n_kv_heads % tp == 0 else shape.head_dim
 
 
-def loss_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int,
+def loss_activation_bytes(shape, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int,
                           loss: str = "chunked") -> tuple[float, float]:
     """(kept per microbatch until its backward, transient) on the last stage, for `--loss`:
     both: the final norm's input and x * rstd (sequence-parallel shards) and its gathered output;
@@ -222,8 +240,7 @@ def loss_activation_bytes(cfg, rows: int, seq: int, tp: int, sequence_parallel: 
     chunked (the default, parallel/loss.py): the gradients computed in the forward are kept (dh in the
     compute dtype, dW in fp32), and one chunk at a time holds its fp32 logits, their compute-dtype copy
     and gradient, plus dW's compute-dtype matmul result when that is not fp32."""
-    from .shapes import chunk_tokens
-
+    cfg = as_shape(shape)
     vocab = -(-cfg.vocab_size // tp)
     sp = seq // tp if sequence_parallel else seq
     norm = rows * (2 * sp * cfg.dim * e + seq * cfg.dim * e)
@@ -242,18 +259,17 @@ def pipeline_profile(kind: str, pp: int, microbatches: int, virtual: int) -> tup
     backward costing twice a forward (B = W = F for the kinds that split it)."""
     if pp == 1:
         return 0.0, (1,)
-    from tessera.parallel.schedule import build_schedule, simulate
-
     timeline = simulate(build_schedule(kind, pp, microbatches, virtual), {"F": 1.0, "B": 1.0, "W": 1.0})
     return timeline.bubble, tuple(timeline.peak_activations)
 
 
 # ----------------------------------------------------------------------------- flops
-def model_flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (parameters in matmuls: all but the embedding table) + 6 x layers x
-    dim x seq_len for causal attention (QK^T and PV, forward 2 x 2 x dim x seq / 2, backward twice that)."""
-    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.dim
-    return 6.0 * matmul_params + 6.0 * cfg.n_layers * cfg.dim * seq_len
+def model_flops_per_token(shape, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (parameters in matmuls: all but the lookup tables, the output head
+    included even when tied: `ModelShape.matmul_params`) + 6 x layers x (heads x head_dim) x seq_len for
+    causal attention (QK^T and PV, forward 2 x 2 x heads x head_dim x seq / 2, backward twice that)."""
+    cfg = as_shape(shape)
+    return 6.0 * cfg.matmul_params() + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
 def axis_bandwidth(layout: Layout, axis: str | tuple[str, ...], hw: Hardware) -> float:
@@ -266,7 +282,9 @@ def axis_bandwidth(layout: Layout, axis: str | tuple[str, ...], hw: Hardware) ->
 
 
 # ----------------------------------------------------------------------------- one estimate
-def estimate(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int) -> Estimate:
+def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int) -> Estimate:
+    """Per-rank memory, step time, traffic and MFU of one candidate for a model of `shape` (a ModelShape)."""
+    cfg = as_shape(shape)
     lay, e = cand.layout, hw.dtype_bytes
     rows_per_dp = global_batch // lay.dp
     mb_rows = rows_per_dp // cand.microbatches
@@ -308,11 +326,12 @@ def estimate(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int
     return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble, parts)
 
 
-def calibrated_compute(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int,
+def calibrated_compute(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int,
                        recompute: float) -> dict[str, float]:
     """One rank's compute (no communication, no bubble) at the calibration's rates: every rank does
     1 / gpus of the model's FLOPs and activation traffic; its optimizer steps its own (sharded) parameters;
     its host dispatches the operators of its stage's blocks (topology/step_time.py)."""
+    cfg = as_shape(shape)
     lay = cand.layout
     fsdp = lay.dp_shard * lay.cp
     biggest = max(sorted({0, lay.pp - 1}), key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p)[0])
@@ -321,13 +340,14 @@ def calibrated_compute(cfg, cand: Candidate, hw: Hardware, seq_len: int, global_
     layers = stage_layer_counts(cfg.n_layers, n_stages)
     stages = [biggest + k * lay.pp for k in range(cand.virtual)]
     blocks = sum(layers[s] for s in stages)
-    # parameter tensors: 9 per block, the embedding on the first stage, the final norm and head on the last
-    tensors = 9 * blocks + (1 if 0 in stages else 0) + (2 if n_stages - 1 in stages else 0)
+    # parameter tensors: a block's (9 in Llama's), the embedding on the first stage, the final norm and head on the last
+    extra = [u for s in stages for u in stage_param_shapes(cfg, lay.tp, s == 0, s == n_stages - 1, 0)]
+    tensors = len(layer_param_shapes(cfg, lay.tp)) * blocks + sum(len(u) for u in extra)
     return step_parts(cfg, hw.calibration, global_batch * seq_len, seq_len, sharded, tensors, blocks, hw.dtype_bytes,
                       recompute, share=1.0 / lay.world_size, microbatches=cand.microbatches)
 
 
-def _rank_memory(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, mb_rows: int, seq: int,
+def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, mb_rows: int, seq: int,
                  fsdp: int) -> dict[str, float]:
     """Peak bytes on a rank of pipeline rank `pp_rank`, by component. The peak is the start of the last
     backward (activations, the loss, accumulated gradients all live) or the optimizer step (gradients
@@ -374,12 +394,14 @@ def _rank_memory(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: in
     kept, transient = loss_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e) if last else (0.0, 0.0)
     m["logits"] = (in_flight if cand.schedule == "gpipe" else 1) * kept + transient
     kv_block = 2 * mb_rows * seq * _kv_out(cfg, lay.tp) * e
-    rope = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4  # cos and sin tables, fp32
+    # the rotary cos and sin tables, fp32 (none with learned positions: those are parameters)
+    rope = 0 if cfg.learned_positions else 2 * (cfg.max_seq_len or seq * lay.cp) * (cfg.head_dim // 2) * 4
     m["buffers"] = rope + (unit_max * 4 if fsdp > 1 else 0.0) + (2 * kv_block if lay.cp > 1 else 0.0) + (
         4 * mb_rows * seq * cfg.dim * e if pipelined else 0.0)
-    # the gradients flowing through one block's backward (its SwiGLU's three ffn-wide ones, two residual-wide)
+    # the gradients flowing through one block's backward (its MLP's ffn-wide ones: SwiGLU's three, GELU's two;
+    # two residual-wide)
     sp = seq // lay.tp if cand.sequence_parallel else seq
-    m["backward_transient"] = float(mb_rows * (3 * seq * cfg.ffn_dim // lay.tp + 2 * sp * cfg.dim) * e)
+    m["backward_transient"] = float(mb_rows * (cfg.mlp_matrices * seq * cfg.ffn_dim // lay.tp + 2 * sp * cfg.dim) * e)
     backward_start = (m["activations"] + max(m["logits"], m["backward_transient"]) + m["unsharded_grads"]
                       + m["gathered_params"])
     optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
@@ -392,13 +414,11 @@ def _pow2_divisors(n: int, cap: int | None = None) -> list[int]:
     return [d for d in divisors(n) if d & (d - 1) == 0 and (cap is None or d <= cap)]
 
 
-def candidates(cfg, hw: Hardware, seq_len: int, global_batch: int) -> list[Candidate]:
-    """Every layout tessera can run for this request (its own ParallelConfig.check decides), with tp
-    inside a node, powers of two per axis, and the pipeline's microbatches at 1, 2 and 4 per stage."""
-    from tessera.parallel.data import DataParallelConfig
-    from tessera.parallel.parallelize import ParallelConfig
-    from tessera.parallel.pipeline import PipelineConfig
-
+def candidates(shape, hw: Hardware, seq_len: int, global_batch: int) -> list[Candidate]:
+    """Every layout tessera can run for this request (`runnable`: the checks tessera's ParallelConfig.check
+    makes, in plain numbers), with tp inside a node, powers of two per axis, and the pipeline's microbatches
+    at 1, 2 and 4 per stage."""
+    cfg = as_shape(shape)
     out: list[Candidate] = []
     G = hw.gpus
     for tp in _pow2_divisors(G, min(hw.gpus_per_node, cfg.n_heads)):
@@ -419,15 +439,54 @@ def candidates(cfg, hw: Hardware, seq_len: int, global_batch: int) -> list[Candi
                             for mb in _microbatch_counts(rows, pp):
                                 for ac in AC_MODES:
                                     cand = Candidate(lay, strategy, ac, sched, mb, virtual)
-                                    pc = ParallelConfig(lay, cand.sequence_parallel,
-                                                        DataParallelConfig(strategy, "bf16", ac),
-                                                        PipelineConfig(schedule=sched, microbatches=mb, virtual=virtual))
-                                    try:
-                                        pc.check(cfg, seq_len, global_batch, mb)
-                                    except ValueError:
-                                        continue
-                                    out.append(cand)
+                                    if runnable(cfg, cand, seq_len, global_batch):
+                                        out.append(cand)
     return out
+
+
+def why_not_runnable(shape, cand: Candidate, seq_len: int, global_batch: int) -> str | None:
+    """Why tessera would refuse to run `cand` for a model of `shape` (None: it runs): the checks of
+    tessera.parallel's ParallelConfig.check (ring context parallel, the chunked loss) as plain arithmetic,
+    so that the planner needs no torch. Context parallel splits the sequence into 2 x cp chunks (whose
+    S / cp tokens split over tp under sequence parallel); tp divides the heads and the MLP width, and the kv
+    heads divide tp or tp divides them; pp x virtual stages have a block each and the schedule can be built
+    (a split-backward schedule runs without checkpointing); dp splits the global batch and the microbatches
+    split a dp rank's rows."""
+    cfg = as_shape(shape)
+    lay, sp = cand.layout, cand.sequence_parallel
+    if cand.strategy not in STRATEGIES or cand.ac not in AC_MODES:
+        return f"strategy {cand.strategy!r} / ac {cand.ac!r}: the planner knows {STRATEGIES} and {AC_MODES}"
+    if lay.cp > 1:
+        multiple = math.lcm(2 * lay.cp, lay.cp * lay.tp) if sp and lay.tp > 1 else 2 * lay.cp
+        if seq_len % multiple:
+            return f"--seq-len {seq_len} does not split into {multiple} chunks for cp={lay.cp}"
+    if cfg.n_heads % lay.tp:
+        return f"tp={lay.tp} does not divide the {cfg.n_heads} attention heads"
+    if cfg.n_kv_heads % lay.tp and lay.tp % cfg.n_kv_heads:
+        return f"tp={lay.tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other"
+    if cfg.ffn_dim % lay.tp:
+        return f"tp={lay.tp} does not divide ffn_dim={cfg.ffn_dim}"
+    if sp and (seq_len // lay.cp) % lay.tp:
+        return f"sequence parallel needs the {seq_len // lay.cp} tokens of a cp rank divisible by tp={lay.tp}"
+    if lay.pp > 1:
+        try:
+            check_schedule(cand.schedule, lay.pp, cand.microbatches, cand.virtual)
+        except ValueError as e:
+            return str(e)
+        if lay.pp * cand.virtual > cfg.n_layers:
+            return f"{lay.pp * cand.virtual} pipeline stages but only {cfg.n_layers} layers"
+        if cand.schedule in SPLIT_BACKWARD and cand.ac != "none":
+            return f"--schedule {cand.schedule} with --ac {cand.ac} is not supported"
+    if global_batch % lay.dp:
+        return f"global batch {global_batch} does not split over dp={lay.dp}"
+    if (global_batch // lay.dp) % cand.microbatches:
+        return f"--microbatches {cand.microbatches} does not divide the {global_batch // lay.dp} rows of a dp rank"
+    return None
+
+
+def runnable(shape, cand: Candidate, seq_len: int, global_batch: int) -> bool:
+    """Whether tessera runs `cand` for a model of `shape` (`why_not_runnable` says why not)."""
+    return why_not_runnable(shape, cand, seq_len, global_batch) is None
 
 
 def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
@@ -453,11 +512,16 @@ class PlanResult:
     why: str = ""
 
 
-def plan(model: str, hw: Hardware, seq_len: int, global_batch: int, top: int | None = None) -> PlanResult:
-    """Rank every runnable layout for `model` on `hw`; raise PlanError saying what is short when none fits."""
-    from tessera.models import get_preset
-
-    cfg = get_preset(model)
+def plan(shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None = None,
+         name: str | None = None) -> PlanResult:
+    """Rank every runnable layout for a model of `shape` (a ModelShape: `tessera plan` resolves a preset name
+    with spec_of(config).shape(config)) on `hw`; raise PlanError saying what is short when none fits. `name`
+    is what the request and the messages call the model (default: the shape's family)."""
+    if isinstance(shape, str):
+        raise TypeError(f"plan() takes a ModelShape, not the name {shape!r}: resolve it with tessera.models "
+                        f"(cfg = get_preset(name); spec_of(cfg).shape(cfg)), or run `tessera plan --model {shape}`")
+    cfg = as_shape(shape)
+    model = name or cfg.family
     if seq_len < 1 or global_batch < 1:
         raise PlanError(f"--seq-len {seq_len} and --global-batch {global_batch} must be positive")
     cands = candidates(cfg, hw, seq_len, global_batch)

@@ -1,33 +1,161 @@
-"""Parameter shapes as one tensor-parallel rank holds them, and FSDP2's rule for cutting them: the pure
-arithmetic the planner and the communication model both count with (checked against the fake-backend
-build in tests/test_planner.py)."""
+"""A model's sizes as plain numbers (`ModelShape`), the parameter shapes one tensor-parallel rank holds of
+them, and FSDP2's rule for cutting them: the pure arithmetic the planner, the memory model and the
+communication model count with (checked against the fake-backend build in tests/test_planner.py). No torch
+and nothing of tessera.models: a family's spec gives the shape (`spec.shape(config)`)."""
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass, fields
 
 
-def _kv_local(cfg, tp: int) -> int:
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's sizes as plain numbers: what the memory model, the planner, the
+    communication model and MFU count with. A family's spec gives it (`ModelSpec.shape(config)`); nothing
+    here imports torch or knows a family's module names.
+
+    Per block: a norm, q/k/v/o projections (n_heads x head_dim queries, n_kv_heads x head_dim keys and
+    values), optionally a norm over head_dim on q and on k (qk_norm), a second norm, and the MLP: "swiglu"
+    (gate, up, down: 3 matrices of dim x ffn_dim) or "gelu" (up, down: 2). Around the blocks: the token
+    embedding, `learned_positions` rows of a position table (0: rotary), a final norm and the head (the
+    embedding itself when tied)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    ffn_dim: int
+    mlp: str = "swiglu"  # "swiglu" or "gelu"
+    norm: str = "rms"  # "rms" (a weight) or "layer" (weight and bias)
+    qk_norm: bool = False
+    tied_embeddings: bool = False
+    bias: bool = False  # biases on the linear layers
+    learned_positions: int = 0
+    family: str = "llama"
+    # positions the rotary tables cover (their cos and sin, fp32 buffers on every rank; none with learned
+    # positions); 0: not known, the planner counts tables of the planned sequence length
+    max_seq_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"ModelShape.mlp {self.mlp!r}: 'swiglu' or 'gelu'")
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"ModelShape.norm {self.norm!r}: 'rms' or 'layer'")
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def norm_params(self) -> int:
+        return self.dim * (2 if self.norm == "layer" else 1)
+
+    def block_params(self) -> int:
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * (2 * q + 2 * kv) + (q + 2 * kv + self.dim if self.bias else 0)
+        mlp = self.mlp_matrices * self.dim * self.ffn_dim + ((self.mlp_matrices - 1) * self.ffn_dim + self.dim if self.bias else 0)
+        return attn + mlp + 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)
+
+    def num_params(self) -> int:
+        """Exact parameter count (unpadded vocabulary; a tied head counted once)."""
+        embed = self.vocab_size * self.dim * (1 if self.tied_embeddings else 2)
+        return self.n_layers * self.block_params() + embed + self.learned_positions * self.dim + self.norm_params
+
+    def matmul_params(self) -> int:
+        """Parameters a token's forward multiplies by: all but the lookup tables (token embedding, learned
+        positions), the output head included (tied or not); the norms' and biases' few are counted with them,
+        as 6 N counts do."""
+        return self.n_layers * self.block_params() + self.norm_params + self.vocab_size * self.dim
+
+
+# The fields a config may lack when read by name (`as_shape`): their defaults are Llama's.
+_OPTIONAL = tuple(f.name for f in fields(ModelShape) if f.name not in (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim"))
+
+
+def as_shape(model) -> ModelShape:
+    """`model` as a ModelShape: a ModelShape as it is; any other object read by ModelShape's field names
+    (tessera's Llama ModelConfig has them all but the optional ones, whose defaults are Llama's). Another
+    family's config is refused: its sizes are what its spec says (`spec_of(config).shape(config)`)."""
+    if isinstance(model, ModelShape):
+        return model
+    try:
+        return _read_shape(model)
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return _read_shape.__wrapped__(model)
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_shape(cfg) -> ModelShape:
+    family = getattr(cfg, "family", "llama")
+    lacking = [name for name in _OPTIONAL if not hasattr(cfg, name) and name not in ("family", "max_seq_len")]
+    if lacking and family != "llama":
+        raise TypeError(f"{type(cfg).__name__} (family {family!r}) lacks ModelShape's {', '.join(lacking)}: pass its "
+                        f"spec's shape, spec_of(config).shape(config), not the config")
+    missing = [f.name for f in fields(ModelShape) if f.name not in _OPTIONAL and not hasattr(cfg, f.name)]
+    if missing:
+        raise TypeError(f"{type(cfg).__name__} is not a model shape: it lacks {', '.join(missing)} (pass a ModelShape)")
+    return ModelShape(**{f.name: getattr(cfg, f.name) for f in fields(ModelShape) if hasattr(cfg, f.name)})
+
+
+def _kv_local(shape: ModelShape, tp: int) -> int:
     """Output features of the k (or v) projection on one tp rank: kv heads split, or all of them
     replicated when tp exceeds the kv heads (tessera's ReplicatedHeads keeps the whole weight)."""
-    return cfg.n_kv_heads * cfg.head_dim // tp if cfg.n_kv_heads % tp == 0 else cfg.n_kv_heads * cfg.head_dim
+    return shape.n_kv_heads * shape.head_dim // tp if shape.n_kv_heads % tp == 0 else shape.n_kv_heads * shape.head_dim
 
 
-def layer_param_shapes(cfg, tp: int) -> list[tuple[int, int]]:
-    """(rows, cols) of each parameter of one block on one tp rank, in the rows FSDP2 shards (dim 0)."""
-    h, hd = cfg.dim, cfg.head_dim
-    kv = _kv_local(cfg, tp)
-    return [(h, 1), (cfg.n_heads * hd // tp, h), (kv, h), (kv, h), (h, cfg.n_heads * hd // tp), (h, 1),
-            (cfg.ffn_dim // tp, h), (cfg.ffn_dim // tp, h), (h, cfg.ffn_dim // tp)]
+def layer_param_shapes(shape, tp: int) -> list[tuple[int, int]]:
+    """(rows, cols) of each parameter of one block on one tp rank, in the rows FSDP2 shards (dim 0; a vector
+    is (n, 1)): the attention norm (weight, and bias for a layer norm), q, k, v (their biases split like
+    them), the qk-norm weights (head_dim each, replicated), o (its bias replicated: added after the sum over
+    tp), the MLP norm, the MLP's up matrices (gate and up for SwiGLU, one for GELU; biases split) and its
+    down matrix (bias replicated)."""
+    s = as_shape(shape)
+    h, hd = s.dim, s.head_dim
+    q, kv, f = s.n_heads * hd // tp, _kv_local(s, tp), s.ffn_dim // tp
+    norm = [(h, 1)] * (2 if s.norm == "layer" else 1)
+    out = [*norm, (q, h), (kv, h), (kv, h)]
+    if s.bias:
+        out += [(q, 1), (kv, 1), (kv, 1)]
+    if s.qk_norm:
+        out += [(hd, 1), (hd, 1)]
+    out.append((h, q))
+    if s.bias:
+        out.append((h, 1))
+    out += norm
+    ups = s.mlp_matrices - 1
+    out += [(f, h)] * ups + ([(f, 1)] * ups if s.bias else [])
+    out.append((h, f))
+    if s.bias:
+        out.append((h, 1))
+    return out
 
 
-def stage_param_shapes(cfg, tp: int, first: bool, last: bool, n_layers: int) -> list[list[tuple[int, int]]]:
-    """One list of (rows, cols) per FSDP unit of a stage on one tp rank: embedding, blocks, norm + head."""
-    vocab_rows = -(-cfg.vocab_size // tp)  # torch.chunk rows: ceil(V / tp)
-    units = [[(vocab_rows, cfg.dim)]] if first else []
-    units += [layer_param_shapes(cfg, tp) for _ in range(n_layers)]
+def stage_param_shapes(shape, tp: int, first: bool, last: bool, n_layers: int) -> list[list[tuple[int, int]]]:
+    """One list of (rows, cols) per FSDP unit of a stage on one tp rank: the first stage's token embedding
+    (rows split over tp: ceil(V / tp), as torch.chunk cuts them) and learned position table (split the same
+    way), the blocks, and the last stage's final norm with the head. A tied head is the embedding: a stage
+    that is first and last holds it once; a later last stage holds a copy (its gradient summed with the
+    first stage's), and the unit that holds it goes to FSDP2's root together with the final norm (FSDP2
+    shards a shared tensor once)."""
+    s = as_shape(shape)
+    vocab_rows = -(-s.vocab_size // tp)  # torch.chunk rows: ceil(V / tp)
+    embedding = (vocab_rows, s.dim)
+    final_norm = [(s.dim, 1)] * (2 if s.norm == "layer" else 1)
+    units: list[list[tuple[int, int]]] = []
+    if first and not (s.tied_embeddings and last):
+        units.append([embedding])
+    if first and s.learned_positions:
+        units.append([(-(-s.learned_positions // tp), s.dim)])
+    units += [layer_param_shapes(s, tp) for _ in range(n_layers)]
     if last:
-        units.append([(cfg.dim, 1), (vocab_rows, cfg.dim)])
+        units.append([embedding, *final_norm] if s.tied_embeddings else [*final_norm, embedding])
     return units
 
 

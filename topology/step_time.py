@@ -7,7 +7,7 @@ A calibration holds, per device kind and compute dtype, four measured figures:
     matmul_flops_per_s     forward + backward of the model's own linear layers (x @ W^T, dx, dW) at its
                            shapes and in the compute dtype, the FLOPs of all of them over their summed time
     attention_flops_per_s  tessera's attention forward + backward (causal) at the model's heads, head dim
-                           and sequence, counted as the model FLOPs below (6 x dim x seq per token and layer)
+                           and sequence, counted as the model FLOPs below (6 x heads x head_dim x seq per token and layer)
     memory_bytes_per_s     the bandwidth a block's elementwise operators reach on activation-sized tensors
                            (broadcast multiplies as RMSNorm and RoPE run them, a two-input multiply and add,
                            SiLU, a squared mean; bytes read + written over their time), measured beside a
@@ -26,18 +26,23 @@ and the step of one rank is
              asynchronous, so the host runs ahead of the device)
 
 What it counts, per step (T tokens, L layers, D = dim, Q = heads x head dim, K = kv heads x head dim,
-F = ffn dim, V = vocab, P = parameters, e = bytes of the compute dtype):
+F = ffn dim, V = vocab, P = parameters, e = bytes of the compute dtype), for a model given as a ModelShape
+(topology/shapes.py; tessera's Llama ModelConfig is read by the same names):
 
-    matmul FLOPs     6 x (parameters in matmuls: all but the embedding table) x T; the output head (the
-                     loss's matmul) included
-    attention FLOPs  6 x L x D x seq x T (causal: QK^T and PV at half the dense count; backward twice the
+    matmul FLOPs     6 x (parameters in matmuls: all but the lookup tables) x T; the output head (the
+                     loss's matmul) included, tied or not
+    attention FLOPs  6 x L x Q x seq x T (causal: QK^T and PV at half the dense count; backward twice the
                      forward). Activation checkpointing adds its recomputed share to both
     memory traffic   the elementwise operators of tessera's eager step, counted in elements read + written
                      per token: a block's forward 20 D + 11 Q + 9 K + 5 F (two RMSNorms 7 D each, RoPE 9 Q
                      + 9 K, the attention output's copy 2 Q, two residual adds, SiLU and the gate product),
                      plus 2 (Q + K) for repeating K and V to the query heads when there are fewer kv heads;
                      its backward 60 D + 12 Q + 14 K + 9 F (+ 2 (Q + K)); the embedding and the final norm
-                     33 D; all x e. (On a GPU tessera's Triton RMSNorm fuses the norms' 62 D per block into
+                     33 D; all x e. Other blocks than Llama's: a GELU MLP's 2 F forward and 3 F backward
+                     replace SwiGLU's 5 F and 9 F; qk-norm adds 7 (Q + K) and 24 (Q + K), an RMSNorm's per
+                     element; a layer norm's mean adds 3 D forward and 3 D backward per norm; biases add
+                     their gradients' sums over the tokens, Q + 2 K + 2 D + F (F per up matrix) backward.
+                     (On a GPU tessera's Triton RMSNorm fuses the norms' 62 D per block into
                      about 16 D, and RoPE runs in fp32, about 2.5x its elements above: for the 1b preset the
                      two nearly cancel, 8% apart on this term; the eager counts stand for both.) The loss:
                      6 passes over the fp32 logits, 24 V bytes per token (+ 6 V for the cast from a 2-byte
@@ -64,6 +69,8 @@ Without a calibration the planner keeps its uncalibrated model (FLOPs at `effici
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .shapes import as_shape
 
 SCHEMA = 1
 OPTIMIZER_BYTES_PER_PARAM = {"cpu": 96, "cuda": 40}  # clip 12 + AdamW: foreach 84 (counted), fused 28
@@ -130,33 +137,45 @@ def find_entry(data: dict, device_kind: str, dtype: str | None = None) -> dict:
     return max(found, key=lambda e: e.get("created", ""))
 
 
-def block_elements_per_token(cfg, tp: int = 1) -> float:
+def block_elements_per_token(shape, tp: int = 1) -> float:
     """Elements a block's elementwise operators read and write per token, forward + backward (module doc)."""
+    cfg = as_shape(shape)
     D = cfg.dim
     Q = cfg.n_heads * cfg.head_dim // tp
     K = max(1, cfg.n_kv_heads // tp) * cfg.head_dim
     F = cfg.ffn_dim // tp
     repeat = 2 * (Q + K) if cfg.n_kv_heads < cfg.n_heads else 0
-    forward = 20 * D + 11 * Q + 9 * K + 5 * F + repeat
-    backward = 60 * D + 12 * Q + 14 * K + 9 * F + repeat
+    swiglu = cfg.mlp == "swiglu"
+    forward = 20 * D + 11 * Q + 9 * K + (5 if swiglu else 2) * F + repeat
+    backward = 60 * D + 12 * Q + 14 * K + (9 if swiglu else 3) * F + repeat
+    if cfg.qk_norm:
+        forward, backward = forward + 7 * (Q + K), backward + 24 * (Q + K)
+    if cfg.norm == "layer":
+        forward, backward = forward + 6 * D, backward + 6 * D
+    if cfg.bias:
+        backward += Q + 2 * K + 2 * D + (cfg.mlp_matrices - 1) * F
     return float(forward + backward)
 
 
-def matmul_flops_per_token(cfg) -> float:
-    return 6.0 * (cfg.num_params() - cfg.vocab_size * cfg.dim)
+def matmul_flops_per_token(shape) -> float:
+    """6 x the parameters a token multiplies by (ModelShape.matmul_params)."""
+    return 6.0 * as_shape(shape).matmul_params()
 
 
-def attention_flops_per_token(cfg, seq_len: int) -> float:
-    return 6.0 * cfg.n_layers * cfg.dim * seq_len
+def attention_flops_per_token(shape, seq_len: int) -> float:
+    """Causal attention's training FLOPs per token: 6 x layers x heads x head_dim x seq_len."""
+    cfg = as_shape(shape)
+    return 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
-def step_parts(cfg, cal: Calibration, tokens: int, seq_len: int, params: float, param_tensors: int, layers: int,
+def step_parts(shape, cal: Calibration, tokens: int, seq_len: int, params: float, param_tensors: int, layers: int,
                dtype_bytes: int, recompute: float = 0.0, share: float = 1.0, microbatches: int = 1) -> dict[str, float]:
     """Seconds of one rank's step by component: matmul, attention, memory, host, and "step" (their
     combination, module doc). `tokens` and `seq_len` are the step's whole (global) figures, `share` the
     fraction of the model FLOPs and traffic this rank does (1 / ranks for an even split); `params` and
     `param_tensors` are what this rank's optimizer steps; `layers` the blocks it runs; `recompute` the
     share of FLOPs activation checkpointing adds; `microbatches` how often it runs each of its blocks."""
+    cfg = as_shape(shape)
     e = dtype_bytes
     matmul = matmul_flops_per_token(cfg) * tokens * share * (1 + recompute) / cal.matmul_flops_per_s
     attention = attention_flops_per_token(cfg, seq_len) * tokens * share * (1 + recompute) / cal.attention_flops_per_s

@@ -42,7 +42,7 @@ def layouts(draw, max_world: int = 8, axes: Sequence[str] = ("dp_shard", "tp"), 
             seq_len: int | None = None, global_batch: int | None = None, min_world: int = 1,
             tp_divides: int | None = None) -> Layout:
     """A Layout over `axes` (the others 1) with min_world <= world_size <= max_world that the model
-    (a tessera ModelConfig, or anything with n_heads, n_kv_heads, ffn_dim and n_layers), the sequence
+    (a ModelShape, a tessera ModelConfig, or anything with n_heads, n_kv_heads, ffn_dim and n_layers), the sequence
     length and the global batch allow; `tp_divides`: tp must divide it (a user model's head count)."""
     unknown = [a for a in axes if a not in AXES]
     if unknown:
@@ -87,7 +87,7 @@ class ScheduleCase(NamedTuple):
 def schedules(draw, max_stages: int = 4, max_microbatches: int = 8, kinds: Sequence[str] | None = None,
               max_virtual: int = 2) -> ScheduleCase:
     """A pipeline schedule that build_schedule accepts, with the arguments that built it."""
-    from tessera.parallel.schedule import KINDS, build_schedule, check_schedule
+    from .schedule import KINDS, build_schedule, check_schedule
 
     kind = draw(st.sampled_from(list(kinds or KINDS)))
     stages = draw(st.integers(1, max_stages))

@@ -1,0 +1,95 @@
+"""Seeded, tiled initialization of whatever shard of a parameter a rank holds, for any model family.
+
+A family says only how each parameter is drawn (`ModelSpec.init_std(name, config)`: a truncated-normal std,
+`ONES` or `ZEROS`); the values then depend only on the seed and the parameter's one-process name, never on
+the layout, the order modules were built in, or which shard a rank holds.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+INIT_TILE = (256, 256)  # rows x columns drawn by one generator
+ONES, ZEROS = "ones", "zeros"  # norm weights, biases
+
+Init = float | str | None  # a std, ONES or ZEROS (None is ONES: the norms)
+
+
+def init_region(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...], std: Init,
+                seed: int, out: Tensor | None = None) -> Tensor:
+    """The values of rows/columns [offset, offset + size) of parameter `name` (global `shape`), written
+    into `out` (any dtype and device) or a new float32 tensor.
+
+    The global tensor is cut into fixed INIT_TILE tiles, each drawn from its own generator seeded by
+    (seed, name, tile); a region draws only the tiles it covers. So every rank's shard equals that slice
+    of the one-process initialization, and no rank ever holds more than its shard plus one tile."""
+    if out is None:
+        out = torch.empty(size)
+    if std is None or std == ONES:
+        return out.fill_(1.0)
+    if std == ZEROS:
+        return out.zero_()
+    if len(shape) > 2:
+        raise ValueError(f"{name}: init_region handles 1-D and 2-D parameters, not shape {tuple(shape)}")
+    shape2 = (shape[0], shape[1] if len(shape) == 2 else 1)
+    off2 = (offset[0], offset[1] if len(shape) == 2 else 0)
+    size2 = (size[0], size[1] if len(shape) == 2 else 1)
+    view = out.view(size2)
+    (tr, tc) = INIT_TILE
+    for i in range(off2[0] // tr, -(-(off2[0] + size2[0]) // tr)):
+        for j in range(off2[1] // tc, -(-(off2[1] + size2[1]) // tc)):
+            r0, c0 = i * tr, j * tc
+            tile_shape = (min(tr, shape2[0] - r0), min(tc, shape2[1] - c0))
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}/{i}/{j}".encode())) % 2**63)
+            tile = torch.nn.init.trunc_normal_(torch.empty(tile_shape), std=std, a=-3 * std, b=3 * std, generator=gen)
+            # the part of the tile inside the region
+            a0, a1 = max(r0, off2[0]), min(r0 + tile_shape[0], off2[0] + size2[0])
+            b0, b1 = max(c0, off2[1]), min(c0 + tile_shape[1], off2[1] + size2[1])
+            view[a0 - off2[0] : a1 - off2[0], b0 - off2[1] : b1 - off2[1]] = tile[a0 - r0 : a1 - r0, b0 - c0 : b1 - c0]
+    return out
+
+
+def local_region(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, local shape) of the piece of `p` this rank holds (the whole tensor if not a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return (0,) * p.dim(), tuple(p.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(offset), tuple(size)
+
+
+def one_process_name(name: str) -> str:
+    """A parameter's name in the one-process model: activation checkpointing's wrapper removed."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]) -> None:
+    """Initialize every parameter this rank holds from the seed (see `init_region`): the one-process
+    model, or a model built on the meta device, parallelized and materialized with `to_empty`, whose
+    DTensor shards are filled from the tiles they cover. Then every module with `reset_buffers(device)`
+    (rotary tables, say) recomputes its non-persistent buffers on the parameters' device."""
+    from torch.distributed.tensor import DTensor
+
+    device = None
+    for name, p in model.named_parameters():
+        name = one_process_name(name)  # the one-process name seeds the generators
+        local = p.to_local() if isinstance(p, DTensor) else p
+        device = device or local.device
+        offset, size = local_region(p)
+        if tuple(local.shape) != tuple(size):
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {size} at {offset}")
+        with torch.no_grad():  # in place, tile by tile: no shard-sized temporary
+            if local.is_contiguous():
+                init_region(name, tuple(p.shape), offset, size, init_std(name), seed, out=local)
+            else:
+                local.copy_(init_region(name, tuple(p.shape), offset, size, init_std(name), seed))
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers(device or torch.device("cpu"))

@@ -1,0 +1,17 @@
+"""Checks on paths a run will write, shared by the pre-run checks (preflight) and the profiler."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """Create directory `path` if needed; ValueError naming `flag` if it cannot be, or cannot be written."""
+    d = Path(path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be created ({e.strerror}); choose a writable directory") from None
+    if not os.access(d, os.W_OK):
+        raise ValueError(f"{flag} {path} is not writable; choose a writable directory")

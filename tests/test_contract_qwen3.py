@@ -1,0 +1,55 @@
+"""The numerics contract for the second family: Qwen3 (QK-norm, head_dim apart from dim / heads, a tied
+embedding and head) on every axis, against its own one-process run, as tests/test_contract.py does for
+Llama. Nothing in parallel/ knows Qwen3: every axis reads its spec (models/qwen3.py).
+
+The tied weight is the sharpest row: under pp the first stage's embedding and the last stage's head are
+one tensor held by two ranks, whose gradients are summed (parallel/tied.py) and counted once in the norm.
+"""
+
+import pytest
+
+from helpers import small_config, train_losses_and_grads
+from tessera.parallel.launch import run_ranks
+from test_contract import assert_trains_like_one_process
+
+BASE = dict(model="qwen3-debug", n_layers=4, global_batch=8)
+
+LAYOUTS = {
+    "tp2+sp": dict(tp=2, sequence_parallel=True),
+    "tp4": dict(tp=4),  # beyond the 2 kv heads: replicated K/V and k_norm
+    "dp2": dict(dp=2),
+    "shard_grad_op": dict(dp=2, fsdp="SHARD_GRAD_OP"),
+    "no_shard": dict(dp=2, fsdp="NO_SHARD"),
+    "hsdp2x2": dict(dp=4, dp_replicate=2),
+    "dp2xtp2+sp+ac_op": dict(dp=2, tp=2, sequence_parallel=True, ac="op"),
+    "cp2-ring": dict(cp=2),
+    "cp2xtp2-allgather": dict(cp=2, tp=2, cp_method="allgather"),
+    "cp2xdp2-ring": dict(cp=2, dp=2),
+    # the tied embedding and head on the first and last stage
+    "pp2-1f1b": dict(pp=2, microbatches=2),
+    "pp2-zb-h1": dict(pp=2, schedule="zb-h1", microbatches=2),
+    "pp4-interleaved-v1": dict(pp=4, microbatches=4),
+    "pp2xtp2+sp": dict(pp=2, tp=2, sequence_parallel=True, microbatches=2),
+    "pp2xdp2": dict(pp=2, dp=2, microbatches=2),
+    "pp2-interleaved-v2xdp2": dict(pp=2, dp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2),
+    "pp2xdp2xcp2xtp2+sp": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference():
+    return run_ranks(train_losses_and_grads, 1, small_config(**BASE), timeout=120)[0]
+
+
+def test_the_qwen3_reference_learns_and_ties_its_head(qwen3_reference):
+    losses, norms, grads = qwen3_reference
+    assert losses[-1] < losses[0] and all(n > 0 for n in norms)
+    assert "embed_tokens.weight" in grads and "lm_head.weight" not in grads  # one tensor, one name
+    assert any(name.endswith("self_attn.q_norm.weight") for name in grads)
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_qwen3_layout_trains_like_its_one_process_run(qwen3_reference, case):
+    config = small_config(**BASE, **LAYOUTS[case])
+    run = run_ranks(train_losses_and_grads, config.layout.world_size, config, timeout=240)[0]
+    assert_trains_like_one_process(f"qwen3 {case}", run, qwen3_reference)

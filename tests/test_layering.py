@@ -1,0 +1,111 @@
+"""The layering of DESIGN.md, checked by the import-linter contracts in pyproject.toml ([tool.importlinter]):
+the runtime > parallel > models > kernels | topology; parallel sees specs, never a family's file; topology
+imports no torch (but for the DeviceMesh side); no import cycles.
+
+lint-imports finds a package's modules on disk under its import name. The folders install as one namespace
+(runtime/ -> tessera, topology/ -> tessera.topology, ...: pyproject's [tool.setuptools.package-dir]), which
+an editable install maps in an import hook only, so lint-imports run in the checkout would see runtime/
+alone. `link_tree` lays the installed layout out in a temporary directory (real folders, each file a
+symlink to its source) and `lint` runs lint-imports there with pyproject.toml. CI runs this file before
+pytest: `python tests/test_layering.py`, whose exit status is lint-imports'.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def package_dirs(root: Path = ROOT) -> dict[str, Path]:
+    """Import name -> source folder, from pyproject's [tool.setuptools.package-dir]."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    with open(root / "pyproject.toml", "rb") as f:
+        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    return {name: root / folder for name, folder in mapping.items()}
+
+
+def link_tree(dest: Path, root: Path = ROOT) -> Path:
+    """The installed layout of the packages under `dest` (tessera/, tessera/topology/, ...), each .py file a
+    symlink to its source; returns `dest`."""
+    for name, folder in package_dirs(root).items():
+        for source in folder.rglob("*.py"):
+            if "__pycache__" in source.parts:
+                continue
+            target = dest.joinpath(*name.split("."), source.relative_to(folder))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                target.symlink_to(source)
+    return dest
+
+
+def lint(tree: Path, config: Path = ROOT / "pyproject.toml", *args: str) -> subprocess.CompletedProcess:
+    """lint-imports over the layout in `tree` (it puts its working directory first on sys.path, ahead of the
+    editable install's import hook)."""
+    cmd = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()",
+           "--config", str(config), "--no-cache", "--no-logo", *args]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+
+
+_CYCLES = """
+import itertools, grimp
+g = grimp.build_graph("tessera", cache_dir=None, exclude_type_checking_imports=True)
+for package in sorted(m for m in g.modules if g.find_children(m)):
+    for a, b in itertools.combinations(sorted(g.find_children(package)), 2):
+        there = g.find_shortest_chain(a, b, as_packages=True)
+        back = there and g.find_shortest_chain(b, a, as_packages=True)
+        if there and back:
+            print(f"  {a} <-> {b}: " + " -> ".join(there) + "; " + " -> ".join(back))
+"""
+
+
+def cycles(tree: Path) -> str:
+    """Each pair of sibling modules that import each other (directly or not), with the two chains: the
+    acyclic_siblings contract names only the imports that would break its cycles."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, "-c", _CYCLES], cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+    return out.stdout + out.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- tests
+def test_the_layering_contracts_hold(tmp_path):
+    import pytest
+
+    pytest.importorskip("importlinter")
+    tree = link_tree(tmp_path)
+    out = lint(tree)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:] + "\ncycles:\n" + cycles(tree)
+
+
+def test_the_contracts_catch_a_torch_import_in_topology_and_an_upward_import(tmp_path):
+    """The check sees the real layout: a topology module importing torch, and one importing the runtime,
+    break the contracts (each by name)."""
+    import pytest
+
+    pytest.importorskip("importlinter")
+    tree = link_tree(tmp_path)
+    (tree / "tessera" / "topology" / "_probe.py").write_text("import torch\nfrom tessera import config\n")
+    out = lint(tree, ROOT / "pyproject.toml", "--contract", "layers", "--contract", "topology-torch-free")
+    assert out.returncode != 0
+    assert "tessera.topology._probe -> torch" in out.stdout, out.stdout[-4000:]
+    assert "tessera.topology._probe -> tessera.config" in out.stdout, out.stdout[-4000:]
+
+
+if __name__ == "__main__":  # CI: the contracts' report, and lint-imports' exit status
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = link_tree(Path(tmp))
+        result = lint(tree, ROOT / "pyproject.toml", *sys.argv[1:])
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        if result.returncode:
+            found = cycles(tree)
+            sys.stdout.write(f"Sibling modules that import each other:\n{found}" if found.strip() else "")
+        sys.exit(result.returncode)
