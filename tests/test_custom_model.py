@@ -23,6 +23,22 @@ def test_the_custom_model_example_trains_like_one_process_on_pp2_cp2_tp2():
     assert "Traceback" not in out.stderr
 
 
+def test_the_readme_qwen3_command_trains_on_pp2_tp2(tmp_path):
+    import json
+
+    cmd = "tessera train --model qwen3-debug --pp 2 --tp 2 --sequence-parallel --microbatches 2 --steps 4"
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    assert cmd in readme
+    metrics = tmp_path / "run.jsonl"
+    out = subprocess.run([sys.executable, "-m", "tessera", *cmd.split()[1:], "--metrics", str(metrics)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if "step" in r]
+    assert len(steps) == 4 and all(r["loss"] > 0 and r["grad_norm"] > 0 for r in steps)
+    assert "qwen3-debug" in out.stdout + out.stderr
+
+
 def test_the_runner_takes_dp_and_cp_with_a_spec_and_names_a_wrong_spec():
     import dataclasses
 
