@@ -106,6 +106,8 @@ def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelCon
         plan = plan or spec_plan(spec, shape, config.layout.tp)
         head, attention = spec.head, spec.attention
     meshes = mesh if isinstance(mesh, Meshes) else Meshes(config.layout, mesh.device_type, mesh=mesh)
+    # the steps below run in topology/axes.py's order of application, STEPS (pp has cut the model at build
+    # time); tests/test_axes.py checks that the order here is that order
     if meshes.tp is not None:
         apply_plan(model, meshes.tp, plan, config.sequence_parallel)
     if meshes.cp is not None:

@@ -15,8 +15,30 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 70e9)") from None
 
 
+def _memory_degrees(args: argparse.Namespace) -> dict[str, int]:
+    """The degree of every axis of topology/axes.py's table from the memory command's flags (an axis it has
+    no flag for is 1): a flag of one axis at least 1, one that counts several (--dp) a multiple of the others."""
+    import math
+
+    from tessera.topology.axes import AXIS, TABLE, degrees_from_flags
+
+    flags = {a.flag: getattr(args, a.flag, 1) for a in TABLE}
+    for a in TABLE:
+        if a.counts == (a.name,) and flags[a.flag] < 1:
+            raise ValueError(f"{a.option} {flags[a.flag]} must be at least 1")
+    for a in TABLE:
+        others = [AXIS[n] for n in a.counts if n != a.name]
+        if others and flags[a.flag] >= 1 and flags[a.flag] % math.prod(flags[o.flag] for o in others):
+            raise ValueError(f"{' x '.join(f'{o.option} {flags[o.flag]}' for o in others)} must divide {a.option} "
+                             f"{flags[a.flag]} ({a.flag} = {' x '.join(a.counts)})")
+    return degrees_from_flags(flags)  # and a product flag (--dp) below 1
+
+
 def _memory(args: argparse.Namespace) -> int:
+    import math
+
     from tessera.topology import memory
+    from tessera.topology.axes import FLATTENED_BY_PURPOSE, TABLE
 
     try:
         if args.params is None:
@@ -25,15 +47,14 @@ def _memory(args: argparse.Namespace) -> int:
             from tessera.models import get_preset
 
             args.params = float(get_preset(args.model).num_params())
-        for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp), ("--dp-replicate", args.dp_replicate)):
-            if value < 1:
-                raise ValueError(f"{flag} {value} must be at least 1")
-        if args.dp % args.dp_replicate:
-            raise ValueError(f"--dp-replicate {args.dp_replicate} must divide --dp {args.dp} (dp = dp_replicate x dp_shard)")
+        degrees = _memory_degrees(args)
         # tp and pp split the model (evenly, in this analytic view; --dry-run counts exactly); FSDP / ZeRO
         # shards what a rank holds over dp_shard x cp; dp_replicate holds copies
-        split = args.tp * args.pp
-        shard_group = args.dp // args.dp_replicate * args.cp
+        sharding = FLATTENED_BY_PURPOSE["fsdp"].axes  # dp_shard x cp
+        splitting = [a.name for a in reversed(TABLE)  # tp, pp: the axes of their own ranks that split the model
+                     if not a.borrows and a.name not in sharding and {"layers", "parameters"} & set(a.shards)]
+        split = math.prod(degrees[n] for n in splitting)
+        shard_group = math.prod(degrees[n] for n in sharding)
         per_rank_params = args.params / split
         exact = _planner_model_states(args, shard_group) if args.model is not None else None
         if args.json:
@@ -41,8 +62,7 @@ def _memory(args: argparse.Namespace) -> int:
                 f"zero{s}": memory.model_state_bytes(per_rank_params, dp=shard_group, zero_stage=s, recipe=args.recipe)
                 for s in range(4)
             }
-            rows["layout"] = {"pp": args.pp, "dp_replicate": args.dp_replicate, "dp_shard": args.dp // args.dp_replicate,
-                              "cp": args.cp, "tp": args.tp, "params_per_model_shard": per_rank_params, "shard_group": shard_group}
+            rows["layout"] = {**degrees, "params_per_model_shard": per_rank_params, "shard_group": shard_group}
             if args.gpu_memory is not None:
                 rows["min_gpus"] = memory.min_gpus(args.params, args.gpu_memory, args.recipe)
             if exact is not None:
@@ -50,9 +70,9 @@ def _memory(args: argparse.Namespace) -> int:
             print(json.dumps(rows))
         else:
             if split > 1 or shard_group != args.dp:
-                print(f"layout pp{args.pp} x dp_replicate{args.dp_replicate} x dp_shard{args.dp // args.dp_replicate} x "
-                      f"cp{args.cp} x tp{args.tp}: tp x pp split the model {split} ways ({per_rank_params / 1e9:g}B "
-                      f"parameters each, evenly: --dry-run counts exactly); ZeRO shards over dp_shard x cp = {shard_group} ranks")
+                print(f"layout {' x '.join(f'{n}{d}' for n, d in degrees.items())}: {' x '.join(splitting)} split the "
+                      f"model {split} ways ({per_rank_params / 1e9:g}B parameters each, evenly: --dry-run counts "
+                      f"exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks")
             table = memory.memory_table(per_rank_params, shard_group, args.recipe, None)
             print(table)
             if args.gpu_memory is not None:
@@ -92,7 +112,7 @@ def _memory_dry_run(args: argparse.Namespace) -> None:
 
     if args.model is None:
         raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device)")
-    layout = Layout(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp // args.dp_replicate, cp=args.cp, tp=args.tp)
+    layout = Layout(**_memory_degrees(args))
     if args.pp > 1:
         from tessera.models import get_preset
 

@@ -174,3 +174,127 @@ def test_the_table_and_the_layout_import_no_torch():
             "Layout.infer(8, tp=2); assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+# ----------------------------------------------------------------------------- the planner and the accounting read it
+def _extra_axis() -> Axis:
+    """A hypothetical axis built here, not registered: cp's entry under a new name, with its own rule and cap."""
+    from dataclasses import replace
+
+    return replace(AXIS["cp"], name="xp", flag="xp", counts=("xp",), mesh=None, meshes=(), comm="xp",
+                   rules=(axes.Rule(("seq_len",), lambda d, v: v["seq_len"] % d["xp"] == 0, "xp must divide seq_len"),),
+                   planner=axes.Planner(caps=(4,)))
+
+
+def test_the_planner_enumerates_the_axes_of_the_table_it_is_given():
+    """An extra entry is enumerated with no change to the planner: its degrees within its cap, the ranks left
+    over still going to dp_shard, and the layouts with it at 1 exactly the table's own."""
+    from tessera.topology.planner import Hardware, layout_degrees
+
+    shape = SimpleNamespace(n_heads=8, n_kv_heads=2, ffn_dim=64, n_layers=4)
+    hw = Hardware(gpus=16)
+    base = layout_degrees(shape, hw, 256, 32)
+    extended = layout_degrees(shape, hw, 256, 32, table=TABLE[:-1] + (_extra_axis(),) + TABLE[-1:])
+    assert all(list(d) == list(NAMES) for d in base)
+    assert all(list(d) == [*NAMES[:-1], "xp", "tp"] for d in extended)
+    assert {d["xp"] for d in extended} == {1, 2, 4}  # powers of two within its cap
+    assert all(d["pp"] * d["dp_replicate"] * d["dp_shard"] * d["cp"] * d["xp"] * d["tp"] == 16 for d in extended)
+    assert [{k: v for k, v in d.items() if k != "xp"} for d in extended if d["xp"] == 1] == base
+    assert len(extended) > len(base)
+    # its rule prunes it like the table's own: xp=4 does not divide a sequence of 6
+    assert {d["xp"] for d in layout_degrees(shape, Hardware(gpus=8), 6, 8, table=TABLE + (_extra_axis(),))} == {1, 2}
+
+
+def test_a_borrowed_axis_is_enumerated_over_the_dimensions_it_borrows():
+    """Expert parallel's entry (topology/axes.py's docstring): no ranks of its own, its degree a power of two
+    dividing dp_shard x cp and the experts."""
+    from tessera.topology.planner import Hardware, layout_degrees
+
+    ep = eval(axes.__doc__[axes.__doc__.index('    Axis("ep"'):].strip(), vars(axes))
+    shape = SimpleNamespace(n_heads=8, n_kv_heads=8, ffn_dim=64, n_layers=4, n_experts=4)
+    found = layout_degrees(shape, Hardware(gpus=16), 256, 32, table=TABLE + (ep,))
+    assert {d["ep"] for d in found} == {1, 2, 4}
+    assert all(d["dp_shard"] * d["cp"] % d["ep"] == 0 and d["ep"] <= 4 for d in found)
+    assert all(d["pp"] * d["dp_replicate"] * d["dp_shard"] * d["cp"] * d["tp"] == 16 for d in found)
+
+
+def test_a_candidates_flags_give_back_its_layout():
+    """Candidate.flags writes each axis's flag of the table (--dp: dp_replicate x dp_shard); the train
+    command's fields read them back to the same layout."""
+    import shlex
+
+    from tessera.plan_command import model_shape
+    from tessera.topology.planner import Hardware, candidates
+
+    for cand in candidates(model_shape("8b"), Hardware(gpus=16), 4096, 64)[::17]:
+        words = shlex.split(cand.flags())
+        given = {w[2:].replace("-", "_"): int(v) for w, v in zip(words, words[1:] + [""])
+                 if w[2:].replace("-", "_") in axes.FLAGS}
+        assert Layout(**axes.degrees_from_flags(given)) == cand.layout, cand.flags()
+
+
+def test_the_accounting_names_are_the_tables():
+    """comm_model gives bytes under every accounting name of the table (one volume each) and the planner
+    times each over its group's links, overlapping the ones the table says overlap compute."""
+    from tessera.plan_command import model_shape
+    from tessera.topology import comm_model
+    from tessera.topology.planner import Candidate, Hardware, estimate
+
+    assert set(comm_model.VOLUMES) == set(COMM_AXES)
+    assert axes.COMM_GROUPS == {"pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard_cp": ("dp_shard", "cp"),
+                                "cp": ("cp",), "tp": ("tp",)}
+    assert axes.OVERLAPPED == ("dp_replicate", "dp_shard_cp", "cp")
+    layout = Layout(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2)
+    comm = comm_model.comm_bytes_per_step(model_shape("debug"), layout, 64, 8, 2, True)
+    assert set(comm) == set(COMM_AXES) and all(v > 0 for v in comm.values())
+    x = estimate(model_shape("debug"), Candidate(layout, microbatches=2), Hardware(gpus=32), 64, 8)
+    exposed = [n for n in comm if n not in axes.OVERLAPPED]
+    assert list(x.time) == ["compute", "bubble", *exposed, "exposed_overlapped_comm", "step"]
+
+
+def _axis_listings(path) -> list[str]:
+    """Tuple, list and set literals naming two or more axes (or accounting names), and dict literals keyed by
+    two or more with values that are not wording: axes spelled out by hand."""
+    import ast
+
+    names = set(MESH_AXES) | set(COMM_AXES) | set(FLATTENED)
+
+    def named(nodes) -> int:
+        return sum(isinstance(n, ast.Constant) and n.value in names for n in nodes if n is not None)
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and named(node.elts) >= 2:
+            out.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Dict) and named(node.keys) >= 2 and not all(
+                isinstance(v, ast.Constant) and isinstance(v.value, str) for v in node.values):
+            out.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return out
+
+
+def test_the_planner_and_the_comm_model_spell_out_no_axes(tmp_path):
+    """Their axes, caps, rest axis, flags and accounting names come from the table: no literal listing axes."""
+    from pathlib import Path
+
+    import tessera.topology.comm_model
+    import tessera.topology.planner
+
+    for module in (tessera.topology.planner, tessera.topology.comm_model):
+        assert _axis_listings(Path(module.__file__)) == []
+    # the check finds what it looks for: the planner's and the comm model's former spellings
+    probe = tmp_path / "probe.py"
+    probe.write_text('for a in ("pp", "cp", "tp"): pass\nout = {"tp": 0.0, "dp_shard_cp": 0.0}\n')
+    assert len(_axis_listings(probe)) == 2
+
+
+def test_parallelize_applies_the_steps_in_the_tables_order():
+    import inspect
+
+    from tessera.parallel.parallelize import parallelize
+
+    source = inspect.getsource(parallelize)
+    calls = {"tp": "apply_plan(", "cp": "apply_cp(", "ac": "apply_activation_checkpointing(",
+             "compile": "apply_compile(", "fsdp": "apply_fsdp("}
+    assert tuple(calls) == STEPS[STEPS.index("pp") + 1:]
+    positions = [source.index(calls[s]) for s in calls]
+    assert positions == sorted(positions)

@@ -76,11 +76,12 @@ def deep_one_process():
     return _one_process(**PIPELINE_BASE)
 
 
-def assert_trains_like_one_process_in_bf16(case: str, run, one_process) -> None:
+def assert_trains_like_one_process_in_bf16(case: str, run, one_process, bf16_share: float = 0.9) -> None:
+    """`bf16_share`: the least share of matmul FLOPs in bf16 (the rest is the CPU attention kernel's fp32)."""
     losses, norms, grads, dtypes, flops = run
     (ref_losses, ref_norms, ref_grads, _, _), (fp_losses, fp_norms, fp_grads, _, _) = one_process
     assert dtypes == ["bfloat16"] * 3, f"{case}: the records say the matmuls ran in {dtypes}"
-    assert flops["bfloat16"] > 0.9 * sum(flops.values()), f"{case}: matmul FLOPs by dtype {flops}"
+    assert flops["bfloat16"] > bf16_share * sum(flops.values()), f"{case}: matmul FLOPs by dtype {flops}"
     loss_tol = 2 * max(abs(a - b) for a, b in zip(ref_losses, fp_losses))
     norm_tol = 2 * max(abs(a - b) for a, b in zip(ref_norms, fp_norms))
     for step, (a, b) in enumerate(zip(losses, ref_losses), 1):

@@ -15,10 +15,12 @@ Each `Axis` says
     mesh, meshes   the purpose mesh of its own 1-D group in `Meshes` (tp, pp, cp), and the flattened meshes
                    it is part of (`FLATTENED_MESHES`: batch, fsdp, loss)
     comm           the name its traffic is accounted under (parallel/comm_stats.py, topology/comm_model.py)
-    planner        the planner's choices: degree caps and the options it enumerates with the axis on
+    planner        the planner's choices: degree caps, the options it enumerates with the axis on, whether the
+                   axis takes the ranks left over, and whether its traffic overlaps compute in the step time
 
-A new axis is one entry here, a field of that name on `Layout` (an import-time check says so) and its apply
-function in parallel/. Expert parallelism, next, has no dimension of its own: its entry borrows dp_shard x cp
+A new axis is one entry here, a field of that name on `Layout` (an import-time check says so), its apply
+function in parallel/ and the volume of its traffic in topology/comm_model.py (another import-time check);
+the planner enumerates its degrees from the entry (topology/planner.py's `layout_degrees`). Expert parallelism, next, has no dimension of its own: its entry borrows dp_shard x cp
 (`borrows=("dp_shard", "cp")`, as torchtitan does), so the mesh's shape and `MESH_AXES` stay as they are; it
 is applied beside tp (step "tp", as torchtitan's apply_moe_ep_tp):
 
@@ -59,11 +61,14 @@ class Rule:
 class Planner:
     """The planner's choices for an axis: powers of two dividing the ranks left, at most each of `caps` (a
     model shape's attribute, "gpus_per_node", or a number), then the options it enumerates with the axis on
-    (`adds`). `rest`: the axis takes the ranks the others leave (dp_shard), instead of being enumerated."""
+    (`adds`). `rest`: the axis takes the ranks the others leave (dp_shard), instead of being enumerated.
+    `overlapped`: its traffic overlaps compute in the planner's step time (FSDP's gathers and reduce-scatters,
+    HSDP's all-reduce, ring K/V: only their excess over compute is exposed); otherwise it is exposed (tp, pp)."""
 
     caps: tuple[str | int, ...] = ()
     adds: tuple[str, ...] = ()
     rest: bool = False
+    overlapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,7 @@ TABLE: tuple[Axis, ...] = (
         "dp_replicate", step="fsdp", shards=("batch",), doc="the global batch's rows; replicas of the FSDP shard "
         "group (HSDP): gradients all-reduced across them",
         flag="dp_replicate", counts=("dp_replicate",), help="replicas of the FSDP shard group (HSDP); must divide --dp",
-        meshes=("dp", "dp_cp"),
+        meshes=("dp", "dp_cp"), planner=Planner(overlapped=True),
     ),
     Axis(
         "dp_shard", step="fsdp", shards=("batch", "parameters"), doc="the global batch's rows, and (FSDP2, over "
@@ -137,7 +142,8 @@ TABLE: tuple[Axis, ...] = (
         help="data-parallel degree (dp_replicate x dp_shard), sharded with FSDP2",
         rules=(Rule(("global_batch",), lambda d, v: v["global_batch"] % (d["dp_replicate"] * d["dp_shard"]) == 0,
                     "dp = dp_replicate x dp_shard must divide the global batch"),),
-        meshes=("dp", "dp_shard_cp", "dp_cp"), comm="dp_shard_cp", planner=Planner(adds=("strategy",), rest=True),
+        meshes=("dp", "dp_shard_cp", "dp_cp"), comm="dp_shard_cp",
+        planner=Planner(adds=("strategy",), rest=True, overlapped=True),
     ),
     Axis(
         "cp", step="cp", shards=("sequence", "parameters"), doc="each sequence: 2 x cp zigzag chunks, rank i keeps "
@@ -146,7 +152,7 @@ TABLE: tuple[Axis, ...] = (
         help="context-parallel degree: each sequence split over cp ranks (zigzag), attention over the ring",
         rules=(Rule(("seq_len",), lambda d, v: d["cp"] == 1 or v["seq_len"] % (2 * d["cp"]) == 0,
                     "2 x cp must divide seq_len (zigzag chunks)"),),
-        mesh="cp", meshes=("dp_shard_cp", "dp_cp"), planner=Planner(caps=(16,)),
+        mesh="cp", meshes=("dp_shard_cp", "dp_cp"), planner=Planner(caps=(16,), overlapped=True),
     ),
     Axis(
         "tp", step="tp", shards=("parameters",), doc="the heads, the MLP width and the vocabulary (column / row "
@@ -196,6 +202,21 @@ FLATTENED_BY_PURPOSE: dict[str, Flattened] = {f.purpose: f for f in FLATTENED_ME
 # the names communication is accounted under, mesh order (comm_stats counts them, comm_model predicts them)
 COMM_AXES: tuple[str, ...] = tuple(dict.fromkeys(a.comm or a.name for a in TABLE))
 
+
+def comm_groups(table: Iterable[Axis] = TABLE) -> dict[str, tuple[str, ...]]:
+    """Each accounting name -> the mesh axes of the group its traffic crosses: a flattened mesh's axes
+    (dp_shard_cp: dp_shard x cp), the dimensions an axis borrows, or the axis's own."""
+    out: dict[str, tuple[str, ...]] = {}
+    for a in table:
+        name = a.comm or a.name
+        out.setdefault(name, FLATTENED[name] if name in FLATTENED else a.borrows or (a.name,))
+    return out
+
+
+# accounting name -> its group's mesh axes; the names whose traffic overlaps compute (the planner's step time)
+COMM_GROUPS: dict[str, tuple[str, ...]] = comm_groups()
+OVERLAPPED: tuple[str, ...] = tuple(dict.fromkeys(a.comm or a.name for a in TABLE if a.planner.overlapped))
+
 # the command line's degree fields (ParallelSection): one per axis
 FLAGS: tuple[str, ...] = tuple(a.flag for a in TABLE)
 
@@ -239,12 +260,12 @@ def rest_axes(fixed: Iterable[str] = ()) -> tuple[str, ...]:
     return tuple(n for n in order if n not in set(fixed))
 
 
-def values_of(shape: Any = None, **values: Any) -> dict[str, Any]:
-    """The inputs of the rules: a shape's attributes (a ModelShape, a family's config, anything with them)
-    plus the keyword values (seq_len, global_batch, sequence_parallel)."""
+def values_of(shape: Any = None, *, table: Iterable[Axis] = TABLE, **values: Any) -> dict[str, Any]:
+    """The inputs of the rules (of `table`'s entries): a shape's attributes (a ModelShape, a family's config,
+    anything with them) plus the keyword values (seq_len, global_batch, sequence_parallel)."""
     out: dict[str, Any] = {}
     if shape is not None:
-        for a in TABLE:
+        for a in table:
             for r in a.rules:
                 for n in r.needs:
                     if hasattr(shape, n):
@@ -286,10 +307,10 @@ def degrees_from_flags(flags: Mapping[str, int]) -> dict[str, int]:
     return {a.name: out[a.name] for a in TABLE}
 
 
-def planner_degrees(axis: str, ranks: int, shape: Any = None, gpus_per_node: int | None = None) -> list[int]:
-    """The degrees the planner tries for `axis` with `ranks` left: powers of two dividing them, within the
-    axis's caps (a cap whose value is not given is skipped)."""
-    a = AXIS[axis]
+def planner_degrees(axis: str | Axis, ranks: int, shape: Any = None, gpus_per_node: int | None = None) -> list[int]:
+    """The degrees the planner tries for `axis` (a name, or an entry) with `ranks` left: powers of two
+    dividing them, within the axis's caps (a cap whose value is not given is skipped)."""
+    a = axis if isinstance(axis, Axis) else AXIS[axis]
     caps = [c if isinstance(c, int) else gpus_per_node if c == "gpus_per_node" else getattr(shape, c, None)
             for c in a.planner.caps]
     return [d for d in divisors(ranks) if d & (d - 1) == 0 and all(c is None or d <= c for c in caps)]

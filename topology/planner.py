@@ -1,5 +1,7 @@
-"""The layout planner: which (pp, dp_replicate, dp_shard, cp, tp) layout, FSDP strategy, pipeline schedule and
-activation checkpointing to use for a model on N GPUs, before reserving them.
+"""The layout planner: which layout (a degree per axis of topology/axes.py's table: pp, dp_replicate,
+dp_shard, cp, tp), FSDP strategy, pipeline schedule and activation checkpointing to use for a model on N GPUs,
+before reserving them. The axes it enumerates, their caps, the axis that takes the ranks left over, the flags
+of a candidate and which traffic overlaps compute all come from the table (`layout_degrees`).
 
 For every candidate layout the planner estimates, per rank:
 
@@ -38,8 +40,10 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 
+from .axes import (AXIS, COMM_AXES, COMM_GROUPS, FLATTENED_BY_PURPOSE, OVERLAPPED, TABLE, Axis, planner_degrees,
+                   rest_axes, values_of)
 from .comm_model import comm_bytes_per_step, stage_layer_counts
-from .layout import AXES, Layout, divisors
+from .layout import AXES, Layout
 from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, simulate
 from .shapes import ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 from .memory import GB, get_recipe, min_gpus
@@ -55,6 +59,17 @@ DEFAULT_INTER_GBPS = 40.0  # GB/s per GPU across nodes (400 Gb/s = 50 GB/s, ~80%
 AC_MODES = ("none", "op", "selective", "full")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
+
+FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's group: dp_shard x cp
+# a candidate's degree flags: the axes the planner enumerates (mesh order), then --dp and --dp-replicate, the
+# flags of the axes that take the ranks left over
+FLAG_ORDER: tuple[Axis, ...] = (tuple(a for a in TABLE if a.name not in rest_axes())
+                                + tuple(AXIS[n] for n in rest_axes()))
+
+
+def fsdp_degree(layout: Layout) -> int:
+    """The ranks FSDP2 shards over (dp_shard x cp; 1: no FSDP)."""
+    return layout.degree(FSDP.name)
 
 
 class PlanError(ValueError):
@@ -112,21 +127,19 @@ class Candidate:
         return self.layout.tp > 1 if self.sp is None else self.sp and self.layout.tp > 1
 
     def describe(self) -> str:
-        parts = [str(self.layout), self.strategy if self.layout.dp_shard * self.layout.cp > 1 else "no FSDP",
+        parts = [str(self.layout), self.strategy if fsdp_degree(self.layout) > 1 else "no FSDP",
                  f"ac {self.ac}", f"mb {self.microbatches}"]
         if self.layout.pp > 1:
             parts.insert(1, self.schedule + (f" v{self.virtual}" if self.virtual > 1 else ""))
         return ", ".join(parts)
 
     def flags(self) -> str:
-        """The `tessera train` flags that run this candidate."""
+        """The `tessera train` flags that run this candidate: each axis's flag of topology/axes.py's table
+        (--dp counts dp_replicate x dp_shard), then the options."""
         lay = self.layout
-        out = [f"--{a.replace('_', '-')} {getattr(lay, a)}" for a in ("pp", "cp", "tp") if getattr(lay, a) > 1]
-        if lay.dp > 1:
-            out.append(f"--dp {lay.dp}")
-        if lay.dp_replicate > 1:
-            out.append(f"--dp-replicate {lay.dp_replicate}")
-        if lay.dp_shard * lay.cp > 1 and self.strategy != "FULL_SHARD":
+        degrees = {a.flag: math.prod(getattr(lay, n) for n in a.counts) for a in FLAG_ORDER}
+        out = [f"{a.option} {degrees[a.flag]}" for a in FLAG_ORDER if degrees[a.flag] > 1]
+        if fsdp_degree(lay) > 1 and self.strategy != "FULL_SHARD":
             out.append(f"--fsdp {self.strategy}")
         if self.sequence_parallel:
             out.append("--sequence-parallel")
@@ -289,7 +302,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
     rows_per_dp = global_batch // lay.dp
     mb_rows = rows_per_dp // cand.microbatches
     seq = seq_len // lay.cp
-    fsdp = lay.dp_shard * lay.cp
+    fsdp = fsdp_degree(lay)
     pipelined = lay.pp > 1
 
     bubble, in_flight = pipeline_profile(cand.schedule, lay.pp, cand.microbatches, cand.virtual) if pipelined else (0.0, (1,))
@@ -313,12 +326,12 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
     comm = comm_bytes_per_step(cfg, lay, seq_len, global_batch, cand.microbatches, cand.sequence_parallel,
                                cand.strategy, cand.virtual, cand.ac, "ring", rank=0, act_bytes=e, param_bytes=e,
                                reduce_bytes=4)
-    bw = {"tp": axis_bandwidth(lay, "tp", hw), "cp": axis_bandwidth(lay, "cp", hw), "pp": axis_bandwidth(lay, "pp", hw),
-          "dp_shard_cp": axis_bandwidth(lay, ("dp_shard", "cp"), hw),
-          "dp_replicate": axis_bandwidth(lay, "dp_replicate", hw)}
-    t = {axis: comm[axis] / bw[axis] for axis in comm}
-    overlapped = t["dp_shard_cp"] + t["dp_replicate"] + t["cp"]
-    time = {"compute": compute, "bubble": compute_stretched - compute, "tp": t["tp"], "pp": t["pp"],
+    # each accounting name's traffic over its group's links; FSDP's, HSDP's and ring K/V's overlap compute
+    # (only their excess is exposed), the rest (tp, pp) is exposed
+    t = {name: comm[name] / axis_bandwidth(lay, COMM_GROUPS[name], hw) for name in comm}
+    overlapped = sum(t[name] for name in COMM_AXES if name in OVERLAPPED)
+    time = {"compute": compute, "bubble": compute_stretched - compute,
+            **{name: t[name] for name in comm if name not in OVERLAPPED},
             "exposed_overlapped_comm": max(0.0, overlapped - compute)}
     time["step"] = sum(time.values())
     tokens_per_s = tokens / time["step"]
@@ -333,7 +346,7 @@ def calibrated_compute(shape, cand: Candidate, hw: Hardware, seq_len: int, globa
     its host dispatches the operators of its stage's blocks (topology/step_time.py)."""
     cfg = as_shape(shape)
     lay = cand.layout
-    fsdp = lay.dp_shard * lay.cp
+    fsdp = fsdp_degree(lay)
     biggest = max(sorted({0, lay.pp - 1}), key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p)[0])
     _, sharded, _ = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, biggest)
     n_stages = lay.pp * cand.virtual
@@ -410,37 +423,59 @@ def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, i
 
 
 # ----------------------------------------------------------------------------- enumeration
-def _pow2_divisors(n: int, cap: int | None = None) -> list[int]:
-    return [d for d in divisors(n) if d & (d - 1) == 0 and (cap is None or d <= cap)]
+def layout_degrees(shape, hw: Hardware, seq_len: int, global_batch: int,
+                   table: tuple[Axis, ...] = TABLE) -> list[dict[str, int]]:
+    """The degrees the planner tries, one dict per layout (every axis of `table`, in its order), read from
+    the table: the axes with a mesh dimension of their own, innermost first (tp, cp, pp), each take the powers
+    of two dividing the ranks left within their caps (`planner_degrees`: tp inside a node and at most the
+    heads, cp at most 16, pp at most the layers); the other axes the rest axis's flag counts (dp_replicate)
+    take powers of two of what they leave, and the rest axis (dp_shard) the remainder; an axis that borrows
+    others' dimensions (expert parallel) then takes powers of two dividing their product. Degrees that break
+    a rule of the table for this shape, sequence and batch are left out."""
+    rest = next(a for a in table if a.planner.rest)
+    by_name = {a.name: a for a in table}
+    shared = [by_name[n] for n in rest.counts if n != rest.name]
+    enumerated = [a for a in reversed(table) if not a.borrows and a.name not in rest.counts]
+    steps = enumerated + shared + [rest] + [a for a in table if a.borrows]
+    values = values_of(shape, table=table, seq_len=seq_len, global_batch=global_batch)
+    out: list[dict[str, int]] = []
+
+    def walk(i: int, left: int, degrees: dict[str, int]) -> None:
+        if i == len(steps):
+            full = {a.name: degrees[a.name] for a in table}
+            if not any(a.problems(full, values) for a in table):
+                out.append(full)
+            return
+        a = steps[i]
+        if a is rest:
+            walk(i + 1, 1, {**degrees, a.name: left})
+            return
+        ranks = math.prod(degrees[n] for n in a.borrows) if a.borrows else left
+        for d in planner_degrees(a, ranks, shape, hw.gpus_per_node):
+            walk(i + 1, left if a.borrows else left // d, {**degrees, a.name: d})
+
+    walk(0, hw.gpus, {})
+    return out
 
 
 def candidates(shape, hw: Hardware, seq_len: int, global_batch: int) -> list[Candidate]:
     """Every layout tessera can run for this request (`runnable`: the checks tessera's ParallelConfig.check
-    makes, in plain numbers), with tp inside a node, powers of two per axis, and the pipeline's microbatches
-    at 1, 2 and 4 per stage."""
+    makes, in plain numbers) over the table's degrees (`layout_degrees`: tp inside a node, powers of two per
+    axis), with the FSDP strategies, pipeline schedules, microbatches (1, 2, 4 and 8; or 1, 2 and 4 per
+    stage) and activation checkpointing modes."""
     cfg = as_shape(shape)
     out: list[Candidate] = []
-    G = hw.gpus
-    for tp in _pow2_divisors(G, min(hw.gpus_per_node, cfg.n_heads)):
-        for cp in _pow2_divisors(G // tp, 16):
-            if seq_len % (2 * cp):
-                continue
-            for pp in _pow2_divisors(G // (tp * cp), cfg.n_layers):
-                dp = G // (tp * cp * pp)
-                if global_batch % dp:
-                    continue
-                rows = global_batch // dp
-                for dp_replicate in _pow2_divisors(dp):
-                    lay = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, cp=cp, tp=tp)
-                    fsdp = lay.dp_shard * cp > 1
-                    # inside a pipeline FSDP2 keeps units gathered across microbatches either way: one strategy
-                    for strategy in (STRATEGIES if fsdp and pp == 1 else ("FULL_SHARD",)):
-                        for sched, virtual in _schedules(pp, cfg.n_layers):
-                            for mb in _microbatch_counts(rows, pp):
-                                for ac in AC_MODES:
-                                    cand = Candidate(lay, strategy, ac, sched, mb, virtual)
-                                    if runnable(cfg, cand, seq_len, global_batch):
-                                        out.append(cand)
+    for degrees in layout_degrees(cfg, hw, seq_len, global_batch):
+        lay = Layout(**degrees)
+        rows = global_batch // lay.dp
+        # inside a pipeline FSDP2 keeps units gathered across microbatches either way: one strategy
+        for strategy in (STRATEGIES if fsdp_degree(lay) > 1 and lay.pp == 1 else ("FULL_SHARD",)):
+            for sched, virtual in _schedules(lay.pp, cfg.n_layers):
+                for mb in _microbatch_counts(rows, lay.pp):
+                    for ac in AC_MODES:
+                        cand = Candidate(lay, strategy, ac, sched, mb, virtual)
+                        if runnable(cfg, cand, seq_len, global_batch):
+                            out.append(cand)
     return out
 
 
@@ -564,8 +599,10 @@ def why_best(result: PlanResult) -> str:
         return f"all {len(result.ranked)} layouts shown tie within 0.1% on time; it holds the least memory per rank."
     diffs = {k: other.time[k] - best.time[k] for k in best.time if k != "step"}
     key = max(diffs, key=diffs.get)
+    # the time's parts: compute, bubble, each exposed accounting name of the table's (tp, pp), the overlapped excess
     label = {"compute": "less recomputation", "bubble": "a smaller pipeline bubble", "tp": "less tensor-parallel traffic",
-             "pp": "less pipeline traffic", "exposed_overlapped_comm": "less data/context traffic left exposed"}[key]
+             "pp": "less pipeline traffic", "exposed_overlapped_comm": "less data/context traffic left exposed"
+             }.get(key, f"less {key} traffic")
     return (f"it wins by {label} ({diffs[key]:.3f} s/step): an estimated {best.time['step']:.3f} s/step against "
             f"{other.time['step']:.3f} s for the next slower layout ({other.candidate.describe()}), at "
             f"{best.memory['total'] / GB:.1f} GB per rank against {other.memory['total'] / GB:.1f} GB.{tie_note}")

@@ -24,16 +24,11 @@ AXES = Layout.AXES
 
 
 def _allowed(axis: str, model, seq_len: int | None, tp_divides: int | None, max_world: int) -> list[int]:
-    values = list(range(1, max_world + 1))
+    """The degrees of `axis` (the others 1) that break none of topology/axes.py's rules for the model and
+    the sequence length given (Layout.problems); `tp_divides`: tp must also divide it."""
+    values = [v for v in range(1, max_world + 1) if not Layout(**{axis: v}).problems(model, seq_len=seq_len)]
     if axis == "tp" and tp_divides is not None:
         values = [t for t in values if tp_divides % t == 0]
-    if axis == "tp" and model is not None:
-        values = [t for t in values if model.n_heads % t == 0 and model.ffn_dim % t == 0
-                  and (model.n_kv_heads % t == 0 or t % model.n_kv_heads == 0)]
-    if axis == "cp" and seq_len is not None:
-        values = [c for c in values if seq_len % (2 * c) == 0 or c == 1]
-    if axis == "pp" and model is not None:
-        values = [p for p in values if p <= model.n_layers]
     return values
 
 
