@@ -227,7 +227,12 @@ class VocabParallelEmbedding(nn.Module):
             partial = w.new_zeros(tokens.shape + (w.shape[1],)) + 0 * w.sum()
         else:
             partial = F.embedding(local.masked_fill(outside, 0), w).masked_fill(outside.unsqueeze(-1), 0.0)
-        return scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+        if not self.sequence_parallel:
+            return reduce_from_tp(partial, self.group)
+        # the scatter's result is a view of its (seq, batch, dim) buffer. Returned from an FSDP2 unit, an
+        # in-place op on it would skip FSDP2's pre-backward hook (FSDP2 warns so, once per rank); one copy per
+        # step makes it a tensor of its own
+        return scatter_sequence(partial, self.group).clone()
 
 
 class TPRMSNorm(nn.Module):
