@@ -58,15 +58,22 @@ def tessera_to_hf_name(name: str, model: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- config.json
-def read_hf_config(directory: str | os.PathLike) -> Any:
+def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -> Any:
     """The family's config from a Hugging Face config.json, the family chosen by its model_type;
-    ValueError naming the file and the field for what the family cannot represent."""
+    ValueError naming the file and the field for what the family cannot represent. `flag`: the option that
+    named the directory, for the messages (`tessera convert` passes --from-hf)."""
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise ValueError(f"--init-from-hf {directory}: no config.json in it (a Hugging Face model directory)")
+        if not str(directory) or not Path(directory).exists():
+            raise ValueError(f"{flag} {str(directory) or repr('')}: no such directory; name a Hugging Face model directory "
+                             f"(config.json, model.safetensors)")
+        if not Path(directory).is_dir():
+            raise ValueError(f"{flag} {directory} is a file; name a Hugging Face model directory (config.json, "
+                             f"model.safetensors)")
+        raise ValueError(f"{flag} {directory}: no config.json in it (a Hugging Face model directory)")
     try:
-        c = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        c = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(c, dict):
         raise ValueError(f"{path}: not a Hugging Face config (a JSON object)")
@@ -76,7 +83,14 @@ def read_hf_config(directory: str | os.PathLike) -> Any:
         arch = (c.get("architectures") or [model_type])[0]
         raise ValueError(f"{path}: architecture {arch!r} (model_type {model_type!r}) is not supported; tessera loads "
                          + ", ".join(f"{a} (model_type {t!r})" for t, a in known.items()))
-    return spec_for_hf(model_type, str(path)).hf.read_config(c, str(path))
+    try:
+        return spec_for_hf(model_type, str(path)).hf.read_config(c, str(path))
+    except KeyError as e:  # the family's reader indexes the fields it needs
+        raise ValueError(f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); {flag} takes a "
+                         f"complete Hugging Face config.json") from None
+    except (TypeError, AttributeError, ZeroDivisionError) as e:
+        raise ValueError(f"{path}: a field holds a value of the wrong kind ({e}); {flag} takes a Hugging Face "
+                         f"config.json as transformers writes it") from None
 
 
 def hf_config_dict(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
@@ -144,23 +158,34 @@ def _open_each(files: dict[str, Path], stack: contextlib.ExitStack) -> dict[Path
     return {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(files.values())}
 
 
-def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
-    """HF parameter name -> the safetensors file that holds it (sharded with an index, or one file)."""
+def weight_files(directory: str | os.PathLike, flag: str | None = None) -> dict[str, Path]:
+    """HF parameter name -> the safetensors file that holds it (sharded with an index, or one file).
+    `flag`: the option that named the directory, to begin the messages with."""
     d = Path(directory)
+    named = f"{flag} {d}" if flag else str(d)
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
-            mapping = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            mapping = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+            if not isinstance(mapping, dict) or not all(isinstance(f, str) for f in mapping.values()):
+                raise TypeError("its weight_map is not an object of file names")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        absent = sorted({f for f in mapping.values() if not (d / f).is_file()})
+        if absent:
+            raise ValueError(f"{index} names {absent[0]}, which is not in {named} (an incomplete download?)")
         return {name: d / file for name, file in mapping.items()}
     single = d / "model.safetensors"
     if single.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
-    raise ValueError(f"{d}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin pickles are "
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:  # safetensors' own SafetensorError for a damaged header
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{single}: not a safetensors file ({why})") from None
+    raise ValueError(f"{named}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin pickles are "
                      f"not read: they can run code)")
 
 
@@ -182,22 +207,23 @@ def _weight_map(files: dict[str, Path], cfg: Any, groups: dict[str, tuple[str, .
     return {owner: (hf_name, file) for owner, (_, hf_name, file) in found.items()}
 
 
-def hf_weight_map(directory: str | os.PathLike, cfg: Any) -> dict[str, tuple[str, Path]]:
+def hf_weight_map(directory: str | os.PathLike, cfg: Any, flag: str | None = None) -> dict[str, tuple[str, Path]]:
     """tessera parameter name (a tied parameter's owner name) -> (HF name, safetensors file) for the
-    Hugging Face directory's weights of the model `cfg` describes."""
+    Hugging Face directory's weights of the model `cfg` describes (`flag`: as weight_files)."""
     _, groups = _parameters(cfg)
-    return _weight_map(weight_files(directory), cfg, groups)
+    return _weight_map(weight_files(directory, flag), cfg, groups)
 
 
-def check_hf_weights(directory: str | os.PathLike, cfg: Any) -> None:
-    """Every parameter of `cfg`'s model is in the files with its shape; ValueError naming the file and the tensor."""
-    files = weight_files(directory)
+def check_hf_weights(directory: str | os.PathLike, cfg: Any, flag: str | None = None) -> None:
+    """Every parameter of `cfg`'s model is in the files with its shape; ValueError naming the file and the tensor
+    (`flag`: the option that named the directory, to begin the messages with)."""
+    files = weight_files(directory, flag)
     want, groups = _parameters(cfg)
     ours = _weight_map(files, cfg, groups)
     missing = [n for n in want if n not in ours]
     if missing:
-        raise ValueError(f"{directory}: the checkpoint lacks {tessera_to_hf_name(missing[0], cfg)} "
-                         f"(and {len(missing) - 1} more)")
+        raise ValueError(f"{f'{flag} ' if flag else ''}{directory}: the checkpoint lacks "
+                         f"{tessera_to_hf_name(missing[0], cfg)} (and {len(missing) - 1} more)")
     with contextlib.ExitStack() as stack:
         handles = _open_each(files, stack)
         for name, (hf_name, file) in ours.items():

@@ -63,27 +63,38 @@ def open_shard(path: Path) -> Shard:
         raise ValueError(f"{path}: no {meta_path.name} beside it (the shard's dtype, vocab_size, separator, tokens); "
                          f"write token files with `tessera tokenize`")
     try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{meta_path}: not JSON ({e})") from None
+    except OSError as e:
+        raise ValueError(f"{meta_path}: cannot be read ({e.strerror})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: not a token shard's description (a JSON object); write token files with "
+                         f"`tessera tokenize`")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}; "
                          f"tessera reads {FORMAT!r} version {VERSION}")
     if meta.get("dtype") not in DTYPES:
         raise ValueError(f"{meta_path}: dtype {meta.get('dtype')!r}; use uint16 or uint32")
+    for field in ("vocab_size", "separator", "tokens"):
+        value = meta.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if field == "vocab_size" else 0):
+            raise ValueError(f"{meta_path}: field {field!r} is {value!r}, not a whole number"
+                             f"{' above 0' if field == 'vocab_size' else ' of 0 or more'} (a damaged file); "
+                             f"write the shard again with `tessera tokenize`")
     itemsize = np.dtype(DTYPES[meta["dtype"]]).itemsize
-    size, want = path.stat().st_size, int(meta["tokens"]) * itemsize
+    size, want = path.stat().st_size, meta["tokens"] * itemsize
     if size != want:
         raise ValueError(f"{path} is truncated or altered: {size} bytes, its {meta_path.name} says {meta['tokens']} "
                          f"{meta['dtype']} tokens ({want} bytes)")
     tokens = np.memmap(path, dtype=np.dtype(DTYPES[meta["dtype"]]).newbyteorder("<"), mode="r") if size else np.zeros(0, np.uint16)
-    return Shard(path, tokens, int(meta["vocab_size"]), int(meta["separator"]))
+    return Shard(path, tokens, meta["vocab_size"], meta["separator"])
 
 
 def open_dataset(path: str | Path) -> list[Shard]:
     path = Path(path)
     if path.is_dir():
-        bins = sorted(path.glob("*.bin"))
+        bins = sorted(p for p in path.glob("*.bin") if p.is_file())
         if not bins:
             raise ValueError(f"--data {path}: the directory holds no .bin token files; write some with `tessera tokenize`")
     elif path.exists():

@@ -233,6 +233,7 @@ def _collect(procs: list, conns: dict, world_size: int, timeout: float | None, w
             try:
                 status, _, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
+                procs[rank].join(timeout=5)  # reaped: its exit code (a signal: -N) is known, not None
                 code = procs[rank].exitcode
                 raise RankFailure(f"rank {rank} of {world_size} died without a result (exit code {code})") from None
             if status == "error":

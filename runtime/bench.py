@@ -149,8 +149,9 @@ def run_bench(args: argparse.Namespace) -> int:
                                    mixed_precision=args.mixed_precision, comm_stats="first", track_memory=True, **kw)
             config.check()
             configs.append((name, config))
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        from .tokenize_files import check_out_dir
+
+        out = check_out_dir("--out", args.out)  # ValueError naming --out and the fix, never a bare [Errno]
     except (ValueError, OSError) as e:
         print(f"tessera bench: error: {e}", file=sys.stderr)
         return 2

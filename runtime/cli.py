@@ -34,6 +34,93 @@ def _memory_degrees(args: argparse.Namespace) -> dict[str, int]:
     return degrees_from_flags(flags)  # and a product flag (--dp) below 1
 
 
+DRY_RUN_MAX_RANKS = 1 << 16  # memory --dry-run: the fake world's mesh is built in full (65,536 ranks: about 15 s)
+
+
+def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
+    """Every input of `tessera memory`, before anything is printed: ValueError naming the flag and the fix.
+    Sets args.params from --model; returns the degrees of the axes."""
+    import math
+
+    from tessera.topology import memory
+
+    if args.params is not None and args.model is not None:
+        raise ValueError(f"give --params N or --model PRESET, not both (--model {args.model} has its own parameter "
+                         f"count): drop one")
+    if args.params is None and args.model is None:
+        raise ValueError("give --params N or --model PRESET")
+    if args.params is not None and not (math.isfinite(args.params) and args.params > 0):
+        raise ValueError(f"--params {args.params:g} must be a positive parameter count, e.g. --params 70e9")
+    if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
+        raise ValueError(f"--gpu-memory {args.gpu_memory:g} must be a positive number of GB per GPU, e.g. --gpu-memory 80")
+    recipe = memory.get_recipe(args.recipe)  # its ValueError names the recipes
+    if args.dry_run and args.model is None:
+        raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device); drop --dry-run "
+                         "or give --model instead of --params")
+    degrees = _memory_degrees(args)
+    world = math.prod(degrees.values())
+    if args.dry_run and world > DRY_RUN_MAX_RANKS:
+        raise ValueError(f"--dry-run builds the mesh of every fake rank, and {world:,} ranks are too many for one process "
+                         f"(at most {DRY_RUN_MAX_RANKS:,}); drop --dry-run for the analytic table")
+    if args.model is not None:
+        from .plan_command import model_shape
+
+        shape = model_shape(args.model)  # an unknown preset: its ValueError names the presets
+        _memory_shape_checks(args.model, shape, degrees)
+        from tessera.models import get_preset
+
+        args.params = float(get_preset(args.model).num_params())
+    total = args.params * recipe.bytes_per_param
+    if not math.isfinite(total):
+        raise ValueError(f"--params {args.params:g} is too large: its model states overflow a float; give a real count")
+    if args.gpu_memory is not None and not math.isfinite(total / (args.gpu_memory * memory.GB)):
+        raise ValueError(f"--gpu-memory {args.gpu_memory:g} is too small to count GPUs with; give GB per GPU, e.g. 80")
+    return degrees
+
+
+def _memory_shape_checks(model: str, shape, degrees: dict[str, int]) -> None:
+    """The rules of topology/axes.py's table that the preset's shape decides (tp divides the heads, pp at most
+    the layers, ...): ValueError naming the flag, the preset's value and the degrees that work."""
+    from tessera.topology.axes import TABLE, values_of
+
+    values = values_of(shape)
+    for a in TABLE:
+        broken = a.problems(degrees, values)
+        if not broken:
+            continue
+        limit = min(max([v for v in values.values() if isinstance(v, int) and not isinstance(v, bool)] + [1]), 1 << 16)
+        good = [d for d in range(1, limit + 1) if not a.problems({**degrees, a.name: d}, values)]
+        if good and good == list(range(1, good[-1] + 1)) and len(good) > 8:
+            use = f"{a.option} 1 to {good[-1]}"
+        elif good:
+            use = f"{a.option} " + (", ".join(map(str, good[:-1])) + " or " if len(good) > 1 else "") + str(good[-1])
+        else:
+            use = f"another {a.option}"
+        rule, _, given = broken[0].partition("; ")
+        raise ValueError(f"{a.option} {degrees[a.name]} does not fit the {model} preset ({given.replace(';', ',')}): "
+                         f"{rule}; use {use}")
+
+
+def _gb(nbytes: float) -> str:
+    """Decimal GB with two decimals; scientific notation from 10 million GB on, so a cell stays short."""
+    from tessera.topology.memory import GB
+
+    return f"{nbytes / GB:.2f} GB" if nbytes / GB < 1e7 else f"{nbytes / GB:.3e} GB"
+
+
+def _memory_table(num_params: float, dp: int, recipe: str) -> str:
+    """topology.memory.memory_table's ZeRO table (its title line, its rows), with columns as wide as their
+    widest cell: a figure of any size never runs into its neighbour."""
+    from tessera.topology import memory
+
+    stages = [memory.model_state_bytes(num_params, dp=dp, zero_stage=s, recipe=recipe) for s in range(4)]
+    rows = {"": [f"ZeRO-{s}" for s in range(4)], "FSDP": ["NO_SHARD", "-", "SHARD_GRAD_OP", "FULL_SHARD"]}
+    rows.update({c: [_gb(st[c]) for st in stages] for c in ("parameters", "gradients", "optimizer", "total")})
+    width = max(15, 2 + max(len(cell) for cells in rows.values() for cell in cells))
+    title = memory.memory_table(num_params, dp, recipe).splitlines()[0]
+    return "\n".join([title] + [f"{name:<12}" + "".join(f"{cell:>{width}}" for cell in cells) for name, cells in rows.items()])
+
+
 def _memory(args: argparse.Namespace) -> int:
     import math
 
@@ -41,13 +128,7 @@ def _memory(args: argparse.Namespace) -> int:
     from tessera.topology.axes import FLATTENED_BY_PURPOSE, TABLE
 
     try:
-        if args.params is None:
-            if args.model is None:
-                raise ValueError("give --params N or --model PRESET")
-            from tessera.models import get_preset
-
-            args.params = float(get_preset(args.model).num_params())
-        degrees = _memory_degrees(args)
+        degrees = _memory_checks(args)  # every input, before any output
         # tp and pp split the model (evenly, in this analytic view; --dry-run counts exactly); FSDP / ZeRO
         # shards what a rank holds over dp_shard x cp; dp_replicate holds copies
         sharding = FLATTENED_BY_PURPOSE["fsdp"].axes  # dp_shard x cp
@@ -57,14 +138,17 @@ def _memory(args: argparse.Namespace) -> int:
         shard_group = math.prod(degrees[n] for n in sharding)
         per_rank_params = args.params / split
         exact = _planner_model_states(args, shard_group) if args.model is not None else None
+        floor = None
+        if args.gpu_memory is not None:
+            floor = math.ceil(args.params * memory.get_recipe(args.recipe).bytes_per_param / (args.gpu_memory * memory.GB) - 1e-9)
         if args.json:
             rows = {
                 f"zero{s}": memory.model_state_bytes(per_rank_params, dp=shard_group, zero_stage=s, recipe=args.recipe)
                 for s in range(4)
             }
             rows["layout"] = {**degrees, "params_per_model_shard": per_rank_params, "shard_group": shard_group}
-            if args.gpu_memory is not None:
-                rows["min_gpus"] = memory.min_gpus(args.params, args.gpu_memory, args.recipe)
+            if floor is not None:
+                rows["min_gpus"] = floor
             if exact is not None:
                 rows["planner_zero3"] = exact
             print(json.dumps(rows))
@@ -73,10 +157,12 @@ def _memory(args: argparse.Namespace) -> int:
                 print(f"layout {' x '.join(f'{n}{d}' for n, d in degrees.items())}: {' x '.join(splitting)} split the "
                       f"model {split} ways ({per_rank_params / 1e9:g}B parameters each, evenly: --dry-run counts "
                       f"exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks")
-            table = memory.memory_table(per_rank_params, shard_group, args.recipe, None)
-            print(table)
-            if args.gpu_memory is not None:
-                print(memory.memory_table(args.params, 1, args.recipe, args.gpu_memory).splitlines()[-1])
+            print(_memory_table(per_rank_params, shard_group, args.recipe))
+            if floor is not None:
+                total = args.params * memory.get_recipe(args.recipe).bytes_per_param
+                gpus = floor if floor < 10**12 else f"{floor:.3e}"
+                print(f"raw floor: {gpus} GPUs of {args.gpu_memory:g} GB hold the {_gb(total)} of model states "
+                      f"(fully sharded, before activations and buffers)")
             if exact is not None:
                 print(f"the planner's count (tessera plan), FULL_SHARD, the rank holding the most (embedding or head, "
                       f"K/V replicated beyond the kv heads): {exact['parameters_on_rank']:,} parameters, "
@@ -149,30 +235,60 @@ def _memory_per_stage(args: argparse.Namespace, layout) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tessera.parallel.checkpoint import CheckpointError, export_checkpoint
 
     if (args.out is None) == (args.to_hf is None):
         print("tessera export: error: give one of --out FILE.safetensors or --to-hf DIR", file=sys.stderr)
         return 2
-    target = args.out or args.to_hf
+    target = args.out if args.out is not None else args.to_hf
+    flag = "--out" if args.out is not None else "--to-hf"
     try:
-        parent = Path(target).parent if args.out else Path(target).absolute().parent
-        if not parent.is_dir():
-            raise CheckpointError(f"{'--out' if args.out else '--to-hf'} {target}: directory {parent} does not exist; create it first")
-        if not os.access(parent, os.W_OK):
-            raise CheckpointError(f"{'--out' if args.out else '--to-hf'} {target}: directory {parent} is not writable")
-        if args.out:
+        _check_out_path(flag, target, directory=args.to_hf is not None)
+        if not args.checkpoint:
+            raise CheckpointError("the checkpoint '' is an empty path; name a checkpoint directory (or a --checkpoint-dir)")
+        if args.out is not None:
             manifest = export_checkpoint(args.checkpoint, args.out)
         else:
             manifest = _export_hf(args.checkpoint, args.to_hf)
     except (CheckpointError, ValueError) as e:
         print(f"tessera export: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # writing the output (reading the checkpoint raises CheckpointError)
+        print(f"tessera export: error: {flag} {target}: {e.strerror or e} ({e.filename or target}); choose another "
+              f"path, or free space", file=sys.stderr)
+        return 2
     print(f"wrote {target}: model {manifest['model']['preset']} at step {manifest['step']}"
           + (" (a Hugging Face Llama directory: LlamaForCausalLM.from_pretrained loads it)" if args.to_hf else ""))
     return 0
+
+
+def _check_out_path(flag: str, target: str, directory: bool = False) -> None:
+    """ValueError naming `flag` unless `target` can be written: a file (replaced atomically, so never a
+    directory or a device) or, with `directory`, a directory, whose parent exists and is writable."""
+    from pathlib import Path
+
+    what = "the directory to write" if directory else "the .safetensors file to write"
+    if not target:
+        raise ValueError(f"{flag} '' is an empty path; name {what}")
+    path = Path(target)
+    if directory and path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {target} exists and is not a directory; name {what}")
+    if not directory and path.is_dir():
+        raise ValueError(f"{flag} {target} is a directory; name {what} (e.g. {target.rstrip('/')}/model.safetensors)")
+    if not directory and path.exists() and not path.is_file():
+        raise ValueError(f"{flag} {target} is not a regular file (a device or a pipe); name {what}")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {target}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {target}: directory {parent} is not writable; choose another")
+    import tempfile
+
+    try:  # permission bits pass directories no one can write into (/proc, as root): write a file to know
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".tessera-write-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {target}: directory {parent} cannot be written ({e.strerror}); choose another") from None
 
 
 def _export_hf(checkpoint_path: str, directory: str) -> dict:
@@ -189,17 +305,34 @@ def _export_hf(checkpoint_path: str, directory: str) -> dict:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+
     from tessera.models.hf import check_hf_weights, hf_weight_map, read_hf_config
     from tessera.parallel.safe_io import read_safetensors_slice, write_safetensors
 
     try:
-        cfg = read_hf_config(args.from_hf)  # the family from config.json's model_type
-        check_hf_weights(args.from_hf, cfg)
+        _check_out_path("--out", args.out)
+        cfg = read_hf_config(args.from_hf, flag="--from-hf")  # the family from config.json's model_type
+        check_hf_weights(args.from_hf, cfg, flag="--from-hf")
         # tessera's names; a tied parameter once, under its owner's name
-        tensors = {ours: read_safetensors_slice(f, n, (slice(None),)) for ours, (n, f) in hf_weight_map(args.from_hf, cfg).items()}
-        write_safetensors(tensors, args.out, {"source": "huggingface", "family": cfg.family, "config": json.dumps(cfg.as_dict())})
-    except (ValueError, OSError) as e:
+        tensors = {ours: read_safetensors_slice(f, n, (slice(None),))
+                   for ours, (n, f) in hf_weight_map(args.from_hf, cfg, flag="--from-hf").items()}
+    except ValueError as e:  # CheckpointError (a damaged safetensors file) included
         print(f"tessera convert: error: {e}", file=sys.stderr)
+        return 2
+    except SafetensorError as e:  # a shard of an indexed checkpoint that is not safetensors
+        print(f"tessera convert: error: --from-hf {args.from_hf}: a weight file is not safetensors "
+              f"({str(e).splitlines()[0] if str(e) else 'damaged'})", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"tessera convert: error: --from-hf {args.from_hf}: {e.filename or args.from_hf} cannot be read "
+              f"({e.strerror or e})", file=sys.stderr)
+        return 2
+    try:
+        write_safetensors(tensors, args.out, {"source": "huggingface", "family": cfg.family, "config": json.dumps(cfg.as_dict())})
+    except OSError as e:
+        print(f"tessera convert: error: --out {args.out} cannot be written ({e.strerror or e}); choose another path, "
+              f"or free space", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.num_params() / 1e6:,.1f}M parameters in "
           f"tessera's names (train from it with --init-from-hf {args.from_hf}, or --init-from {args.out} with a matching preset)")
@@ -289,7 +422,7 @@ def _train(args: argparse.Namespace) -> int:
     from tessera.parallel.launch import Interrupted, RankFailure
 
     from .config import config_from_args
-    from .run import error_exit, train, under_torchrun
+    from .run import done_line, error_exit, stopped_message, train, under_torchrun
 
     try:
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
@@ -307,10 +440,7 @@ def _train(args: argparse.Namespace) -> int:
         return error_exit("train", str(e))
     except (Interrupted, KeyboardInterrupt) as e:  # SIGTERM / Ctrl-C: every rank has been stopped
         why = str(e) or "stopped by SIGINT"
-        if "saved a checkpoint" in why:
-            error_exit("train", f"{why} (resume with --resume)")
-        else:
-            error_exit("train", f"{why}; every rank was stopped (resume from the last checkpoint with --resume)")
+        error_exit("train", stopped_message(why, config))
         return 128 + (15 if "SIGTERM" in why else 2)
     except RankFailure as e:  # a rank's named failure becomes the command's one-line error
         for kind in ("CheckpointError: ", "NonFiniteError: ", "CollectiveTimeout: "):
@@ -318,8 +448,7 @@ def _train(args: argparse.Namespace) -> int:
                 return error_exit("train", str(e).rsplit(kind, 1)[1].strip().splitlines()[0])
         raise
     if history and not config.runtime.quiet:
-        first, last = history[0], history[-1]
-        print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {last['step']} steps on {config.layout}")
+        print(done_line(history, config))
     return 0
 
 

@@ -122,6 +122,9 @@ class CheckpointSection:
                           flag="--checkpoint-on-signal")
 
 
+MAX_SKIPPED_STEPS = 5  # --max-skipped-steps when not given
+
+
 @dataclass(frozen=True)
 class RuntimeSection:
     steps: int = opt(50, "optimizer steps to train (the total, counted from step 0 when resuming)")
@@ -139,6 +142,9 @@ class RuntimeSection:
                                  metavar="every|first")
     max_restarts: int = opt(0, "when a rank fails, restart every rank from the latest checkpoint up to N times (under torchrun: its --max-restarts)")
     on_nonfinite: str = opt("stop", "a NaN or inf loss or gradient: stop (name it, apply and save nothing) or skip (drop that step's update)")
+    max_skipped_steps: int | None = opt(None, "with --on-nonfinite skip: after N skipped steps in a row, the next "
+                                              "non-finite step stops the run as --on-nonfinite stop does (default: "
+                                              "5)", metavar="N")
     profile: str | None = opt(None, "trace --profile-steps with torch.profiler: every rank writes DIR/rank{R}.trace.json "
                                     "(Perfetto / chrome://tracing JSON); rank 0 prints its top ops by self time at the end",
                               metavar="DIR")
@@ -146,6 +152,11 @@ class RuntimeSection:
                                           "steps, leaving out the first step's warm-up)", metavar="A:B")
     profile_shapes: bool = opt(False, "with --profile: record each op's input shapes too (larger traces; the table "
                                       "groups ops by shape)")
+
+    @property
+    def skip_limit(self) -> int:
+        """Skipped steps in a row that --on-nonfinite skip allows (--max-skipped-steps, else its default)."""
+        return MAX_SKIPPED_STEPS if self.max_skipped_steps is None else self.max_skipped_steps
 
 
 SECTIONS = {

@@ -7,7 +7,6 @@ tessera.models."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -31,6 +30,8 @@ def model_shape(model):
 
     return shape_of(model)
 
+
+MAX_GPUS = 1 << 22  # 4,194,304: beyond any cluster; the layouts of more take the planner minutes to enumerate
 
 MEMORY_COLUMNS = (("states", ("parameters", "gradients", "optimizer")), ("gathered", ("gathered_params",)),
                   ("acc.grads", ("unsharded_grads",)), ("activ.", ("activations",)), ("logits", ("logits",)),
@@ -100,6 +101,9 @@ def run_plan(args: argparse.Namespace) -> int:
         missing = [f"--{n.replace('_', '-')}" for n in ("gpus", "seq_len", "global_batch") if getattr(args, n) is None]
         if missing:
             raise PlanError(f"{', '.join(missing)} required (or --calibrate to measure this device)")
+        if args.gpus > MAX_GPUS:  # the planner walks the divisors of the GPU count: 10^12 of them would never end
+            raise PlanError(f"--gpus {args.gpus:,} is more than the planner enumerates (at most {MAX_GPUS:,}); plan a "
+                            f"smaller job")
         calibration, dtype_bytes = _calibration(args)
         hw = Hardware(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
                       peak_tflops=args.peak_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
@@ -151,9 +155,28 @@ def _calibration(args: argparse.Namespace):
 
     precision = getattr(args, "mixed_precision", None)
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision] if precision else None
-    entry = find_entry(load(args.calibration), args.device_kind, dtype)
+    path = _calibration_file(args)
+    try:
+        data = load(path)
+    except OSError as e:
+        raise PlanError(f"--calibration {path} cannot be read ({e.strerror}); name the file tessera plan --calibrate "
+                        f"wrote") from None
+    entry = find_entry(data, args.device_kind, dtype)
     calibration = Calibration.from_entry(entry)
     return calibration, 4 if calibration.dtype == "float32" else 2
+
+
+def _calibration_file(args: argparse.Namespace):
+    """--calibration's path (default $TESSERA_CALIBRATION or ~/.cache/tessera/calibration.json); PlanError naming
+    it when it is a directory (found by the fuzz: an IsADirectoryError escaped from reading it)."""
+    from pathlib import Path
+
+    from tessera.calibrate import default_path
+
+    path = Path(args.calibration) if args.calibration else default_path()
+    if path.is_dir():
+        raise PlanError(f"--calibration {path} is a directory; name the calibration file (e.g. {path}/calibration.json)")
+    return path
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -167,8 +190,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         rows = args.global_batch or 1
         if seq_len < 1 or rows < 1 or args.threads < 1:
             raise PlanError(f"--seq-len {seq_len}, --global-batch {rows} and --threads {args.threads} must be positive")
+        if args.threads > 1 << 16:  # torch.set_num_threads would fail with "Overflow when unpacking long"
+            raise PlanError(f"--threads {args.threads:,} is more threads than torch takes; use this machine's cores")
         import torch
 
+        path = _calibration_file(args)  # before minutes of measuring
         if args.device == "cuda" and not torch.cuda.is_available():
             raise PlanError("--device cuda: torch sees no CUDA GPU here; calibrate on the GPU machine or use --device cpu")
         device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
@@ -178,7 +204,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         from tessera.calibrate import describe, measure, save
 
         entry = measure(cfg, seq_len, rows, device, dtype, quick=args.quick)
-        path = save(entry, args.calibration)
+        try:
+            path = save(entry, path)
+        except OSError as e:
+            raise PlanError(f"--calibration {path} cannot be written ({e.strerror}); name a writable file") from None
     except (ValueError, OSError) as e:
         print(f"tessera plan: error: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,8 @@ def check(config: Config) -> None:
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch)
         if held_out.vocab_size > model.vocab_size:
             raise ValueError(f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} exceeds the model's {model.vocab_size}")
+    if not config.data.path:  # the built-in text, byte-tokenized: ids up to EOS must be rows of the embedding
+        _check_builtin_data_vocab(config, model)
     if config.data.path:  # the files open, sizes match their sidecars, the vocabulary fits the model
         from tessera.models.tokens import TokenFileStream
 
@@ -51,6 +53,30 @@ def check(config: Config) -> None:
         if data.vocab_size > model.vocab_size:
             raise ValueError(f"--data {config.data.path}: its vocab_size {data.vocab_size} exceeds the {config.model.preset} "
                              f"model's {model.vocab_size}; add --vocab-size {data.vocab_size}")
+
+
+def builtin_data_vocab() -> int:
+    """The vocabulary the built-in data needs: 256 byte values, then BOS and EOS (tessera.models.data)."""
+    from tessera.models.data import BOS, EOS
+
+    return max(BOS, EOS) + 1
+
+
+def _check_builtin_data_vocab(config: Config, model) -> None:
+    """Without --data the run reads the shipped text byte-tokenized (ids 0..257). A smaller vocabulary
+    would fail on one rank (an embedding index out of range) or, vocab-parallel over tp, silently zero
+    the embedding of every id past it and train on nothing."""
+    needed = builtin_data_vocab()
+    if model.vocab_size >= needed:
+        return
+    if config.model.vocab_size is not None:
+        given = f"--vocab-size {config.model.vocab_size}"
+        fix = f"use --vocab-size {needed} or more"
+    else:
+        given = f"the {config.model_name} model's vocab_size {model.vocab_size}"
+        fix = f"use a model with a vocabulary of {needed} or more"
+    raise ValueError(f"{given} is below the token ids of the built-in data (byte-level: ids 0-{needed - 1}, "
+                     f"{needed} of them); {fix}, or train on token files of your vocabulary with --data PATH")
 
 
 def _check_numbers(config: Config) -> None:
@@ -83,6 +109,13 @@ def _check_numbers(config: Config) -> None:
         raise ValueError(f"--max-restarts {r.max_restarts} must be >= 0")
     if r.on_nonfinite not in ("stop", "skip"):
         raise ValueError(f"--on-nonfinite {r.on_nonfinite!r}; use stop or skip")
+    if r.max_skipped_steps is not None:
+        if r.on_nonfinite != "skip":
+            raise ValueError(f"--max-skipped-steps {r.max_skipped_steps} applies to --on-nonfinite skip, and it is "
+                             f"{r.on_nonfinite}: add --on-nonfinite skip, or drop --max-skipped-steps")
+        if not isinstance(r.max_skipped_steps, int) or r.max_skipped_steps < 1:
+            raise ValueError(f"--max-skipped-steps {r.max_skipped_steps} must be a positive number of steps (to stop "
+                             f"at the first non-finite step, use --on-nonfinite stop)")
     if r.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {r.device!r}; use auto, cpu or cuda")
     if r.kernels not in ("auto", "torch", "triton"):
@@ -112,6 +145,9 @@ def _check_pipeline_flags(config: Config) -> None:
     p = config.parallel
     if not isinstance(p.virtual, int) or p.virtual < 1:
         raise ValueError(f"--virtual {p.virtual} must be a positive integer (stages per pp rank)")
+    if p.sequence_parallel and p.tp == 1:
+        raise ValueError("--sequence-parallel shards the norms and the residual stream over tensor parallel, and --tp "
+                         "is 1: add --tp 2 (or more), or drop --sequence-parallel")
     if p.cp == 1 and p.cp_method is not None:
         raise ValueError(f"--cp-method {p.cp_method} applies to context parallel, and --cp is 1: add --cp 2 (or more), "
                          f"or drop --cp-method")
@@ -163,6 +199,8 @@ def _check_device(config: Config, world: int) -> None:
 
 
 def _check_writable_file(flag: str, path: str) -> None:
+    """The file opens for appending, as the run will open it (created, then removed again, when it did
+    not exist): permission bits alone pass paths such as /proc/run.jsonl that no one can create."""
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{flag} {path} is a directory; give a file path")
@@ -171,6 +209,32 @@ def _check_writable_file(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first")
     if (p.exists() and not os.access(p, os.W_OK)) or not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path} is not writable; choose a path you can write")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        how = "opening it for appending" if existed else "creating it"
+        raise ValueError(f"{flag} {path} cannot be written ({how} fails: {e.strerror}); choose a path you can write") from None
+    if not existed:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+def resolve_checkpoint(path: str) -> tuple[Path, list[str]]:
+    """checkpoint.resolve(path), and the warnings it gave (a damaged latest checkpoint, the intact one used
+    instead) as their one-line messages, not emitted: the launcher prints them once (run.train); the
+    pre-run checks and every rank resolve the same path again."""
+    import warnings
+
+    from tessera.parallel import checkpoint
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolved = checkpoint.resolve(path)
+    return resolved, [str(w.message) for w in caught]
 
 
 def _check_paths(config: Config, model) -> None:
@@ -182,7 +246,7 @@ def _check_paths(config: Config, model) -> None:
     if c.dir:
         check_writable_dir("--checkpoint-dir", c.dir)
     if c.resume is not None:
-        path = checkpoint.resolve(config.resume_path)
+        path, _ = resolve_checkpoint(config.resume_path)  # a fallback is announced once, by run.train
         problem = checkpoint.structural_problem(path)  # missing or truncated files, before any rank starts
         if problem is not None:
             raise checkpoint.CheckpointError(problem)
@@ -212,5 +276,5 @@ def _check_profile(config: Config) -> None:
     if r.profile is not None and config.checkpoint.resume is not None:
         from tessera.parallel import checkpoint
 
-        done = int(checkpoint.read_manifest(checkpoint.resolve(config.resume_path))["step"])
+        done = int(checkpoint.read_manifest(resolve_checkpoint(config.resume_path)[0])["step"])
     check_profile(r.profile, r.profile_steps, r.steps, done)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -16,6 +17,23 @@ import torch
 HBM_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
 # dense bf16 peak FLOP/s, by a substring of the device name
 BF16_PEAK = {"H200": 989e12, "H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "A100": 312e12}
+
+
+def finite_or_null(value: Any) -> Any:
+    """`value` with every NaN and infinity (in nested dicts and lists too) replaced by None: JSON has no
+    such numbers, and Python's json writes them as bare NaN / Infinity, which strict parsers refuse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def strict_json(value: Any) -> str:
+    """One line of strict JSON: NaN and infinity written as null (json.dumps(..., allow_nan=False) holds)."""
+    return json.dumps(finite_or_null(value), allow_nan=False)
 
 
 def cpu_name() -> str:

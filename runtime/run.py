@@ -55,6 +55,9 @@ def header_record(config: Config, trainer: Any, run_id: str) -> dict[str, Any]:
         # measured from the tensors during this process's first step, never the config's label
         **(trainer.dtype_report or {"compute_dtype": None}),
         "mixed_precision_configured": config.mixed_precision,
+        # this record and every step's are strict JSON: a NaN or infinite number (a skipped step's loss, the
+        # config's --max-grad-norm inf) is written as null
+        "nonfinite_as": "null",
         "versions": {"tessera": __version__, "torch": torch.__version__, "python": platform.python_version()},
     }
 
@@ -124,8 +127,9 @@ def _join_torchrun_job(backend: str, timeout: float, attempt: int) -> None:
 def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: int) -> str:
     remaining = config.runtime.steps - m["step"]
     eta = elapsed / max(1, done_here) * remaining
+    skipped = f"skipped: non-finite, no update ({m.get('skipped_steps', 0)} skipped so far) | " if m.get("skipped") else ""
     return (
-        f"step {m['step']:>4}/{config.runtime.steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
+        f"step {m['step']:>4}/{config.runtime.steps} | {skipped}loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
         f"eta {_duration(eta)} | {Layout(**m['layout'])}"
         + (f" | eval loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else "")
@@ -138,6 +142,56 @@ def _duration(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def done_line(history: list[dict[str, Any]], config: Config) -> str:
+    """The last line of a finished run: the loss over the steps this run took (a resumed or restarted run
+    took only those after its checkpoint, and says from which step)."""
+    first, last = history[0], history[-1]
+    took = last["step"] - first["step"] + 1
+    resumed = f" ({first['step']}-{last['step']}, resumed after step {first['step'] - 1})" if first["step"] > 1 else ""
+    return (f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {took} step{'s' if took != 1 else ''}"
+            f"{resumed} on {config.layout}")
+
+
+def stopped_message(why: str, config: Config) -> str:
+    """The one line of a run stopped by SIGTERM or SIGINT: suggest --resume only where a checkpoint can be."""
+    if "saved a checkpoint" in why:  # --checkpoint-on-signal
+        return f"{why} (resume with --resume)"
+    root = config.checkpoint.dir
+    if root and (Path(root) / "latest").exists():
+        return f"{why}; every rank was stopped (resume from the last checkpoint in {root} with --resume)"
+    if root:
+        return f"{why}; every rank was stopped (no checkpoint was saved in {root} yet: nothing to resume from)"
+    return f"{why}; every rank was stopped (no --checkpoint-dir was given: this run saved nothing to resume from)"
+
+
+def failure_cause(error: Exception) -> str:
+    """A rank's failure in one line: the exception a rank raised ('rank 1 of 4 raised RuntimeError: ...'),
+    or a death by a signal named ('rank 1 of 4 died without a result (killed by SIGKILL, exit code -9)')."""
+    import re
+
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    first = lines[0] if lines else type(error).__name__
+    if first.endswith(" raised:") and len(lines) > 1:  # a traceback follows: its last line is the exception
+        first = f"{first[:-len(' raised:')]} raised {lines[-1].strip()}"
+
+    def named(match: re.Match) -> str:
+        code = int(match.group(1))
+        try:
+            return f"(killed by {signal.Signals(-code).name}, exit code {code})" if code < 0 else match.group(0)
+        except ValueError:
+            return match.group(0)
+
+    return re.sub(r"\(exit code (-?\d+)\)", named, first)
+
+
+def _announce(messages: list[str]) -> None:
+    """Warnings of the launching process (a checkpoint fallback), one line each, once: on rank 0 under
+    torchrun, where every worker runs the launch."""
+    if int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for message in messages:
+            print(f"tessera: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _keep_metrics_through(path: str, step: int) -> None:
@@ -193,8 +247,14 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             load_hf_weights(part, config.checkpoint.init_from_hf)
         say(f"loaded Hugging Face weights from {config.checkpoint.init_from_hf}")
     if config.checkpoint.resume is not None:
-        manifest = trainer.load(config.resume_path)
-        say(f"resumed from {checkpoint.resolve(config.resume_path)}: step {manifest['step']} "
+        import warnings
+
+        from .preflight import resolve_checkpoint
+
+        with warnings.catch_warnings():  # a fallback to an older checkpoint: the launcher announced it, once
+            warnings.filterwarnings("ignore", message="the latest checkpoint .* is unusable")
+            manifest = trainer.load(config.resume_path)
+        say(f"resumed from {resolve_checkpoint(config.resume_path)[0]}: step {manifest['step']} "
             f"({manifest['consumed_tokens']:,} tokens) saved on {Layout(**manifest['layout'])}")
     manager = checkpoint.CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
     history: list[dict[str, Any]] = []
@@ -202,6 +262,7 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     if attempt and config.runtime.metrics and rank == 0:
         _keep_metrics_through(config.runtime.metrics, trainer.step)
     out = open(config.runtime.metrics, "a") if (config.runtime.metrics and rank == 0) else None
+    from .results import strict_json
     from .profiling import StepProfiler
 
     profiler = StepProfiler(config, rank, trainer.device, trainer.step)  # --profile (else it does nothing)
@@ -210,17 +271,20 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
         start, first_step = time.perf_counter(), trainer.step
         profiler.start()
         while trainer.step < config.runtime.steps:
-            m = trainer.train_step().record()
+            result = trainer.train_step()
+            m = result.record()
             if trainer.step == first_step + 1:  # the header and start-up line carry what step 1 measured
                 say(startup_line(config, trainer))
                 if out:
-                    out.write(json.dumps({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
+                    out.write(strict_json({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
                     header_written = True
+            if result.skip_report and rank == 0:  # one line per skipped step, with --quiet too
+                print(f"tessera: {result.skip_report}", flush=True)
             if config.data.eval_every and trainer.step % config.data.eval_every == 0:
                 m["eval_loss"] = trainer.evaluate()
             history.append(m)
             if out:  # before the checkpoint: a crash in between repeats the step (and its line is cut), never skips it
-                out.write(json.dumps(m) + "\n")
+                out.write(strict_json(m) + "\n")
                 out.flush()
             saved = config.checkpoint.every and trainer.step % config.checkpoint.every == 0
             if saved:
@@ -236,7 +300,7 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
         profiler.stop()  # a window cut short (SIGTERM, an error) is still written
         if out:
             if not header_written:  # nothing left to train (resumed at the last step), or step 1 failed
-                out.write(json.dumps({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
+                out.write(strict_json({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
             out.close()
     summary = profiler.summary()
     if summary and rank == 0:  # asked for with --profile: printed even with --quiet
@@ -256,6 +320,10 @@ def train(config: Config) -> list[dict[str, Any]] | None:
     from tessera.parallel.checkpoint import directory_lock
 
     config.check()
+    if config.checkpoint.resume is not None:  # a damaged latest checkpoint, and the older one used instead
+        from .preflight import resolve_checkpoint
+
+        _announce(resolve_checkpoint(config.resume_path)[1])
     if _backend(config) == "nccl":  # a stalled NCCL collective dumps torch's flight recorder (every rank's last ops)
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -286,7 +354,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                 attempt += 1
                 config = _resuming_after_failure(config)
                 where = f"the latest checkpoint in {config.checkpoint.dir}" if config.checkpoint.resume is not None else "step 0"
-                first = str(e).splitlines()[0]
+                first = failure_cause(e)
                 print(f"tessera: {first}; restarting every rank from {where} (restart {attempt} of "
                       f"{config.runtime.max_restarts})", file=sys.stderr, flush=True)
 
@@ -303,10 +371,12 @@ def _resuming_after_failure(config: Config) -> Config:
 
     from tessera.parallel import checkpoint
 
+    from .preflight import resolve_checkpoint
+
     root = config.checkpoint.dir
     if root and (Path(root) / "latest").exists():
         try:
-            checkpoint.resolve(root)
+            _announce(resolve_checkpoint(root)[1])
         except checkpoint.CheckpointError:
             return config
         return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume="", init_from=None, init_from_hf=None),

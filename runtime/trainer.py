@@ -14,7 +14,6 @@ import contextlib
 import os
 import resource
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,13 +65,16 @@ class Progress:
     step: int = 0
     consumed_tokens: int = 0
     skipped_steps: int = 0
+    skipped_in_a_row: int = 0  # the latest steps, all skipped (--max-skipped-steps bounds it)
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "consumed_tokens": self.consumed_tokens, "skipped_steps": self.skipped_steps}
+        return {"step": self.step, "consumed_tokens": self.consumed_tokens, "skipped_steps": self.skipped_steps,
+                "skipped_in_a_row": self.skipped_in_a_row}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.consumed_tokens = int(state["step"]), int(state["consumed_tokens"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
 
 
 @dataclass
@@ -89,6 +91,7 @@ class StepResult:
     device: torch.device = field(repr=False, default=torch.device("cpu"))
     skipped: bool = False  # the update was dropped (a non-finite value, --on-nonfinite skip)
     skipped_steps: int = 0  # such steps so far in the run
+    skip_report: str | None = None  # a skipped step's one line: which values were non-finite (not in the record)
     straggler: Straggler | None = None  # a rank the others have waited for, several steps in a row
     tokens_checksum: int | None = None  # of the global batch's tokens (token files only)
     comm: dict[str, Any] | None = None  # --comm-stats: bytes sent by axis and collective, beside the analytic ones
@@ -349,15 +352,25 @@ class Trainer:
                 dist.all_reduce(loss_sum, group=self.meshes.loss.get_group())
         # one host sync: the loss and the norm are reduced over every rank, so all ranks decide alike
         skipped = not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        skip_report = None
         if skipped:
             report = self._nonfinite_report(self.progress.step + 1, loss_sum / max(1, valid), grad_norm)
-            if self.config.runtime.on_nonfinite == "stop":
+            runtime = self.config.runtime
+            if runtime.on_nonfinite == "stop":
                 raise NonFiniteError(report + "; stopped before the update (nothing poisoned was applied or saved); "
                                      "--on-nonfinite skip drops such steps instead")
+            limit = runtime.skip_limit
+            if self.progress.skipped_in_a_row >= limit:  # the run is not recovering: stop as `stop` does
+                raise NonFiniteError(
+                    f"{report}; stopped before the update after {self.progress.skipped_in_a_row} skipped steps in a "
+                    f"row (--max-skipped-steps {limit}): nothing poisoned was applied or saved; lower --lr, or allow "
+                    f"more with --max-skipped-steps N")
             self.progress.skipped_steps += 1
-            if self.rank == 0:
-                warnings.warn(report + "; the step's update was skipped (--on-nonfinite skip)", stacklevel=2)
+            self.progress.skipped_in_a_row += 1
+            skip_report = (f"{report}; the step's update was skipped (--on-nonfinite skip: {self.progress.skipped_in_a_row} "
+                           f"of at most {limit} in a row)")
         else:
+            self.progress.skipped_in_a_row = 0
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -366,7 +379,7 @@ class Trainer:
         self.progress.consumed_tokens += global_tokens
         return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, global_tokens, started,
                           self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps,
-                          straggler=straggler, tokens_checksum=tokens_checksum)
+                          skip_report=skip_report, straggler=straggler, tokens_checksum=tokens_checksum)
 
     def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
         """Which parameters hold a NaN or inf gradient, on which rank and shard (collective)."""

@@ -105,8 +105,13 @@ def test_train_from_hf_then_export_to_hf_loads_back_into_transformers(hf_dir, tm
     from tessera.cli import main
     from tessera.run import train
 
+    from tessera.models.tokens import write_shard
+
     ckpt = tmp_path / "ckpt"
-    train(small_config(init_from_hf=str(hf_dir), seq_len=24, global_batch=4, steps=2, dp=2, tp=2,
+    (tmp_path / "tokens").mkdir()
+    ids = torch.randint(0, 96, (2000,), generator=torch.Generator().manual_seed(2)).tolist()
+    write_shard(tmp_path / "tokens" / "shard_00000", ids, vocab_size=96, separator=0)  # ids of the model's vocabulary
+    train(small_config(init_from_hf=str(hf_dir), seq_len=24, global_batch=4, steps=2, dp=2, tp=2, data=str(tmp_path / "tokens"),
                        checkpoint_dir=str(ckpt), checkpoint_every=2, vocab_size=None, model="debug"))
     assert main(["export", str(ckpt), "--to-hf", str(tmp_path / "out")]) == 0
     exported = LlamaForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()

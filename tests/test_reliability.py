@@ -190,7 +190,7 @@ def two_checkpoints(tmp_path_factory):
     return root, [(m["loss"], m["grad_norm"]) for m in history]
 
 
-def test_a_damaged_latest_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_path):
+def test_a_damaged_latest_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_path, capsys, recwarn):
     from tessera.run import train
 
     root, history = two_checkpoints
@@ -201,8 +201,14 @@ def test_a_damaged_latest_falls_back_to_the_newest_intact_checkpoint(two_checkpo
     shard.write_bytes(shard.read_bytes()[:-10])  # truncated
     with pytest.warns(UserWarning, match=r"the latest checkpoint .*step_00000006 is unusable \(truncated or altered checkpoint file"):
         assert checkpoint.resolve(copy).name == "step_00000004"
-    with pytest.warns(UserWarning):
-        resumed = train(small_config(steps=6, resume=str(copy)))
+    capsys.readouterr()
+    recwarn.clear()
+    resumed = train(small_config(steps=6, resume=str(copy)))
+    # the launcher says it once, in one line (no warning with its source line, none again by the pre-run checks)
+    warned = [line for line in capsys.readouterr().err.splitlines() if "is unusable" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"tessera: warning: the latest checkpoint {copy}/step_00000006 is "
+                                                     f"unusable (truncated or altered checkpoint file")
+    assert not [w for w in recwarn if "is unusable" in str(w.message)]
     assert [m["step"] for m in resumed] == [5, 6]
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == history[4:]  # bitwise the uninterrupted run
     older = next((copy / "step_00000004" / "state").glob("*.distcp"))
