@@ -47,6 +47,19 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
+def qwen3_masked_reference():
+    return run_ranks(train_losses_and_grads, 1, small_config(**BASE), True, timeout=120)[0]
+
+
+@pytest.mark.parametrize("case", ["dp2", "dp2xtp2", "pp2"])
+def test_qwen3_unevenly_masked_targets_train_like_one_process(qwen3_masked_reference, case):
+    layout = {"dp2": dict(dp=2), "dp2xtp2": dict(dp=2, tp=2), "pp2": dict(pp=2, microbatches=2)}[case]
+    config = small_config(**BASE, **layout)
+    run = run_ranks(train_losses_and_grads, config.layout.world_size, config, True, timeout=240)[0]
+    assert_trains_like_one_process(f"qwen3 masked {case}", run, qwen3_masked_reference)
+
+
+@pytest.fixture(scope="module")
 def qwen3_reference():
     return run_ranks(train_losses_and_grads, 1, small_config(**BASE), timeout=120)[0]
 
