@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
 
+from tessera.models.init import one_process_name
+
 from .safe_io import (  # re-exported: CheckpointError and the safetensors functions are part of this module's API
     CheckpointError,
     SafeFileSystemReader,
@@ -213,7 +215,7 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def get_model_state_dict_names(part: torch.nn.Module) -> list[str]:
     """The state-dict names of a part (one-process names: wrappers' prefixes removed)."""
-    return [k.replace("_checkpoint_wrapped_module.", "") for k in part.state_dict().keys()]
+    return [one_process_name(k) for k in part.state_dict().keys()]
 
 
 def _optim_key_param(key: str) -> str:

@@ -15,7 +15,7 @@ def check_writable_dir(flag: str, path: str) -> None:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"{flag} {path} cannot be created ({e.strerror}); choose a writable directory") from None
-    if not os.access(d, os.W_OK):
+    if not os.access(d, os.W_OK | os.X_OK):  # entries are made in a directory through both
         raise ValueError(f"{flag} {path} is not writable; choose a writable directory")
     try:
         with tempfile.NamedTemporaryFile(dir=d, prefix=".tessera-write-check-"):

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from tessera.models.init import one_process_name
 from tessera.topology import Layout
 
 
@@ -51,7 +52,7 @@ def _default_loss(output: Tensor, targets: Tensor) -> Tensor:
 
 
 def _clean(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "")
+    return one_process_name(name)
 
 
 def train_on_layout(spec: RunSpec) -> dict[str, Any] | None:

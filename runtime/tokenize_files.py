@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from tessera.models.tokens import write_shard
+
+from .paths import check_writable_dir
 
 SEPARATORS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 
@@ -82,17 +83,7 @@ def check_out_dir(flag: str, name: str) -> Path:
     blocker = next((p for p in path.absolute().parents if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         raise ValueError(f"{flag} {name}: {blocker} is a file, not a directory; name a directory elsewhere")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{flag} {name} cannot be created ({e.strerror}); choose a writable directory") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {name} is not writable; choose a writable directory")
-    try:  # permission bits pass directories no one can write into (/proc, as root): write a file to know
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".tessera-write-check-"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} {name} cannot be written ({e.strerror}); choose a writable directory") from None
+    check_writable_dir(flag, name)  # created, then a file written and removed in it
     return path
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tessera.models.data import TokenStream
+from tessera.models.init import one_process_name
 from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
@@ -397,7 +398,7 @@ class Trainer:
                         mesh = p.grad.device_mesh
                         where = " (shard " + ", ".join(f"{n}={mesh.get_local_rank(i)}" for i, n in
                                                        enumerate(mesh.mesh_dim_names or ())) + ")"
-                    mine.append(f"rank {self.rank}: {name.replace('_checkpoint_wrapped_module.', '')}{where}")
+                    mine.append(f"rank {self.rank}: {one_process_name(name)}{where}")
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         found = [entry for entries in everyone for entry in entries]
