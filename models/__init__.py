@@ -1,10 +1,11 @@
-"""Model families, each one file with its spec (models/spec.py), registered by name: Llama and Qwen3.
+"""Model families, each one file with its spec (models/spec.py), registered by name: Llama, Qwen3 and Qwen3-MoE.
 
 Adding a family is one file that builds and registers a `ModelSpec`, and its import line below.
 """
 
 from . import llama  # noqa: F401  (registers the family)
 from . import qwen3  # noqa: F401  (registers the family)
+from . import qwen3_moe  # noqa: F401  (registers the family)
 from .init import init_parameters
 from .llama import PRESETS, ModelConfig, Transformer
 from .qwen3 import Qwen3, Qwen3Config

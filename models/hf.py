@@ -7,9 +7,12 @@ parameter names through `to_hf`/`from_hf`, shapes from the model built on the me
 (one nn.Parameter under two names, e.g. a head tied to the token embedding) are found by identity on that
 meta build: tessera's name is the owner's (`named_parameters()`'s first), a checkpoint may hold the
 parameter under either name, and an export writes it once, under the owner's name, as transformers
-does (a tied checkpoint has no lm_head.weight). A rank reads only its own block of each parameter from the
-memory-mapped safetensors files (a parameter sharded in strides, FSDP over tp, is read whole, one at a
-time); no process ever holds the full state dict.
+does (a tied checkpoint has no lm_head.weight). A stacked parameter (a family's experts, (E, ...)) is E
+tensors in a checkpoint: `from_hf` gives (stacked name, index) for each, `to_hf` a template with `{}` where
+the index goes; it is read by stacking them along dim 0 and written one tensor per index. A rank reads only
+its own block of each parameter from the memory-mapped safetensors files (of a stacked one, only its
+indices: its experts under expert parallel); a parameter sharded in strides, FSDP over tp, is read whole,
+one at a time; no process ever holds the full state dict.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from tessera.topology.shapes import ModelShape
 from .init import one_process_name
 from .spec import HFAdapter, ModelSpec, all_presets, families, get_spec, spec_for_hf, spec_of
 
+# Where a parameter is in a checkpoint: (HF name, file), or for a stacked parameter index -> (HF name, file)
+# of each of its slices along dim 0.
+Source = tuple[str, Path] | dict[int, tuple[str, Path]]
+
 
 def _spec(model: Any) -> ModelSpec:
     """The spec of a ModelSpec, a family's config, or a model (its `.config`)."""
@@ -46,15 +53,34 @@ def _adapter(model: Any) -> HFAdapter:
     return spec.hf
 
 
-def hf_to_tessera_name(name: str, model: Any) -> str | None:
-    """A Hugging Face parameter name -> the family's (None: not a parameter, e.g. rotary buffers). `model`:
-    the family's config, spec or model. ValueError for a name the family does not know."""
+def hf_to_tessera_name(name: str, model: Any) -> str | tuple[str, int] | None:
+    """A Hugging Face parameter name -> the family's (None: not a parameter, e.g. rotary buffers; (name, index):
+    one slice of a stacked parameter). `model`: the family's config, spec or model. ValueError for a name the
+    family does not know."""
     return _adapter(model).from_hf(name)
 
 
 def tessera_to_hf_name(name: str, model: Any) -> str:
-    """The family's parameter name -> Hugging Face's. `model`: the family's config, spec or model."""
+    """The family's parameter name -> Hugging Face's (a stacked parameter's: a template, `{}` for the index).
+    `model`: the family's config, spec or model."""
     return _adapter(model).to_hf(name)
+
+
+def _hf_names(name: str, shape: tuple[int, ...], cfg: Any) -> dict[int | None, str]:
+    """The HF tensors of one parameter: {None: HF name}, or a stacked one's {index: HF name} for each index."""
+    hf = tessera_to_hf_name(name, cfg)
+    return {i: hf.format(i) for i in range(shape[0])} if "{}" in hf else {None: hf}
+
+
+def _slices(src: Source | None) -> dict[int | None, tuple[str, Path]]:
+    """A Source as {index or None: (HF name, file)}, what `_hf_names` keys are compared with."""
+    return {} if src is None else src if isinstance(src, dict) else {None: src}
+
+
+def _lacks(name: str, shape: tuple[int, ...], src: Source | None, cfg: Any) -> list[str]:
+    """The HF names of the tensors of parameter `name` (each index's, if stacked) that `src` does not hold."""
+    held = _slices(src)
+    return [hf for i, hf in _hf_names(name, shape, cfg).items() if i not in held]
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -189,29 +215,60 @@ def weight_files(directory: str | os.PathLike, flag: str | None = None) -> dict[
                      f"not read: they can run code)")
 
 
-def _weight_map(files: dict[str, Path], cfg: Any, groups: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, Path]]:
-    """tessera owner name -> (HF name, file) for every parameter of `cfg` the files hold. A tied parameter
-    stored under either of its names is found; under both, the owner's copy is read. HF tensors that are
-    not parameters (rotary buffers) or that the config does not imply (layers past n_layers) are skipped;
-    a name the family does not know is a ValueError."""
+def _weight_map(files: dict[str, Path], cfg: Any, shapes: dict[str, tuple[int, ...]],
+                groups: dict[str, tuple[str, ...]]) -> dict[str, Source]:
+    """tessera owner name -> its Source for every parameter of `cfg` the files hold (a stacked one: the
+    indices they hold). A tied parameter stored under either of its names is found; under both, the owner's
+    copy is read. HF tensors that are not parameters (rotary buffers) or that the config does not imply
+    (layers past n_layers, experts past n_experts) are skipped; a name the family does not know is a ValueError."""
     adapter = _adapter(cfg)
-    found: dict[str, tuple[int, str, Path]] = {}
+    found: dict[tuple[str, int | None], tuple[int, str, Path]] = {}
     for hf_name, file in files.items():
         ours = adapter.from_hf(hf_name)
+        ours, index = ours if isinstance(ours, tuple) else (ours, None)
         if ours is None or ours not in groups:
             continue
         group = groups[ours]
+        if index is not None and index >= shapes[group[0]][0]:
+            continue
         rank = group.index(ours)
-        if group[0] not in found or rank < found[group[0]][0]:
-            found[group[0]] = (rank, hf_name, file)
-    return {owner: (hf_name, file) for owner, (_, hf_name, file) in found.items()}
+        key = (group[0], index)
+        if key not in found or rank < found[key][0]:
+            found[key] = (rank, hf_name, file)
+    where: dict[str, Source] = {}
+    for (owner, index), (_, hf_name, file) in found.items():
+        if index is None:
+            where[owner] = (hf_name, file)
+        else:
+            where.setdefault(owner, {})[index] = (hf_name, file)
+    return where
 
 
-def hf_weight_map(directory: str | os.PathLike, cfg: Any, flag: str | None = None) -> dict[str, tuple[str, Path]]:
-    """tessera parameter name (a tied parameter's owner name) -> (HF name, safetensors file) for the
-    Hugging Face directory's weights of the model `cfg` describes (`flag`: as weight_files)."""
-    _, groups = _parameters(cfg)
-    return _weight_map(weight_files(directory, flag), cfg, groups)
+def hf_weight_map(directory: str | os.PathLike, cfg: Any, flag: str | None = None) -> dict[str, Source]:
+    """tessera parameter name (a tied parameter's owner name) -> (HF name, safetensors file), or for a stacked
+    parameter index -> (HF name, file), for the Hugging Face directory's weights of the model `cfg`
+    describes (`flag`: as weight_files). `read_hf_parameter` reads an entry."""
+    shapes, groups = _parameters(cfg)
+    return _weight_map(weight_files(directory, flag), cfg, shapes, groups)
+
+
+def _read(handles: dict[Path, Any], src: Source, block: tuple[slice, ...] | None) -> torch.Tensor:
+    """`block` (None: all) of a parameter from the memory-mapped files. A stacked parameter: the indices of
+    the block's dim 0 only (this rank's experts), each read as its block of the other dims, then stacked."""
+    if not isinstance(src, dict):
+        hf_name, file = src
+        return handles[file].get_tensor(hf_name) if block is None else handles[file].get_slice(hf_name)[block]
+    rows = sorted(src) if block is None else range(block[0].start, block[0].stop)
+    parts = [_read(handles, src[i], None if block is None else block[1:]) for i in rows]
+    if not parts:  # a rank that holds none of the indices
+        return torch.empty(0, *(s.stop - s.start for s in block[1:]))
+    return torch.stack(parts)
+
+
+def read_hf_parameter(src: Source) -> torch.Tensor:
+    """One parameter, whole, from an hf_weight_map entry (a stacked one's tensors stacked along dim 0)."""
+    with contextlib.ExitStack() as stack:
+        return _read(_open_each({h: f for h, f in _slices(src).values()}, stack), src, None)
 
 
 def check_hf_weights(directory: str | os.PathLike, cfg: Any, flag: str | None = None) -> None:
@@ -219,17 +276,19 @@ def check_hf_weights(directory: str | os.PathLike, cfg: Any, flag: str | None = 
     (`flag`: the option that named the directory, to begin the messages with)."""
     files = weight_files(directory, flag)
     want, groups = _parameters(cfg)
-    ours = _weight_map(files, cfg, groups)
-    missing = [n for n in want if n not in ours]
+    ours = _weight_map(files, cfg, want, groups)
+    missing = [hf for n, shape in want.items() for hf in _lacks(n, shape, ours.get(n), cfg)]
     if missing:
         raise ValueError(f"{f'{flag} ' if flag else ''}{directory}: the checkpoint lacks "
-                         f"{tessera_to_hf_name(missing[0], cfg)} (and {len(missing) - 1} more)")
+                         f"{missing[0]} (and {len(missing) - 1} more)")
     with contextlib.ExitStack() as stack:
         handles = _open_each(files, stack)
-        for name, (hf_name, file) in ours.items():
-            shape = tuple(handles[file].get_slice(hf_name).get_shape())
-            if shape != want[name]:
-                raise ValueError(f"{file}: {hf_name} has shape {list(shape)}, config.json implies {list(want[name])}")
+        for name, src in ours.items():
+            for index, (hf_name, file) in _slices(src).items():
+                expected = want[name] if index is None else want[name][1:]  # a stacked one's: each slice's
+                shape = tuple(handles[file].get_slice(hf_name).get_shape())
+                if shape != expected:
+                    raise ValueError(f"{file}: {hf_name} has shape {list(shape)}, config.json implies {list(expected)}")
 
 
 # ----------------------------------------------------------------------------- weights in and out
@@ -237,47 +296,54 @@ def check_hf_weights(directory: str | os.PathLike, cfg: Any, flag: str | None = 
 def load_hf_weights(part: nn.Module, directory: str | os.PathLike, config: Any | None = None) -> None:
     """Fill a (parallelized, materialized) model or pipeline stage with the HF checkpoint's weights.
     `config`: the family's config (default: `part.config`). A parameter sharded in blocks (tp, or FSDP
-    alone) is read as just this rank's block of the memory-mapped file; one sharded in strides (FSDP over
-    tp) is read whole, one parameter at a time, and cut locally. A tied parameter is read once, under
-    whichever of its names the part calls it."""
+    alone, or a stack of experts under expert parallel) is read as just this rank's block of the
+    memory-mapped files; one sharded in strides (FSDP over tp) is read whole, one parameter at a time, and
+    cut locally. A tied parameter is read once, under whichever of its names the part calls it."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     cfg = config if config is not None else part.config
     files = weight_files(directory)
-    _, groups = _parameters(cfg)
-    where = _weight_map(files, cfg, groups)
+    shapes, groups = _parameters(cfg)
+    where = _weight_map(files, cfg, shapes, groups)
     with contextlib.ExitStack() as stack:
         handles = _open_each(files, stack)
         for name, p in part.named_parameters():
             name = one_process_name(name)
             owner = groups.get(name, (name,))[0]
-            if owner not in where:
-                raise ValueError(f"{directory}: the checkpoint lacks {tessera_to_hf_name(name, cfg)}")
-            hf_name, file = where[owner]
-            f = handles[file]
+            missing = _lacks(name, tuple(p.shape), where.get(owner), cfg)  # p.shape: a DTensor's global shape
+            if missing:
+                raise ValueError(f"{directory}: the checkpoint lacks {missing[0]}")
+            src = where[owner]
             if isinstance(p, DTensor) and all(type(pl) in (Shard, Replicate) for pl in p.placements):
-                # a block of the global tensor: read just that block from the memory-mapped file
+                # a block of the global tensor: read just that block from the memory-mapped files
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                block = f.get_slice(hf_name)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                block = _read(handles, src, tuple(slice(o, o + n) for o, n in zip(offset, shape)))
                 p.to_local().copy_(block.to(p.dtype))
             elif isinstance(p, DTensor):  # strided shards (FSDP over tp): the whole parameter, then this rank's part
-                full = f.get_tensor(hf_name).to(p.dtype)
+                full = _read(handles, src, None).to(p.dtype)
                 p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
             else:
-                p.copy_(f.get_tensor(hf_name).to(p.dtype))
+                p.copy_(_read(handles, src, None).to(p.dtype))
 
 
 def save_hf(state: dict[str, torch.Tensor], cfg: Any, directory: str | os.PathLike) -> None:
     """Write a Hugging Face directory (config.json, model.safetensors) of `cfg`'s family from a full
     tessera state dict. A tied parameter is written once, under its owner's HF name (transformers re-ties
-    the other from config.json's tie_word_embeddings)."""
+    the other from config.json's tie_word_embeddings); a stacked one as one tensor per index. The model's
+    buffers (an MoE routing bias) are not written: HF checkpoints hold parameters, and the family's
+    config_dict refuses a config whose buffers would change the outputs."""
     from .safetensors_io import write_safetensors
 
     want, groups = _parameters(cfg)
+    buffers: set[str] | None = None
     by_owner: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         name = one_process_name(name)
+        if name not in groups and buffers is None:  # built only for a state dict that holds more than parameters
+            buffers = {n for n, _ in _spec(cfg).build_model(cfg, device="meta").named_buffers()}
+        if name not in groups and name in buffers:
+            continue
         if name not in groups:
             tessera_to_hf_name(name, cfg)  # a name the family does not know: its ValueError
             raise ValueError(f"{name} is not a parameter of the {_spec(cfg).name} model config.json describes")
@@ -290,9 +356,17 @@ def save_hf(state: dict[str, torch.Tensor], cfg: Any, directory: str | os.PathLi
     missing = [n for n in want if n not in by_owner]
     if missing:
         raise ValueError(f"the state dict lacks {missing[0]} (and {len(missing) - 1} more)")
-    tensors = {tessera_to_hf_name(n, cfg): by_owner[n].contiguous() for n in want}
+    tensors: dict[str, torch.Tensor] = {}
+    for n, shape in want.items():
+        t = by_owner[n]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{n} has shape {list(t.shape)} in the state dict; the config implies {list(shape)}")
+        for i, hf_name in _hf_names(n, shape, cfg).items():
+            # a slice is a view of the stack: cloned, as safetensors refuses tensors that share memory
+            tensors[hf_name] = t.contiguous() if i is None else t[i].clone(memory_format=torch.contiguous_format)
+    dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    config = hf_config_dict(cfg, dtype)  # first: a config with no HF form leaves no half-written directory
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
     write_safetensors(tensors, d / "model.safetensors", {"format": "pt"})
-    (d / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=1))
+    (d / "config.json").write_text(json.dumps(config, indent=1))

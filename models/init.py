@@ -33,8 +33,13 @@ def init_region(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size
         return out.fill_(1.0)
     if std == ZEROS:
         return out.zero_()
-    if len(shape) > 2:
-        raise ValueError(f"{name}: init_region handles 1-D and 2-D parameters, not shape {tuple(shape)}")
+    if len(shape) == 3:  # a stack of matrices (grouped experts): each its own 2-D tiles, named by its index
+        for e in range(offset[0], offset[0] + size[0]):
+            init_region(f"{name}[{e}]", tuple(shape[1:]), tuple(offset[1:]), tuple(size[1:]), std, seed,
+                        out=out[e - offset[0]])
+        return out
+    if len(shape) > 3:
+        raise ValueError(f"{name}: init_region handles 1-D to 3-D parameters, not shape {tuple(shape)}")
     shape2 = (shape[0], shape[1] if len(shape) == 2 else 1)
     off2 = (offset[0], offset[1] if len(shape) == 2 else 0)
     size2 = (size[0], size[1] if len(shape) == 2 else 1)

@@ -47,6 +47,10 @@ TP_STYLES = {
     "kv": "a K or V projection: split over kv heads when tp divides them, else replicated, each rank its head",
     "norm": "a norm over the model dim with replicated weights (gradients summed under SP)",
     "head_norm": "a norm over head_dim applied to each rank's own heads (QK-norm): weight gradients always summed",
+    "replicated": "an nn.Linear every tp rank holds whole (an MoE router): gradients summed under SP",
+    "moe": "a mixture-of-experts block (models/moe.py): its tokens and routing copied to (or gathered over) the "
+           "tp ranks once, the experts' partial outputs summed once",
+    "experts": "grouped experts (models/moe.py): each expert's ffn split, as colwise gate/up and rowwise down",
 }
 
 
@@ -68,8 +72,11 @@ class HFAdapter:
     architecture: str  # what config.json's architectures names (e.g. "Qwen3ForCausalLM")
     read_config: Callable[[dict, str], Any]  # (config.json as a dict, its path for messages) -> config
     config_dict: Callable[[Any, str], dict]  # (config, dtype name) -> config.json dict
-    to_hf: Callable[[str], str]  # the family's parameter name -> HF's (ValueError for one it does not know)
-    from_hf: Callable[[str], str | None]  # HF's name -> the family's (None: not a parameter, e.g. rotary buffers)
+    # the family's parameter name -> HF's (ValueError for one it does not know); a parameter HF stores as
+    # one tensor per index of its dim 0 (stacked experts) -> a template with {} where the index goes
+    to_hf: Callable[[str], str]
+    # HF's name -> the family's (None: not a parameter, e.g. rotary buffers; (name, index): a slice of a stack)
+    from_hf: Callable[[str], str | tuple[str, int] | None]
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class ModelSpec:
     pipeline: PipelineSplit
     attention: str  # the pattern of the attention slots (context parallel, kernels)
     head: str  # the output projection (the fused loss head replaces it); a pipeline.last module
+    moe: str | None = None  # the pattern of the mixture-of-experts blocks (models/moe.py's MoE): expert parallel
     presets: Mapping[str, Any] = field(default_factory=dict)
     hf: HFAdapter | None = None
 

@@ -116,11 +116,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: str = "l
 
 
 def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConfig, pipelined: bool = False,
-               plan=None) -> nn.Module:
+               plan=None, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """fully_shard bottom-up over the data axes, in place: the plan's units in order (a family's spec:
     the embedding, each block, the final norm with the output head), then the root. `fsdp_mesh` is
     Meshes.fsdp (1-D, or 2-D for HSDP); parts a pipeline stage lacks are skipped. A unit that shares a
-    parameter with another (a tied embedding and head) is left to the root: FSDP2 shards a tensor once."""
+    parameter with another (a tied embedding and head) is left to the root: FSDP2 shards a tensor once.
+    `expert_mesh` (expert parallel): each MoE block's experts are their own unit on it, inside their block's."""
     if plan is None:
         from tessera.models.spec import spec_of
 
@@ -131,6 +132,11 @@ def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConf
     reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[config.mixed_precision], reduce_dtype=torch.float32)
     kw = dict(mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if expert_mesh is not None:  # expert parallel: each MoE block's experts, sharded over what ep leaves
+        from tessera.models.moe import moe_blocks
+
+        for _, block in moe_blocks(model):
+            fully_shard(block.experts, **{**kw, "mesh": expert_mesh})
     units = _without_shared(plan.units(model))
     for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], **kw)

@@ -27,6 +27,7 @@ from .data import (
     layout_for_strategy,
 )
 from .context import apply_cp, check_context
+from .expert import apply_ep, apply_sequence_sum, check_expert_parallel
 from .loss import apply_loss_head, check_loss
 from .pipeline import PipelineConfig, check_pipeline
 from .plan import ColwiseParallel, Plan, PrepareInput, apply_plan, apply_tp, spec_plan
@@ -66,6 +67,7 @@ class ParallelConfig:
         check_tensor_parallel(model_config, layout.tp, self.sequence_parallel,
                               None if seq_len is None else seq_len // layout.cp)
         check_data_parallel(self.data, layout)
+        check_expert_parallel(getattr(model_config, "n_experts", 0), layout.ep, layout.dp_shard * layout.cp)
         if layout.pp > 1:
             check_pipeline(self.pipeline, layout.pp, model_config.n_layers, self.uses_fsdp,
                            self.data.activation_checkpointing)
@@ -110,8 +112,11 @@ def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelCon
     # time); tests/test_axes.py checks that the order here is that order
     if meshes.tp is not None:
         apply_plan(model, meshes.tp, plan, config.sequence_parallel)
+    if meshes.ep is not None:  # beside tp: the experts split over ep (and tp), tokens by all-to-all
+        apply_ep(model, meshes.ep, meshes.tp)
     if meshes.cp is not None:
         apply_cp(model, meshes.cp, config.cp_method, config.timeout, slots=attention)
+        apply_sequence_sum(model, meshes.cp)
     if check_loss(config.loss) == "chunked":  # the output head computes the loss; before ac, compile, FSDP2
         apply_loss_head(model, head=head)
     if plan.checkpoint_blocks:
@@ -119,7 +124,8 @@ def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelCon
     if config.compile:
         apply_compile(model, plan.checkpoint_blocks)
     if meshes.fsdp is not None:
-        apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan)
+        apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan,
+                   expert_mesh=meshes.expert_fsdp)
     elif config.data.mixed_precision != "fp32":
         # no data axes to shard over, but the same precision policy as every other layout: FSDP2 on the
         # degree-1 data mesh casts the fp32 master weights to the compute dtype once per step (gathered

@@ -29,6 +29,9 @@ Styles (all keep the parameter names of the one-process model, so checkpoints an
     ReplicatedHeads   a K/V projection when tp exceeds the kv heads: replicated, each rank uses its head.
     HeadNorm          a norm over head_dim on each rank's own heads (QK-norm): replicated weights whose
                       gradients are partial sums on every layout, so always all-reduced.
+    Replicated        nn.Linear held whole by every rank (an MoE router); gradients all-reduced under SP.
+    MoEBlock          a mixture-of-experts block: one input and routing collective, one output reduce.
+    Experts           grouped experts' stacked weights split over each expert's ffn.
 """
 
 from __future__ import annotations
@@ -199,6 +202,67 @@ class HeadNorm(Style):
             raise ValueError(f"plan: HeadNorm on {name!r} needs an RMSNorm (one weight and eps), got {type(module).__name__}")
 
 
+class ReplicatedLinear(nn.Module):
+    """nn.Linear (no bias) every tp rank holds whole, e.g. an MoE router; under sequence parallel each rank
+    reads its own tokens with it, so its gradient is all-reduced."""
+
+    def __init__(self, weight, tp_mesh: DeviceMesh, sequence_parallel: bool):
+        super().__init__()
+        self.weight = _shard_param(weight, tp_mesh, Replicate())
+        self.group, self.sequence_parallel = tp_mesh.get_group(), sequence_parallel
+
+    def forward(self, x):
+        w = self.weight.to_local()
+        return torch.nn.functional.linear(x, copy_weight_to_tp(w, self.group) if self.sequence_parallel else w)
+
+
+@dataclass(repr=False)
+class Replicated(Style):
+    takes = (nn.Linear,)
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        return ReplicatedLinear(module.weight, tp_mesh, sequence_parallel)
+
+    def check(self, name, module, tp):
+        super().check(name, module, tp)
+        if module.bias is not None:
+            raise ValueError(f"plan: Replicated on {name!r} takes an nn.Linear without a bias")
+
+
+@dataclass(repr=False)
+class MoEBlock(Style):
+    """A mixture-of-experts block (models/moe.py): its tokens and routing copied or gathered once, its
+    experts' partial outputs summed once (parallel/expert.py)."""
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        from .expert import apply_moe_tp
+
+        return apply_moe_tp(module, tp_mesh, sequence_parallel)
+
+    def check(self, name, module, tp):
+        from tessera.models.moe import MoE
+
+        if not isinstance(module, MoE):
+            raise ValueError(f"plan: MoEBlock on {name!r} needs a tessera.models.moe.MoE, got {type(module).__name__}")
+
+
+@dataclass(repr=False)
+class Experts(Style):
+    """Grouped experts: each expert's ffn split (gate and up on their rows, down on its columns)."""
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        from .expert import shard_experts
+
+        return shard_experts(module, None, tp_mesh)
+
+    def check(self, name, module, tp):
+        from tessera.models.moe import GroupedExperts
+
+        if not isinstance(module, GroupedExperts):
+            raise ValueError(f"plan: Experts on {name!r} needs a tessera.models.moe.GroupedExperts, got "
+                             f"{type(module).__name__}")
+
+
 @dataclass(repr=False)
 class PrepareInput(Style):
     """A module's input is copied to (or gathered over) the tp ranks once. The module's own `input_comm`
@@ -297,7 +361,7 @@ def _style(kind: str, shape, tp: int) -> Style:
     return {
         "embedding": VocabEmbedding, "block_input": PrepareInput, "rowwise": RowwiseParallel,
         "colwise": lambda: ColwiseParallel(gather_input=False), "colwise_gather": lambda: ColwiseParallel(gather_input=True),
-        "norm": ReplicatedNorm, "head_norm": HeadNorm,
+        "norm": ReplicatedNorm, "head_norm": HeadNorm, "replicated": Replicated, "moe": MoEBlock, "experts": Experts,
     }[kind]()
 
 

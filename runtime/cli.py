@@ -307,16 +307,16 @@ def _export_hf(checkpoint_path: str, directory: str) -> dict:
 def _convert(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
 
-    from tessera.models.hf import check_hf_weights, hf_weight_map, read_hf_config
-    from tessera.parallel.safe_io import read_safetensors_slice, write_safetensors
+    from tessera.models.hf import check_hf_weights, hf_weight_map, read_hf_config, read_hf_parameter
+    from tessera.parallel.safe_io import write_safetensors
 
     try:
         _check_out_path("--out", args.out)
         cfg = read_hf_config(args.from_hf, flag="--from-hf")  # the family from config.json's model_type
         check_hf_weights(args.from_hf, cfg, flag="--from-hf")
         # tessera's names; a tied parameter once, under its owner's name
-        tensors = {ours: read_safetensors_slice(f, n, (slice(None),))
-                   for ours, (n, f) in hf_weight_map(args.from_hf, cfg, flag="--from-hf").items()}
+        tensors = {ours: read_hf_parameter(source)
+                   for ours, source in hf_weight_map(args.from_hf, cfg, flag="--from-hf").items()}
     except ValueError as e:  # CheckpointError (a damaged safetensors file) included
         print(f"tessera convert: error: {e}", file=sys.stderr)
         return 2

@@ -33,10 +33,15 @@ def degree_opt(name: str) -> Any:
 @dataclass(frozen=True)
 class ModelSection:
     preset: str = opt("debug", "model preset of a registered family: llama (debug, small, 1b, 8b, 70b, "
-                         "405b), qwen3 (qwen3-debug, qwen3-0.6b, qwen3-1.7b, qwen3-8b); or hf:DIR (a Hugging Face "
+                         "405b), qwen3 (qwen3-debug, qwen3-0.6b, qwen3-1.7b, qwen3-8b), qwen3_moe (qwen3-moe-debug, qwen3-30b-a3b, "
+                         "qwen3-235b-a22b); or hf:DIR (a Hugging Face "
                          "config.json, the family from its model_type)", flag="--model")
     n_layers: int | None = opt(None, "override the preset's number of transformer blocks")
     vocab_size: int | None = opt(None, "override the preset's vocabulary (e.g. a tokenizer's for --data)")
+    moe_aux_loss: float | None = opt(None, "MoE models: the sequence-level auxiliary loss's weight (0: off; default: "
+                                           "the preset's, 0.001 for Qwen3-MoE)", metavar="COEF")
+    moe_bias_rate: float | None = opt(None, "MoE models: the auxiliary-loss-free bias's step per optimizer step "
+                                            "(DeepSeek-V3: 0.001; default 0: off)", metavar="RATE")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class ParallelSection:
     dp_replicate: int = degree_opt("dp_replicate")
     cp: int = degree_opt("cp")
     tp: int = degree_opt("tp")
+    ep: int = degree_opt("ep")
     sequence_parallel: bool = opt(False, "shard the norms and the residual stream over tp")
     fsdp: str = opt("FULL_SHARD", "FSDP strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
     ac: str = opt("none", "activation checkpointing: none, full, selective (every other block) or op (keep matmul and "
@@ -215,20 +221,31 @@ class Config:
         overrides = {} if self.model.n_layers is None else {"n_layers": self.model.n_layers}
         if self.model.vocab_size is not None:
             overrides["vocab_size"] = self.model.vocab_size
+        moe = {"aux_loss_coef": self.model.moe_aux_loss, "bias_rate": self.model.moe_bias_rate}
+        for (field, value), flag in zip(moe.items(), ("--moe-aux-loss", "--moe-bias-rate")):
+            if value is not None and (not isinstance(value, (int, float)) or value < 0 or value != value):
+                raise ValueError(f"{flag} {value} must be a number >= 0")
+        moe = {k: float(v) for k, v in moe.items() if v is not None}
         hf_dir = self.checkpoint.init_from_hf or (self.model.preset[3:] if self.model.preset.startswith("hf:") else None)
-        if hf_dir is None:
-            return get_preset(self.model.preset, **overrides)
         from dataclasses import replace
 
-        from tessera.models.hf import compare_with_preset, read_hf_config
+        if hf_dir is None:
+            cfg = get_preset(self.model.preset, **overrides)
+        else:
+            from tessera.models.hf import compare_with_preset, read_hf_config
 
-        cfg = read_hf_config(hf_dir)
-        if overrides:
-            raise ValueError(f"--n-layers / --vocab-size with a Hugging Face model ({hf_dir}): its config.json fixes them; drop them")
-        preset = self.model.preset
-        if preset != "debug" and not preset.startswith("hf:"):  # a --model given as well must agree
-            compare_with_preset(cfg, get_preset(preset), preset)
-        return replace(cfg)
+            cfg = read_hf_config(hf_dir)
+            if overrides:
+                raise ValueError(f"--n-layers / --vocab-size with a Hugging Face model ({hf_dir}): its config.json fixes "
+                                 f"them; drop them")
+            preset = self.model.preset
+            if preset != "debug" and not preset.startswith("hf:"):  # a --model given as well must agree
+                compare_with_preset(cfg, get_preset(preset), preset)
+        if moe and not hasattr(cfg, "n_experts"):
+            flag = "--moe-aux-loss" if "aux_loss_coef" in moe else "--moe-bias-rate"
+            raise ValueError(f"{flag} needs a mixture-of-experts model, and {self.model_name} has no experts; "
+                             f"use e.g. --model qwen3-moe-debug, or drop {flag}")
+        return replace(cfg, **moe)
 
     @property
     def mixed_precision(self) -> str:
@@ -346,7 +363,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
         for k, v in given.items():
             if v < 1:
                 raise ValueError(f"{k}={v} must be a positive integer; use --{k.replace('_', '-')} 1 or more")
-        others = [a.flag for a in _axes.TABLE if a.name not in rest.counts]  # pp, cp, tp
+        others = [a.flag for a in _axes.TABLE if a.name not in rest.counts and not a.borrows]  # pp, cp, tp
         fixed = math.prod(given.get(k, 1) for k in others)
         if world_size % fixed:
             raise ValueError(

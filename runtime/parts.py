@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from tessera.models.moe import set_aux_weight
 from tessera.parallel import materialize, parallelize
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank
@@ -35,15 +36,19 @@ class Parts:
 
 def build_parts(spec: Any, model_config: Any, meshes: Meshes, parallel: Any, device: torch.device, seed: int,
                 microbatches: int, loss_fn: Callable, positions: Callable[[Tensor], Tensor | None],
-                timeout: float = 600.0) -> Parts:
+                timeout: float = 600.0, global_rows: int | None = None) -> Parts:
     """This rank's parts of `spec`'s model for `model_config`, parallelized by `parallel` (a ParallelConfig)
-    on `meshes` and initialized from `seed` (the one-process values, shard by shard)."""
+    on `meshes` and initialized from `seed` (the one-process values, shard by shard). `global_rows`: the
+    global batch's sequences, which an MoE block's auxiliary loss is the mean over (models/moe.py)."""
     layout = meshes.layout
     rank = torch.distributed.get_rank()
+    # d(loss)/d(one sequence's auxiliary loss), scaled as the runners scale the loss (grad_scale)
+    aux_weight = None if global_rows is None else meshes.fsdp_size / global_rows
     if layout.pp == 1:
         model = spec.build_model(model_config, device="meta")
         parallelize(model, meshes, parallel, spec=spec)
         materialize(model, device, seed, spec=spec)
+        set_aux_weight(model, aux_weight)
         runner = LocalRunner(model, loss_fn, grad_scale=meshes.fsdp_size, positions=positions)
         return Parts([model], runner, no_tied_gradients())
     pp, virtual = layout.pp, parallel.pipeline.virtual
@@ -54,6 +59,7 @@ def build_parts(spec: Any, model_config: Any, meshes: Meshes, parallel: Any, dev
         part = build_stage(model_config, s, n_stages, layers[s], spec=spec)
         parallelize(part, meshes, parallel, spec=spec)
         materialize(part, device, seed, spec=spec)
+        set_aux_weight(part, aux_weight)
         stages[s] = part
     tied = no_tied_gradients()
     with torch.device("meta"):  # which parameters the whole model ties (one name kept: the owner's)

@@ -125,7 +125,7 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
 
     loss_fn = CrossEntropySum(model_config.vocab_size, meshes.tp)
     built = build_parts(spec.model_spec, model_config, meshes, parallel, torch.device("cpu"), spec.seed,
-                        spec.microbatches, loss_fn, positions)
+                        spec.microbatches, loss_fn, positions, global_rows=spec.batch[0].shape[0])
     params = [p for part in built.parts for p in part.parameters()]
     optimizer = torch.optim.SGD(params, lr=spec.lr)
     inputs, targets = spec.batch

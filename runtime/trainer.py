@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from tessera.models.data import TokenStream
 from tessera.models.init import one_process_name
+from tessera.models.moe import reset_counters
 from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
@@ -30,6 +31,7 @@ from tessera.parallel.clip import clip_grad_norm_
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
 from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.data import PRECISIONS
+from tessera.parallel.expert import expert_load, load_report, update_biases
 from tessera.parallel.loss import CrossEntropySum, count_valid
 from tessera.topology import Meshes
 
@@ -101,6 +103,7 @@ class StepResult:
     # the dtype that carried most matmul FLOPs, read from the tensors during this process's first step
     compute_dtype: str | None = None
     matmul_flops_by_dtype: dict[str, int] | None = None  # that first step's breakdown (its record only)
+    moe: dict[str, Any] | None = None  # MoE models: expert load and auxiliary loss (parallel/expert.py's load_report)
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -121,6 +124,7 @@ class StepResult:
             **({"tokens_checksum": self.tokens_checksum} if self.tokens_checksum is not None else {}),
             **({"comm": self.comm} if self.comm is not None else {}),
             "collective_wait_s": self.collective_wait_s,
+            **({"moe": self.moe} if self.moe is not None else {}),
             **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
             "straggler": None if self.straggler is None else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s,
                                                               "steps": self.straggler.steps},
@@ -142,7 +146,7 @@ class Trainer:
         self.cp_index = self.layout.index("cp", self.rank)
         built = build_parts(self.spec, self.model_config, self.meshes, config.parallel_config(), self.device,
                             config.runtime.seed, config.data.microbatches, self.loss_fn, self.positions_of,
-                            timeout=config.runtime.timeout)
+                            timeout=config.runtime.timeout, global_rows=config.data.global_batch)
         self.parts, self.runner, self.tied = built.parts, built.runner, built.tied
         o = config.optimizer
         self.optimizer = PartOptimizers([
@@ -339,6 +343,8 @@ class Trainer:
         global_tokens = self.config.data.global_batch * self.config.data.seq_len
         microbatches = split_microbatches(local_inputs, local_targets, self.config.data.microbatches)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        for part in self.parts:
+            reset_counters(part)  # the MoE blocks' load counters: this step's only
         loss_sum = self.runner.forward_backward(microbatches, valid)
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
         if on_grads is not None:
@@ -370,9 +376,12 @@ class Trainer:
             self.progress.skipped_in_a_row += 1
             skip_report = (f"{report}; the step's update was skipped (--on-nonfinite skip: {self.progress.skipped_in_a_row} "
                            f"of at most {limit} in a row)")
-        else:
+        load = self._expert_load()
+        if not skipped:
             self.progress.skipped_in_a_row = 0
             self.optimizer.step()
+            if load is not None:  # the auxiliary-loss-free bias follows the step it was measured in
+                update_biases(self.parts, self.spec.moe, load[0])
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         straggler = self.straggler_watch.observe(time.perf_counter() - started)
@@ -380,7 +389,15 @@ class Trainer:
         self.progress.consumed_tokens += global_tokens
         return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, global_tokens, started,
                           self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps,
-                          skip_report=skip_report, straggler=straggler, tokens_checksum=tokens_checksum)
+                          skip_report=skip_report, straggler=straggler, tokens_checksum=tokens_checksum,
+                          moe=None if load is None else load_report(*load, self.config.data.global_batch))
+
+    def _expert_load(self) -> tuple[Tensor, Tensor] | None:
+        """The step's expert token counts and auxiliary loss, summed over every rank (MoE models only)."""
+        if not self.spec.moe:
+            return None
+        return expert_load(self.parts, self.spec.moe, self.model_config.n_layers, self.layout.index("tp", self.rank),
+                           self.config.parallel.sequence_parallel)
 
     def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
         """Which parameters hold a NaN or inf gradient, on which rank and shard (collective)."""

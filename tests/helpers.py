@@ -181,3 +181,11 @@ def train_with_dtypes(config: Config):
         return None
     return ([r["loss"] for r in records], [r["grad_norm"] for r in records], grads,
             [r["compute_dtype"] for r in records], records[0]["matmul_flops_by_dtype"])
+
+
+def train_with_records(config: Config):
+    """`train_losses_and_grads` plus every step's record (rank 0's)."""
+    rank, records, grads = _records_and_grads(config)
+    if rank != 0:
+        return None
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads, records

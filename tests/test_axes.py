@@ -18,8 +18,9 @@ NAMES = tuple(a.name for a in TABLE)
 
 
 def test_the_table_names_the_layouts_axes_in_mesh_order():
-    assert NAMES == MESH_AXES == Layout.AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    assert [a.dim for a in TABLE] == list(range(len(TABLE)))
+    assert MESH_AXES == Layout.AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert NAMES == MESH_AXES + ("ep",)  # expert parallel borrows dp_shard x cp: no dimension of its own
+    assert [a.dim for a in TABLE] == [0, 1, 2, 3, 4, None]
     assert tuple(Layout().as_dict()) == NAMES  # one Layout field per entry, in its order
     assert Layout(pp=2, dp_shard=2, cp=2, tp=2).shape == (2, 1, 2, 2, 2)
 
@@ -28,10 +29,10 @@ def test_the_flattened_meshes_and_the_accounting_come_from_the_entries():
     assert FLATTENED == {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
                          "dp_cp": ("dp_replicate", "dp_shard", "cp")}
     assert list(FLATTENED) == ["dp", "dp_shard_cp", "dp_cp"]  # build_mesh flattens in this order
-    assert COMM_AXES == ("pp", "dp_replicate", "dp_shard_cp", "cp", "tp")  # topology/comm_model.py's keys
+    assert COMM_AXES == ("pp", "dp_replicate", "dp_shard_cp", "cp", "tp", "ep")  # topology/comm_model.py's keys
     purposes = {f.purpose: f.name for f in axes.FLATTENED_MESHES}
     assert purposes == {"batch": "dp", "fsdp": "dp_shard_cp", "loss": "dp_cp"}
-    assert {a.mesh for a in TABLE if a.mesh} == {"tp", "pp", "cp"}
+    assert {a.mesh for a in TABLE if a.mesh} == {"tp", "pp", "cp", "ep"}
 
 
 def test_the_order_of_application_is_tp_cp_ac_compile_fsdp_after_the_pipeline_cut():
@@ -160,13 +161,15 @@ def test_planner_choices_are_powers_of_two_within_the_caps():
 
 
 def test_an_axis_that_borrows_its_mesh_dimension_has_none_of_its_own():
-    """Expert parallel's entry, as topology/axes.py's docstring gives it: dp_shard x cp's dimensions, its rules."""
-    example = axes.__doc__[axes.__doc__.index('    Axis("ep"'):].strip()
-    ep = eval(example, vars(axes))
+    """Expert parallel's entry: dp_shard x cp's dimensions, its rules (a dense model, n_experts 0, takes ep 1 only)."""
+    ep = AXIS["ep"]
     assert isinstance(ep, Axis) and ep.dim is None and "ep" not in MESH_AXES and ep.step in STEPS
+    assert ep.borrows == ("dp_shard", "cp") and Layout(dp_shard=4, ep=2).world_size == 4
     assert ep.problems({"dp_shard": 2, "cp": 2, "ep": 8}, {"n_experts": 4}) == [
-        "ep must divide n_experts; n_experts=4", "ep must divide dp_shard x cp"]
+        "ep needs a mixture-of-experts model and must divide n_experts; n_experts=4",
+        "ep must divide dp_shard x cp (the ranks it borrows): raise --dp or --cp"]
     assert ep.problems({"dp_shard": 2, "cp": 2, "ep": 4}, {"n_experts": 8}) == []
+    assert ep.problems({"dp_shard": 2, "cp": 1, "ep": 2}, {"n_experts": 0}) != []
 
 
 def test_the_table_and_the_layout_import_no_torch():
@@ -194,9 +197,9 @@ def test_the_planner_enumerates_the_axes_of_the_table_it_is_given():
     shape = SimpleNamespace(n_heads=8, n_kv_heads=2, ffn_dim=64, n_layers=4)
     hw = Hardware(gpus=16)
     base = layout_degrees(shape, hw, 256, 32)
-    extended = layout_degrees(shape, hw, 256, 32, table=TABLE[:-1] + (_extra_axis(),) + TABLE[-1:])
+    extended = layout_degrees(shape, hw, 256, 32, table=TABLE[:4] + (_extra_axis(),) + TABLE[4:])
     assert all(list(d) == list(NAMES) for d in base)
-    assert all(list(d) == [*NAMES[:-1], "xp", "tp"] for d in extended)
+    assert all(list(d) == [*NAMES[:4], "xp", *NAMES[4:]] for d in extended)
     assert {d["xp"] for d in extended} == {1, 2, 4}  # powers of two within its cap
     assert all(d["pp"] * d["dp_replicate"] * d["dp_shard"] * d["cp"] * d["xp"] * d["tp"] == 16 for d in extended)
     assert [{k: v for k, v in d.items() if k != "xp"} for d in extended if d["xp"] == 1] == base
@@ -206,13 +209,14 @@ def test_the_planner_enumerates_the_axes_of_the_table_it_is_given():
 
 
 def test_a_borrowed_axis_is_enumerated_over_the_dimensions_it_borrows():
-    """Expert parallel's entry (topology/axes.py's docstring): no ranks of its own, its degree a power of two
-    dividing dp_shard x cp and the experts."""
+    """Expert parallel's entry: no ranks of its own, its degree a power of two dividing dp_shard x cp and the
+    experts; a dense model (n_experts 0) gets ep 1 only."""
     from tessera.topology.planner import Hardware, layout_degrees
 
-    ep = eval(axes.__doc__[axes.__doc__.index('    Axis("ep"'):].strip(), vars(axes))
     shape = SimpleNamespace(n_heads=8, n_kv_heads=8, ffn_dim=64, n_layers=4, n_experts=4)
-    found = layout_degrees(shape, Hardware(gpus=16), 256, 32, table=TABLE + (ep,))
+    found = layout_degrees(shape, Hardware(gpus=16), 256, 32)
+    dense = layout_degrees(SimpleNamespace(**{**vars(shape), "n_experts": 0}), Hardware(gpus=16), 256, 32)
+    assert dense and {d["ep"] for d in dense} == {1}
     assert {d["ep"] for d in found} == {1, 2, 4}
     assert all(d["dp_shard"] * d["cp"] % d["ep"] == 0 and d["ep"] <= 4 for d in found)
     assert all(d["pp"] * d["dp_replicate"] * d["dp_shard"] * d["cp"] * d["tp"] == 16 for d in found)
@@ -242,11 +246,12 @@ def test_the_accounting_names_are_the_tables():
 
     assert set(comm_model.VOLUMES) == set(COMM_AXES)
     assert axes.COMM_GROUPS == {"pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard_cp": ("dp_shard", "cp"),
-                                "cp": ("cp",), "tp": ("tp",)}
+                                "cp": ("cp",), "tp": ("tp",), "ep": ("dp_shard", "cp")}
     assert axes.OVERLAPPED == ("dp_replicate", "dp_shard_cp", "cp")
     layout = Layout(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2)
     comm = comm_model.comm_bytes_per_step(model_shape("debug"), layout, 64, 8, 2, True)
-    assert set(comm) == set(COMM_AXES) and all(v > 0 for v in comm.values())
+    assert set(comm) == set(COMM_AXES) and all(v > 0 for n, v in comm.items() if n != "ep")
+    assert comm["ep"] == 0  # a dense model: nothing to dispatch
     x = estimate(model_shape("debug"), Candidate(layout, microbatches=2), Hardware(gpus=32), 64, 8)
     exposed = [n for n in comm if n not in axes.OVERLAPPED]
     assert list(x.time) == ["compute", "bubble", *exposed, "exposed_overlapped_comm", "step"]

@@ -140,7 +140,7 @@ def test_cli_flags_map_onto_the_nested_config_and_round_trip():
 
 
 def test_degrees_not_given_are_inferred_from_the_torchrun_world():
-    assert _parse(["--tp", "2"], world=8).layout.as_dict() == dict(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=2)
+    assert _parse(["--tp", "2"], world=8).layout.as_dict() == dict(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=2, ep=1)
     assert _parse([], world=4).layout.dp_shard == 4
     assert _parse(["--dp", "2"], world=4).layout.world_size == 2  # given degrees are kept; check_world_size refuses
     with pytest.raises(ValueError, match="WORLD_SIZE=6 is not divisible by pp x cp x tp = 4"):

@@ -20,15 +20,10 @@ Each `Axis` says
 
 A new axis is one entry here, a field of that name on `Layout` (an import-time check says so), its apply
 function in parallel/ and the volume of its traffic in topology/comm_model.py (another import-time check);
-the planner enumerates its degrees from the entry (topology/planner.py's `layout_degrees`). Expert parallelism, next, has no dimension of its own: its entry borrows dp_shard x cp
-(`borrows=("dp_shard", "cp")`, as torchtitan does), so the mesh's shape and `MESH_AXES` stay as they are; it
-is applied beside tp (step "tp", as torchtitan's apply_moe_ep_tp):
-
-    Axis("ep", step="tp", shards=("parameters",), doc="the experts of each MoE layer (tokens all-to-all)",
-         flag="ep", counts=("ep",), help="expert-parallel degree: the experts split over ranks of dp_shard x cp",
-         borrows=("dp_shard", "cp"), mesh="ep", comm="ep", rules=(
-             Rule(("n_experts",), lambda d, v: v["n_experts"] % d["ep"] == 0, "ep must divide n_experts"),
-             Rule((), lambda d, v: d["dp_shard"] * d["cp"] % d["ep"] == 0, "ep must divide dp_shard x cp")))
+the planner enumerates its degrees from the entry (topology/planner.py's `layout_degrees`). Expert parallelism
+has no dimension of its own: its entry borrows dp_shard x cp (`borrows=("dp_shard", "cp")`, as torchtitan
+does), so the mesh's shape and `MESH_AXES` stay as they are; it is applied beside tp (step "tp", as
+torchtitan's apply_moe_ep_tp), by parallel/expert.py.
 """
 
 from __future__ import annotations
@@ -163,6 +158,19 @@ TABLE: tuple[Axis, ...] = (
                Rule(("ffn_dim",), lambda d, v: v["ffn_dim"] % d["tp"] == 0, "tp must divide ffn_dim"),
                Rule(("seq_len", "sequence_parallel"), _sp, "with sequence parallel, tp must divide seq_len / cp")),
         mesh="tp", planner=Planner(caps=("gpus_per_node", "n_heads"), adds=("sequence_parallel",)),
+    ),
+    Axis(
+        "ep", step="tp", shards=("parameters",), doc="the routed experts of each MoE block: each ep rank holds "
+        "n_experts / ep of them and receives their tokens by all-to-all; the ep ranks are a subgroup of dp_shard x cp "
+        "(cp innermost, as torchtitan takes them), and the experts are FSDP-sharded over what is left",
+        flag="ep", counts=("ep",),
+        help="expert-parallel degree: the experts of each MoE block split over ranks of dp_shard x cp (no ranks of "
+             "its own)",
+        rules=(Rule(("n_experts",), lambda d, v: d["ep"] == 1 or (v["n_experts"] > 0 and v["n_experts"] % d["ep"] == 0),
+                    "ep needs a mixture-of-experts model and must divide n_experts"),
+               Rule((), lambda d, v: d["dp_shard"] * d["cp"] % d["ep"] == 0,
+                    "ep must divide dp_shard x cp (the ranks it borrows): raise --dp or --cp")),
+        borrows=("dp_shard", "cp"), mesh="ep", comm="ep", planner=Planner(caps=("n_experts",)),
     ),
 )
 
@@ -313,4 +321,5 @@ def planner_degrees(axis: str | Axis, ranks: int, shape: Any = None, gpus_per_no
     a = axis if isinstance(axis, Axis) else AXIS[axis]
     caps = [c if isinstance(c, int) else gpus_per_node if c == "gpus_per_node" else getattr(shape, c, None)
             for c in a.planner.caps]
+    caps = [c if c is None else max(1, c) for c in caps]  # a cap of 0 (a dense model's n_experts) leaves degree 1
     return [d for d in divisors(ranks) if d & (d - 1) == 0 and all(c is None or d <= c for c in caps)]

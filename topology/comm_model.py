@@ -23,6 +23,7 @@ cp      ring: K and V of the local block passed cp-1 times forward and again in 
         (fp32) passed cp times; all-gather attention: one all-gather of K/V, one reduce-scatter of dK/dV
 pp      each microbatch's activation to the next stage, its gradient to the previous one; with a tied
         head, the first and last stages' all-reduce of the embedding's gradient shard (fp32) once a step
+ep      each MoE block's dispatch and combine all-to-alls, forward and backward (balanced routing)
 fsdp    per FSDP unit: all-gathers of the padded flat parameters (once a step inside a pipeline, where
         units stay gathered across microbatches; twice per microbatch under FULL_SHARD, once under
         SHARD_GRAD_OP), one reduce-scatter of the gradients (fp32), and under HSDP one all-reduce of the
@@ -248,6 +249,21 @@ def replicate_bytes(x: StepTraffic) -> float:
     if n * replicas == 1:
         return 0.0
     return wire_bytes("all_reduce", padded // n * x.reduce_bytes, replicas)
+
+
+@volume("ep")
+def ep_bytes(x: StepTraffic) -> float:
+    """Expert parallel: per MoE block and microbatch, the dispatch and combine all-to-alls of the token
+    assignments (rows x tokens x top_k rows of dim), forward and backward, each sending (ep-1)/ep of them
+    when routing is balanced (the measured counts say how balanced it was), and again for a recomputed
+    block's forward. Every tp rank exchanges its own copy of the tokens."""
+    cfg, ep = x.cfg, x.layout.ep
+    if ep == 1 or not cfg.n_experts:
+        return 0.0
+    assignments = x.rows * x.tokens * cfg.top_k * cfg.dim * x.act_bytes
+    per_block = 4 * wire_bytes("all_to_all", assignments, ep)
+    again = 2 * wire_bytes("all_to_all", assignments, ep)
+    return x.microbatches * (x.n_blocks * per_block + x.recomputed * again)
 
 
 # every accounting name of the table has its volume (a new axis: register one above with @volume(its comm name))

@@ -47,6 +47,7 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # borrows dp_shard x cp: no ranks of its own (topology/axes.py)
 
     AXES = AXES
     FLATTENED = FLATTENED

@@ -87,12 +87,34 @@ def dry_run(layout: "Layout", rank: int = 0, device_type: str = "cpu") -> Iterat
         dist.destroy_process_group()
 
 
+def expert_meshes(world: DeviceMesh, layout: "Layout") -> tuple[DeviceMesh, DeviceMesh]:
+    """(the 1-D ep mesh, the experts' FSDP2 mesh): the flattened dp_shard x cp mesh unflattened into
+    (edp, ep), ep innermost (consecutive cp ranks first, as torchtitan takes them); the FSDP2 mesh is edp,
+    or (dp_replicate, edp) under HSDP."""
+    fsdp = FLATTENED_BY_PURPOSE["fsdp"]
+    shard = submesh(world, fsdp.name)
+    if not hasattr(shard, "_unflatten"):
+        import torch
+
+        raise RuntimeError(f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); this is torch {torch.__version__}")
+    ep = layout.ep
+    if shard.size() % ep:
+        raise ValueError(f"ep={ep} must divide dp_shard x cp = {shard.size()}; raise --dp or --cp")
+    split = shard._unflatten(0, (shard.size() // ep, ep), ("edp", "ep"))
+    experts = split["edp"]
+    if fsdp.replicate is not None and layout.degree(fsdp.replicate) > 1:
+        experts = DeviceMesh._concatenate([submesh(world, fsdp.replicate), experts])
+    return split["ep"], experts
+
+
 class Meshes:
     """The run's DeviceMesh and the meshes each part of tessera needs, named by purpose (each None when
     its axes are off, so a caller never slices strings or branches on degrees itself). They are read from
     topology/axes.py's table: each axis with a `mesh` gets its 1-D mesh, each flattened submesh its purpose.
 
     tp      tensor-parallel layers and the vocab-parallel loss (1-D "tp")
+    ep      expert parallel's all-to-alls (1-D "ep", unflattened from "dp_shard_cp": `expert_meshes`)
+    expert_fsdp  FSDP2 over the experts: the rest of dp_shard x cp ("edp"), 2-D with dp_replicate (HSDP)
     pp      pipeline stages' point-to-point sends and the grad-norm sum across stages (1-D "pp")
     cp      ring attention's K/V exchange (1-D "cp")
     fsdp    FSDP2 sharding: 1-D "dp_shard_cp", or 2-D ("dp_replicate", "dp_shard_cp") for HSDP
@@ -115,7 +137,7 @@ class Meshes:
             return submesh(self.world, *names) if size > 1 else None
 
         for axis in TABLE:  # tp, pp, cp
-            if axis.mesh:
+            if axis.mesh and not axis.borrows:
                 setattr(self, axis.mesh, on(layout.degree(axis.name), axis.name))
         for flat in FLATTENED_MESHES:  # batch, fsdp, loss
             if flat.replicate is not None and layout.degree(flat.replicate) > 1:  # HSDP: (dp_replicate, dp_shard_cp)
@@ -125,6 +147,8 @@ class Meshes:
         # the degree-1 data mesh where FSDP2 is off: FSDP2 on it shards nothing and applies only the
         # mixed-precision policy, so every layout computes in the same dtype (parallel/data.py)
         self.precision = self.fsdp if self.fsdp is not None else submesh(self.world, FLATTENED_BY_PURPOSE["fsdp"].name)
+        # expert parallel borrows dp_shard x cp: its 1-D mesh and the experts' FSDP2 mesh (None when ep is 1)
+        self.ep, self.expert_fsdp = expert_meshes(self.world, layout) if layout.ep > 1 else (None, None)
 
     @staticmethod
     def group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:

@@ -39,6 +39,11 @@ class ModelShape:
     # positions the rotary tables cover (their cos and sin, fp32 buffers on every rank; none with learned
     # positions); 0: not known, the planner counts tables of the planned sequence length
     max_seq_len: int = 0
+    # mixture of experts (0: a dense MLP): each block's MLP is n_experts experts of ffn_dim, top_k of them
+    # per token, a router (n_experts x dim) and a shared expert of shared_ffn_dim (0: none)
+    n_experts: int = 0
+    top_k: int = 0
+    shared_ffn_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.mlp not in ("swiglu", "gelu"):
@@ -54,11 +59,19 @@ class ModelShape:
     def norm_params(self) -> int:
         return self.dim * (2 if self.norm == "layer" else 1)
 
-    def block_params(self) -> int:
+    def block_params(self, experts: int | None = None) -> int:
+        """One block's parameters; `experts`: count that many of an MoE block's experts (default: all)."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = self.dim * (2 * q + 2 * kv) + (q + 2 * kv + self.dim if self.bias else 0)
         mlp = self.mlp_matrices * self.dim * self.ffn_dim + ((self.mlp_matrices - 1) * self.ffn_dim + self.dim if self.bias else 0)
+        if self.n_experts:  # routed experts, the router and the shared expert
+            mlp = (self.n_experts if experts is None else experts) * mlp + self.n_experts * self.dim
+            mlp += self.mlp_matrices * self.dim * self.shared_ffn_dim
         return attn + mlp + 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)
+
+    def expert_params(self) -> int:
+        """The routed experts' parameters over all blocks (what expert parallelism shards)."""
+        return self.n_layers * self.n_experts * self.mlp_matrices * self.dim * self.ffn_dim
 
     def num_params(self) -> int:
         """Exact parameter count (unpadded vocabulary; a tied head counted once)."""
@@ -68,8 +81,9 @@ class ModelShape:
     def matmul_params(self) -> int:
         """Parameters a token's forward multiplies by: all but the lookup tables (token embedding, learned
         positions), the output head included (tied or not); the norms' and biases' few are counted with them,
-        as 6 N counts do."""
-        return self.n_layers * self.block_params() + self.norm_params + self.vocab_size * self.dim
+        as 6 N counts do. An MoE block counts the top_k experts a token runs (its active parameters)."""
+        active = self.top_k if self.n_experts else None
+        return self.n_layers * self.block_params(active) + self.norm_params + self.vocab_size * self.dim
 
 
 # The fields a config may lack when read by name (`as_shape`): their defaults are Llama's.
@@ -130,6 +144,12 @@ def layer_param_shapes(shape, tp: int) -> list[tuple[int, int]]:
         out.append((h, 1))
     out += norm
     ups = s.mlp_matrices - 1
+    if s.n_experts:  # the router (replicated), then the stacked experts: FSDP2 cuts their expert dim
+        sf = s.shared_ffn_dim // tp
+        out += [(s.n_experts, h)] + [(s.n_experts, f * h)] * ups + [(s.n_experts, h * f)]
+        if sf:
+            out += [(sf, h)] * ups + [(h, sf)]
+        return out
     out += [(f, h)] * ups + ([(f, 1)] * ups if s.bias else [])
     out.append((h, f))
     if s.bias:

@@ -1,0 +1,62 @@
+"""The numerics contract for mixture of experts: Qwen3-MoE on every axis and with expert parallelism (ep
+borrows dp_shard x cp), against its own one-process run at the fp32 tolerances of tests/test_contract.py:
+losses and grad norms within 1e-5, every gradient by name within 1e-4.
+
+The rows run with a large auxiliary loss (0.1) and the auxiliary-loss-free bias on (0.01 a step), so a
+wrongly scaled auxiliary gradient or a bias that differs between ranks changes the norms and, through the
+routing, the later losses. Routing is deterministic (top-k of the same scores), so every layout routes every
+token to the same experts as one process.
+"""
+
+import pytest
+import torch
+
+from helpers import small_config, train_with_records
+from tessera.parallel.launch import run_ranks
+from test_contract import assert_trains_like_one_process
+
+BASE = dict(model="qwen3-moe-debug", global_batch=8, moe_aux_loss=0.1, moe_bias_rate=0.01)
+
+LAYOUTS = {
+    # MoE without expert parallel: the experts are ordinary parameters of their block's FSDP2 unit
+    "dp2": dict(dp=2),
+    "tp2+sp": dict(tp=2, sequence_parallel=True),
+    # expert parallel
+    "ep2": dict(dp=2, ep=2),
+    "ep4": dict(dp=4, ep=4),
+    "dp2xep2": dict(dp=4, ep=2),  # the experts FSDP-sharded over the 2 ranks ep leaves
+    "ep2xtp2+sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True),
+    "pp2xep2": dict(pp=2, dp=2, ep=2, microbatches=2),
+    "cp2xep2": dict(cp=2, ep=2),  # ep borrows the cp ranks: the aux loss's counts summed over cp
+    "hsdp2x2xep2": dict(dp=4, dp_replicate=2, ep=2),
+    "ep2+ac_full": dict(dp=2, ep=2, ac="full"),  # recomputation neither recounts tokens nor re-adds the aux loss
+    "pp2xdp2xcp2xtp2+sp+ep4": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, ep=4, microbatches=2),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return run_ranks(train_with_records, 1, small_config(**BASE), timeout=120)[0]
+
+
+def test_the_moe_reference_learns_and_reports_its_load(moe_reference):
+    losses, norms, grads, records = moe_reference
+    assert losses[-1] < losses[0] and all(n > 0 for n in norms)
+    assert any(name.endswith("mlp.experts.gate_proj") for name in grads)
+    config = small_config(**BASE).model_config
+    for r in records:
+        moe = r["moe"]
+        assert len(moe["tokens_per_expert"]) == config.n_layers
+        for counts in moe["tokens_per_expert"]:  # dropless: every token reached its k experts
+            assert len(counts) == config.n_experts and sum(counts) == 8 * 32 * config.top_k
+        assert moe["max_imbalance"] >= 1.0 and moe["aux_loss"] > 0
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_moe_layout_trains_like_its_one_process_run(moe_reference, case):
+    config = small_config(**BASE, **LAYOUTS[case])
+    losses, norms, grads, records = run_ranks(train_with_records, config.layout.world_size, config, timeout=300)[0]
+    assert_trains_like_one_process(f"moe {case}", (losses, norms, grads), moe_reference[:3])
+    for mine, ref in zip(records, moe_reference[3]):  # the same routing, the same auxiliary loss
+        assert mine["moe"]["tokens_per_expert"] == ref["moe"]["tokens_per_expert"], case
+        assert abs(mine["moe"]["aux_loss"] - ref["moe"]["aux_loss"]) <= 1e-5 * ref["moe"]["aux_loss"], case
