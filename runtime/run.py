@@ -132,6 +132,7 @@ def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: 
         f"step {m['step']:>4}/{config.runtime.steps} | {skipped}loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
         f"eta {_duration(eta)} | {Layout(**m['layout'])}"
+        + (f" | moe aux {m['moe']['aux_loss']:.2e} imbalance {m['moe']['max_imbalance']:.2f}" if m.get("moe") else "")
         + (f" | eval loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else "")
         + (f" | {Straggler(**m['straggler']).describe()}" if m.get("straggler") else "")
     )
