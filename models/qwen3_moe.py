@@ -76,6 +76,12 @@ PRESETS: dict[str, Qwen3MoeConfig] = {
     # seconds on a laptop CPU: 8 experts, top 2, two layers
     "qwen3-moe-debug": Qwen3MoeConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=BYTE_VOCAB,
                                       moe_ffn_dim=32, n_experts=8, top_k=2, max_seq_len=2048),
+    # the block's other recipe (DeepSeek-V3's): sigmoid scores, a shared expert, the auxiliary-loss-free bias;
+    # tessera's only (no Hugging Face Qwen3-MoE form)
+    "qwen3-moe-shared-debug": Qwen3MoeConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                                             vocab_size=BYTE_VOCAB, moe_ffn_dim=32, n_experts=8, top_k=2,
+                                             score_func="sigmoid", shared_ffn_dim=64, bias_rate=0.001,
+                                             max_seq_len=2048),
     # the published shapes (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B)
     "qwen3-30b-a3b": Qwen3MoeConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
                                     moe_ffn_dim=768, n_experts=128, top_k=8),
