@@ -99,6 +99,9 @@ class GroupedExperts(nn.Module):
         h = F.silu(grouped_mm(x, gate.transpose(-2, -1), counts, use)) * grouped_mm(x, up.transpose(-2, -1), counts, use)
         return grouped_mm(h, down.transpose(-2, -1), counts, use)
 
+    # eager under torch.compile: the groups' sizes are data (host-read for the loop, all-to-all splits under
+    # ep), and compiled blocks would re-trace them every step
+    @torch.compiler.disable
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x (M, dim): every assignment of this rank's tokens, sorted by (global) expert; counts (E,)."""
         return self.dispatch(x, counts, self.run_local)
@@ -204,8 +207,9 @@ class MoE(nn.Module):
         flat_ids = ids.reshape(-1)
         counts = torch.bincount(flat_ids, minlength=E)
         recomputing = torch._C._current_graph_task_id() != -1  # activation checkpointing's second forward
-        if not recomputing:
-            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        # counted once per forward, not again when activation checkpointing recomputes it; the add runs either
+        # way, so a recomputation issues the same ops as the forward (selective checkpointing matches them)
+        self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype), alpha=0.0 if recomputing else 1.0)
         order = torch.argsort(flat_ids, stable=True)
         out_sorted = self.experts(tokens[order // k], counts)
         out = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)  # back to (token, j) order
@@ -229,8 +233,7 @@ class MoE(nn.Module):
             f = per_row * E / (k * T)
         normalized = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         share = self.aux_loss_coef * (f * normalized.sum(1) / T).sum()  # this rank's tokens' part
-        if not recomputing:
-            self.aux_loss_sum += share.detach()
+        self.aux_loss_sum.add_(share.detach(), alpha=0.0 if recomputing else 1.0)
         weight = self.aux_weight if self.aux_weight is not None else 1.0 / rows
         return _AttachAuxLoss.apply(out, share, weight)
 

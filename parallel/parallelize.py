@@ -68,6 +68,11 @@ class ParallelConfig:
                               None if seq_len is None else seq_len // layout.cp)
         check_data_parallel(self.data, layout)
         check_expert_parallel(getattr(model_config, "n_experts", 0), layout.ep, layout.dp_shard * layout.cp)
+        if layout.ep > 1 and self.data.activation_checkpointing == "op":
+            # the experts' own FSDP2 unit sits inside the recomputed block, and its hooks issue ops that
+            # op-level selective checkpointing cannot match between forward and recomputation
+            raise ValueError(f"activation checkpointing 'op' with ep={layout.ep} is not supported: the experts' FSDP2 "
+                             f"unit runs inside the recomputed block; use 'full' or 'selective' with expert parallel")
         if layout.pp > 1:
             check_pipeline(self.pipeline, layout.pp, model_config.n_layers, self.uses_fsdp,
                            self.data.activation_checkpointing)
@@ -192,11 +197,12 @@ def dry_run_model_states(
     rank: int = 0,
     pipeline: PipelineConfig | None = None,
 ) -> dict[str, float]:
-    """Per-rank model-state bytes of `rank`, counted from the parameters that pp, tp and FSDP2 actually
+    """Per-rank model-state bytes of `rank`, counted from the parameters that pp, tp, ep and FSDP2 actually
     leave on it: the preset (only `rank`'s pipeline stages when pp > 1) is built on the meta device and
     parallelized on the fake backend, so any layout (thousands of ranks) is measured in one process."""
     from torch.distributed.tensor import DTensor
 
+    from tessera.models.moe import moe_blocks
     from tessera.models.spec import get_preset, spec_of
     from tessera.topology import dry_run
     from tessera.topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
@@ -224,15 +230,24 @@ def dry_run_model_states(
         for m in parts:
             if meshes.tp is not None:
                 apply_tp(m, meshes.tp, sequence_parallel)
-        unsharded = local_numel(parts)  # this rank's tp slice, whole over dp
+            if meshes.ep is not None:  # E / ep experts of each MoE block (parallelize's order: beside tp)
+                apply_ep(m, meshes.ep, meshes.tp)
+        unsharded = local_numel(parts)  # this rank's tp (and ep) slice, whole over dp
         # FSDP2 cuts each (tp-local) tensor's dim 0 as torch.chunk over the shard group; counting by that
         # rule is exact (tests/test_planner.py compares it with fully_shard) and takes milliseconds where
-        # fully_shard on 4096 fake ranks takes half a minute
+        # fully_shard on 4096 fake ranks takes half a minute. Under ep the experts are their own unit on the
+        # edp mesh: the flattened dp_shard x cp index unflattened into (edp, ep), ep innermost (mesh.py)
         shards = layout.dp_shard * layout.cp if meshes.fsdp is not None else 1
         index = layout.index(("dp_shard", "cp"), rank)
-        sharded = sum(fsdp_shard_numel(t.shape[0] if t.dim() else 1, t.numel() // max(1, t.shape[0] if t.dim() else 1),
-                                       shards, index)
-                      for m in parts for p in m.parameters() for t in [p.to_local() if isinstance(p, DTensor) else p])
+        experts = {id(p) for m in parts for _, b in moe_blocks(m) for p in b.experts.parameters()} if meshes.ep else set()
+
+        def shard(p) -> int:
+            t = p.to_local() if isinstance(p, DTensor) else p
+            rows = t.shape[0] if t.dim() else 1
+            n, i = (shards // layout.ep, index // layout.ep) if id(p) in experts else (shards, index)
+            return fsdp_shard_numel(rows, t.numel() // max(1, rows), n, i)
+
+        sharded = sum(shard(p) for m in parts for p in m.parameters())
     out = {"local_params": float(sharded), "tp_local_params": float(unsharded), "stage_params": float(stage_params),
            "stages": stages, "layers": [[layers[s].start, layers[s].stop] for s in stages]}
     for component in ("parameters", "gradients", "optimizer"):

@@ -31,6 +31,7 @@ LAYOUTS = {
     "cp2xep2": dict(cp=2, ep=2),  # ep borrows the cp ranks: the aux loss's counts summed over cp
     "hsdp2x2xep2": dict(dp=4, dp_replicate=2, ep=2),
     "ep2+ac_full": dict(dp=2, ep=2, ac="full"),  # recomputation neither recounts tokens nor re-adds the aux loss
+    "ep2+compile": dict(dp=2, ep=2, compile=True),  # the experts' dispatch stays eager inside the compiled block
     "pp2xdp2xcp2xtp2+sp+ep4": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, ep=4, microbatches=2),
 }
 

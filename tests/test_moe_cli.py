@@ -40,6 +40,7 @@ def test_the_readme_moe_command_trains_and_shows_the_load(tmp_path):
     (["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "4"], "ep=4 must divide dp_shard x cp = 2"),
     (["--moe-aux-loss", "0.1"], "--moe-aux-loss needs a mixture-of-experts model, and debug has no experts"),
     (["--model", "qwen3-moe-debug", "--moe-bias-rate", "-1"], "--moe-bias-rate -1.0 must be a number >= 0"),
+    (["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "2", "--ac", "op"], "activation checkpointing 'op' with ep=2"),
 ])
 def test_expert_flags_that_cannot_work_are_refused_in_one_line(args, message):
     out = subprocess.run([sys.executable, "-m", "tessera", "train", "--steps", "1", *args],
