@@ -84,6 +84,11 @@ def _lacks(name: str, shape: tuple[int, ...], src: Source | None, cfg: Any) -> l
 
 
 # ----------------------------------------------------------------------------- config.json
+def _named(flag: str, directory: Any) -> str:
+    """How the user named the directory: "--init-from-hf DIR", or "--model hf:DIR" (flag "--model hf:")."""
+    return f"{flag}{directory}" if flag.endswith(":") else f"{flag} {directory}"
+
+
 def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -> Any:
     """The family's config from a Hugging Face config.json, the family chosen by its model_type;
     ValueError naming the file and the field for what the family cannot represent. `flag`: the option that
@@ -91,12 +96,12 @@ def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -
     path = Path(directory) / "config.json"
     if not path.is_file():
         if not str(directory) or not Path(directory).exists():
-            raise ValueError(f"{flag} {str(directory) or repr('')}: no such directory; name a Hugging Face model directory "
+            raise ValueError(f"{_named(flag, str(directory) or repr(''))}: no such directory; name a Hugging Face model directory "
                              f"(config.json, model.safetensors)")
         if not Path(directory).is_dir():
-            raise ValueError(f"{flag} {directory} is a file; name a Hugging Face model directory (config.json, "
+            raise ValueError(f"{_named(flag, directory)} is a file; name a Hugging Face model directory (config.json, "
                              f"model.safetensors)")
-        raise ValueError(f"{flag} {directory}: no config.json in it (a Hugging Face model directory)")
+        raise ValueError(f"{_named(flag, directory)}: no config.json in it (a Hugging Face model directory)")
     try:
         c = json.loads(path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -112,10 +117,10 @@ def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -
     try:
         return spec_for_hf(model_type, str(path)).hf.read_config(c, str(path))
     except KeyError as e:  # the family's reader indexes the fields it needs
-        raise ValueError(f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); {flag} takes a "
+        raise ValueError(f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); {flag + 'DIR' if flag.endswith(':') else flag} takes a "
                          f"complete Hugging Face config.json") from None
     except (TypeError, AttributeError, ZeroDivisionError) as e:
-        raise ValueError(f"{path}: a field holds a value of the wrong kind ({e}); {flag} takes a Hugging Face "
+        raise ValueError(f"{path}: a field holds a value of the wrong kind ({e}); {flag + 'DIR' if flag.endswith(':') else flag} takes a Hugging Face "
                          f"config.json as transformers writes it") from None
 
 
@@ -188,7 +193,7 @@ def weight_files(directory: str | os.PathLike, flag: str | None = None) -> dict[
     """HF parameter name -> the safetensors file that holds it (sharded with an index, or one file).
     `flag`: the option that named the directory, to begin the messages with."""
     d = Path(directory)
-    named = f"{flag} {d}" if flag else str(d)
+    named = _named(flag, d) if flag else str(d)
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -279,7 +284,7 @@ def check_hf_weights(directory: str | os.PathLike, cfg: Any, flag: str | None = 
     ours = _weight_map(files, cfg, want, groups)
     missing = [hf for n, shape in want.items() for hf in _lacks(n, shape, ours.get(n), cfg)]
     if missing:
-        raise ValueError(f"{f'{flag} ' if flag else ''}{directory}: the checkpoint lacks "
+        raise ValueError(f"{_named(flag, directory) if flag else directory}: the checkpoint lacks "
                          f"{missing[0]} (and {len(missing) - 1} more)")
     with contextlib.ExitStack() as stack:
         handles = _open_each(files, stack)

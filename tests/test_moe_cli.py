@@ -48,3 +48,13 @@ def test_expert_flags_that_cannot_work_are_refused_in_one_line(args, message):
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
     assert out.stderr.strip().splitlines() == [f"tessera train: error: {out.stderr.split('error: ', 1)[1].strip()}"]
     assert message in out.stderr
+
+
+def test_a_model_named_hf_dir_is_named_so_in_its_messages(tmp_path):
+    """--model hf:DIR errors say --model hf:DIR, not --init-from-hf (which the user did not give)."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    for model, message in ((f"hf:{tmp_path}", "--model hf:DIR takes a complete Hugging Face config.json"),
+                           (f"hf:{tmp_path / 'absent'}", f"--model hf:{tmp_path / 'absent'}: no such directory")):
+        out = subprocess.run([sys.executable, "-m", "tessera", "train", "--steps", "1", "--model", model],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr and "--init-from-hf" not in out.stderr, out.stderr
