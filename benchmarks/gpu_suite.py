@@ -12,6 +12,10 @@ Parts, in the order they run (budget on one H100):
                        sequence 4096 / 8192 / 16384 (16,384 tokens a call), against SDPA's flash and cuDNN
                        backends, TFLOP/s and the ratios; RMSNorm GB/s as a share of the HBM peak, against
                        torch.compile and eager torch (benchmarks/bench_kernels.py's functions)
+  moe       (1 min)    one MoE block's experts, forward and forward + backward, bf16, at Qwen3-30B-A3B's
+                       shapes (128 experts, dim 2048, ffn 768, top-8 routing of 4096 tokens): torch._grouped_mm
+                       against the per-expert loop (models/moe.py's two paths), TFLOP/s and grouped / loop
+                       (benchmarks/bench_moe.py's grouped_vs_loop)
   eager     (5 min)    the 1b preset at seq 2048 through tessera's training job (one GPU, bf16), batch 1, 2,
   compiled  (10 min)   4, ... until the first out-of-memory (recorded, the sweep stops), eager then --compile:
                        tokens/s, per device, MFU (attention FLOPs included), the allocator's peak, the dtype
@@ -44,11 +48,13 @@ HERE = Path(__file__).resolve().parent
 FULL = dict(model="1b", seq_len=2048, batches=[1, 2, 4, 8, 16, 32, 64], steps=5, warmup=2, calibrate_batch=4,
             kernels=dict(seq_lens=[4096, 8192, 16384], head_dims=[128], hidden=2048, tokens=16384,
                          norm_shapes=[(16384, 4096), (32768, 8192)], warmup=25, reps=100, masks=(True,)),
-            budgets=dict(calibrate=60, kernels=240, eager=300, compiled=600, baseline=180))
+            moe=dict(n_experts=128, dim=2048, ffn=768, tokens=4096, top_k=8, warmup=5, reps=20),
+            budgets=dict(calibrate=60, kernels=240, moe=60, eager=300, compiled=600, baseline=180))
 SMOKE = dict(model="debug", seq_len=32, batches=[1, 2], steps=3, warmup=2, calibrate_batch=2,
              kernels=dict(seq_lens=[32], head_dims=[16], hidden=32, tokens=32, norm_shapes=[(8, 64)], warmup=1, reps=1,
                           masks=(True,)),
-             budgets=dict(calibrate=20, kernels=30, eager=40, compiled=60, baseline=30))
+             moe=dict(n_experts=4, dim=16, ffn=16, tokens=16, top_k=2, warmup=1, reps=1),
+             budgets=dict(calibrate=20, kernels=30, moe=10, eager=40, compiled=60, baseline=30))
 
 
 class Clock:
@@ -225,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"sizes": {k: v for k, v in sizes.items() if k != "kernels"}, "kernel_sizes": sizes["kernels"],
                                "budgets_s": budgets, "mfu_peak_flops_per_device": peak,
                                "mfu_formula": MFU_FORMULA + ("the GPU's dense bf16 datasheet figure" if on_gpu else "none on CPU")}
-    clock.say("suite", f"{'smoke (CPU, tiny sizes)' if args.smoke else info['device']}: calibrate, kernels, eager and "
+    clock.say("suite", f"{'smoke (CPU, tiny sizes)' if args.smoke else info['device']}: calibrate, kernels, moe, eager and "
                        f"compiled {sizes['model']} sweeps, baseline, planner check; budget {sum(budgets.values()) / 60:.0f} min")
 
     # 1. calibration: the planner's rates for this device at the model's shapes
@@ -247,6 +253,28 @@ def run(args: argparse.Namespace) -> int:
     if on_gpu:  # the training runs below are other processes: hand this one's cached blocks back
         torch.cuda.empty_cache()
     clock.say("kernels", f"done ({clock.now() - t0:.0f} s)")
+
+    # 2b. MoE experts: torch._grouped_mm against the per-expert loop, forward and forward + backward
+    m = sizes["moe"]
+    clock.say("moe", f"{m['n_experts']} experts, dim {m['dim']}, ffn {m['ffn']}, top-{m['top_k']} of {m['tokens']} tokens, "
+                     f"{str(kdtype).replace('torch.', '')}: grouped GEMM vs the per-expert loop ...")
+    t0 = clock.now()
+    import bench_moe
+
+    try:
+        moe = bench_moe.grouped_vs_loop(**m, device=kdevice, dtype=kdtype)
+    except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
+        moe = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"}
+    moe["seconds"] = clock.now() - t0
+    results["moe"] = moe
+    if on_gpu:
+        torch.cuda.empty_cache()
+    moe_rows = moe.get("rows", {})
+    clock.say("moe", moe["error"] if "error" in moe else "; ".join(
+        f"{impl}: {r['error'][:160]}" if "error" in r else
+        f"{impl} {r['forward_backward_s'] * 1e3:.2f} ms fwd+bwd ({r['forward_backward_tflops']:.3g} TFLOP/s)"
+        + (f", {r['forward_backward_vs_loop']:.2f}x the loop" if "forward_backward_vs_loop" in r else "")
+        for impl, r in moe_rows.items()) + f" ({moe['seconds']:.0f} s)")
 
     # 3. training sweeps, eager then compiled
     results["train"] = {}

@@ -5,6 +5,7 @@ memory per rank by layout, and the planner's predictions against the measurement
 Layouts are named by their degrees joined with x, options after +:
 
     one  dp4  tp2  dp2xtp2  dpr2xdp2 (HSDP: dp_replicate 2 x dp_shard 2)  pp2xdp2xcp2xtp2+sp
+    dp4xep2 (expert parallel: ep borrows ranks of dp_shard x cp, MoE models only)
     options: sp (sequence parallel), ac_op / ac_full / ac_selective, zero2 (SHARD_GRAD_OP), compile
 
 Per layout: the median over the steps after --warmup of the step time; tokens/s and tokens/s per device;
@@ -18,6 +19,12 @@ first step, counted and predicted; rank 0's peak tensor memory (live tensor stor
 2, measured) and its process peak (the CUDA allocator's torch.cuda.max_memory_allocated, or peak RSS on
 CPU); beside them the planner's step time and memory, its step time at rates calibrated on this device at
 the start (tessera plan --calibrate's measurement, topology/step_time.py), with measured / predicted.
+
+A mixture-of-experts model (e.g. --model qwen3-moe-debug) adds each layout's expert load: "moe" in its
+row holds every measured step's record entry (tokens routed to each expert per layer, each layer's max/mean
+imbalance, the auxiliary loss) with per-layer medians, and <name>-moe_load.png shows the last measured
+step's counts as a layers x experts heatmap, each layer's imbalance beside it. A dense model has neither
+(the JSON's config.moe_load says so).
 
 --baseline adds a plain-torch row (tessera.baseline: the same weights, data, sequence and batch on one
 device, FSDP2 on a one-rank mesh with the same mixed precision, SDPA, torch.compile per block on CUDA,
@@ -37,22 +44,22 @@ from typing import Any
 MFU_FORMULA = ("(6 x matmul parameters + 6 x n_layers x dim x seq_len) x tokens per step / (step time x devices x peak); "
                "the second term is causal attention (QK^T and PV, forward + backward, half the dense 12 x n_layers x "
                "dim x seq_len); peak per device: ")
-AXIS_OF = {"pp": "pp", "dpr": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp"}
+AXIS_OF = {"pp": "pp", "dpr": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp", "ep": "ep"}
 OPTIONS = {"sp": dict(sequence_parallel=True), "ac_op": dict(ac="op"), "ac_full": dict(ac="full"),
            "ac_selective": dict(ac="selective"), "zero2": dict(fsdp="SHARD_GRAD_OP"), "compile": dict(compile=True)}
 
 
 def parse_layout(name: str) -> dict[str, Any]:
-    """'pp2xdp2xcp2xtp2+sp' -> Config.create keywords (dp is dp_replicate x dp_shard)."""
+    """'pp2xdp2xcp2xtp2+sp' -> Config.create keywords (dp is dp_replicate x dp_shard; ep adds no ranks)."""
     degrees, *options = name.strip().split("+")
     out: dict[str, Any] = {}
     dp_shard = dp_replicate = 1
     if degrees != "one":
         for term in degrees.split("x"):
-            m = re.fullmatch(r"(pp|dpr|dp|cp|tp)(\d+)", term)
+            m = re.fullmatch(r"(pp|dpr|dp|cp|tp|ep)(\d+)", term)
             if m is None:
-                raise ValueError(f"layout {name!r}: {term!r} is not <axis><degree> with axis pp, dpr, dp, cp or tp "
-                                 f"(e.g. dp2xtp2, dpr2xdp2, pp2xdp2xcp2xtp2+sp)")
+                raise ValueError(f"layout {name!r}: {term!r} is not <axis><degree> with axis pp, dpr, dp, cp, tp or ep "
+                                 f"(e.g. dp2xtp2, dpr2xdp2, pp2xdp2xcp2xtp2+sp, dp4xep2)")
             axis, degree = AXIS_OF[m.group(1)], int(m.group(2))
             if axis == "dp_shard":
                 dp_shard = degree
@@ -237,11 +244,13 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
         history = train(config)
         rows.append(_row(name, config, history, args.warmup, per_device_peak, on_gpu, calibration))
         r = rows[-1]
+        experts = (f"; experts: max/mean imbalance {r['moe']['max_imbalance']:.2f} (worst layer, step), aux loss "
+                   f"{r['moe']['aux_loss_median']:.4g}") if "moe" in r else ""
         print(f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per device), "
               f"step {r['step_time_s'] * 1e3:.1f} ms ({r['exposed_comm_s'] * 1e3:.1f} ms exposed communication), "
               f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}, {r['compute_dtype']}; predicted step "
-              f"{r['predicted']['step_time_s'] * 1e3:.1f} ms (measured / predicted {r['measured_over_predicted']['step_time']:.2f})",
-              flush=True)
+              f"{r['predicted']['step_time_s'] * 1e3:.1f} ms (measured / predicted {r['measured_over_predicted']['step_time']:.2f})"
+              + experts, flush=True)
     _efficiency(rows)
     baseline = None
     if args.baseline:
@@ -269,6 +278,11 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
                                      "host dispatch); ratios are measured / predicted" if calibration else
                                      "the planner's uncalibrated estimate (FLOPs at its efficiency of the H100 bf16 peak)")
     config["calibration"] = calibration
+    has_moe = any("moe" in r for r in rows)
+    config["moe_load"] = (f"each layout row's 'moe': its measured steps' expert load; {name}-moe_load.png (with matplotlib): the last "
+                          f"measured step's tokens per expert and layer" if has_moe else
+                          f"absent: {args.model} is a dense model (no experts), so its rows have no 'moe' entry and "
+                          f"there is no moe_load plot")
     results = {"layouts": rows}
     if baseline is not None:
         results["baseline"] = baseline
@@ -322,6 +336,7 @@ def _row(name: str, config, history: list[dict], warmup: int, peak: float | None
     peak_process = max(m["peak_memory_bytes"] for m in history)
     # measured memory against the planner's: the allocator's peak on a GPU, the live tensors' on CPU
     measured_memory = peak_process if on_gpu else history[1].get("peak_tensor_bytes")
+    moe = moe_load(timed)
     return {
         "layout": name, "degrees": lay.as_dict(), "ranks": ranks, "devices": devices,
         "global_batch": config.data.global_batch, "microbatches": config.data.microbatches,
@@ -346,7 +361,25 @@ def _row(name: str, config, history: list[dict], warmup: int, peak: float | None
             "memory": measured_memory / predicted.memory["total"] if measured_memory else None,
             "memory_measure": "CUDA allocator peak (rank 0)" if on_gpu else "live tensors at step 2's peak (rank 0)"},
         "final_loss": history[-1]["loss"], "losses": [m["loss"] for m in history],
+        # a dense model's rows have no "moe" key at all (not zeros): there is no expert load to report
+        **({"moe": moe} if moe is not None else {}),
     }
+
+
+def moe_load(records: list[dict]) -> dict | None:
+    """The expert load of the measured steps' records (their "moe" entries, parallel/expert.py's load_report):
+    each step's entry with its step number, each layer's median max/mean imbalance over the steps, the worst
+    imbalance and the median auxiliary loss. None when the records have none (a dense model)."""
+    steps = [{"step": m["step"], **m["moe"]} for m in records if m.get("moe") is not None]
+    if not steps:
+        return None
+    per_layer = list(zip(*(s["imbalance"] for s in steps)))
+    return {"steps": steps, "n_layers": len(per_layer), "n_experts": len(steps[0]["tokens_per_expert"][0]),
+            "imbalance_median_per_layer": [statistics.median(layer) for layer in per_layer],
+            "max_imbalance": max(s["max_imbalance"] for s in steps),
+            "aux_loss_median": statistics.median(s["aux_loss"] for s in steps),
+            "imbalance_definition": "max / mean of the tokens routed to each expert in a layer, over the whole step "
+                                    "(every rank's tokens); 1.0 is perfectly balanced"}
 
 
 def _efficiency(rows: list[dict]) -> None:
@@ -416,4 +449,47 @@ def _plots(rows: list[dict], out: Path, name: str, series: str | None, device: s
     paths.append(out / f"{name}-predicted.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+    if any("moe" in r for r in rows):
+        paths.append(_moe_plot(plt, rows, out / f"{name}-moe_load.png", device))
     return paths
+
+
+def _moe_plot(plt, rows: list[dict], path: Path, device: str, max_panels: int = 4) -> Path:
+    """The last measured step's tokens per expert (layers x experts heatmap, counts in the cells while they
+    fit), each layer's max/mean imbalance at its right. Layouts that routed alike share a panel (every
+    layout trains the same model on the same batches, so usually there is one)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if "moe" in r:
+            last = r["moe"]["steps"][-1]
+            groups.setdefault(repr(last["tokens_per_expert"]), []).append(r)
+    shown = list(groups.values())[:max_panels]
+    n_experts, n_layers = shown[0][0]["moe"]["n_experts"], shown[0][0]["moe"]["n_layers"]
+    width = min(18.0, 3.0 + 0.45 * n_experts)
+    fig, axes = plt.subplots(len(shown), 1, figsize=(width, len(shown) * (1.4 + 0.45 * n_layers)), squeeze=False)
+    for ax, group in zip(axes[:, 0], shown):
+        last = group[0]["moe"]["steps"][-1]
+        counts = last["tokens_per_expert"]
+        im = ax.imshow(counts, aspect="auto", cmap="viridis", interpolation="nearest")
+        if n_experts <= 32:  # one label per cell while they stay readable
+            top = max(max(layer) for layer in counts) or 1
+            for li, layer in enumerate(counts):
+                for e, c in enumerate(layer):
+                    ax.text(e, li, str(c), ha="center", va="center", fontsize=7,
+                            color="black" if c > 0.6 * top else "white")
+        for li, imbalance in enumerate(last["imbalance"]):
+            ax.annotate(f"max/mean {imbalance:.2f}", (1.01, 1 - (li + 0.5) / n_layers), xycoords="axes fraction",
+                        va="center", fontsize=8)
+        ax.set_xticks(range(n_experts), [str(e) for e in range(n_experts)], fontsize=7 if n_experts <= 32 else 5)
+        ax.set_yticks(range(n_layers), [str(li) for li in range(n_layers)], fontsize=7)
+        ax.set(xlabel="expert", ylabel="layer", title=f"{', '.join(r['layout'] for r in group)}: step {last['step']}, "
+               f"aux loss {last['aux_loss']:.4g}")
+        ax.title.set_fontsize(9)
+        fig.colorbar(im, ax=ax, label="tokens routed", pad=0.16)
+    more = len(groups) - len(shown)
+    fig.suptitle(f"expert load, last measured step (tessera bench on {device})"
+                 + (f"; {more} more routing(s) in the JSON" if more else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -15,12 +15,12 @@ def _tessera(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
-@given(st.dictionaries(st.sampled_from(["pp", "dpr", "dp", "cp", "tp"]), st.integers(1, 8), min_size=1),
+@given(st.dictionaries(st.sampled_from(["pp", "dpr", "dp", "cp", "tp", "ep"]), st.integers(1, 8), min_size=1),
        st.lists(st.sampled_from(["sp", "ac_op", "zero2"]), unique=True))
 def test_layout_names_parse_to_their_degrees(degrees, options):
     name = "x".join(f"{a}{d}" for a, d in degrees.items()) + "".join("+" + o for o in options)
     kw = parse_layout(name)
-    for axis in ("pp", "cp", "tp"):
+    for axis in ("pp", "cp", "tp", "ep"):
         assert kw.get(axis, 1) == degrees.get(axis, 1)
     dp = degrees.get("dp", 1) * degrees.get("dpr", 1)
     assert kw.get("dp", 1) == dp and kw.get("dp_replicate", 1) == (degrees.get("dpr", 1) if dp > 1 else 1)
@@ -57,6 +57,9 @@ def test_bench_runs_layouts_and_writes_json_and_plots(tmp_path):
     assert rows[2]["collective_wait_s_by_axis"]["tp"] > 0 and rows[3]["comm_bytes_counted"]["pp"] > 0
     for kind in ("throughput", "memory", "predicted"):
         assert (tmp_path / f"bench-debug-layouts-cpu-{kind}.png").stat().st_size > 10_000
+    # a dense model: no expert load anywhere (absent, not zeros), and the JSON says why
+    assert all("moe" not in r for r in rows) and data["config"]["moe_load"].startswith("absent: debug is a dense model")
+    assert not list(tmp_path.glob("*moe_load*"))
 
 
 def test_bench_weak_series(tmp_path):
