@@ -276,6 +276,44 @@ class PipelineRunner:
             if dy is not None:  # only this module's own weights: the path from y to them, nothing upstream
                 torch.autograd.backward(y, dy, inputs=params)
 
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def forward_only(self, microbatches: Sequence[Microbatch]) -> tuple[Tensor, Tensor]:
+        """(summed loss, valid targets) of `microbatches` without gradients: each microbatch passes the stages
+        in order (each rank runs its stages in ascending order, so every receive's sender has already run);
+        the last stage's sums, summed over pp (the other stages add zeros), so every pp rank returns them."""
+        rows, seq = microbatches[0][0].shape
+        given = self.positions_of(microbatches[0][0]) if self.positions_of else None
+        positions = given if given is not None else torch.arange(seq, device=self.device)
+        shape, dtype = self.activation(rows, seq)
+        totals = torch.zeros(2, dtype=torch.float32, device=self.device)
+        local: dict[int, Tensor] = {}
+        for mb, (inputs, targets) in enumerate(microbatches):
+            for stage in sorted(self.stages):
+                if stage == 0:
+                    x = inputs
+                elif self.rank_of_stage(stage - 1) == self.me:
+                    x = local.pop(stage)
+                else:
+                    x = torch.empty(shape, dtype=dtype, device=self.device)
+                    with collective(f"recv act of microbatch {mb} for stage {stage} (eval)", "pp", self.group):
+                        dist.irecv(x, self.peers[self.rank_of_stage(stage - 1)], self.group).wait(self.timeout)
+                part = self.stages[stage]
+                if stage == self.n_stages - 1:
+                    loss_sum, valid = model_loss(self.loss_fn, part, x, positions, targets)
+                    totals += torch.stack([loss_sum.float(), torch.as_tensor(valid, dtype=torch.float32,
+                                                                                device=self.device)])
+                    continue
+                out = part(x, positions)
+                if self.rank_of_stage(stage + 1) == self.me:
+                    local[stage + 1] = out
+                else:
+                    with collective(f"send act of microbatch {mb} for stage {stage + 1} (eval)", "pp", self.group):
+                        dist.isend(out.contiguous(), self.peers[self.rank_of_stage(stage + 1)], self.group).wait(self.timeout)
+        with collective("all_reduce (eval loss)", "pp", self.group):
+            dist.all_reduce(totals, group=self.group)
+        return totals[0], totals[1]
+
     # ------------------------------------------------------------------ messages
     def _send(self, tensor: Tensor, key: tuple) -> None:
         kind, mb, stage = key

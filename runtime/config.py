@@ -104,7 +104,9 @@ class OptimizerSection:
 class DataSection:
     seq_len: int = opt(64, "tokens per sequence")
     global_batch: int = opt(8, "sequences per optimizer step, over all data-parallel ranks")
-    microbatches: int = opt(1, "split each dp rank's rows into M microbatches (gradient accumulation)")
+    microbatches: int | None = opt(None, "split each dp rank's rows into M microbatches (gradient accumulation; "
+                                         "default 1, and with --pp the fewest the schedule needs that divide the "
+                                         "rows: --pp for 1f1b, zb-h1 and interleaved-1f1b)", metavar="M")
     eval_data: str | None = opt(None, "held-out token files for --eval-every (same format as --data)", metavar="PATH")
     eval_every: int = opt(0, "every N steps, the mean loss on --eval-batches global batches of --eval-data (0: never)")
     eval_batches: int = opt(1, "global batches of --eval-data per evaluation (the same ones each time)")
@@ -183,6 +185,32 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
+
+    def __post_init__(self) -> None:
+        # --microbatches left out: 1, or with a pipeline the fewest its schedule runs (which `microbatches_chosen`
+        # says, for the start line), so that `--pp 2` alone trains
+        if self.data.microbatches is None:
+            object.__setattr__(self, "data", dataclasses.replace(self.data, microbatches=self._default_microbatches()))
+            object.__setattr__(self, "microbatches_chosen", True)
+        else:
+            object.__setattr__(self, "microbatches_chosen", False)
+
+    def _default_microbatches(self) -> int:
+        from tessera.topology.schedule import fewest_microbatches
+
+        p = self.parallel
+        try:
+            pp = self.layout.pp
+        except ValueError:  # degrees that do not make a layout: the checks say so later
+            return 1
+        if pp == 1:
+            return 1
+        kind = p.schedule or "1f1b"
+        least = fewest_microbatches(kind, pp, p.virtual)
+        step = pp if kind == "interleaved-1f1b" and p.virtual > 1 else 1  # interleaved: rounds of pp
+        rows = self.data.global_batch // max(1, self.layout.dp)
+        # the fewest that also divides each dp rank's rows (else the schedule's least: the checks name the fix)
+        return next((m for m in range(least, rows + 1, step) if rows % m == 0), least)
 
     # ------------------------------------------------------------------ construction
     @classmethod

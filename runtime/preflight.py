@@ -35,9 +35,6 @@ def check(config: Config) -> None:
         raise ValueError(f"--eval-every {d.eval_every} needs --eval-data PATH (held-out token files)")
     if d.eval_data and not d.eval_every:
         raise ValueError(f"--eval-data {d.eval_data} is read only with --eval-every N; add it (or drop --eval-data)")
-    if d.eval_every and config.layout.pp > 1:
-        raise ValueError("--eval-every with --pp > 1 is not supported yet (the pipeline runs training steps only); "
-                         "evaluate on a checkpoint with a layout without pp")
     if d.eval_data:
         from tessera.models.tokens import TokenFileStream
 

@@ -78,7 +78,9 @@ def startup_line(config: Config, trainer: Any) -> str:
         f"{trainer.layout} = {trainer.layout.world_size} {trainer.device.type} rank(s); {_human(local)} params on rank 0; "
         f"{compute_dtype_summary(trainer.dtype_report)}; "
         f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
-        f"{f' in {config.data.microbatches} microbatches' if config.data.microbatches > 1 else ''}; " + "; ".join(where)
+        f"{f' in {config.data.microbatches} microbatches' if config.data.microbatches > 1 else ''}"
+        f"{' (the fewest the schedule runs; --microbatches M to choose)' if config.microbatches_chosen and config.layout.pp > 1 else ''}; "
+        + "; ".join(where)
     )
 
 

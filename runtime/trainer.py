@@ -214,18 +214,22 @@ class Trainer:
 
         d = self.config.data
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch, self.model_config.vocab_size)
-        model = self.parts[0]
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
-        was_training = model.training
-        model.eval()
+        was_training = self.parts[0].training
+        for part in self.parts:
+            part.eval()
         try:
             for _ in range(d.eval_batches):
                 rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
                 inputs, targets = self.local_rows(rows_in, rows_tg)
-                loss_sum, count = forward_only(model, self.loss_fn, [(inputs, targets)], self.runner.positions)
+                if self.layout.pp > 1:  # through the stages, forward only (every pp rank gets the sums)
+                    loss_sum, count = self.runner.forward_only(split_microbatches(inputs, targets, d.microbatches))
+                else:
+                    loss_sum, count = forward_only(self.parts[0], self.loss_fn, [(inputs, targets)], self.runner.positions)
                 totals += torch.stack([loss_sum, count])
         finally:
-            model.train(was_training)
+            for part in self.parts:
+                part.train(was_training)
         if self.meshes.loss is not None:
             with collective("all_reduce (eval loss)", "dp_cp", self.meshes.loss.get_group()):
                 dist.all_reduce(totals, group=self.meshes.loss.get_group())

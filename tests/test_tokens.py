@@ -146,18 +146,20 @@ def test_eval_every_reports_the_held_out_loss_equally_on_every_layout(data_dir, 
     common = dict(data=str(data_dir), eval_data=str(data_dir), eval_every=2, eval_batches=2, vocab_size=120,
                   seq_len=16, global_batch=4, steps=4)
     one = train(small_config(**common))
-    spread = train(small_config(**common, dp=2, tp=2))
     assert [("eval_loss" in r) for r in one] == [False, True, False, True]
-    for a, b in zip(one, spread):
-        if "eval_loss" in a:
-            assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * a["eval_loss"]
+    # a pipeline evaluates through its stages too, with the microbatches the schedule chose (--pp alone)
+    for layout in (dict(dp=2, tp=2), dict(pp=2, dp=2), dict(pp=2, schedule="interleaved-1f1b", virtual=2, n_layers=4)):
+        spread = train(small_config(**common, **layout))
+        reference = one if "n_layers" not in layout else train(small_config(**common, n_layers=4))
+        for a, b in zip(reference, spread):
+            if "eval_loss" in a:
+                assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * a["eval_loss"], (layout, a, b)
     assert one[3]["eval_loss"] < one[1]["eval_loss"]  # the same held-out batches, after two more steps
 
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(eval_every=2), "--eval-every 2 needs --eval-data PATH"),
     (dict(eval_data="x"), "--eval-data x is read only with --eval-every N"),
-    (dict(eval_every=2, eval_data="x", pp=2, n_layers=2, microbatches=2), "--eval-every with --pp > 1 is not supported yet"),
     (dict(eval_every=-1), "--eval-every -1 must be >= 0"),
 ])
 def test_eval_flags_that_would_do_nothing_or_cannot_run_are_refused(overrides, message):

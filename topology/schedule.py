@@ -61,6 +61,12 @@ def check_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
                          f"--microbatches {stages * -(-microbatches // stages)}")
 
 
+def fewest_microbatches(kind: str, stages: int, virtual: int = 1) -> int:
+    """The fewest microbatches `kind` runs on `stages` ranks (what check_schedule asks for): GPipe one; the
+    others one per stage (interleaved 1F1B runs them in rounds of pp)."""
+    return 1 if kind == "gpipe" else stages
+
+
 def build_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     """One list of actions per pipeline rank (`stages` ranks, `stages * virtual` virtual stages)."""
     check_schedule(kind, stages, microbatches, virtual)

@@ -1,0 +1,43 @@
+"""Pipelines that need no flag beyond --pp: without --microbatches the fewest microbatches the schedule runs
+(that divide each dp rank's rows) are chosen and said at the start; given ones are kept and checked."""
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import small_config
+from tessera.topology.schedule import KINDS, check_schedule, fewest_microbatches
+
+
+@given(st.sampled_from(KINDS), st.integers(1, 8))
+def test_the_fewest_microbatches_are_what_the_schedule_accepts(kind, stages):
+    virtual = 2 if kind == "interleaved-1f1b" else 1
+    least = fewest_microbatches(kind, stages, virtual)
+    check_schedule(kind, stages, least, virtual)  # accepted
+    if least > 1:
+        with pytest.raises(ValueError):
+            check_schedule(kind, stages, least - 1, virtual)
+
+
+@pytest.mark.parametrize("flags, chosen", [
+    (dict(), 1), (dict(pp=2), 2), (dict(pp=2, schedule="gpipe"), 1), (dict(pp=4, n_layers=4), 4),
+    (dict(pp=2, schedule="interleaved-1f1b", virtual=2, n_layers=4), 2),
+    (dict(pp=4, n_layers=4, global_batch=10), 5),  # 4 does not divide 10 rows: the next count that does
+    (dict(pp=2, microbatches=4), 4),  # given: kept
+])
+def test_microbatches_default_to_the_fewest_the_pipeline_runs(flags, chosen):
+    config = small_config(**flags)
+    assert config.data.microbatches == chosen
+    assert config.microbatches_chosen == ("microbatches" not in flags)
+    config.check()
+
+
+def test_pp_alone_trains_and_says_what_it_chose(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tessera", "train", "--pp", "2", "--steps", "2"], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "in 2 microbatches (the fewest the schedule runs; --microbatches M to choose)" in out.stdout
+    assert "done: loss" in out.stdout
