@@ -158,7 +158,8 @@ def model_shape(cfg: Qwen3MoeConfig) -> ModelShape:
     return ModelShape(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                       head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, ffn_dim=cfg.moe_ffn_dim, qk_norm=True,
                       tied_embeddings=cfg.tie_word_embeddings, family="qwen3_moe", max_seq_len=cfg.max_seq_len,
-                      n_experts=cfg.n_experts, top_k=cfg.top_k, shared_ffn_dim=cfg.shared_ffn_dim)
+                      n_experts=cfg.n_experts, top_k=cfg.top_k, shared_ffn_dim=cfg.shared_ffn_dim,
+                      moe_aux_loss=cfg.aux_loss_coef > 0)
 
 
 # ----------------------------------------------------------------------------- Hugging Face names and config

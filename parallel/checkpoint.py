@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -223,6 +224,16 @@ def _optim_key_param(key: str) -> str:
     return key.split(".", 1)[1].rsplit(".", 1)[0]
 
 
+@dataclass
+class _PendingSave:
+    step: int
+    tmp: Path
+    final: Path
+    small: dict[str, Any]  # the small pieces' state dicts, captured when the save began
+    info: dict[str, Any]
+    upload: Any  # DCP's future of the files (None: written already)
+
+
 class CheckpointManager:
     """Saves and loads checkpoints of Stateful pieces; it knows nothing of the trainer.
 
@@ -233,33 +244,85 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike | None, keep: int = 3):
         self.root = Path(root) if root is not None else None
         self.keep = keep
+        self.pending: _PendingSave | None = None  # an async save whose files are still being written
+        self.async_group: dist.ProcessGroup | None = None
+        self.blocked_s = 0.0  # how long the last save() held its caller (an async one: the staging only)
 
-    def save(self, step: int, sharded: dict[str, Any], small: dict[str, Any], info: dict[str, Any]) -> Path:
-        """Write the checkpoint of `step`; collective over all ranks. Returns its path."""
+    def save(self, step: int, sharded: dict[str, Any], small: dict[str, Any], info: dict[str, Any],
+             asynchronous: bool = False) -> Path:
+        """Write the checkpoint of `step`; collective over all ranks. Returns its path.
+
+        `asynchronous`: DCP's async save. The caller is blocked only while the sharded state is staged (copied
+        to host memory) and the small pieces' state captured; the files are written by a background thread
+        (its collectives on a process group of their own), and the checkpoint becomes `latest` only when every
+        rank has written its files: at a later `poll()` that finds them all done, or at `finish()`. Until then
+        `latest` names the previous complete checkpoint, so a run killed mid-save resumes from that one."""
         if self.root is None:
             raise CheckpointError("no checkpoint directory: pass --checkpoint-dir DIR")
+        self.finish()  # one save in flight at a time
         root = self.root
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
         final, tmp = step_dir(root, step), root / f".step_{step:08d}.tmp"
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted earlier
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
-        dcp.save(dict(sharded), checkpoint_id=str(tmp / "state"))
+        # the small pieces and the RNG as they are now: training moves them on while an async save writes
+        captured = {name: json.loads(json.dumps(piece.state_dict())) for name, piece in small.items()}
         torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        started = time.perf_counter()
+        if asynchronous:
+            response = dcp.async_save(dict(sharded), checkpoint_id=str(tmp / "state"), process_group=self._async_group())
+            upload = getattr(response, "upload_completion", response)  # a Future, or AsyncSaveResponse's
+            self.blocked_s = time.perf_counter() - started
+            self.pending = _PendingSave(step, tmp, final, captured, dict(info), upload)
+            return final
+        dcp.save(dict(sharded), checkpoint_id=str(tmp / "state"))
+        self.blocked_s = time.perf_counter() - started
+        self._finalize(_PendingSave(step, tmp, final, captured, dict(info), None))
+        return final
+
+    def _async_group(self) -> dist.ProcessGroup:
+        """A gloo group of every rank for the background writes: their collectives must not interleave with
+        training's on the default group (gloo also runs on GPU hosts: the staged state is in host memory)."""
+        if self.async_group is None:
+            self.async_group = dist.new_group(backend="gloo")
+        return self.async_group
+
+    def poll(self) -> Path | None:
+        """Complete a pending async save if every rank has written its files (one small all-reduce while one
+        is pending; collective). Returns the checkpoint made `latest`, if any."""
+        if self.pending is None:
+            return None
+        done = torch.tensor([1 if self.pending.upload.done() else 0], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return self.finish() if done.item() else None
+
+    def finish(self) -> Path | None:
+        """Wait for a pending async save's files (every rank) and make it `latest`; collective."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        pending.upload.result()  # a failed write raises here
+        self._finalize(pending)
+        return pending.final
+
+    def _finalize(self, p: "_PendingSave") -> None:
+        """Checksums, the manifest, then the atomic rename and the `latest` pointer (rank 0); collective."""
+        root, rank, world = self.root, dist.get_rank(), dist.get_world_size()
         dist.barrier()
         # every rank checksums a share of the files; rank 0 collects them into the manifest
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        mine = {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in _my_share(files, rank, world)}
+        files = sorted(f for f in p.tmp.rglob("*") if f.is_file())
+        mine = {str(f.relative_to(p.tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in _my_share(files, rank, world)}
         shares: list[Any] = [None] * world
         dist.all_gather_object(shares, mine)
         if rank == 0:
             manifest = {
-                **info,
-                **{name: piece.state_dict() for name, piece in small.items()},
+                **p.info,
+                **p.small,
                 "format": FORMAT_VERSION,
-                "step": step,
+                "step": p.step,
                 "rng": {"dir": "rng", "world_size": world},
                 "world_size": world,
                 "versions": _versions(),
@@ -267,16 +330,15 @@ class CheckpointManager:
                 "files": {k: v for share in shares for k, v in share.items()},
             }
             manifest["digest"] = manifest_digest(manifest)  # an edited manifest is refused on load
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
+            (p.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            shutil.rmtree(p.final, ignore_errors=True)
+            os.rename(p.tmp, p.final)
             pointer = root / "latest.tmp"
-            pointer.write_text(final.name)
+            pointer.write_text(p.final.name)
             os.replace(pointer, root / "latest")
             for old in sorted(root.glob("step_*"))[: -self.keep] if self.keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
-        return final
 
     def load(self, path: str | os.PathLike, sharded: dict[str, Any], small: dict[str, Any],
              check: Callable[[Path, dict[str, Any]], None] | None = None) -> dict[str, Any]:

@@ -9,10 +9,15 @@ settles groups two axes share, such as cp's and FSDP's when dp_shard is 1), and 
 (the same convention as topology/comm_model.py, which predicts them):
 
     all-reduce 2 (n-1)/n x payload; all-gather (n-1)/n x output; reduce-scatter (n-1)/n x input; send: payload
+    all-to-all: exactly the rows this rank sends to the other ranks (the input less the chunk it keeps, by
+                the input split sizes; equal splits when none are given), the (n-1)/n of balanced routing
+                being only its expectation
 
 Received bytes are the senders' and are not counted twice. The names bytes are accounted under are the
 axes table's (topology/axes.py: each axis's `comm`, FSDP's traffic under its flattened mesh), the same names
-topology/comm_model.py predicts. The mode adds a Python call per operator, so it runs only when asked
+topology/comm_model.py predicts. Under expert parallel the experts' FSDP2 group (edp: the ranks of this
+rank's dp_shard x cp group that hold the same experts) is FSDP's too, counted under the flattened mesh's name
+as comm_model accounts it. The mode adds a Python call per operator, so it runs only when asked
 (`tessera train --comm-stats`, and `tessera bench` for one counted step).
 """
 
@@ -50,6 +55,23 @@ _FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
                "broadcast": "broadcast", "all_to_all_single": "all_to_all"}
 
 
+def _sent_to_others(x: torch.Tensor, input_splits: list[int], n: int, me: int) -> int:
+    """Bytes of all-to-all input `x` that go to the other n - 1 ranks: all of it but the rows of chunk `me`
+    (by the input split sizes in rows; n equal chunks when none are given)."""
+    if n <= 1 or x.numel() == 0:
+        return 0
+    row = x.numel() // x.shape[0] * x.element_size()
+    kept = input_splits[me] if input_splits else x.shape[0] // n
+    return (x.shape[0] - kept) * row
+
+
+def expert_shard_group(layout, rank: int) -> list[int]:
+    """The experts' FSDP2 group (edp) of `rank` under expert parallel: its dp_shard x cp group unflattened
+    into (edp, ep), ep innermost (topology/mesh.py's expert_meshes), so the members a multiple of ep apart."""
+    shard = layout.group(FLATTENED_BY_PURPOSE["fsdp"].axes, rank)  # in flattened order
+    return shard[shard.index(rank) % layout.ep::layout.ep]
+
+
 def _nbytes(x: Any) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
@@ -79,6 +101,10 @@ class CommCounter(TorchDispatchMode):
             fsdp = FLATTENED_BY_PURPOSE["fsdp"]
             if len(members) > 1 and sorted(members) == sorted(self.layout.group(fsdp.axes, self.rank)):
                 name = fsdp.name  # FSDP's mesh, by that name even when cp or dp_shard is 1 (or it is the world)
+            elif (len(members) > 1 and self.layout.ep > 1
+                  and sorted(members) == sorted(expert_shard_group(self.layout, self.rank))):
+                name = fsdp.name  # the experts' FSDP2 group: FSDP's traffic (before axis_of_group, which may
+                # name it dp_shard or cp when it spans one of them)
             else:
                 name = axis_of_group(self.layout, self.rank, members) or (
                     "world" if len(members) == self.layout.world_size else f"group{sorted(members)}")
@@ -92,23 +118,33 @@ class CommCounter(TorchDispatchMode):
             op, where = _C10D[name]
             group = next((a for a in args if type(a).__name__ == "ScriptObject" and "ProcessGroup" in str(a._type())), None)
             if group is not None:
-                self._count(op, _nbytes(args[where]), dist.ProcessGroup.unbox(group))
+                pg = dist.ProcessGroup.unbox(group)
+                if op == "all_to_all":  # (output, input, group, output_split_sizes, input_split_sizes, ...)
+                    self._count(op, 0, pg, sent=_sent_to_others(args[1], list(args[4]), pg.size(), pg.rank()))
+                else:
+                    self._count(op, _nbytes(args[where]), pg)
         elif ns == "_c10d_functional" and name in _FUNCTIONAL:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
             group_name = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
             out = func(*args, **kwargs)
-            payload = _nbytes(out) if _FUNCTIONAL[name] == "all_gather" else _nbytes(args[0])
-            self._count(_FUNCTIONAL[name], payload, _resolve_process_group(group_name))
+            pg = _resolve_process_group(group_name)
+            if _FUNCTIONAL[name] == "all_to_all":  # (input, output_split_sizes, input_split_sizes, group_name)
+                self._count("all_to_all", 0, pg, sent=_sent_to_others(args[0], list(args[2]), pg.size(), pg.rank()))
+            else:
+                payload = _nbytes(out) if _FUNCTIONAL[name] == "all_gather" else _nbytes(args[0])
+                self._count(_FUNCTIONAL[name], payload, pg)
             return out
         return func(*args, **kwargs)
 
-    def _count(self, op: str, payload: int, group: dist.ProcessGroup) -> None:
+    def _count(self, op: str, payload: int, group: dist.ProcessGroup, sent: int | None = None) -> None:
+        """Account one collective: `payload` by the ring rule of wire_bytes, or `sent`, the bytes it sends
+        when they are known exactly (an all-to-all's)."""
         axis, n = self._axis(group)
         issued_as = CURRENT_AXIS.get()  # tessera's own collectives say their axis
         if issued_as is not None:
             axis = issued_as
-        self.bytes[axis][op] += wire_bytes(op, payload, n)
+        self.bytes[axis][op] += wire_bytes(op, payload, n) if sent is None else float(sent)
         self.calls[axis][op] += 1
 
     def by_axis(self) -> dict[str, float]:

@@ -58,7 +58,9 @@ def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
         raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device); drop --dry-run "
                          "or give --model instead of --params")
     degrees = _memory_degrees(args)
-    world = math.prod(degrees.values())
+    from tessera.topology.axes import AXIS
+
+    world = math.prod(d for name, d in degrees.items() if not AXIS[name].borrows)  # ep borrows its ranks
     if args.dry_run and world > DRY_RUN_MAX_RANKS:
         raise ValueError(f"--dry-run builds the mesh of every fake rank, and {world:,} ranks are too many for one process "
                          f"(at most {DRY_RUN_MAX_RANKS:,}); drop --dry-run for the analytic table")
@@ -186,7 +188,7 @@ def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
     cfg = model_shape(args.model)
     if args.pp > cfg.n_layers:
         raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {cfg.n_layers} layers")
-    _, sharded, _ = rank_params(cfg, args.tp, args.pp, 1, shard_group)
+    _, sharded, _ = rank_params(cfg, args.tp, args.pp, 1, shard_group, _memory_degrees(args).get("ep", 1))
     r = get_recipe(args.recipe)
     out = {c: float(sharded * getattr(r, c)) for c in ("parameters", "gradients", "optimizer")}
     return {**out, "total": sum(out.values()), "parameters_on_rank": sharded}

@@ -128,6 +128,9 @@ class CheckpointSection:
                                          "is read from its config.json", metavar="DIR", flag="--init-from-hf")
     on_signal: bool = opt(False, "on SIGTERM, every rank finishes its step and saves a checkpoint before stopping",
                           flag="--checkpoint-on-signal")
+    asynchronous: bool = opt(False, "save in the background (DCP's async save): training waits only while the state "
+                                    "is copied to host memory; a checkpoint becomes latest once every rank wrote it",
+                             flag="--checkpoint-async")
 
 
 MAX_SKIPPED_STEPS = 5  # --max-skipped-steps when not given

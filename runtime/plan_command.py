@@ -14,6 +14,7 @@ import time
 from tessera.topology.memory import GB
 from tessera.topology.planner import (
     DEFAULT_EFFICIENCY,
+    DEFAULT_HBM_GBPS,
     DEFAULT_INTER_GBPS,
     DEFAULT_INTRA_GBPS,
     H100_BF16_TFLOPS,
@@ -64,6 +65,9 @@ def add_plan_parser(sub) -> None:
                    help=f"GB/s per GPU reached inside a node (default {DEFAULT_INTRA_GBPS:g}: NVLink 4 at ~80%%)")
     p.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_GBPS,
                    help=f"GB/s per GPU reached across nodes (default {DEFAULT_INTER_GBPS:g}: 400 Gb/s at ~80%%)")
+    p.add_argument("--hbm-gbps", type=float, default=DEFAULT_HBM_GBPS,
+                   help=f"GB/s of a GPU's own memory, which MoE experts' weights stream at (default {DEFAULT_HBM_GBPS:g}: "
+                        f"H100 SXM's 3.35 TB/s at ~90%%)")
     p.add_argument("--headroom", type=float, default=0.10,
                    help="share of GPU memory kept free for the CUDA context, NCCL and fragmentation (default 0.10)")
     cal = p.add_argument_group(
@@ -107,7 +111,8 @@ def run_plan(args: argparse.Namespace) -> int:
         calibration, dtype_bytes = _calibration(args)
         hw = Hardware(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
                       peak_tflops=args.peak_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
-                      inter_node_gbps=args.inter_node_gbps, headroom=args.headroom, calibration=calibration,
+                      inter_node_gbps=args.inter_node_gbps, hbm_gbps=args.hbm_gbps, headroom=args.headroom,
+                      calibration=calibration,
                       dtype_bytes=dtype_bytes, recipe="mixed_adam" if dtype_bytes == 2 else "fp32_adam")
         result = plan(model_shape(args.model), hw, args.seq_len, args.global_batch, top=args.top, name=args.model)
     except ValueError as e:  # PlanError and an unknown preset
@@ -116,8 +121,9 @@ def run_plan(args: argparse.Namespace) -> int:
     best = result.ranked[0]
     dry = _dry_run(args.model, best) if args.dry_run else None
     if args.json:
+        best_ep = None if result.best_ep is None else {"rank": result.best_ep[0], **result.best_ep[1].as_dict()}
         print(json.dumps({"request": result.request, "considered": result.considered, "why": result.why,
-                          "ranked": [x.as_dict() for x in result.ranked], "dry_run": dry,
+                          "ranked": [x.as_dict() for x in result.ranked], "best_ep": best_ep, "dry_run": dry,
                           "seconds": time.perf_counter() - started}))
         return 0
     print(f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), seq {args.seq_len}, "
@@ -127,12 +133,17 @@ def run_plan(args: argparse.Namespace) -> int:
           + f"{'s/step':>9}{'tokens/s':>12}{'MFU':>7}")
     for i, x in enumerate(result.ranked, 1):
         print(_row(i, x))
+    if result.best_ep is not None and result.best_ep[0] > len(result.ranked):  # an MoE model's best with ep
+        place, x = result.best_ep
+        print(_row(place, x))
+        print(f"best with expert parallel (ranked {place}): tessera train {x.candidate.flags()}")
     print(f"best: tessera train {best.candidate.flags()}".rstrip())
     print(f"why: {result.why}")
     compute = (f"{args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s" if hw.calibration is None else
                f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})")
     print(f"assumptions: {compute}, {args.intra_node_gbps:g} GB/s in a node, "
-          f"{args.inter_node_gbps:g} GB/s across nodes, {args.headroom:.0%} memory headroom, "
+          f"{args.inter_node_gbps:g} GB/s across nodes, "
+          f"{f'experts streamed at {args.hbm_gbps:g} GB/s, ' if result.request['experts'] else ''}{args.headroom:.0%} memory headroom, "
           f"{'bf16 compute, fp32 master weights and Adam (16 B/parameter)' if hw.dtype_bytes == 2 else 'fp32 compute and Adam'}, "
           f"--ac op's recompute at 3% of the step")
     if dry is not None:

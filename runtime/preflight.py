@@ -130,6 +130,9 @@ def _check_numbers(config: Config) -> None:
         )
     if c.on_signal and not c.dir:
         raise ValueError("--checkpoint-on-signal needs --checkpoint-dir DIR (where the checkpoint goes)")
+    if c.asynchronous and not (c.every or c.on_signal):
+        raise ValueError("--checkpoint-async changes how checkpoints are saved, and none would be: add "
+                         "--checkpoint-every N and --checkpoint-dir DIR (or drop --checkpoint-async)")
     if c.resume is not None and c.init_from is not None:
         raise ValueError(
             "--init-from and --resume together: a resume restores the weights from the checkpoint, so --init-from "

@@ -289,16 +289,24 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             if out:  # before the checkpoint: a crash in between repeats the step (and its line is cut), never skips it
                 out.write(strict_json(m) + "\n")
                 out.flush()
+            completed = manager.poll()  # an async save whose files every rank has written becomes latest
+            if completed is not None:
+                say(f"saved checkpoint {completed} (written in the background)")
             saved = config.checkpoint.every and trainer.step % config.checkpoint.every == 0
             if saved:
                 path = trainer.save(manager)
-                say(f"saved checkpoint {path}")
+                say(f"saving checkpoint {path} in the background (training waited {manager.blocked_s:.2f} s)"
+                    if manager.pending is not None else f"saved checkpoint {path}")
             if stop is not None and stop.requested_anywhere(trainer.device):  # every rank decides alike
                 path = path if saved else trainer.save(manager)
+                manager.finish()
                 say(f"stopping on SIGTERM at step {trainer.step}: saved checkpoint {path} (resume with --resume)")
                 break
             profiler.step()
             say(progress_line(m, config, time.perf_counter() - start, trainer.step - first_step))
+        completed = manager.finish()  # the last async save's files, then latest
+        if completed is not None:
+            say(f"saved checkpoint {completed} (written in the background)")
     finally:
         profiler.stop()  # a window cut short (SIGTERM, an error) is still written
         if out:

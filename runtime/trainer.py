@@ -452,7 +452,8 @@ class Trainer:
 
     def save(self, manager: checkpoint.CheckpointManager) -> str:
         sharded, small = self.checkpoint_pieces()
-        return str(manager.save(self.step, sharded, small, self.checkpoint_info()))
+        return str(manager.save(self.step, sharded, small, self.checkpoint_info(),
+                                asynchronous=self.config.checkpoint.asynchronous))
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore every piece from a checkpoint saved on any layout; collective. Returns the manifest."""

@@ -18,7 +18,7 @@ SLOW_MODULES = {
     "test_contract", "test_contract_bf16", "test_contract_qwen3", "test_custom_model", "test_qwen3_checkpoint", "test_fsdp_views", "test_four_d", "test_reliability", "test_cli_train", "test_readme",
     "test_hf", "test_checkpoint", "test_pipeline", "test_context", "test_comm_stats", "test_planner_memory",
     "test_profile", "test_bench", "test_bench_moe", "test_gpu_suite", "test_fuzz_config", "test_activation_checkpointing", "test_run_edges",
-    "test_contract_moe", "test_moe_checkpoint", "test_moe_cli", "test_expert_parallel",
+    "test_contract_moe", "test_moe_checkpoint", "test_moe_cli", "test_expert_parallel", "test_checkpoint_async",
 }
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds

@@ -5,8 +5,9 @@ import pytest
 
 from helpers import comm_of_first_step, small_config
 from tessera.parallel.launch import run_ranks
+from tessera.topology.axes import COMM_AXES
 
-AXES = ("tp", "cp", "pp", "dp_shard_cp", "dp_replicate")
+AXES = COMM_AXES  # every accounting name: ep too (a dense model sends nothing over it; tests/test_moe_accounting.py)
 FOUR_D = dict(n_layers=8, global_batch=8, pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2,
               comm_stats="every", steps=1)
 

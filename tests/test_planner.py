@@ -59,6 +59,16 @@ def test_the_reference_chapter_figures():
     ("qwen3-0.6b", Layout(pp=2, dp_shard=4, tp=2), 1),
     ("qwen3-debug", Layout(dp_shard=3, tp=4), 1),  # tp beyond its 2 kv heads, tied, one stage
     ("qwen3-8b", Layout(pp=2, dp_shard=2, cp=2, tp=8), 2),  # untied
+    # Qwen3-MoE: the experts split over ep (E / ep each), FSDP-sharded over the dp_shard x cp / ep ranks left
+    ("qwen3-moe-debug", Layout(dp_shard=8, ep=4), 1),
+    ("qwen3-moe-debug", Layout(pp=2, dp_shard=4, tp=2, ep=2), 1),
+    ("qwen3-moe-debug", Layout(dp_shard=2, cp=2, ep=4), 1),
+    ("qwen3-moe-debug", Layout(dp_shard=3, tp=2), 1),  # experts without ep: cut on their expert dim over 3
+    ("qwen3-moe-shared-debug", Layout(pp=2, dp_shard=4, tp=2, ep=4), 1),  # a shared expert split like an MLP
+    ("qwen3-30b-a3b", Layout(dp_shard=8, ep=4), 1),
+    ("qwen3-30b-a3b", Layout(pp=2, dp_shard=4, tp=2, ep=2), 1),
+    ("qwen3-30b-a3b", Layout(dp_replicate=2, dp_shard=2, cp=2, tp=4, ep=4), 1),
+    ("qwen3-30b-a3b", Layout(pp=4, dp_shard=6, cp=2, ep=4), 2),  # 3 edp ranks cut 32 experts unevenly
 ], ids=str)
 def test_planner_counts_parameters_exactly_as_the_dry_run_builds_them(model, layout, virtual):
     from tessera.parallel.parallelize import dry_run_model_states
@@ -66,7 +76,7 @@ def test_planner_counts_parameters_exactly_as_the_dry_run_builds_them(model, lay
 
     shape = model_shape(model)
     fsdp = layout.dp_shard * layout.cp
-    tp_local, sharded, _ = rank_params(shape, layout.tp, layout.pp, virtual, fsdp)
+    tp_local, sharded, _ = rank_params(shape, layout.tp, layout.pp, virtual, fsdp, layout.ep)
     counted = [dry_run_model_states(model, layout, rank=layout.rank_of({"pp": p}), pipeline=PipelineConfig(virtual=virtual))
                for p in sorted({0, layout.pp - 1})]
     most = max(counted, key=lambda m: m["tp_local_params"])
@@ -118,7 +128,7 @@ def test_fsdp_shards_partition_the_rows(rows, cols, log_shards):
 
 
 @settings(max_examples=25, deadline=None)
-@given(model=st.sampled_from(["debug", "small", "1b", "8b", "qwen3-0.6b"]), nodes=st.sampled_from([1, 2, 4]),
+@given(model=st.sampled_from(["debug", "small", "1b", "8b", "qwen3-0.6b", "qwen3-moe-debug"]), nodes=st.sampled_from([1, 2, 4]),
        per_node=st.sampled_from([2, 4, 8]), seq_exp=st.integers(8, 13), batch_mult=st.sampled_from([1, 2, 4]),
        memory=st.sampled_from([16.0, 40.0, 80.0]))
 def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_exp, batch_mult, memory):

@@ -23,6 +23,9 @@ LAYOUTS = {
     "cp2 x tp2 + sp": dict(cp=2, tp=2, sequence_parallel=True),
     "dp2 ac op": dict(dp=2, ac="op"),
     "dp2 microbatches2": dict(dp=2, microbatches=2),
+    # mixture of experts: E / ep experts per rank, their FSDP2 unit over edp (the activations an estimate)
+    "moe dp2 x ep2": dict(model="qwen3-moe-debug", dp=2, ep=2),
+    "moe dp4 x ep2": dict(model="qwen3-moe-debug", dp=4, ep=2),
 }
 
 
@@ -32,7 +35,7 @@ def predicted_peak(config) -> dict:
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_predicted_peak_memory_is_within_10_percent_of_the_measured(case):
-    config = small_config(**BASE, **LAYOUTS[case])
+    config = small_config(**{**BASE, **LAYOUTS[case]})
     measured = max(run_ranks(peak_tensor_bytes, config.layout.world_size, config, timeout=300))
     predicted = predicted_peak(config)
     breakdown = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in predicted.items())

@@ -15,19 +15,36 @@ The formulas follow tessera's own collectives, per microbatch (b rows of s = seq
 tp      sequence parallel or not, 8 x (tp-1)/tp x b s h per block (the two block inputs and two outputs,
         forward and backward), the embedding's (and a learned position table's) and the head's
         2 x (tp-1)/tp x b s h, the loss's three fp32 statistics per token, the gradient all-reduces of
-        replicated weights: the norms' (weight, and bias for a layer norm) and the row-parallel biases'
-        under sequence parallel, the qk-norms' always (each rank normalizes its own heads), K/V's when tp
-        exceeds the kv heads; blocks recomputed by activation checkpointing issue their forward
-        collectives again, all but the last
+        replicated weights (fp32: copy_weight_to_tp adds them in fp32): the norms' (weight, and bias for a
+        layer norm) and the row-parallel biases' under sequence parallel, the qk-norms' always (each rank
+        normalizes its own heads), K/V's when tp exceeds the kv heads; blocks recomputed by activation
+        checkpointing issue their forward collectives again, all but the last. An MoE block: its input and
+        output like a dense MLP's, its routing (each token's k fp32 weights and int64 expert ids) gathered
+        under sequence parallel (the weights' gradient reduce-scattered) or the weights' gradient
+        all-reduced without, the router's (E x dim) gradient all-reduced under sequence parallel, a shared
+        expert's input and output like a dense MLP's; a recomputed MoE block with the auxiliary loss
+        reissues its output reduce too (the loss's saved tensors come after it)
 cp      ring: K and V of the local block passed cp-1 times forward and again in backward, with dK/dV
-        (fp32) passed cp times; all-gather attention: one all-gather of K/V, one reduce-scatter of dK/dV
+        (fp32) passed cp times; all-gather attention: one all-gather of K/V, one reduce-scatter of dK/dV;
+        an MoE block with the auxiliary loss all-reduces its per-sequence expert counts (b x E, fp32)
 pp      each microbatch's activation to the next stage, its gradient to the previous one; with a tied
         head, the first and last stages' all-reduce of the embedding's gradient shard (fp32) once a step
-ep      each MoE block's dispatch and combine all-to-alls, forward and backward (balanced routing)
+ep      each MoE block's three all-to-alls of parallel/expert.py: the E int64 expert counts (equal splits,
+        (ep-1)/ep of them sent), the dispatch of the rank's b s k assignments (rows of h) and the combine
+        that returns the rows other ranks sent it; backward runs the dispatch and the combine again with
+        their splits swapped, a recomputed block all three forward. What a dispatch or a combine sends is
+        the routed fraction of the b s k assignments (`routed_fraction`: those of other ranks' experts, and
+        those other ranks sent; (ep-1)/ep when routing is balanced, the planner's assumption; a run's
+        measured routing gives its exact value). Every tp rank exchanges its own copy of the tokens
 fsdp    per FSDP unit: all-gathers of the padded flat parameters (once a step inside a pipeline, where
         units stay gathered across microbatches; twice per microbatch under FULL_SHARD, once under
         SHARD_GRAD_OP), one reduce-scatter of the gradients (fp32), and under HSDP one all-reduce of the
-        gradient shard over dp_replicate
+        gradient shard over dp_replicate. Under expert parallel each MoE block's experts (E / ep of them on
+        a rank) are a unit of their own whose group is edp, the dp_shard x cp / ep ranks that hold the same
+        experts; their bytes stay under FSDP's accounting names ("dp_shard_cp", and "dp_replicate" for the
+        HSDP all-reduce), as they are the same collectives over a subgroup of the same ranks, and a
+        separate name would split one overlapped stream of FSDP traffic in two (parallel/comm_stats.py
+        counts the edp group's collectives under "dp_shard_cp" too)
 Scalars (loss sums, grad-norm partials, the straggler watch's step times) are left out: bytes per step.
 The model is a ModelShape (topology/shapes.py; tessera's Llama ModelConfig is read by the same names).
 """
@@ -40,7 +57,7 @@ from typing import Callable
 
 from .axes import COMM_AXES, FLATTENED_BY_PURPOSE
 from .layout import Layout
-from .shapes import ModelShape, as_shape, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
+from .shapes import ModelShape, as_shape, fsdp_shard_numel, layer_shard_groups, stage_param_shapes
 
 FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's mesh (dp_shard x cp), replicated over dp_replicate under HSDP
 
@@ -65,17 +82,28 @@ def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage=None) -> l
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
+# bytes of the elements that tessera's collectives carry whatever the activation dtype: expert counts and
+# ids are int64 (torch.bincount, torch.topk), a replicated weight's gradient is added in fp32
+# (copy_weight_to_tp), the routing weights are fp32 at least (models/moe.py's route)
+INT64_BYTES, FP32_BYTES = 8, 4
+
+
 @functools.lru_cache(maxsize=65536)
-def padded_numel(shape, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks: int, n: int) -> int:
-    """Elements FSDP2 gathers for these stages' units on one tp rank: each parameter's dim 0 padded to a
-    multiple of the n shards (its flat all-gather buffer)."""
+def padded_numel(shape, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks: int, n: int,
+                 ep: int = 1) -> tuple[tuple[int, int], ...]:
+    """((elements, ranks in the group), ...) that FSDP2 gathers for these stages' units on one tp rank, by
+    shard group: each parameter's dim 0 padded to a multiple of its group's shards (its flat all-gather
+    buffer). One group of n ranks, or under expert parallel a second one for the experts over n / ep."""
     cfg = as_shape(shape)
 
-    def padded(shapes) -> int:
-        return sum(n * -(-rows // n) * cols for rows, cols in shapes)
+    def padded(shapes, k: int) -> int:
+        return sum(k * -(-rows // k) * cols for rows, cols in shapes)
 
     extra = [u for s in stages for u in stage_param_shapes(cfg, tp, s == 0, s == n_stages - 1, 0)]
-    return n_blocks * padded(layer_param_shapes(cfg, tp)) + sum(padded(u) for u in extra)
+    groups = layer_shard_groups(cfg, tp, ep, n)
+    out = [(n_blocks * padded(groups[0][0], n) + sum(padded(u, n) for u in extra), n)]
+    out += [(n_blocks * padded(shapes, k), k) for shapes, k in groups[1:]]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -98,6 +126,7 @@ class StepTraffic:
     act_bytes: int
     param_bytes: int
     reduce_bytes: int
+    routed_fraction: float | None = None  # ep: share of assignments moved off-rank; None: balanced routing
 
     @property
     def first(self) -> bool:
@@ -138,12 +167,17 @@ def comm_bytes_per_step(
     act_bytes: int = 4,
     param_bytes: int = 4,
     reduce_bytes: int = 4,
+    routed_fraction: float | None = None,
 ) -> dict[str, float]:
     """Bytes `rank` sends per step, by the accounting names of topology/axes.py's table (COMM_AXES: "tp", "cp",
-    "pp", FSDP's "dp_shard_cp", HSDP's "dp_replicate"), in the order of the volumes below.
+    "pp", FSDP's "dp_shard_cp", HSDP's "dp_replicate", "ep"), in the order of the volumes below.
     act_bytes: the activations' dtype; param_bytes: FSDP's all-gather dtype (mixed precision's param
     dtype); reduce_bytes: the gradient reduction's dtype (tessera reduces in fp32). `shape` is the model's
-    ModelShape."""
+    ModelShape. routed_fraction: the share of this rank's expert assignments its dispatches and combines
+    move to other ranks over the step (`routed_fraction_of` a run's measured rows; None: balanced routing,
+    (ep-1)/ep)."""
+    if routed_fraction is not None and not 0 <= routed_fraction <= 1:
+        raise ValueError(f"routed_fraction={routed_fraction!r} is a share of the assignments: give a number in [0, 1]")
     cfg = as_shape(shape)
     pp = layout.pp
     n_stages = pp * virtual
@@ -155,8 +189,30 @@ def comm_bytes_per_step(
         sum(len(range(0, layers[st], 2)) for st in stages) if ac == "selective" else 0)
     step = StepTraffic(cfg, layout, microbatches, global_batch // layout.dp // microbatches, seq_len // layout.cp,
                        n_stages, stages, n_blocks, recomputed, sequence_parallel, strategy, cp_method, act_bytes,
-                       param_bytes, reduce_bytes)
+                       param_bytes, reduce_bytes, routed_fraction)
     return {name: fn(step) for name, fn in VOLUMES.items()}
+
+
+def balanced_routed_fraction(ep: int) -> float:
+    """The share of a rank's assignments that balanced routing sends to other ranks' experts: (ep-1)/ep."""
+    return (ep - 1) / ep
+
+
+def routed_fraction_of(calls) -> float:
+    """The exact `routed_fraction` of a rank's step from its dispatches, each (rows sent to other ranks, rows
+    received from every rank, assignments dispatched[, recomputed]) as parallel/expert.py's AllToAllDispatch
+    records them: a dispatch sends its `sent` rows and the combine returns what other ranks sent it (the
+    rows received less those kept, the assignments less `sent`), each again in backward unless the call is
+    activation checkpointing's recompute; the fraction is what they move over twice the assignments, each
+    call weighted as often as it runs (ep_bytes counts a recompute's forward once, the others' twice)."""
+    moved = total = 0.0
+    for sent, received, rows, *recomputed in calls:
+        runs = 1 if recomputed and recomputed[0] else 2
+        moved += runs * (sent + received - (rows - sent))
+        total += runs * 2 * rows
+    if not total:
+        raise ValueError("routed_fraction_of: no assignments dispatched; pass the (sent, received, rows) of the step's dispatches")
+    return moved / total
 
 
 @volume("tp")
@@ -166,25 +222,48 @@ def tp_bytes(x: StepTraffic) -> float:
         return 0.0
     h = cfg.dim
     act = b * s * h * e
+    unit = wire_bytes("all_gather", act, t)  # one gather or reduce-scatter of a block's activations
     replicated_kv = cfg.n_kv_heads % t != 0
-    # replicated weights whose gradients are partial under sequence parallel: two norms, o's and the
-    # MLP down matrix's biases
-    sp_replicated = 2 * cfg.norm_params + (2 * h if cfg.bias else 0)
-    per_block = 8 * wire_bytes("all_gather", act, t) + (wire_bytes("all_reduce", sp_replicated * e, t) if x.sequence_parallel else 0.0)
-    if cfg.qk_norm:
-        per_block += wire_bytes("all_reduce", 2 * cfg.head_dim * e, t)
+    sp = x.sequence_parallel
+
+    def weight_grads(numel: int) -> float:  # replicated weights' gradients, summed over tp in fp32
+        return wire_bytes("all_reduce", numel * FP32_BYTES, t)
+
+    # the attention half: its input and output, forward and backward
+    per_block = 4 * unit + (weight_grads(2 * cfg.head_dim) if cfg.qk_norm else 0.0)
     if replicated_kv:
-        kv_weight = cfg.n_kv_heads * cfg.head_dim * (h + (1 if cfg.bias else 0))
-        per_block += 2 * wire_bytes("all_reduce", kv_weight * e, t)
+        per_block += 2 * weight_grads(cfg.n_kv_heads * cfg.head_dim * (h + (1 if cfg.bias else 0)))
+    # replicated weights whose gradients are partial under sequence parallel: two norms, o's bias and a
+    # dense MLP down matrix's
+    norms_and_biases = 2 * cfg.norm_params + (h if cfg.bias else 0)
     # a recomputed block reissues its forward collectives but the last: torch's checkpoint stops once the
     # last saved tensor is rebuilt, and the block's output collective feeds nothing saved
-    again = 3 * wire_bytes("all_gather", act, t) if x.sequence_parallel else wire_bytes("all_reduce", act, t)
+    again = 3 * unit if sp else wire_bytes("all_reduce", act, t)
+    if cfg.n_experts:
+        per_block += 4 * unit  # the MoE block's input and output
+        k_tokens = b * s * cfg.top_k
+        if sp:  # each token's k routing weights (and their gradient) and k expert ids gathered
+            routing = wire_bytes("all_gather", k_tokens * max(FP32_BYTES, e), t)
+            per_block += 2 * routing + wire_bytes("all_gather", k_tokens * INT64_BYTES, t)
+            per_block += weight_grads(cfg.n_experts * h)  # the router, read by each rank's own tokens
+            again += routing + wire_bytes("all_gather", k_tokens * INT64_BYTES, t)
+        else:  # the routing weights copied to every tp rank: their gradient all-reduced
+            per_block += wire_bytes("all_reduce", k_tokens * max(FP32_BYTES, e), t)
+        if cfg.shared_ffn_dim:  # a dense MLP beside the experts: input and output
+            per_block += 4 * unit
+            again += 2 * unit if sp else wire_bytes("all_reduce", act, t)
+        elif cfg.moe_aux_loss:  # the auxiliary loss's saved tensors follow the output reduce, which reruns
+            again += unit if sp else wire_bytes("all_reduce", act, t)
+    else:
+        per_block += 4 * unit
+        norms_and_biases += h if cfg.bias else 0
+    per_block += weight_grads(norms_and_biases) if sp else 0.0
     tp = x.n_blocks * per_block + x.recomputed * again
     if x.first:
-        tp += 2 * wire_bytes("all_gather", act, t) * (2 if cfg.learned_positions else 1)
+        tp += 2 * unit * (2 if cfg.learned_positions else 1)
     if x.last:
-        tp += 2 * wire_bytes("all_gather", act, t) + 3 * wire_bytes("all_reduce", b * s * max(4, e), t)
-        tp += wire_bytes("all_reduce", cfg.norm_params * e, t) if x.sequence_parallel else 0.0
+        tp += 2 * unit + 3 * wire_bytes("all_reduce", b * s * max(4, e), t)
+        tp += weight_grads(cfg.norm_params) if sp else 0.0
     return x.microbatches * tp
 
 
@@ -202,6 +281,9 @@ def cp_bytes(x: StepTraffic) -> float:
     else:
         per_block = wire_bytes("all_gather", cp * kv * e, cp) + wire_bytes("reduce_scatter", cp * kv * acc, cp)
         per_recompute = wire_bytes("all_gather", cp * kv * e, cp)
+    if cfg.n_experts and cfg.moe_aux_loss:  # each row's expert counts summed over the sequence's cp ranks
+        counts = wire_bytes("all_reduce", x.rows * cfg.n_experts * FP32_BYTES, cp)
+        per_block, per_recompute = per_block + counts, per_recompute + counts
     return x.microbatches * (x.n_blocks * per_block + x.recomputed * per_recompute)
 
 
@@ -219,51 +301,52 @@ def pp_bytes(x: StepTraffic) -> float:
     return out
 
 
-def _data_groups(x: StepTraffic) -> tuple[int, int, int]:
-    """(FSDP2's shard group, its replicas, the padded elements of this rank's units): NO_SHARD replicates over
-    every data-parallel rank, and FSDP2 keeps only cp's ranks (which hold the same rows) as its group."""
+def _data_groups(x: StepTraffic) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(FSDP2's replicas, ((padded elements of this rank's units, ranks that shard them), ...)): one group of
+    dp_shard x cp ranks, and under expert parallel the experts' of dp_shard x cp / ep. NO_SHARD replicates
+    over every data-parallel rank, and FSDP2 keeps only cp's ranks (which hold the same rows) as its group."""
     shard, replicas = x.layout.degree(FSDP.name), x.layout.degree(FSDP.replicate)
     if x.strategy == "NO_SHARD":
         shard, replicas = x.layout.cp, x.layout.dp
-    padded = padded_numel(x.cfg, x.layout.tp, x.stages, x.n_stages, x.n_blocks, shard) if shard * replicas > 1 else 0
-    return shard, replicas, padded
+    if shard * replicas == 1:
+        return replicas, ()
+    return replicas, padded_numel(x.cfg, x.layout.tp, x.stages, x.n_stages, x.n_blocks, shard, x.layout.ep)
 
 
 @volume(FSDP.name)
 def fsdp_bytes(x: StepTraffic) -> float:
-    n, replicas, padded = _data_groups(x)
-    if n * replicas == 1:
-        return 0.0
-    if x.layout.pp > 1:
-        gathers = 1
-    elif x.strategy == "SHARD_GRAD_OP" or n == 1:
-        gathers = x.microbatches
-    else:
-        gathers = 2 * x.microbatches
-    return gathers * wire_bytes("all_gather", padded * x.param_bytes, n) + wire_bytes("reduce_scatter", padded * x.reduce_bytes, n)
+    _, groups = _data_groups(x)
+    out = 0.0
+    for padded, n in groups:
+        if x.layout.pp > 1:
+            gathers = 1
+        elif x.strategy == "SHARD_GRAD_OP" or n == 1:
+            gathers = x.microbatches
+        else:
+            gathers = 2 * x.microbatches
+        out += gathers * wire_bytes("all_gather", padded * x.param_bytes, n) + wire_bytes("reduce_scatter", padded * x.reduce_bytes, n)
+    return out
 
 
 @volume(FSDP.replicate)
 def replicate_bytes(x: StepTraffic) -> float:
-    n, replicas, padded = _data_groups(x)
-    if n * replicas == 1:
-        return 0.0
-    return wire_bytes("all_reduce", padded // n * x.reduce_bytes, replicas)
+    replicas, groups = _data_groups(x)
+    return sum(wire_bytes("all_reduce", padded // n * x.reduce_bytes, replicas) for padded, n in groups)
 
 
 @volume("ep")
 def ep_bytes(x: StepTraffic) -> float:
-    """Expert parallel: per MoE block and microbatch, the dispatch and combine all-to-alls of the token
-    assignments (rows x tokens x top_k rows of dim), forward and backward, each sending (ep-1)/ep of them
-    when routing is balanced (the measured counts say how balanced it was), and again for a recomputed
-    block's forward. Every tp rank exchanges its own copy of the tokens."""
+    """Expert parallel, per MoE block and microbatch (module docstring): the counts all-to-all, the dispatch
+    and the combine forward, the combine's and the dispatch's backward, and a recomputed block's forward
+    three again; a dispatch or combine moves `routed_fraction` of the b s k assignment rows of h."""
     cfg, ep = x.cfg, x.layout.ep
     if ep == 1 or not cfg.n_experts:
         return 0.0
-    assignments = x.rows * x.tokens * cfg.top_k * cfg.dim * x.act_bytes
-    per_block = 4 * wire_bytes("all_to_all", assignments, ep)
-    again = 2 * wire_bytes("all_to_all", assignments, ep)
-    return x.microbatches * (x.n_blocks * per_block + x.recomputed * again)
+    share = balanced_routed_fraction(ep) if x.routed_fraction is None else x.routed_fraction
+    moved = x.rows * x.tokens * cfg.top_k * share * cfg.dim * x.act_bytes  # one dispatch's or combine's
+    counts = wire_bytes("all_to_all", cfg.n_experts * INT64_BYTES, ep)
+    forward = counts + 2 * moved
+    return x.microbatches * (x.n_blocks * (forward + 2 * moved) + x.recomputed * forward)
 
 
 # every accounting name of the table has its volume (a new axis: register one above with @volume(its comm name))

@@ -81,21 +81,28 @@ def model_state_bytes(
     shard_size: int | None = None,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
+    expert_params: float = 0.0,
 ) -> dict[str, float]:
     """Per-rank model-state bytes: {"parameters", "gradients", "optimizer", "total"}.
 
     num_params: parameters of the whole model. dp: data-parallel ranks holding identical parameters.
     zero_stage (0-3) or strategy (an FSDP name) picks what is sharded. HYBRID_SHARD shards over
     `shard_size` ranks (the dp_shard degree) and replicates across the rest. tp and pp divide the
-    parameters first (each rank holds 1/(tp*pp) of the model, an even split).
+    parameters first (each rank holds 1/(tp*pp) of the model, an even split). Expert parallel: of the
+    parameters, `expert_params` (the routed experts, ModelShape.expert_params) are split over ep as well
+    and sharded over the shard group's ep-th part (the ranks ep leaves: edp); ep borrows the shard group's
+    ranks, so it must divide it.
 
     >>> round(model_state_bytes(70e9, dp=256, zero_stage=3)["total"] / 1e9, 2)
     4.38
     """
     _positive("num_params", num_params)
-    for name, v in (("dp", dp), ("tp", tp), ("pp", pp)):
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r} must be a positive integer")
+    if isinstance(expert_params, bool) or not isinstance(expert_params, (int, float)) or not 0 <= expert_params <= num_params:
+        raise ValueError(f"expert_params={expert_params!r} must be between 0 and num_params={num_params!r}")
     if strategy is not None and zero_stage is not None:
         raise ValueError("give zero_stage or strategy, not both")
     stage = zero_stage_of(strategy) if strategy is not None else (0 if zero_stage is None else zero_stage)
@@ -108,12 +115,16 @@ def model_state_bytes(
                 f"HYBRID_SHARD needs shard_size dividing dp={dp} (the dp_shard degree), got {shard_size!r}"
             )
         shard = shard_size
+    if ep > 1 and shard % ep:
+        raise ValueError(f"ep={ep} must divide the {shard} ranks parameters are sharded over (dp_shard x cp): "
+                         f"ep borrows them; use an ep dividing {shard}")
     r = get_recipe(recipe)
-    local_params = num_params / (tp * pp)
+    dense, experts = (num_params - expert_params) / (tp * pp), expert_params / (tp * pp * ep)
     out: dict[str, float] = {}
     for component in ("parameters", "gradients", "optimizer"):
-        full = local_params * getattr(r, component)
-        out[component] = full / shard if component in SHARDED_BY_STAGE[stage] else full
+        b = getattr(r, component)
+        out[component] = (dense / shard + experts / (shard // ep)) * b if component in SHARDED_BY_STAGE[stage] \
+            else (dense + experts) * b
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer"]
     return out
 

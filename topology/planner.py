@@ -1,5 +1,5 @@
 """The layout planner: which layout (a degree per axis of topology/axes.py's table: pp, dp_replicate,
-dp_shard, cp, tp), FSDP strategy, pipeline schedule and activation checkpointing to use for a model on N GPUs,
+dp_shard, cp, tp, and ep for a mixture-of-experts model), FSDP strategy, pipeline schedule and activation checkpointing to use for a model on N GPUs,
 before reserving them. The axes it enumerates, their caps, the axis that takes the ranks left over, the flags
 of a candidate and which traffic overlaps compute all come from the table (`layout_degrees`).
 
@@ -7,7 +7,8 @@ For every candidate layout the planner estimates, per rank:
 
 memory  model states (parameters, gradients, optimizer: topology.memory's recipe, counted for the rank
         that holds the most: the first pipeline stage's embedding or the last one's head, the kv
-        projections replicated when tp exceeds the kv heads, ceil-division shards as FSDP2 cuts them)
+        projections replicated when tp exceeds the kv heads, ceil-division shards as FSDP2 cuts them; an
+        MoE block's E / ep experts sharded over the dp_shard x cp / ep ranks ep leaves)
       + the unsharded compute copy FSDP2 gathers (one unit and its prefetch under FULL_SHARD; the whole
         stage under SHARD_GRAD_OP and inside a pipeline step, where parameters stay gathered across
         microbatches) and the unsharded gradients that gradient accumulation keeps until the last one
@@ -15,13 +16,17 @@ memory  model states (parameters, gradients, optimizer: topology.memory's recipe
         microbatches in flight on the busiest pipeline rank (from the schedule simulator), reduced by
         activation checkpointing, plus the vocab-parallel loss's logits
       + communication buffers (a unit's reduce-scatter input, ring K/V blocks, pipeline send/receive)
-step    model FLOPs (6 N per token plus causal attention, the formula in `model_flops_per_token`) and
+step    model FLOPs (6 N per token, N an MoE model's active parameters, plus causal attention, the formula
+        in `model_flops_per_token`; MFU counts the same) and
         recomputation at `efficiency` x `peak_tflops` (or, with a calibration of the device kind, matmuls,
         attention, elementwise memory traffic, the loss, the optimizer and the host's dispatch at the
         measured rates: topology/step_time.py), stretched by the pipeline bubble from the simulator;
-        tp and pp traffic exposed; FSDP and ring K/V traffic overlapped with compute (only their excess
-        over compute is exposed). Each axis's bytes go over the intra-node bandwidth when its group fits
-        inside a node (the mesh order puts tp innermost), else over the inter-node bandwidth.
+        the experts' grouped GEMMs at their roofline (`expert_weight_seconds`: few tokens per expert make
+        them stream weights, not compute); tp, pp and ep (the all-to-alls, balanced routing) traffic
+        exposed; FSDP and ring K/V traffic overlapped with compute (only their excess over compute is
+        exposed). Each axis's bytes go over the intra-node bandwidth when its group fits inside a node (the
+        mesh order puts tp innermost; an ep group is ep consecutive ranks of dp_shard x cp, times tp),
+        else over the inter-node bandwidth.
 
 The model is a `ModelShape` (topology/shapes.py: plain numbers a family's spec gives, `spec.shape(config)`;
 tessera's Llama ModelConfig is read by the same field names): its matrices (two or three in the MLP),
@@ -45,7 +50,8 @@ from .axes import (AXIS, COMM_AXES, COMM_GROUPS, FLATTENED_BY_PURPOSE, OVERLAPPE
 from .comm_model import comm_bytes_per_step, stage_layer_counts
 from .layout import AXES, Layout
 from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, simulate
-from .shapes import ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
+from .shapes import (ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, layer_param_shapes, layer_shard_groups,
+                     stage_param_shapes)
 from .memory import GB, get_recipe, min_gpus
 from .step_time import Calibration, step_parts
 
@@ -55,6 +61,7 @@ H100_BF16_TFLOPS = 989.0
 DEFAULT_EFFICIENCY = 0.40  # share of peak that the matmuls reach in a real step (MFU of good runs: 0.35-0.45)
 DEFAULT_INTRA_GBPS = 360.0  # GB/s per GPU inside a node (NVLink 4: 450 GB/s per direction, ~80% reached)
 DEFAULT_INTER_GBPS = 40.0  # GB/s per GPU across nodes (400 Gb/s = 50 GB/s, ~80% reached)
+DEFAULT_HBM_GBPS = 3000.0  # GB/s of a GPU's own memory (H100 SXM's HBM3: 3.35 TB/s, ~90% reached streaming)
 
 AC_MODES = ("none", "op", "selective", "full")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
@@ -85,6 +92,7 @@ class Hardware:
     efficiency: float = DEFAULT_EFFICIENCY
     intra_node_gbps: float = DEFAULT_INTRA_GBPS
     inter_node_gbps: float = DEFAULT_INTER_GBPS
+    hbm_gbps: float = DEFAULT_HBM_GBPS  # what MoE experts' weights stream at (expert_weight_seconds)
     headroom: float = 0.10  # share of memory kept free for the CUDA context, NCCL and fragmentation
     dtype_bytes: int = 2  # compute dtype (bf16); activations and the gathered copy use it
     recipe: str = "mixed_adam"
@@ -96,7 +104,7 @@ class Hardware:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
-        for name in ("gpu_memory_gb", "peak_tflops", "efficiency", "intra_node_gbps", "inter_node_gbps"):
+        for name in ("gpu_memory_gb", "peak_tflops", "efficiency", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be positive")
         if not 0 <= self.headroom < 1:
@@ -177,15 +185,17 @@ class Estimate:
 
 # ----------------------------------------------------------------------------- parameter counts
 @functools.lru_cache(maxsize=65536)
-def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int) -> tuple[int, int, int]:
+def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int, ep: int = 1) -> tuple[int, int, int]:
     """(parameters before FSDP, after FSDP, largest FSDP unit) on pipeline rank `pp_rank` of a model of
-    `shape` (a ModelShape)."""
+    `shape` (a ModelShape): after tp and ep (E / ep experts per MoE block), FSDP2 cuts every tensor's dim 0
+    over the `fsdp` ranks of dp_shard x cp, the experts under ep over the fsdp / ep ranks ep leaves (its
+    rank 0's shard, the largest). The largest unit is a whole block gathered (its experts' unit with it)."""
     cfg = as_shape(shape)
     n_stages = pp * virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages)
-    block = layer_param_shapes(cfg, tp)
-    block_numel = sum(r * c for r, c in block)
-    block_sharded = sum(fsdp_shard_numel(r, c, fsdp) for r, c in block)
+    groups = layer_shard_groups(cfg, tp, ep, fsdp)
+    block_numel = sum(r * c for shapes, _ in groups for r, c in shapes)
+    block_sharded = sum(fsdp_shard_numel(r, c, n) for shapes, n in groups for r, c in shapes)
     stages = [pp_rank + k * pp for k in range(virtual)]
     n_blocks = sum(layers[s] for s in stages)
     extra = [u for s in stages for u in stage_param_shapes(cfg, tp, s == 0, s == n_stages - 1, 0)]
@@ -195,9 +205,9 @@ def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: in
     return numel, sharded, unit_max
 
 
-def rank_params(shape, tp: int, pp: int, virtual: int, fsdp: int) -> tuple[int, int, int]:
+def rank_params(shape, tp: int, pp: int, virtual: int, fsdp: int, ep: int = 1) -> tuple[int, int, int]:
     """`rank_params_of` for the pp rank that holds the most: pp rank 0 (the embedding) or the last (the head)."""
-    return max((rank_params_of(shape, tp, pp, virtual, fsdp, p) for p in sorted({0, pp - 1})), key=lambda x: x[0])
+    return max((rank_params_of(shape, tp, pp, virtual, fsdp, p, ep) for p in sorted({0, pp - 1})), key=lambda x: x[0])
 
 
 # ----------------------------------------------------------------------------- activations
@@ -216,6 +226,9 @@ def layer_activation_bytes(shape, rows: int, seq: int, tp: int, sequence_paralle
     op: matmul and attention outputs (q, k, v, out, the output projection, the MLP's matrices) and the block input; the rest
     recomputed. full: only the block input. (selective checkpoints every other block: `_rank_memory`
     combines them.)
+    An MoE block (an estimate, not counted with hooks): each token's top_k assignments keep an MLP's
+    tensors each (ffn / tp wide) plus their dispatched input and combined output (dim wide), the router's
+    fp32 scores (n_experts per token), and a shared expert a dense MLP's.
     """
     cfg = as_shape(shape)
     h, f = cfg.dim, cfg.ffn_dim // tp
@@ -230,12 +243,20 @@ def layer_activation_bytes(shape, rows: int, seq: int, tp: int, sequence_paralle
         small += rows * seq * (hq + kv) // cfg.head_dim * 4
     if ac == "full":
         return float(rows * sp * h * e)
+    # the MLP's tensors per token: (kept by the op policy, kept without checkpointing)
+    if cfg.n_experts:
+        sf = cfg.shared_ffn_dim // tp
+        mlp_op = cfg.top_k * (ups * f + h) + ups * sf
+        mlp_all = cfg.top_k * (2 * ups * f + 2 * h) + 2 * ups * sf
+        small += rows * seq * cfg.n_experts * 4
+    else:
+        mlp_op, mlp_all = ups * f, 2 * ups * f
     attention = (hq + 2 * kv + hq) if cp > 1 else 4 * hq
     if ac == "op":
-        saved = sp * h + seq * (hq + 2 * kv) + seq * hq + 2 * sp * h + ups * seq * f
+        saved = sp * h + seq * (hq + 2 * kv) + seq * hq + 2 * sp * h + seq * mlp_op
         return float(rows * saved * e + small)
     norms = (4 if rms else 2) * sp * h + 2 * seq * h + (2 * seq * (hq + kv) if cfg.qk_norm else 0)
-    saved = norms + seq * (attention + hq) + 2 * ups * seq * f
+    saved = norms + seq * (attention + hq) + seq * mlp_all
     return float(rows * saved * e + small)
 
 
@@ -285,13 +306,51 @@ def model_flops_per_token(shape, seq_len: int) -> float:
     return 6.0 * cfg.matmul_params() + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
-def axis_bandwidth(layout: Layout, axis: str | tuple[str, ...], hw: Hardware) -> float:
+def axis_bandwidth(layout: Layout, axis: str | tuple[str, ...], hw: Hardware, ranks: int | None = None) -> float:
     """GB/s for `axis`'s group: intra-node when the group lies inside one node (the axes after it in the
-    mesh order and it span at most gpus_per_node ranks), else inter-node."""
+    mesh order and it span at most gpus_per_node ranks), else inter-node. `ranks`: the group is only that
+    many consecutive coordinates of the innermost of `axis` (expert parallel's ep ranks of dp_shard x cp),
+    so it spans `ranks` x the axes inside them."""
     axes = (axis,) if isinstance(axis, str) else axis
     outer = min(AXES.index(a) for a in axes)
-    span = math.prod(getattr(layout, a) for a in AXES[outer:])
+    inner = max(AXES.index(a) for a in axes)
+    span = (ranks * math.prod(getattr(layout, a) for a in AXES[inner + 1:]) if ranks is not None
+            else math.prod(getattr(layout, a) for a in AXES[outer:]))
     return (hw.intra_node_gbps if span <= hw.gpus_per_node else hw.inter_node_gbps) * GB
+
+
+def _group_ranks(layout: Layout, name: str) -> int | None:
+    """The ranks of an accounting name's group when it is a borrowing axis's (ep: its degree), else None."""
+    borrowing = next((a for a in TABLE if a.borrows and (a.comm or a.name) == name), None)
+    return None if borrowing is None else getattr(layout, borrowing.name)
+
+
+def expert_weight_seconds(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int,
+                          recompute: float) -> float:
+    """Time the MoE experts' grouped GEMMs lose to memory on one rank, per step: they are at their roofline,
+    max(FLOPs / the matmul rate, weight bytes / the memory bandwidth), and the FLOPs side is already in
+    the compute. Each microbatch streams the rank's E / ep experts (ffn / tp of each) from memory three
+    times (forward, backward's input gradient and its weight gradient), once more when recomputed; with few
+    tokens per expert (small microbatches, no ep) that, not the FLOPs, bounds them. 0 for a dense model."""
+    cfg = as_shape(shape)
+    if not cfg.n_experts:
+        return 0.0
+    lay = cand.layout
+    per_expert = cfg.mlp_matrices * cfg.dim * cfg.ffn_dim
+    local = cfg.n_experts // lay.ep * per_expert // lay.tp
+    n_stages = lay.pp * cand.virtual
+    layers = stage_layer_counts(cfg.n_layers, n_stages)
+    blocks = max(sum(layers[p + k * lay.pp] for k in range(cand.virtual)) for p in range(lay.pp))
+    passes = 3 + {"none": 0.0, "selective": 0.5}.get(cand.ac, 1.0)  # op and full rerun each forward
+    weight_bytes = cand.microbatches * blocks * local * hw.dtype_bytes * passes
+    cal = hw.calibration
+    expert_flops = 6.0 * cfg.top_k * per_expert * cfg.n_layers * global_batch * seq_len * (1 + recompute) / lay.world_size
+    if cal is None:
+        flops_s = expert_flops / (hw.peak_tflops * 1e12 * hw.efficiency)
+        memory_s = weight_bytes / (hw.hbm_gbps * GB)
+    else:
+        flops_s, memory_s = expert_flops / cal.matmul_flops_per_s, weight_bytes / cal.memory_bytes_per_s
+    return max(0.0, memory_s - flops_s)
 
 
 # ----------------------------------------------------------------------------- one estimate
@@ -322,13 +381,14 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         compute = parts["step"]
     else:
         compute = flops * (1 + recompute) / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
+    compute += expert_weight_seconds(cfg, cand, hw, seq_len, global_batch, recompute)
     compute_stretched = compute / (1 - bubble)
     comm = comm_bytes_per_step(cfg, lay, seq_len, global_batch, cand.microbatches, cand.sequence_parallel,
                                cand.strategy, cand.virtual, cand.ac, "ring", rank=0, act_bytes=e, param_bytes=e,
                                reduce_bytes=4)
     # each accounting name's traffic over its group's links; FSDP's, HSDP's and ring K/V's overlap compute
     # (only their excess is exposed), the rest (tp, pp) is exposed
-    t = {name: comm[name] / axis_bandwidth(lay, COMM_GROUPS[name], hw) for name in comm}
+    t = {name: comm[name] / axis_bandwidth(lay, COMM_GROUPS[name], hw, _group_ranks(lay, name)) for name in comm}
     overlapped = sum(t[name] for name in COMM_AXES if name in OVERLAPPED)
     time = {"compute": compute, "bubble": compute_stretched - compute,
             **{name: t[name] for name in comm if name not in OVERLAPPED},
@@ -347,15 +407,15 @@ def calibrated_compute(shape, cand: Candidate, hw: Hardware, seq_len: int, globa
     cfg = as_shape(shape)
     lay = cand.layout
     fsdp = fsdp_degree(lay)
-    biggest = max(sorted({0, lay.pp - 1}), key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p)[0])
-    _, sharded, _ = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, biggest)
+    biggest = max(sorted({0, lay.pp - 1}), key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p, lay.ep)[0])
+    _, sharded, _ = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, biggest, lay.ep)
     n_stages = lay.pp * cand.virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages)
     stages = [biggest + k * lay.pp for k in range(cand.virtual)]
     blocks = sum(layers[s] for s in stages)
     # parameter tensors: a block's (9 in Llama's), the embedding on the first stage, the final norm and head on the last
     extra = [u for s in stages for u in stage_param_shapes(cfg, lay.tp, s == 0, s == n_stages - 1, 0)]
-    tensors = len(layer_param_shapes(cfg, lay.tp)) * blocks + sum(len(u) for u in extra)
+    tensors = len(layer_param_shapes(cfg, lay.tp, lay.ep)) * blocks + sum(len(u) for u in extra)
     return step_parts(cfg, hw.calibration, global_batch * seq_len, seq_len, sharded, tensors, blocks, hw.dtype_bytes,
                       recompute, share=1.0 / lay.world_size, microbatches=cand.microbatches)
 
@@ -369,7 +429,7 @@ def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, i
     n_stages = lay.pp * cand.virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages)
     stages = [pp_rank + k * lay.pp for k in range(cand.virtual)]
-    tp_local, sharded, unit_max = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank)
+    tp_local, sharded, unit_max = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank, lay.ep)
     stage = 0 if fsdp == 1 else (2 if cand.strategy == "SHARD_GRAD_OP" else 3)
     # FSDP2 keeps every strategy's parameters sharded at rest; SHARD_GRAD_OP's are also gathered from
     # forward to backward (gathered_params below): the ZeRO-2 figure of topology.memory plus that copy
@@ -414,7 +474,8 @@ def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, i
     # the gradients flowing through one block's backward (its MLP's ffn-wide ones: SwiGLU's three, GELU's two;
     # two residual-wide)
     sp = seq // lay.tp if cand.sequence_parallel else seq
-    m["backward_transient"] = float(mb_rows * (cfg.mlp_matrices * seq * cfg.ffn_dim // lay.tp + 2 * sp * cfg.dim) * e)
+    mlp_width = (cfg.top_k * cfg.ffn_dim + cfg.shared_ffn_dim) if cfg.n_experts else cfg.ffn_dim  # per token
+    m["backward_transient"] = float(mb_rows * (cfg.mlp_matrices * seq * mlp_width // lay.tp + 2 * sp * cfg.dim) * e)
     backward_start = (m["activations"] + max(m["logits"], m["backward_transient"]) + m["unsharded_grads"]
                       + m["gathered_params"])
     optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
@@ -501,6 +562,12 @@ def why_not_runnable(shape, cand: Candidate, seq_len: int, global_batch: int) ->
         return f"tp={lay.tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other"
     if cfg.ffn_dim % lay.tp:
         return f"tp={lay.tp} does not divide ffn_dim={cfg.ffn_dim}"
+    if lay.ep > 1 and not cfg.n_experts:
+        return f"ep={lay.ep} needs a mixture-of-experts model ({cfg.family} has no experts)"
+    if lay.ep > 1 and (cfg.n_experts % lay.ep or fsdp_degree(lay) % lay.ep):
+        return f"ep={lay.ep} must divide the {cfg.n_experts} experts and dp_shard x cp = {fsdp_degree(lay)}"
+    if lay.ep > 1 and cand.ac == "op":  # the experts' FSDP2 unit inside an op-checkpointed block (parallelize)
+        return f"--ac op with ep={lay.ep} is not supported; use --ac full or selective with expert parallel"
     if sp and (seq_len // lay.cp) % lay.tp:
         return f"sequence parallel needs the {seq_len // lay.cp} tokens of a cp rank divisible by tp={lay.tp}"
     if lay.pp > 1:
@@ -545,6 +612,9 @@ class PlanResult:
     considered: int
     request: dict = field(default_factory=dict)
     why: str = ""
+    # an MoE model: the fastest fitting layout with expert parallel and its place in the ranking (1 = best),
+    # shown beside the top ones when it is not among them (None: a dense model, or none fits)
+    best_ep: tuple[int, Estimate] | None = None
 
 
 def plan(shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None = None,
@@ -560,8 +630,8 @@ def plan(shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None =
     if seq_len < 1 or global_batch < 1:
         raise PlanError(f"--seq-len {seq_len} and --global-batch {global_batch} must be positive")
     cands = candidates(cfg, hw, seq_len, global_batch)
-    request = {"model": model, "params": cfg.num_params(), "seq_len": seq_len, "global_batch": global_batch,
-               "hardware": asdict(hw)}
+    request = {"model": model, "params": cfg.num_params(), "matmul_params": cfg.matmul_params(),
+               "experts": cfg.n_experts, "seq_len": seq_len, "global_batch": global_batch, "hardware": asdict(hw)}
     if not cands:
         raise PlanError(f"no layout of {hw.gpus} GPUs runs {model} with --seq-len {seq_len} --global-batch "
                         f"{global_batch}: the global batch must split over dp (try a multiple of {hw.gpus}) and "
@@ -572,6 +642,7 @@ def plan(shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None =
     closest = min(estimates, key=lambda x: x.memory["total"])
     result = PlanResult(fitting, None if fitting else closest, len(cands), request)
     result.why = why_best(result)  # against every fitting layout, not only the ones shown
+    result.best_ep = next(((i + 1, x) for i, x in enumerate(fitting) if x.candidate.layout.ep > 1), None)
     result.ranked = fitting[:top] if top else fitting
     if not fitting:
         floor = min_gpus(cfg.num_params(), hw.gpu_memory_gb, hw.recipe)
@@ -601,7 +672,8 @@ def why_best(result: PlanResult) -> str:
     key = max(diffs, key=diffs.get)
     # the time's parts: compute, bubble, each exposed accounting name of the table's (tp, pp), the overlapped excess
     label = {"compute": "less recomputation", "bubble": "a smaller pipeline bubble", "tp": "less tensor-parallel traffic",
-             "pp": "less pipeline traffic", "exposed_overlapped_comm": "less data/context traffic left exposed"
+             "pp": "less pipeline traffic", "ep": "less expert-parallel all-to-all traffic",
+             "exposed_overlapped_comm": "less data/context traffic left exposed"
              }.get(key, f"less {key} traffic")
     return (f"it wins by {label} ({diffs[key]:.3f} s/step): an estimated {best.time['step']:.3f} s/step against "
             f"{other.time['step']:.3f} s for the next slower layout ({other.candidate.describe()}), at "

@@ -18,7 +18,9 @@ class ModelShape:
 
     Per block: a norm, q/k/v/o projections (n_heads x head_dim queries, n_kv_heads x head_dim keys and
     values), optionally a norm over head_dim on q and on k (qk_norm), a second norm, and the MLP: "swiglu"
-    (gate, up, down: 3 matrices of dim x ffn_dim) or "gelu" (up, down: 2). Around the blocks: the token
+    (gate, up, down: 3 matrices of dim x ffn_dim) or "gelu" (up, down: 2), or a mixture of experts
+    (n_experts > 0: n_experts SwiGLU experts of ffn_dim, top_k of them per token, a router of n_experts x
+    dim and a shared expert of shared_ffn_dim; no biases). Around the blocks: the token
     embedding, `learned_positions` rows of a position table (0: rotary), a final norm and the head (the
     embedding itself when tied)."""
 
@@ -44,12 +46,19 @@ class ModelShape:
     n_experts: int = 0
     top_k: int = 0
     shared_ffn_dim: int = 0
+    # MoE blocks add the sequence-level auxiliary loss (models/moe.py): its per-sequence counts are summed over
+    # cp, and activation checkpointing's recompute runs on past the block's output reduce to rebuild it
+    moe_aux_loss: bool = True
 
     def __post_init__(self) -> None:
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"ModelShape.mlp {self.mlp!r}: 'swiglu' or 'gelu'")
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"ModelShape.norm {self.norm!r}: 'rms' or 'layer'")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"ModelShape.top_k {self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if self.n_experts and self.mlp != "swiglu":
+            raise ValueError(f"ModelShape.mlp {self.mlp!r} with n_experts={self.n_experts}: experts are SwiGLU, use 'swiglu'")
 
     @property
     def mlp_matrices(self) -> int:
@@ -64,9 +73,9 @@ class ModelShape:
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = self.dim * (2 * q + 2 * kv) + (q + 2 * kv + self.dim if self.bias else 0)
         mlp = self.mlp_matrices * self.dim * self.ffn_dim + ((self.mlp_matrices - 1) * self.ffn_dim + self.dim if self.bias else 0)
-        if self.n_experts:  # routed experts, the router and the shared expert
-            mlp = (self.n_experts if experts is None else experts) * mlp + self.n_experts * self.dim
-            mlp += self.mlp_matrices * self.dim * self.shared_ffn_dim
+        if self.n_experts:  # routed experts, the router and the shared expert (none of them has biases)
+            mlp = (self.n_experts if experts is None else experts) * self.mlp_matrices * self.dim * self.ffn_dim
+            mlp += self.n_experts * self.dim + self.mlp_matrices * self.dim * self.shared_ffn_dim
         return attn + mlp + 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)
 
     def expert_params(self) -> int:
@@ -124,12 +133,29 @@ def _kv_local(shape: ModelShape, tp: int) -> int:
     return shape.n_kv_heads * shape.head_dim // tp if shape.n_kv_heads % tp == 0 else shape.n_kv_heads * shape.head_dim
 
 
-def layer_param_shapes(shape, tp: int) -> list[tuple[int, int]]:
-    """(rows, cols) of each parameter of one block on one tp rank, in the rows FSDP2 shards (dim 0; a vector
-    is (n, 1)): the attention norm (weight, and bias for a layer norm), q, k, v (their biases split like
-    them), the qk-norm weights (head_dim each, replicated), o (its bias replicated: added after the sum over
-    tp), the MLP norm, the MLP's up matrices (gate and up for SwiGLU, one for GELU; biases split) and its
-    down matrix (bias replicated)."""
+def expert_param_shapes(shape, tp: int, ep: int = 1) -> list[tuple[int, int]]:
+    """(rows, cols) of one MoE block's routed experts on one rank, in the rows FSDP2 shards (the expert dim):
+    gate_proj and up_proj (E / ep, ffn / tp x dim) and down_proj (E / ep, dim x ffn / tp), as
+    parallel/expert.py's shard_experts leaves them (experts split over ep, each expert's ffn over tp);
+    [] for a dense block."""
+    s = as_shape(shape)
+    if not s.n_experts:
+        return []
+    if s.n_experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {s.n_experts} experts; use a divisor of {s.n_experts}")
+    local, f = s.n_experts // ep, s.ffn_dim // tp
+    return [(local, f * s.dim)] * (s.mlp_matrices - 1) + [(local, s.dim * f)]
+
+
+def layer_param_shapes(shape, tp: int, ep: int = 1, experts: bool = True) -> list[tuple[int, int]]:
+    """(rows, cols) of each parameter of one block on one rank of tp (and ep), in the rows FSDP2 shards (dim 0;
+    a vector is (n, 1)): the attention norm (weight, and bias for a layer norm), q, k, v (their biases split
+    like them), the qk-norm weights (head_dim each, replicated), o (its bias replicated: added after the sum
+    over tp), the MLP norm, then a dense MLP's up matrices (gate and up for SwiGLU, one for GELU; biases
+    split) and down matrix (bias replicated), or an MoE block's router (E x dim, replicated), its shared
+    expert (split like a dense MLP) and its routed experts (`expert_param_shapes`: E / ep of them).
+    `experts=False` leaves the routed experts out: under ep they are an FSDP2 unit of their own, sharded
+    over the ranks ep leaves of dp_shard x cp (`layer_shard_groups`)."""
     s = as_shape(shape)
     h, hd = s.dim, s.head_dim
     q, kv, f = s.n_heads * hd // tp, _kv_local(s, tp), s.ffn_dim // tp
@@ -144,12 +170,12 @@ def layer_param_shapes(shape, tp: int) -> list[tuple[int, int]]:
         out.append((h, 1))
     out += norm
     ups = s.mlp_matrices - 1
-    if s.n_experts:  # the router (replicated), then the stacked experts: FSDP2 cuts their expert dim
+    if s.n_experts:  # the router (replicated), the shared expert (colwise up, rowwise down), the experts
         sf = s.shared_ffn_dim // tp
-        out += [(s.n_experts, h)] + [(s.n_experts, f * h)] * ups + [(s.n_experts, h * f)]
+        out.append((s.n_experts, h))
         if sf:
             out += [(sf, h)] * ups + [(h, sf)]
-        return out
+        return out + (expert_param_shapes(s, tp, ep) if experts else [])
     out += [(f, h)] * ups + ([(f, 1)] * ups if s.bias else [])
     out.append((h, f))
     if s.bias:
@@ -157,10 +183,22 @@ def layer_param_shapes(shape, tp: int) -> list[tuple[int, int]]:
     return out
 
 
-def stage_param_shapes(shape, tp: int, first: bool, last: bool, n_layers: int) -> list[list[tuple[int, int]]]:
+def layer_shard_groups(shape, tp: int, ep: int, shards: int) -> list[tuple[list[tuple[int, int]], int]]:
+    """One block's parameters on one rank by the FSDP2 group that cuts them, [(shapes, ranks in the group)]:
+    the whole block over the `shards` ranks of dp_shard x cp, or under expert parallel the block without its
+    routed experts over them and the experts (their own unit) over the shards // ep ranks ep leaves (edp)."""
+    if ep == 1 or not as_shape(shape).n_experts:
+        return [(layer_param_shapes(shape, tp, ep), shards)]
+    if shards % ep:
+        raise ValueError(f"ep={ep} must divide the {shards} FSDP ranks of dp_shard x cp; raise --dp or --cp")
+    return [(layer_param_shapes(shape, tp, ep, experts=False), shards), (expert_param_shapes(shape, tp, ep), shards // ep)]
+
+
+def stage_param_shapes(shape, tp: int, first: bool, last: bool, n_layers: int, ep: int = 1) -> list[list[tuple[int, int]]]:
     """One list of (rows, cols) per FSDP unit of a stage on one tp rank: the first stage's token embedding
     (rows split over tp: ceil(V / tp), as torch.chunk cuts them) and learned position table (split the same
-    way), the blocks, and the last stage's final norm with the head. A tied head is the embedding: a stage
+    way), the blocks (`layer_param_shapes`, with E / ep experts each), and the last stage's final norm with
+    the head. A tied head is the embedding: a stage
     that is first and last holds it once; a later last stage holds a copy (its gradient summed with the
     first stage's), and the unit that holds it goes to FSDP2's root together with the final norm (FSDP2
     shards a shared tensor once)."""
@@ -173,7 +211,7 @@ def stage_param_shapes(shape, tp: int, first: bool, last: bool, n_layers: int) -
         units.append([embedding])
     if first and s.learned_positions:
         units.append([(-(-s.learned_positions // tp), s.dim)])
-    units += [layer_param_shapes(s, tp) for _ in range(n_layers)]
+    units += [layer_param_shapes(s, tp, ep) for _ in range(n_layers)]
     if last:
         units.append([embedding, *final_norm] if s.tied_embeddings else [*final_norm, embedding])
     return units

@@ -42,6 +42,8 @@ F = ffn dim, V = vocab, P = parameters, e = bytes of the compute dtype), for a m
                      replace SwiGLU's 5 F and 9 F; qk-norm adds 7 (Q + K) and 24 (Q + K), an RMSNorm's per
                      element; a layer norm's mean adds 3 D forward and 3 D backward per norm; biases add
                      their gradients' sums over the tokens, Q + 2 K + 2 D + F (F per up matrix) backward.
+                     An MoE block's F is a token's: top_k x ffn (its experts) + the shared expert's; the
+                     matmul FLOPs count its active parameters (ModelShape.matmul_params)
                      (On a GPU tessera's Triton RMSNorm fuses the norms' 62 D per block into
                      about 16 D, and RoPE runs in fp32, about 2.5x its elements above: for the 1b preset the
                      two nearly cancel, 8% apart on this term; the eager counts stand for both.) The loss:
@@ -143,7 +145,8 @@ def block_elements_per_token(shape, tp: int = 1) -> float:
     D = cfg.dim
     Q = cfg.n_heads * cfg.head_dim // tp
     K = max(1, cfg.n_kv_heads // tp) * cfg.head_dim
-    F = cfg.ffn_dim // tp
+    # an MoE block: a token's top_k experts and the shared expert each run a SwiGLU's elementwise ops
+    F = ((cfg.top_k * cfg.ffn_dim + cfg.shared_ffn_dim) if cfg.n_experts else cfg.ffn_dim) // tp
     repeat = 2 * (Q + K) if cfg.n_kv_heads < cfg.n_heads else 0
     swiglu = cfg.mlp == "swiglu"
     forward = 20 * D + 11 * Q + 9 * K + (5 if swiglu else 2) * F + repeat
