@@ -204,6 +204,8 @@ def test_plan_cli_json():
      r"--gpus 12 is not a whole number of nodes of 8"),
     (["--model", "nope", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"], r"unknown model preset 'nope'"),
     (["--model", "debug", "--gpus", "64", "--seq-len", "30", "--global-batch", "3"], r"no layout of 64 GPUs runs debug"),
+    (["--model", "8b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "64", "--peak-tflops", "inf"],
+     r"--peak-tflops inf must be a positive, finite number"),
 ])
 def test_plan_cli_refuses_with_one_line(args, message):
     import re

@@ -105,8 +105,9 @@ class Hardware:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
         for name in ("gpu_memory_gb", "peak_tflops", "efficiency", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
-            if not getattr(self, name) > 0:
-                raise PlanError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be positive")
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):  # inf would make every step take no time
+                raise PlanError(f"--{name.replace('_', '-')} {v!r} must be a positive, finite number")
         if not 0 <= self.headroom < 1:
             raise PlanError(f"--headroom {self.headroom!r} must be in [0, 1)")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
