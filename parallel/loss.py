@@ -32,7 +32,6 @@ sums it in backward, as for the column-parallel output layer.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Callable
 
 import torch

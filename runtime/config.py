@@ -253,7 +253,7 @@ class Config:
         if self.model.vocab_size is not None:
             overrides["vocab_size"] = self.model.vocab_size
         moe = {"aux_loss_coef": self.model.moe_aux_loss, "bias_rate": self.model.moe_bias_rate}
-        for (field, value), flag in zip(moe.items(), ("--moe-aux-loss", "--moe-bias-rate")):
+        for value, flag in zip(moe.values(), ("--moe-aux-loss", "--moe-bias-rate")):
             if value is not None and (not isinstance(value, (int, float)) or value < 0 or value != value):
                 raise ValueError(f"{flag} {value} must be a number >= 0")
         moe = {k: float(v) for k, v in moe.items() if v is not None}

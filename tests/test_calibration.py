@@ -207,7 +207,6 @@ def test_the_optimizer_bytes_the_step_time_model_states_hold_for_tesseras_clip_a
     model = build_model(get_preset("small"), seed=0)
     params = list(model.parameters())
     opt = build_adamw(params, 1e-3, (0.9, 0.95), 1e-8, 0.1)
-    counted = None
     for _ in range(2):  # the second step: the moments exist
         for p in params:
             p.grad = torch.randn_like(p)

@@ -19,7 +19,6 @@ one) moves these by O(1) relative, orders of magnitude past 2E. The fp32 contrac
 """
 
 import pytest
-import torch
 
 from conftest import PIPELINE_BASE
 from helpers import small_config, train_with_dtypes

@@ -9,7 +9,6 @@ token to the same experts as one process.
 """
 
 import pytest
-import torch
 
 from helpers import small_config, train_with_dtypes, train_with_records
 from tessera.parallel.launch import run_ranks

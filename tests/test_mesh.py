@@ -36,7 +36,7 @@ big_degree = st.sampled_from([1, 2, 4, 8])
 
 @settings(max_examples=6, deadline=None)
 @given(st.builds(Layout, pp=big_degree, dp_replicate=big_degree, dp_shard=big_degree, cp=big_degree, tp=big_degree)
-       .filter(lambda l: 1024 <= l.world_size <= 4096), st.data())
+       .filter(lambda lay: 1024 <= lay.world_size <= 4096), st.data())
 def test_build_mesh_on_fake_backend_at_scale(layout, data):
     for _ in range(2):
         rank = data.draw(st.integers(0, layout.world_size - 1))

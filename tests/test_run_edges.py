@@ -4,17 +4,14 @@ without tp), and a run that goes on does what it says (a bounded --on-nonfinite 
 metrics, one fallback warning, the steps a resumed run took)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import small_config
-from tessera.parallel import checkpoint
 from tessera.parallel.launch import run_ranks
 
 FAST = ["--seq-len", "32", "--global-batch", "4"]
