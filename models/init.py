@@ -71,8 +71,9 @@ def local_region(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def one_process_name(name: str) -> str:
-    """A parameter's name in the one-process model: activation checkpointing's wrapper removed."""
-    return name.replace("_checkpoint_wrapped_module.", "")
+    """A parameter's name in the one-process model: the wrappers activation checkpointing
+    (`_checkpoint_wrapped_module.`) and torch.compile of a whole module (`_orig_mod.`) add, removed."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]) -> None:

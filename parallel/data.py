@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from tessera.topology import Layout
+from tessera.topology.memory import AC_MODES, FSDP_STRATEGIES
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-AC_MODES = ("none", "full", "selective", "op")
+STRATEGIES = tuple(FSDP_STRATEGIES)  # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (topology/memory.py)
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from tessera.models.init import one_process_name
+
 
 class InvariantError(AssertionError):
     """A sharding invariant does not hold; the message names the tensor and the layout."""
@@ -33,10 +35,6 @@ def _mesh_text(mesh: DeviceMesh) -> str:
 
 def _max_error(a: Tensor, b: Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-def _clean(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 # ----------------------------------------------------------------------------- placements and collectives
@@ -168,7 +166,7 @@ def check_fsdp_unshard(model: nn.Module, reference: Mapping[str, Tensor], layout
         for _, unit in units:
             unit.unshard()
         for name, p in model.named_parameters():
-            name = _clean(name)
+            name = one_process_name(name)
             if name not in reference:
                 continue
             got = _full(p.data)
@@ -202,7 +200,7 @@ def check_fsdp_resharded(model: nn.Module, layout: str = "") -> None:
                 name = f"{unit_name}.{fp._param_fqn}" if unit_name and fp._param_fqn else (fp._param_fqn or unit_name)
                 raise InvariantError(
                     f"FSDP unit {unit_name or '(root)'!r} was never resharded on {layout or 'this layout'}: parameter "
-                    f"{_clean(name)!r} is held gathered ({tuple(registered.shape)}) instead of as its shard"
+                    f"{one_process_name(name)!r} is held gathered ({tuple(registered.shape)}) instead of as its shard"
                 )
 
 
@@ -210,7 +208,7 @@ def check_fsdp_resharded(model: nn.Module, layout: str = "") -> None:
 def check_state_preserved(model: nn.Module, expected: Mapping[str, Tensor], layout: str = "") -> None:
     """Every tensor of `expected` (full tensors by parameter or buffer name, e.g. saved on layout A)
     equals the model's (loaded on layout B), bitwise; a name missing on either side is an error too."""
-    state = {_clean(k): v for k, v in model.state_dict().items()}
+    state = {one_process_name(k): v for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     if missing:
         raise InvariantError(f"after loading on {layout or 'this layout'}: {len(missing)} tensors missing, first {missing[0]!r}")

@@ -44,6 +44,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from tessera.topology.shapes import kv_heads_split
+
 from .tensor import (
     BlockInput,
     ColumnParallelLinear,
@@ -355,7 +357,7 @@ def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan, sequence_paral
 def _style(kind: str, shape, tp: int) -> Style:
     """A spec's style name (models.spec.TP_STYLES) as the Style that applies it."""
     if kind == "kv":  # split the kv heads when tp divides them, else replicate, each rank its head
-        if shape.n_kv_heads % tp == 0:
+        if kv_heads_split(shape.n_kv_heads, tp):
             return ColwiseParallel(gather_input=False)
         return ReplicatedHeads(shape.n_kv_heads, shape.head_dim)
     return {

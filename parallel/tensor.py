@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tessera.kernels import rms_norm
+from tessera.topology.shapes import kv_heads_fit
 
 from .comm import collective
 
@@ -255,7 +256,7 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len
     with n_heads, n_kv_heads and ffn_dim) cannot be split over `tp` ranks."""
     if cfg.n_heads % tp:
         raise ValueError(f"tp={tp} does not divide the {cfg.n_heads} attention heads; use a tp that divides {cfg.n_heads}")
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+    if not kv_heads_fit(cfg.n_kv_heads, tp):
         raise ValueError(
             f"tp={tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other (kv heads are split when tp "
             f"divides them and replicated when they divide tp)"

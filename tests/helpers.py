@@ -32,8 +32,10 @@ class MaskedStream(TokenStream):
 
 
 def clean_name(name: str) -> str:
-    """Parameter name as the one-process model spells it (activation checkpointing adds a wrapper)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
+    """Parameter name as the one-process model spells it (tessera's own rule)."""
+    from tessera.models.init import one_process_name
+
+    return one_process_name(name)
 
 
 def gather_by_name(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -108,7 +108,9 @@ class Axis:
 
 
 def _kv(d: Mapping[str, int], v: Mapping[str, Any]) -> bool:
-    return v["n_kv_heads"] % d["tp"] == 0 or d["tp"] % v["n_kv_heads"] == 0
+    from .shapes import kv_heads_fit  # torch-free like this table; imported here, shapes needs nothing of it
+
+    return kv_heads_fit(v["n_kv_heads"], d["tp"])
 
 
 def _sp(d: Mapping[str, int], v: Mapping[str, Any]) -> bool:

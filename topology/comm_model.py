@@ -57,7 +57,8 @@ from typing import Callable
 
 from .axes import COMM_AXES, FLATTENED_BY_PURPOSE
 from .layout import Layout
-from .shapes import ModelShape, as_shape, fsdp_shard_numel, layer_shard_groups, stage_param_shapes
+from .shapes import (ModelShape, as_shape, fsdp_shard_numel, kv_heads_split, layer_shard_groups, split_layers,
+                     stage_param_shapes)
 
 FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's mesh (dp_shard x cp), replicated over dp_replicate under HSDP
 
@@ -74,12 +75,8 @@ def wire_bytes(op: str, payload: float, n: int) -> float:
 
 
 def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage=None) -> list[int]:
-    """Blocks per pipeline stage: `layers_per_stage`, or parallel.pipeline.split_layers' even split (the
-    remainder on the first stages), without importing torch."""
-    if layers_per_stage is not None:
-        return list(layers_per_stage)
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+    """Blocks per pipeline stage, by the stage split's one rule (topology/shapes.py's split_layers)."""
+    return [len(r) for r in split_layers(n_layers, n_stages, layers_per_stage)]
 
 
 # bytes of the elements that tessera's collectives carry whatever the activation dtype: expert counts and
@@ -223,7 +220,7 @@ def tp_bytes(x: StepTraffic) -> float:
     h = cfg.dim
     act = b * s * h * e
     unit = wire_bytes("all_gather", act, t)  # one gather or reduce-scatter of a block's activations
-    replicated_kv = cfg.n_kv_heads % t != 0
+    replicated_kv = not kv_heads_split(cfg.n_kv_heads, t)
     sp = x.sequence_parallel
 
     def weight_grads(numel: int) -> float:  # replicated weights' gradients, summed over tp in fp32
@@ -272,7 +269,7 @@ def cp_bytes(x: StepTraffic) -> float:
     cfg, t, cp, e = x.cfg, x.layout.tp, x.layout.cp, x.act_bytes
     if cp == 1:
         return 0.0
-    heads = cfg.n_kv_heads // t if cfg.n_kv_heads % t == 0 else 1
+    heads = cfg.n_kv_heads // t if kv_heads_split(cfg.n_kv_heads, t) else 1
     kv = 2 * x.rows * heads * x.tokens * cfg.head_dim
     acc = max(4, e)
     if x.cp_method == "ring":

@@ -50,9 +50,10 @@ from .axes import (AXIS, COMM_AXES, COMM_GROUPS, FLATTENED_BY_PURPOSE, OVERLAPPE
 from .comm_model import comm_bytes_per_step, stage_layer_counts
 from .layout import AXES, Layout
 from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, simulate
-from .shapes import (ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, layer_param_shapes, layer_shard_groups,
+from .shapes import (ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, kv_heads_fit, kv_heads_split, layer_param_shapes, layer_shard_groups,
                      stage_param_shapes)
-from .memory import GB, get_recipe, min_gpus
+from .memory import AC_MODES as MEMORY_AC_MODES
+from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
 from .step_time import Calibration, step_parts
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
@@ -63,8 +64,15 @@ DEFAULT_INTRA_GBPS = 360.0  # GB/s per GPU inside a node (NVLink 4: 450 GB/s per
 DEFAULT_INTER_GBPS = 40.0  # GB/s per GPU across nodes (400 Gb/s = 50 GB/s, ~80% reached)
 DEFAULT_HBM_GBPS = 3000.0  # GB/s of a GPU's own memory (H100 SXM's HBM3: 3.35 TB/s, ~90% reached streaming)
 
-AC_MODES = ("none", "op", "selective", "full")
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+# recomputation as a share of the step's FLOPs, per activation checkpointing mode (topology/memory.py's
+# AC_MODES, every one): full reruns every block's forward (1/3 of fwd + bwd), selective half of them; op reruns
+# only the norms, RoPE and SwiGLU's elementwise ops, memory-bound work costed at 3% of the step (an
+# assumption, stated in `tessera plan`'s output). The planner tries the modes cheapest first.
+RECOMPUTE: dict[str, float] = {"none": 0.0, "op": 0.03, "selective": 1 / 6, "full": 1 / 3}
+assert set(RECOMPUTE) == set(MEMORY_AC_MODES), "a recompute share for every activation checkpointing mode"
+AC_MODES = tuple(sorted(RECOMPUTE, key=RECOMPUTE.__getitem__))
+# the strategies it enumerates: NO_SHARD and HYBRID_SHARD are layouts with dp_replicate, which it enumerates
+STRATEGIES = tuple(s for s in FSDP_STRATEGIES if s in ("FULL_SHARD", "SHARD_GRAD_OP"))
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
 
 FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's group: dp_shard x cp
@@ -264,7 +272,7 @@ def layer_activation_bytes(shape, rows: int, seq: int, tp: int, sequence_paralle
 def _kv_out(shape: ModelShape, tp: int) -> int:
     """k (or v) features a tp rank computes: its share of the kv heads, or the one head its query heads
     read when tp exceeds the kv heads."""
-    return shape.n_kv_heads * shape.head_dim // tp if shape.n_kv_heads % tp == 0 else shape.head_dim
+    return shape.n_kv_heads * shape.head_dim // tp if kv_heads_split(shape.n_kv_heads, tp) else shape.head_dim
 
 
 def loss_activation_bytes(shape, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int,
@@ -372,10 +380,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
     # step time
     tokens = global_batch * seq_len
     flops = model_flops_per_token(cfg, seq_len) * tokens
-    # recomputation as a share of the step's FLOPs: full reruns every block's forward (1/3 of fwd + bwd),
-    # selective half of them; op reruns only the norms, RoPE and SwiGLU's elementwise ops, memory-bound
-    # work costed at 3% of the step (an assumption, stated in `tessera plan`'s output)
-    recompute = {"none": 0.0, "op": 0.03, "selective": 1 / 6, "full": 1 / 3}[cand.ac]
+    recompute = RECOMPUTE[cand.ac]
     parts: dict[str, float] = {}
     if hw.calibration is not None:
         parts = calibrated_compute(cfg, cand, hw, seq_len, global_batch, recompute)
@@ -559,7 +564,7 @@ def why_not_runnable(shape, cand: Candidate, seq_len: int, global_batch: int) ->
             return f"--seq-len {seq_len} does not split into {multiple} chunks for cp={lay.cp}"
     if cfg.n_heads % lay.tp:
         return f"tp={lay.tp} does not divide the {cfg.n_heads} attention heads"
-    if cfg.n_kv_heads % lay.tp and lay.tp % cfg.n_kv_heads:
+    if not kv_heads_fit(cfg.n_kv_heads, lay.tp):
         return f"tp={lay.tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other"
     if cfg.ffn_dim % lay.tp:
         return f"tp={lay.tp} does not divide ffn_dim={cfg.ffn_dim}"

@@ -127,10 +127,45 @@ def _read_shape(cfg) -> ModelShape:
     return ModelShape(**{f.name: getattr(cfg, f.name) for f in fields(ModelShape) if hasattr(cfg, f.name)})
 
 
+# ----------------------------------------------------------------------------- the pipeline's stage split
+def split_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[range]:
+    """The block indices of each pipeline stage: `layers_per_stage` (e.g. 3,3,2), or an even split with the
+    remainder on the first stages. The one rule: the stage builds, the planner and the communication model
+    read it (parallel/pipeline.py re-exports it)."""
+    if layers_per_stage is not None:
+        counts = list(layers_per_stage)
+        if len(counts) != n_stages:
+            raise ValueError(f"--pp-layers {','.join(map(str, counts))} lists {len(counts)} stages; the run has "
+                             f"{n_stages} (pp x virtual): give one count per stage")
+        if any(c < 1 for c in counts) or sum(counts) != n_layers:
+            raise ValueError(f"--pp-layers {','.join(map(str, counts))} must be positive counts summing to "
+                             f"n_layers={n_layers} (they sum to {sum(counts)})")
+    else:
+        if n_stages > n_layers:
+            raise ValueError(f"{n_stages} pipeline stages (pp x virtual) but only {n_layers} layers: every stage "
+                             f"needs a layer; lower --pp/--virtual or raise --n-layers to {n_stages}")
+        base, extra = divmod(n_layers, n_stages)
+        counts = [base + (s < extra) for s in range(n_stages)]
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    return [range(start, start + c) for start, c in zip(starts, counts)]
+
+
+# ----------------------------------------------------------------------------- the kv-heads rule
+def kv_heads_split(n_kv_heads: int, tp: int) -> bool:
+    """Whether tp splits the K/V heads (tp divides them). Otherwise, when they divide tp, every rank keeps
+    the whole K/V projections and uses the one head its query heads read (tessera's ReplicatedHeads)."""
+    return n_kv_heads % tp == 0
+
+
+def kv_heads_fit(n_kv_heads: int, tp: int) -> bool:
+    """The one rule tp must keep with the kv heads: split them, or be a multiple of them (replicated)."""
+    return kv_heads_split(n_kv_heads, tp) or tp % n_kv_heads == 0
+
+
 def _kv_local(shape: ModelShape, tp: int) -> int:
     """Output features of the k (or v) projection on one tp rank: kv heads split, or all of them
     replicated when tp exceeds the kv heads (tessera's ReplicatedHeads keeps the whole weight)."""
-    return shape.n_kv_heads * shape.head_dim // tp if shape.n_kv_heads % tp == 0 else shape.n_kv_heads * shape.head_dim
+    return shape.n_kv_heads * shape.head_dim // tp if kv_heads_split(shape.n_kv_heads, tp) else shape.n_kv_heads * shape.head_dim
 
 
 def expert_param_shapes(shape, tp: int, ep: int = 1) -> list[tuple[int, int]]:
