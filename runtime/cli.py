@@ -17,21 +17,10 @@ def _float(text: str) -> float:
 
 def _memory_degrees(args: argparse.Namespace) -> dict[str, int]:
     """The degree of every axis of topology/axes.py's table from the memory command's flags (an axis it has
-    no flag for is 1): a flag of one axis at least 1, one that counts several (--dp) a multiple of the others."""
-    import math
+    no flag for is 1), by the table's one rule for flags (`degrees_from_flags`, as `tessera train` reads them)."""
+    from tessera.topology.axes import TABLE, degrees_from_flags
 
-    from tessera.topology.axes import AXIS, TABLE, degrees_from_flags
-
-    flags = {a.flag: getattr(args, a.flag, 1) for a in TABLE}
-    for a in TABLE:
-        if a.counts == (a.name,) and flags[a.flag] < 1:
-            raise ValueError(f"{a.option} {flags[a.flag]} must be at least 1")
-    for a in TABLE:
-        others = [AXIS[n] for n in a.counts if n != a.name]
-        if others and flags[a.flag] >= 1 and flags[a.flag] % math.prod(flags[o.flag] for o in others):
-            raise ValueError(f"{' x '.join(f'{o.option} {flags[o.flag]}' for o in others)} must divide {a.option} "
-                             f"{flags[a.flag]} ({a.flag} = {' x '.join(a.counts)})")
-    return degrees_from_flags(flags)  # and a product flag (--dp) below 1
+    return degrees_from_flags({a.flag: getattr(args, a.flag, 1) for a in TABLE})
 
 
 DRY_RUN_MAX_RANKS = 1 << 16  # memory --dry-run: the fake world's mesh is built in full (65,536 ranks: about 15 s)

@@ -104,7 +104,7 @@ def test_the_memory_command_honours_every_axis_it_is_given():
     bad = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--model", "70b", "--dp", "4", "--dp-replicate", "3"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "tessera memory: error: --dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard)")
+        "tessera memory: error: --dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard); use --dp 3")
 
 
 def test_the_memory_command_agrees_with_the_planner():
