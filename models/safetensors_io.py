@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tessera.topology.errors import CheckpointError  # the hierarchy's: a ValueError too
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded faithfully; the message names the file and the reason."""
 
 
 # ----------------------------------------------------------------------------- DCP, read safely

@@ -14,12 +14,11 @@ import time
 from typing import Iterator
 
 import torch.distributed as dist
+from tessera.topology.errors import CollectiveTimeout  # a restartable TesseraError
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog")
 
 
-class CollectiveTimeout(RuntimeError):
-    pass
 
 
 def is_timeout(error: BaseException) -> bool:

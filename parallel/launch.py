@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator
+from tessera.topology.errors import RankFailure, RankTimeout, TesseraError, is_restartable
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 _CTX: Any = None
@@ -74,16 +75,6 @@ def _stop_ranks_on_sigterm(procs: list, forward: bool, forwarded: list) -> Itera
         signal.signal(signal.SIGTERM, previous)
 
 
-class RankFailure(RuntimeError):
-    """A rank raised; carries its rank and traceback."""
-
-
-class RankTimeout(RuntimeError):
-    """Ranks did not finish in time; carries the stalled ranks and where they are stuck."""
-
-    def __init__(self, message: str, stalled: dict[int, str]):
-        super().__init__(message)
-        self.stalled = stalled
 
 
 @dataclass
@@ -121,7 +112,11 @@ def _rank_main(fn: Callable[..., Any], spec: _RankSpec, conn: Any, args: tuple, 
         conn.send_bytes(pickle.dumps(("ok", spec.rank, result)))
     except BaseException as e:  # report everything, including KeyboardInterrupt/SystemExit
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        conn.send_bytes(pickle.dumps(("error", spec.rank, tb)))
+        # what the parent decides by: the error's type, not its text
+        cause = {"type": type(e).__name__, "message": next((ln for ln in str(e).splitlines() if ln.strip()), ""),
+                 "restartable": is_restartable(e), "exit_code": getattr(e, "exit_code", None),
+                 "tessera": isinstance(e, TesseraError)}
+        conn.send_bytes(pickle.dumps(("error", spec.rank, (tb, cause))))
     finally:
         try:
             if dist.is_initialized():
@@ -237,7 +232,9 @@ def _collect(procs: list, conns: dict, world_size: int, timeout: float | None, w
                 code = procs[rank].exitcode
                 raise RankFailure(f"rank {rank} of {world_size} died without a result (exit code {code})") from None
             if status == "error":
-                raise RankFailure(f"rank {rank} of {world_size} raised:\n{payload}")
+                tb, cause = payload
+                raise RankFailure(f"rank {rank} of {world_size} raised:\n{tb}", restartable=cause["restartable"],
+                                  cause=cause)
             results[rank] = payload
     if pending:
         stalled = sorted(pending.values())

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from .comm import collective
 from .loss import LinearCrossEntropyHead, model_loss
 from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule, simulate, validate
+from tessera.topology.schedule import action_text, check_fits
 
 __all__ = ["build_schedule", "PipelineConfig", "split_layers", "stages_of_rank", "build_stage", "check_pipeline",
            "PipelineRunner"]
@@ -43,10 +44,27 @@ LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"
+    # a kind's name, or the schedule as data: one tuple of Actions per pp rank (e.g. read from --schedule-file)
+    schedule: str | tuple[tuple[Action, ...], ...] = "1f1b"
     virtual: int = 1  # stages per pp rank
     layers_per_stage: tuple[int, ...] | None = None  # None: an even split
     microbatches: int = 1  # per step, per dp rank
+    source: str | None = None  # where a schedule given as data came from, for messages ("--schedule-file s.csv")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schedule, str):  # tuples: the config stays frozen and hashable
+            object.__setattr__(self, "schedule", tuple(tuple(Action(*a) for a in row) for row in self.schedule))
+
+    @property
+    def kind(self) -> str | None:
+        """The built-in kind's name, or None for a schedule given as data."""
+        return self.schedule if isinstance(self.schedule, str) else None
+
+    def actions(self, pp: int) -> list[list[Action]]:
+        """The schedule as data for `pp` ranks: the kind built, or the given actions."""
+        if self.kind is not None:
+            return build_schedule(self.kind, pp, self.microbatches, self.virtual)
+        return [list(row) for row in self.schedule]
 
 
 # ----------------------------------------------------------------------------- stages
@@ -109,13 +127,22 @@ def build_stage(model_config, stage: int, n_stages: int, layers: range, device: 
 
 
 def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, activation_checkpointing: str) -> None:
-    """Every pipeline input error, before any process group starts."""
-    kind = config.schedule
-    check_schedule(kind, pp, config.microbatches, config.virtual)
+    """Every pipeline input error, before any process group starts. A schedule given as data is proven by the
+    simulator (dependencies, deadlocks) and must fit pp, virtual and the microbatches."""
+    kind = config.kind
+    if kind is not None:
+        check_schedule(kind, pp, config.microbatches, config.virtual)
+        split = kind in SPLIT_BACKWARD
+    else:  # a file's errors spell actions as the file does (0F1)
+        source = config.source or "the schedule"
+        split = check_fits(config.schedule, pp, config.virtual, config.microbatches, source,
+                           action_text if config.source else str)[2]
     split_layers(n_layers, pp * config.virtual, config.layers_per_stage)
-    if kind in SPLIT_BACKWARD and activation_checkpointing != "none":
-        raise ValueError(f"--schedule {kind} with --ac {activation_checkpointing} is not supported (the W pass "
-                         f"would recompute the block again); use --ac none or --schedule 1f1b")
+    if split and activation_checkpointing != "none":
+        what, other = ((f"--schedule {kind}", "--schedule 1f1b") if kind is not None
+                       else (f"{config.source or 'a schedule'} (W actions)", "a schedule without W actions"))
+        raise ValueError(f"{what} with --ac {activation_checkpointing} is not supported (the W pass "
+                         f"would recompute the block again); use --ac none or {other}")
 
 
 # ----------------------------------------------------------------------------- the executor
@@ -138,7 +165,7 @@ class PipelineRunner:
     gradients are those of the one-process global-batch mean. `activation` gives the (shape, dtype) of
     the hidden states between stages for a microbatch of `rows` x `seq` tokens."""
 
-    def __init__(self, stages: dict[int, nn.Module], schedule: str | list[list[Action]], pp_group: dist.ProcessGroup, microbatches: int,
+    def __init__(self, stages: dict[int, nn.Module], schedule: str | Sequence[Sequence[Action]], pp_group: dist.ProcessGroup, microbatches: int,
                  virtual: int, loss_fn: LossFn, activation: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device, grad_scale: float = 1.0, timeout: float = 600.0,
                  positions: Callable[[Tensor], Tensor] | None = None):
@@ -152,6 +179,7 @@ class PipelineRunner:
         self.grad_scale, self.timeout = grad_scale, timedelta(seconds=timeout)
         if isinstance(schedule, str):
             schedule = build_schedule(schedule, self.pp, microbatches, virtual)
+        schedule = [list(row) for row in schedule]  # data may come as tuples (PipelineConfig's)
         n_stages, n_microbatches, self.split = validate(schedule)
         simulate(schedule)  # ValueError naming the stuck ranks if it would deadlock
         for head in (m for part in stages.values() for m in part.modules() if isinstance(m, LinearCrossEntropyHead)):

@@ -433,10 +433,10 @@ def _train(args: argparse.Namespace) -> int:
         why = str(e) or "stopped by SIGINT"
         error_exit("train", stopped_message(why, config))
         return 128 + (15 if "SIGTERM" in why else 2)
-    except RankFailure as e:  # a rank's named failure becomes the command's one-line error
-        for kind in ("CheckpointError: ", "NonFiniteError: ", "CollectiveTimeout: "):
-            if kind in str(e):
-                return error_exit("train", str(e).rsplit(kind, 1)[1].strip().splitlines()[0])
+    except RankFailure as e:  # a rank's named failure (one of tessera's errors) becomes the command's one line
+        if e.cause is not None and e.cause["tessera"]:
+            error_exit("train", e.cause["message"])
+            return e.cause["exit_code"]
         raise
     if history and not config.runtime.quiet:
         print(done_line(history, config))

@@ -62,6 +62,11 @@ class ParallelSection:
     compile: bool = opt(False, "torch.compile each transformer block (after tp, cp and checkpointing, before FSDP2; the "
                                "first step compiles, on CPU through a C++ compiler)")
     schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (default with --pp > 1: 1f1b)")
+    schedule_file: str | None = opt(None, "a pipeline schedule as data instead of --schedule: CSV, one line per pp rank "
+                                          "of actions STAGE OP MICROBATCH (0F1: stage 0's forward of microbatch 1; B "
+                                          "backward, W weight gradient), or JSON {\"ranks\": [[\"0F0\", ...], ...]}; "
+                                          "proven by the simulator before any rank starts; its microbatches are the "
+                                          "default of --microbatches", metavar="PATH")
     virtual: int = opt(1, "virtual pipeline stages per pp rank (interleaved-1f1b: stage s on rank s % pp)")
     pp_layers: str | None = opt(None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,...")
     cp_method: str | None = opt(None, "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); default with --cp > 1: ring")
@@ -106,7 +111,8 @@ class DataSection:
     global_batch: int = opt(8, "sequences per optimizer step, over all data-parallel ranks")
     microbatches: int | None = opt(None, "split each dp rank's rows into M microbatches (gradient accumulation; "
                                          "default 1, and with --pp the fewest the schedule needs that divide the "
-                                         "rows: --pp for 1f1b, zb-h1 and interleaved-1f1b)", metavar="M")
+                                         "rows: --pp for 1f1b, zb-h1 and interleaved-1f1b; a --schedule-file's "
+                                         "own count)", metavar="M")
     eval_data: str | None = opt(None, "held-out token files for --eval-every (same format as --data)", metavar="PATH")
     eval_every: int = opt(0, "every N steps, the mean loss on --eval-batches global batches of --eval-data (0: never)")
     eval_batches: int = opt(1, "global batches of --eval-data per evaluation (the same ones each time)")
@@ -191,12 +197,27 @@ class Config:
 
     def __post_init__(self) -> None:
         # --microbatches left out: 1, or with a pipeline the fewest its schedule runs (which `microbatches_chosen`
-        # says, for the start line), so that `--pp 2` alone trains
+        # says, for the start line), so that `--pp 2` alone trains; a --schedule-file's own count when given
         if self.data.microbatches is None:
-            object.__setattr__(self, "data", dataclasses.replace(self.data, microbatches=self._default_microbatches()))
-            object.__setattr__(self, "microbatches_chosen", True)
+            from_file = self._schedule_file_microbatches()  # a schedule file fixes its own count
+            chosen = from_file or self._default_microbatches()
+            object.__setattr__(self, "data", dataclasses.replace(self.data, microbatches=chosen))
+            object.__setattr__(self, "microbatches_chosen", from_file is None)
         else:
             object.__setattr__(self, "microbatches_chosen", False)
+
+    def _schedule_file_microbatches(self) -> int | None:
+        """The microbatches --schedule-file runs (None without one, or when it does not parse: the checks
+        then name the problem)."""
+        if self.parallel.schedule_file is None:
+            return None
+        from tessera.topology.schedule import read_schedule_file
+
+        try:
+            actions = [a for row in read_schedule_file(self.parallel.schedule_file) for a in row]
+        except ValueError:
+            return None
+        return max((a.microbatch for a in actions), default=-1) + 1 or None
 
     def _default_microbatches(self) -> int:
         from tessera.topology.schedule import fewest_microbatches
@@ -303,7 +324,13 @@ class Config:
 
         p = self.parallel
         data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
-        pipeline = PipelineConfig(p.schedule or "1f1b", p.virtual, p.layers_per_stage, self.data.microbatches)
+        if p.schedule_file is not None:  # the file's actions, as data (read here, on every rank, like --data)
+            from tessera.topology.schedule import read_schedule_file
+
+            pipeline = PipelineConfig(tuple(map(tuple, read_schedule_file(p.schedule_file))), p.virtual,
+                                      p.layers_per_stage, self.data.microbatches, source=f"--schedule-file {p.schedule_file}")
+        else:
+            pipeline = PipelineConfig(p.schedule or "1f1b", p.virtual, p.layers_per_stage, self.data.microbatches)
         return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data, pipeline=pipeline,
                               cp_method=p.cp_method or "ring", timeout=self.runtime.timeout, compile=p.compile,
                               loss=p.loss)

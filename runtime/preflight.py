@@ -141,7 +141,8 @@ def _check_numbers(config: Config) -> None:
 
 
 def _check_pipeline_flags(config: Config) -> None:
-    """Pipeline flags without a pipeline would do nothing: refused, not ignored."""
+    """Pipeline flags without a pipeline would do nothing: refused, not ignored; --schedule with
+    --schedule-file would be two schedules."""
     p = config.parallel
     if not isinstance(p.virtual, int) or p.virtual < 1:
         raise ValueError(f"--virtual {p.virtual} must be a positive integer (stages per pp rank)")
@@ -151,10 +152,15 @@ def _check_pipeline_flags(config: Config) -> None:
     if p.cp == 1 and p.cp_method is not None:
         raise ValueError(f"--cp-method {p.cp_method} applies to context parallel, and --cp is 1: add --cp 2 (or more), "
                          f"or drop --cp-method")
+    if p.schedule is not None and p.schedule_file is not None:
+        raise ValueError(f"--schedule {p.schedule} and --schedule-file {p.schedule_file} together: the file is the "
+                         f"schedule; drop one of them")
     if p.pp > 1:
+        # a --schedule-file is read by parallel_config() and proven against pp, virtual and the microbatches
+        # by check_pipeline (ParallelConfig.check), each error naming the file and its first bad action
         return
-    for flag, given in (("--schedule", p.schedule is not None), ("--virtual", p.virtual != 1),
-                        ("--pp-layers", p.pp_layers is not None)):
+    for flag, given in (("--schedule", p.schedule is not None), ("--schedule-file", p.schedule_file is not None),
+                        ("--virtual", p.virtual != 1), ("--pp-layers", p.pp_layers is not None)):
         if given:
             raise ValueError(f"{flag} applies to pipeline parallel, and --pp is 1: add --pp 2 (or more), or drop {flag}")
 

@@ -96,16 +96,20 @@ def compute_dtype_summary(report: dict[str, Any] | None) -> str:
 
 
 def pipeline_summary(config: Config) -> str:
-    """The schedule, the stages' layers, and the schedule's bubble simulated with F = B = W."""
+    """The schedule (a kind, or a --schedule-file's actions), the stages' layers, and the schedule's bubble
+    simulated with F = B = W; for a file also its peak activations in flight (its memory, which no kind's
+    rule bounds)."""
     from tessera.parallel.pipeline import split_layers
-    from tessera.parallel.schedule import build_schedule, simulate
+    from tessera.parallel.schedule import simulate
 
     pc = config.parallel_config().pipeline
     pp = config.layout.pp
     layers = split_layers(config.model_config.n_layers, pp * pc.virtual, pc.layers_per_stage)
-    bubble = simulate(build_schedule(pc.schedule, pp, pc.microbatches, pc.virtual)).bubble
-    return (f"pipeline {pc.schedule} over {len(layers)} stages (layers "
-            + " | ".join(f"{r.start}-{r.stop - 1}" for r in layers) + f"), simulated bubble {bubble:.1%}")
+    timeline = simulate(pc.actions(pp))
+    what = pc.kind or (f"schedule from {config.parallel.schedule_file} ({pc.microbatches} microbatches, at most "
+                       f"{max(timeline.peak_activations)} in flight on a rank)")
+    return (f"pipeline {what} over {len(layers)} stages (layers "
+            + " | ".join(f"{r.start}-{r.stop - 1}" for r in layers) + f"), simulated bubble {timeline.bubble:.1%}")
 
 
 def _hf_model_section(config: Config):
@@ -371,8 +375,9 @@ def train(config: Config) -> list[dict[str, Any]] | None:
 
 
 def _deterministic(error: Exception) -> bool:
-    """Failures a restart would only repeat: bad input, a damaged checkpoint, a non-finite value."""
-    return any(f"{kind}: " in str(error) for kind in ("ValueError", "CheckpointError", "NonFiniteError"))
+    """Failures a restart would only repeat (bad input, a damaged checkpoint, a non-finite value), by the
+    error's type (tessera.topology.errors), never its text."""
+    return not getattr(error, "restartable", True)
 
 
 def _resuming_after_failure(config: Config) -> Config:

@@ -40,6 +40,7 @@ from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
 from .parts import build_parts
 from .runners import split_microbatches
 from .straggler import Straggler, StragglerWatch
+from tessera.topology.errors import NonFiniteError  # named by step, rank and parameter
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -57,8 +58,6 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-class NonFiniteError(RuntimeError):
-    """A NaN or inf in the loss or a gradient, named by step, rank and parameter."""
 
 
 @dataclass

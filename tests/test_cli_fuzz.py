@@ -62,7 +62,7 @@ KNOWN = {
     "profile_steps": ["2:3", "1:1", "3:2", "0:5", "a:b", "5", "2:"],
     "comm_stats": ["every", "first"],
 }
-READS = {"checkpoint", "from_hf", "files", "tokenizer", "calibration", "data", "eval_data", "resume", "init_from",
+READS = {"checkpoint", "schedule_file", "from_hf", "files", "tokenizer", "calibration", "data", "eval_data", "resume", "init_from",
          "init_from_hf"}
 WRITES = {"out", "to_hf", "checkpoint_dir", "metrics", "profile"}
 

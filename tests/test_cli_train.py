@@ -27,7 +27,7 @@ def test_tessera_train_writes_a_header_and_metrics_and_the_loss_falls(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 21))
     for r in rows:
         assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_bytes", "layout"} <= set(r)
-        assert r["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
+        assert r["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2, "ep": 1}
     # the logged lr is the one the step used: warm-up 1/3, 2/3, 3/3 of the peak
     assert [r["lr"] for r in rows[:3]] == pytest.approx([1e-3, 2e-3, 3e-3])
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0

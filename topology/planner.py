@@ -55,6 +55,7 @@ from .shapes import (ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, kv_he
 from .memory import AC_MODES as MEMORY_AC_MODES
 from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
 from .step_time import Calibration, step_parts
+from .errors import PlanError  # no layout fits, or a request it cannot plan
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
 # InfiniBand per GPU, as algorithm bandwidths a well-tuned collective reaches.
@@ -87,8 +88,6 @@ def fsdp_degree(layout: Layout) -> int:
     return layout.degree(FSDP.name)
 
 
-class PlanError(ValueError):
-    """No layout fits, or the request itself is malformed; the message says what is short."""
 
 
 @dataclass(frozen=True)
