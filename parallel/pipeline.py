@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tessera.topology.shapes import split_layers  # the stage split's one rule (re-exported here)
+
 from .comm import collective
 from .loss import LinearCrossEntropyHead, model_loss
 from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule, simulate, validate
@@ -68,27 +70,6 @@ class PipelineConfig:
 
 
 # ----------------------------------------------------------------------------- stages
-def split_layers(n_layers: int, n_stages: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
-    """The layer indices of each stage: `layers_per_stage` (e.g. 3,3,2), or an even split with the
-    remainder on the first stages."""
-    if layers_per_stage is not None:
-        counts = list(layers_per_stage)
-        if len(counts) != n_stages:
-            raise ValueError(f"--pp-layers {','.join(map(str, counts))} lists {len(counts)} stages; the run has "
-                             f"{n_stages} (pp x virtual): give one count per stage")
-        if any(c < 1 for c in counts) or sum(counts) != n_layers:
-            raise ValueError(f"--pp-layers {','.join(map(str, counts))} must be positive counts summing to "
-                             f"n_layers={n_layers} (they sum to {sum(counts)})")
-    else:
-        if n_stages > n_layers:
-            raise ValueError(f"{n_stages} pipeline stages (pp x virtual) but only {n_layers} layers: every stage "
-                             f"needs a layer; lower --pp/--virtual or raise --n-layers to {n_stages}")
-        base, extra = divmod(n_layers, n_stages)
-        counts = [base + (s < extra) for s in range(n_stages)]
-    starts = [sum(counts[:s]) for s in range(n_stages)]
-    return [range(start, start + c) for start, c in zip(starts, counts)]
-
-
 def stages_of_rank(pp_rank: int, pp: int, virtual: int = 1) -> list[int]:
     """The virtual stages pp rank r holds: r, r + pp, r + 2 pp, ..."""
     return [pp_rank + k * pp for k in range(virtual)]
