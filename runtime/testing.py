@@ -283,3 +283,50 @@ def assert_layouts_equivalent(
     reference = _REFERENCES[key]
     for layout in layouts:
         compare_runs(reference, run(layout), f"layout {_describe(layout, fsdp)}", rtol)
+
+
+# ----------------------------------------------------------------------------- long runs
+def drift_envelope(config: Any, microbatches: Sequence[int] = (1, 2, 4)) -> dict[str, Any]:
+    """How far one process drifts from itself over `config`'s steps: its model trained on one process once per
+    microbatch count (the same global batch, its sums taken in other orders: float reassociation and nothing
+    else). Per step, for loss and grad_norm, the largest relative spread among the variants. Over a long run an
+    ill-conditioned step amplifies reassociation, so a layout's drift from one process is judged against this
+    envelope (`judge_drift`), not against a fixed tolerance."""
+    import dataclasses
+
+    from .run import train
+
+    single = dict.fromkeys(("pp", "dp", "dp_replicate", "cp", "tp", "ep"), 1)
+    runs = {}
+    for m in microbatches:
+        variant = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **single),
+                                      data=dataclasses.replace(config.data, microbatches=m),
+                                      checkpoint=dataclasses.replace(config.checkpoint, dir=None, every=0))
+        runs[m] = train(variant)
+    steps = min(len(h) for h in runs.values())
+    envelope = []
+    for s in range(steps):
+        row = {}
+        for key in ("loss", "grad_norm"):
+            values = [runs[m][s][key] for m in microbatches]
+            row[key] = (max(values) - min(values)) / max(abs(min(values)), 1e-30)
+        envelope.append(row)
+    return {"microbatches": list(microbatches), "runs": runs, "envelope": envelope}
+
+
+def judge_drift(history: Sequence[dict], envelope: dict[str, Any], factor: float = 2.0,
+                floor: float = 1e-5) -> list[str]:
+    """The steps where a layout's run (its step records) is farther from the one-process run than `factor`
+    times the envelope of one process's own reassociation variants (`drift_envelope`) allows, with `floor`
+    (the contract's 1e-5) where the variants agree; empty: the layout drifted no more than one process does."""
+    reference = envelope["runs"][envelope["microbatches"][0]]
+    out = []
+    for s, (mine, ref, env) in enumerate(zip(history, reference, envelope["envelope"]), 1):
+        for key in ("loss", "grad_norm"):
+            drift = abs(mine[key] - ref[key]) / max(abs(ref[key]), 1e-30)
+            allowed = max(floor, factor * env[key])
+            if drift > allowed:
+                out.append(f"step {s}: {key} {mine[key]:.7g} is {drift:.2e} from one process's {ref[key]:.7g}, "
+                           f"beyond {allowed:.2e} ({factor:g} x the spread of one process over microbatches "
+                           f"{envelope['microbatches']})")
+    return out

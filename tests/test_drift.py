@@ -1,0 +1,19 @@
+"""Long runs judged against one process's own drift: the envelope of one-process runs that differ only in how
+the global batch's sums are ordered (microbatch counts), and a layout's distance from one process measured
+against it rather than a fixed tolerance."""
+
+from helpers import small_config
+from tessera.run import train
+from tessera.testing import drift_envelope, judge_drift
+
+
+def test_a_layout_stays_within_one_process_envelope_and_a_planted_drift_does_not():
+    config = small_config(steps=6, dp=2, tp=2, global_batch=4)
+    envelope = drift_envelope(config, microbatches=(1, 2))
+    assert len(envelope["envelope"]) == 6 and all(v >= 0 for row in envelope["envelope"] for v in row.values())
+    layout = train(config)
+    assert judge_drift(layout, envelope) == []
+    # a run that drifts by more than reassociation: another learning rate from step 1 on
+    other = train(small_config(steps=6, dp=2, tp=2, global_batch=4, lr=4e-3))
+    problems = judge_drift(other, envelope)
+    assert problems and problems[0].startswith("step 2: loss") and "x the spread of one process" in problems[0]
