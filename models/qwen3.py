@@ -117,12 +117,15 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    """Attention and an MLP, each behind a norm, with residuals; `mlp`: another feed-forward block in the MLP's
+    place (Qwen3-MoE's mixture of experts)."""
+
+    def __init__(self, cfg: Qwen3Config, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Qwen3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = Qwen3MLP(cfg)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(cfg)
 
     def forward(self, x: Tensor, rope: Rotary, positions: Tensor) -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x), rope, positions)
@@ -137,11 +140,16 @@ class Qwen3(nn.Module):
         self.config = cfg
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleDict({str(i): Qwen3DecoderLayer(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.decoder_layer(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # one nn.Parameter; named_parameters() names it embed_tokens.weight
             self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def decoder_layer(cfg: Qwen3Config) -> nn.Module:
+        """One block (a family built on Qwen3 gives its own: Qwen3-MoE's has experts for its MLP)."""
+        return Qwen3DecoderLayer(cfg)
 
     def forward(self, inputs: Tensor, positions: Tensor | None = None,
                 targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -171,7 +179,7 @@ class Qwen3(nn.Module):
             raise ValueError("targets given to a model part without the output head (a pipeline stage before the "
                              "last): pass targets to the last stage only")
         if not getattr(self.lm_head, "takes_targets", False):
-            raise TypeError(f"Qwen3.forward(targets=...) needs the fused loss head, and `lm_head` is a "
+            raise TypeError(f"{type(self).__name__}.forward(targets=...) needs the fused loss head, and `lm_head` is a "
                             f"{type(self.lm_head).__name__}: install it with tessera.parallel.loss.apply_loss_head(model) "
                             f"(parallelize does, with --loss chunked), or call model(inputs) and a loss on the logits")
         return self.lm_head(h, targets)

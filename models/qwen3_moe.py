@@ -18,15 +18,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from tessera.topology.shapes import ModelShape
 
 from .init import ONES
-from .layers import RMSNorm, Rotary
 from .llama import BYTE_VOCAB
 from .moe import MoE
-from .qwen3 import Qwen3Attention
+from .qwen3 import Qwen3, Qwen3DecoderLayer
 from .spec import HFAdapter, ModelSpec, PipelineSplit, register
 
 
@@ -90,59 +89,14 @@ PRESETS: dict[str, Qwen3MoeConfig] = {
 }
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Qwen3Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MoE(cfg.dim, cfg.moe_ffn_dim, cfg.n_experts, cfg.top_k, cfg.score_func, cfg.norm_topk_prob,
-                       cfg.shared_ffn_dim, cfg.aux_loss_coef, cfg.bias_rate)
+class Qwen3Moe(Qwen3):
+    """The one-process Qwen3-MoE causal LM (Qwen3MoeForCausalLM without the "model." level): Qwen3 with a
+    mixture of experts in every block's MLP place; forward as Qwen3's."""
 
-    def forward(self, x: Tensor, rope: Rotary, positions: Tensor) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Qwen3Moe(nn.Module):
-    """The one-process Qwen3-MoE causal LM (Qwen3MoeForCausalLM without the "model." level); forward as
-    tessera.models.qwen3.Qwen3's."""
-
-    def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleDict({str(i): Qwen3MoeDecoderLayer(cfg) for i in range(cfg.n_layers)})
-        self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, inputs: Tensor, positions: Tensor | None = None,
-                targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        if positions is None:
-            positions = torch.arange(inputs.shape[1], device=inputs.device)
-        if inputs.is_floating_point():
-            h = inputs
-        elif self.embed_tokens is None:
-            raise ValueError("token ids given to a model part without embed_tokens (a pipeline stage after the first): "
-                             "pass it the previous stage's hidden states")
-        else:
-            h = self.embed_tokens(inputs)
-        for layer in self.layers.values():
-            h = layer(h, self.rope, positions)
-        if self.norm is not None:
-            h = self.norm(h)
-        if targets is None:
-            return self.lm_head(h) if self.lm_head is not None else h
-        if self.lm_head is None:
-            raise ValueError("targets given to a model part without the output head (a pipeline stage before the "
-                             "last): pass targets to the last stage only")
-        if not getattr(self.lm_head, "takes_targets", False):
-            raise TypeError(f"Qwen3Moe.forward(targets=...) needs the fused loss head, and `lm_head` is a "
-                            f"{type(self.lm_head).__name__}: install it with tessera.parallel.loss.apply_loss_head(model)")
-        return self.lm_head(h, targets)
+    @staticmethod
+    def decoder_layer(cfg: Qwen3MoeConfig) -> nn.Module:
+        return Qwen3DecoderLayer(cfg, mlp=MoE(cfg.dim, cfg.moe_ffn_dim, cfg.n_experts, cfg.top_k, cfg.score_func,
+                                              cfg.norm_topk_prob, cfg.shared_ffn_dim, cfg.aux_loss_coef, cfg.bias_rate))
 
 
 def param_init_std(name: str, cfg: Qwen3MoeConfig) -> float | str:
