@@ -346,7 +346,7 @@ class Trainer:
         global_tokens = self.config.data.global_batch * self.config.data.seq_len
         microbatches = split_microbatches(local_inputs, local_targets, self.config.data.microbatches)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-        for part in self.parts:
+        for part in self.parts if self.spec.moe else ():
             reset_counters(part)  # the MoE blocks' load counters: this step's only
         loss_sum = self.runner.forward_backward(microbatches, valid)
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
