@@ -25,16 +25,24 @@ import math
 import torch
 from torch import Tensor
 
-from .checks import check_attention_inputs
+from .checks import check_attention_inputs, check_documents
 
 REFERENCE_BLOCK = 128
 
 
+def _same_document(q_docs: Tensor, k_docs: Tensor) -> Tensor:
+    """(B, 1, 1, Sq, Sk) True where query and key lie in one document (the grouped-head layout's dims)."""
+    return (q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2))[:, None, None]
+
+
 def attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None, block: int = REFERENCE_BLOCK
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None, block: int = REFERENCE_BLOCK,
+    q_docs: Tensor | None = None, k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Blockwise attention in torch; returns (out in q's dtype, lse float32). Differentiable in q, k, v."""
+    """Blockwise attention in torch; returns (out in q's dtype, lse float32). Differentiable in q, k, v.
+    With document ids (B, Sq) and (B, Sk) a query sees only keys of its own document."""
     check_attention_inputs(q, k, v)
+    check_documents(q, k, q_docs, k_docs)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -56,6 +64,8 @@ def attention_reference(
         if causal:
             cols = torch.arange(start, stop, device=q.device).view(1, -1)
             s = s.masked_fill(cols > rows, float("-inf"))
+        if q_docs is not None:
+            s = s.masked_fill(~_same_document(q_docs, k_docs[:, start:stop]), float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         # rows with nothing visible yet keep m = -inf; shift by 0 there to avoid inf - inf
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -73,6 +83,7 @@ def attention_reference(
 def attention_backward_reference(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None = None,
     causal: bool = True, scale: float | None = None, block: int = REFERENCE_BLOCK,
+    q_docs: Tensor | None = None, k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one attention block, given the output `o` and log-sum-exp `lse` of the softmax
     the block belongs to (FlashAttention-2's backward; ring attention passes the merged, global o and
@@ -105,6 +116,8 @@ def attention_backward_reference(
         if causal:
             cols = torch.arange(start, stop, device=q.device).view(1, -1)
             p = p.masked_fill(cols > rows, 0.0)
+        if q_docs is not None:
+            p = p.masked_fill(~_same_document(q_docs, k_docs[:, start:stop]), 0.0)
         dv[..., start:stop, :] = (p.transpose(-1, -2) @ dof).sum(2)
         ds = p * (dof @ vb.transpose(-1, -2) - delta)
         dq += (ds @ kb) * scale
@@ -128,8 +141,11 @@ def sdpa_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tens
     return dq, dk, dv
 
 
-def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None) -> tuple[Tensor, Tensor]:
-    """Softmax(q k^T) v with every head materialized: the definition the other implementations are tested against."""
+def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
+                    q_docs: Tensor | None = None, k_docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Softmax(q k^T) v with every head materialized: the definition the other implementations are tested
+    against. With document ids a query sees only its own document's keys; one that sees none gives 0 and
+    lse -inf."""
     group = q.shape[1] // k.shape[1]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     k = k.repeat_interleave(group, dim=1).to(acc_dtype)
@@ -140,8 +156,11 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale:
         Sq, Sk = q.shape[2], k.shape[2]
         mask = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - Sq)
         s = s.masked_fill(~mask, float("-inf"))
+    if q_docs is not None:
+        s = s.masked_fill(~(q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2)).unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return (torch.softmax(s, dim=-1) @ v).to(q.dtype), lse
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf, no weight
+    return (p @ v).to(q.dtype), lse
 
 
 def sdpa_supports(q: Tensor, k: Tensor, causal: bool) -> bool:
@@ -158,3 +177,103 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse.to(torch.promote_types(q.dtype, torch.float32))
+
+
+# ----------------------------------------------------------------------------- packed documents (varlen)
+def document_ids(positions: Tensor, sequence_index: Tensor) -> Tensor | None:
+    """Packed documents: each token's document, named by where it starts in the sequence (the token's index
+    in the sequence minus its position), so ids are non-decreasing along a row and any shard of the row
+    computes the same id for a token. None for positions (S,): one sequence, one document."""
+    if positions.dim() == 1:
+        return None
+    return sequence_index.to(positions.device).view(1, -1) - positions
+
+
+def document_segments(q_docs: Tensor, k_docs: Tensor) -> list[list[tuple[int, int, int, int, bool]]]:
+    """Per batch row, its queries' document runs in order: (q_start, q_end, k_start, k_end, has_keys), the
+    keys' run of the same document (ids non-decreasing along each row, so every document is one run)."""
+    def runs_of(ids: Tensor) -> tuple[list[int], list[int]]:
+        values, counts = torch.unique_consecutive(ids, return_counts=True)
+        return values.tolist(), [0] + torch.cumsum(counts, 0).tolist()
+
+    rows = []
+    for b in range(q_docs.shape[0]):
+        q_ids, q_bounds = runs_of(q_docs[b])
+        k_ids, k_bounds = runs_of(k_docs[b])
+        keys = {d: (k_bounds[i], k_bounds[i + 1]) for i, d in enumerate(k_ids)}
+        runs = []
+        for i, d in enumerate(q_ids):
+            ks, ke = keys.get(d, (0, 0))
+            runs.append((q_bounds[i], q_bounds[i + 1], ks, ke, ke > ks))
+        rows.append(runs)
+    return rows
+
+
+def _aligned(runs: list[list[tuple[int, int, int, int, bool]]], causal: bool, Sq: int, Sk: int) -> bool:
+    """Whether each document's block keeps the call's causal rule as its own bottom-right causal rule (always
+    so when queries and keys are the same tokens, as in every call tessera makes)."""
+    if not causal:
+        return True
+    return all((qs - ks) + (Sk - Sq) == (ke - ks) - (qe - qs) for row in runs for qs, qe, ks, ke, has in row if has)
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, q_docs: Tensor, k_docs: Tensor, causal: bool = True,
+                       scale: float | None = None, grad_lse: bool = False) -> tuple[Tensor, Tensor] | None:
+    """(out, lse) of document-masked attention computed one document at a time (varlen on CPU): each
+    document's queries attend its keys through ATen's fused flash attention where it computes the same
+    thing (else the blockwise reference), so the work is the sum of the documents' squares and no
+    (S x S) mask exists. Differentiable in q, k, v through out (and lse when `grad_lse`, by the reference).
+    None when a causal call's documents do not keep its diagonal (the caller masks elementwise)."""
+    B, Hq, Sq, D = q.shape
+    runs = document_segments(q_docs, k_docs)
+    if not _aligned(runs, causal, Sq, k.shape[2]):
+        return None
+    acc = torch.promote_types(q.dtype, torch.float32)
+    outs, lses = [], []
+    for b, row in enumerate(runs):
+        pieces, piece_lse = [], []
+        for qs, qe, ks, ke, has_keys in row:
+            if not has_keys:  # queries whose document has no key here: nothing visible
+                pieces.append(q.new_zeros(1, Hq, qe - qs, D))
+                piece_lse.append(torch.full((1, Hq, qe - qs), float("-inf"), dtype=acc, device=q.device))
+                continue
+            qb, kb, vb = q[b:b + 1, :, qs:qe], k[b:b + 1, :, ks:ke], v[b:b + 1, :, ks:ke]
+            if not grad_lse and sdpa_supports(qb, kb, causal):
+                o, lse = sdpa_attention(qb, kb, vb, causal, scale)
+            else:
+                o, lse = attention_reference(qb, kb, vb, causal, scale)
+            pieces.append(o)
+            piece_lse.append(lse.to(acc))
+        outs.append(torch.cat(pieces, dim=2))
+        lses.append(torch.cat(piece_lse, dim=2))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def document_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                                dlse: Tensor | None, q_docs: Tensor, k_docs: Tensor, causal: bool = True,
+                                scale: float | None = None) -> tuple[Tensor, Tensor, Tensor] | None:
+    """attention_backward_reference with document masks, one document at a time (ATen's fused backward
+    where it applies); None when a causal call's documents do not keep its diagonal."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    runs = document_segments(q_docs, k_docs)
+    if not _aligned(runs, causal, Sq, Sk):
+        return None
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for b, row in enumerate(runs):
+        for qs, qe, ks, ke, has_keys in row:
+            if not has_keys:
+                continue
+            rows, cols = (slice(b, b + 1), slice(None), slice(qs, qe)), (slice(b, b + 1), slice(None), slice(ks, ke))
+            qb, kb, vb = q[rows], k[cols], v[cols]
+            if dlse is None and sdpa_supports(qb, kb, causal):
+                g = sdpa_attention_backward(do[rows], qb, kb, vb, o[rows], lse[rows], causal, scale)
+            else:
+                g = attention_backward_reference(do[rows], qb, kb, vb, o[rows], lse[rows],
+                                                 None if dlse is None else dlse[rows], causal, scale)
+            dq[rows] += g[0].to(acc)
+            dk[cols] += g[1].to(acc)
+            dv[cols] += g[2].to(acc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -21,6 +22,22 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def check_documents(q: Tensor, k: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> None:
+    """Document ids: integer (B, Sq) for the queries and (B, Sk) for the keys, non-decreasing along each row
+    (packed documents lie back to back; the order is checked where the ids are made, not per call)."""
+    if q_docs is None and k_docs is None:
+        return
+    if q_docs is None or k_docs is None:
+        raise ValueError("document ids need both q_docs and k_docs (or neither)")
+    for name, ids, t in (("q_docs", q_docs, q), ("k_docs", k_docs, k)):
+        if ids.dim() != 2 or ids.shape[0] != t.shape[0] or ids.shape[1] != t.shape[2]:
+            raise ValueError(f"{name} {tuple(ids.shape)} must be (batch, seq) = ({t.shape[0]}, {t.shape[2]})")
+        if ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integer document ids, not {ids.dtype}")
+        if ids.device != t.device:
+            raise ValueError(f"{name} is on {ids.device}, the tensors on {t.device}")
 
 
 def check_rms_norm_inputs(x: Tensor, weight: Tensor) -> None:

@@ -28,11 +28,13 @@ from torch import Tensor
 from .attention import (
     attention_backward_reference,
     attention_reference,
+    document_attention,
+    document_attention_backward,
     sdpa_attention,
     sdpa_attention_backward,
     sdpa_supports,
 )
-from .checks import check_attention_inputs, check_rms_norm_inputs
+from .checks import check_attention_inputs, check_documents, check_rms_norm_inputs
 from .rmsnorm import rms_norm_reference
 
 BACKENDS = ("torch", "triton")
@@ -77,23 +79,37 @@ def flash_attention(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str | None = None,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), Hq % Hkv == 0; causal aligned bottom-right.
     Returns out (q's dtype), and with return_lse the log-sum-exp (B, Hq, Sq), fp32 (fp64 for fp64 inputs),
-    natural log. Differentiable in q, k, v through out and lse."""
+    natural log. Differentiable in q, k, v through out and lse.
+
+    Packed documents: `q_docs` (B, Sq) and `k_docs` (B, Sk) integer document ids, non-decreasing along each
+    row (k_docs defaults to q_docs); a query then sees only keys of its own document. The Triton kernel
+    skips the tiles no query of which sees any key; on CPU each document runs on its own (the fused path)."""
     check_attention_inputs(q, k, v)
+    if q_docs is not None and k_docs is None:
+        k_docs = q_docs
+    check_documents(q, k, q_docs, k_docs)
     backend = _effective_backend(backend)
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention
 
         refusal = triton_attention.kernel_refusal(q)
         if refusal is None:
-            out, lse = triton_attention.attention(q, k, v, causal, scale)
+            out, lse = triton_attention.attention(q, k, v, causal, scale, q_docs, k_docs)
             return (out, lse) if return_lse else out
         if backend == "triton":
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
-    elif q.is_cuda and not return_lse and (not causal or q.shape[2] == k.shape[2]):
+    if q_docs is not None:
+        grad_lse = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        found = None if backend == "torch" else document_attention(q, k, v, q_docs, k_docs, causal, scale, grad_lse)
+        out, lse = found if found is not None else attention_reference(q, k, v, causal, scale, q_docs=q_docs, k_docs=k_docs)
+        return (out, lse) if return_lse else out
+    if backend == "torch" and q.is_cuda and not return_lse and (not causal or q.shape[2] == k.shape[2]):
         # torch on CUDA: its fused SDPA (flash / cuDNN / efficient), whose causal mask is top-left (Sq == Sk here)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     elif backend is None and sdpa_supports(q, k, causal):
@@ -109,11 +125,15 @@ def flash_attention(
 def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None = None,
     causal: bool = True, scale: float | None = None, backend: str | None = None,
+    q_docs: Tensor | None = None, k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention over this key block, given the output `o` and `lse` of the whole
     softmax the block is part of (ring attention's backward). CUDA: the Triton backward kernels; CPU:
-    the blockwise torch reference."""
+    the blockwise torch reference. Document ids as in flash_attention."""
     check_attention_inputs(q, k, v)
+    if q_docs is not None and k_docs is None:
+        k_docs = q_docs
+    check_documents(q, k, q_docs, k_docs)
     backend = _effective_backend(backend)
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
     if backend == "triton" or (backend is None and q.is_cuda):
@@ -122,11 +142,16 @@ def flash_attention_backward(
         refusal = triton_attention.kernel_refusal(q)
         if refusal is None:
             dlse = torch.zeros_like(lse) if dlse is None else dlse
-            return triton_attention.flash_attention_bwd(do, q, k, v, o, lse, dlse, causal, scale)
+            return triton_attention.attention_backward(do, q, k, v, o, lse, dlse, causal, scale, q_docs, k_docs)
         if backend == "triton":
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
-    elif backend is None and dlse is None and sdpa_supports(q, k, causal):
+    if q_docs is not None:
+        found = None if backend == "torch" else document_attention_backward(do, q, k, v, o, lse, dlse, q_docs, k_docs,
+                                                                             causal, scale)
+        return found if found is not None else attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale,
+                                                                             q_docs=q_docs, k_docs=k_docs)
+    if backend is None and dlse is None and sdpa_supports(q, k, causal):
         return sdpa_attention_backward(do, q, k, v, o, lse, causal, scale)
     return attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale)
 

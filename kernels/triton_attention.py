@@ -42,14 +42,14 @@ def _configs(kind: str) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-@triton.autotune(configs=_configs("fwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL"])
+@triton.autotune(configs=_configs("fwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, qk_scale,
+    Q, K, V, O, LSE, QD, KD, qk_scale,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     Hq, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // Hq, pid_bh % Hq
@@ -68,22 +68,34 @@ def _fwd_kernel(
     hi = Sk
     if CAUSAL:
         hi = tl.minimum(Sk, (pid_m + 1) * BLOCK_M + diag)
+    if DOCS:  # this tile's documents: ids are non-decreasing, so a key tile outside [lo, hi] is skipped
+        q_doc = tl.load(QD + b * Sq + rows, mask=rows < Sq, other=0)
+        q_doc_lo = tl.min(tl.where(rows < Sq, q_doc, 2147483647), 0)
+        q_doc_hi = tl.max(tl.where(rows < Sq, q_doc, -2147483647), 0)
     for start in range(0, hi, BLOCK_N):
         cols = start + cols0
-        kt = tl.load(k_base + cols[None, :] * skn + d[:, None], mask=(cols[None, :] < Sk) & dm[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        visible = cols[None, :] < Sk
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + diag)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        run = start >= 0
+        if DOCS:
+            k_doc = tl.load(KD + b * Sk + cols, mask=cols < Sk, other=0)
+            run = (tl.max(tl.where(cols < Sk, k_doc, -2147483647), 0) >= q_doc_lo) & (
+                tl.min(tl.where(cols < Sk, k_doc, 2147483647), 0) <= q_doc_hi)
+        if run:
+            kt = tl.load(k_base + cols[None, :] * skn + d[:, None], mask=(cols[None, :] < Sk) & dm[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+            visible = cols[None, :] < Sk
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None] + diag)
+            if DOCS:
+                visible = visible & (q_doc[:, None] == k_doc[None, :])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
     empty = l_i == 0.0  # a query that sees no key (causal, Sk < Sq): output 0, lse -inf
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i / 1.4426950408889634 + tl.log(tl.where(empty, 1.0, l_i)))
@@ -91,14 +103,14 @@ def _fwd_kernel(
     tl.store(LSE + pid_bh * Sq + rows, lse, mask=rows < Sq)
 
 
-@triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL"])
+@triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QD, KD, qk_scale, sm_scale,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
     Hq, Hkv, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
     b, hk = pid_bh // Hkv, pid_bh % Hkv
@@ -115,6 +127,10 @@ def _bwd_dkdv_kernel(
     if CAUSAL:  # rows before (first column - diag) see none of these keys
         lo = tl.maximum(0, pid_n * BLOCK_N - diag)
         lo = (lo // BLOCK_M) * BLOCK_M
+    if DOCS:  # this key tile's documents: a query tile outside [lo, hi] is skipped
+        k_doc = tl.load(KD + b * Sk + cols, mask=cols < Sk, other=0)
+        k_doc_lo = tl.min(tl.where(cols < Sk, k_doc, 2147483647), 0)
+        k_doc_hi = tl.max(tl.where(cols < Sk, k_doc, -2147483647), 0)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
@@ -123,32 +139,40 @@ def _bwd_dkdv_kernel(
         for start in range(lo, Sq, BLOCK_M):
             rows = start + rows0
             in_rows = rows < Sq
-            q = tl.load(q_base + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
-            do = tl.load(do_base + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
-            lse2 = tl.load(LSE + stat + rows, mask=in_rows, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + stat + rows, mask=in_rows, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            visible = in_rows[:, None] & (cols[None, :] < Sk) & (lse2[:, None] != float("-inf"))
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None] + diag)
-            p = tl.where(visible, tl.exp2(s - tl.where(visible, lse2[:, None], 0.0)), 0.0)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+            run = start >= 0
+            if DOCS:
+                q_doc = tl.load(QD + b * Sq + rows, mask=in_rows, other=0)
+                run = (tl.max(tl.where(in_rows, q_doc, -2147483647), 0) >= k_doc_lo) & (
+                    tl.min(tl.where(in_rows, q_doc, 2147483647), 0) <= k_doc_hi)
+            if run:
+                q = tl.load(q_base + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
+                do = tl.load(do_base + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
+                lse2 = tl.load(LSE + stat + rows, mask=in_rows, other=0.0) * 1.4426950408889634
+                delta = tl.load(DELTA + stat + rows, mask=in_rows, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                visible = in_rows[:, None] & (cols[None, :] < Sk) & (lse2[:, None] != float("-inf"))
+                if CAUSAL:
+                    visible = visible & (cols[None, :] <= rows[:, None] + diag)
+                if DOCS:
+                    visible = visible & (q_doc[:, None] == k_doc[None, :])
+                p = tl.where(visible, tl.exp2(s - tl.where(visible, lse2[:, None], 0.0)), 0.0)
+                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
+                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+                ds = p * (dp - delta[:, None])
+                dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
     out = (b * Hkv + hk) * Sk * HEAD_DIM + cols[:, None] * HEAD_DIM + d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=(cols[:, None] < Sk) & dm[None, :])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=(cols[:, None] < Sk) & dm[None, :])
 
 
-@triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL"])
+@triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, DQ, QD, KD, qk_scale, sm_scale,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
     Hq, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // Hq, pid_bh % Hq
@@ -169,18 +193,30 @@ def _bwd_dq_kernel(
     hi = Sk
     if CAUSAL:
         hi = tl.minimum(Sk, (pid_m + 1) * BLOCK_M + diag)
+    if DOCS:
+        q_doc = tl.load(QD + b * Sq + rows, mask=in_rows, other=0)
+        q_doc_lo = tl.min(tl.where(in_rows, q_doc, 2147483647), 0)
+        q_doc_hi = tl.max(tl.where(in_rows, q_doc, -2147483647), 0)
     for start in range(0, hi, BLOCK_N):
         cols = start + cols0
-        k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = in_rows[:, None] & (cols[None, :] < Sk) & (lse2[:, None] != float("-inf"))
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + diag)
-        p = tl.where(visible, tl.exp2(s - tl.where(visible, lse2[:, None], 0.0)), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        run = start >= 0
+        if DOCS:
+            k_doc = tl.load(KD + b * Sk + cols, mask=cols < Sk, other=0)
+            run = (tl.max(tl.where(cols < Sk, k_doc, -2147483647), 0) >= q_doc_lo) & (
+                tl.min(tl.where(cols < Sk, k_doc, 2147483647), 0) <= q_doc_hi)
+        if run:
+            k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
+            v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            visible = in_rows[:, None] & (cols[None, :] < Sk) & (lse2[:, None] != float("-inf"))
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None] + diag)
+            if DOCS:
+                visible = visible & (q_doc[:, None] == k_doc[None, :])
+            p = tl.where(visible, tl.exp2(s - tl.where(visible, lse2[:, None], 0.0)), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + pid_bh * Sq * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=in_rows[:, None] & dm[None, :])
 
 
@@ -209,31 +245,42 @@ def check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
+def _doc_args(q: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> tuple[Tensor, Tensor, bool]:
+    """The kernels' document-id pointers (int32, contiguous); without documents two unused placeholders."""
+    if q_docs is None:
+        empty = torch.zeros(1, dtype=torch.int32, device=q.device)
+        return empty, empty, False
+    return q_docs.to(torch.int32).contiguous(), k_docs.to(torch.int32).contiguous(), True
+
+
 @torch.library.custom_op("tessera::flash_attention_fwd", mutates_args=())
-def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                        q_docs: Tensor | None = None, k_docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    qd, kd, docs = _doc_args(q, q_docs, k_docs)
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     _fwd_kernel[grid](
-        q, k, v, o, lse, scale * LOG2E,
+        q, k, v, o, lse, qd, kd, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=_precision(q.dtype),
+        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, DOCS=docs, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=_precision(q.dtype),
     )
     return o, lse
 
 
 @flash_attention_fwd.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, q_docs=None, k_docs=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tessera::flash_attention_bwd", mutates_args=())
 def flash_attention_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor, causal: bool, scale: float
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor, causal: bool, scale: float,
+    q_docs: Tensor | None = None, k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, Hq, Sq, D = q.shape
@@ -242,47 +289,58 @@ def flash_attention_bwd(
     delta = ((do.float() * o.float()).sum(-1) - dlse.float()).contiguous()
     lse = lse.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    qd, kd, docs = _doc_args(q, q_docs, k_docs)
     common = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
     )
     prec = _precision(q.dtype)
     _bwd_dkdv_kernel[lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, scale * LOG2E, scale, *common,
-        Hq, Hkv, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=prec,
+        q, k, v, do, lse, delta, dk, dv, qd, kd, scale * LOG2E, scale, *common,
+        Hq, Hkv, Hq // Hkv, Sq, Sk, CAUSAL=causal, DOCS=docs, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=prec,
     )
     _bwd_dq_kernel[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)](
-        q, k, v, do, lse, delta, dq, scale * LOG2E, scale, *common,
-        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=prec,
+        q, k, v, do, lse, delta, dq, qd, kd, scale * LOG2E, scale, *common,
+        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, DOCS=docs, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=prec,
     )
     return dq, dk, dv
 
 
 @flash_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, dlse, causal, scale):
+def _(do, q, k, v, o, lse, dlse, causal, scale, q_docs=None, k_docs=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, q_docs, k_docs = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, q_docs, k_docs)
     ctx.causal, ctx.scale = causal, scale
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, q_docs, k_docs = ctx.saved_tensors
     do = torch.zeros_like(o) if do is None else do
     dlse = torch.zeros_like(lse) if dlse is None else dlse
-    dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale, q_docs, k_docs)
+    return dq, dk, dv, None, None, None, None
 
 
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None) -> tuple[Tensor, Tensor]:
-    """(out, lse) from the Triton kernels; differentiable in q, k, v (through out and lse)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
+              q_docs: Tensor | None = None, k_docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out, lse) from the Triton kernels; differentiable in q, k, v (through out and lse). Document ids
+    (B, Sq) and (B, Sk), as in tessera.kernels.flash_attention, mask each query to its own document."""
     check_kernel_inputs(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return flash_attention_fwd(q, k, v, causal, scale)
+    return flash_attention_fwd(q, k, v, causal, scale, q_docs, k_docs)
+
+
+def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
+                       causal: bool, scale: float, q_docs: Tensor | None = None,
+                       k_docs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one key block given the whole softmax's o and lse (ring attention's backward)."""
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    return flash_attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, q_docs, k_docs)

@@ -1,4 +1,5 @@
-"""A deterministic token stream from the text shipped with tessera, with a byte-level tokenizer.
+"""A deterministic token stream from the text shipped with tessera, with a byte-level tokenizer, and the
+packing of documents into sequences (`pack_documents`).
 
 Step s of a run with global batch G and sequence length S reads sequences s*G .. s*G+G-1 of the stream;
 sequence n starts at token (n * S) mod (len - S - 1). The dp rank d of D reads rows d*G/D .. (d+1)*G/D - 1
@@ -24,14 +25,41 @@ def decode(tokens: list[int]) -> str:
     return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
 
-def corpus_tokens() -> Tensor:
+def corpus_tokens(documents: bool = False) -> Tensor:
+    """The shipped text as one document (BOS text EOS), or with `documents` as its paragraphs, each one a
+    document ended by EOS (what --pack-documents trains on without --data)."""
     text = resources.files("tessera.models").joinpath("data/corpus.txt").read_text(encoding="utf-8")
-    return torch.tensor(encode(text), dtype=torch.long)
+    if not documents:
+        return torch.tensor(encode(text), dtype=torch.long)
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    return torch.tensor([t for p in paragraphs for t in list(p.encode("utf-8")) + [EOS]], dtype=torch.long)
+
+
+IGNORE_INDEX = -100  # a target the loss skips (tessera.parallel.loss uses the same value)
+
+
+def pack_documents(inputs: Tensor, targets: Tensor, separator: int) -> tuple[Tensor, Tensor]:
+    """Sequences of packed documents, each ended by the `separator` token: (targets, positions).
+
+    A document runs from a row's start or the token after a separator to the next separator (included) or
+    the row's end, so a document longer than a row is cut, and each piece is a document of its row.
+    positions (B, S) restart at 0 at each document (RoPE, and the attention mask: a token sees only its
+    own document, tessera.kernels.document_ids). The target of a separator is the next document's first
+    token: it is set to IGNORE_INDEX, out of the loss."""
+    ends = inputs == separator
+    B, S = inputs.shape
+    index = torch.arange(S, device=inputs.device).expand(B, S)
+    starts = torch.zeros_like(ends)
+    starts[:, 0] = True
+    starts[:, 1:] = ends[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # each token's document start
+    return targets.masked_fill(ends, IGNORE_INDEX), index - first
 
 
 class TokenStream:
-    def __init__(self, seq_len: int, global_batch: int, tokens: Tensor | None = None):
-        self.tokens = corpus_tokens() if tokens is None else tokens
+    def __init__(self, seq_len: int, global_batch: int, tokens: Tensor | None = None, documents: bool = False):
+        self.tokens = corpus_tokens(documents) if tokens is None else tokens
+        self.separator = EOS
         self.seq_len, self.global_batch = seq_len, global_batch
         self.span = len(self.tokens) - seq_len - 1
         if self.span <= 0:

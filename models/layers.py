@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from tessera.kernels import flash_attention, rms_norm
+from tessera.kernels import document_ids, flash_attention, rms_norm
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -61,19 +61,29 @@ class Rotary(nn.Module):
         self.reset_tables(device)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x (B, H, S, D); positions (S,) absolute token positions, below max_seq_len (checked by the
-        config, not here: a check would sync the host every layer). Pairs (i, i + D/2) rotate together."""
-        cos, sin = self.cos[positions], self.sin[positions]  # (S, D/2)
+        """x (B, H, S, D); positions (S,) absolute token positions, or (B, S) per row (packed documents:
+        each document's restart at 0), below max_seq_len (checked by the config, not here: a check would
+        sync the host every layer). Pairs (i, i + D/2) rotate together."""
+        cos, sin = self.cos, self.sin
+        if cos.device != positions.device:  # a model built on meta keeps its tables on CPU until materialized
+            cos, sin = cos.to(positions.device), sin.to(positions.device)
+        cos, sin = cos[positions], sin[positions]  # (S, D/2), or (B, S, D/2)
+        if positions.dim() == 2:  # one table per row, shared by the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
         return out.to(x.dtype)
 
 
 class CausalAttention(nn.Module):
-    """The attention op itself, (q, k, v) -> o with q (B, Hq, S, D) and k, v (B, Hkv, S, D), behind one
-    module slot: context parallel swaps in ring attention here; everything around it (projections, RoPE)
-    stays the same. A family's spec names where these modules sit (`ModelSpec.attention`)."""
+    """The attention op itself, (q, k, v, positions) -> o with q (B, Hq, S, D) and k, v (B, Hkv, S, D), behind
+    one module slot: context parallel swaps in ring attention here; everything around it (projections, RoPE)
+    stays the same. A family's spec names where these modules sit (`ModelSpec.attention`).
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return flash_attention(q, k, v, causal=True)
+    `positions` as the model got them: (S,) is causal attention over the sequence; (B, S) positions that
+    restart at each packed document also mask each token to its own document (`document_ids`)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None) -> Tensor:
+        docs = None if positions is None else document_ids(positions, torch.arange(q.shape[2]))
+        return flash_attention(q, k, v, causal=True, q_docs=docs)
 

@@ -113,7 +113,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = rope(q, positions), rope(k, positions)
-        o = self.core(q, k, v)
+        o = self.core(q, k, v, positions)
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 

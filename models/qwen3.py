@@ -99,7 +99,7 @@ class Qwen3Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, S, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = rope(q, positions), rope(k, positions)
-        o = self.core(q, k, v)
+        o = self.core(q, k, v, positions)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -116,6 +116,11 @@ class TokenFileStream:
     def __init__(self, path: str | Path, seq_len: int, global_batch: int, model_vocab: int | None = None):
         self.path, self.shards = str(path), open_dataset(path)
         self.vocab_size = self.shards[0].vocab_size
+        separators = {s.separator for s in self.shards}
+        if len(separators) > 1:
+            raise ValueError(f"--data {path}: its shards disagree on the separator token ({sorted(separators)}); "
+                             f"tokenize them with one --separator")
+        self.separator = self.shards[0].separator  # ends each document (--pack-documents)
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ValueError(f"--data {path}: its vocab_size {self.vocab_size} exceeds the model's {model_vocab}; "
                              f"use a model whose vocabulary holds the tokenizer's")

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 
-from tessera.kernels import flash_attention, flash_attention_backward
+from tessera.kernels import document_ids, flash_attention, flash_attention_backward
 
 from .comm import collective
 from .tensor import _all_gather_flat, _reduce_scatter_flat
@@ -146,9 +146,30 @@ class _RingPass:
         return self.received
 
 
+def _documents_meet(q_docs: Tensor, k_docs: Tensor) -> Tensor:
+    """Whether any query of q_docs (B, Sq) shares a document with any key of k_docs (B, Sk), in any row: a
+    0-dim bool tensor (ids tagged with their row, then one sorted-search membership test, no (Sq x Sk))."""
+    span = int(max(q_docs.max(), k_docs.max())) + 1 if q_docs.numel() and k_docs.numel() else 1
+    tag = torch.arange(q_docs.shape[0], device=q_docs.device).view(-1, 1) * span
+    return torch.isin(q_docs + tag, k_docs + tag).any()
+
+
+def _ring_steps_to_run(docs: Tensor, all_docs: Tensor, rank: int, size: int, causal: bool) -> list[bool]:
+    """Per ring step, whether any of this rank's queries sees a key of that step's block: a block in which
+    every (query, key) pair lies in different documents is skipped (its K/V still pass on)."""
+    local, meets = docs.shape[1], []
+    for step in range(size):
+        rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
+        if step == 0:
+            meets.append(torch.ones((), dtype=torch.bool, device=docs.device))  # every query sees itself
+        else:
+            meets.append(_documents_meet(docs[:, rows], all_docs[(rank - step) % size][:, cols]))
+    return torch.stack(meets).tolist()  # one host sync for the whole layer
+
+
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, timeout):
+    def forward(ctx, q, k, v, group, causal, scale, timeout, docs=None, all_docs=None, run=None):
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None: the kernels' faster path
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         local = q.shape[SEQ_DIM]
@@ -159,20 +180,22 @@ class _RingAttention(Function):
         for step in range(size):
             ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
             rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
-            o_b, lse_b = flash_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=block_causal,
-                                         scale=scale, return_lse=True)
-            out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+            if run is None or run[step]:
+                o_b, lse_b = flash_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=block_causal,
+                                             scale=scale, return_lse=True, **_block_docs(docs, all_docs, rows, cols,
+                                                                                        (rank - step) % size))
+                out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
             if ring is not None:
                 kv = ring.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.timeout = group, causal, scale, timeout
+        ctx.save_for_backward(q, k, v, out, lse, docs, all_docs)
+        ctx.group, ctx.causal, ctx.scale, ctx.timeout, ctx.run = group, causal, scale, timeout, run
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, timeout = ctx.group, ctx.causal, ctx.scale, ctx.timeout
+        q, k, v, out, lse, docs, all_docs = ctx.saved_tensors
+        group, causal, scale, timeout, run = ctx.group, ctx.causal, ctx.scale, ctx.timeout, ctx.run
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         local = q.shape[SEQ_DIM]
         dout = torch.zeros_like(out) if dout is None else dout
@@ -184,31 +207,64 @@ class _RingAttention(Function):
         for step in range(size):
             ring = _RingPass(kv, group, "K/V (backward)", timeout) if step + 1 < size else None
             rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
-            dq_b, dk_b, dv_b = flash_attention_backward(
-                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows], None if dlse is None else dlse[:, :, rows], causal=block_causal, scale=scale)
-            dq[:, :, rows] += dq_b.to(acc)
+            computed = run is None or run[step]
+            if computed:
+                dq_b, dk_b, dv_b = flash_attention_backward(
+                    dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                    lse[:, :, rows], None if dlse is None else dlse[:, :, rows], causal=block_causal, scale=scale,
+                    **_block_docs(docs, all_docs, rows, cols, (rank - step) % size))
+                dq[:, :, rows] += dq_b.to(acc)
             # the dk/dv of the block held now: what the ranks before added, plus this rank's share
             if dkv_pass is not None:
                 dkv = dkv_pass.wait()
-            dkv[0][:, :, cols] += dk_b.to(acc)
-            dkv[1][:, :, cols] += dv_b.to(acc)
+            if computed:
+                dkv[0][:, :, cols] += dk_b.to(acc)
+                dkv[1][:, :, cols] += dv_b.to(acc)
             if size > 1:  # on to the next holder; home after `size` passes
                 dkv_pass = _RingPass(dkv, group, "dK/dV", timeout)
             if ring is not None:
                 kv = ring.wait()
         if dkv_pass is not None:
             dkv = dkv_pass.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+
+
+def _block_docs(docs: Tensor | None, all_docs: Tensor | None, rows: slice, cols: slice, src: int) -> dict:
+    """The document ids of one block's queries (this rank's `rows`) and keys (rank `src`'s `cols`)."""
+    if docs is None:
+        return {}
+    return {"q_docs": docs[:, rows], "k_docs": all_docs[src][:, cols]}
+
+
+def _gather_documents(docs: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every cp rank's document ids (cp, B, S/cp): the boundaries travel with the shards, once per layer."""
+    size = dist.get_world_size(group)
+    gathered = docs.new_empty((size * docs.shape[0], docs.shape[1]))
+    with collective("all_gather (document ids)", "cp", group):
+        _all_gather_flat(gathered, docs.contiguous(), group=group)
+    return gathered.view(size, *docs.shape)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool = True,
-                   scale: float | None = None, return_lse: bool = False,
-                   timeout: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                   scale: float | None = None, return_lse: bool = False, timeout: float | None = None,
+                   docs: Tensor | None = None, stats: dict | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of this rank's zigzag queries over the whole sequence, whose K/V the cp ranks hold in
     zigzag shards: equals zigzag_shard(flash_attention(q, k, v, causal), dim=2) of the full tensors,
-    forward and backward (lse included). q (B, Hq, S/cp, D); k, v (B, Hkv, S/cp, D)."""
-    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, None if timeout is None else timedelta(seconds=timeout))
+    forward and backward (lse included). q (B, Hq, S/cp, D); k, v (B, Hkv, S/cp, D).
+
+    Packed documents: `docs` (B, S/cp) this rank's tokens' document ids (tessera.kernels.document_ids);
+    each block is masked to its documents, and a step whose block no query sees is skipped, forward and
+    backward. `stats` (a dict) counts the steps computed and skipped ("ring_steps", "ring_steps_skipped")."""
+    all_docs = run = None
+    if docs is not None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        all_docs = _gather_documents(docs, group)
+        run = _ring_steps_to_run(docs, all_docs, rank, size, causal)
+        if stats is not None:
+            stats["ring_steps"] = stats.get("ring_steps", 0) + len(run)
+            stats["ring_steps_skipped"] = stats.get("ring_steps_skipped", 0) + run.count(False)
+    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, None if timeout is None else timedelta(seconds=timeout),
+                                    docs, all_docs, run)
     return (out, lse) if return_lse else out
 
 
@@ -229,7 +285,7 @@ def _allgather_blocks(rank: int, size: int, causal: bool, local: int, seq: int) 
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, group, causal, scale, docs=None, full_docs=None):
         ctx.set_materialize_grads(False)
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         kv = torch.stack([k, v]).contiguous()
@@ -241,18 +297,21 @@ class _AllGatherAttention(Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full.shape[SEQ_DIM + 1])
+        if docs is not None:  # blocks whose queries share no document with their keys are skipped
+            meets = torch.stack([_documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]).tolist()
+            blocks = [block for block, meet in zip(blocks, meets) if meet]
         for rows, cols, block_causal in blocks:
             o_b, lse_b = flash_attention(q[:, :, rows], full[0][:, :, cols], full[1][:, :, cols], causal=block_causal,
-                                         scale=scale, return_lse=True)
+                                         scale=scale, return_lse=True, **_gathered_docs(docs, full_docs, rows, cols))
             out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, full, out, lse)
+        ctx.save_for_backward(q, full, out, lse, docs, full_docs)
         ctx.group, ctx.scale, ctx.blocks = group, scale, blocks
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, full, out, lse = ctx.saved_tensors
+        q, full, out, lse, docs, full_docs = ctx.saved_tensors
         group, size = ctx.group, dist.get_world_size(ctx.group)
         dout = torch.zeros_like(out) if dout is None else dout
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -261,7 +320,8 @@ class _AllGatherAttention(Function):
         for rows, cols, block_causal in ctx.blocks:
             dq_b, dk_b, dv_b = flash_attention_backward(
                 dout[:, :, rows], q[:, :, rows], full[0][:, :, cols], full[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows], None if dlse is None else dlse[:, :, rows], causal=block_causal, scale=ctx.scale)
+                lse[:, :, rows], None if dlse is None else dlse[:, :, rows], causal=block_causal, scale=ctx.scale,
+                **_gathered_docs(docs, full_docs, rows, cols))
             dq[:, :, rows] += dq_b.to(acc)
             dfull[0][:, :, cols] += dk_b.to(acc)
             dfull[1][:, :, cols] += dv_b.to(acc)
@@ -271,15 +331,25 @@ class _AllGatherAttention(Function):
         with collective("reduce_scatter (dK/dV)", "cp", group):
             _reduce_scatter_flat(mine, shares, group=group)
         mine = mine.to(full.dtype)
-        return dq.to(q.dtype), mine[0], mine[1], None, None, None
+        return dq.to(q.dtype), mine[0], mine[1], None, None, None, None, None
+
+
+def _gathered_docs(docs: Tensor | None, full_docs: Tensor | None, rows: slice, cols: slice) -> dict:
+    return {} if docs is None else {"q_docs": docs[:, rows], "k_docs": full_docs[:, cols]}
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool = True,
-                        scale: float | None = None, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                        scale: float | None = None, return_lse: bool = False,
+                        docs: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """ring_attention's result with K/V gathered once per layer (one all-gather forward, one
     reduce-scatter of dK/dV backward): each query chunk attends the keys before it in one unmasked block
-    and its own chunk causally, so no masked work beyond the diagonal."""
-    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale)
+    and its own chunk causally, so no masked work beyond the diagonal. Packed documents (`docs`, as in
+    ring_attention): the ids are gathered with K/V, and blocks no query sees are skipped."""
+    full_docs = None
+    if docs is not None:
+        gathered = _gather_documents(docs, group)
+        full_docs = zigzag_unshard(list(gathered.unbind(0)), dim=1)  # sequence order
+    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale, docs, full_docs)
     return (out, lse) if return_lse else out
 
 
@@ -290,11 +360,18 @@ class ContextParallelAttention(nn.Module):
     def __init__(self, group: dist.ProcessGroup, method: str = "ring", timeout: float | None = None):
         super().__init__()
         self.group, self.method, self.timeout = group, method, timeout
+        self.stats: dict[str, int] = {}  # packed documents: ring steps computed and skipped (ring_attention)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None) -> Tensor:
+        """`positions` as the model got them (this rank's tokens'): (B, S/cp) per-document positions mask
+        each token to its document (tessera.kernels.document_ids at the tokens' zigzag sequence indices)."""
+        docs = None
+        if positions is not None and positions.dim() == 2:
+            rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+            docs = document_ids(positions, zigzag_indices(q.shape[SEQ_DIM] * size, rank, size, positions.device))
         if self.method == "ring":
-            return ring_attention(q, k, v, self.group, causal=True, timeout=self.timeout)
-        return allgather_attention(q, k, v, self.group, causal=True)
+            return ring_attention(q, k, v, self.group, causal=True, timeout=self.timeout, docs=docs, stats=self.stats)
+        return allgather_attention(q, k, v, self.group, causal=True, docs=docs)
 
     def extra_repr(self) -> str:
         return f"method={self.method}, cp={dist.get_world_size(self.group)}"

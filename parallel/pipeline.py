@@ -40,7 +40,7 @@ from tessera.topology.schedule import action_text, check_fits
 __all__ = ["build_schedule", "PipelineConfig", "split_layers", "stages_of_rank", "build_stage", "check_pipeline",
            "PipelineRunner"]
 
-Microbatch = tuple[Tensor, Tensor]
+Microbatch = tuple[Tensor, ...]  # (inputs, targets) or (inputs, targets, positions): packed documents
 LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
@@ -205,10 +205,7 @@ class PipelineRunner:
         self.scale = self.grad_scale / max(1, global_valid_tokens)
         self.data = microbatches
         rows, seq = microbatches[0][0].shape
-        # every stage rotates at the tokens' true positions (stages past the first see only hidden states)
-        first = microbatches[0][0]
-        given = self.positions_of(first) if self.positions_of else None
-        self.positions = given if given is not None else torch.arange(seq, device=self.device)
+        self.positions = self._positions(microbatches)
         self.act_shape, self.act_dtype = self.activation(rows, seq)
         self.posted: dict[tuple, tuple[Tensor, dist.Work]] = {}  # receives issued, by message
         self.next_to_post: dict[int, int] = defaultdict(int)  # per peer: how many of its messages are posted
@@ -242,17 +239,31 @@ class PipelineRunner:
         assert not self.saved and not self.posted, "every activation is consumed by the end of the step"
         return self.loss
 
+    def _positions(self, microbatches: Sequence[Microbatch]) -> list[Tensor]:
+        """Each microbatch's token positions, which every stage rotates (and packed documents mask) by:
+        stages past the first see only hidden states, so they come from the microbatch (its own positions
+        with packed documents; else context parallel's zigzag indices, else 0..S-1)."""
+        out = []
+        for microbatch in microbatches:
+            if len(microbatch) > 2:
+                out.append(microbatch[2])
+                continue
+            given = self.positions_of(microbatch[0]) if self.positions_of else None
+            out.append(given if given is not None else torch.arange(microbatch[0].shape[1], device=self.device))
+        return out
+
     def _F(self, a: Action, k: int, received: Tensor | None) -> None:
         part = self.stages[a.stage]
-        inputs, targets = self.data[a.microbatch]
+        inputs, targets = self.data[a.microbatch][:2]
+        positions = self.positions[a.microbatch]
         x = inputs if a.stage == 0 else received
         captured: list[tuple[Tensor, list[nn.Parameter]]] = []
         last = a.stage == self.n_stages - 1
         with _capture_weight_users(part, captured) if self.split else _nothing():
             if last:  # through the fused loss head when the stage has one (no full logits)
-                loss_sum, _ = model_loss(self.loss_fn, part, x, self.positions, targets)
+                loss_sum, _ = model_loss(self.loss_fn, part, x, positions, targets)
             else:
-                out = part(x, self.positions)
+                out = part(x, positions)
         if last:
             self.loss += loss_sum.detach().float()
             out = loss_sum * self.scale  # backward starts here, with no output gradient
@@ -292,12 +303,12 @@ class PipelineRunner:
         in order (each rank runs its stages in ascending order, so every receive's sender has already run);
         the last stage's sums, summed over pp (the other stages add zeros), so every pp rank returns them."""
         rows, seq = microbatches[0][0].shape
-        given = self.positions_of(microbatches[0][0]) if self.positions_of else None
-        positions = given if given is not None else torch.arange(seq, device=self.device)
+        all_positions = self._positions(microbatches)
         shape, dtype = self.activation(rows, seq)
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
         local: dict[int, Tensor] = {}
-        for mb, (inputs, targets) in enumerate(microbatches):
+        for mb, microbatch in enumerate(microbatches):
+            inputs, targets, positions = microbatch[0], microbatch[1], all_positions[mb]
             for stage in sorted(self.stages):
                 if stage == 0:
                     x = inputs

@@ -118,6 +118,10 @@ class DataSection:
     eval_batches: int = opt(1, "global batches of --eval-data per evaluation (the same ones each time)")
     path: str | None = opt(None, "token files (a .bin shard with its .json, or a directory of them) from `tessera "
                                  "tokenize`; default: the text shipped with tessera, byte-tokenized", flag="--data")
+    pack_documents: bool = opt(False, "train on packed documents: each token attends only to its own document "
+                                      "(positions restart at each), and the target after a document's separator "
+                                      "is left out of the loss; documents end at --data's separator token (the "
+                                      "shipped text: each paragraph is one)", flag="--pack-documents")
 
 
 @dataclass(frozen=True)

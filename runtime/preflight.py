@@ -41,6 +41,8 @@ def check(config: Config) -> None:
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch)
         if held_out.vocab_size > model.vocab_size:
             raise ValueError(f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} exceeds the model's {model.vocab_size}")
+    if d.pack_documents:
+        check_document_masking(model)
     if not config.data.path:  # the built-in text, byte-tokenized: ids up to EOS must be rows of the embedding
         _check_builtin_data_vocab(config, model)
     if config.data.path:  # the files open, sizes match their sidecars, the vocabulary fits the model
@@ -50,6 +52,45 @@ def check(config: Config) -> None:
         if data.vocab_size > model.vocab_size:
             raise ValueError(f"--data {config.data.path}: its vocab_size {data.vocab_size} exceeds the {config.model.preset} "
                              f"model's {model.vocab_size}; add --vocab-size {data.vocab_size}")
+
+
+def check_document_masking(model_config, spec=None) -> None:
+    """--pack-documents masks attention through the positions the model hands its attention slots
+    (core(q, k, v, positions)): a model that calls them without positions would let packed documents see
+    each other, silently. One forward on the meta device (no memory, no compute) stops at the first slot
+    and checks what it was given."""
+    import torch
+
+    from tessera.models.spec import spec_of
+    from tessera.parallel.plan import find_modules
+
+    spec = spec or spec_of(model_config)
+    with torch.device("meta"):
+        model = spec.build(model_config)
+    slots = find_modules(model, spec.attention)
+    if not slots:
+        raise ValueError(f"--pack-documents: the {spec.name} spec's attention pattern {spec.attention!r} matches no module")
+
+    class Reached(Exception):
+        pass
+
+    def stop(module, args, kwargs):
+        positions = kwargs.get("positions", args[3] if len(args) > 3 else None)
+        raise Reached(positions is not None and positions.dim() == 2)
+
+    handle = slots[0][1].register_forward_pre_hook(stop, with_kwargs=True)
+    tokens = torch.zeros(1, 4, dtype=torch.long, device="meta")
+    try:
+        model(tokens, torch.zeros(1, 4, dtype=torch.long, device="meta"))
+        given = False
+    except Reached as e:
+        given = e.args[0]
+    finally:
+        handle.remove()
+    if not given:
+        raise ValueError(f"--pack-documents: {type(model).__name__} calls its attention slots ({spec.attention}) without "
+                         f"the positions it was given, so packed documents would attend to each other; pass them on: "
+                         f"core(q, k, v, positions)")
 
 
 def builtin_data_vocab() -> int:

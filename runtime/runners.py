@@ -19,7 +19,9 @@ from torch import Tensor, nn
 
 from tessera.parallel.loss import model_loss
 
-Microbatch = tuple[Tensor, Tensor]  # (inputs, targets) of shape (rows, seq)
+# (inputs, targets) of shape (rows, seq), or (inputs, targets, positions) with packed documents' per-row
+# positions (rows, seq), which the model's attention masks each document by
+Microbatch = tuple[Tensor, ...]
 LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (logits, targets) -> (sum, count)
 
 
@@ -46,10 +48,11 @@ class LocalRunner:
     def forward_backward(self, microbatches: Sequence[Microbatch], global_valid_tokens: int) -> Tensor:
         scale = self.grad_scale / max(1, global_valid_tokens)
         total: Tensor | None = None
-        for i, (inputs, targets) in enumerate(microbatches):
+        for i, microbatch in enumerate(microbatches):
+            inputs, targets = microbatch[0], microbatch[1]
             # FSDP2 reduce-scatters only after the last microbatch; earlier ones accumulate locally
             _set_gradient_sync(self.model, i == len(microbatches) - 1)
-            positions = self.positions(inputs) if self.positions is not None else None
+            positions = positions_of(microbatch, self.positions)
             loss_sum, _ = model_loss(self.loss_fn, self.model, inputs, positions, targets)
             (loss_sum * scale).backward()
             part = loss_sum.detach().float()
@@ -65,15 +68,26 @@ def forward_only(model: nn.Module, loss_fn: LossFn, microbatches: Sequence[Micro
 
     total, count = None, None
     with torch.no_grad():
-        for inputs, targets in microbatches:
-            loss_sum, valid = model_loss(loss_fn, model, inputs, positions(inputs) if positions is not None else None, targets)
+        for microbatch in microbatches:
+            loss_sum, valid = model_loss(loss_fn, model, microbatch[0], positions_of(microbatch, positions), microbatch[1])
             total = loss_sum.float() if total is None else total + loss_sum.float()
             valid = torch.as_tensor(valid, dtype=torch.float32, device=loss_sum.device)
             count = valid if count is None else count + valid
     return total, count
 
 
-def split_microbatches(inputs: Tensor, targets: Tensor, count: int) -> list[Microbatch]:
-    """Rows cut into `count` equal microbatches (the config checks that they divide)."""
-    return list(zip(inputs.chunk(count), targets.chunk(count)))
+def positions_of(microbatch: Microbatch, positions: Callable[[Tensor], Tensor] | None) -> Tensor | None:
+    """The positions a microbatch's tokens run at: its own (packed documents), else `positions(inputs)`
+    (context parallel's zigzag indices), else None (the model's 0..S-1)."""
+    if len(microbatch) > 2:
+        return microbatch[2]
+    return positions(microbatch[0]) if positions is not None else None
+
+
+def split_microbatches(inputs: Tensor, targets: Tensor, count: int, positions: Tensor | None = None) -> list[Microbatch]:
+    """Rows cut into `count` equal microbatches (the config checks that they divide), each with its rows'
+    positions when given (packed documents)."""
+    if positions is None:
+        return list(zip(inputs.chunk(count), targets.chunk(count)))
+    return list(zip(inputs.chunk(count), targets.chunk(count), positions.chunk(count)))
 

@@ -34,7 +34,7 @@ class RunSpec:
     build_model: Callable[[], nn.Module]
     layout: Layout
     plan: Any
-    batch: tuple[Tensor, Tensor]
+    batch: tuple[Tensor, ...]  # (inputs, targets), or with a spec (inputs, targets, positions): packed documents
     steps: int
     lr: float
     seed: int
@@ -43,6 +43,7 @@ class RunSpec:
     model_spec: Any = None  # a tessera.models.spec.ModelSpec: every axis, through tessera's own parts
     microbatches: int = 1
     schedule: str = "1f1b"
+    cp_method: str = "ring"
 
 
 def _default_loss(output: Tensor, targets: Tensor) -> Tensor:
@@ -116,7 +117,7 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
     with torch.device("meta"):
         model_config = spec.build_model().config
     meshes = Meshes(layout, "cpu")
-    parallel = ParallelConfig(layout, data=DataParallelConfig(strategy=spec.fsdp),
+    parallel = ParallelConfig(layout, data=DataParallelConfig(strategy=spec.fsdp), cp_method=spec.cp_method,
                               pipeline=PipelineConfig(schedule=spec.schedule, microbatches=spec.microbatches))
     cp, cp_index = layout.cp, layout.index("cp", rank)
 
@@ -128,19 +129,19 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
                         spec.microbatches, loss_fn, positions, global_rows=spec.batch[0].shape[0])
     params = [p for part in built.parts for p in part.parameters()]
     optimizer = torch.optim.SGD(params, lr=spec.lr)
-    inputs, targets = spec.batch
+    inputs, targets = spec.batch[:2]
     rows = inputs.shape[0] // layout.dp
     i = meshes.batch_index
-    x, y = inputs[i * rows:(i + 1) * rows], targets[i * rows:(i + 1) * rows]
+    x, y, *packed = (t[i * rows:(i + 1) * rows] for t in spec.batch)  # packed: documents' positions
     if cp > 1:
-        x, y = (zigzag_shard(t, 1, cp_index, cp) for t in (x, y))
+        x, y, *packed = (zigzag_shard(t, 1, cp_index, cp) for t in (x, y, *packed))
     valid = count_valid(targets)
     # gathering FSDP-over-tp gradients whole: torch logs a note per rank about its two all-gathers
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     losses, grads = [], []
     for _ in range(spec.steps):
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = built.runner.forward_backward(split_microbatches(x, y, spec.microbatches), valid)
+        loss_sum = built.runner.forward_backward(split_microbatches(x, y, spec.microbatches, *packed), valid)
         built.tied.synchronize()
         for mesh in (meshes.pp, meshes.loss):  # the last stage's sums, over the ranks reading other tokens
             if mesh is not None:
@@ -196,14 +197,14 @@ def compare_runs(reference: dict, run: dict, where: str, rtol: float) -> None:
 _REFERENCES: dict[tuple, dict] = {}
 
 
-def _reference_key(build_model, inputs, targets, steps, lr, seed, loss_fn) -> tuple:
+def _reference_key(build_model, batch, steps, lr, seed, loss_fn) -> tuple:
     import hashlib
 
     def name(f):
         return None if f is None else f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', repr(f))}"
 
     digest = hashlib.sha256()
-    for t in (inputs, targets):
+    for t in batch:
         digest.update(str((t.dtype, tuple(t.shape))).encode())
         digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return (name(build_model), steps, lr, seed, name(loss_fn), digest.hexdigest())
@@ -212,7 +213,7 @@ def _reference_key(build_model, inputs, targets, steps, lr, seed, loss_fn) -> tu
 def assert_layouts_equivalent(
     build_model: Callable[[], nn.Module],
     layouts: Sequence[Layout | dict],
-    batch: tuple[Tensor, Tensor],
+    batch: tuple[Tensor, ...],
     steps: int = 2,
     rtol: float = 1e-5,
     plan: Any = None,
@@ -238,12 +239,24 @@ def assert_layouts_equivalent(
     Without a spec, `plan` is the tessera.parallel.plan.Plan for the user's model (None: a registered
     family's model). Layouts may then use dp_replicate, dp_shard and tp (FSDP2 over dp with strategy
     `fsdp`); the model's output must be whole on every rank (end on a RowwiseParallel layer or a
-    replicated one). Either way the batch's rows must split over each layout's dp."""
+    replicated one). Either way the batch's rows must split over each layout's dp.
+
+    Packed documents (with `spec`): batch=(inputs, targets, positions), positions (B, S) restarting at each
+    document (tessera.models.data.pack_documents), so each token attends only to its own document."""
     from tessera.parallel.launch import run_ranks
     from tessera.parallel.data import DataParallelConfig, check_data_parallel
 
     layouts = [lay if isinstance(lay, Layout) else Layout(**lay) for lay in layouts]
-    inputs, targets = batch
+    if len(batch) not in (2, 3) or (len(batch) == 3 and spec is None):
+        raise ValueError("batch is (inputs, targets), or with spec=... (inputs, targets, positions) of packed documents")
+    inputs, targets = batch[:2]
+    if len(batch) == 3:
+        if tuple(batch[2].shape) != tuple(inputs.shape):
+            raise ValueError(f"positions {tuple(batch[2].shape)} must have the inputs' shape {tuple(inputs.shape)}")
+        from .preflight import check_document_masking
+
+        with torch.device("meta"):
+            check_document_masking(build_model().config, spec)
     if spec is not None and (plan is not None or loss_fn is not None):
         raise ValueError("with spec=..., the plan comes from the spec and the loss is cross-entropy over the targets: "
                          "drop plan= and loss_fn=")
@@ -272,12 +285,12 @@ def assert_layouts_equivalent(
             plan.check(probe, tp)
 
     def run(layout: Layout) -> dict:
-        run_spec = RunSpec(build_model, layout, plan, (inputs, targets), steps, lr, seed, loss_fn, fsdp, spec,
+        run_spec = RunSpec(build_model, layout, plan, tuple(batch), steps, lr, seed, loss_fn, fsdp, spec,
                            microbatches or layout.pp, schedule)
         fn = train_on_layout if spec is None else train_spec_on_layout
         return run_ranks(fn, layout.world_size, run_spec, timeout=timeout)[0]
 
-    key = _reference_key(build_model, inputs, targets, steps, lr, seed, loss_fn) + (spec is not None,)
+    key = _reference_key(build_model, batch, steps, lr, seed, loss_fn) + (spec is not None,)
     if key not in _REFERENCES:  # one-process runs are reused across calls (a hypothesis test makes many)
         _REFERENCES[key] = run(Layout())
     reference = _REFERENCES[key]

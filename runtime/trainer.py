@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tessera.models.data import TokenStream
+from tessera.models.data import IGNORE_INDEX, TokenStream, pack_documents
 from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
 from tessera.models.spec import spec_of
@@ -158,7 +158,8 @@ class Trainer:
         ])
         if data is None and config.data.path:
             data = TokenFileStream(config.data.path, config.data.seq_len, config.data.global_batch, self.model_config.vocab_size)
-        self.data = data if data is not None else TokenStream(config.data.seq_len, config.data.global_batch)
+        self.data = data if data is not None else TokenStream(config.data.seq_len, config.data.global_batch,
+                                                              documents=config.data.pack_documents)
         self.progress = Progress()
         self.straggler_watch = StragglerWatch(self.device)
         # measured during this process's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}
@@ -190,19 +191,28 @@ class Trainer:
             return None
         return zigzag_indices(inputs.shape[1] * self.layout.cp, self.cp_index, self.layout.cp, inputs.device)
 
-    def local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """This rank's part of a global batch: its dp rows (the same rows across tp, cp and pp), and under
-        context parallel its zigzag chunks of each sequence (their positions: `positions_of`)."""
-        rows = inputs.shape[0] // self.layout.dp
+    def local_batch(self, *batch: Tensor) -> tuple[Tensor, ...]:
+        """This rank's part of a global batch (inputs, targets and any per-token tensor beside them): its dp
+        rows (the same rows across tp, cp and pp), and under context parallel its zigzag chunks of each
+        sequence (their positions: `positions_of`)."""
+        rows = batch[0].shape[0] // self.layout.dp
         i = self.meshes.batch_index
-        inputs, targets = inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows]
-        return self.local_rows(inputs, targets)
+        return self.local_rows(*(t[i * rows : (i + 1) * rows] for t in batch))
 
-    def local_rows(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """This rank's dp rows, cut to its zigzag chunks under context parallel, on its device."""
+    def local_rows(self, *rows: Tensor) -> tuple[Tensor, ...]:
+        """This rank's dp rows (inputs, targets and any per-token tensor beside them), cut to its zigzag
+        chunks under context parallel, on its device."""
         if self.layout.cp > 1:
-            inputs, targets = (zigzag_shard(t, 1, self.cp_index, self.layout.cp) for t in (inputs, targets))
-        return inputs.to(self.device), targets.to(self.device)
+            rows = tuple(zigzag_shard(t, 1, self.cp_index, self.layout.cp) for t in rows)
+        return tuple(t.to(self.device) for t in rows)
+
+    def packed(self, inputs: Tensor, targets: Tensor, data: Any) -> tuple[Tensor, ...]:
+        """With --pack-documents: (inputs, targets with each separator's target masked, per-document
+        positions) of whole rows, before any sequence sharding; else (inputs, targets)."""
+        if not self.config.data.pack_documents:
+            return inputs, targets
+        targets, positions = pack_documents(inputs, targets, data.separator)
+        return inputs, targets, positions
 
     def evaluate(self) -> float:
         """The mean loss over --eval-batches global batches of --eval-data, read from their start each time
@@ -220,11 +230,11 @@ class Trainer:
         try:
             for _ in range(d.eval_batches):
                 rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
-                inputs, targets = self.local_rows(rows_in, rows_tg)
+                local = self.local_rows(*self.packed(rows_in, rows_tg, held_out))
                 if self.layout.pp > 1:  # through the stages, forward only (every pp rank gets the sums)
-                    loss_sum, count = self.runner.forward_only(split_microbatches(inputs, targets, d.microbatches))
+                    loss_sum, count = self.runner.forward_only(split_microbatches(*local[:2], d.microbatches, *local[2:]))
                 else:
-                    loss_sum, count = forward_only(self.parts[0], self.loss_fn, [(inputs, targets)], self.runner.positions)
+                    loss_sum, count = forward_only(self.parts[0], self.loss_fn, [local], self.runner.positions)
                 totals += torch.stack([loss_sum, count])
         finally:
             for part in self.parts:
@@ -309,6 +319,15 @@ class Trainer:
             p.sequence_parallel, p.data.strategy, p.pipeline.virtual, p.data.activation_checkpointing, p.cp_method,
             self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4)
 
+    def _global_count(self, mine: int) -> int:
+        """A count over this dp rank's rows, summed over the dp ranks (the cp ranks of one hold the same rows)."""
+        if self.meshes.loss is None:
+            return mine
+        total = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        with collective("all_reduce (valid targets)", "dp_cp", self.meshes.loss.get_group()):
+            dist.all_reduce(total, group=self.meshes.loss.get_group())
+        return int(total.item()) // self.layout.cp
+
     def _tokens_checksum(self, inputs: Tensor, targets: Tensor) -> int:
         """A checksum of the step's whole global batch from each dp rank's rows (ids weighted by their
         global row and position), added over the dp ranks: equal runs read equal tokens on any layout."""
@@ -337,14 +356,17 @@ class Trainer:
         if hasattr(self.data, "next_local_batch"):  # token files: a rank reads only its rows
             rows_in, rows_tg, valid = self.data.next_local_batch(self.meshes.batch_index, self.layout.dp)
             tokens_checksum = self._tokens_checksum(rows_in, rows_tg)
-            local_inputs, local_targets = self.local_rows(rows_in, rows_tg)
+            rows = self.packed(rows_in, rows_tg, self.data)
+            if self.config.data.pack_documents:  # the targets left out, counted over the global batch
+                valid -= self._global_count(int((rows[1] == IGNORE_INDEX).sum()))
+            local = self.local_rows(*rows)
         else:
             tokens_checksum = None
-            inputs, targets = self.data.next_global_batch()
-            valid = count_valid(targets)  # over the whole global batch: the denominator on every rank
-            local_inputs, local_targets = self.local_batch(inputs, targets)
+            batch = self.packed(*self.data.next_global_batch(), self.data)
+            valid = count_valid(batch[1])  # over the whole global batch: the denominator on every rank
+            local = self.local_batch(*batch)
         global_tokens = self.config.data.global_batch * self.config.data.seq_len
-        microbatches = split_microbatches(local_inputs, local_targets, self.config.data.microbatches)
+        microbatches = split_microbatches(local[0], local[1], self.config.data.microbatches, *local[2:])
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         for part in self.parts if self.spec.moe else ():
             reset_counters(part)  # the MoE blocks' load counters: this step's only
