@@ -85,16 +85,17 @@ def zigzag_unshard(shards: list[Tensor], dim: int) -> Tensor:
     return torch.cat(ordered, dim=dim)
 
 
-def causal_pairs(seq_len: int, size: int, layout: str = "zigzag") -> list[int]:
+def causal_pairs(seq_len: int, size: int, layout: str = "zigzag", positions: Tensor | None = None) -> list[int]:
     """Unmasked (query, key) pairs of causal attention each of `size` ranks computes: the attention
-    work per rank, for the zigzag layout or contiguous chunks (rank i holding [i S/size, (i+1) S/size))."""
-    def pairs(positions: Tensor) -> int:
-        return int((positions + 1).sum())  # the query at position p sees keys 0..p
+    work per rank, for the zigzag layout or contiguous chunks (rank i holding [i S/size, (i+1) S/size)).
+    With packed documents' `positions` (seq_len,) (restarting at each document) a query sees only its
+    document's keys up to itself: position p sees p + 1 keys."""
+    seen = (torch.arange(seq_len) if positions is None else positions.reshape(-1)) + 1  # keys each query sees
 
     if layout == "zigzag":
-        return [pairs(zigzag_indices(seq_len, r, size)) for r in range(size)]
+        return [int(seen[zigzag_indices(seq_len, r, size)].sum()) for r in range(size)]
     if layout == "contiguous":
-        return [pairs(torch.arange(seq_len).chunk(size)[r]) for r in range(size)]
+        return [int(part.sum()) for part in seen.chunk(size)]
     raise ValueError(f"unknown layout {layout!r}; use zigzag or contiguous")
 
 

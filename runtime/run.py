@@ -78,6 +78,7 @@ def startup_line(config: Config, trainer: Any) -> str:
         f"{trainer.layout} = {trainer.layout.world_size} {trainer.device.type} rank(s); {_human(local)} params on rank 0; "
         f"{compute_dtype_summary(trainer.dtype_report)}; "
         f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
+        f"{' (packed documents, each attending only to itself)' if config.data.pack_documents else ''}"
         f"{f' in {config.data.microbatches} microbatches' if config.data.microbatches > 1 else ''}"
         f"{' (the fewest the schedule runs; --microbatches M to choose)' if config.microbatches_chosen and config.layout.pp > 1 else ''}; "
         + "; ".join(where)
@@ -139,6 +140,8 @@ def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: 
         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
         f"eta {_duration(eta)} | {Layout(**m['layout'])}"
         + (f" | moe aux {m['moe']['aux_loss']:.2e} imbalance {m['moe']['max_imbalance']:.2f}" if m.get("moe") else "")
+        + (f" | {m['documents']['documents']} docs, mean {m['documents']['mean_length']:.0f} tokens"
+           if m.get("documents") else "")
         + (f" | eval loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else "")
         + (f" | {Straggler(**m['straggler']).describe()}" if m.get("straggler") else "")
     )

@@ -103,6 +103,8 @@ class StepResult:
     compute_dtype: str | None = None
     matmul_flops_by_dtype: dict[str, int] | None = None  # that first step's breakdown (its record only)
     moe: dict[str, Any] | None = None  # MoE models: expert load and auxiliary loss (parallel/expert.py's load_report)
+    # --pack-documents: the global batch's documents (pieces of documents in its rows) and targets left out
+    documents: dict[str, Any] | None = None
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -124,6 +126,7 @@ class StepResult:
             **({"comm": self.comm} if self.comm is not None else {}),
             "collective_wait_s": self.collective_wait_s,
             **({"moe": self.moe} if self.moe is not None else {}),
+            **({"documents": self.documents} if self.documents is not None else {}),
             **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
             "straggler": None if self.straggler is None else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s,
                                                               "steps": self.straggler.steps},
@@ -319,14 +322,20 @@ class Trainer:
             p.sequence_parallel, p.data.strategy, p.pipeline.virtual, p.data.activation_checkpointing, p.cp_method,
             self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4)
 
-    def _global_count(self, mine: int) -> int:
-        """A count over this dp rank's rows, summed over the dp ranks (the cp ranks of one hold the same rows)."""
+    def _global_counts(self, mine: list[int]) -> list[int]:
+        """Counts over this dp rank's rows, summed over the dp ranks (the cp ranks of one hold the same rows)."""
         if self.meshes.loss is None:
             return mine
-        total = torch.tensor([mine], dtype=torch.int64, device=self.device)
-        with collective("all_reduce (valid targets)", "dp_cp", self.meshes.loss.get_group()):
+        total = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        with collective("all_reduce (document counts)", "dp_cp", self.meshes.loss.get_group()):
             dist.all_reduce(total, group=self.meshes.loss.get_group())
-        return int(total.item()) // self.layout.cp
+        return [int(t) // self.layout.cp for t in total.tolist()]
+
+    def _documents(self, documents: int, left_out: int) -> dict[str, Any]:
+        """The step's packing, as its record reports it: documents (a document cut by a row's end counts in
+        each row it reaches), their mean length, and the targets left out of the loss (each separator's)."""
+        tokens = self.config.data.global_batch * self.config.data.seq_len
+        return {"documents": documents, "mean_length": tokens / max(1, documents), "targets_left_out": left_out}
 
     def _tokens_checksum(self, inputs: Tensor, targets: Tensor) -> int:
         """A checksum of the step's whole global batch from each dp rank's rows (ids weighted by their
@@ -357,13 +366,17 @@ class Trainer:
             rows_in, rows_tg, valid = self.data.next_local_batch(self.meshes.batch_index, self.layout.dp)
             tokens_checksum = self._tokens_checksum(rows_in, rows_tg)
             rows = self.packed(rows_in, rows_tg, self.data)
-            if self.config.data.pack_documents:  # the targets left out, counted over the global batch
-                valid -= self._global_count(int((rows[1] == IGNORE_INDEX).sum()))
+            documents = None
+            if self.config.data.pack_documents:  # documents and targets left out, counted over the global batch
+                counts = self._global_counts([int((rows[2] == 0).sum()), int((rows[1] == IGNORE_INDEX).sum())])
+                documents, valid = self._documents(*counts), valid - counts[1]
             local = self.local_rows(*rows)
         else:
             tokens_checksum = None
             batch = self.packed(*self.data.next_global_batch(), self.data)
             valid = count_valid(batch[1])  # over the whole global batch: the denominator on every rank
+            documents = (self._documents(int((batch[2] == 0).sum()), int((batch[1] == IGNORE_INDEX).sum()))
+                         if self.config.data.pack_documents else None)
             local = self.local_batch(*batch)
         global_tokens = self.config.data.global_batch * self.config.data.seq_len
         microbatches = split_microbatches(local[0], local[1], self.config.data.microbatches, *local[2:])
@@ -415,7 +428,8 @@ class Trainer:
         return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, global_tokens, started,
                           self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps,
                           skip_report=skip_report, straggler=straggler, tokens_checksum=tokens_checksum,
-                          moe=None if load is None else load_report(*load, self.config.data.global_batch))
+                          moe=None if load is None else load_report(*load, self.config.data.global_batch),
+                          documents=documents)
 
     def _expert_load(self) -> tuple[Tensor, Tensor] | None:
         """The step's expert token counts and auxiliary loss, summed over every rank (MoE models only)."""

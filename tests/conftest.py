@@ -19,7 +19,7 @@ SLOW_MODULES = {
     "test_hf", "test_checkpoint", "test_pipeline", "test_context", "test_comm_stats", "test_planner_memory",
     "test_profile", "test_bench", "test_bench_moe", "test_gpu_suite", "test_fuzz_config", "test_activation_checkpointing", "test_run_edges",
     "test_contract_moe", "test_moe_checkpoint", "test_moe_cli", "test_expert_parallel", "test_checkpoint_async",
-    "test_drift",
+    "test_drift", "test_packed_documents", "test_packed_cli",
 }
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
