@@ -34,13 +34,18 @@ from tessera.parallel import materialize  # noqa: E402
 from tessera.parallel.loss import CrossEntropySum  # noqa: E402
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank  # noqa: E402
 from tessera.parallel.schedule import build_schedule, simulate  # noqa: E402
+from tessera.topology.schedule import VIRTUAL_KINDS, V_KINDS, placement_of  # noqa: E402
 
 TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",  # torch's zero-bubble schedule with one stage per rank
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
+MULTI_STAGE = ("interleaved-1f1b", "zb-h1", "looped-bfs", "interleaved-zb", "zbv")  # torch classes taking a stage list
 
 
 def _device() -> torch.device:
@@ -54,7 +59,7 @@ def _stages(cfg, kind: str, pp: int, virtual: int, device: torch.device) -> dict
     n_stages = pp * virtual
     layers = split_layers(cfg.n_layers, n_stages)
     out = {}
-    for s in stages_of_rank(dist.get_rank(), pp, virtual):
+    for s in stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind)):
         out[s] = materialize(build_stage(cfg, s, n_stages, layers[s]), device, seed=0)
     return out
 
@@ -84,7 +89,7 @@ def _torch(cfg, kind, pp, virtual, microbatches, device):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     cls = getattr(pipelining, TORCH_SCHEDULES[kind])
-    multi = kind in ("interleaved-1f1b", "zb-h1")
+    multi = kind in MULTI_STAGE
     schedule = cls(wrapped if multi else wrapped[0], microbatches, loss_fn=loss_fn)
     return stages, schedule
 
@@ -119,7 +124,8 @@ def side_by_side(model: str, n_layers: int, kind: str, pp: int, virtual: int, mi
     device = _device()
     cfg = get_preset(model, n_layers=n_layers)
     n_stages = pp * virtual
-    first, last = 0 in stages_of_rank(dist.get_rank(), pp, virtual), n_stages - 1 in stages_of_rank(dist.get_rank(), pp, virtual)
+    mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
+    first, last = 0 in mine, n_stages - 1 in mine
     inputs, targets = _batches(cfg, rows, seq, microbatches, device)
     t_stages, runner = _tessera(cfg, kind, pp, virtual, microbatches, device)
     p_stages, schedule = _torch(cfg, kind, pp, virtual, microbatches, device)
@@ -157,7 +163,7 @@ def peak_memory(executor: str, model: str, n_layers: int, kind: str, pp: int, vi
     device = _device()
     cfg = get_preset(model, n_layers=n_layers)
     n_stages = pp * virtual
-    mine = stages_of_rank(dist.get_rank(), pp, virtual)
+    mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
     inputs, targets = _batches(cfg, rows, seq, microbatches, device)
     build = _tessera if executor == "tessera" else _torch
     stages, runner = build(cfg, kind, pp, virtual, microbatches, device)
@@ -194,7 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--virtual", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--virtual", type=int, default=2, help="stages per rank for interleaved-1f1b, looped-bfs and "
+                                                          "interleaved-zb (zbv: always 2)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
     p.add_argument("--seq-len", type=int, default=256)
@@ -209,7 +216,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--pp {args.pp} over NCCL needs {args.pp} GPUs; this machine has {torch.cuda.device_count()}")
     rows = []
     for kind in args.kinds.split(","):
-        virtual = args.virtual if kind == "interleaved-1f1b" else 1
+        virtual = 2 if kind in V_KINDS else args.virtual if kind in VIRTUAL_KINDS else 1
         common = (args.model, args.n_layers, kind, args.pp, virtual, args.microbatches, args.rows, args.seq_len)
         results = run_ranks(side_by_side, args.pp, *common, args.steps, args.warmup, timeout=1200, backend=backend)
         memory = {ex: run_ranks(peak_memory, args.pp, ex, *common, 2, timeout=1200, backend=backend)

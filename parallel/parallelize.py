@@ -222,7 +222,7 @@ def dry_run_model_states(
         if layout.pp > 1:
             n_stages = layout.pp * pipeline.virtual
             layers = split_layers(cfg.n_layers, n_stages, pipeline.layers_per_stage)
-            stages = stages_of_rank(layout.index("pp", rank), layout.pp, pipeline.virtual)
+            stages = stages_of_rank(layout.index("pp", rank), layout.pp, pipeline.virtual, pipeline.placement)
             parts = [build_stage(cfg, s, n_stages, layers[s]) for s in stages]
         else:
             stages, layers, parts = [0], [range(cfg.n_layers)], [spec_of(cfg).build_model(cfg, device="meta")]

@@ -34,8 +34,10 @@ from tessera.topology.shapes import split_layers  # the stage split's one rule (
 
 from .comm import collective
 from .loss import LinearCrossEntropyHead, model_loss
+from tessera.topology.schedule import placement_of, stage_rank, stages_on_rank
+from tessera.topology.schedule_files import action_text, check_fits
+
 from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule, simulate, validate
-from tessera.topology.schedule import action_text, check_fits
 
 __all__ = ["build_schedule", "PipelineConfig", "split_layers", "stages_of_rank", "build_stage", "check_pipeline",
            "PipelineRunner"]
@@ -62,6 +64,11 @@ class PipelineConfig:
         """The built-in kind's name, or None for a schedule given as data."""
         return self.schedule if isinstance(self.schedule, str) else None
 
+    @property
+    def placement(self) -> str:
+        """Where the stages live: "v" for zbv (rank r holds r and 2 pp - 1 - r), else "loop" (s % pp)."""
+        return placement_of(self.kind)
+
     def actions(self, pp: int) -> list[list[Action]]:
         """The schedule as data for `pp` ranks: the kind built, or the given actions."""
         if self.kind is not None:
@@ -70,9 +77,9 @@ class PipelineConfig:
 
 
 # ----------------------------------------------------------------------------- stages
-def stages_of_rank(pp_rank: int, pp: int, virtual: int = 1) -> list[int]:
-    """The virtual stages pp rank r holds: r, r + pp, r + 2 pp, ..."""
-    return [pp_rank + k * pp for k in range(virtual)]
+def stages_of_rank(pp_rank: int, pp: int, virtual: int = 1, placement: str = "loop") -> list[int]:
+    """The virtual stages pp rank r holds: r, r + pp, r + 2 pp, ...; on the V (zbv) r and 2 pp - 1 - r."""
+    return stages_on_rank(pp_rank, pp, virtual, placement)
 
 
 def build_stage(model_config, stage: int, n_stages: int, layers: range, device: torch.device | str = "meta",
@@ -150,6 +157,7 @@ class PipelineRunner:
                  virtual: int, loss_fn: LossFn, activation: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device, grad_scale: float = 1.0, timeout: float = 600.0,
                  positions: Callable[[Tensor], Tensor] | None = None):
+        self.placement = placement_of(schedule if isinstance(schedule, str) else None)
         self.stages, self.group = stages, pp_group
         self.pp = dist.get_world_size(pp_group)
         self.n_stages = self.pp * virtual
@@ -168,8 +176,9 @@ class PipelineRunner:
         if len(schedule) != self.pp or n_stages != self.n_stages or n_microbatches != microbatches:
             raise ValueError(f"the schedule has {len(schedule)} ranks, {n_stages} stages and {n_microbatches} "
                              f"microbatches; this pipeline has {self.pp}, {self.n_stages} and {microbatches}")
-        if any(a.stage % self.pp != r for r, actions in enumerate(schedule) for a in actions):
-            raise ValueError(f"stage s must run on pp rank s % {self.pp}, where its parameters are")
+        if any(self.rank_of_stage(a.stage) != r for r, actions in enumerate(schedule) for a in actions):
+            where = "on the V (rank r: r and 2 pp - 1 - r)" if self.placement == "v" else f"s % {self.pp}"
+            raise ValueError(f"stage s must run on pp rank {where}, where its parameters are")
         self.actions = schedule[self.me]
         if set(stages) != {a.stage for a in self.actions}:
             raise ValueError(f"pp rank {self.me} holds stages {sorted(stages)}; its actions run stages "
@@ -196,7 +205,7 @@ class PipelineRunner:
             dist.all_reduce(torch.zeros(1, device=device), group=pp_group)
 
     def rank_of_stage(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(stage, self.pp, self.placement)
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, microbatches: Sequence[Microbatch], global_valid_tokens: int) -> Tensor:
@@ -213,6 +222,7 @@ class PipelineRunner:
         self.outbox: list[tuple[dist.P2POp, tuple | None]] = []  # (op, key of a receive) not yet issued
         self.sends: list[tuple[dist.Work, Tensor]] = []  # sends issued, with the tensors they read
         self.saved: dict[tuple[int, int], dict] = {}
+        self.peak_in_flight = 0  # the most microbatch-stages whose activations this rank held at once, this step
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self.trace = []
         for k, action in enumerate(self.actions):
@@ -270,6 +280,7 @@ class PipelineRunner:
         else:
             self._send(out.detach(), ("act", a.microbatch, a.stage + 1))
         self.saved[(a.microbatch, a.stage)] = {"input": x if a.stage > 0 else None, "output": out, "weight_users": captured}
+        self.peak_in_flight = max(self.peak_in_flight, len(self.saved))  # activations held: F run, B (or W) not yet
 
     def _B(self, a: Action, k: int, grad: Tensor | None) -> None:
         saved = self.saved[(a.microbatch, a.stage)]

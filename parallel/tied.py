@@ -93,12 +93,24 @@ class TiedGradients:
         for s in holders:
             own = dict(parts[s].named_parameters())
             self.params += [own[n] for n in names if n in own]
+        # a V placement (zbv) puts the first and the last stage on one rank: its two copies are summed here
+        self.local_pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        if n_stages > 1 and 0 in parts and n_stages - 1 in parts:
+            first, last = dict(parts[0].named_parameters()), dict(parts[n_stages - 1].named_parameters())
+            self.local_pairs = [(first[n], last[n]) for n in names if n in first and n in last]
+            self.params = []
         # the copy that the grad norm skips: the last stage's, unless this rank also holds the first
-        self.duplicates = {id(p) for p in self.params} if 0 not in parts else set()
+        self.duplicates = {id(p) for p in self.params} if 0 not in parts else {id(b) for _, b in self.local_pairs}
         if self.params and group is None:
             raise ValueError("tied parameters on a pipeline stage need the first/last-stage group (pipeline_tied_group)")
 
     def synchronize(self) -> None:
+        for a, b in self.local_pairs:
+            if a.grad is None or b.grad is None:
+                continue
+            ga, gb = (g.to_local() if hasattr(g, "to_local") else g for g in (a.grad, b.grad))
+            ga.add_(gb)
+            gb.copy_(ga)
         for p in self.params:
             if p.grad is None:
                 continue

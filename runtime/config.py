@@ -61,13 +61,15 @@ class ParallelSection:
     prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)")
     compile: bool = opt(False, "torch.compile each transformer block (after tp, cp and checkpointing, before FSDP2; the "
                                "first step compiles, on CPU through a C++ compiler)")
-    schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (default with --pp > 1: 1f1b)")
+    schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs or interleaved-zb (default "
+                                          "with --pp > 1: 1f1b)")
     schedule_file: str | None = opt(None, "a pipeline schedule as data instead of --schedule: CSV, one line per pp rank "
                                           "of actions STAGE OP MICROBATCH (0F1: stage 0's forward of microbatch 1; B "
                                           "backward, W weight gradient), or JSON {\"ranks\": [[\"0F0\", ...], ...]}; "
                                           "proven by the simulator before any rank starts; its microbatches are the "
                                           "default of --microbatches", metavar="PATH")
-    virtual: int = opt(1, "virtual pipeline stages per pp rank (interleaved-1f1b: stage s on rank s % pp)")
+    virtual: int = opt(1, "virtual pipeline stages per pp rank (interleaved-1f1b, looped-bfs, interleaved-zb: stage s on "
+                              "rank s % pp)")
     pp_layers: str | None = opt(None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,...")
     cp_method: str | None = opt(None, "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); default with --cp > 1: ring")
     loss: str = opt("chunked", "the loss: chunked (fused linear cross-entropy over token chunks, never the full fp32 "
@@ -215,7 +217,7 @@ class Config:
         then name the problem)."""
         if self.parallel.schedule_file is None:
             return None
-        from tessera.topology.schedule import read_schedule_file
+        from tessera.topology.schedule_files import read_schedule_file
 
         try:
             actions = [a for row in read_schedule_file(self.parallel.schedule_file) for a in row]
@@ -235,7 +237,7 @@ class Config:
             return 1
         kind = p.schedule or "1f1b"
         least = fewest_microbatches(kind, pp, p.virtual)
-        step = pp if kind == "interleaved-1f1b" and p.virtual > 1 else 1  # interleaved: rounds of pp
+        step = pp if kind in ("interleaved-1f1b", "interleaved-zb") and p.virtual > 1 else 1  # rounds of pp
         rows = self.data.global_batch // max(1, self.layout.dp)
         # the fewest that also divides each dp rank's rows (else the schedule's least: the checks name the fix)
         return next((m for m in range(least, rows + 1, step) if rows % m == 0), least)
@@ -329,7 +331,7 @@ class Config:
         p = self.parallel
         data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
         if p.schedule_file is not None:  # the file's actions, as data (read here, on every rank, like --data)
-            from tessera.topology.schedule import read_schedule_file
+            from tessera.topology.schedule_files import read_schedule_file
 
             pipeline = PipelineConfig(tuple(map(tuple, read_schedule_file(p.schedule_file))), p.virtual,
                                       p.layers_per_stage, self.data.microbatches, source=f"--schedule-file {p.schedule_file}")

@@ -55,7 +55,7 @@ def build_parts(spec: Any, model_config: Any, meshes: Meshes, parallel: Any, dev
     n_stages = pp * virtual
     layers = split_layers(model_config.n_layers, n_stages, parallel.pipeline.layers_per_stage)
     stages: dict[int, nn.Module] = {}
-    for s in stages_of_rank(layout.index("pp", rank), pp, virtual):
+    for s in stages_of_rank(layout.index("pp", rank), pp, virtual, parallel.pipeline.placement):
         part = build_stage(model_config, s, n_stages, layers[s], spec=spec)
         parallelize(part, meshes, parallel, spec=spec)
         materialize(part, device, seed, spec=spec)

@@ -109,7 +109,8 @@ def pipeline_summary(config: Config) -> str:
     timeline = simulate(pc.actions(pp))
     what = pc.kind or (f"schedule from {config.parallel.schedule_file} ({pc.microbatches} microbatches, at most "
                        f"{max(timeline.peak_activations)} in flight on a rank)")
-    return (f"pipeline {what} over {len(layers)} stages (layers "
+    v = " on a V (rank r holds stages r and 2 pp - 1 - r)" if pc.placement == "v" else ""
+    return (f"pipeline {what} over {len(layers)} stages{v} (layers "
             + " | ".join(f"{r.start}-{r.stop - 1}" for r in layers) + f"), simulated bubble {timeline.bubble:.1%}")
 
 

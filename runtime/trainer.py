@@ -320,7 +320,8 @@ class Trainer:
         return comm_bytes_per_step(
             shape_of(self.model_config), self.layout, c.data.seq_len, c.data.global_batch, c.data.microbatches,
             p.sequence_parallel, p.data.strategy, p.pipeline.virtual, p.data.activation_checkpointing, p.cp_method,
-            self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4)
+            self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4,
+            placement=p.pipeline.placement)
 
     def _global_counts(self, mine: list[int]) -> list[int]:
         """Counts over this dp rank's rows, summed over the dp ranks (the cp ranks of one hold the same rows)."""

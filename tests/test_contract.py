@@ -76,6 +76,15 @@ PIPELINE_LAYOUTS = {
     # zero bubble under FSDP2: the weight gradients of the deferred W passes are reduced after the last W
     "pp2xdp2-zb-h1": dict(pp=2, dp=2, schedule="zb-h1", microbatches=2),
     "pp2xhsdp2x2": dict(pp=2, dp=4, dp_replicate=2, microbatches=2),
+    # looped BFS and interleaved zero bubble (B/W split over virtual stages), alone and with tp (+SP) and FSDP2
+    **{f"pp{pp}-{kind}-v2": dict(pp=pp, schedule=kind, virtual=2, microbatches=4)
+       for pp in (2, 4) for kind in ("looped-bfs", "interleaved-zb", "zbv")},
+    "pp2xtp2-zbv+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="zbv", virtual=2, microbatches=2),
+    "pp2xdp2-zbv": dict(pp=2, dp=2, schedule="zbv", virtual=2, microbatches=2),
+    "pp2xtp2-interleaved-zb+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved-zb", virtual=2,
+                                      microbatches=2),
+    "pp2xdp2-interleaved-zb": dict(pp=2, dp=2, schedule="interleaved-zb", virtual=2, microbatches=2),
+    "pp2xdp2-looped-bfs": dict(pp=2, dp=2, schedule="looped-bfs", virtual=2, microbatches=2),
     "pp2+ac_full": dict(pp=2, ac="full", microbatches=2),
     # all four axes at once: 16 ranks (pp2 x dp2 x cp2 x tp2 + sp and pp2 x HSDP x tp2: tests/test_four_d.py)
     "pp2xdp2xcp2xtp2-interleaved-allgather": dict(pp=2, dp=2, cp=2, tp=2, schedule="interleaved-1f1b", virtual=2,

@@ -42,6 +42,9 @@ LAYOUTS = {
     "pp2xtp2+sp": dict(pp=2, tp=2, sequence_parallel=True, microbatches=2),
     "pp2xdp2": dict(pp=2, dp=2, microbatches=2),
     "pp2-interleaved-v2xdp2": dict(pp=2, dp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2),
+    # the V placement: the first and last stage (embedding and tied head) on one rank, their gradients summed there
+    "pp2-zbv": dict(pp=2, schedule="zbv", virtual=2, microbatches=2),
+    "pp2-zbvxdp2": dict(pp=2, dp=2, schedule="zbv", virtual=2, microbatches=2),
     "pp2xdp2xcp2xtp2+sp": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2),
 }
 

@@ -225,3 +225,54 @@ def test_a_hand_written_schedule_runs_and_a_deadlocking_one_is_refused():
     swapped = [schedule[0], [schedule[1][1], schedule[1][0]] + schedule[1][2:]]  # rank 1 runs stage 3 before 1
     with pytest.raises(Exception, match="deadlocks"):
         run_ranks(_custom_schedule_gradients, 2, swapped, timeout=120)
+
+
+def _peak_held_by_kind(pp: int, kinds: list[tuple[str, int, int]]):
+    """Each kind's step on `pp` ranks (debug model, one block per stage): the most microbatch-stages whose
+    activations the executor held at once on this rank, and the step's gradients (merged on rank 0)."""
+    import torch.distributed as dist
+
+    from helpers import gather_by_name
+    from tessera.models import get_preset
+    from tessera.parallel import materialize
+    from tessera.parallel.loss import CrossEntropySum
+    from tessera.parallel.pipeline import PipelineRunner
+    from tessera.topology.schedule import placement_of
+
+    out = {}
+    for kind, virtual, microbatches in kinds:
+        n_stages = pp * virtual
+        cfg = get_preset("debug", n_layers=n_stages)
+        mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
+        stages = {s: materialize(build_stage(cfg, s, n_stages, range(s, s + 1)), "cpu", seed=0) for s in mine}
+        runner = PipelineRunner(stages, kind, dist.group.WORLD, microbatches, virtual, CrossEntropySum(cfg.vocab_size),
+                                lambda rows, seq: ((rows, seq, cfg.dim), torch.float32), torch.device("cpu"))
+        tokens = torch.randint(0, cfg.vocab_size, (microbatches, 9), generator=torch.Generator().manual_seed(3))
+        runner.forward_backward(list(zip(tokens[:, :-1].chunk(microbatches), tokens[:, 1:].chunk(microbatches))), 8 * microbatches)
+        grads = gather_by_name({n: p.grad.clone() for m in stages.values() for n, p in m.named_parameters()})
+        peaks = [None] * pp
+        dist.all_gather_object(peaks, runner.peak_in_flight)
+        out[kind] = (peaks, grads, tokens)
+    return out
+
+
+KINDS_RUN = [("gpipe", 1, 4), ("1f1b", 1, 4), ("zb-h1", 1, 4), ("interleaved-1f1b", 2, 4), ("looped-bfs", 2, 4),
+             ("interleaved-zb", 2, 4), ("zbv", 2, 4)]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_kind_holds_the_activations_the_simulator_says_and_computes_the_one_process_gradients(pp):
+    """Per rank, the executor's peak of held activations (a stage's forward run, its backward -- or W --
+    not yet) equals the simulator's for every schedule kind, V placement included; and every kind's
+    gradients equal one process's."""
+    from tessera.models import build_model, get_preset
+    from tessera.topology.schedule import build_schedule, simulate
+
+    results = run_ranks(_peak_held_by_kind, pp, pp, KINDS_RUN, timeout=300)[0]
+    for kind, virtual, microbatches in KINDS_RUN:
+        peaks, grads, tokens = results[kind]
+        assert peaks == simulate(build_schedule(kind, pp, microbatches, virtual)).peak_held_activations, kind
+        model = build_model(get_preset("debug", n_layers=pp * virtual), seed=0)
+        torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{kind} {name}")

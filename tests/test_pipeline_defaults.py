@@ -9,12 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import small_config
-from tessera.topology.schedule import KINDS, check_schedule, fewest_microbatches
+from tessera.topology.schedule import KINDS, V_KINDS, VIRTUAL_KINDS, check_schedule, fewest_microbatches
 
 
 @given(st.sampled_from(KINDS), st.integers(1, 8))
 def test_the_fewest_microbatches_are_what_the_schedule_accepts(kind, stages):
-    virtual = 2 if kind == "interleaved-1f1b" else 1
+    virtual = 2 if kind in VIRTUAL_KINDS + V_KINDS else 1
     least = fewest_microbatches(kind, stages, virtual)
     check_schedule(kind, stages, least, virtual)  # accepted
     if least > 1:
@@ -25,6 +25,7 @@ def test_the_fewest_microbatches_are_what_the_schedule_accepts(kind, stages):
 @pytest.mark.parametrize("flags, chosen", [
     (dict(), 1), (dict(pp=2), 2), (dict(pp=2, schedule="gpipe"), 1), (dict(pp=4, n_layers=4), 4),
     (dict(pp=2, schedule="interleaved-1f1b", virtual=2, n_layers=4), 2),
+    (dict(pp=2, schedule="zbv", virtual=2, n_layers=4), 2), (dict(pp=2, schedule="looped-bfs", virtual=2, n_layers=4), 1),
     (dict(pp=4, n_layers=4, global_batch=10), 5),  # 4 does not divide 10 rows: the next count that does
     (dict(pp=2, microbatches=4), 4),  # given: kept
 ])

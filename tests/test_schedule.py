@@ -7,7 +7,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tessera.parallel.pipeline import build_schedule
-from tessera.parallel.schedule import KINDS, Action, check_schedule, render, simulate, validate
+from tessera.parallel.schedule import KINDS, SPLIT_BACKWARD, Action, check_schedule, render, simulate, validate
+from tessera.topology.schedule import fill_weight_passes, placement_of, stage_rank
 
 stages = st.integers(1, 8)
 microbatches = st.integers(1, 32)
@@ -28,11 +29,11 @@ def test_every_microbatch_runs_each_op_once_per_stage_in_dependency_order(kind, 
     assume(buildable(kind, p, m, v))
     schedule = build_schedule(kind, p, m, v)
     assert len(schedule) == p
-    ops = ("F", "B", "W") if kind == "zb-h1" else ("F", "B")
+    ops = ("F", "B", "W") if kind in SPLIT_BACKWARD else ("F", "B")
     everything = [a for row in schedule for a in row]
     assert sorted(everything) == sorted(Action(op, i, s) for op in ops for i in range(m) for s in range(p * v))
     for r, row in enumerate(schedule):
-        assert all(a.stage % p == r for a in row)  # stage s lives on rank s % pp
+        assert all(stage_rank(a.stage, p, placement_of(kind)) == r for a in row)  # s % pp, or on zbv's V
         where = {a: k for k, a in enumerate(row)}
         for a in row:
             if a.op == "B":
@@ -82,6 +83,60 @@ def test_zero_bubble_beats_1f1b_when_microbatches_are_at_least_twice_the_stages(
     assert zb.bubble < one_f_one_b.bubble
     assert zb.makespan == 3 * m + p - 1  # ZB-H1's bubble: (p-1) (F + B - W)
     assert zb.peak_activations == one_f_one_b.peak_activations  # at 1F1B's activation memory
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 8), st.integers(2, 4))
+def test_interleaved_zero_bubble_beats_interleaved_1f1b_at_no_more_than_pp_pending_weight_passes(p, rounds, v):
+    """With F = B = W, filling the waits with W passes shortens interleaved 1F1B's step, never lengthens it,
+    and keeps at most pp + 1 W passes pending on a rank."""
+    m = p * rounds
+    costs = {"F": 1, "B": 1, "W": 1}
+    zb = simulate(build_schedule("interleaved-zb", p, m, v), costs)
+    interleaved = simulate(build_schedule("interleaved-1f1b", p, m, v), costs)  # its B costs B + W
+    assert zb.makespan <= interleaved.makespan and zb.bubble < interleaved.bubble
+    assert max(zb.peak_pending_weight_grads) <= p + 1
+    assert zb.peak_activations == interleaved.peak_activations  # the F/B order is interleaved 1F1B's
+
+
+@settings(max_examples=100, deadline=None)
+@given(stages, microbatches, virtuals)
+def test_looped_bfs_runs_every_forward_of_a_stage_before_the_next_and_holds_them_all(p, m, v):
+    schedule = build_schedule("looped-bfs", p, m, v)
+    for r, row in enumerate(schedule):
+        forwards = [a.stage for a in row if a.op == "F"]
+        assert forwards == sorted(forwards) and len(forwards) == m * v
+    assert simulate(schedule).peak_activations == [m * v] * p
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_filling_weight_passes_keeps_the_order_and_bounds_the_pending(p, m):
+    """fill_weight_passes on 1F1B's order: the F/B order is kept, each W after its B, and never more than
+    max_pending + 1 pending."""
+    assume(m >= p)
+    order = build_schedule("1f1b", p, m)
+    for cap in (0, 1, p):
+        filled = fill_weight_passes(order, max_pending=cap)
+        for r in range(p):
+            assert [a for a in filled[r] if a.op != "W"] == order[r]
+        timeline = simulate(filled)
+        assert max(timeline.peak_pending_weight_grads) <= cap + 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 4))
+def test_zbv_puts_two_stages_on_each_rank_in_a_v_and_beats_1f1b(p, rounds):
+    """zbv: rank r runs stages r and 2 pp - 1 - r (stage 0 and the last on rank 0), and with F = B = W its
+    step is no longer than 1F1B's with the same layers per rank (two half-size stages: F, B, W cost 1/2)."""
+    m = p * rounds
+    schedule = build_schedule("zbv", p, m, 2)
+    assert [sorted({a.stage for a in row}) for row in schedule] == [sorted({r, 2 * p - 1 - r}) for r in range(p)]
+    half = simulate(schedule, {"F": 0.5, "B": 0.5, "W": 0.5})
+    one_f_one_b = simulate(build_schedule("1f1b", p, m), {"F": 1, "B": 1, "W": 1})
+    assert half.makespan <= one_f_one_b.makespan
+    if p > 1 and m >= 2 * p:
+        assert half.bubble < one_f_one_b.bubble
 
 
 def test_a_deadlocking_schedule_is_named():

@@ -57,6 +57,7 @@ from typing import Callable
 
 from .axes import COMM_AXES, FLATTENED_BY_PURPOSE
 from .layout import Layout
+from .schedule import stage_rank, stages_on_rank
 from .shapes import (ModelShape, as_shape, fsdp_shard_numel, kv_heads_split, layer_shard_groups, split_layers,
                      stage_param_shapes)
 
@@ -124,6 +125,7 @@ class StepTraffic:
     param_bytes: int
     reduce_bytes: int
     routed_fraction: float | None = None  # ep: share of assignments moved off-rank; None: balanced routing
+    placement: str = "loop"  # where the stages live (topology/schedule.py's stage_rank)
 
     @property
     def first(self) -> bool:
@@ -165,6 +167,7 @@ def comm_bytes_per_step(
     param_bytes: int = 4,
     reduce_bytes: int = 4,
     routed_fraction: float | None = None,
+    placement: str = "loop",
 ) -> dict[str, float]:
     """Bytes `rank` sends per step, by the accounting names of topology/axes.py's table (COMM_AXES: "tp", "cp",
     "pp", FSDP's "dp_shard_cp", HSDP's "dp_replicate", "ep"), in the order of the volumes below.
@@ -180,13 +183,13 @@ def comm_bytes_per_step(
     n_stages = pp * virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages, layers_per_stage)
     p = layout.index("pp", rank)
-    stages = tuple(p + k * pp for k in range(virtual))
+    stages = tuple(stages_on_rank(p, pp, virtual, placement))
     n_blocks = sum(layers[st] for st in stages)
     recomputed = n_blocks if ac in ("full", "op") else (
         sum(len(range(0, layers[st], 2)) for st in stages) if ac == "selective" else 0)
     step = StepTraffic(cfg, layout, microbatches, global_batch // layout.dp // microbatches, seq_len // layout.cp,
                        n_stages, stages, n_blocks, recomputed, sequence_parallel, strategy, cp_method, act_bytes,
-                       param_bytes, reduce_bytes, routed_fraction)
+                       param_bytes, reduce_bytes, routed_fraction, placement)
     return {name: fn(step) for name, fn in VOLUMES.items()}
 
 
@@ -290,9 +293,13 @@ def pp_bytes(x: StepTraffic) -> float:
     if x.layout.pp == 1:
         return 0.0
     boundary = x.rows * (x.tokens // t if x.sequence_parallel else x.tokens) * cfg.dim * x.act_bytes
-    sends = sum((st < x.n_stages - 1) + (st > 0) for st in x.stages)
+    # a stage sends forward to the next and backward to the previous, unless that one is on this rank (the V's turn)
+    def other_rank(a: int, b: int) -> bool:
+        return stage_rank(a, x.layout.pp, x.placement) != stage_rank(b, x.layout.pp, x.placement)
+
+    sends = sum((st < x.n_stages - 1 and other_rank(st, st + 1)) + (st > 0 and other_rank(st, st - 1)) for st in x.stages)
     out = x.microbatches * sends * boundary
-    if cfg.tied_embeddings and (x.first or x.last):  # the tied embedding's gradient shard, summed over 2 ranks
+    if cfg.tied_embeddings and (x.first != x.last):  # the tied embedding's gradient shard, summed over 2 ranks
         shard = fsdp_shard_numel(-(-cfg.vocab_size // t), cfg.dim, x.layout.degree(FSDP.name))
         out += wire_bytes("all_reduce", shard * x.reduce_bytes, 2)
     return out

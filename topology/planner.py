@@ -49,7 +49,7 @@ from .axes import (AXIS, COMM_AXES, COMM_GROUPS, FLATTENED_BY_PURPOSE, OVERLAPPE
                    rest_axes, values_of)
 from .comm_model import comm_bytes_per_step, stage_layer_counts
 from .layout import AXES, Layout
-from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, simulate
+from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, placement_of, simulate, stages_on_rank
 from .shapes import (ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, kv_heads_fit, kv_heads_split, layer_param_shapes, layer_shard_groups,
                      stage_param_shapes)
 from .memory import AC_MODES as MEMORY_AC_MODES
@@ -74,7 +74,7 @@ assert set(RECOMPUTE) == set(MEMORY_AC_MODES), "a recompute share for every acti
 AC_MODES = tuple(sorted(RECOMPUTE, key=RECOMPUTE.__getitem__))
 # the strategies it enumerates: NO_SHARD and HYBRID_SHARD are layouts with dp_replicate, which it enumerates
 STRATEGIES = tuple(s for s in FSDP_STRATEGIES if s in ("FULL_SHARD", "SHARD_GRAD_OP"))
-SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv", "looped-bfs", "gpipe")
 
 FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's group: dp_shard x cp
 # a candidate's degree flags: the axes the planner enumerates (mesh order), then --dp and --dp-replicate, the
@@ -193,7 +193,8 @@ class Estimate:
 
 # ----------------------------------------------------------------------------- parameter counts
 @functools.lru_cache(maxsize=65536)
-def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int, ep: int = 1) -> tuple[int, int, int]:
+def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int, ep: int = 1,
+                   placement: str = "loop") -> tuple[int, int, int]:
     """(parameters before FSDP, after FSDP, largest FSDP unit) on pipeline rank `pp_rank` of a model of
     `shape` (a ModelShape): after tp and ep (E / ep experts per MoE block), FSDP2 cuts every tensor's dim 0
     over the `fsdp` ranks of dp_shard x cp, the experts under ep over the fsdp / ep ranks ep leaves (its
@@ -204,7 +205,7 @@ def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: in
     groups = layer_shard_groups(cfg, tp, ep, fsdp)
     block_numel = sum(r * c for shapes, _ in groups for r, c in shapes)
     block_sharded = sum(fsdp_shard_numel(r, c, n) for shapes, n in groups for r, c in shapes)
-    stages = [pp_rank + k * pp for k in range(virtual)]
+    stages = stages_on_rank(pp_rank, pp, virtual, placement)
     n_blocks = sum(layers[s] for s in stages)
     extra = [u for s in stages for u in stage_param_shapes(cfg, tp, s == 0, s == n_stages - 1, 0)]
     numel = n_blocks * block_numel + sum(r * c for u in extra for r, c in u)
@@ -213,9 +214,11 @@ def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: in
     return numel, sharded, unit_max
 
 
-def rank_params(shape, tp: int, pp: int, virtual: int, fsdp: int, ep: int = 1) -> tuple[int, int, int]:
+def rank_params(shape, tp: int, pp: int, virtual: int, fsdp: int, ep: int = 1,
+                placement: str = "loop") -> tuple[int, int, int]:
     """`rank_params_of` for the pp rank that holds the most: pp rank 0 (the embedding) or the last (the head)."""
-    return max((rank_params_of(shape, tp, pp, virtual, fsdp, p, ep) for p in sorted({0, pp - 1})), key=lambda x: x[0])
+    return max((rank_params_of(shape, tp, pp, virtual, fsdp, p, ep, placement) for p in sorted({0, pp - 1})),
+               key=lambda x: x[0])
 
 
 # ----------------------------------------------------------------------------- activations
@@ -302,7 +305,7 @@ def pipeline_profile(kind: str, pp: int, microbatches: int, virtual: int) -> tup
     if pp == 1:
         return 0.0, (1,)
     timeline = simulate(build_schedule(kind, pp, microbatches, virtual), {"F": 1.0, "B": 1.0, "W": 1.0})
-    return timeline.bubble, tuple(timeline.peak_activations)
+    return timeline.bubble, tuple(timeline.peak_held_activations)  # a deferred W holds its layer's inputs
 
 
 # ----------------------------------------------------------------------------- flops
@@ -348,7 +351,8 @@ def expert_weight_seconds(shape, cand: Candidate, hw: Hardware, seq_len: int, gl
     local = cfg.n_experts // lay.ep * per_expert // lay.tp
     n_stages = lay.pp * cand.virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages)
-    blocks = max(sum(layers[p + k * lay.pp] for k in range(cand.virtual)) for p in range(lay.pp))
+    placement = placement_of(cand.schedule)
+    blocks = max(sum(layers[s] for s in stages_on_rank(p, lay.pp, cand.virtual, placement)) for p in range(lay.pp))
     passes = 3 + {"none": 0.0, "selective": 0.5}.get(cand.ac, 1.0)  # op and full rerun each forward
     weight_bytes = cand.microbatches * blocks * local * hw.dtype_bytes * passes
     cal = hw.calibration
@@ -390,7 +394,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
     compute_stretched = compute / (1 - bubble)
     comm = comm_bytes_per_step(cfg, lay, seq_len, global_batch, cand.microbatches, cand.sequence_parallel,
                                cand.strategy, cand.virtual, cand.ac, "ring", rank=0, act_bytes=e, param_bytes=e,
-                               reduce_bytes=4)
+                               reduce_bytes=4, placement=placement_of(cand.schedule))
     # each accounting name's traffic over its group's links; FSDP's, HSDP's and ring K/V's overlap compute
     # (only their excess is exposed), the rest (tp, pp) is exposed
     t = {name: comm[name] / axis_bandwidth(lay, COMM_GROUPS[name], hw, _group_ranks(lay, name)) for name in comm}
@@ -412,11 +416,12 @@ def calibrated_compute(shape, cand: Candidate, hw: Hardware, seq_len: int, globa
     cfg = as_shape(shape)
     lay = cand.layout
     fsdp = fsdp_degree(lay)
-    biggest = max(sorted({0, lay.pp - 1}), key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p, lay.ep)[0])
-    _, sharded, _ = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, biggest, lay.ep)
+    biggest = max(sorted({0, lay.pp - 1}), key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p, lay.ep,
+                                                                         placement_of(cand.schedule))[0])
+    _, sharded, _ = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, biggest, lay.ep, placement_of(cand.schedule))
     n_stages = lay.pp * cand.virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages)
-    stages = [biggest + k * lay.pp for k in range(cand.virtual)]
+    stages = stages_on_rank(biggest, lay.pp, cand.virtual, placement_of(cand.schedule))
     blocks = sum(layers[s] for s in stages)
     # parameter tensors: a block's (9 in Llama's), the embedding on the first stage, the final norm and head on the last
     extra = [u for s in stages for u in stage_param_shapes(cfg, lay.tp, s == 0, s == n_stages - 1, 0)]
@@ -433,8 +438,9 @@ def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, i
     lay, e, r = cand.layout, hw.dtype_bytes, get_recipe(hw.recipe)
     n_stages = lay.pp * cand.virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages)
-    stages = [pp_rank + k * lay.pp for k in range(cand.virtual)]
-    tp_local, sharded, unit_max = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank, lay.ep)
+    placement = placement_of(cand.schedule)
+    stages = stages_on_rank(pp_rank, lay.pp, cand.virtual, placement)
+    tp_local, sharded, unit_max = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank, lay.ep, placement)
     stage = 0 if fsdp == 1 else (2 if cand.strategy == "SHARD_GRAD_OP" else 3)
     # FSDP2 keeps every strategy's parameters sharded at rest; SHARD_GRAD_OP's are also gathered from
     # forward to backward (gathered_params below): the ZeRO-2 figure of topology.memory plus that copy
@@ -470,7 +476,7 @@ def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, i
     m["activations"] = acts
     last = n_stages - 1 in stages
     kept, transient = loss_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e) if last else (0.0, 0.0)
-    m["logits"] = (in_flight if cand.schedule == "gpipe" else 1) * kept + transient
+    m["logits"] = (in_flight if cand.schedule in ("gpipe", "looped-bfs") else 1) * kept + transient
     kv_block = 2 * mb_rows * seq * _kv_out(cfg, lay.tp) * e
     # the rotary cos and sin tables, fp32 (none with learned positions: those are parameters)
     rope = 0 if cfg.learned_positions else 2 * (cfg.max_seq_len or seq * lay.cp) * (cfg.head_dim // 2) * 4
@@ -601,7 +607,7 @@ def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
         return [("1f1b", 1)]
     out = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1)]
     if n_layers >= 2 * pp:
-        out.append(("interleaved-1f1b", 2))
+        out += [("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2), ("looped-bfs", 2)]
     return out
 
 

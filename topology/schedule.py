@@ -14,18 +14,24 @@ stage s needs B of stage s + 1 (its output gradient), or its own F on the last s
                       of pp): the bubble shrinks by `virtual`
     zb-h1             zero-bubble ZB-H1: 1F1B's order with B split into B (input gradient) and W (weight
                       gradient); rank r defers its first r W's to fill the cool-down, at 1F1B's memory
+    looped-bfs        breadth first over `virtual` stages per rank: every microbatch's forward through a
+                      rank's first stage, then its next, ...; backwards in reverse (GPipe per stage: fewest
+                      switches, peak m x virtual activations)
+    interleaved-zb    interleaved 1F1B's order with B split into B and W, each W placed where its rank
+                      would otherwise wait (at most pp W's pending): zero bubble with virtual stages
+    zbv               zero bubble on a V: two stages per rank, rank r holding stages r and 2 pp - 1 - r (the
+                      first and the last on rank 0, so a microbatch's forward turns around on rank pp - 1
+                      with no message); F and B listed as each becomes ready (B first, deeper stages first,
+                      at most 2 pp forwards in flight per rank), W's placed as in interleaved-zb
+
+Placement: stage s runs on rank `stage_rank(s, pp, placement)`: s % pp for every kind but zbv's "v".
 
 `simulate` runs a schedule with per-op costs (no compute is done): each rank's timeline, the makespan, the
 bubble fraction, the peak activations in flight, and a clear error if the schedule would deadlock.
 `render` draws the timeline as text, one row per rank. Errors name the first bad action by its rank and
 its position in that rank's list (both counted from 0).
 
-Schedules as files (`tessera train --schedule-file`): `read_schedule_file` reads CSV, one line per pp
-rank of actions written STAGE OP MICROBATCH (0F1: stage 0's forward of microbatch 1, as torch's
-pipelining CSVs write them), or JSON ({"ranks": [["0F0", ...], ...]}, or lists of {"op", "stage",
-"microbatch"}); `write_schedule_file` writes either (a built-in kind dumped as a starting point to edit);
-`check_fits` proves one (validate, simulate) and checks it against the run's pp, virtual and microbatches.
-Files are parsed, never evaluated.
+Schedules as files (`tessera train --schedule-file`): topology/schedule_files.py.
 
 Pure Python (no torch): the planner simulates schedules with it, and tessera.parallel.pipeline runs them
 (`tessera.parallel.schedule` re-exports this module).
@@ -33,15 +39,14 @@ Pure Python (no torch): the planner simulates schedules with it, and tessera.par
 
 from __future__ import annotations
 
-import csv
-import json
-import os
-import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
-KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)  # kinds whose backward is B (input gradient) + W (weight gradient)
+KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "interleaved-zb", "zbv")
+SPLIT_BACKWARD = ("zb-h1", "interleaved-zb", "zbv")  # kinds whose backward is B (input gradient) + W (weight gradient)
+V_KINDS = ("zbv",)  # kinds on the V placement: two stages per rank, rank r holding r and 2 pp - 1 - r
+VIRTUAL_KINDS = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")  # kinds that run several stages per rank
+ANY_MICROBATCHES = ("gpipe", "looped-bfs")  # kinds that run any number of microbatches (the rest: >= pp)
 OPS = ("F", "B", "W")
 
 
@@ -54,6 +59,25 @@ class Action(NamedTuple):
         return f"{self.op}{self.microbatch}@{self.stage}"
 
 
+def placement_of(kind: str | None) -> str:
+    """Where a kind puts its stages: "v" (zbv) or "loop" (stage s on rank s % pp; a schedule file too)."""
+    return "v" if kind in V_KINDS else "loop"
+
+
+def stage_rank(stage: int, pp: int, placement: str = "loop") -> int:
+    """The pp rank that holds `stage`: s % pp, or on the V rank s for s < pp and 2 pp - 1 - s after."""
+    if placement == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def stages_on_rank(rank: int, pp: int, virtual: int = 1, placement: str = "loop") -> list[int]:
+    """The stages pp rank `rank` holds, ascending: r, r + pp, r + 2 pp, ... or on the V r and 2 pp - 1 - r."""
+    if placement == "v":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual)]
+
+
 def check_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -> None:
     """ValueError naming the value and the fix for any (kind, stages, microbatches, virtual) that
     `build_schedule` cannot build."""
@@ -62,14 +86,16 @@ def check_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
     for name, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value} must be a positive integer")
-    if virtual > 1 and kind != "interleaved-1f1b":
-        raise ValueError(f"--virtual {virtual} needs --schedule interleaved-1f1b ({kind} runs one stage per rank); "
-                         f"use --virtual 1")
-    if kind != "gpipe" and microbatches < stages:
+    if kind in V_KINDS and virtual != 2:
+        raise ValueError(f"--schedule {kind} runs two stages per rank on a V: use --virtual 2 (not {virtual})")
+    if virtual > 1 and kind not in VIRTUAL_KINDS + V_KINDS:
+        raise ValueError(f"--virtual {virtual} needs --schedule {' or '.join(VIRTUAL_KINDS)} ({kind} runs one stage "
+                         f"per rank); use --virtual 1")
+    if kind not in ANY_MICROBATCHES and microbatches < stages:
         raise ValueError(f"--schedule {kind} needs at least as many microbatches as stages: --microbatches "
                          f"{microbatches} < --pp {stages}; use --microbatches {stages} or more (or --schedule gpipe)")
-    if kind == "interleaved-1f1b" and virtual > 1 and microbatches % stages:
-        raise ValueError(f"--schedule interleaved-1f1b runs microbatches in rounds of pp: --microbatches "
+    if kind in ("interleaved-1f1b", "interleaved-zb") and virtual > 1 and microbatches % stages:
+        raise ValueError(f"--schedule {kind} runs microbatches in rounds of pp: --microbatches "
                          f"{microbatches} is not a multiple of --pp {stages}; use "
                          f"--microbatches {stages * -(-microbatches // stages)}")
 
@@ -77,7 +103,7 @@ def check_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
 def fewest_microbatches(kind: str, stages: int, virtual: int = 1) -> int:
     """The fewest microbatches `kind` runs on `stages` ranks (what check_schedule asks for): GPipe one; the
     others one per stage (interleaved 1F1B runs them in rounds of pp)."""
-    return 1 if kind == "gpipe" else stages
+    return 1 if kind in ANY_MICROBATCHES else stages
 
 
 def build_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -90,6 +116,14 @@ def build_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
         return [_one_f_one_b(r, p, m) for r in range(p)]
     if kind == "interleaved-1f1b":
         return [_interleaved(r, p, m, virtual) for r in range(p)]
+    if kind == "looped-bfs":
+        return [[Action("F", i, c * p + r) for c in range(virtual) for i in range(m)]
+                + [Action("B", i, c * p + r) for c in reversed(range(virtual)) for i in range(m)] for r in range(p)]
+    if kind == "interleaved-zb":
+        order = [_one_f_one_b(r, p, m) if virtual == 1 else _interleaved(r, p, m, virtual) for r in range(p)]
+        return fill_weight_passes(order, max_pending=p)
+    if kind == "zbv":
+        return fill_weight_passes(_v_order(p, m), max_pending=p)
     return [_zb_h1(r, p, m) for r in range(p)]
 
 
@@ -143,6 +177,86 @@ def _zb_h1(r: int, p: int, m: int) -> list[Action]:
     return out + [Action("W", i, r) for i in pending]
 
 
+def _v_order(p: int, m: int, costs: dict[str, float] | None = None) -> list[list[Action]]:
+    """F's and B's on the V placement, listed as the simulator's clock makes each ready: at each step the
+    action that can start earliest anywhere runs (ties: B before F, the deeper stage first), each stage
+    taking its microbatches in order, a rank starting no forward while 2 p of its own are in flight."""
+    costs = {**DEFAULT_COSTS, **(costs or {})}
+    stages = 2 * p
+    finished: dict[Action, float] = {}
+    free = [0.0] * p
+    next_op = {(op, s): 0 for op in ("F", "B") for s in range(stages)}
+    in_flight = [0] * p
+    out: list[list[Action]] = [[] for _ in range(p)]
+    for _ in range(2 * stages * m):
+        best = None
+        for s in range(stages):
+            r = stage_rank(s, p, "v")
+            for op in ("B", "F"):
+                i = next_op[(op, s)]
+                if i == m or (op == "F" and in_flight[r] >= 2 * p):
+                    continue
+                a = Action(op, i, s)
+                dep = dependency(a, stages)
+                if dep is not None and dep not in finished:
+                    continue
+                start = max(free[r], finished[dep] if dep is not None else 0.0)
+                key = (start, op == "F", -s)
+                if best is None or key < best[0]:
+                    best = (key, a, r)
+        if best is None:
+            raise AssertionError(f"no action can run on the V (p={p}, m={m}): the in-flight bound is too tight")
+        (start, _, _), a, r = best
+        finished[a] = free[r] = start + costs[a.op]
+        next_op[(a.op, a.stage)] += 1
+        in_flight[r] += 1 if a.op == "F" else -1
+        out[r].append(a)
+    return out
+
+
+def fill_weight_passes(order: Sequence[Sequence[Action]], costs: dict[str, float] | None = None,
+                       max_pending: int | None = None) -> list[list[Action]]:
+    """A split-backward schedule from an order of F's and B's per rank (each B now the input gradient only):
+    each weight gradient W waits, pending, until its rank would otherwise sit idle (the next F or B's input
+    not there yet, or arriving later than a W takes), and runs there; with more than `max_pending` pending
+    (their activations held) the oldest runs first; the rest at the end. Decided on the simulator's clock,
+    ranks taken in the order they come free; the F/B order is kept, so a deadlock-free order stays so."""
+    costs = {**DEFAULT_COSTS, **(costs or {})}
+    stages = 1 + max((a.stage for row in order for a in row), default=0)
+    p = len(order)
+    finished: dict[Action, float] = {}
+    free, index = [0.0] * p, [0] * p
+    pending: list[list[Action]] = [[] for _ in range(p)]
+    out: list[list[Action]] = [[] for _ in range(p)]
+
+    def run(r: int, a: Action, start: float) -> None:
+        finished[a] = free[r] = start + costs[a.op]
+        out[r].append(a)
+        if a.op == "B":
+            pending[r].append(Action("W", a.microbatch, a.stage))
+
+    while any(index[r] < len(order[r]) for r in range(p)):
+        for r in sorted(range(p), key=free.__getitem__):
+            if index[r] == len(order[r]):
+                continue
+            a = order[r][index[r]]
+            dep = dependency(a, stages)
+            ready = 0.0 if dep is None else finished.get(dep)
+            full = max_pending is not None and len(pending[r]) > max_pending
+            if pending[r] and (full or ready is None or ready >= free[r] + costs["W"]):
+                run(r, pending[r].pop(0), free[r])  # a W in the time the rank would wait
+            elif ready is not None:
+                run(r, a, max(free[r], ready))
+                index[r] += 1
+            else:
+                continue  # waits for another rank
+            break
+        else:
+            raise ValueError("the F/B order deadlocks: " + "; ".join(
+                f"rank {r} waits at {order[r][index[r]]}" for r in range(p) if index[r] < len(order[r])))
+    return [row + pending[r] for r, row in enumerate(out)]
+
+
 # ----------------------------------------------------------------------------- the simulator
 @dataclass
 class Timeline:
@@ -154,6 +268,8 @@ class Timeline:
     bubble: float
     peak_activations: list[int]
     peak_pending_weight_grads: list[int] = field(default_factory=list)
+    # activations held per rank at the peak: F run, its W (or, without W's, its B) not yet
+    peak_held_activations: list[int] = field(default_factory=list)
 
 
 DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
@@ -264,7 +380,8 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None, name: Na
     busy = sum(end - start for row in ranks for start, end, _ in row)
     bubble = 1.0 - busy / (len(schedule) * makespan) if makespan > 0 else 0.0
     return Timeline(ranks, makespan, bubble, [_peak(row, "F", "B") for row in schedule],
-                    [_peak(row, "B", "W") if split else 0 for row in schedule])
+                    [_peak(row, "B", "W") if split else 0 for row in schedule],
+                    [_peak(row, "F", "W" if split else "B") for row in schedule])
 
 
 def _peak(actions: Sequence[Action], opens: str, closes: str) -> int:
@@ -290,156 +407,3 @@ def render(timeline: Timeline, width: int = 4) -> str:
             clock = end
         lines.append(f"rank {r} | " + "".join(cells).rstrip())
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- schedules as files
-_ACTION = re.compile(r"(-?\d+)\s*([A-Za-z]+)\s*(-?\d+)")  # STAGE OP MICROBATCH; signs only to name them
-
-
-def action_text(a: Action) -> str:
-    """An action as a schedule file writes it: STAGE OP MICROBATCH, e.g. 0F1 (torch's pipelining CSV form)."""
-    return f"{a.stage}{a.op}{a.microbatch}"
-
-
-def parse_action(text: str) -> Action:
-    """'0F1' -> Action('F', 1, 0); ValueError naming the text and what is wrong with it."""
-    m = _ACTION.fullmatch(text.strip())
-    if m is None:
-        raise ValueError(f"{text!r} is not an action; write STAGE OP MICROBATCH, e.g. 0F1 (stage 0's forward of "
-                         f"microbatch 1)")
-    stage, op, microbatch = int(m[1]), m[2].upper(), int(m[3])
-    if op not in OPS:
-        # torch's I (input gradient) is our B of a schedule with W's; its full backward is our B
-        hint = " (torch's I, the input gradient, is B here, with W's in the file)" if op == "I" else ""
-        raise ValueError(f"{text!r} has op {m[2]!r}; ops are F, B and W{hint}")
-    return _checked(text, op, stage, microbatch)
-
-
-def _checked(text: str, op: str, stage: int, microbatch: int) -> Action:
-    for what, value in (("stage", stage), ("microbatch", microbatch)):
-        if value < 0:
-            raise ValueError(f"{text!r} has {what} {value}; stages and microbatches count from 0")
-    return Action(op, microbatch, stage)
-
-
-def _action_from_json(item: Any) -> Action:
-    """A JSON action: "0F1", or {"op": "F", "stage": 0, "microbatch": 1}."""
-    if isinstance(item, str):
-        return parse_action(item)
-    text = json.dumps(item)
-    if not isinstance(item, dict) or set(item) != {"op", "stage", "microbatch"}:
-        raise ValueError(f"{text} is not an action; write \"0F1\" or {{\"op\": \"F\", \"stage\": 0, \"microbatch\": 1}}")
-    op, stage, microbatch = item["op"], item["stage"], item["microbatch"]
-    if not isinstance(op, str) or op.upper() not in OPS:
-        raise ValueError(f"{text} has op {json.dumps(op)}; ops are F, B and W")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (stage, microbatch)):
-        raise ValueError(f"{text}: stage and microbatch must be integers")
-    return _checked(text, op.upper(), stage, microbatch)
-
-
-def _is_json(path: str, text: str) -> bool:
-    if path.lower().endswith(".json"):
-        return True
-    return not path.lower().endswith(".csv") and text.lstrip()[:1] in ("{", "[")
-
-
-def read_schedule_file(path: str | os.PathLike) -> list[list[Action]]:
-    """The schedule a file holds, one list of actions per pp rank, parsed (never evaluated). CSV (any name
-    but *.json, unless it starts with { or [): one line per rank, comma-separated cells STAGE OP MICROBATCH
-    (0F0,0F1,0B0,...), blank cells ignored, blank lines and lines starting with # skipped. JSON:
-    {"ranks": [["0F0", ...], ...]} or a list of such lists, each action a string or {"op", "stage",
-    "microbatch"}. Only the text is checked here (validate / check_fits prove the schedule); ValueError
-    naming the file, the rank (and the CSV line) and the bad action's text."""
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ValueError(f"schedule file {path} does not exist; give the path of a CSV or JSON schedule") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"schedule file {path} cannot be read ({getattr(e, 'strerror', None) or e}); give a "
-                         f"readable CSV or JSON file") from None
-    schedule = _read_json(path, text) if _is_json(path, text) else _read_csv(path, text)
-    if not schedule:
-        raise ValueError(f"schedule file {path} holds no ranks; write one line of actions per pp rank, e.g. 0F0,0B0")
-    return schedule
-
-
-def _read_csv(path: str, text: str) -> list[list[Action]]:
-    schedule: list[list[Action]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        row: list[Action] = []
-        for cell in next(csv.reader([line])):  # csv, so quoted cells ("0F1") read as their text
-            if cell.strip():
-                try:
-                    row.append(parse_action(cell))
-                except ValueError as e:
-                    raise ValueError(f"schedule file {path}, line {number} (rank {len(schedule)}): {e}") from None
-        schedule.append(row)
-    return schedule
-
-
-def _read_json(path: str, text: str) -> list[list[Action]]:
-    shape = 'write {"ranks": [["0F0", "0B0"], ...]}, one list of actions per pp rank'
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"schedule file {path} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); "
-                         f"{shape}") from None
-    ranks = data.get("ranks") if isinstance(data, dict) else data
-    if not isinstance(ranks, list) or not all(isinstance(row, list) for row in ranks):
-        raise ValueError(f"schedule file {path} holds no list of ranks; {shape}")
-    schedule: list[list[Action]] = []
-    for r, row in enumerate(ranks):
-        actions: list[Action] = []
-        for k, item in enumerate(row):
-            try:
-                actions.append(_action_from_json(item))
-            except ValueError as e:
-                raise ValueError(f"schedule file {path}, rank {r} position {k}: {e}") from None
-        schedule.append(actions)
-    return schedule
-
-
-def write_schedule_file(schedule: Schedule, path: str | os.PathLike) -> None:
-    """Write a schedule for read_schedule_file: JSON ({"ranks": [...]}, one rank per line) when the path
-    ends in .json, else CSV (one line per rank)."""
-    path = os.fspath(path)
-    rows = [[action_text(a) for a in actions] for actions in schedule]
-    if path.lower().endswith(".json"):
-        text = '{"ranks": [\n' + ",\n".join("  " + json.dumps(row) for row in rows) + "\n]}\n"
-    else:
-        text = "".join(",".join(row) + "\n" for row in rows)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def check_fits(schedule: Schedule, pp: int, virtual: int, microbatches: int,
-               source: str = "the schedule", name: Namer = str) -> tuple[int, int, bool]:
-    """The schedule is sound (validate, then simulate: dependencies, deadlocks) and runs on this pipeline:
-    one row per pp rank, pp x virtual stages with stage s on rank s % pp (where the executor puts its
-    layers), `microbatches` microbatches. Returns validate's (stages, microbatches, split_backward);
-    ValueError naming `source`, the first bad action or value, and the fix."""
-    if len(schedule) != pp:
-        raise ValueError(f"{source} has {len(schedule)} ranks (rows) and --pp is {pp}: give one row of actions "
-                         f"per pp rank, or use --pp {len(schedule)}")
-    try:
-        stages, found, split = validate(schedule, name)
-        simulate(schedule, name=name)
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from None
-    for r, actions in enumerate(schedule):
-        for k, a in enumerate(actions):
-            if a.stage % pp != r:
-                raise ValueError(f"{source}: {_at(r, k, a, name)} runs stage {a.stage}, which lives on rank "
-                                 f"{a.stage % pp} (stage s on rank s % pp, where its layers are); move it to rank {a.stage % pp}'s row")
-    if stages != pp * virtual:
-        fix = (f"use --virtual {stages // pp}" if stages % pp == 0
-               else f"give it {pp * virtual} stages (0 to {pp * virtual - 1}, stage s on rank s % pp)")
-        raise ValueError(f"{source} runs {stages} stages and --pp {pp} x --virtual {virtual} is {pp * virtual}: {fix}")
-    if found != microbatches:
-        raise ValueError(f"{source} runs {found} microbatches and --microbatches is {microbatches}: use "
-                         f"--microbatches {found} (or leave it out: a schedule file's count is the default)")
-    return stages, found, split

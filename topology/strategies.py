@@ -82,11 +82,11 @@ class ScheduleCase(NamedTuple):
 def schedules(draw, max_stages: int = 4, max_microbatches: int = 8, kinds: Sequence[str] | None = None,
               max_virtual: int = 2) -> ScheduleCase:
     """A pipeline schedule that build_schedule accepts, with the arguments that built it."""
-    from .schedule import KINDS, build_schedule, check_schedule
+    from .schedule import KINDS, VIRTUAL_KINDS, build_schedule, check_schedule
 
     kind = draw(st.sampled_from(list(kinds or KINDS)))
     stages = draw(st.integers(1, max_stages))
-    virtual = draw(st.integers(2, max(2, max_virtual))) if kind == "interleaved-1f1b" else 1
+    virtual = draw(st.integers(2, max(2, max_virtual))) if kind in VIRTUAL_KINDS else 1
     microbatches = draw(st.integers(1, max_microbatches))
     try:
         check_schedule(kind, stages, microbatches, virtual)
