@@ -104,12 +104,12 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from tessera.parallel import ParallelConfig
-    from tessera.parallel.context import zigzag_indices, zigzag_shard
     from tessera.parallel.data import DataParallelConfig
     from tessera.parallel.loss import CrossEntropySum, count_valid
     from tessera.parallel.pipeline import PipelineConfig
     from tessera.topology import Meshes
 
+    from .batches import StepData
     from .parts import build_parts
     from .runners import split_microbatches
 
@@ -119,22 +119,15 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
     meshes = Meshes(layout, "cpu")
     parallel = ParallelConfig(layout, data=DataParallelConfig(strategy=spec.fsdp), cp_method=spec.cp_method,
                               pipeline=PipelineConfig(schedule=spec.schedule, microbatches=spec.microbatches))
-    cp, cp_index = layout.cp, layout.index("cp", rank)
-
-    def positions(tokens: Tensor) -> Tensor | None:
-        return None if cp == 1 else zigzag_indices(tokens.shape[1] * cp, cp_index, cp, tokens.device)
-
+    inputs, targets = spec.batch[:2]
+    data = StepData(layout, meshes, rank, torch.device("cpu"), inputs.shape[1], inputs.shape[0], spec.microbatches,
+                    pack=len(spec.batch) > 2)
     loss_fn = CrossEntropySum(model_config.vocab_size, meshes.tp)
     built = build_parts(spec.model_spec, model_config, meshes, parallel, torch.device("cpu"), spec.seed,
-                        spec.microbatches, loss_fn, positions, global_rows=spec.batch[0].shape[0])
+                        spec.microbatches, loss_fn, data.positions_of, global_rows=spec.batch[0].shape[0])
     params = [p for part in built.parts for p in part.parameters()]
     optimizer = torch.optim.SGD(params, lr=spec.lr)
-    inputs, targets = spec.batch[:2]
-    rows = inputs.shape[0] // layout.dp
-    i = meshes.batch_index
-    x, y, *packed = (t[i * rows:(i + 1) * rows] for t in spec.batch)  # packed: documents' positions
-    if cp > 1:
-        x, y, *packed = (zigzag_shard(t, 1, cp_index, cp) for t in (x, y, *packed))
+    x, y, *packed = data.of_global_batch(*spec.batch)  # packed: documents' positions
     valid = count_valid(targets)
     # gathering FSDP-over-tp gradients whole: torch logs a note per rank about its two all-gathers
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tessera.models.data import IGNORE_INDEX, TokenStream, pack_documents
+from tessera.models.data import TokenStream
 from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
 from tessera.models.spec import spec_of
@@ -29,12 +29,12 @@ from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
 from tessera.parallel.clip import clip_grad_norm_
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
-from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.expert import expert_load, load_report, update_biases
-from tessera.parallel.loss import CrossEntropySum, count_valid
+from tessera.parallel.loss import CrossEntropySum
 from tessera.topology import Meshes
 
+from .batches import StepData
 from .config import Config
 from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
 from .parts import build_parts
@@ -145,9 +145,11 @@ class Trainer:
         self.model_config = config.model_config
         self.spec = spec_of(self.model_config)
         self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
-        self.cp_index = self.layout.index("cp", self.rank)
+        d = config.data
+        self.batches = StepData(self.layout, self.meshes, self.rank, self.device, d.seq_len, d.global_batch,
+                                d.microbatches, d.pack_documents)
         built = build_parts(self.spec, self.model_config, self.meshes, config.parallel_config(), self.device,
-                            config.runtime.seed, config.data.microbatches, self.loss_fn, self.positions_of,
+                            config.runtime.seed, config.data.microbatches, self.loss_fn, self.batches.positions_of,
                             timeout=config.runtime.timeout, global_rows=config.data.global_batch)
         self.parts, self.runner, self.tied = built.parts, built.runner, built.tied
         o = config.optimizer
@@ -187,35 +189,9 @@ class Trainer:
         pipeline stage is left out, as one process holds the tensor once)."""
         return self.tied.for_norm(self.parameters())
 
-    def positions_of(self, inputs: Tensor) -> Tensor | None:
-        """The global positions of this rank's tokens `inputs` (rows, S / cp): its zigzag chunks under
-        context parallel; None (0..S-1, the model's default) otherwise."""
-        if self.layout.cp == 1:
-            return None
-        return zigzag_indices(inputs.shape[1] * self.layout.cp, self.cp_index, self.layout.cp, inputs.device)
-
     def local_batch(self, *batch: Tensor) -> tuple[Tensor, ...]:
-        """This rank's part of a global batch (inputs, targets and any per-token tensor beside them): its dp
-        rows (the same rows across tp, cp and pp), and under context parallel its zigzag chunks of each
-        sequence (their positions: `positions_of`)."""
-        rows = batch[0].shape[0] // self.layout.dp
-        i = self.meshes.batch_index
-        return self.local_rows(*(t[i * rows : (i + 1) * rows] for t in batch))
-
-    def local_rows(self, *rows: Tensor) -> tuple[Tensor, ...]:
-        """This rank's dp rows (inputs, targets and any per-token tensor beside them), cut to its zigzag
-        chunks under context parallel, on its device."""
-        if self.layout.cp > 1:
-            rows = tuple(zigzag_shard(t, 1, self.cp_index, self.layout.cp) for t in rows)
-        return tuple(t.to(self.device) for t in rows)
-
-    def packed(self, inputs: Tensor, targets: Tensor, data: Any) -> tuple[Tensor, ...]:
-        """With --pack-documents: (inputs, targets with each separator's target masked, per-document
-        positions) of whole rows, before any sequence sharding; else (inputs, targets)."""
-        if not self.config.data.pack_documents:
-            return inputs, targets
-        targets, positions = pack_documents(inputs, targets, data.separator)
-        return inputs, targets, positions
+        """This rank's part of a global batch, on its device (runtime/batches.py)."""
+        return self.batches.of_global_batch(*batch)
 
     def evaluate(self) -> float:
         """The mean loss over --eval-batches global batches of --eval-data, read from their start each time
@@ -233,7 +209,7 @@ class Trainer:
         try:
             for _ in range(d.eval_batches):
                 rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
-                local = self.local_rows(*self.packed(rows_in, rows_tg, held_out))
+                local = self.batches.local(rows_in, rows_tg, held_out)
                 if self.layout.pp > 1:  # through the stages, forward only (every pp rank gets the sums)
                     loss_sum, count = self.runner.forward_only(split_microbatches(*local[:2], d.microbatches, *local[2:]))
                 else:
@@ -323,34 +299,6 @@ class Trainer:
             self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4,
             placement=p.pipeline.placement)
 
-    def _global_counts(self, mine: list[int]) -> list[int]:
-        """Counts over this dp rank's rows, summed over the dp ranks (the cp ranks of one hold the same rows)."""
-        if self.meshes.loss is None:
-            return mine
-        total = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        with collective("all_reduce (document counts)", "dp_cp", self.meshes.loss.get_group()):
-            dist.all_reduce(total, group=self.meshes.loss.get_group())
-        return [int(t) // self.layout.cp for t in total.tolist()]
-
-    def _documents(self, documents: int, left_out: int) -> dict[str, Any]:
-        """The step's packing, as its record reports it: documents (a document cut by a row's end counts in
-        each row it reaches), their mean length, and the targets left out of the loss (each separator's)."""
-        tokens = self.config.data.global_batch * self.config.data.seq_len
-        return {"documents": documents, "mean_length": tokens / max(1, documents), "targets_left_out": left_out}
-
-    def _tokens_checksum(self, inputs: Tensor, targets: Tensor) -> int:
-        """A checksum of the step's whole global batch from each dp rank's rows (ids weighted by their
-        global row and position), added over the dp ranks: equal runs read equal tokens on any layout."""
-        rows, seq = inputs.shape
-        first = self.meshes.batch_index * rows
-        tokens = torch.cat([inputs, targets[:, -1:]], dim=1).long()
-        weights = (torch.arange(first, first + rows).view(-1, 1) + 1) * (torch.arange(seq + 1).view(1, -1) + 1)
-        local = torch.tensor([int((tokens * weights).sum())], dtype=torch.int64, device=self.device)
-        if self.meshes.loss is not None:  # dp x cp ranks; the cp ranks of one dp rank hold the same rows
-            with collective("all_reduce (tokens checksum)", "dp_cp", self.meshes.loss.get_group()):
-                dist.all_reduce(local, group=self.meshes.loss.get_group())
-        return int(local.item()) // self.layout.cp
-
     def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         waits: dict[str, float] = {}
         token = WAIT_SECONDS.set(waits)
@@ -363,28 +311,12 @@ class Trainer:
 
     def _train_step_inner(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         started = time.perf_counter()
-        if hasattr(self.data, "next_local_batch"):  # token files: a rank reads only its rows
-            rows_in, rows_tg, valid = self.data.next_local_batch(self.meshes.batch_index, self.layout.dp)
-            tokens_checksum = self._tokens_checksum(rows_in, rows_tg)
-            rows = self.packed(rows_in, rows_tg, self.data)
-            documents = None
-            if self.config.data.pack_documents:  # documents and targets left out, counted over the global batch
-                counts = self._global_counts([int((rows[2] == 0).sum()), int((rows[1] == IGNORE_INDEX).sum())])
-                documents, valid = self._documents(*counts), valid - counts[1]
-            local = self.local_rows(*rows)
-        else:
-            tokens_checksum = None
-            batch = self.packed(*self.data.next_global_batch(), self.data)
-            valid = count_valid(batch[1])  # over the whole global batch: the denominator on every rank
-            documents = (self._documents(int((batch[2] == 0).sum()), int((batch[1] == IGNORE_INDEX).sum()))
-                         if self.config.data.pack_documents else None)
-            local = self.local_batch(*batch)
-        global_tokens = self.config.data.global_batch * self.config.data.seq_len
-        microbatches = split_microbatches(local[0], local[1], self.config.data.microbatches, *local[2:])
+        step = self.batches.next_step(self.data)
+        valid, global_tokens = step.valid, self.config.data.global_batch * self.config.data.seq_len
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         for part in self.parts if self.spec.moe else ():
             reset_counters(part)  # the MoE blocks' load counters: this step's only
-        loss_sum = self.runner.forward_backward(microbatches, valid)
+        loss_sum = self.runner.forward_backward(step.microbatches, valid)
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
         if on_grads is not None:
             on_grads(self.parts)
@@ -428,9 +360,9 @@ class Trainer:
         self.progress.consumed_tokens += global_tokens
         return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, global_tokens, started,
                           self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps,
-                          skip_report=skip_report, straggler=straggler, tokens_checksum=tokens_checksum,
+                          skip_report=skip_report, straggler=straggler, tokens_checksum=step.tokens_checksum,
                           moe=None if load is None else load_report(*load, self.config.data.global_batch),
-                          documents=documents)
+                          documents=step.documents)
 
     def _expert_load(self) -> tuple[Tensor, Tensor] | None:
         """The step's expert token counts and auxiliary loss, summed over every rank (MoE models only)."""

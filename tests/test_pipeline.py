@@ -276,3 +276,22 @@ def test_every_kind_holds_the_activations_the_simulator_says_and_computes_the_on
         torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{kind} {name}")
+
+
+def test_the_pipeline_benchmark_runs_the_new_kinds_beside_torchs(tmp_path):
+    """benchmarks/bench_pipeline.py, small: tessera's looped-bfs, interleaved-zb and zbv against torch's
+    classes of the same kind compute the same gradients; the record holds the ratio of the times it holds."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "benchmarks/bench_pipeline.py", "--model", "debug", "--n-layers", "4",
+                          "--microbatches", "2", "--rows", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0",
+                          "--kinds", "looped-bfs,interleaved-zb,zbv", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "pipeline-debug-pp2-cpu.json").read_text())["results"]
+    assert [r["kind"] for r in rows] == ["looped-bfs", "interleaved-zb", "zbv"]
+    for r in rows:
+        assert r["grad_max_rel_diff"] < 1e-5, r
+        assert r["torch_over_tessera"] == pytest.approx(r["torch_step_s"] / r["tessera_step_s"])
