@@ -297,7 +297,7 @@ class Trainer:
             shape_of(self.model_config), self.layout, c.data.seq_len, c.data.global_batch, c.data.microbatches,
             p.sequence_parallel, p.data.strategy, p.pipeline.virtual, p.data.activation_checkpointing, p.cp_method,
             self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4,
-            placement=p.pipeline.placement)
+            placement=p.pipeline.placement, documents=c.data.pack_documents)
 
     def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         waits: dict[str, float] = {}

@@ -38,7 +38,8 @@ def test_a_4d_step_moves_the_analytic_bytes_per_axis(case, layout):
 
 @pytest.mark.parametrize("layout", [dict(dp=4, dp_replicate=2, microbatches=2), dict(dp=2, tp=2, ac="full"),
                                     dict(dp=4, fsdp="SHARD_GRAD_OP"), dict(cp=2, tp=2, sequence_parallel=True, ac="selective"),
-                                    dict(cp=2, tp=2, sequence_parallel=True, ac="op")], ids=str)
+                                    dict(cp=2, tp=2, sequence_parallel=True, ac="op"),
+                                    dict(cp=2, dp=2, pack_documents=True, ac="full")], ids=str)
 def test_one_axis_layouts_move_the_analytic_bytes(layout):
     config = small_config(**layout, global_batch=8, comm_stats="every", steps=1)
     assert_matches_analytic(str(layout), run_ranks(comm_of_first_step, config.layout.world_size, config, timeout=120))

@@ -126,6 +126,7 @@ class StepTraffic:
     reduce_bytes: int
     routed_fraction: float | None = None  # ep: share of assignments moved off-rank; None: balanced routing
     placement: str = "loop"  # where the stages live (topology/schedule.py's stage_rank)
+    documents: bool = False  # packed documents: cp attention gathers the shards' document ids (int64) per layer
 
     @property
     def first(self) -> bool:
@@ -168,6 +169,7 @@ def comm_bytes_per_step(
     reduce_bytes: int = 4,
     routed_fraction: float | None = None,
     placement: str = "loop",
+    documents: bool = False,
 ) -> dict[str, float]:
     """Bytes `rank` sends per step, by the accounting names of topology/axes.py's table (COMM_AXES: "tp", "cp",
     "pp", FSDP's "dp_shard_cp", HSDP's "dp_replicate", "ep"), in the order of the volumes below.
@@ -189,7 +191,7 @@ def comm_bytes_per_step(
         sum(len(range(0, layers[st], 2)) for st in stages) if ac == "selective" else 0)
     step = StepTraffic(cfg, layout, microbatches, global_batch // layout.dp // microbatches, seq_len // layout.cp,
                        n_stages, stages, n_blocks, recomputed, sequence_parallel, strategy, cp_method, act_bytes,
-                       param_bytes, reduce_bytes, routed_fraction, placement)
+                       param_bytes, reduce_bytes, routed_fraction, placement, documents)
     return {name: fn(step) for name, fn in VOLUMES.items()}
 
 
@@ -281,6 +283,9 @@ def cp_bytes(x: StepTraffic) -> float:
     else:
         per_block = wire_bytes("all_gather", cp * kv * e, cp) + wire_bytes("reduce_scatter", cp * kv * acc, cp)
         per_recompute = wire_bytes("all_gather", cp * kv * e, cp)
+    if x.documents:  # each attention call gathers every shard's document ids first
+        ids = wire_bytes("all_gather", cp * x.rows * x.tokens * 8, cp)
+        per_block, per_recompute = per_block + ids, per_recompute + ids
     if cfg.n_experts and cfg.moe_aux_loss:  # each row's expert counts summed over the sequence's cp ranks
         counts = wire_bytes("all_reduce", x.rows * cfg.n_experts * FP32_BYTES, cp)
         per_block, per_recompute = per_block + counts, per_recompute + counts
