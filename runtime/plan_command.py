@@ -54,6 +54,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (required unless --calibrate; there: the rows measured, default 1)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--layout", default=None, metavar="LAYOUT",
+                   help="also score this layout (tessera bench's names: pp2xdp4xtp8, dpr2xdp4xtp2+sp, with +ac_op, "
+                        "+ac_full, +ac_selective or +zero2 to fix a setting): its rank, and why it is slower or does not fit")
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     p.add_argument("--dry-run", action="store_true",
                    help="build the top layout on the fake backend (model on meta) and count each rank's parameters exactly")
@@ -114,7 +117,11 @@ def run_plan(args: argparse.Namespace) -> int:
                       inter_node_gbps=args.inter_node_gbps, hbm_gbps=args.hbm_gbps, headroom=args.headroom,
                       calibration=calibration,
                       dtype_bytes=dtype_bytes, recipe="mixed_adam" if dtype_bytes == 2 else "fp32_adam")
-        result = plan(model_shape(args.model), hw, args.seq_len, args.global_batch, top=args.top, name=args.model)
+        shape = model_shape(args.model)
+        named = parse_named_layout(args.layout, args.gpus) if args.layout else None
+        result = plan(shape, hw, args.seq_len, args.global_batch, top=None, name=args.model)
+        scored = score_layout(shape, hw, args.seq_len, args.global_batch, result, *named) if named else None
+        result.ranked = result.ranked[:args.top]
     except ValueError as e:  # PlanError and an unknown preset
         print(f"tessera plan: error: {e}", file=sys.stderr)
         return 2
@@ -124,6 +131,7 @@ def run_plan(args: argparse.Namespace) -> int:
         best_ep = None if result.best_ep is None else {"rank": result.best_ep[0], **result.best_ep[1].as_dict()}
         print(json.dumps({"request": result.request, "considered": result.considered, "why": result.why,
                           "ranked": [x.as_dict() for x in result.ranked], "best_ep": best_ep, "dry_run": dry,
+                          **({"layout": scored} if scored is not None else {}),
                           "seconds": time.perf_counter() - started}))
         return 0
     print(f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), seq {args.seq_len}, "
@@ -139,6 +147,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"best with expert parallel (ranked {place}): tessera train {x.candidate.flags()}")
     print(f"best: tessera train {best.candidate.flags()}".rstrip())
     print(f"why: {result.why}")
+    if scored is not None:
+        print(f"--layout {args.layout}: {scored['verdict']}")
     compute = (f"{args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s" if hw.calibration is None else
                f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})")
     print(f"assumptions: {compute}, {args.intra_node_gbps:g} GB/s in a node, "
@@ -155,6 +165,64 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"model states of the rank holding the most: {most / GB:.3f} GB counted, {estimated / GB:.3f} GB estimated")
         print(f"dry run took {dry['seconds']:.1f} s")
     return 0
+
+
+def parse_named_layout(text: str, gpus: int):
+    """(Layout, fixed settings) of --layout's name (tessera bench's grammar); PlanError naming what is wrong."""
+    from tessera.bench import parse_layout
+    from tessera.topology import Layout
+
+    try:
+        flags = parse_layout(text)
+    except ValueError as e:
+        raise PlanError(f"--layout {e}") from None
+    if flags.pop("compile", False):
+        raise PlanError(f"--layout {text}: +compile is not part of the planner's model (it estimates eager steps); drop it")
+    dp, dpr = flags.pop("dp", 1), flags.pop("dp_replicate", 1)
+    lay = Layout(pp=flags.pop("pp", 1), dp_replicate=dpr, dp_shard=dp // dpr, cp=flags.pop("cp", 1),
+                 tp=flags.pop("tp", 1), ep=flags.pop("ep", 1))
+    if lay.world_size != gpus:
+        raise PlanError(f"--layout {text} is {lay.world_size} ranks and --gpus is {gpus}: name a layout of {gpus} ranks")
+    return lay, flags  # flags left: sequence_parallel, ac, fsdp
+
+
+def score_layout(shape, hw: Hardware, seq_len: int, global_batch: int, result, lay, fixed: dict) -> dict:
+    """Where a layout the user names stands: its best settings' rank among every fitting layout and what the
+    best gains over it; or why it does not fit (its least-memory settings' shortfall); or why tessera would
+    not run it."""
+    from tessera.topology.planner import Candidate, candidates_of_layout, estimate, why_not_runnable, wins_by
+
+    def keep(c) -> bool:
+        return (c.sequence_parallel == fixed.get("sequence_parallel", c.sequence_parallel)
+                and c.ac == fixed.get("ac", c.ac) and c.strategy == fixed.get("fsdp", c.strategy))
+
+    mine = [estimate(shape, c, hw, seq_len, global_batch) for c in candidates_of_layout(shape, lay, seq_len, global_batch)
+            if keep(c)]
+    if not mine:
+        probe = Candidate(lay, fixed.get("fsdp", "FULL_SHARD"), fixed.get("ac", "none"), "1f1b", max(1, lay.pp), 1,
+                          fixed.get("sequence_parallel"))
+        why = why_not_runnable(shape, probe, seq_len, global_batch) or "no schedule, microbatch count and setting of it runs"
+        return {"fits": False, "rank": None, "verdict": f"tessera would not run it: {why}"}
+    fitting = sorted((x for x in mine if x.fits), key=lambda x: (round(x.time["step"], 6), x.memory["total"]))
+    if not fitting:
+        least = min(mine, key=lambda x: x.memory["total"])
+        return {"fits": False, "rank": None, "closest": least.as_dict(), "verdict": (
+            f"does not fit: its least-memory settings ({least.candidate.describe()}) need "
+            f"{least.memory['total'] / GB:.1f} GB per rank against {hw.usable_bytes / GB:.1f} GB usable, short by "
+            f"{(least.memory['total'] - hw.usable_bytes) / GB:.1f} GB")}
+    ours = fitting[0]
+    # its place in the ranking; a layout the ranking leaves out (tp beyond a node) is placed by its time
+    place = next((i for i, x in enumerate(result.ranked, 1) if x.candidate == ours.candidate),
+                 1 + sum(x.time["step"] < ours.time["step"] for x in result.ranked))
+    best = result.ranked[0]
+    if place == 1:
+        verdict = f"ranked 1 of {len(result.ranked)}: it is the best layout ({ours.candidate.describe()})"
+    else:
+        label, seconds = wins_by(best, ours)
+        verdict = (f"ranked {place} of {len(result.ranked)} at best ({ours.candidate.describe()}): "
+                   f"{ours.time['step']:.3f} s/step against {best.time['step']:.3f} s for the best, which wins by "
+                   f"{label} ({seconds:.3f} s/step); run it with: tessera train {ours.candidate.flags()}")
+    return {"fits": True, "rank": place, "estimate": ours.as_dict(), "verdict": verdict}
 
 
 def _calibration(args: argparse.Namespace):

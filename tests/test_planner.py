@@ -3,6 +3,7 @@ build, the reference chapter's figures, the constraints every ranked layout keep
 the model shapes (topology/shapes.py) it counts with: every family's tensors, FLOPs, torch-free validity."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -197,7 +198,45 @@ def test_plan_cli_json():
     assert top["flags"].startswith("--") and 0 < top["mfu"] < 1
 
 
+def test_plan_scores_a_named_layout_beside_the_ranking():
+    """--layout: the best layout named is ranked 1; another is placed where the full ranking puts its best
+    settings, with what the best gains over it; one that cannot fit says its shortfall; one tessera would not
+    run says why."""
+    from tessera.topology.planner import plan
+
+    base = ["plan", "--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--json", "--top", "1"]
+    best = json.loads(_tessera(*base).stdout)["ranked"][0]
+    lay = best["layout"]
+    name = "x".join(f"{k}{v}" for k, v in (("pp", lay["pp"]), ("dpr", lay["dp_replicate"]), ("dp", lay["dp_shard"]),
+                                           ("cp", lay["cp"]), ("tp", lay["tp"])) if v > 1)
+    out = json.loads(_tessera(*base, "--layout", name).stdout)
+    assert out["layout"]["rank"] == 1 and out["layout"]["verdict"].startswith("ranked 1 of")
+
+    out = json.loads(_tessera(*base, "--layout", "pp2xdp4xtp2").stdout)["layout"]
+    shape, hw = model_shape("8b"), Hardware(gpus=16)
+    ranked = plan(shape, hw, 4096, 32).ranked  # every fitting layout, best first
+    mine = [i for i, x in enumerate(ranked, 1) if (x.candidate.layout.pp, x.candidate.layout.dp_shard,
+                                                    x.candidate.layout.tp) == (2, 4, 2)]
+    assert out["fits"] and out["rank"] == mine[0] > 1
+    assert "which wins by" in out["verdict"] and "tessera train --pp 2 --tp 2 --dp 4" in out["verdict"]
+    assert out["estimate"]["time_s"]["step"] == pytest.approx(ranked[mine[0] - 1].time["step"])
+
+    text = _tessera("plan", "--model", "70b", "--gpus", "64", "--seq-len", "32768", "--global-batch", "64", "--top", "1",
+                    "--layout", "dp64").stdout
+    assert re.search(r"--layout dp64: does not fit: its least-memory settings \(.*\) need \d+\.\d GB per rank against "
+                     r"72\.0 GB usable, short by \d+\.\d GB", text), text
+    text = _tessera("plan", "--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "8",
+                    "--layout", "dp16").stdout
+    assert re.search(r"--layout dp16: tessera would not run it: .*global batch", text), text
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--layout", "dp4xtp2"],
+     r"--layout dp4xtp2 is 8 ranks and --gpus is 16: name a layout of 16 ranks"),
+    (["--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--layout", "dp16+compile"],
+     r"\+compile is not part of the planner's model"),
+    (["--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--layout", "dq16"],
+     r"--layout layout 'dq16': 'dq16' is not <axis><degree>"),
     (["--model", "70b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"],
      r"70b does not fit on 8 GPUs of 80 GB .* needs \d+\.\d GB per rank against 72\.0 GB usable .* short by"),
     (["--model", "8b", "--gpus", "12", "--gpus-per-node", "8", "--seq-len", "4096", "--global-batch", "12"],

@@ -536,18 +536,23 @@ def candidates(shape, hw: Hardware, seq_len: int, global_batch: int) -> list[Can
     axis), with the FSDP strategies, pipeline schedules, microbatches (1, 2, 4 and 8; or 1, 2 and 4 per
     stage) and activation checkpointing modes."""
     cfg = as_shape(shape)
+    return [c for degrees in layout_degrees(cfg, hw, seq_len, global_batch)
+            for c in candidates_of_layout(cfg, Layout(**degrees), seq_len, global_batch)]
+
+
+def candidates_of_layout(shape, lay: Layout, seq_len: int, global_batch: int) -> list[Candidate]:
+    """The runnable settings of one layout: FSDP strategies, schedules, microbatches, checkpointing modes."""
+    cfg = as_shape(shape)
+    rows = global_batch // lay.dp
     out: list[Candidate] = []
-    for degrees in layout_degrees(cfg, hw, seq_len, global_batch):
-        lay = Layout(**degrees)
-        rows = global_batch // lay.dp
-        # inside a pipeline FSDP2 keeps units gathered across microbatches either way: one strategy
-        for strategy in (STRATEGIES if fsdp_degree(lay) > 1 and lay.pp == 1 else ("FULL_SHARD",)):
-            for sched, virtual in _schedules(lay.pp, cfg.n_layers):
-                for mb in _microbatch_counts(rows, lay.pp):
-                    for ac in AC_MODES:
-                        cand = Candidate(lay, strategy, ac, sched, mb, virtual)
-                        if runnable(cfg, cand, seq_len, global_batch):
-                            out.append(cand)
+    # inside a pipeline FSDP2 keeps units gathered across microbatches either way: one strategy
+    for strategy in (STRATEGIES if fsdp_degree(lay) > 1 and lay.pp == 1 else ("FULL_SHARD",)):
+        for sched, virtual in _schedules(lay.pp, cfg.n_layers):
+            for mb in _microbatch_counts(rows, lay.pp):
+                for ac in AC_MODES:
+                    cand = Candidate(lay, strategy, ac, sched, mb, virtual)
+                    if runnable(cfg, cand, seq_len, global_batch):
+                        out.append(cand)
     return out
 
 
@@ -667,6 +672,18 @@ def plan(shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None =
     return result
 
 
+def wins_by(faster: Estimate, slower: Estimate) -> tuple[str, float]:
+    """(what `faster` gains most by, seconds per step) against `slower`: the part of the step time that
+    differs most (compute, bubble, each exposed accounting name (tp, pp, ep), the overlapped excess)."""
+    diffs = {k: slower.time[k] - faster.time[k] for k in faster.time if k != "step"}
+    key = max(diffs, key=diffs.get)
+    label = {"compute": "less recomputation", "bubble": "a smaller pipeline bubble", "tp": "less tensor-parallel traffic",
+             "pp": "less pipeline traffic", "ep": "less expert-parallel all-to-all traffic",
+             "exposed_overlapped_comm": "less data/context traffic left exposed"
+             }.get(key, f"less {key} traffic")
+    return label, diffs[key]
+
+
 def why_best(result: PlanResult) -> str:
     """One sentence: what the top layout gains over the runner-up."""
     if not result.ranked:
@@ -679,13 +696,7 @@ def why_best(result: PlanResult) -> str:
     other = next((x for x in result.ranked[1:] if x.time["step"] > best.time["step"] * 1.001), None)
     if other is None:
         return f"all {len(result.ranked)} layouts shown tie within 0.1% on time; it holds the least memory per rank."
-    diffs = {k: other.time[k] - best.time[k] for k in best.time if k != "step"}
-    key = max(diffs, key=diffs.get)
-    # the time's parts: compute, bubble, each exposed accounting name of the table's (tp, pp), the overlapped excess
-    label = {"compute": "less recomputation", "bubble": "a smaller pipeline bubble", "tp": "less tensor-parallel traffic",
-             "pp": "less pipeline traffic", "ep": "less expert-parallel all-to-all traffic",
-             "exposed_overlapped_comm": "less data/context traffic left exposed"
-             }.get(key, f"less {key} traffic")
-    return (f"it wins by {label} ({diffs[key]:.3f} s/step): an estimated {best.time['step']:.3f} s/step against "
+    label, seconds = wins_by(best, other)
+    return (f"it wins by {label} ({seconds:.3f} s/step): an estimated {best.time['step']:.3f} s/step against "
             f"{other.time['step']:.3f} s for the next slower layout ({other.candidate.describe()}), at "
             f"{best.memory['total'] / GB:.1f} GB per rank against {other.memory['total'] / GB:.1f} GB.{tie_note}")
