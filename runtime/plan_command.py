@@ -169,7 +169,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def parse_named_layout(text: str, gpus: int):
     """(Layout, fixed settings) of --layout's name (tessera bench's grammar); PlanError naming what is wrong."""
-    from tessera.bench import parse_layout
+    from tessera.layout_names import parse_layout
     from tessera.topology import Layout
 
     try:
