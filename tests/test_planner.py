@@ -198,45 +198,57 @@ def test_plan_cli_json():
     assert top["flags"].startswith("--") and 0 < top["mfu"] < 1
 
 
+@pytest.mark.parametrize("name, message", [
+    ("dp4xtp2", r"--layout dp4xtp2 is 8 ranks and --gpus is 16: name a layout of 16 ranks"),
+    ("dp16+compile", r"\+compile is not part of the planner's model"),
+    ("dq16", r"--layout layout 'dq16': 'dq16' is not <axis><degree>"),
+])
+def test_a_named_layout_that_cannot_be_scored_is_refused(name, message):
+    from tessera.plan_command import parse_named_layout
+    from tessera.topology.errors import PlanError
+
+    with pytest.raises(PlanError, match=message):
+        parse_named_layout(name, 16)
+
+
 def test_plan_scores_a_named_layout_beside_the_ranking():
     """--layout: the best layout named is ranked 1; another is placed where the full ranking puts its best
     settings, with what the best gains over it; one that cannot fit says its shortfall; one tessera would not
-    run says why."""
+    run says why. One plan (8b on 16 GPUs of 40 GB), scored in process; the CLI prints the same verdict."""
+    from tessera.plan_command import parse_named_layout, score_layout
     from tessera.topology.planner import plan
 
-    base = ["plan", "--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--json", "--top", "1"]
-    best = json.loads(_tessera(*base).stdout)["ranked"][0]
-    lay = best["layout"]
-    name = "x".join(f"{k}{v}" for k, v in (("pp", lay["pp"]), ("dpr", lay["dp_replicate"]), ("dp", lay["dp_shard"]),
-                                           ("cp", lay["cp"]), ("tp", lay["tp"])) if v > 1)
-    out = json.loads(_tessera(*base, "--layout", name).stdout)
-    assert out["layout"]["rank"] == 1 and out["layout"]["verdict"].startswith("ranked 1 of")
-
-    out = json.loads(_tessera(*base, "--layout", "pp2xdp4xtp2").stdout)["layout"]
-    shape, hw = model_shape("8b"), Hardware(gpus=16)
+    shape, hw = model_shape("8b"), Hardware(gpus=16, gpu_memory_gb=40)
     ranked = plan(shape, hw, 4096, 32).ranked  # every fitting layout, best first
-    mine = [i for i, x in enumerate(ranked, 1) if (x.candidate.layout.pp, x.candidate.layout.dp_shard,
-                                                    x.candidate.layout.tp) == (2, 4, 2)]
-    assert out["fits"] and out["rank"] == mine[0] > 1
-    assert "which wins by" in out["verdict"] and "tessera train --pp 2 --tp 2 --dp 4" in out["verdict"]
-    assert out["estimate"]["time_s"]["step"] == pytest.approx(ranked[mine[0] - 1].time["step"])
 
-    text = _tessera("plan", "--model", "70b", "--gpus", "64", "--seq-len", "32768", "--global-batch", "64", "--top", "1",
-                    "--layout", "dp64").stdout
-    assert re.search(r"--layout dp64: does not fit: its least-memory settings \(.*\) need \d+\.\d GB per rank against "
-                     r"72\.0 GB usable, short by \d+\.\d GB", text), text
-    text = _tessera("plan", "--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "8",
-                    "--layout", "dp16").stdout
-    assert re.search(r"--layout dp16: tessera would not run it: .*global batch", text), text
+    class Result:  # what score_layout reads of a plan
+        pass
+
+    result = Result()
+    result.ranked = ranked
+
+    def score(name):
+        return score_layout(shape, hw, 4096, 32, result, *parse_named_layout(name, 16))
+
+    lay = ranked[0].candidate.layout
+    name = "x".join(f"{k}{v}" for k, v in (("pp", lay.pp), ("dpr", lay.dp_replicate), ("dp", lay.dp_shard),
+                                           ("cp", lay.cp), ("tp", lay.tp)) if v > 1)
+    assert score(name)["rank"] == 1 and score(name)["verdict"].startswith(f"ranked 1 of {len(ranked)}")
+    got = score("pp2xdp4xtp2")
+    mine = [i for i, x in enumerate(ranked, 1) if (x.candidate.layout.pp, x.candidate.layout.dp_shard, x.candidate.layout.tp) == (2, 4, 2)]
+    assert got["fits"] and got["rank"] == mine[0] > 1
+    assert got["estimate"]["time_s"]["step"] == pytest.approx(ranked[mine[0] - 1].time["step"])
+    assert "which wins by" in got["verdict"] and "tessera train --pp 2 --tp 2 --dp 4" in got["verdict"]
+    assert re.fullmatch(r"does not fit: its least-memory settings \(dp_replicate16, no FSDP, ac full, mb 1\) need "
+                        r"\d+\.\d GB per rank against 36\.0 GB usable, short by \d+\.\d GB", score("dpr16")["verdict"])
+    assert score("dp16xep2")["verdict"] == ("tessera would not run it: ep=2 needs a mixture-of-experts model (llama has "
+                                            "no experts)")
+    text = _tessera("plan", "--model", "8b", "--gpus", "16", "--gpu-memory", "40", "--seq-len", "4096", "--global-batch",
+                    "32", "--top", "1", "--layout", "pp2xdp4xtp2").stdout
+    assert f"--layout pp2xdp4xtp2: {got['verdict']}" in text, text
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--layout", "dp4xtp2"],
-     r"--layout dp4xtp2 is 8 ranks and --gpus is 16: name a layout of 16 ranks"),
-    (["--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--layout", "dp16+compile"],
-     r"\+compile is not part of the planner's model"),
-    (["--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--layout", "dq16"],
-     r"--layout layout 'dq16': 'dq16' is not <axis><degree>"),
     (["--model", "70b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"],
      r"70b does not fit on 8 GPUs of 80 GB .* needs \d+\.\d GB per rank against 72\.0 GB usable .* short by"),
     (["--model", "8b", "--gpus", "12", "--gpus-per-node", "8", "--seq-len", "4096", "--global-batch", "12"],
