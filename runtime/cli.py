@@ -421,6 +421,10 @@ def _train(args: argparse.Namespace) -> int:
         config.check()
         if world is not None:
             config.layout.check_world_size(world)
+            if config.runtime.check_drift:
+                raise ValueError("--check-drift trains one-process runs after this one: run it outside torchrun "
+                                 "(tessera train spawns the ranks), or check a torchrun job's records with "
+                                 "tessera.testing.judge_drift")
     except ValueError as e:  # CheckpointError included
         return error_exit("train", str(e))
     from tessera.parallel.checkpoint import CheckpointError
@@ -440,7 +444,28 @@ def _train(args: argparse.Namespace) -> int:
         raise
     if history and not config.runtime.quiet:
         print(done_line(history, config))
+    if history and config.runtime.check_drift:
+        return _check_drift(config, history)
     return 0
+
+
+def _check_drift(config, history: list) -> int:
+    """--check-drift: one process's own spread over microbatch counts, and this run judged against it."""
+    from .testing import drift_envelope, judge_drift
+
+    counts = tuple(m for m in (1, 2, 4) if config.data.global_batch % m == 0)
+    envelope = drift_envelope(config, counts)
+    problems = judge_drift(history, envelope)
+    widest = {k: max(row[k] for row in envelope["envelope"]) for k in ("loss", "grad_norm")}
+    spread = f"one process at microbatches {', '.join(map(str, counts))} spreads up to {widest['loss']:.1e} in loss " \
+             f"and {widest['grad_norm']:.1e} in grad norm"
+    if not problems:
+        print(f"drift check: all {len(history)} steps within 2x one process's own spread ({spread})")
+        return 0
+    for line in problems:
+        print(f"drift check: {line}")
+    print(f"drift check: {len(problems)} of {2 * len(history)} figures beyond 2x one process's own spread ({spread})")
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,8 +61,8 @@ class ParallelSection:
     prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)")
     compile: bool = opt(False, "torch.compile each transformer block (after tp, cp and checkpointing, before FSDP2; the "
                                "first step compiles, on CPU through a C++ compiler)")
-    schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs or interleaved-zb (default "
-                                          "with --pp > 1: 1f1b)")
+    schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zb or zbv "
+                                          "(default with --pp > 1: 1f1b)")
     schedule_file: str | None = opt(None, "a pipeline schedule as data instead of --schedule: CSV, one line per pp rank "
                                           "of actions STAGE OP MICROBATCH (0F1: stage 0's forward of microbatch 1; B "
                                           "backward, W weight gradient), or JSON {\"ranks\": [[\"0F0\", ...], ...]}; "
@@ -157,6 +157,10 @@ class RuntimeSection:
     device: str = opt("auto", "cpu or cuda (auto: one GPU per rank when this machine has enough, else CPU)")
     kernels: str = opt("auto", "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton")
     quiet: bool = opt(False, "no start-up or progress lines")
+    check_drift: bool = opt(False, "after the run, train this config on one process at 1, 2 and 4 microbatches (only "
+                                   "the order of its sums differs) and judge each step's loss and grad norm against "
+                                   "that spread: a step more than 2x it (and 1e-5) from one process is named and the "
+                                   "command exits 1; the model must fit one process", flag="--check-drift")
     track_memory: bool = opt(False, "measure the peak tensor storage of step 2 (every live tensor, re-read around each "
                                     "operator: a slow step) into the metrics' peak_tensor_bytes")
     comm_stats: str | None = opt(None, "count the bytes each mesh axis and collective sends, every step or the first "

@@ -19,6 +19,7 @@ from .paths import check_writable_dir  # noqa: F401  (re-exported: tests and cal
 
 def check(config: Config) -> None:
     _check_numbers(config)
+    _check_drift_flag(config)
     model = _check_model(config)
     layout = config.layout  # degrees, dp_replicate vs dp
     _check_pipeline_flags(config)  # and --cp-method without --cp
@@ -52,6 +53,17 @@ def check(config: Config) -> None:
         if data.vocab_size > model.vocab_size:
             raise ValueError(f"--data {config.data.path}: its vocab_size {data.vocab_size} exceeds the {config.model.preset} "
                              f"model's {model.vocab_size}; add --vocab-size {data.vocab_size}")
+
+
+def _check_drift_flag(config: Config) -> None:
+    if not config.runtime.check_drift:
+        return
+    if config.checkpoint.resume is not None:
+        raise ValueError("--check-drift compares the run from step 0 with one process's: drop --resume (or check "
+                         "the records with tessera.testing.judge_drift)")
+    if config.data.global_batch % 2:
+        raise ValueError(f"--check-drift runs one process at 1 and 2 microbatches: --global-batch {config.data.global_batch} "
+                         f"must be even; use --global-batch {config.data.global_batch + 1}")
 
 
 def check_document_masking(model_config, spec=None) -> None:

@@ -303,9 +303,14 @@ def drift_envelope(config: Any, microbatches: Sequence[int] = (1, 2, 4)) -> dict
     from .run import train
 
     single = dict.fromkeys(("pp", "dp", "dp_replicate", "cp", "tp", "ep"), 1)
+    # one process: no pipeline schedule, no sequence parallel (they need pp or tp), and no check of its own
+    single.update(sequence_parallel=False, schedule=None, schedule_file=None, virtual=1, pp_layers=None, cp_method=None,
+                  fsdp="FULL_SHARD")
     runs = {}
     for m in microbatches:
         variant = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **single),
+                                      runtime=dataclasses.replace(config.runtime, check_drift=False, metrics=None,
+                                                                  quiet=True),
                                       data=dataclasses.replace(config.data, microbatches=m),
                                       checkpoint=dataclasses.replace(config.checkpoint, dir=None, every=0))
         runs[m] = train(variant)
