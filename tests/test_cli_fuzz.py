@@ -48,6 +48,7 @@ KNOWN = {
     "separator": ["</s>", "[UNK]", "<nope>"],
     "field": ["text", "body"],
     "device_kind": ["cpu", "H100", "tpu"],
+    "layout": ["dp8", "pp2xdp4", "tp2xdp4+sp", "dpr2xdp4+ac_op", "dp8+compile", "dp0", "xx", "tp8+nope"],
     "layouts": ["one", "dp2", "tp2+sp", "one,dp2", "pp2xdp2xcp2xtp2+sp", "dpr2xdp2", "dp0", "tp2+nope", "xx", ",", "one,,dp2"],
     "device": ["auto", "cpu", "cuda", "tpu"],
     "fsdp": ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ZERO4"],
