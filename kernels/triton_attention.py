@@ -42,6 +42,19 @@ def _configs(kind: str) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
+@triton.jit
+def _id_range(ids, valid):
+    """(lowest, highest) document id among a tile's valid lanes (ids are non-decreasing along a row)."""
+    return tl.min(tl.where(valid, ids, 2147483647), 0), tl.max(tl.where(valid, ids, -2147483647), 0)
+
+
+@triton.jit
+def _ranges_meet(ids, valid, lo, hi):
+    """Whether a tile's documents meet the range [lo, hi] of the other side's: else the tile is skipped."""
+    tile_lo, tile_hi = _id_range(ids, valid)
+    return (tile_hi >= lo) & (tile_lo <= hi)
+
+
 @triton.autotune(configs=_configs("fwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
 def _fwd_kernel(
@@ -70,15 +83,13 @@ def _fwd_kernel(
         hi = tl.minimum(Sk, (pid_m + 1) * BLOCK_M + diag)
     if DOCS:  # this tile's documents: ids are non-decreasing, so a key tile outside [lo, hi] is skipped
         q_doc = tl.load(QD + b * Sq + rows, mask=rows < Sq, other=0)
-        q_doc_lo = tl.min(tl.where(rows < Sq, q_doc, 2147483647), 0)
-        q_doc_hi = tl.max(tl.where(rows < Sq, q_doc, -2147483647), 0)
+        q_doc_lo, q_doc_hi = _id_range(q_doc, rows < Sq)
     for start in range(0, hi, BLOCK_N):
         cols = start + cols0
         run = start >= 0
         if DOCS:
             k_doc = tl.load(KD + b * Sk + cols, mask=cols < Sk, other=0)
-            run = (tl.max(tl.where(cols < Sk, k_doc, -2147483647), 0) >= q_doc_lo) & (
-                tl.min(tl.where(cols < Sk, k_doc, 2147483647), 0) <= q_doc_hi)
+            run = _ranges_meet(k_doc, cols < Sk, q_doc_lo, q_doc_hi)
         if run:
             kt = tl.load(k_base + cols[None, :] * skn + d[:, None], mask=(cols[None, :] < Sk) & dm[:, None], other=0.0)
             s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
@@ -129,8 +140,7 @@ def _bwd_dkdv_kernel(
         lo = (lo // BLOCK_M) * BLOCK_M
     if DOCS:  # this key tile's documents: a query tile outside [lo, hi] is skipped
         k_doc = tl.load(KD + b * Sk + cols, mask=cols < Sk, other=0)
-        k_doc_lo = tl.min(tl.where(cols < Sk, k_doc, 2147483647), 0)
-        k_doc_hi = tl.max(tl.where(cols < Sk, k_doc, -2147483647), 0)
+        k_doc_lo, k_doc_hi = _id_range(k_doc, cols < Sk)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
@@ -142,8 +152,7 @@ def _bwd_dkdv_kernel(
             run = start >= 0
             if DOCS:
                 q_doc = tl.load(QD + b * Sq + rows, mask=in_rows, other=0)
-                run = (tl.max(tl.where(in_rows, q_doc, -2147483647), 0) >= k_doc_lo) & (
-                    tl.min(tl.where(in_rows, q_doc, 2147483647), 0) <= k_doc_hi)
+                run = _ranges_meet(q_doc, in_rows, k_doc_lo, k_doc_hi)
             if run:
                 q = tl.load(q_base + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
                 do = tl.load(do_base + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
@@ -195,15 +204,13 @@ def _bwd_dq_kernel(
         hi = tl.minimum(Sk, (pid_m + 1) * BLOCK_M + diag)
     if DOCS:
         q_doc = tl.load(QD + b * Sq + rows, mask=in_rows, other=0)
-        q_doc_lo = tl.min(tl.where(in_rows, q_doc, 2147483647), 0)
-        q_doc_hi = tl.max(tl.where(in_rows, q_doc, -2147483647), 0)
+        q_doc_lo, q_doc_hi = _id_range(q_doc, in_rows)
     for start in range(0, hi, BLOCK_N):
         cols = start + cols0
         run = start >= 0
         if DOCS:
             k_doc = tl.load(KD + b * Sk + cols, mask=cols < Sk, other=0)
-            run = (tl.max(tl.where(cols < Sk, k_doc, -2147483647), 0) >= q_doc_lo) & (
-                tl.min(tl.where(cols < Sk, k_doc, 2147483647), 0) <= q_doc_hi)
+            run = _ranges_meet(k_doc, cols < Sk, q_doc_lo, q_doc_hi)
         if run:
             k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
             v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
