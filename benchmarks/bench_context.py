@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import timed, write_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -54,23 +54,6 @@ def _device():
     return torch.device("cpu")
 
 
-def _timed(fn, steps: int, warmup: int, device) -> list[float]:
-    out = []
-    for i in range(warmup + steps):
-        if dist.is_initialized():
-            dist.barrier()
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends with the slowest rank
-        if i >= warmup:
-            out.append(elapsed.item())
-    return out
-
-
 def full_attention(seq, heads, kv_heads, head_dim, steps, warmup):
     device = _device()
     q, k, v, dout = _inputs(seq, heads, kv_heads, head_dim, device)
@@ -79,7 +62,7 @@ def full_attention(seq, heads, kv_heads, head_dim, steps, warmup):
         q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
         flash_attention(q_, k_, v_, causal=True).backward(dout)
 
-    return _timed(step, steps, warmup, device)
+    return timed(step, steps, warmup, device)
 
 
 def context_attention(method, seq, heads, kv_heads, head_dim, steps, warmup):
@@ -92,7 +75,7 @@ def context_attention(method, seq, heads, kv_heads, head_dim, steps, warmup):
         q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
         fn(q_, k_, v_, dist.group.WORLD, causal=True).backward(dout)
 
-    return _timed(step, steps, warmup, device)
+    return timed(step, steps, warmup, device)
 
 
 def balance(seq, heads, kv_heads, head_dim, cp, steps):

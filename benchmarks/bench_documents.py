@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import timed, write_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -54,23 +53,8 @@ def document_positions(seq: int, rows: int, mean: int, seed: int = 0) -> torch.T
     return positions
 
 
-def _timed(fn, steps: int, warmup: int, device) -> float:
-    samples = []
-    for i in range(warmup + steps):
-        if dist.is_initialized():
-            dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends with the slowest rank
-        if i >= warmup:
-            samples.append(elapsed.item())
-    return statistics.median(samples)
+def _median_seconds(fn, steps: int, warmup: int, device) -> float:
+    return statistics.median(timed(fn, steps, warmup, device))
 
 
 def _qkv(rows, seq, heads, kv_heads, head_dim, device, dtype):
@@ -88,7 +72,7 @@ def attention_rows(args, device, dtype) -> list[dict]:
             flash_attention(q_, k_, v_, causal=True, **docs).backward(do)
         return run
 
-    t_causal = _timed(step(), args.steps, args.warmup, device)
+    t_causal = _median_seconds(step(), args.steps, args.warmup, device)
     out = []
     for divisor in args.divisors:
         mean = args.seq_len // divisor
@@ -96,7 +80,7 @@ def attention_rows(args, device, dtype) -> list[dict]:
         docs = document_ids(positions, torch.arange(args.seq_len))
         row = {"part": "attention", "mean_doc_len": mean, "seq_over_mean": divisor,
                "documents": int((positions == 0).sum()), "t_causal_s": t_causal,
-               "t_documents_s": _timed(step(q_docs=docs), args.steps, args.warmup, device),
+               "t_documents_s": _median_seconds(step(q_docs=docs), args.steps, args.warmup, device),
                "visible_pairs_ratio": float((positions + 1).sum() / (args.rows * args.seq_len * (args.seq_len + 1) / 2))}
         row["speedup"] = row["t_causal_s"] / row["t_documents_s"]
         flash_varlen = _flash_attn_varlen(q, k, v, do, positions, args) if device.type == "cuda" else None
@@ -125,7 +109,7 @@ def _flash_attn_varlen(q, k, v, do, positions, args) -> float | None:
         q_, k_, v_ = (t.clone().requires_grad_() for t in flat[:3])
         flash_attn_varlen_func(q_, k_, v_, cu, cu, max(lengths), max(lengths), causal=True).backward(flat[3])
 
-    return _timed(run, args.steps, args.warmup, q.device)
+    return _median_seconds(run, args.steps, args.warmup, q.device)
 
 
 def model_rows(args, device) -> list[dict]:
@@ -141,13 +125,13 @@ def model_rows(args, device) -> list[dict]:
             model.zero_grad(set_to_none=True)
         return run
 
-    t_causal = _timed(step(None), args.steps, args.warmup, device)
+    t_causal = _median_seconds(step(None), args.steps, args.warmup, device)
     out = []
     for divisor in args.divisors:
         mean = args.seq_len // divisor
         positions = document_positions(args.seq_len, args.rows, mean).to(device)
         row = {"part": "model_step", "model": args.model, "mean_doc_len": mean, "seq_over_mean": divisor,
-               "t_causal_s": t_causal, "t_documents_s": _timed(step(positions), args.steps, args.warmup, device)}
+               "t_causal_s": t_causal, "t_documents_s": _median_seconds(step(positions), args.steps, args.warmup, device)}
         row["speedup"] = row["t_causal_s"] / row["t_documents_s"]
         out.append(row)
         print(f"{args.model} forward + backward, mean document {mean:5d}: causal {t_causal * 1e3:8.1f} ms, documents "
@@ -170,7 +154,7 @@ def ring_rank(seq, rows, heads, kv_heads, head_dim, mean, steps, warmup):
         q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
         ring_attention(q_, k_, v_, dist.group.WORLD, causal=True, docs=docs, stats=stats).backward(do)
 
-    seconds = _timed(run, steps, warmup, device)
+    seconds = _median_seconds(run, steps, warmup, device)
     calls = steps + warmup
     counts = torch.tensor([stats.get("ring_steps", 0), stats.get("ring_steps_skipped", 0)], dtype=torch.int64)
     dist.all_reduce(counts)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tessera.results import HBM_BANDWIDTH, cpu_name, device_info, versions  # noqa: F401 (re-exported)
 from tessera.results import write_results as _write
@@ -14,3 +15,27 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def write_results(name: str, config: dict[str, Any], results: Any, out: str | None = None) -> Path:
     """Write the JSON to OUT: a file path, or a directory that gets NAME.json (default benchmarks/results/)."""
     return _write(name, config, results, out or RESULTS)
+
+
+def timed(fn: Callable[[], Any], steps: int, warmup: int, device) -> list[float]:
+    """Seconds of each of `steps` calls of `fn` after `warmup` untimed ones; under torch.distributed the ranks
+    start together and a call ends with the slowest rank (CUDA work is waited for on either side)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for i in range(warmup + steps):
+        if dist.is_initialized():
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends with the slowest rank
+        if i >= warmup:
+            out.append(elapsed.item())
+    return out
