@@ -42,6 +42,7 @@ def implementations(causal):
         def run(q, k, v):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
         return run
 
     return {
@@ -93,11 +94,20 @@ def main(argv=None) -> int:
             for name, fn in implementations(causal).items():
                 row = {"implementation": name, "head_dim": d, "causal": causal, **errors(fn, q, k, v, do, want)}
                 rows.append(row)
-                figures = "  ".join(f"{n} {row[n]['max_abs']:.2e}/{row[n]['rms']:.1e}" for n in ("out", "dq", "dk", "dv") if n in row)
-                print(f"D={d:<4} {'causal' if causal else 'full':<6} {name:<16} {figures or row.get('unsupported')}", flush=True)
+                figures = "  ".join(
+                    f"{n} {row[n]['max_abs']:.2e}/{row[n]['rms']:.1e}" for n in ("out", "dq", "dk", "dv") if n in row
+                )
+                print(
+                    f"D={d:<4} {'causal' if causal else 'full':<6} {name:<16} {figures or row.get('unsupported')}",
+                    flush=True,
+                )
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    path = write_results("attention-accuracy-" + torch.cuda.get_device_name(0).replace(" ", "_"), config,
-                         {"rows": rows, "metric": "max_abs / rms of (bf16 result - float64 definition)"}, args.out)
+    path = write_results(
+        "attention-accuracy-" + torch.cuda.get_device_name(0).replace(" ", "_"),
+        config,
+        {"rows": rows, "metric": "max_abs / rms of (bf16 result - float64 definition)"},
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -29,8 +29,12 @@ def build_and_measure(config):
     trainer = Trainer(config, torch.device("cpu"))
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in trainer.parameters())
-    return {"rank": trainer.rank, "peak_rss_before_build": before, "peak_rss_after_build": after,
-            "local_parameter_bytes": local}
+    return {
+        "rank": trainer.rank,
+        "peak_rss_before_build": before,
+        "peak_rss_after_build": after,
+        "local_parameter_bytes": local,
+    }
 
 
 def main(argv=None) -> int:
@@ -44,21 +48,29 @@ def main(argv=None) -> int:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    config = Config.create(model=args.model, n_layers=args.n_layers, tp=args.tp, dp=args.dp, seq_len=128,
-                           global_batch=args.dp, quiet=True)
+    config = Config.create(
+        model=args.model, n_layers=args.n_layers, tp=args.tp, dp=args.dp, seq_len=128, global_batch=args.dp, quiet=True
+    )
     config.check()
     mc = config.model_config
     embedding = mc.vocab_size * mc.dim * 4
     ranks = run_ranks(build_and_measure, config.layout.world_size, config, timeout=900)
     for r in ranks:
-        print(f"rank {r['rank']}: peak RSS {r['peak_rss_before_build'] / 2**30:.2f} GiB before the build, "
-              f"{r['peak_rss_after_build'] / 2**30:.2f} GiB after; local parameters {r['local_parameter_bytes'] / 2**30:.2f} GiB")
+        print(
+            f"rank {r['rank']}: peak RSS {r['peak_rss_before_build'] / 2**30:.2f} GiB before the build, "
+            f"{r['peak_rss_after_build'] / 2**30:.2f} GiB after; local parameters {r['local_parameter_bytes'] / 2**30:.2f} GiB"
+        )
     worst = max(r["peak_rss_after_build"] for r in ranks)
-    print(f"full embedding: {embedding / 1e9:.2f} GB; worst rank's peak RSS: {worst / 1e9:.2f} GB "
-          f"({worst / embedding:.2f}x the embedding)")
-    path = write_results(f"build-memory-{args.model}-L{args.n_layers}-tp{args.tp}-dp{args.dp}-cpu", vars(args),
-                         {"ranks": ranks, "full_embedding_bytes": embedding, "worst_peak_rss": worst,
-                          "num_params": mc.num_params()}, args.out)
+    print(
+        f"full embedding: {embedding / 1e9:.2f} GB; worst rank's peak RSS: {worst / 1e9:.2f} GB "
+        f"({worst / embedding:.2f}x the embedding)"
+    )
+    path = write_results(
+        f"build-memory-{args.model}-L{args.n_layers}-tp{args.tp}-dp{args.dp}-cpu",
+        vars(args),
+        {"ranks": ranks, "full_embedding_bytes": embedding, "worst_peak_rss": worst, "num_params": mc.num_params()},
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -42,8 +42,16 @@ def _saves(model_dir: str, out: str, rounds: int) -> dict | None:
     from tessera.parallel.checkpoint import CheckpointManager
     from tessera.trainer import Trainer
 
-    config = Config.create(model=f"hf:{model_dir}", dp=2, seq_len=64, global_batch=4, steps=2, checkpoint_dir=out,
-                           checkpoint_every=1, quiet=True)
+    config = Config.create(
+        model=f"hf:{model_dir}",
+        dp=2,
+        seq_len=64,
+        global_batch=4,
+        steps=2,
+        checkpoint_dir=out,
+        checkpoint_every=1,
+        quiet=True,
+    )
     trainer = Trainer(config, torch.device("cpu"))
     trainer.train_step()  # the optimizer's moments exist from here
     sharded, small = trainer.checkpoint_pieces()
@@ -91,18 +99,33 @@ def main(argv: list[str] | None = None) -> int:
         (Path(d) / "model" / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
         result = run_ranks(_saves, 2, str(Path(d) / "model"), str(Path(d) / "ckpt"), rounds, timeout=1200)[0]
     by_mode = {m: [r for r in result["rows"] if r["mode"] == m] for m in ("sync", "async")}
-    summary = {m: {"blocked_s_median": statistics.median(r["blocked_s"] for r in rows),
-                   "complete_s_median": statistics.median(r["complete_s"] for r in rows)} for m, rows in by_mode.items()}
+    summary = {
+        m: {
+            "blocked_s_median": statistics.median(r["blocked_s"] for r in rows),
+            "complete_s_median": statistics.median(r["complete_s"] for r in rows),
+        }
+        for m, rows in by_mode.items()
+    }
     summary["blocked_ratio_async_to_sync"] = summary["async"]["blocked_s_median"] / summary["sync"]["blocked_s_median"]
-    path = write_results("checkpoint_async_cpu" + ("_quick" if args.quick else ""),
-                         {"model": vars(cfg) if hasattr(cfg, "__dict__") else cfg.as_dict(), "params": cfg.num_params(),
-                          "ranks": 2, "layout": "dp2 (FSDP2)", "rounds": rounds,
-                          "state_bytes_all_ranks": result["state_bytes_all_ranks"]},
-                         {"summary": summary, "rows": result["rows"]}, args.out)
-    print(f"state {result['state_bytes_all_ranks'] / 1e6:.0f} MB over 2 ranks: training waits "
-          f"{summary['sync']['blocked_s_median']:.2f} s for a synchronous save, "
-          f"{summary['async']['blocked_s_median']:.2f} s for an async one "
-          f"({summary['blocked_ratio_async_to_sync']:.2f}x; complete after {summary['async']['complete_s_median']:.2f} s) -> {path}")
+    path = write_results(
+        "checkpoint_async_cpu" + ("_quick" if args.quick else ""),
+        {
+            "model": vars(cfg) if hasattr(cfg, "__dict__") else cfg.as_dict(),
+            "params": cfg.num_params(),
+            "ranks": 2,
+            "layout": "dp2 (FSDP2)",
+            "rounds": rounds,
+            "state_bytes_all_ranks": result["state_bytes_all_ranks"],
+        },
+        {"summary": summary, "rows": result["rows"]},
+        args.out,
+    )
+    print(
+        f"state {result['state_bytes_all_ranks'] / 1e6:.0f} MB over 2 ranks: training waits "
+        f"{summary['sync']['blocked_s_median']:.2f} s for a synchronous save, "
+        f"{summary['async']['blocked_s_median']:.2f} s for an async one "
+        f"({summary['blocked_ratio_async_to_sync']:.2f}x; complete after {summary['async']['complete_s_median']:.2f} s) -> {path}"
+    )
     return 0
 
 

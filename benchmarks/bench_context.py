@@ -112,8 +112,12 @@ def balance(seq, heads, kv_heads, head_dim, cp, steps):
                 spans = [(2 * r * chunk, 2 * (r + 1) * chunk)]
             per_rank.append(seconds(spans))
         pairs = causal_pairs(seq, cp, layout)
-        out[layout] = {"seconds_per_rank": per_rank, "max_over_min": max(per_rank) / min(per_rank),
-                       "pairs_per_rank": pairs, "pairs_max_over_min": max(pairs) / min(pairs)}
+        out[layout] = {
+            "seconds_per_rank": per_rank,
+            "max_over_min": max(per_rank) / min(per_rank),
+            "pairs_per_rank": pairs,
+            "pairs_max_over_min": max(pairs) / min(pairs),
+        }
     assert torch.equal(zigzag_indices(seq, 0, cp)[:chunk], torch.arange(chunk))
     return out
 
@@ -137,16 +141,20 @@ def main(argv=None) -> int:
     rows = []
     for cp in (int(c) for c in args.cp.split(",")):
         for method in ("ring", "allgather"):
-            t_rank = statistics.median(run_ranks(context_attention, cp, method, *shape, args.steps, args.warmup,
-                                                 timeout=3600)[0])
+            t_rank = statistics.median(
+                run_ranks(context_attention, cp, method, *shape, args.steps, args.warmup, timeout=3600)[0]
+            )
             row = dict(method=method, cp=cp, t_full_s=t_full, t_rank_s=t_rank, efficiency=t_full / (cp * t_rank))
             rows.append(row)
             print(f"cp{cp} {method:<9} {t_rank * 1e3:8.1f} ms per rank, efficiency {row['efficiency']:.3f}", flush=True)
         bal = balance(*shape, cp, args.steps)
         rows.append(dict(method="balance", cp=cp, **bal))
-        print(f"cp{cp} balance: zigzag max/min {bal['zigzag']['max_over_min']:.3f} (pairs "
-              f"{bal['zigzag']['pairs_max_over_min']:.3f}), contiguous {bal['contiguous']['max_over_min']:.3f} (pairs "
-              f"{bal['contiguous']['pairs_max_over_min']:.3f})", flush=True)
+        print(
+            f"cp{cp} balance: zigzag max/min {bal['zigzag']['max_over_min']:.3f} (pairs "
+            f"{bal['zigzag']['pairs_max_over_min']:.3f}), contiguous {bal['contiguous']['max_over_min']:.3f} (pairs "
+            f"{bal['contiguous']['pairs_max_over_min']:.3f})",
+            flush=True,
+        )
     device = "gpu" if torch.cuda.is_available() else "cpu"
     path = write_results(f"context-attention-{device}", vars(args), rows, args.out)
     print(f"wrote {path}")

@@ -70,6 +70,7 @@ def attention_rows(args, device, dtype) -> list[dict]:
         def run():
             q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
             flash_attention(q_, k_, v_, causal=True, **docs).backward(do)
+
         return run
 
     t_causal = _median_seconds(step(), args.steps, args.warmup, device)
@@ -78,18 +79,26 @@ def attention_rows(args, device, dtype) -> list[dict]:
         mean = args.seq_len // divisor
         positions = document_positions(args.seq_len, args.rows, mean).to(device)
         docs = document_ids(positions, torch.arange(args.seq_len))
-        row = {"part": "attention", "mean_doc_len": mean, "seq_over_mean": divisor,
-               "documents": int((positions == 0).sum()), "t_causal_s": t_causal,
-               "t_documents_s": _median_seconds(step(q_docs=docs), args.steps, args.warmup, device),
-               "visible_pairs_ratio": float((positions + 1).sum() / (args.rows * args.seq_len * (args.seq_len + 1) / 2))}
+        row = {
+            "part": "attention",
+            "mean_doc_len": mean,
+            "seq_over_mean": divisor,
+            "documents": int((positions == 0).sum()),
+            "t_causal_s": t_causal,
+            "t_documents_s": _median_seconds(step(q_docs=docs), args.steps, args.warmup, device),
+            "visible_pairs_ratio": float((positions + 1).sum() / (args.rows * args.seq_len * (args.seq_len + 1) / 2)),
+        }
         row["speedup"] = row["t_causal_s"] / row["t_documents_s"]
         flash_varlen = _flash_attn_varlen(q, k, v, do, positions, args) if device.type == "cuda" else None
         if flash_varlen is not None:
             row["t_flash_attn_varlen_s"] = flash_varlen
         out.append(row)
-        print(f"attention, mean document {mean:5d} ({row['documents']} documents): causal {t_causal * 1e3:8.2f} ms, "
-              f"documents {row['t_documents_s'] * 1e3:8.2f} ms, speedup {row['speedup']:.2f}x"
-              + (f", flash-attn varlen {flash_varlen * 1e3:.2f} ms" if flash_varlen else ""), flush=True)
+        print(
+            f"attention, mean document {mean:5d} ({row['documents']} documents): causal {t_causal * 1e3:8.2f} ms, "
+            f"documents {row['t_documents_s'] * 1e3:8.2f} ms, speedup {row['speedup']:.2f}x"
+            + (f", flash-attn varlen {flash_varlen * 1e3:.2f} ms" if flash_varlen else ""),
+            flush=True,
+        )
     return out
 
 
@@ -123,6 +132,7 @@ def model_rows(args, device) -> list[dict]:
         def run():
             model(tokens, positions).float().square().mean().backward()
             model.zero_grad(set_to_none=True)
+
         return run
 
     t_causal = _median_seconds(step(None), args.steps, args.warmup, device)
@@ -130,12 +140,21 @@ def model_rows(args, device) -> list[dict]:
     for divisor in args.divisors:
         mean = args.seq_len // divisor
         positions = document_positions(args.seq_len, args.rows, mean).to(device)
-        row = {"part": "model_step", "model": args.model, "mean_doc_len": mean, "seq_over_mean": divisor,
-               "t_causal_s": t_causal, "t_documents_s": _median_seconds(step(positions), args.steps, args.warmup, device)}
+        row = {
+            "part": "model_step",
+            "model": args.model,
+            "mean_doc_len": mean,
+            "seq_over_mean": divisor,
+            "t_causal_s": t_causal,
+            "t_documents_s": _median_seconds(step(positions), args.steps, args.warmup, device),
+        }
         row["speedup"] = row["t_causal_s"] / row["t_documents_s"]
         out.append(row)
-        print(f"{args.model} forward + backward, mean document {mean:5d}: causal {t_causal * 1e3:8.1f} ms, documents "
-              f"{row['t_documents_s'] * 1e3:8.1f} ms, speedup {row['speedup']:.2f}x", flush=True)
+        print(
+            f"{args.model} forward + backward, mean document {mean:5d}: causal {t_causal * 1e3:8.1f} ms, documents "
+            f"{row['t_documents_s'] * 1e3:8.1f} ms, speedup {row['speedup']:.2f}x",
+            flush=True,
+        )
     return out
 
 
@@ -143,7 +162,9 @@ def ring_rank(seq, rows, heads, kv_heads, head_dim, mean, steps, warmup):
     """One cp rank: the ring's forward + backward with documents (mean length `mean`; 0: none)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
-    q, k, v, do = (zigzag_shard(t, 2, rank, size) for t in _qkv(rows, seq, heads, kv_heads, head_dim, device, torch.float32))
+    q, k, v, do = (
+        zigzag_shard(t, 2, rank, size) for t in _qkv(rows, seq, heads, kv_heads, head_dim, device, torch.float32)
+    )
     docs = None
     if mean:
         positions = zigzag_shard(document_positions(seq, rows, mean), 1, rank, size)
@@ -172,18 +193,36 @@ def ring_rows(args) -> list[dict]:
             mean = args.seq_len // divisor
             got = run_ranks(ring_rank, cp, *shape, mean, args.steps, args.warmup, timeout=3600)[0]
             # the work each rank does over a global batch of --balance-rows rows packed alike
-            pairs = [sum(x) for x in zip(*(causal_pairs(args.seq_len, cp, "zigzag", p)
-                                           for p in document_positions(args.seq_len, args.balance_rows, mean)))]
-            row = {"part": "ring", "cp": cp, "mean_doc_len": mean, "seq_over_mean": divisor,
-                   "t_rank_causal_s": base["t_rank_s"], "t_rank_documents_s": got["t_rank_s"],
-                   "speedup": base["t_rank_s"] / got["t_rank_s"], "ring_steps": got["ring_steps"],
-                   "ring_steps_skipped": got["ring_steps_skipped"], "pairs_per_rank": pairs,
-                   "pairs_max_over_mean": max(pairs) / (sum(pairs) / len(pairs))}
+            pairs = [
+                sum(x)
+                for x in zip(
+                    *(
+                        causal_pairs(args.seq_len, cp, "zigzag", p)
+                        for p in document_positions(args.seq_len, args.balance_rows, mean)
+                    )
+                )
+            ]
+            row = {
+                "part": "ring",
+                "cp": cp,
+                "mean_doc_len": mean,
+                "seq_over_mean": divisor,
+                "t_rank_causal_s": base["t_rank_s"],
+                "t_rank_documents_s": got["t_rank_s"],
+                "speedup": base["t_rank_s"] / got["t_rank_s"],
+                "ring_steps": got["ring_steps"],
+                "ring_steps_skipped": got["ring_steps_skipped"],
+                "pairs_per_rank": pairs,
+                "pairs_max_over_mean": max(pairs) / (sum(pairs) / len(pairs)),
+            }
             out.append(row)
-            print(f"ring cp{cp}, mean document {mean:5d}: {row['ring_steps_skipped']} of {row['ring_steps']} block "
-                  f"steps skipped (all ranks, forward); per rank {base['t_rank_s'] * 1e3:.1f} ms causal, "
-                  f"{got['t_rank_s'] * 1e3:.1f} ms documents ({row['speedup']:.2f}x); work max/mean "
-                  f"{row['pairs_max_over_mean']:.3f} over {args.balance_rows} rows", flush=True)
+            print(
+                f"ring cp{cp}, mean document {mean:5d}: {row['ring_steps_skipped']} of {row['ring_steps']} block "
+                f"steps skipped (all ranks, forward); per rank {base['t_rank_s'] * 1e3:.1f} ms causal, "
+                f"{got['t_rank_s'] * 1e3:.1f} ms documents ({row['speedup']:.2f}x); work max/mean "
+                f"{row['pairs_max_over_mean']:.3f} over {args.balance_rows} rows",
+                flush=True,
+            )
     return out
 
 

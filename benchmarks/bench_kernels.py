@@ -45,7 +45,9 @@ def timed_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
 
 
 def attention_impls(causal: bool) -> dict[str, Callable]:
-    impls: dict[str, Callable] = {"tessera_triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton")}
+    impls: dict[str, Callable] = {
+        "tessera_triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton")
+    }
     if torch.cuda.is_available():
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -69,10 +71,14 @@ def bench_attention(args, device, dtype) -> list[dict]:
             batch = max(1, args.tokens // seq)
             for causal in getattr(args, "masks", (True, False)):  # the GPU suite runs causal only
                 flops_fwd = 4 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
-                q, k, v = (torch.randn(batch, heads, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+                q, k, v = (
+                    torch.randn(batch, heads, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+                )
                 do = torch.randn_like(q)
                 for name, impl in attention_impls(causal).items():
-                    row = dict(impl=name, seq_len=seq, head_dim=d, heads=heads, batch=batch, causal=causal, dtype=str(dtype))
+                    row = dict(
+                        impl=name, seq_len=seq, head_dim=d, heads=heads, batch=batch, causal=causal, dtype=str(dtype)
+                    )
                     try:
                         fwd = timed_ms(lambda: impl(q, k, v), args.warmup, args.reps)
 
@@ -82,7 +88,8 @@ def bench_attention(args, device, dtype) -> list[dict]:
 
                         both = timed_ms(fwd_bwd, args.warmup, args.reps)
                         row.update(
-                            fwd_ms=fwd, fwd_bwd_ms=both,
+                            fwd_ms=fwd,
+                            fwd_bwd_ms=both,
                             fwd_tflops=flops_fwd / fwd / 1e9,
                             fwd_bwd_tflops=3.5 * flops_fwd / both / 1e9,  # backward does 2.5x the forward's matmuls
                         )
@@ -104,7 +111,10 @@ def bench_rms_norm(args, device, dtype) -> list[dict]:
     rows = []
     bandwidth = device_info().get("hbm_bandwidth_bytes_per_s")
     compiled = torch.compile(rms_norm_reference) if torch.cuda.is_available() else None
-    impls = {"tessera_triton": lambda x, w: rms_norm(x, w, 1e-5, backend="triton"), "torch_eager": lambda x, w: rms_norm_reference(x, w, 1e-5)}
+    impls = {
+        "tessera_triton": lambda x, w: rms_norm(x, w, 1e-5, backend="triton"),
+        "torch_eager": lambda x, w: rms_norm_reference(x, w, 1e-5),
+    }
     if compiled is not None:
         impls["torch_compile"] = lambda x, w: compiled(x, w, 1e-5)
     for tokens, hidden in args.norm_shapes:
@@ -121,18 +131,30 @@ def bench_rms_norm(args, device, dtype) -> list[dict]:
 
             both = timed_ms(fwd_bwd, args.warmup, args.reps)
             # minimum traffic: forward reads x, writes y; backward reads x and dy, writes dx
-            row = dict(impl=name, tokens=tokens, hidden=hidden, dtype=str(dtype), fwd_ms=fwd, fwd_bwd_ms=both,
-                       fwd_gb_s=2 * size / fwd / 1e6, fwd_bwd_gb_s=5 * size / both / 1e6)
+            row = dict(
+                impl=name,
+                tokens=tokens,
+                hidden=hidden,
+                dtype=str(dtype),
+                fwd_ms=fwd,
+                fwd_bwd_ms=both,
+                fwd_gb_s=2 * size / fwd / 1e6,
+                fwd_bwd_gb_s=5 * size / both / 1e6,
+            )
             if bandwidth:
                 row["fwd_fraction_of_hbm"] = row["fwd_gb_s"] * 1e9 / bandwidth
                 row["fwd_bwd_fraction_of_hbm"] = row["fwd_bwd_gb_s"] * 1e9 / bandwidth
             rows.append(row)
-            print(f"rms_norm {name:<15} {tokens}x{hidden}  fwd {row['fwd_gb_s']:8.1f} GB/s  fwd+bwd {row['fwd_bwd_gb_s']:8.1f} GB/s", flush=True)
+            print(
+                f"rms_norm {name:<15} {tokens}x{hidden}  fwd {row['fwd_gb_s']:8.1f} GB/s  fwd+bwd {row['fwd_bwd_gb_s']:8.1f} GB/s",
+                flush=True,
+            )
     return rows
 
 
 def ratios(attention: list[dict], norms: list[dict]) -> dict:
     """The acceptance ratios, each from rows measured in this run."""
+
     def find(rows, **kw):
         return next((r for r in rows if all(r.get(k) == v for k, v in kw.items()) and "error" not in r), None)
 
@@ -140,17 +162,32 @@ def ratios(attention: list[dict], norms: list[dict]) -> dict:
     for r in attention:
         if r["impl"] != "tessera_triton" or "error" in r:
             continue
-        for other, key in (("sdpa_flash", "attention_fwd_bwd_vs_sdpa_flash"), ("sdpa_cudnn", "attention_fwd_bwd_vs_sdpa_cudnn")):
+        for other, key in (
+            ("sdpa_flash", "attention_fwd_bwd_vs_sdpa_flash"),
+            ("sdpa_cudnn", "attention_fwd_bwd_vs_sdpa_cudnn"),
+        ):
             o = find(attention, impl=other, seq_len=r["seq_len"], head_dim=r["head_dim"], causal=r["causal"])
             if o:
-                out[key].append(dict(seq_len=r["seq_len"], head_dim=r["head_dim"], causal=r["causal"],
-                                     ratio=r["fwd_bwd_tflops"] / o["fwd_bwd_tflops"]))
+                out[key].append(
+                    dict(
+                        seq_len=r["seq_len"],
+                        head_dim=r["head_dim"],
+                        causal=r["causal"],
+                        ratio=r["fwd_bwd_tflops"] / o["fwd_bwd_tflops"],
+                    )
+                )
     for r in norms:
         if r["impl"] == "tessera_triton":
             c = find(norms, impl="torch_compile", tokens=r["tokens"], hidden=r["hidden"])
-            out["rms_norm"].append(dict(tokens=r["tokens"], hidden=r["hidden"], fwd_fraction_of_hbm=r.get("fwd_fraction_of_hbm"),
-                                        fwd_vs_compile=(c["fwd_ms"] / r["fwd_ms"]) if c else None,
-                                        fwd_bwd_vs_compile=(c["fwd_bwd_ms"] / r["fwd_bwd_ms"]) if c else None))
+            out["rms_norm"].append(
+                dict(
+                    tokens=r["tokens"],
+                    hidden=r["hidden"],
+                    fwd_fraction_of_hbm=r.get("fwd_fraction_of_hbm"),
+                    fwd_vs_compile=(c["fwd_ms"] / r["fwd_ms"]) if c else None,
+                    fwd_bwd_vs_compile=(c["fwd_bwd_ms"] / r["fwd_bwd_ms"]) if c else None,
+                )
+            )
     return out
 
 
@@ -165,11 +202,19 @@ def plot(attention: list[dict], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     for ax, (d, causal) in zip(axes, [(64, True), (64, False), (128, True), (128, False)]):
         for impl in sorted({r["impl"] for r in attention}):
-            pts = [(r["seq_len"], r["fwd_bwd_tflops"]) for r in attention
-                   if r["impl"] == impl and r["head_dim"] == d and r["causal"] == causal and "error" not in r]
+            pts = [
+                (r["seq_len"], r["fwd_bwd_tflops"])
+                for r in attention
+                if r["impl"] == impl and r["head_dim"] == d and r["causal"] == causal and "error" not in r
+            ]
             if pts:
                 ax.plot(*zip(*sorted(pts)), marker="o", label=impl)
-        ax.set(xscale="log", title=f"fwd+bwd, D={d}, {'causal' if causal else 'non-causal'}", xlabel="sequence", ylabel="TFLOP/s")
+        ax.set(
+            xscale="log",
+            title=f"fwd+bwd, D={d}, {'causal' if causal else 'non-causal'}",
+            xlabel="sequence",
+            ylabel="TFLOP/s",
+        )
         ax.legend()
     fig.suptitle(f"attention on {device_info()['device']}")
     fig.tight_layout()
@@ -183,23 +228,34 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head_dim")
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seq_len")
-    p.add_argument("--norm-shapes", type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",")],
-                   default=[(16384, 4096), (16384, 8192), (32768, 8192)])
+    p.add_argument(
+        "--norm-shapes",
+        type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",")],
+        default=[(16384, 4096), (16384, 8192), (32768, 8192)],
+    )
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--out", default=None)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1: checks the code paths")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1: checks the code paths"
+    )
     args = p.parse_args(argv)
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
-            print("bench_kernels: --smoke runs the kernels on CPU and needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+            print(
+                "bench_kernels: --smoke runs the kernels on CPU and needs TRITON_INTERPRET=1 in the environment",
+                file=sys.stderr,
+            )
             return 2
         args.seq_lens, args.head_dims, args.hidden, args.tokens = [32], [16], 32, 32
         args.norm_shapes, args.warmup, args.reps = [(8, 64)], 1, 1
         device, dtype = "cpu", torch.float32
     elif not torch.cuda.is_available():
-        print("bench_kernels: no CUDA GPU found; the figures are GPU figures. Run it on a GPU machine, "
-              "or use --smoke (with TRITON_INTERPRET=1) to check the code on CPU", file=sys.stderr)
+        print(
+            "bench_kernels: no CUDA GPU found; the figures are GPU figures. Run it on a GPU machine, "
+            "or use --smoke (with TRITON_INTERPRET=1) to check the code on CPU",
+            file=sys.stderr,
+        )
         return 2
     else:
         device, dtype = "cuda", torch.bfloat16
@@ -207,7 +263,9 @@ def main(argv=None) -> int:
     norms = bench_rms_norm(args, device, dtype)
     name = "kernels-smoke" if args.smoke else f"kernels-{device_info()['device'].replace(' ', '_')}"
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    path = write_results(name, config, {"attention": attention, "rms_norm": norms, "ratios": ratios(attention, norms)}, args.out)
+    path = write_results(
+        name, config, {"attention": attention, "rms_norm": norms, "ratios": ratios(attention, norms)}, args.out
+    )
     print(f"wrote {path}")
     if not args.smoke:
         png = plot(attention, path.with_suffix(".png"))

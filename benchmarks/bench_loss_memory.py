@@ -39,8 +39,9 @@ from tessera.parallel.loss import (  # noqa: E402
 def make_inputs(tokens: int, dim: int, vocab: int, chunk_elements: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(tokens, dim, generator=gen).requires_grad_()
-    head = LinearCrossEntropyHead(torch.nn.Parameter(torch.randn(vocab, dim, generator=gen) * dim**-0.5),
-                                  chunk_elements=chunk_elements)
+    head = LinearCrossEntropyHead(
+        torch.nn.Parameter(torch.randn(vocab, dim, generator=gen) * dim**-0.5), chunk_elements=chunk_elements
+    )
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
     targets[::7] = -100  # some ignored positions, as masked data has
     return h, head, targets
@@ -65,8 +66,14 @@ def measure_memory(kind: str, tokens: int, dim: int, vocab: int, chunk_elements:
     inputs = tracker.now
     with tracker:
         loss = one_pass(kind, h, head, targets)
-    return {"inputs_bytes": inputs, "peak_bytes": tracker.peak, "peak_above_inputs_bytes": tracker.peak - inputs,
-            "loss_sum": loss.item(), "grad_h": h.grad, "grad_w": head.weight.grad}
+    return {
+        "inputs_bytes": inputs,
+        "peak_bytes": tracker.peak,
+        "peak_above_inputs_bytes": tracker.peak - inputs,
+        "loss_sum": loss.item(),
+        "grad_h": h.grad,
+        "grad_w": head.weight.grad,
+    }
 
 
 def float64_reference(tokens: int, dim: int, vocab: int, chunk_elements: int) -> dict:
@@ -105,18 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rows = []
     for dim in (int(d) for d in args.dims.split(",")):
-        runs = {kind: measure_memory(kind, args.tokens, dim, args.vocab, args.chunk_elements)
-                for kind in ("logits", "chunked")}
+        runs = {
+            kind: measure_memory(kind, args.tokens, dim, args.vocab, args.chunk_elements)
+            for kind in ("logits", "chunked")
+        }
         exact = float64_reference(args.tokens, dim, args.vocab, args.chunk_elements)
         times = time_interleaved(args.tokens, dim, args.vocab, args.chunk_elements, args.repeats)
         old, new = runs["logits"], runs["chunked"]
         row = {
-            "tokens": args.tokens, "dim": dim, "vocab": args.vocab,
+            "tokens": args.tokens,
+            "dim": dim,
+            "vocab": args.vocab,
             "chunk_tokens": chunk_tokens(args.tokens, args.vocab, args.chunk_elements),
             "full_logits_fp32_bytes": args.tokens * args.vocab * 4,
         }
         for kind, r in runs.items():
-            row.update({f"{kind}_{k}": r[k] for k in ("inputs_bytes", "peak_bytes", "peak_above_inputs_bytes", "loss_sum")})
+            row.update(
+                {f"{kind}_{k}": r[k] for k in ("inputs_bytes", "peak_bytes", "peak_above_inputs_bytes", "loss_sum")}
+            )
             row[f"{kind}_time_s_median"] = statistics.median(times[kind])
             row[f"{kind}_time_s_min"] = min(times[kind])
             row[f"{kind}_times_s"] = times[kind]
@@ -126,22 +139,33 @@ def main(argv: list[str] | None = None) -> int:
                 ref = exact[g]
                 row[f"{kind}_{g}_rel_err_vs_fp64"] = ((r[g].double() - ref).abs().max() / ref.abs().max()).item()
         rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
-        row.update({
-            "peak_ratio": old["peak_bytes"] / new["peak_bytes"],
-            "peak_above_inputs_ratio": old["peak_above_inputs_bytes"] / new["peak_above_inputs_bytes"],
-            "time_ratio_chunked_over_logits": row["chunked_time_s_median"] / row["logits_time_s_median"],
-            "loss_rel_diff": abs(new["loss_sum"] - old["loss_sum"]) / abs(old["loss_sum"]),
-            "grad_h_rel_diff": rel(new["grad_h"], old["grad_h"]),
-            "grad_w_rel_diff": rel(new["grad_w"], old["grad_w"]),
-        })
+        row.update(
+            {
+                "peak_ratio": old["peak_bytes"] / new["peak_bytes"],
+                "peak_above_inputs_ratio": old["peak_above_inputs_bytes"] / new["peak_above_inputs_bytes"],
+                "time_ratio_chunked_over_logits": row["chunked_time_s_median"] / row["logits_time_s_median"],
+                "loss_rel_diff": abs(new["loss_sum"] - old["loss_sum"]) / abs(old["loss_sum"]),
+                "grad_h_rel_diff": rel(new["grad_h"], old["grad_h"]),
+                "grad_w_rel_diff": rel(new["grad_w"], old["grad_w"]),
+            }
+        )
         rows.append(row)
-        print(f"dim {dim}: peak {old['peak_bytes'] / 2**20:.0f} MiB -> {new['peak_bytes'] / 2**20:.0f} MiB "
-              f"({row['peak_ratio']:.2f}x; above the inputs {row['peak_above_inputs_ratio']:.2f}x), time "
-              f"{row['logits_time_s_median']:.2f} s -> {row['chunked_time_s_median']:.2f} s, loss rel diff "
-              f"{row['loss_rel_diff']:.1e}")
-    config = {"tokens": args.tokens, "dims": args.dims, "vocab": args.vocab, "chunk_elements": args.chunk_elements,
-              "repeats": args.repeats, "threads": args.threads, "dtype": "float32",
-              "tracker": "tessera.memtrack.LiveTensorBytes (live tensor storage, h and W registered first)"}
+        print(
+            f"dim {dim}: peak {old['peak_bytes'] / 2**20:.0f} MiB -> {new['peak_bytes'] / 2**20:.0f} MiB "
+            f"({row['peak_ratio']:.2f}x; above the inputs {row['peak_above_inputs_ratio']:.2f}x), time "
+            f"{row['logits_time_s_median']:.2f} s -> {row['chunked_time_s_median']:.2f} s, loss rel diff "
+            f"{row['loss_rel_diff']:.1e}"
+        )
+    config = {
+        "tokens": args.tokens,
+        "dims": args.dims,
+        "vocab": args.vocab,
+        "chunk_elements": args.chunk_elements,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "dtype": "float32",
+        "tracker": "tessera.memtrack.LiveTensorBytes (live tensor storage, h and W registered first)",
+    }
     print(write_results("loss_memory_cpu", config, rows, args.out))
     return 0
 

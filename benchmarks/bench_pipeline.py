@@ -72,8 +72,16 @@ def _batches(cfg, rows: int, seq: int, microbatches: int, device: torch.device):
 
 def _tessera(cfg, kind, pp, virtual, microbatches, device):
     stages = _stages(cfg, kind, pp, virtual, device)
-    runner = PipelineRunner(stages, kind, dist.group.WORLD, microbatches, virtual, CrossEntropySum(cfg.vocab_size),
-                            lambda rows, seq: ((rows, seq, cfg.dim), torch.float32), device)
+    runner = PipelineRunner(
+        stages,
+        kind,
+        dist.group.WORLD,
+        microbatches,
+        virtual,
+        CrossEntropySum(cfg.vocab_size),
+        lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
+        device,
+    )
     runner.record_trace = True
     return stages, runner
 
@@ -118,8 +126,18 @@ def _zero(stages):
         m.zero_grad(set_to_none=True)
 
 
-def side_by_side(model: str, n_layers: int, kind: str, pp: int, virtual: int, microbatches: int, rows: int, seq: int,
-                 steps: int, warmup: int):
+def side_by_side(
+    model: str,
+    n_layers: int,
+    kind: str,
+    pp: int,
+    virtual: int,
+    microbatches: int,
+    rows: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+):
     """On every rank: step times of both executors (alternating), gradient difference, tessera's trace."""
     device = _device()
     cfg = get_preset(model, n_layers=n_layers)
@@ -155,8 +173,18 @@ def side_by_side(model: str, n_layers: int, kind: str, pp: int, virtual: int, mi
     return {"times": times, "grad_max_rel_diff": grad_diff.item(), "trace": trace}
 
 
-def peak_memory(executor: str, model: str, n_layers: int, kind: str, pp: int, virtual: int, microbatches: int,
-                rows: int, seq: int, steps: int) -> int:
+def peak_memory(
+    executor: str,
+    model: str,
+    n_layers: int,
+    kind: str,
+    pp: int,
+    virtual: int,
+    microbatches: int,
+    rows: int,
+    seq: int,
+    steps: int,
+) -> int:
     """Peak memory of one executor alone (a fresh process per rank: peak RSS on CPU)."""
     import resource
 
@@ -200,8 +228,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--virtual", type=int, default=2, help="stages per rank for interleaved-1f1b, looped-bfs and "
-                                                          "interleaved-zb (zbv: always 2)")
+    p.add_argument(
+        "--virtual",
+        type=int,
+        default=2,
+        help="stages per rank for interleaved-1f1b, looped-bfs and interleaved-zb (zbv: always 2)",
+    )
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
     p.add_argument("--seq-len", type=int, default=256)
@@ -219,23 +251,40 @@ def main(argv=None) -> int:
         virtual = 2 if kind in V_KINDS else args.virtual if kind in VIRTUAL_KINDS else 1
         common = (args.model, args.n_layers, kind, args.pp, virtual, args.microbatches, args.rows, args.seq_len)
         results = run_ranks(side_by_side, args.pp, *common, args.steps, args.warmup, timeout=1200, backend=backend)
-        memory = {ex: run_ranks(peak_memory, args.pp, ex, *common, 2, timeout=1200, backend=backend)
-                  for ex in ("tessera", "torch")}
+        memory = {
+            ex: run_ranks(peak_memory, args.pp, ex, *common, 2, timeout=1200, backend=backend)
+            for ex in ("tessera", "torch")
+        }
         times = results[0]["times"]
         t_tessera, t_torch = statistics.median(times["tessera"]), statistics.median(times["torch"])
         bubble, costs = measured_bubble([r["trace"] for r in results])
-        simulated = simulate(build_schedule(kind, args.pp, args.microbatches, virtual),
-                             {"F": costs["F"], "B": costs["B"], "W": costs.get("W", 0.0)}).bubble
-        row = dict(kind=kind, virtual=virtual, torch_schedule=TORCH_SCHEDULES[kind],
-                   tessera_step_s=t_tessera, torch_step_s=t_torch, torch_over_tessera=t_torch / t_tessera,
-                   tessera_peak_memory_bytes=max(memory["tessera"]), torch_peak_memory_bytes=max(memory["torch"]),
-                   measured_bubble=bubble, simulated_bubble=simulated, mean_op_seconds=costs,
-                   grad_max_rel_diff=results[0]["grad_max_rel_diff"], step_times=times)
+        simulated = simulate(
+            build_schedule(kind, args.pp, args.microbatches, virtual),
+            {"F": costs["F"], "B": costs["B"], "W": costs.get("W", 0.0)},
+        ).bubble
+        row = dict(
+            kind=kind,
+            virtual=virtual,
+            torch_schedule=TORCH_SCHEDULES[kind],
+            tessera_step_s=t_tessera,
+            torch_step_s=t_torch,
+            torch_over_tessera=t_torch / t_tessera,
+            tessera_peak_memory_bytes=max(memory["tessera"]),
+            torch_peak_memory_bytes=max(memory["torch"]),
+            measured_bubble=bubble,
+            simulated_bubble=simulated,
+            mean_op_seconds=costs,
+            grad_max_rel_diff=results[0]["grad_max_rel_diff"],
+            step_times=times,
+        )
         rows.append(row)
-        print(f"{kind:<17} tessera {t_tessera * 1e3:8.1f} ms  torch {t_torch * 1e3:8.1f} ms  torch/tessera "
-              f"{row['torch_over_tessera']:.3f}  peak {row['tessera_peak_memory_bytes'] / 2**20:,.0f} vs "
-              f"{row['torch_peak_memory_bytes'] / 2**20:,.0f} MiB  bubble measured {bubble:.3f} simulated "
-              f"{simulated:.3f}  grad diff {row['grad_max_rel_diff']:.1e}", flush=True)
+        print(
+            f"{kind:<17} tessera {t_tessera * 1e3:8.1f} ms  torch {t_torch * 1e3:8.1f} ms  torch/tessera "
+            f"{row['torch_over_tessera']:.3f}  peak {row['tessera_peak_memory_bytes'] / 2**20:,.0f} vs "
+            f"{row['torch_peak_memory_bytes'] / 2**20:,.0f} MiB  bubble measured {bubble:.3f} simulated "
+            f"{simulated:.3f}  grad diff {row['grad_max_rel_diff']:.1e}",
+            flush=True,
+        )
     config = dict(vars(args), backend=backend)
     device = "gpu" if backend == "nccl" else "cpu"
     path = write_results(f"pipeline-{args.model}-pp{args.pp}-{device}", config, rows, args.out)

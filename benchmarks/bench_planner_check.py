@@ -36,8 +36,12 @@ from tessera.models import PRESETS, ModelConfig  # noqa: E402
 from tessera.models.llama import BYTE_VOCAB  # noqa: E402
 
 EXTRA_PRESETS = {
-    "check-512": ModelConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=1536, max_seq_len=4096),
-    "check-768": ModelConfig(dim=768, n_layers=4, n_heads=12, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=2304, max_seq_len=4096),
+    "check-512": ModelConfig(
+        dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=1536, max_seq_len=4096
+    ),
+    "check-768": ModelConfig(
+        dim=768, n_layers=4, n_heads=12, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=2304, max_seq_len=4096
+    ),
 }
 DEFAULT_CONFIGS = "debug:2:64:8,small:4:128:4,small:4:128:16,small:8:256:8,check-512:4:128:8,check-768:4:128:8"
 
@@ -49,20 +53,39 @@ def parse_configs(text: str) -> list[tuple[str, int, int, int]]:
             name, layers, seq, batch = item.split(":")
             out.append((name, int(layers), int(seq), int(batch)))
         except ValueError:
-            raise SystemExit(f"bench_planner_check: --configs item {item!r} is not PRESET:LAYERS:SEQ:BATCH (e.g. small:4:128:8)")
+            raise SystemExit(
+                f"bench_planner_check: --configs item {item!r} is not PRESET:LAYERS:SEQ:BATCH (e.g. small:4:128:8)"
+            )
     return out
 
 
-def check_one(name: str, layers: int, seq: int, batch: int, device: torch.device, rounds: int, steps: int, warmup: int,
-              mixed_precision: str | None) -> dict:
+def check_one(
+    name: str,
+    layers: int,
+    seq: int,
+    batch: int,
+    device: torch.device,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    mixed_precision: str | None,
+) -> dict:
     from tessera.bench import planner_estimate
     from tessera.calibrate import measure
     from tessera.config import Config
     from tessera.topology.step_time import Calibration
     from tessera.trainer import Trainer
 
-    config = Config.create(model=name, n_layers=layers, seq_len=seq, global_batch=batch, steps=10**6, quiet=True,
-                           device=device.type, mixed_precision=mixed_precision)
+    config = Config.create(
+        model=name,
+        n_layers=layers,
+        seq_len=seq,
+        global_batch=batch,
+        steps=10**6,
+        quiet=True,
+        device=device.type,
+        mixed_precision=mixed_precision,
+    )
     config.check()
     trainer = Trainer(config, device)
     records = [trainer.train_step().record() for _ in range(warmup)]
@@ -76,17 +99,39 @@ def check_one(name: str, layers: int, seq: int, batch: int, device: torch.device
             records.append(trainer.train_step().record())
             times.append(time.perf_counter() - started)
         measured = statistics.median(times)
-        per_round.append({"predicted_s": est.time["step"], "measured_s": measured, "ratio": measured / est.time["step"],
-                          "parts_s": est.compute_parts, "calibration": {k: entry[k] for k in (
-                              "matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s", "op_overhead_s")}})
+        per_round.append(
+            {
+                "predicted_s": est.time["step"],
+                "measured_s": measured,
+                "ratio": measured / est.time["step"],
+                "parts_s": est.compute_parts,
+                "calibration": {
+                    k: entry[k]
+                    for k in ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s", "op_overhead_s")
+                },
+            }
+        )
     med = lambda key: statistics.median(r[key] for r in per_round)  # noqa: E731
     parts = {k: statistics.median(r["parts_s"][k] for r in per_round) for k in per_round[0]["parts_s"]}
     cfg = config.model_config
-    return {"config": f"{name}:{layers}:{seq}:{batch}", "model": name, "n_layers": layers, "dim": cfg.dim, "ffn_dim": cfg.ffn_dim,
-            "params": cfg.num_params(), "seq_len": seq, "global_batch": batch, "tokens": seq * batch,
-            "compute_dtype": next((r.get("compute_dtype") for r in records if r.get("compute_dtype")), None),
-            "predicted_step_s": med("predicted_s"), "measured_step_s": med("measured_s"), "ratio": med("ratio"),
-            "ratios": [r["ratio"] for r in per_round], "predicted_parts_s": parts, "rounds": per_round}
+    return {
+        "config": f"{name}:{layers}:{seq}:{batch}",
+        "model": name,
+        "n_layers": layers,
+        "dim": cfg.dim,
+        "ffn_dim": cfg.ffn_dim,
+        "params": cfg.num_params(),
+        "seq_len": seq,
+        "global_batch": batch,
+        "tokens": seq * batch,
+        "compute_dtype": next((r.get("compute_dtype") for r in records if r.get("compute_dtype")), None),
+        "predicted_step_s": med("predicted_s"),
+        "measured_step_s": med("measured_s"),
+        "ratio": med("ratio"),
+        "ratios": [r["ratio"] for r in per_round],
+        "predicted_parts_s": parts,
+        "rounds": per_round,
+    }
 
 
 def main(argv=None) -> int:
@@ -97,7 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="steps before the first round")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one tessera rank's)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument(
+        "--mixed-precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU"
+    )
     p.add_argument("--smoke", action="store_true", help="one tiny configuration, one round: checks the plumbing")
     p.add_argument("--out", default=None, help="a .json file or a directory (default benchmarks/results/)")
     args = p.parse_args(argv)
@@ -116,18 +163,29 @@ def main(argv=None) -> int:
     rows = []
     try:
         for name, layers, seq, batch in parse_configs(args.configs):
-            row = check_one(name, layers, seq, batch, device, args.rounds, args.steps, args.warmup, args.mixed_precision)
+            row = check_one(
+                name, layers, seq, batch, device, args.rounds, args.steps, args.warmup, args.mixed_precision
+            )
             rows.append(row)
-            parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["predicted_parts_s"].items()
-                              if k in ("matmul", "attention", "memory", "host"))
-            print(f"{row['config']:<22} measured {row['measured_step_s'] * 1e3:8.1f} ms  predicted "
-                  f"{row['predicted_step_s'] * 1e3:8.1f} ms ({parts} ms)  measured / predicted {row['ratio']:.3f} "
-                  f"(rounds {', '.join(f'{r:.2f}' for r in row['ratios'])})", flush=True)
+            parts = ", ".join(
+                f"{k} {v * 1e3:.1f}"
+                for k, v in row["predicted_parts_s"].items()
+                if k in ("matmul", "attention", "memory", "host")
+            )
+            print(
+                f"{row['config']:<22} measured {row['measured_step_s'] * 1e3:8.1f} ms  predicted "
+                f"{row['predicted_step_s'] * 1e3:8.1f} ms ({parts} ms)  measured / predicted {row['ratio']:.3f} "
+                f"(rounds {', '.join(f'{r:.2f}' for r in row['ratios'])})",
+                flush=True,
+            )
     finally:
         dist.destroy_process_group()
     within = [r["config"] for r in rows if abs(r["ratio"] - 1) <= 0.15]
-    summary = {"within_15_percent": within, "max_abs_error": max(abs(r["ratio"] - 1) for r in rows),
-               "method": "per round: calibrate (quick) at the model's shapes, predict, time the steps; medians over rounds"}
+    summary = {
+        "within_15_percent": within,
+        "max_abs_error": max(abs(r["ratio"] - 1) for r in rows),
+        "method": "per round: calibrate (quick) at the model's shapes, predict, time the steps; medians over rounds",
+    }
     name = "planner_check_smoke" if args.smoke else f"planner_check_{device.type}"
     path = write_results(name, {k: v for k, v in vars(args).items()}, {"rows": rows, "summary": summary}, args.out)
     print(f"{len(within)} of {len(rows)} configurations within 15%; wrote {path}")

@@ -63,8 +63,9 @@ class PlainLlama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(PlainBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps)
-                                    for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            PlainBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps) for _ in range(cfg.n_layers)
+        )
         self.norm = nn.Parameter(torch.ones(cfg.dim))
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         hd = cfg.head_dim
@@ -110,13 +111,16 @@ def main(argv=None) -> int:
     try:
         for seq in map(int, args.seq_lens.split(",")):
             batch = max(1, args.tokens // seq)
-            config = Config.create(model=args.model, seq_len=seq, global_batch=batch, steps=args.steps * 2 + 2,
-                                   warmup=1, quiet=True)
+            config = Config.create(
+                model=args.model, seq_len=seq, global_batch=batch, steps=args.steps * 2 + 2, warmup=1, quiet=True
+            )
             trainer = Trainer(config, torch.device("cpu"))
             plain = PlainLlama(trainer.model_config)
             plain.load_tessera({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
             o = config.optimizer
-            opt = torch.optim.AdamW(plain.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+            opt = torch.optim.AdamW(
+                plain.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+            )
             inputs, targets = trainer.data.global_batch_at(0)
 
             def plain_step():
@@ -144,13 +148,23 @@ def main(argv=None) -> int:
                     times["tessera"].append(dt_tessera)
                     times["plain"].append(dt_plain)
             med = {k: statistics.median(v) for k, v in times.items()}
-            row = dict(seq_len=seq, batch=batch, tessera_step_s=med["tessera"], plain_step_s=med["plain"],
-                       ratio=med["tessera"] / med["plain"], first_loss_tessera=first_tessera, first_loss_plain=first_plain,
-                       steps_timed=args.steps)
+            row = dict(
+                seq_len=seq,
+                batch=batch,
+                tessera_step_s=med["tessera"],
+                plain_step_s=med["plain"],
+                ratio=med["tessera"] / med["plain"],
+                first_loss_tessera=first_tessera,
+                first_loss_plain=first_plain,
+                steps_timed=args.steps,
+            )
             rows.append(row)
-            print(f"seq {seq:>5} batch {batch:>3}: tessera {med['tessera'] * 1e3:8.1f} ms  plain torch "
-                  f"{med['plain'] * 1e3:8.1f} ms  ratio {row['ratio']:.3f}x  (first loss {first_tessera:.6f} vs "
-                  f"{first_plain:.6f})", flush=True)
+            print(
+                f"seq {seq:>5} batch {batch:>3}: tessera {med['tessera'] * 1e3:8.1f} ms  plain torch "
+                f"{med['plain'] * 1e3:8.1f} ms  ratio {row['ratio']:.3f}x  (first loss {first_tessera:.6f} vs "
+                f"{first_plain:.6f})",
+                flush=True,
+            )
     finally:
         dist.destroy_process_group()
     path = write_results(f"step-{args.model}-cpu", vars(args), {"rows": rows}, args.out)

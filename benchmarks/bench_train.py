@@ -47,27 +47,45 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rows = []
     for name, kernels in [(n, k) for n in args.layouts.split(",") for k in args.kernels.split(",")]:
-        config = Config.create(model=args.model, seq_len=args.seq_len, global_batch=args.global_batch, steps=args.steps,
-                               quiet=True, device=args.device, kernels=kernels, **LAYOUTS[name])
+        config = Config.create(
+            model=args.model,
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            steps=args.steps,
+            quiet=True,
+            device=args.device,
+            kernels=kernels,
+            **LAYOUTS[name],
+        )
         config.check()
         history = train(config)
-        timed = history[args.warmup:] or history
+        timed = history[args.warmup :] or history
         row = dict(
-            layout=name, kernels=kernels, device=config.device_type(), mixed_precision=config.mixed_precision, ranks=config.layout.world_size, layout_degrees=config.layout.as_dict(),
+            layout=name,
+            kernels=kernels,
+            device=config.device_type(),
+            mixed_precision=config.mixed_precision,
+            ranks=config.layout.world_size,
+            layout_degrees=config.layout.as_dict(),
             tokens_per_s=statistics.median(m["tokens_per_s"] for m in timed),
             step_time_s=statistics.median(m["step_time_s"] for m in timed),
             peak_memory_bytes_rank0=max(m["peak_memory_bytes"] for m in history),
             final_loss=history[-1]["loss"],
         )
         rows.append(row)
-        print(f"{name:<18} {kernels:<7} {row['ranks']:>2} ranks  {row['tokens_per_s']:>9,.0f} tok/s  step {row['step_time_s'] * 1e3:7.1f} ms  "
-              f"loss {row['final_loss']:.6f}", flush=True)
+        print(
+            f"{name:<18} {kernels:<7} {row['ranks']:>2} ranks  {row['tokens_per_s']:>9,.0f} tok/s  step {row['step_time_s'] * 1e3:7.1f} ms  "
+            f"loss {row['final_loss']:.6f}",
+            flush=True,
+        )
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["throughput_vs_first"] = r["tokens_per_s"] / base
     losses = [r["final_loss"] for r in rows]
     summary = {"max_relative_loss_spread": (max(losses) - min(losses)) / abs(min(losses))}
-    path = write_results(f"train-{args.model}-{rows[0]['device']}", vars(args), {"layouts": rows, "summary": summary}, args.out)
+    path = write_results(
+        f"train-{args.model}-{rows[0]['device']}", vars(args), {"layouts": rows, "summary": summary}, args.out
+    )
     print(f"max relative spread of the final loss across layouts: {summary['max_relative_loss_spread']:.2e}")
     print(f"wrote {path}")
     return 0

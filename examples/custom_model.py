@@ -106,9 +106,20 @@ def init_std(name: str, cfg: GPTConfig):
 
 
 def shape(c: GPTConfig) -> ModelShape:
-    return ModelShape(dim=c.dim, n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_heads, head_dim=c.head_dim,
-                      vocab_size=c.vocab_size, ffn_dim=4 * c.dim, mlp="gelu", norm="layer", bias=True,
-                      learned_positions=c.max_seq_len, family="gpt-mini")
+    return ModelShape(
+        dim=c.dim,
+        n_layers=c.n_layers,
+        n_heads=c.n_heads,
+        n_kv_heads=c.n_heads,
+        head_dim=c.head_dim,
+        vocab_size=c.vocab_size,
+        ffn_dim=4 * c.dim,
+        mlp="gelu",
+        norm="layer",
+        bias=True,
+        learned_positions=c.max_seq_len,
+        family="gpt-mini",
+    )
 
 
 GPT_SPEC = ModelSpec(

@@ -13,8 +13,19 @@ from tessera.config import Config
 from tessera.trainer import Trainer
 
 dist.init_process_group("gloo")  # "nccl" with one GPU per rank
-config = Config.create(model="debug", n_layers=4, pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2,
-                       seq_len=64, global_batch=8, steps=5)
+config = Config.create(
+    model="debug",
+    n_layers=4,
+    pp=2,
+    dp=2,
+    cp=2,
+    tp=2,
+    sequence_parallel=True,
+    microbatches=2,
+    seq_len=64,
+    global_batch=8,
+    steps=5,
+)
 config.check()  # every input error, before any work
 trainer = Trainer(config)  # meshes, meta build, parallelize, materialize, AdamW, data
 for _ in range(config.runtime.steps):

@@ -4,5 +4,15 @@ from .attention import attention_backward_reference, attention_reference, docume
 from .dispatch import default_backend, flash_attention, flash_attention_backward, rms_norm, set_default_backend
 from .rmsnorm import rms_norm_reference
 
-__all__ = ["flash_attention", "flash_attention_backward", "attention_reference", "attention_backward_reference",
-           "naive_attention", "document_ids", "rms_norm", "rms_norm_reference", "set_default_backend", "default_backend"]
+__all__ = [
+    "flash_attention",
+    "flash_attention_backward",
+    "attention_reference",
+    "attention_backward_reference",
+    "naive_attention",
+    "document_ids",
+    "rms_norm",
+    "rms_norm_reference",
+    "set_default_backend",
+    "default_backend",
+]

@@ -36,8 +36,14 @@ def _same_document(q_docs: Tensor, k_docs: Tensor) -> Tensor:
 
 
 def attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None, block: int = REFERENCE_BLOCK,
-    q_docs: Tensor | None = None, k_docs: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    block: int = REFERENCE_BLOCK,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Blockwise attention in torch; returns (out in q's dtype, lse float32). Differentiable in q, k, v.
     With document ids (B, Sq) and (B, Sk) a query sees only keys of its own document."""
@@ -76,14 +82,25 @@ def attention_reference(
         m = m_new
     empty = l == 0  # queries that see no key at all (causal with Sk < Sq): output 0, lse -inf
     out = torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, torch.ones_like(l), l))
-    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l)))
+    lse = torch.where(
+        empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l))
+    )
     return out.reshape(B, Hq, Sq, D).to(q.dtype), lse.reshape(B, Hq, Sq)
 
 
 def attention_backward_reference(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None = None,
-    causal: bool = True, scale: float | None = None, block: int = REFERENCE_BLOCK,
-    q_docs: Tensor | None = None, k_docs: Tensor | None = None,
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    block: int = REFERENCE_BLOCK,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one attention block, given the output `o` and log-sum-exp `lse` of the softmax
     the block belongs to (FlashAttention-2's backward; ring attention passes the merged, global o and
@@ -125,24 +142,40 @@ def attention_backward_reference(
     return dq.reshape(B, Hq, Sq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def sdpa_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True,
-                            scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def sdpa_attention_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True, scale: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """attention_backward_reference without an LSE gradient, by ATen's fused CPU flash-attention backward
     (the same conditions as sdpa_supports)."""
     group = q.shape[1] // k.shape[1]
     kr, vr = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        do.contiguous(), q.contiguous(), kr.contiguous(), vr.contiguous(), o.contiguous(),
-        lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous(), 0.0, causal, scale=scale)
+        do.contiguous(),
+        q.contiguous(),
+        kr.contiguous(),
+        vr.contiguous(),
+        o.contiguous(),
+        lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous(),
+        0.0,
+        causal,
+        scale=scale,
+    )
     if group > 1:  # the repeated kv heads' gradients add up on their kv head
         B, Hkv, Sk, D = k.shape
         dk, dv = dk.view(B, Hkv, group, Sk, D).sum(2), dv.view(B, Hkv, group, Sk, D).sum(2)
     return dq, dk, dv
 
 
-def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
-                    q_docs: Tensor | None = None, k_docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def naive_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Softmax(q k^T) v with every head materialized: the definition the other implementations are tested
     against. With document ids a query sees only its own document's keys; one that sees none gives 0 and
     lse -inf."""
@@ -166,10 +199,16 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale:
 def sdpa_supports(q: Tensor, k: Tensor, causal: bool) -> bool:
     """torch's fused CPU attention aligns a causal mask top-left; ours is bottom-right, so it serves
     causal calls only when Sq == Sk. It computes fp32 and fp64 on CPU."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and (not causal or q.shape[2] == k.shape[2])
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and (not causal or q.shape[2] == k.shape[2])
+    )
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None) -> tuple[Tensor, Tensor]:
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
     """(out, lse) from ATen's fused CPU flash attention; differentiable through `out` only."""
     group = q.shape[1] // k.shape[1]
     if group > 1:  # grouped-query heads: the fused op wants one kv head per query head
@@ -192,6 +231,7 @@ def document_ids(positions: Tensor, sequence_index: Tensor) -> Tensor | None:
 def document_segments(q_docs: Tensor, k_docs: Tensor) -> list[list[tuple[int, int, int, int, bool]]]:
     """Per batch row, its queries' document runs in order: (q_start, q_end, k_start, k_end, has_keys), the
     keys' run of the same document (ids non-decreasing along each row, so every document is one run)."""
+
     def runs_of(ids: Tensor) -> tuple[list[int], list[int]]:
         values, counts = torch.unique_consecutive(ids, return_counts=True)
         return values.tolist(), [0] + torch.cumsum(counts, 0).tolist()
@@ -217,8 +257,16 @@ def _aligned(runs: list[list[tuple[int, int, int, int, bool]]], causal: bool, Sq
     return all((qs - ks) + (Sk - Sq) == (ke - ks) - (qe - qs) for row in runs for qs, qe, ks, ke, has in row if has)
 
 
-def document_attention(q: Tensor, k: Tensor, v: Tensor, q_docs: Tensor, k_docs: Tensor, causal: bool = True,
-                       scale: float | None = None, grad_lse: bool = False) -> tuple[Tensor, Tensor] | None:
+def document_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_docs: Tensor,
+    k_docs: Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    grad_lse: bool = False,
+) -> tuple[Tensor, Tensor] | None:
     """(out, lse) of document-masked attention computed one document at a time (varlen on CPU): each
     document's queries attend its keys through ATen's fused flash attention where it computes the same
     thing (else the blockwise reference), so the work is the sum of the documents' squares and no
@@ -237,7 +285,7 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, q_docs: Tensor, k_docs: 
                 pieces.append(q.new_zeros(1, Hq, qe - qs, D))
                 piece_lse.append(torch.full((1, Hq, qe - qs), float("-inf"), dtype=acc, device=q.device))
                 continue
-            qb, kb, vb = q[b:b + 1, :, qs:qe], k[b:b + 1, :, ks:ke], v[b:b + 1, :, ks:ke]
+            qb, kb, vb = q[b : b + 1, :, qs:qe], k[b : b + 1, :, ks:ke], v[b : b + 1, :, ks:ke]
             if not grad_lse and sdpa_supports(qb, kb, causal):
                 o, lse = sdpa_attention(qb, kb, vb, causal, scale)
             else:
@@ -249,9 +297,19 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, q_docs: Tensor, k_docs: 
     return torch.cat(outs), torch.cat(lses)
 
 
-def document_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                                dlse: Tensor | None, q_docs: Tensor, k_docs: Tensor, causal: bool = True,
-                                scale: float | None = None) -> tuple[Tensor, Tensor, Tensor] | None:
+def document_attention_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None,
+    q_docs: Tensor,
+    k_docs: Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor] | None:
     """attention_backward_reference with document masks, one document at a time (ATen's fused backward
     where it applies); None when a causal call's documents do not keep its diagonal."""
     Sq, Sk = q.shape[2], k.shape[2]
@@ -271,8 +329,9 @@ def document_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: 
             if dlse is None and sdpa_supports(qb, kb, causal):
                 g = sdpa_attention_backward(do[rows], qb, kb, vb, o[rows], lse[rows], causal, scale)
             else:
-                g = attention_backward_reference(do[rows], qb, kb, vb, o[rows], lse[rows],
-                                                 None if dlse is None else dlse[rows], causal, scale)
+                g = attention_backward_reference(
+                    do[rows], qb, kb, vb, o[rows], lse[rows], None if dlse is None else dlse[rows], causal, scale
+                )
             dq[rows] += g[0].to(acc)
             dk[cols] += g[1].to(acc)
             dv[cols] += g[2].to(acc)

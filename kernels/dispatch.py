@@ -107,11 +107,15 @@ def flash_attention(
     if q_docs is not None:
         grad_lse = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         found = None if backend == "torch" else document_attention(q, k, v, q_docs, k_docs, causal, scale, grad_lse)
-        out, lse = found if found is not None else attention_reference(q, k, v, causal, scale, q_docs=q_docs, k_docs=k_docs)
+        out, lse = (
+            found if found is not None else attention_reference(q, k, v, causal, scale, q_docs=q_docs, k_docs=k_docs)
+        )
         return (out, lse) if return_lse else out
     if backend == "torch" and q.is_cuda and not return_lse and (not causal or q.shape[2] == k.shape[2]):
         # torch on CUDA: its fused SDPA (flash / cuDNN / efficient), whose causal mask is top-left (Sq == Sk here)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
     elif backend is None and sdpa_supports(q, k, causal):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if not return_lse:
@@ -123,9 +127,18 @@ def flash_attention(
 
 
 def flash_attention_backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None = None,
-    causal: bool = True, scale: float | None = None, backend: str | None = None,
-    q_docs: Tensor | None = None, k_docs: Tensor | None = None,
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    backend: str | None = None,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention over this key block, given the output `o` and `lse` of the whole
     softmax the block is part of (ring attention's backward). CUDA: the Triton backward kernels; CPU:
@@ -147,10 +160,16 @@ def flash_attention_backward(
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
     if q_docs is not None:
-        found = None if backend == "torch" else document_attention_backward(do, q, k, v, o, lse, dlse, q_docs, k_docs,
-                                                                             causal, scale)
-        return found if found is not None else attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale,
-                                                                             q_docs=q_docs, k_docs=k_docs)
+        found = (
+            None
+            if backend == "torch"
+            else document_attention_backward(do, q, k, v, o, lse, dlse, q_docs, k_docs, causal, scale)
+        )
+        return (
+            found
+            if found is not None
+            else attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale, q_docs=q_docs, k_docs=k_docs)
+        )
     if backend is None and dlse is None and sdpa_supports(q, k, causal):
         return sdpa_attention_backward(do, q, k, v, o, lse, causal, scale)
     return attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale)

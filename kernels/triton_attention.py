@@ -28,6 +28,8 @@ MAX_HEAD_DIM = 256  # any head dim up to this, powers of two or not (80, 96, 192
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs a power of two of at least 16
+
+
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -58,11 +60,37 @@ def _ranges_meet(ids, valid, lo, hi):
 @triton.autotune(configs=_configs("fwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, QD, KD, qk_scale,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-    Hq, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    QD,
+    KD,
+    qk_scale,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    som,
+    Hq,
+    GROUP,
+    Sq,
+    Sk,
+    CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // Hq, pid_bh % Hq
@@ -71,7 +99,9 @@ def _fwd_kernel(
     cols0 = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)  # the head dim padded to a power of two; lanes >= HEAD_DIM load as 0
     dm = d < HEAD_DIM
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + d[None, :], mask=(rows[:, None] < Sq) & dm[None, :], other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqm + d[None, :], mask=(rows[:, None] < Sq) & dm[None, :], other=0.0
+    )
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -110,18 +140,53 @@ def _fwd_kernel(
     empty = l_i == 0.0  # a query that sees no key (causal, Sk < Sq): output 0, lse -inf
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i / 1.4426950408889634 + tl.log(tl.where(empty, 1.0, l_i)))
-    tl.store(O + b * sob + h * soh + rows[:, None] * som + d[None, :], acc.to(O.dtype.element_ty), mask=(rows[:, None] < Sq) & dm[None, :])
+    tl.store(
+        O + b * sob + h * soh + rows[:, None] * som + d[None, :],
+        acc.to(O.dtype.element_ty),
+        mask=(rows[:, None] < Sq) & dm[None, :],
+    )
     tl.store(LSE + pid_bh * Sq + rows, lse, mask=rows < Sq)
 
 
 @triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QD, KD, qk_scale, sm_scale,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
-    Hq, Hkv, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    QD,
+    KD,
+    qk_scale,
+    sm_scale,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdob,
+    sdoh,
+    sdom,
+    Hq,
+    Hkv,
+    GROUP,
+    Sq,
+    Sk,
+    CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
     b, hk = pid_bh // Hkv, pid_bh % Hkv
@@ -129,8 +194,12 @@ def _bwd_dkdv_kernel(
     rows0 = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)  # the head dim padded to a power of two; lanes >= HEAD_DIM load as 0
     dm = d < HEAD_DIM
-    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
-    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0)
+    k = tl.load(
+        K + b * skb + hk * skh + cols[:, None] * skn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0
+    )
+    v = tl.load(
+        V + b * svb + hk * svh + cols[:, None] * svn + d[None, :], mask=(cols[:, None] < Sk) & dm[None, :], other=0.0
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     diag = Sk - Sq
@@ -155,7 +224,9 @@ def _bwd_dkdv_kernel(
                 run = _ranges_meet(q_doc, in_rows, k_doc_lo, k_doc_hi)
             if run:
                 q = tl.load(q_base + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
-                do = tl.load(do_base + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
+                do = tl.load(
+                    do_base + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0
+                )
                 lse2 = tl.load(LSE + stat + rows, mask=in_rows, other=0.0) * 1.4426950408889634
                 delta = tl.load(DELTA + stat + rows, mask=in_rows, other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -177,11 +248,40 @@ def _bwd_dkdv_kernel(
 @triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, QD, KD, qk_scale, sm_scale,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
-    Hq, GROUP, Sq, Sk,
-    CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    QD,
+    KD,
+    qk_scale,
+    sm_scale,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdob,
+    sdoh,
+    sdom,
+    Hq,
+    GROUP,
+    Sq,
+    Sk,
+    CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // Hq, pid_bh % Hq
@@ -191,8 +291,12 @@ def _bwd_dq_kernel(
     cols0 = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)  # the head dim padded to a power of two; lanes >= HEAD_DIM load as 0
     dm = d < HEAD_DIM
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqm + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + rows[:, None] * sdom + d[None, :], mask=in_rows[:, None] & dm[None, :], other=0.0
+    )
     lse2 = tl.load(LSE + pid_bh * Sq + rows, mask=in_rows, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + pid_bh * Sq + rows, mask=in_rows, other=0.0)
     k_base = K + b * skb + hk * skh
@@ -224,7 +328,11 @@ def _bwd_dq_kernel(
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + pid_bh * Sq * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=in_rows[:, None] & dm[None, :])
+    tl.store(
+        DQ + pid_bh * Sq * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=in_rows[:, None] & dm[None, :],
+    )
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -261,8 +369,15 @@ def _doc_args(q: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> tuple[
 
 
 @torch.library.custom_op("tessera::flash_attention_fwd", mutates_args=())
-def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-                        q_docs: Tensor | None = None, k_docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def flash_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    scale: float,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -271,10 +386,35 @@ def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: fl
     qd, kd, docs = _doc_args(q, q_docs, k_docs)
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     _fwd_kernel[grid](
-        q, k, v, o, lse, qd, kd, scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, DOCS=docs, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=_precision(q.dtype),
+        q,
+        k,
+        v,
+        o,
+        lse,
+        qd,
+        kd,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        Hq,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        CAUSAL=causal,
+        DOCS=docs,
+        HEAD_DIM=D,
+        BLOCK_D=_block_d(D),
+        PRECISION=_precision(q.dtype),
     )
     return o, lse
 
@@ -286,8 +426,17 @@ def _(q, k, v, causal, scale, q_docs=None, k_docs=None):
 
 @torch.library.custom_op("tessera::flash_attention_bwd", mutates_args=())
 def flash_attention_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor, causal: bool, scale: float,
-    q_docs: Tensor | None = None, k_docs: Tensor | None = None,
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    dlse: Tensor,
+    causal: bool,
+    scale: float,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, Hq, Sq, D = q.shape
@@ -298,17 +447,67 @@ def flash_attention_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qd, kd, docs = _doc_args(q, q_docs, k_docs)
     common = (
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
     )
     prec = _precision(q.dtype)
     _bwd_dkdv_kernel[lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, qd, kd, scale * LOG2E, scale, *common,
-        Hq, Hkv, Hq // Hkv, Sq, Sk, CAUSAL=causal, DOCS=docs, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=prec,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        qd,
+        kd,
+        scale * LOG2E,
+        scale,
+        *common,
+        Hq,
+        Hkv,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        CAUSAL=causal,
+        DOCS=docs,
+        HEAD_DIM=D,
+        BLOCK_D=_block_d(D),
+        PRECISION=prec,
     )
     _bwd_dq_kernel[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)](
-        q, k, v, do, lse, delta, dq, qd, kd, scale * LOG2E, scale, *common,
-        Hq, Hq // Hkv, Sq, Sk, CAUSAL=causal, DOCS=docs, HEAD_DIM=D, BLOCK_D=_block_d(D), PRECISION=prec,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        qd,
+        kd,
+        scale * LOG2E,
+        scale,
+        *common,
+        Hq,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        CAUSAL=causal,
+        DOCS=docs,
+        HEAD_DIM=D,
+        BLOCK_D=_block_d(D),
+        PRECISION=prec,
     )
     return dq, dk, dv
 
@@ -336,8 +535,15 @@ def _backward(ctx, do, dlse):
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
-              q_docs: Tensor | None = None, k_docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """(out, lse) from the Triton kernels; differentiable in q, k, v (through out and lse). Document ids
     (B, Sq) and (B, Sk), as in tessera.kernels.flash_attention, mask each query to its own document."""
     check_kernel_inputs(q, k, v)
@@ -345,9 +551,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float
     return flash_attention_fwd(q, k, v, causal, scale, q_docs, k_docs)
 
 
-def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
-                       causal: bool, scale: float, q_docs: Tensor | None = None,
-                       k_docs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def attention_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None,
+    causal: bool,
+    scale: float,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one key block given the whole softmax's o and lse (ring attention's backward)."""
     dlse = torch.zeros_like(lse) if dlse is None else dlse
     return flash_attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, q_docs, k_docs)

@@ -62,7 +62,9 @@ def _rows(x: Tensor) -> Tensor:
 
 def _block(n: int) -> int:
     if n > MAX_FUSED_WIDTH:
-        raise ValueError(f"rows of {n} features exceed the fused RMSNorm limit of {MAX_FUSED_WIDTH}; use backend='torch'")
+        raise ValueError(
+            f"rows of {n} features exceed the fused RMSNorm limit of {MAX_FUSED_WIDTH}; use backend='torch'"
+        )
     return triton.next_power_of_2(n)
 
 
@@ -78,7 +80,9 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]
     rstd = torch.empty(M, device=x.device, dtype=torch.float32)
     block = _block(N)
     if M:
-        _rms_fwd_kernel[(M,)](x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK=block, num_warps=_warps(block))
+        _rms_fwd_kernel[(M,)](
+            x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK=block, num_warps=_warps(block)
+        )
     return y.view(x.shape), rstd
 
 
@@ -100,8 +104,19 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[T
     block = _block(N)
     if M:
         _rms_bwd_kernel[(programs,)](
-            dy2, x2, weight.contiguous(), rstd, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0), M, N,
-            BLOCK=block, num_warps=_warps(block),
+            dy2,
+            x2,
+            weight.contiguous(),
+            rstd,
+            dx,
+            partial,
+            dy2.stride(0),
+            x2.stride(0),
+            dx.stride(0),
+            M,
+            N,
+            BLOCK=block,
+            num_warps=_warps(block),
         )
     return dx.view(x.shape), partial.sum(0).to(weight.dtype)
 

@@ -22,6 +22,21 @@ from .spec import (
     spec_of,
 )
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model", "get_preset", "init_weights", "ModelSpec",
-           "PipelineSplit", "HFAdapter", "register", "get_spec", "spec_of", "families", "init_parameters",
-           "Qwen3", "Qwen3Config"]
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "Transformer",
+    "build_model",
+    "get_preset",
+    "init_weights",
+    "ModelSpec",
+    "PipelineSplit",
+    "HFAdapter",
+    "register",
+    "get_spec",
+    "spec_of",
+    "families",
+    "init_parameters",
+    "Qwen3",
+    "Qwen3Config",
+]

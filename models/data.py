@@ -63,7 +63,9 @@ class TokenStream:
         self.seq_len, self.global_batch = seq_len, global_batch
         self.span = len(self.tokens) - seq_len - 1
         if self.span <= 0:
-            raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(self.tokens)} tokens); use a shorter --seq-len")
+            raise ValueError(
+                f"seq_len={seq_len} is longer than the corpus ({len(self.tokens)} tokens); use a shorter --seq-len"
+            )
         self.cursor = 0  # sequences consumed so far
 
     def global_batch_at(self, cursor: int) -> tuple[Tensor, Tensor]:
@@ -91,6 +93,8 @@ class TokenStream:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("data") is not None:
-            raise ValueError(f"the checkpoint was trained on token files ({state['data'].get('path')}); resume with "
-                             f"--data pointing at them")
+            raise ValueError(
+                f"the checkpoint was trained on token files ({state['data'].get('path')}); resume with "
+                f"--data pointing at them"
+            )
         self.cursor = int(state["cursor"])

@@ -96,11 +96,15 @@ def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -
     path = Path(directory) / "config.json"
     if not path.is_file():
         if not str(directory) or not Path(directory).exists():
-            raise ValueError(f"{_named(flag, str(directory) or repr(''))}: no such directory; name a Hugging Face model directory "
-                             f"(config.json, model.safetensors)")
+            raise ValueError(
+                f"{_named(flag, str(directory) or repr(''))}: no such directory; name a Hugging Face model directory "
+                f"(config.json, model.safetensors)"
+            )
         if not Path(directory).is_dir():
-            raise ValueError(f"{_named(flag, directory)} is a file; name a Hugging Face model directory (config.json, "
-                             f"model.safetensors)")
+            raise ValueError(
+                f"{_named(flag, directory)} is a file; name a Hugging Face model directory (config.json, "
+                f"model.safetensors)"
+            )
         raise ValueError(f"{_named(flag, directory)}: no config.json in it (a Hugging Face model directory)")
     try:
         c = json.loads(path.read_bytes().decode("utf-8"))
@@ -112,16 +116,22 @@ def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -
     known = {s.hf.model_type: s.hf.architecture for s in families().values() if s.hf is not None}
     if model_type not in known:
         arch = (c.get("architectures") or [model_type])[0]
-        raise ValueError(f"{path}: architecture {arch!r} (model_type {model_type!r}) is not supported; tessera loads "
-                         + ", ".join(f"{a} (model_type {t!r})" for t, a in known.items()))
+        raise ValueError(
+            f"{path}: architecture {arch!r} (model_type {model_type!r}) is not supported; tessera loads "
+            + ", ".join(f"{a} (model_type {t!r})" for t, a in known.items())
+        )
     try:
         return spec_for_hf(model_type, str(path)).hf.read_config(c, str(path))
     except KeyError as e:  # the family's reader indexes the fields it needs
-        raise ValueError(f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); {flag + 'DIR' if flag.endswith(':') else flag} takes a "
-                         f"complete Hugging Face config.json") from None
+        raise ValueError(
+            f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); {flag + 'DIR' if flag.endswith(':') else flag} takes a "
+            f"complete Hugging Face config.json"
+        ) from None
     except (TypeError, AttributeError, ZeroDivisionError) as e:
-        raise ValueError(f"{path}: a field holds a value of the wrong kind ({e}); {flag + 'DIR' if flag.endswith(':') else flag} takes a Hugging Face "
-                         f"config.json as transformers writes it") from None
+        raise ValueError(
+            f"{path}: a field holds a value of the wrong kind ({e}); {flag + 'DIR' if flag.endswith(':') else flag} takes a Hugging Face "
+            f"config.json as transformers writes it"
+        ) from None
 
 
 def hf_config_dict(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
@@ -132,11 +142,16 @@ def hf_config_dict(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
 def compare_with_preset(hf: Any, preset: Any, preset_name: str) -> None:
     """ValueError unless a --model preset has the sizes (and family) of the config read from config.json."""
     a, b = _spec(hf).shape(hf), _spec(preset).shape(preset)
-    differ = [f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in dataclasses.fields(ModelShape)
-              if getattr(a, f.name) != getattr(b, f.name)]
+    differ = [
+        f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}"
+        for f in dataclasses.fields(ModelShape)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
     if differ:
-        raise ValueError(f"--model {preset_name} does not match the Hugging Face config.json ({'; '.join(differ)}); "
-                         f"drop --model: the config is read from config.json")
+        raise ValueError(
+            f"--model {preset_name} does not match the Hugging Face config.json ({'; '.join(differ)}); "
+            f"drop --model: the config is read from config.json"
+        )
 
 
 def config_from_manifest(model: dict[str, Any]) -> Any:
@@ -155,12 +170,16 @@ def config_from_manifest(model: dict[str, Any]) -> Any:
         fits = []
         for spec in families().values():
             fields = dataclasses.fields(spec.config_type)
-            required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+            required = {
+                f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            }
             if set(saved) <= {f.name for f in fields} and required <= set(saved):
                 fits.append(spec.name)
         if len(fits) != 1:
-            raise ValueError(f"the checkpoint's model {preset!r} (fields {sorted(saved)}) is not one registered family's "
-                             f"config (matching: {fits or 'none'})")
+            raise ValueError(
+                f"the checkpoint's model {preset!r} (fields {sorted(saved)}) is not one registered family's "
+                f"config (matching: {fits or 'none'})"
+            )
         family = fits[0]
     return get_spec(family).config_type(**saved)
 
@@ -216,12 +235,15 @@ def weight_files(directory: str | os.PathLike, flag: str | None = None) -> dict[
         except Exception as e:  # safetensors' own SafetensorError for a damaged header
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(f"{single}: not a safetensors file ({why})") from None
-    raise ValueError(f"{named}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin pickles are "
-                     f"not read: they can run code)")
+    raise ValueError(
+        f"{named}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin pickles are "
+        f"not read: they can run code)"
+    )
 
 
-def _weight_map(files: dict[str, Path], cfg: Any, shapes: dict[str, tuple[int, ...]],
-                groups: dict[str, tuple[str, ...]]) -> dict[str, Source]:
+def _weight_map(
+    files: dict[str, Path], cfg: Any, shapes: dict[str, tuple[int, ...]], groups: dict[str, tuple[str, ...]]
+) -> dict[str, Source]:
     """tessera owner name -> its Source for every parameter of `cfg` the files hold (a stacked one: the
     indices they hold). A tied parameter stored under either of its names is found; under both, the owner's
     copy is read. HF tensors that are not parameters (rotary buffers) or that the config does not imply
@@ -284,8 +306,10 @@ def check_hf_weights(directory: str | os.PathLike, cfg: Any, flag: str | None = 
     ours = _weight_map(files, cfg, want, groups)
     missing = [hf for n, shape in want.items() for hf in _lacks(n, shape, ours.get(n), cfg)]
     if missing:
-        raise ValueError(f"{_named(flag, directory) if flag else directory}: the checkpoint lacks "
-                         f"{missing[0]} (and {len(missing) - 1} more)")
+        raise ValueError(
+            f"{_named(flag, directory) if flag else directory}: the checkpoint lacks "
+            f"{missing[0]} (and {len(missing) - 1} more)"
+        )
     with contextlib.ExitStack() as stack:
         handles = _open_each(files, stack)
         for name, src in ours.items():
@@ -354,8 +378,10 @@ def save_hf(state: dict[str, torch.Tensor], cfg: Any, directory: str | os.PathLi
             raise ValueError(f"{name} is not a parameter of the {_spec(cfg).name} model config.json describes")
         owner = groups[name][0]
         if owner in by_owner and not torch.equal(by_owner[owner], t):  # one tensor in the model: must be one here
-            raise ValueError(f"{name} and {owner} are one tied parameter of the {_spec(cfg).name} model, but the state "
-                             f"dict holds different values under the two names (the tie was broken in training)")
+            raise ValueError(
+                f"{name} and {owner} are one tied parameter of the {_spec(cfg).name} model, but the state "
+                f"dict holds different values under the two names (the tie was broken in training)"
+            )
         if owner not in by_owner or name == owner:
             by_owner[owner] = t
     missing = [n for n in want if n not in by_owner]

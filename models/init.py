@@ -19,8 +19,15 @@ ONES, ZEROS = "ones", "zeros"  # norm weights, biases
 Init = float | str | None  # a std, ONES or ZEROS (None is ONES: the norms)
 
 
-def init_region(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...], std: Init,
-                seed: int, out: Tensor | None = None) -> Tensor:
+def init_region(
+    name: str,
+    shape: tuple[int, ...],
+    offset: tuple[int, ...],
+    size: tuple[int, ...],
+    std: Init,
+    seed: int,
+    out: Tensor | None = None,
+) -> Tensor:
     """The values of rows/columns [offset, offset + size) of parameter `name` (global `shape`), written
     into `out` (any dtype and device) or a new float32 tensor.
 
@@ -35,8 +42,9 @@ def init_region(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size
         return out.zero_()
     if len(shape) == 3:  # a stack of matrices (grouped experts): each its own 2-D tiles, named by its index
         for e in range(offset[0], offset[0] + size[0]):
-            init_region(f"{name}[{e}]", tuple(shape[1:]), tuple(offset[1:]), tuple(size[1:]), std, seed,
-                        out=out[e - offset[0]])
+            init_region(
+                f"{name}[{e}]", tuple(shape[1:]), tuple(offset[1:]), tuple(size[1:]), std, seed, out=out[e - offset[0]]
+            )
         return out
     if len(shape) > 3:
         raise ValueError(f"{name}: init_region handles 1-D to 3-D parameters, not shape {tuple(shape)}")

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from tessera.kernels import document_ids, flash_attention, rms_norm
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -25,8 +26,13 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def llama3_scaled(inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                  original_max_position_embeddings: float) -> Tensor:
+def llama3_scaled(
+    inv_freq: Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: float,
+) -> Tensor:
     """Llama 3.1's RoPE frequencies: wavelengths longer than the original context / low_freq_factor are
     divided by `factor`, shorter than context / high_freq_factor kept, and the band between interpolated."""
     context = original_max_position_embeddings
@@ -50,7 +56,9 @@ class Rotary(nn.Module):
 
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         device = device or (self.cos.device if self.cos.device.type != "meta" else "cpu")
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim))
+        inv_freq = 1.0 / (
+            self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim)
+        )
         if self.scaling:
             inv_freq = llama3_scaled(inv_freq, **self.scaling)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=device), inv_freq)
@@ -86,4 +94,3 @@ class CausalAttention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None) -> Tensor:
         docs = None if positions is None else document_ids(positions, torch.arange(q.shape[2]))
         return flash_attention(q, k, v, causal=True, q_docs=docs)
-

@@ -82,8 +82,12 @@ BYTE_VOCAB = 258  # 256 byte values + BOS + EOS (the byte-level tokenizer of mod
 
 PRESETS: dict[str, ModelConfig] = {
     # runs on a laptop CPU in seconds; heads/kv/ffn divide tp in {1, 2, 4}, vocab 258 exercises padding
-    "debug": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=BYTE_VOCAB, ffn_dim=192, max_seq_len=2048),
-    "small": ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=768, max_seq_len=4096),
+    "debug": ModelConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=BYTE_VOCAB, ffn_dim=192, max_seq_len=2048
+    ),
+    "small": ModelConfig(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=768, max_seq_len=4096
+    ),
     "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192),
     # the published Llama 3 / 3.1 shapes
     "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336),
@@ -153,8 +157,9 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, inputs: Tensor, positions: Tensor | None = None,
-                targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self, inputs: Tensor, positions: Tensor | None = None, targets: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """tokens (B, S) -> logits (B, S, V): the local vocab shard (and sequence shard) when parallel.
 
         A stage without `tok_embeddings` takes hidden states (B, S, dim) instead of tokens; one without
@@ -173,14 +178,17 @@ class Transformer(nn.Module):
         if targets is None:
             return self.output(h) if self.output is not None else h
         if self.output is None:
-            raise ValueError("targets given to a model part without the output head (a pipeline stage before the "
-                             "last): pass targets to the last stage only")
+            raise ValueError(
+                "targets given to a model part without the output head (a pipeline stage before the "
+                "last): pass targets to the last stage only"
+            )
         if not getattr(self.output, "takes_targets", False):
-            raise TypeError(f"Transformer.forward(targets=...) needs the fused loss head, and `output` is a "
-                            f"{type(self.output).__name__}: install it with tessera.parallel.loss.apply_loss_head(model) "
-                            f"(parallelize does, with --loss chunked), or call model(inputs) and a loss on the logits")
+            raise TypeError(
+                f"Transformer.forward(targets=...) needs the fused loss head, and `output` is a "
+                f"{type(self.output).__name__}: install it with tessera.parallel.loss.apply_loss_head(model) "
+                f"(parallelize does, with --loss chunked), or call model(inputs) and a loss on the logits"
+            )
         return self.output(h, targets)
-
 
 
 def param_init_std(name: str, cfg: ModelConfig) -> float | str:
@@ -192,18 +200,36 @@ def param_init_std(name: str, cfg: ModelConfig) -> float | str:
 
 
 def model_shape(cfg: ModelConfig) -> ModelShape:
-    return ModelShape(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                      head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, ffn_dim=cfg.ffn_dim, family="llama",
-                      max_seq_len=cfg.max_seq_len)
+    return ModelShape(
+        dim=cfg.dim,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        ffn_dim=cfg.ffn_dim,
+        family="llama",
+        max_seq_len=cfg.max_seq_len,
+    )
 
 
 # ----------------------------------------------------------------------------- Hugging Face names and config
 _LAYER = {
-    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
-    "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
-_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+_TOP = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def hf_to_tessera_name(name: str) -> str | None:
@@ -237,77 +263,119 @@ def read_hf_config(c: dict, path: str) -> ModelConfig:
     rope, rope_kind = next(((r, k) for r, k in zip(candidates, kinds) if k != "default"), ({}, "default"))
     arch = c.get("architectures") or [c.get("model_type")]
     if c.get("model_type") != "llama" or arch[0] not in ("LlamaForCausalLM", "llama"):
-        raise ValueError(f"{path}: architecture {arch[0]!r} (model_type {c.get('model_type')!r}) is not supported; "
-                         f"tessera loads LlamaForCausalLM checkpoints")
+        raise ValueError(
+            f"{path}: architecture {arch[0]!r} (model_type {c.get('model_type')!r}) is not supported; "
+            f"tessera loads LlamaForCausalLM checkpoints"
+        )
     for field, ok, why in (
         ("tie_word_embeddings", not c.get("tie_word_embeddings", False), "tied embeddings (tessera's head is untied)"),
-        ("hidden_act", c.get("hidden_act", "silu") == "silu", f"activation {c.get('hidden_act')!r} (tessera's MLP is SwiGLU)"),
+        (
+            "hidden_act",
+            c.get("hidden_act", "silu") == "silu",
+            f"activation {c.get('hidden_act')!r} (tessera's MLP is SwiGLU)",
+        ),
         ("attention_bias", not c.get("attention_bias", False), "biases in attention"),
         ("mlp_bias", not c.get("mlp_bias", False), "biases in the MLP"),
-        ("rope_scaling", rope_kind in ("default", "llama3"), f"rope type {rope_kind!r} (default and llama3 are implemented)"),
+        (
+            "rope_scaling",
+            rope_kind in ("default", "llama3"),
+            f"rope type {rope_kind!r} (default and llama3 are implemented)",
+        ),
     ):
         if not ok:
             raise ValueError(f"{path}: {field}: {why} is not supported")
     heads = c["num_attention_heads"]
     if c.get("head_dim") not in (None, c["hidden_size"] // heads):
-        raise ValueError(f"{path}: head_dim {c['head_dim']} differs from hidden_size / num_attention_heads "
-                         f"({c['hidden_size']} / {heads}); not supported")
+        raise ValueError(
+            f"{path}: head_dim {c['head_dim']} differs from hidden_size / num_attention_heads "
+            f"({c['hidden_size']} / {heads}); not supported"
+        )
     return ModelConfig(
-        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=c.get("num_key_value_heads") or heads, vocab_size=c["vocab_size"], ffn_dim=c["intermediate_size"],
-        norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))),
+        dim=c["hidden_size"],
+        n_layers=c["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=c.get("num_key_value_heads") or heads,
+        vocab_size=c["vocab_size"],
+        ffn_dim=c["intermediate_size"],
+        norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+        rope_theta=float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))),
         max_seq_len=int(c.get("max_position_embeddings", 8192)),
-        rope_scaling=None if rope_kind == "default" else {k: rope[k] for k in (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
+        rope_scaling=None
+        if rope_kind == "default"
+        else {
+            k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        },
     )
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "vocab_size": cfg.vocab_size, "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": cfg.head_dim,
-        "torch_dtype": dtype, "dtype": dtype,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "intermediate_size": cfg.ffn_dim,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": cfg.head_dim,
+        "torch_dtype": dtype,
+        "dtype": dtype,
         # transformers 4.x reads rope_theta, 5.x rope_parameters
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "llama3" if cfg.rope_scaling else "default",
-                            **dict(cfg.rope_scaling or ())},
+        "rope_parameters": {
+            "rope_theta": cfg.rope_theta,
+            "rope_type": "llama3" if cfg.rope_scaling else "default",
+            **dict(cfg.rope_scaling or ()),
+        },
         "rope_scaling": {"rope_type": "llama3", **dict(cfg.rope_scaling)} if cfg.rope_scaling else None,
     }
 
 
-
-LLAMA = register(ModelSpec(
-    name="llama",
-    config_type=ModelConfig,
-    build=Transformer,
-    init_std=param_init_std,
-    shape=model_shape,
-    tp_plan=(
-        ("tok_embeddings", "embedding"),
-        ("layers.*.attention", "block_input"),
-        ("layers.*.attention.wq", "colwise"),
-        ("layers.*.attention.wk", "kv"),
-        ("layers.*.attention.wv", "kv"),
-        ("layers.*.attention.wo", "rowwise"),
-        ("layers.*.feed_forward", "block_input"),
-        ("layers.*.feed_forward.w[13]", "colwise"),
-        ("layers.*.feed_forward.w2", "rowwise"),
-        ("layers.*.attention_norm", "norm"),
-        ("layers.*.ffn_norm", "norm"),
-        ("norm", "norm"),
-        # the logits stay split over the vocabulary: tessera.parallel.loss reads them so
-        ("output", "colwise_gather"),
-    ),
-    blocks="layers.*",
-    pipeline=PipelineSplit(first=("tok_embeddings",), blocks="layers", last=("norm", "output")),
-    attention="layers.*.attention.core",
-    head="output",
-    presets=PRESETS,
-    hf=HFAdapter(model_type="llama", architecture="LlamaForCausalLM", read_config=read_hf_config,
-                 config_dict=hf_config_dict, to_hf=tessera_to_hf_name, from_hf=hf_to_tessera_name),
-))
+LLAMA = register(
+    ModelSpec(
+        name="llama",
+        config_type=ModelConfig,
+        build=Transformer,
+        init_std=param_init_std,
+        shape=model_shape,
+        tp_plan=(
+            ("tok_embeddings", "embedding"),
+            ("layers.*.attention", "block_input"),
+            ("layers.*.attention.wq", "colwise"),
+            ("layers.*.attention.wk", "kv"),
+            ("layers.*.attention.wv", "kv"),
+            ("layers.*.attention.wo", "rowwise"),
+            ("layers.*.feed_forward", "block_input"),
+            ("layers.*.feed_forward.w[13]", "colwise"),
+            ("layers.*.feed_forward.w2", "rowwise"),
+            ("layers.*.attention_norm", "norm"),
+            ("layers.*.ffn_norm", "norm"),
+            ("norm", "norm"),
+            # the logits stay split over the vocabulary: tessera.parallel.loss reads them so
+            ("output", "colwise_gather"),
+        ),
+        blocks="layers.*",
+        pipeline=PipelineSplit(first=("tok_embeddings",), blocks="layers", last=("norm", "output")),
+        attention="layers.*.attention.core",
+        head="output",
+        presets=PRESETS,
+        hf=HFAdapter(
+            model_type="llama",
+            architecture="LlamaForCausalLM",
+            read_config=read_hf_config,
+            config_dict=hf_config_dict,
+            to_hf=tessera_to_hf_name,
+            from_hf=hf_to_tessera_name,
+        ),
+    )
+)
 
 
 def build_model(cfg: ModelConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:

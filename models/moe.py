@@ -46,8 +46,15 @@ def _local(t: Tensor) -> Tensor:
 def grouped_mm_supported(x: Tensor, w: Tensor) -> bool:
     """Whether torch._grouped_mm runs x (M, K) @ w (G, K, N) here: CUDA with compute capability >= 9.0
     (H100, H200), bf16, and every stride a multiple of 16 bytes (K and N multiples of 8)."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0)
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and x.shape[-1] % 8 == 0
+        and w.shape[-1] % 8 == 0
+    )
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, use_grouped: bool | None = None) -> Tensor:
@@ -92,11 +99,15 @@ class GroupedExperts(nn.Module):
 
     def run_local(self, x: Tensor, counts: Tensor) -> Tensor:
         """This rank's experts on their tokens: x (M, dim) grouped by local expert, counts (local experts,)."""
-        gate, up, down = (_local(w) if self.grad_scale == 1.0 else _ScaleGrad.apply(_local(w), self.grad_scale)
-                          for w in (self.gate_proj, self.up_proj, self.down_proj))
+        gate, up, down = (
+            _local(w) if self.grad_scale == 1.0 else _ScaleGrad.apply(_local(w), self.grad_scale)
+            for w in (self.gate_proj, self.up_proj, self.down_proj)
+        )
         use = self.use_grouped_mm if self.use_grouped_mm is not None else grouped_mm_supported(x, gate)
         self.ran_grouped_mm = bool(use)
-        h = F.silu(grouped_mm(x, gate.transpose(-2, -1), counts, use)) * grouped_mm(x, up.transpose(-2, -1), counts, use)
+        h = F.silu(grouped_mm(x, gate.transpose(-2, -1), counts, use)) * grouped_mm(
+            x, up.transpose(-2, -1), counts, use
+        )
         return grouped_mm(h, down.transpose(-2, -1), counts, use)
 
     # eager under torch.compile: the groups' sizes are data (host-read for the loop, all-to-all splits under
@@ -149,8 +160,9 @@ class _AttachAuxLoss(Function):
         return grad, torch.full((), ctx.weight, dtype=torch.float32, device=grad.device), None
 
 
-def route(logits: Tensor, top_k: int, score_func: str = "softmax", norm_topk: bool = True,
-          bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def route(
+    logits: Tensor, top_k: int, score_func: str = "softmax", norm_topk: bool = True, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """(scores (N, E), expert ids (N, k), weights (N, k)) of router logits (N, E), in fp32 (or the logits'
     wider dtype). The bias only
     steers which experts are chosen; the weights are the scores of the chosen ones."""
@@ -167,9 +179,18 @@ def route(logits: Tensor, top_k: int, score_func: str = "softmax", norm_topk: bo
 class MoE(nn.Module):
     """The mixture-of-experts block (the module a family puts where its MLP goes; the spec's `moe`)."""
 
-    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, score_func: str = "softmax",
-                 norm_topk: bool = True, shared_ffn_dim: int = 0, aux_loss_coef: float = 0.0,
-                 bias_rate: float = 0.0):
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        n_experts: int,
+        top_k: int,
+        score_func: str = "softmax",
+        norm_topk: bool = True,
+        shared_ffn_dim: int = 0,
+        aux_loss_coef: float = 0.0,
+        bias_rate: float = 0.0,
+    ):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func={score_func!r}: use one of {', '.join(SCORE_FUNCS)}")
@@ -199,8 +220,9 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, S, D = x.shape
         k, E = self.top_k, self.n_experts
-        scores, ids, weights = route(self.gate(x).reshape(B * S, E), k, self.score_func, self.norm_topk,
-                                     self.expert_bias)
+        scores, ids, weights = route(
+            self.gate(x).reshape(B * S, E), k, self.score_func, self.norm_topk, self.expert_bias
+        )
         weights, ids = self.routing_comm(weights.view(B, S, k), ids.view(B, S, k))
         h = self.input_comm(x)  # the tokens the experts see: (B, S', D), S' = S, or S x tp gathered
         tokens = h.reshape(-1, D)
@@ -227,7 +249,8 @@ class MoE(nn.Module):
         rows = ids.shape[0]
         with torch.no_grad():  # per sequence: assignments to each expert over the whole sequence
             per_row = torch.zeros(rows, E, device=ids.device).scatter_add_(
-                1, ids.reshape(rows, -1), torch.ones(ids.reshape(rows, -1).shape, device=ids.device))
+                1, ids.reshape(rows, -1), torch.ones(ids.reshape(rows, -1).shape, device=ids.device)
+            )
             per_row = self.sequence_sum(per_row)
             T = per_row.sum(-1, keepdim=True) / k  # tokens of each whole sequence
             f = per_row * E / (k * T)

@@ -64,15 +64,48 @@ class Qwen3Config:
 
 PRESETS: dict[str, Qwen3Config] = {
     # runs on a laptop CPU in seconds; n_heads x head_dim (128) != dim (64) exercises the separate head_dim
-    "qwen3-debug": Qwen3Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=BYTE_VOCAB,
-                               ffn_dim=192, max_seq_len=2048, tie_word_embeddings=True),
+    "qwen3-debug": Qwen3Config(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        vocab_size=BYTE_VOCAB,
+        ffn_dim=192,
+        max_seq_len=2048,
+        tie_word_embeddings=True,
+    ),
     # the published Qwen3 shapes (config.json of Qwen/Qwen3-0.6B, -1.7B, -8B)
-    "qwen3-0.6b": Qwen3Config(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, vocab_size=151936,
-                              ffn_dim=3072, tie_word_embeddings=True),
-    "qwen3-1.7b": Qwen3Config(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, vocab_size=151936,
-                              ffn_dim=6144, tie_word_embeddings=True),
-    "qwen3-8b": Qwen3Config(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=151936,
-                            ffn_dim=12288, tie_word_embeddings=False),
+    "qwen3-0.6b": Qwen3Config(
+        dim=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_dim=3072,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": Qwen3Config(
+        dim=2048,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_dim=6144,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": Qwen3Config(
+        dim=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_dim=12288,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -151,8 +184,9 @@ class Qwen3(nn.Module):
         """One block (a family built on Qwen3 gives its own: Qwen3-MoE's has experts for its MLP)."""
         return Qwen3DecoderLayer(cfg)
 
-    def forward(self, inputs: Tensor, positions: Tensor | None = None,
-                targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self, inputs: Tensor, positions: Tensor | None = None, targets: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """tokens (B, S) -> logits (B, S, V): the local vocab shard (and sequence shard) when parallel.
 
         Floating-point inputs are the previous pipeline stage's hidden states (B, S, dim) and are not
@@ -165,8 +199,10 @@ class Qwen3(nn.Module):
         if inputs.is_floating_point():
             h = inputs
         elif self.embed_tokens is None:
-            raise ValueError("token ids given to a model part without embed_tokens (a pipeline stage after the first): "
-                             "pass it the previous stage's hidden states")
+            raise ValueError(
+                "token ids given to a model part without embed_tokens (a pipeline stage after the first): "
+                "pass it the previous stage's hidden states"
+            )
         else:
             h = self.embed_tokens(inputs)
         for layer in self.layers.values():
@@ -176,12 +212,16 @@ class Qwen3(nn.Module):
         if targets is None:
             return self.lm_head(h) if self.lm_head is not None else h
         if self.lm_head is None:
-            raise ValueError("targets given to a model part without the output head (a pipeline stage before the "
-                             "last): pass targets to the last stage only")
+            raise ValueError(
+                "targets given to a model part without the output head (a pipeline stage before the "
+                "last): pass targets to the last stage only"
+            )
         if not getattr(self.lm_head, "takes_targets", False):
-            raise TypeError(f"{type(self).__name__}.forward(targets=...) needs the fused loss head, and `lm_head` is a "
-                            f"{type(self.lm_head).__name__}: install it with tessera.parallel.loss.apply_loss_head(model) "
-                            f"(parallelize does, with --loss chunked), or call model(inputs) and a loss on the logits")
+            raise TypeError(
+                f"{type(self).__name__}.forward(targets=...) needs the fused loss head, and `lm_head` is a "
+                f"{type(self.lm_head).__name__}: install it with tessera.parallel.loss.apply_loss_head(model) "
+                f"(parallelize does, with --loss chunked), or call model(inputs) and a loss on the logits"
+            )
         return self.lm_head(h, targets)
 
 
@@ -195,15 +235,27 @@ def param_init_std(name: str, cfg: Qwen3Config) -> float | str:
 
 
 def model_shape(cfg: Qwen3Config) -> ModelShape:
-    return ModelShape(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                      head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, ffn_dim=cfg.ffn_dim, qk_norm=True,
-                      tied_embeddings=cfg.tie_word_embeddings, family="qwen3", max_seq_len=cfg.max_seq_len)
+    return ModelShape(
+        dim=cfg.dim,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        ffn_dim=cfg.ffn_dim,
+        qk_norm=True,
+        tied_embeddings=cfg.tie_word_embeddings,
+        family="qwen3",
+        max_seq_len=cfg.max_seq_len,
+    )
 
 
 # ----------------------------------------------------------------------------- Hugging Face names and config
-_OURS = re.compile(r"(embed_tokens|norm|lm_head)\.weight"
-                   r"|layers\.\d+\.(input_layernorm|post_attention_layernorm"
-                   r"|self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)|mlp\.(gate_proj|up_proj|down_proj))\.weight")
+_OURS = re.compile(
+    r"(embed_tokens|norm|lm_head)\.weight"
+    r"|layers\.\d+\.(input_layernorm|post_attention_layernorm"
+    r"|self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)|mlp\.(gate_proj|up_proj|down_proj))\.weight"
+)
 
 
 def tessera_to_hf_name(name: str) -> str:
@@ -218,9 +270,11 @@ def hf_to_tessera_name(name: str) -> str | None:
         return None
     if name == "lm_head.weight":
         return name
-    ours = name[len("model."):]
+    ours = name[len("model.") :]
     if not name.startswith("model.") or ours == "lm_head.weight" or not _OURS.fullmatch(ours):
-        raise ValueError(f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a Qwen3 weight tessera knows)")
+        raise ValueError(
+            f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a Qwen3 weight tessera knows)"
+        )
     return ours
 
 
@@ -229,8 +283,10 @@ def read_hf_config(c: dict, path: str) -> Qwen3Config:
     what this file cannot represent (biases, sliding-window attention, another activation, RoPE scaling)."""
     arch = (c.get("architectures") or ["Qwen3ForCausalLM"])[0]
     if c.get("model_type") != "qwen3" or arch != "Qwen3ForCausalLM":
-        raise ValueError(f"{path}: architecture {arch!r} (model_type {c.get('model_type')!r}) is not supported; "
-                         f"tessera's qwen3 family loads Qwen3ForCausalLM checkpoints")
+        raise ValueError(
+            f"{path}: architecture {arch!r} (model_type {c.get('model_type')!r}) is not supported; "
+            f"tessera's qwen3 family loads Qwen3ForCausalLM checkpoints"
+        )
     layer_types = c.get("layer_types") or []
     ropes = [(f, r) for f in ("rope_parameters", "rope_scaling") if isinstance(r := c.get(f), dict)]
     rope_kinds = [(f, r.get("rope_type", r.get("type", "default"))) for f, r in ropes]
@@ -239,11 +295,21 @@ def read_hf_config(c: dict, path: str) -> Qwen3Config:
         ("attention_bias", not c.get("attention_bias", False), "biases in attention"),
         ("mlp_bias", not c.get("mlp_bias", False), "biases in the MLP"),
         ("use_sliding_window", not c.get("use_sliding_window", False), "sliding-window attention"),
-        ("layer_types", all(t == "full_attention" for t in layer_types),
-         f"layer types {sorted(set(layer_types) - {'full_attention'})} (only full_attention)"),
-        ("hidden_act", c.get("hidden_act", "silu") == "silu", f"activation {c.get('hidden_act')!r} (tessera's MLP is SwiGLU)"),
-        (scaled[0] if scaled else "rope_scaling", scaled is None,
-         f"rope type {scaled[1] if scaled else ''!r} (plain RoPE only)"),
+        (
+            "layer_types",
+            all(t == "full_attention" for t in layer_types),
+            f"layer types {sorted(set(layer_types) - {'full_attention'})} (only full_attention)",
+        ),
+        (
+            "hidden_act",
+            c.get("hidden_act", "silu") == "silu",
+            f"activation {c.get('hidden_act')!r} (tessera's MLP is SwiGLU)",
+        ),
+        (
+            scaled[0] if scaled else "rope_scaling",
+            scaled is None,
+            f"rope type {scaled[1] if scaled else ''!r} (plain RoPE only)",
+        ),
     ):
         if not ok:
             raise ValueError(f"{path}: {field}: {why} is not supported")
@@ -254,9 +320,15 @@ def read_hf_config(c: dict, path: str) -> Qwen3Config:
     kv = c.get("num_key_value_heads", 32)  # transformers' Qwen3Config defaults: 32 kv heads, head_dim 128
     theta = (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))
     return Qwen3Config(
-        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads, n_kv_heads=kv if kv is not None else heads,
-        head_dim=c.get("head_dim") or 128, vocab_size=c["vocab_size"], ffn_dim=c["intermediate_size"],
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        dim=c["hidden_size"],
+        n_layers=c["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=kv if kv is not None else heads,
+        head_dim=c.get("head_dim") or 128,
+        vocab_size=c["vocab_size"],
+        ffn_dim=c["intermediate_size"],
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
         max_seq_len=int(c.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
@@ -264,52 +336,75 @@ def read_hf_config(c: dict, path: str) -> Qwen3Config:
 
 def hf_config_dict(cfg: Qwen3Config, dtype: str = "float32") -> dict[str, Any]:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "intermediate_size": cfg.ffn_dim,
-        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
-        "layer_types": ["full_attention"] * cfg.n_layers, "initializer_range": cfg.init_std,
-        "torch_dtype": dtype, "dtype": dtype,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "intermediate_size": cfg.ffn_dim,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.n_layers,
+        "layer_types": ["full_attention"] * cfg.n_layers,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype,
+        "dtype": dtype,
         # transformers 4.x reads rope_theta, 5.x rope_parameters
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
     }
 
 
-QWEN3 = register(ModelSpec(
-    name="qwen3",
-    config_type=Qwen3Config,
-    build=Qwen3,
-    init_std=param_init_std,
-    shape=model_shape,
-    tp_plan=(
-        ("embed_tokens", "embedding"),
-        ("layers.*.self_attn", "block_input"),
-        ("layers.*.self_attn.q_proj", "colwise"),
-        ("layers.*.self_attn.k_proj", "kv"),
-        ("layers.*.self_attn.v_proj", "kv"),
-        ("layers.*.self_attn.o_proj", "rowwise"),
-        ("layers.*.self_attn.q_norm", "head_norm"),
-        ("layers.*.self_attn.k_norm", "head_norm"),
-        ("layers.*.mlp", "block_input"),
-        ("layers.*.mlp.gate_proj", "colwise"),
-        ("layers.*.mlp.up_proj", "colwise"),
-        ("layers.*.mlp.down_proj", "rowwise"),
-        ("layers.*.input_layernorm", "norm"),
-        ("layers.*.post_attention_layernorm", "norm"),
-        ("norm", "norm"),
-        # the logits stay split over the vocabulary: tessera.parallel.loss reads them so
-        ("lm_head", "colwise_gather"),
-    ),
-    blocks="layers.*",
-    pipeline=PipelineSplit(first=("embed_tokens",), blocks="layers", last=("norm", "lm_head")),
-    attention="layers.*.self_attn.core",
-    head="lm_head",
-    presets=PRESETS,
-    hf=HFAdapter(model_type="qwen3", architecture="Qwen3ForCausalLM", read_config=read_hf_config,
-                 config_dict=hf_config_dict, to_hf=tessera_to_hf_name, from_hf=hf_to_tessera_name),
-))
+QWEN3 = register(
+    ModelSpec(
+        name="qwen3",
+        config_type=Qwen3Config,
+        build=Qwen3,
+        init_std=param_init_std,
+        shape=model_shape,
+        tp_plan=(
+            ("embed_tokens", "embedding"),
+            ("layers.*.self_attn", "block_input"),
+            ("layers.*.self_attn.q_proj", "colwise"),
+            ("layers.*.self_attn.k_proj", "kv"),
+            ("layers.*.self_attn.v_proj", "kv"),
+            ("layers.*.self_attn.o_proj", "rowwise"),
+            ("layers.*.self_attn.q_norm", "head_norm"),
+            ("layers.*.self_attn.k_norm", "head_norm"),
+            ("layers.*.mlp", "block_input"),
+            ("layers.*.mlp.gate_proj", "colwise"),
+            ("layers.*.mlp.up_proj", "colwise"),
+            ("layers.*.mlp.down_proj", "rowwise"),
+            ("layers.*.input_layernorm", "norm"),
+            ("layers.*.post_attention_layernorm", "norm"),
+            ("norm", "norm"),
+            # the logits stay split over the vocabulary: tessera.parallel.loss reads them so
+            ("lm_head", "colwise_gather"),
+        ),
+        blocks="layers.*",
+        pipeline=PipelineSplit(first=("embed_tokens",), blocks="layers", last=("norm", "lm_head")),
+        attention="layers.*.self_attn.core",
+        head="lm_head",
+        presets=PRESETS,
+        hf=HFAdapter(
+            model_type="qwen3",
+            architecture="Qwen3ForCausalLM",
+            read_config=read_hf_config,
+            config_dict=hf_config_dict,
+            to_hf=tessera_to_hf_name,
+            from_hf=hf_to_tessera_name,
+        ),
+    )
+)
 
 
 def build_model(cfg: Qwen3Config | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Qwen3:

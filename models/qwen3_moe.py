@@ -73,19 +73,58 @@ class Qwen3MoeConfig:
 
 PRESETS: dict[str, Qwen3MoeConfig] = {
     # seconds on a laptop CPU: 8 experts, top 2, two layers
-    "qwen3-moe-debug": Qwen3MoeConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=BYTE_VOCAB,
-                                      moe_ffn_dim=32, n_experts=8, top_k=2, max_seq_len=2048),
+    "qwen3-moe-debug": Qwen3MoeConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        vocab_size=BYTE_VOCAB,
+        moe_ffn_dim=32,
+        n_experts=8,
+        top_k=2,
+        max_seq_len=2048,
+    ),
     # the block's other recipe (DeepSeek-V3's): sigmoid scores, a shared expert, the auxiliary-loss-free bias;
     # tessera's only (no Hugging Face Qwen3-MoE form)
-    "qwen3-moe-shared-debug": Qwen3MoeConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
-                                             vocab_size=BYTE_VOCAB, moe_ffn_dim=32, n_experts=8, top_k=2,
-                                             score_func="sigmoid", shared_ffn_dim=64, bias_rate=0.001,
-                                             max_seq_len=2048),
+    "qwen3-moe-shared-debug": Qwen3MoeConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        vocab_size=BYTE_VOCAB,
+        moe_ffn_dim=32,
+        n_experts=8,
+        top_k=2,
+        score_func="sigmoid",
+        shared_ffn_dim=64,
+        bias_rate=0.001,
+        max_seq_len=2048,
+    ),
     # the published shapes (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B)
-    "qwen3-30b-a3b": Qwen3MoeConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
-                                    moe_ffn_dim=768, n_experts=128, top_k=8),
-    "qwen3-235b-a22b": Qwen3MoeConfig(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, vocab_size=151936,
-                                      moe_ffn_dim=1536, n_experts=128, top_k=8),
+    "qwen3-30b-a3b": Qwen3MoeConfig(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        moe_ffn_dim=768,
+        n_experts=128,
+        top_k=8,
+    ),
+    "qwen3-235b-a22b": Qwen3MoeConfig(
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        moe_ffn_dim=1536,
+        n_experts=128,
+        top_k=8,
+    ),
 }
 
 
@@ -95,8 +134,20 @@ class Qwen3Moe(Qwen3):
 
     @staticmethod
     def decoder_layer(cfg: Qwen3MoeConfig) -> nn.Module:
-        return Qwen3DecoderLayer(cfg, mlp=MoE(cfg.dim, cfg.moe_ffn_dim, cfg.n_experts, cfg.top_k, cfg.score_func,
-                                              cfg.norm_topk_prob, cfg.shared_ffn_dim, cfg.aux_loss_coef, cfg.bias_rate))
+        return Qwen3DecoderLayer(
+            cfg,
+            mlp=MoE(
+                cfg.dim,
+                cfg.moe_ffn_dim,
+                cfg.n_experts,
+                cfg.top_k,
+                cfg.score_func,
+                cfg.norm_topk_prob,
+                cfg.shared_ffn_dim,
+                cfg.aux_loss_coef,
+                cfg.bias_rate,
+            ),
+        )
 
 
 def param_init_std(name: str, cfg: Qwen3MoeConfig) -> float | str:
@@ -109,18 +160,32 @@ def param_init_std(name: str, cfg: Qwen3MoeConfig) -> float | str:
 
 
 def model_shape(cfg: Qwen3MoeConfig) -> ModelShape:
-    return ModelShape(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                      head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, ffn_dim=cfg.moe_ffn_dim, qk_norm=True,
-                      tied_embeddings=cfg.tie_word_embeddings, family="qwen3_moe", max_seq_len=cfg.max_seq_len,
-                      n_experts=cfg.n_experts, top_k=cfg.top_k, shared_ffn_dim=cfg.shared_ffn_dim,
-                      moe_aux_loss=cfg.aux_loss_coef > 0)
+    return ModelShape(
+        dim=cfg.dim,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        ffn_dim=cfg.moe_ffn_dim,
+        qk_norm=True,
+        tied_embeddings=cfg.tie_word_embeddings,
+        family="qwen3_moe",
+        max_seq_len=cfg.max_seq_len,
+        n_experts=cfg.n_experts,
+        top_k=cfg.top_k,
+        shared_ffn_dim=cfg.shared_ffn_dim,
+        moe_aux_loss=cfg.aux_loss_coef > 0,
+    )
 
 
 # ----------------------------------------------------------------------------- Hugging Face names and config
-_OURS = re.compile(r"(embed_tokens|norm|lm_head)\.weight"
-                   r"|layers\.\d+\.(input_layernorm|post_attention_layernorm"
-                   r"|self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)|mlp\.gate)\.weight"
-                   r"|layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
+_OURS = re.compile(
+    r"(embed_tokens|norm|lm_head)\.weight"
+    r"|layers\.\d+\.(input_layernorm|post_attention_layernorm"
+    r"|self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)|mlp\.gate)\.weight"
+    r"|layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)"
+)
 _HF_EXPERT = re.compile(r"model\.(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
@@ -144,10 +209,11 @@ def hf_to_tessera_name(name: str) -> str | tuple[str, int] | None:
     expert = _HF_EXPERT.fullmatch(name)
     if expert:
         return f"{expert.group(1)}.{expert.group(3)}", int(expert.group(2))
-    ours = name[len("model."):]
+    ours = name[len("model.") :]
     if not name.startswith("model.") or ours == "lm_head.weight" or not _OURS.fullmatch(ours) or ".experts." in ours:
-        raise ValueError(f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a Qwen3-MoE weight "
-                         f"tessera knows)")
+        raise ValueError(
+            f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a Qwen3-MoE weight tessera knows)"
+        )
     return ours
 
 
@@ -156,18 +222,34 @@ def read_hf_config(c: dict, path: str) -> Qwen3MoeConfig:
     family cannot represent (biases, sliding windows, dense layers among the MoE ones, RoPE scaling)."""
     arch = (c.get("architectures") or ["Qwen3MoeForCausalLM"])[0]
     if c.get("model_type") != "qwen3_moe" or arch != "Qwen3MoeForCausalLM":
-        raise ValueError(f"{path}: architecture {arch!r} (model_type {c.get('model_type')!r}) is not supported; "
-                         f"tessera's qwen3_moe family loads Qwen3MoeForCausalLM checkpoints")
+        raise ValueError(
+            f"{path}: architecture {arch!r} (model_type {c.get('model_type')!r}) is not supported; "
+            f"tessera's qwen3_moe family loads Qwen3MoeForCausalLM checkpoints"
+        )
     ropes = [(f, r) for f in ("rope_parameters", "rope_scaling") if isinstance(r := c.get(f), dict)]
-    scaled = next(((f, r.get("rope_type", r.get("type", "default"))) for f, r in ropes
-                   if r.get("rope_type", r.get("type", "default")) != "default"), None)
+    scaled = next(
+        (
+            (f, r.get("rope_type", r.get("type", "default")))
+            for f, r in ropes
+            if r.get("rope_type", r.get("type", "default")) != "default"
+        ),
+        None,
+    )
     for field, ok, why in (
         ("attention_bias", not c.get("attention_bias", False), "biases in attention"),
         ("use_sliding_window", not c.get("use_sliding_window", False), "sliding-window attention"),
         ("mlp_only_layers", not c.get("mlp_only_layers"), "dense MLP layers among the MoE layers"),
         ("decoder_sparse_step", c.get("decoder_sparse_step", 1) == 1, "MoE on every other layer (only every layer)"),
-        ("hidden_act", c.get("hidden_act", "silu") == "silu", f"activation {c.get('hidden_act')!r} (experts are SwiGLU)"),
-        (scaled[0] if scaled else "rope_scaling", scaled is None, f"rope type {scaled[1] if scaled else ''!r} (plain RoPE only)"),
+        (
+            "hidden_act",
+            c.get("hidden_act", "silu") == "silu",
+            f"activation {c.get('hidden_act')!r} (experts are SwiGLU)",
+        ),
+        (
+            scaled[0] if scaled else "rope_scaling",
+            scaled is None,
+            f"rope type {scaled[1] if scaled else ''!r} (plain RoPE only)",
+        ),
     ):
         if not ok:
             raise ValueError(f"{path}: {field}: {why} is not supported")
@@ -181,75 +263,119 @@ def read_hf_config(c: dict, path: str) -> Qwen3MoeConfig:
     kv = c.get("num_key_value_heads", 4)  # transformers' Qwen3MoeConfig defaults: 4 kv heads, no head_dim field
     theta = (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))
     return Qwen3MoeConfig(
-        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads, n_kv_heads=kv if kv is not None else heads,
+        dim=c["hidden_size"],
+        n_layers=c["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=kv if kv is not None else heads,
         # without head_dim, transformers' Qwen3-MoE attention and RoPE use hidden_size // num_attention_heads
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"], moe_ffn_dim=c["moe_intermediate_size"],
-        n_experts=int(experts), top_k=int(c.get("num_experts_per_tok", 8)),
-        norm_topk_prob=bool(c.get("norm_topk_prob", False)), aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        vocab_size=c["vocab_size"],
+        moe_ffn_dim=c["moe_intermediate_size"],
+        n_experts=int(experts),
+        top_k=int(c.get("num_experts_per_tok", 8)),
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+        aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
         max_seq_len=int(c.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
 
 
 def hf_config_dict(cfg: Qwen3MoeConfig, dtype: str = "float32") -> dict[str, Any]:
-    beyond = [(f, v) for f, v, plain in (("score_func", cfg.score_func, "softmax"), ("shared_ffn_dim", cfg.shared_ffn_dim, 0),
-                                        ("bias_rate", cfg.bias_rate, 0.0)) if v != plain]
+    beyond = [
+        (f, v)
+        for f, v, plain in (
+            ("score_func", cfg.score_func, "softmax"),
+            ("shared_ffn_dim", cfg.shared_ffn_dim, 0),
+            ("bias_rate", cfg.bias_rate, 0.0),
+        )
+        if v != plain
+    ]
     if beyond:
-        raise ValueError(f"{beyond[0][0]}={beyond[0][1]!r} has no Hugging Face Qwen3-MoE form (Qwen3MoeForCausalLM has "
-                         f"softmax routing, no shared expert, no routing bias); keep the checkpoint in tessera's format")
+        raise ValueError(
+            f"{beyond[0][0]}={beyond[0][1]!r} has no Hugging Face Qwen3-MoE form (Qwen3MoeForCausalLM has "
+            f"softmax routing, no shared expert, no routing bias); keep the checkpoint in tessera's format"
+        )
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "moe_intermediate_size": cfg.moe_ffn_dim,
-        "intermediate_size": cfg.moe_ffn_dim * cfg.top_k, "num_experts": cfg.n_experts,
-        "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "router_aux_loss_coef": cfg.aux_loss_coef, "output_router_logits": False,
-        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "use_sliding_window": False, "sliding_window": None, "initializer_range": cfg.init_std,
-        "torch_dtype": dtype, "dtype": dtype,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "moe_intermediate_size": cfg.moe_ffn_dim,
+        "intermediate_size": cfg.moe_ffn_dim * cfg.top_k,
+        "num_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "output_router_logits": False,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
     }
 
 
-QWEN3_MOE = register(ModelSpec(
-    name="qwen3_moe",
-    config_type=Qwen3MoeConfig,
-    build=Qwen3Moe,
-    init_std=param_init_std,
-    shape=model_shape,
-    tp_plan=(
-        ("embed_tokens", "embedding"),
-        ("layers.*.self_attn", "block_input"),
-        ("layers.*.self_attn.q_proj", "colwise"),
-        ("layers.*.self_attn.k_proj", "kv"),
-        ("layers.*.self_attn.v_proj", "kv"),
-        ("layers.*.self_attn.o_proj", "rowwise"),
-        ("layers.*.self_attn.q_norm", "head_norm"),
-        ("layers.*.self_attn.k_norm", "head_norm"),
-        # the MoE block: its input and routing gathered once, the experts' ffn split, one output reduce
-        ("layers.*.mlp", "moe"),
-        ("layers.*.mlp.gate", "replicated"),
-        ("layers.*.mlp.experts", "experts"),
-        ("layers.*.mlp.shared_expert", "block_input"),
-        ("layers.*.mlp.shared_expert.gate_proj", "colwise"),
-        ("layers.*.mlp.shared_expert.up_proj", "colwise"),
-        ("layers.*.mlp.shared_expert.down_proj", "rowwise"),
-        ("layers.*.input_layernorm", "norm"),
-        ("layers.*.post_attention_layernorm", "norm"),
-        ("norm", "norm"),
-        ("lm_head", "colwise_gather"),
-    ),
-    blocks="layers.*",
-    pipeline=PipelineSplit(first=("embed_tokens",), blocks="layers", last=("norm", "lm_head")),
-    attention="layers.*.self_attn.core",
-    head="lm_head",
-    moe="layers.*.mlp",
-    presets=PRESETS,
-    hf=HFAdapter(model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", read_config=read_hf_config,
-                 config_dict=hf_config_dict, to_hf=tessera_to_hf_name, from_hf=hf_to_tessera_name),
-))
+QWEN3_MOE = register(
+    ModelSpec(
+        name="qwen3_moe",
+        config_type=Qwen3MoeConfig,
+        build=Qwen3Moe,
+        init_std=param_init_std,
+        shape=model_shape,
+        tp_plan=(
+            ("embed_tokens", "embedding"),
+            ("layers.*.self_attn", "block_input"),
+            ("layers.*.self_attn.q_proj", "colwise"),
+            ("layers.*.self_attn.k_proj", "kv"),
+            ("layers.*.self_attn.v_proj", "kv"),
+            ("layers.*.self_attn.o_proj", "rowwise"),
+            ("layers.*.self_attn.q_norm", "head_norm"),
+            ("layers.*.self_attn.k_norm", "head_norm"),
+            # the MoE block: its input and routing gathered once, the experts' ffn split, one output reduce
+            ("layers.*.mlp", "moe"),
+            ("layers.*.mlp.gate", "replicated"),
+            ("layers.*.mlp.experts", "experts"),
+            ("layers.*.mlp.shared_expert", "block_input"),
+            ("layers.*.mlp.shared_expert.gate_proj", "colwise"),
+            ("layers.*.mlp.shared_expert.up_proj", "colwise"),
+            ("layers.*.mlp.shared_expert.down_proj", "rowwise"),
+            ("layers.*.input_layernorm", "norm"),
+            ("layers.*.post_attention_layernorm", "norm"),
+            ("norm", "norm"),
+            ("lm_head", "colwise_gather"),
+        ),
+        blocks="layers.*",
+        pipeline=PipelineSplit(first=("embed_tokens",), blocks="layers", last=("norm", "lm_head")),
+        attention="layers.*.self_attn.core",
+        head="lm_head",
+        moe="layers.*.mlp",
+        presets=PRESETS,
+        hf=HFAdapter(
+            model_type="qwen3_moe",
+            architecture="Qwen3MoeForCausalLM",
+            read_config=read_hf_config,
+            config_dict=hf_config_dict,
+            to_hf=tessera_to_hf_name,
+            from_hf=hf_to_tessera_name,
+        ),
+    )
+)
 
 
 def build_model(cfg: Qwen3MoeConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Qwen3Moe:

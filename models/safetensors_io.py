@@ -11,8 +11,6 @@ import torch
 from tessera.topology.errors import CheckpointError  # the hierarchy's: a ValueError too
 
 
-
-
 # ----------------------------------------------------------------------------- DCP, read safely
 def _unsafe(file, error: Exception) -> CheckpointError:
     text = str(error)
@@ -21,7 +19,9 @@ def _unsafe(file, error: Exception) -> CheckpointError:
     return CheckpointError(f"{file} is not a safetensors file: {text}")
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], file: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], file: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> None:
     """Write `tensors` (any dtype safetensors supports) to `file` atomically (a temporary file, renamed)."""
     from safetensors.torch import save_file
 
@@ -52,8 +52,10 @@ def read_safetensors_header(file: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{file}: no such file")
     try:
         with safe_open(str(file), framework="pt") as f:
-            return {name: {"dtype": f.get_slice(name).get_dtype(), "shape": list(f.get_slice(name).get_shape())}
-                    for name in f.keys()}
+            return {
+                name: {"dtype": f.get_slice(name).get_dtype(), "shape": list(f.get_slice(name).get_shape())}
+                for name in f.keys()
+            }
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise _unsafe(file, e) from None
 

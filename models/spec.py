@@ -49,7 +49,7 @@ TP_STYLES = {
     "head_norm": "a norm over head_dim applied to each rank's own heads (QK-norm): weight gradients always summed",
     "replicated": "an nn.Linear every tp rank holds whole (an MoE router): gradients summed under SP",
     "moe": "a mixture-of-experts block (models/moe.py): its tokens and routing copied to (or gathered over) the "
-           "tp ranks once, the experts' partial outputs summed once",
+    "tp ranks once, the experts' partial outputs summed once",
     "experts": "grouped experts (models/moe.py): each expert's ffn split, as colwise gate/up and rowwise down",
 }
 
@@ -100,10 +100,14 @@ class ModelSpec:
     def __post_init__(self) -> None:
         unknown = [(p, s) for p, s in self.tp_plan if s not in TP_STYLES]
         if unknown:
-            raise ValueError(f"spec {self.name!r}: tp style {unknown[0][1]!r} (for {unknown[0][0]!r}) is not one of "
-                             f"{', '.join(TP_STYLES)}")
+            raise ValueError(
+                f"spec {self.name!r}: tp style {unknown[0][1]!r} (for {unknown[0][0]!r}) is not one of "
+                f"{', '.join(TP_STYLES)}"
+            )
         if self.head not in self.pipeline.last:
-            raise ValueError(f"spec {self.name!r}: head {self.head!r} must be one of pipeline.last {self.pipeline.last}")
+            raise ValueError(
+                f"spec {self.name!r}: head {self.head!r} must be one of pipeline.last {self.pipeline.last}"
+            )
 
     def config(self, preset: str, **overrides) -> Any:
         """The config of one of this family's presets, with fields replaced."""
@@ -141,8 +145,10 @@ def register(spec: ModelSpec) -> ModelSpec:
         if other.name != spec.name:
             clash = sorted(set(other.presets) & set(spec.presets))
             if clash:
-                raise ValueError(f"spec {spec.name!r}: preset {clash[0]!r} is already {other.name!r}'s; name it "
-                                 f"{spec.name}-{clash[0]}")
+                raise ValueError(
+                    f"spec {spec.name!r}: preset {clash[0]!r} is already {other.name!r}'s; name it "
+                    f"{spec.name}-{clash[0]}"
+                )
     _FAMILIES[spec.name] = spec
     return spec
 

@@ -51,8 +51,14 @@ def write_shard(path: str | Path, ids: Iterable[int] | np.ndarray, vocab_size: i
         bad = int(array[(array < 0) | (array >= vocab_size)][0])
         raise ValueError(f"{path}: token id {bad} is outside the vocabulary of {vocab_size}")
     array.astype(np.dtype(DTYPES[dtype]).newbyteorder("<")).tofile(path)  # little-endian on any host
-    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": int(vocab_size),
-            "separator": int(separator), "tokens": int(array.size)}
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype,
+        "vocab_size": int(vocab_size),
+        "separator": int(separator),
+        "tokens": int(array.size),
+    }
     path.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     return path
 
@@ -60,8 +66,10 @@ def write_shard(path: str | Path, ids: Iterable[int] | np.ndarray, vocab_size: i
 def open_shard(path: Path) -> Shard:
     meta_path = path.with_suffix(".json")
     if not meta_path.exists():
-        raise ValueError(f"{path}: no {meta_path.name} beside it (the shard's dtype, vocab_size, separator, tokens); "
-                         f"write token files with `tessera tokenize`")
+        raise ValueError(
+            f"{path}: no {meta_path.name} beside it (the shard's dtype, vocab_size, separator, tokens); "
+            f"write token files with `tessera tokenize`"
+        )
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -69,25 +77,36 @@ def open_shard(path: Path) -> Shard:
     except OSError as e:
         raise ValueError(f"{meta_path}: cannot be read ({e.strerror})") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"{meta_path}: not a token shard's description (a JSON object); write token files with "
-                         f"`tessera tokenize`")
+        raise ValueError(
+            f"{meta_path}: not a token shard's description (a JSON object); write token files with `tessera tokenize`"
+        )
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}; "
-                         f"tessera reads {FORMAT!r} version {VERSION}")
+        raise ValueError(
+            f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}; "
+            f"tessera reads {FORMAT!r} version {VERSION}"
+        )
     if meta.get("dtype") not in DTYPES:
         raise ValueError(f"{meta_path}: dtype {meta.get('dtype')!r}; use uint16 or uint32")
     for field in ("vocab_size", "separator", "tokens"):
         value = meta.get(field)
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if field == "vocab_size" else 0):
-            raise ValueError(f"{meta_path}: field {field!r} is {value!r}, not a whole number"
-                             f"{' above 0' if field == 'vocab_size' else ' of 0 or more'} (a damaged file); "
-                             f"write the shard again with `tessera tokenize`")
+            raise ValueError(
+                f"{meta_path}: field {field!r} is {value!r}, not a whole number"
+                f"{' above 0' if field == 'vocab_size' else ' of 0 or more'} (a damaged file); "
+                f"write the shard again with `tessera tokenize`"
+            )
     itemsize = np.dtype(DTYPES[meta["dtype"]]).itemsize
     size, want = path.stat().st_size, meta["tokens"] * itemsize
     if size != want:
-        raise ValueError(f"{path} is truncated or altered: {size} bytes, its {meta_path.name} says {meta['tokens']} "
-                         f"{meta['dtype']} tokens ({want} bytes)")
-    tokens = np.memmap(path, dtype=np.dtype(DTYPES[meta["dtype"]]).newbyteorder("<"), mode="r") if size else np.zeros(0, np.uint16)
+        raise ValueError(
+            f"{path} is truncated or altered: {size} bytes, its {meta_path.name} says {meta['tokens']} "
+            f"{meta['dtype']} tokens ({want} bytes)"
+        )
+    tokens = (
+        np.memmap(path, dtype=np.dtype(DTYPES[meta["dtype"]]).newbyteorder("<"), mode="r")
+        if size
+        else np.zeros(0, np.uint16)
+    )
     return Shard(path, tokens, meta["vocab_size"], meta["separator"])
 
 
@@ -96,7 +115,9 @@ def open_dataset(path: str | Path) -> list[Shard]:
     if path.is_dir():
         bins = sorted(p for p in path.glob("*.bin") if p.is_file())
         if not bins:
-            raise ValueError(f"--data {path}: the directory holds no .bin token files; write some with `tessera tokenize`")
+            raise ValueError(
+                f"--data {path}: the directory holds no .bin token files; write some with `tessera tokenize`"
+            )
     elif path.exists():
         bins = [path]
     elif path.with_suffix(".bin").exists():
@@ -106,7 +127,9 @@ def open_dataset(path: str | Path) -> list[Shard]:
     shards = [open_shard(b) for b in bins]
     vocab = {s.vocab_size for s in shards}
     if len(vocab) > 1:
-        raise ValueError(f"--data {path}: its shards disagree on vocab_size ({sorted(vocab)}); tokenize them with one tokenizer")
+        raise ValueError(
+            f"--data {path}: its shards disagree on vocab_size ({sorted(vocab)}); tokenize them with one tokenizer"
+        )
     return shards
 
 
@@ -118,19 +141,25 @@ class TokenFileStream:
         self.vocab_size = self.shards[0].vocab_size
         separators = {s.separator for s in self.shards}
         if len(separators) > 1:
-            raise ValueError(f"--data {path}: its shards disagree on the separator token ({sorted(separators)}); "
-                             f"tokenize them with one --separator")
+            raise ValueError(
+                f"--data {path}: its shards disagree on the separator token ({sorted(separators)}); "
+                f"tokenize them with one --separator"
+            )
         self.separator = self.shards[0].separator  # ends each document (--pack-documents)
         if model_vocab is not None and self.vocab_size > model_vocab:
-            raise ValueError(f"--data {path}: its vocab_size {self.vocab_size} exceeds the model's {model_vocab}; "
-                             f"use a model whose vocabulary holds the tokenizer's")
+            raise ValueError(
+                f"--data {path}: its vocab_size {self.vocab_size} exceeds the model's {model_vocab}; "
+                f"use a model whose vocabulary holds the tokenizer's"
+            )
         self.starts = np.cumsum([0] + [len(s.tokens) for s in self.shards])
         self.total = int(self.starts[-1])
         self.seq_len, self.global_batch = seq_len, global_batch
         self.span = self.total - seq_len - 1
         if self.span <= 0:
-            raise ValueError(f"--data {path} holds {self.total} tokens, too few for --seq-len {seq_len}; use a shorter "
-                             f"sequence or more data")
+            raise ValueError(
+                f"--data {path} holds {self.total} tokens, too few for --seq-len {seq_len}; use a shorter "
+                f"sequence or more data"
+            )
         self.cursor = 0
 
     def _tokens(self, start: int, length: int) -> np.ndarray:
@@ -151,8 +180,10 @@ class TokenFileStream:
             start = ((cursor + i) * self.seq_len) % self.span
             seq = self._tokens(start, self.seq_len + 1)
             if seq.max(initial=0) >= self.vocab_size:
-                raise ValueError(f"--data {self.path}: token id {int(seq.max())} near token {start} is outside the "
-                                 f"vocabulary of {self.vocab_size} (a damaged file)")
+                raise ValueError(
+                    f"--data {self.path}: token id {int(seq.max())} near token {start} is outside the "
+                    f"vocabulary of {self.vocab_size} (a damaged file)"
+                )
             seqs.append(seq)
         batch = torch.from_numpy(np.stack(seqs)) if seqs else torch.empty(0, self.seq_len + 1, dtype=torch.long)
         return batch[:, :-1], batch[:, 1:]
@@ -177,14 +208,23 @@ class TokenFileStream:
         return {"path": self.path, "tokens": self.total, "vocab_size": self.vocab_size}
 
     def state_dict(self) -> dict:
-        return {"cursor": self.cursor, "seq_len": self.seq_len, "global_batch": self.global_batch, "data": self.fingerprint()}
+        return {
+            "cursor": self.cursor,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "data": self.fingerprint(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("data")
         if saved is None:
-            raise ValueError(f"the checkpoint was trained on the text shipped with tessera, not on --data {self.path}; "
-                             f"resume without --data, or start a new run")
+            raise ValueError(
+                f"the checkpoint was trained on the text shipped with tessera, not on --data {self.path}; "
+                f"resume without --data, or start a new run"
+            )
         if saved.get("tokens") != self.total:
-            raise ValueError(f"--data {self.path} holds {self.total} tokens; the checkpoint was trained on "
-                             f"{saved.get('path')} with {saved.get('tokens')}: resume with the same data")
+            raise ValueError(
+                f"--data {self.path} holds {self.total} tokens; the checkpoint was trained on "
+                f"{saved.get('path')} with {saved.get('tokens')}: resume with the same data"
+            )
         self.cursor = int(state["cursor"])

@@ -32,7 +32,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from tessera.models.init import one_process_name
 
@@ -72,13 +77,19 @@ def resolve(path: str | os.PathLike) -> Path:
             return target
         for older in sorted(path.glob("step_*"), reverse=True):
             if older != target and structural_problem(older) is None:
-                warnings.warn(f"the latest checkpoint {target} is unusable ({problem}); resuming from {older}, the "
-                              f"newest intact one", stacklevel=2)
+                warnings.warn(
+                    f"the latest checkpoint {target} is unusable ({problem}); resuming from {older}, the "
+                    f"newest intact one",
+                    stacklevel=2,
+                )
                 return older
-        raise CheckpointError(f"{latest} points to {target}, which is unusable ({problem}), and no older checkpoint "
-                              f"in {path} is intact")
+        raise CheckpointError(
+            f"{latest} points to {target}, which is unusable ({problem}), and no older checkpoint in {path} is intact"
+        )
     if path.is_dir():
-        raise CheckpointError(f"no {MANIFEST} (and no 'latest' pointer) in {path}: not a tessera checkpoint, or an interrupted save")
+        raise CheckpointError(
+            f"no {MANIFEST} (and no 'latest' pointer) in {path}: not a tessera checkpoint, or an interrupted save"
+        )
     raise CheckpointError(f"checkpoint {path} does not exist")
 
 
@@ -100,8 +111,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise CheckpointError(f"{file} has format {found!r}; this tessera reads format {FORMAT_VERSION}")
     if manifest.get("digest") != manifest_digest(manifest):
-        raise CheckpointError(f"{file} was edited after the save (its digest does not match its content); "
-                              f"resume from another checkpoint")
+        raise CheckpointError(
+            f"{file} was edited after the save (its digest does not match its content); resume from another checkpoint"
+        )
     return manifest
 
 
@@ -154,11 +166,15 @@ def directory_lock(root: str | os.PathLike) -> Iterator[None]:
             except (OSError, json.JSONDecodeError):
                 holder = {}
             if holder.get("host") == host and _alive(int(holder.get("pid", -1))):
-                raise CheckpointError(f"--checkpoint-dir {root} is in use by another run (pid {holder['pid']} on {host}); "
-                                      f"use another directory, or wait for that run to end") from None
+                raise CheckpointError(
+                    f"--checkpoint-dir {root} is in use by another run (pid {holder['pid']} on {host}); "
+                    f"use another directory, or wait for that run to end"
+                ) from None
             if holder.get("host") not in (None, host):
-                raise CheckpointError(f"--checkpoint-dir {root} is locked by a run on host {holder['host']} (pid "
-                                      f"{holder.get('pid')}); if it has ended, remove {lock}") from None
+                raise CheckpointError(
+                    f"--checkpoint-dir {root} is locked by a run on host {holder['host']} (pid "
+                    f"{holder.get('pid')}); if it has ended, remove {lock}"
+                ) from None
             lock.unlink(missing_ok=True)  # stale: its process is gone
     with os.fdopen(fd, "w") as f:
         f.write(mine)
@@ -248,8 +264,14 @@ class CheckpointManager:
         self.async_group: dist.ProcessGroup | None = None
         self.blocked_s = 0.0  # how long the last save() held its caller (an async one: the staging only)
 
-    def save(self, step: int, sharded: dict[str, Any], small: dict[str, Any], info: dict[str, Any],
-             asynchronous: bool = False) -> Path:
+    def save(
+        self,
+        step: int,
+        sharded: dict[str, Any],
+        small: dict[str, Any],
+        info: dict[str, Any],
+        asynchronous: bool = False,
+    ) -> Path:
         """Write the checkpoint of `step`; collective over all ranks. Returns its path.
 
         `asynchronous`: DCP's async save. The caller is blocked only while the sharded state is staged (copied
@@ -273,7 +295,9 @@ class CheckpointManager:
         torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
         started = time.perf_counter()
         if asynchronous:
-            response = dcp.async_save(dict(sharded), checkpoint_id=str(tmp / "state"), process_group=self._async_group())
+            response = dcp.async_save(
+                dict(sharded), checkpoint_id=str(tmp / "state"), process_group=self._async_group()
+            )
             upload = getattr(response, "upload_completion", response)  # a Future, or AsyncSaveResponse's
             self.blocked_s = time.perf_counter() - started
             self.pending = _PendingSave(step, tmp, final, captured, dict(info), upload)
@@ -314,7 +338,10 @@ class CheckpointManager:
         dist.barrier()
         # every rank checksums a share of the files; rank 0 collects them into the manifest
         files = sorted(f for f in p.tmp.rglob("*") if f.is_file())
-        mine = {str(f.relative_to(p.tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in _my_share(files, rank, world)}
+        mine = {
+            str(f.relative_to(p.tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for f in _my_share(files, rank, world)
+        }
         shares: list[Any] = [None] * world
         dist.all_gather_object(shares, mine)
         if rank == 0:
@@ -340,8 +367,13 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
 
-    def load(self, path: str | os.PathLike, sharded: dict[str, Any], small: dict[str, Any],
-             check: Callable[[Path, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    def load(
+        self,
+        path: str | os.PathLike,
+        sharded: dict[str, Any],
+        small: dict[str, Any],
+        check: Callable[[Path, dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         """Run `check(path, manifest)` (e.g. `check_compatible`), verify every file, then restore the
         pieces (any layout) and this rank's RNG; collective. Returns the manifest."""
         path = resolve(path)
@@ -421,8 +453,15 @@ def verify_files(path: Path, manifest: dict[str, Any]) -> None:
         raise CheckpointError(first)
 
 
-def check_compatible(path: Path, manifest: dict[str, Any], model: str, model_config: dict[str, Any], seq_len: int,
-                     global_batch: int | None = None, steps: int | None = None) -> None:
+def check_compatible(
+    path: Path,
+    manifest: dict[str, Any],
+    model: str,
+    model_config: dict[str, Any],
+    seq_len: int,
+    global_batch: int | None = None,
+    steps: int | None = None,
+) -> None:
     """Raise CheckpointError unless the checkpoint holds this model, was trained at this seq_len and
     global batch (the data cursor counts sequences of the saved run), for this many steps (the LR
     schedule of the saved run), and still has steps left to train."""
@@ -494,8 +533,11 @@ def check_full_state_dict_file(file: str | os.PathLike, model_config: Any) -> No
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     wrong = [k for k in want if k in have and have[k] != want[k]]
     if missing or extra or wrong:
-        detail = (f"missing {missing[:3]}" if missing else "") or (f"unexpected {extra[:3]}" if extra else "") or (
-            f"{wrong[0]} has shape {have[wrong[0]]}, the model needs {want[wrong[0]]}")
+        detail = (
+            (f"missing {missing[:3]}" if missing else "")
+            or (f"unexpected {extra[:3]}" if extra else "")
+            or (f"{wrong[0]} has shape {have[wrong[0]]}, the model needs {want[wrong[0]]}")
+        )
         raise CheckpointError(
             f"--init-from {file} does not hold this model's weights ({detail}); pass the --model (and --n-layers) "
             f"it was exported from"

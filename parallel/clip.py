@@ -32,7 +32,9 @@ def _sharded_groups(t: DTensor) -> Groups:
     """(mesh dim name, group) for each mesh dim the tensor is sharded on."""
     mesh = t.device_mesh
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    return tuple((names[i], mesh.get_group(i)) for i, p in enumerate(t.placements) if _is_sharded(p) and mesh.size(i) > 1)
+    return tuple(
+        (names[i], mesh.get_group(i)) for i, p in enumerate(t.placements) if _is_sharded(p) and mesh.size(i) > 1
+    )
 
 
 def _local(t: Tensor) -> Tensor:
@@ -93,8 +95,12 @@ def global_grad_norm(parameters: Iterable[Tensor], pp_group: dist.ProcessGroup |
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
-                    scale_also: Iterable[Tensor] | None = None) -> Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+    scale_also: Iterable[Tensor] | None = None,
+) -> Tensor:
     """Scale all gradients so their global norm is at most max_norm; returns the norm before clipping.
     `scale_also`: the parameters to scale when they are more than those counted (a tied weight's second
     copy on a pipeline stage is scaled, not counted twice)."""

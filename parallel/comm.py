@@ -19,12 +19,11 @@ from tessera.topology.errors import CollectiveTimeout  # a restartable TesseraEr
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog")
 
 
-
-
 def is_timeout(error: BaseException) -> bool:
     """Whether a backend error is a collective running past its process group's timeout."""
     return isinstance(error, CollectiveTimeout) or (
-        isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _TIMEOUT_MARKERS))
+        isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _TIMEOUT_MARKERS)
+    )
 
 
 # the axis of the tessera collective being issued now, for comm_stats (a group alone can be ambiguous: with
@@ -68,12 +67,20 @@ def stalled_collective(error: BaseException, layout, rank: int) -> str | None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     files = [f.f_code.co_filename.replace("\\", "/") for f in frames]
-    kind = ("an FSDP2 " if any("/fsdp/" in f for f in files)
-            else "a DTensor " if any("/distributed/tensor/" in f for f in files) else "a ")
+    kind = (
+        "an FSDP2 "
+        if any("/fsdp/" in f for f in files)
+        else "a DTensor "
+        if any("/distributed/tensor/" in f for f in files)
+        else "a "
+    )
     names = [f.f_code.co_name for f in reversed(frames)]
     where = next((n for n in names if "gather" in n or "reduce" in n or "unshard" in n), names[0] if names else "?")
-    op = "all-gather" if "gather" in where or "unshard" in where else ("reduce-scatter" if "reduce_scatter" in where
-                                                                      else "all-reduce" if "reduce" in where else where)
+    op = (
+        "all-gather"
+        if "gather" in where or "unshard" in where
+        else ("reduce-scatter" if "reduce_scatter" in where else "all-reduce" if "reduce" in where else where)
+    )
     for frame in reversed(frames):
         members, _ = _group_members_in(frame.f_locals)
         if members is None:

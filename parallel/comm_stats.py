@@ -49,10 +49,16 @@ _C10D = {
     "alltoall_base_": ("all_to_all", 1),
     "send": ("send", 0),
 }
-_FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
-               "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-               "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-               "broadcast": "broadcast", "all_to_all_single": "all_to_all"}
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
+}
 
 
 def _sent_to_others(x: torch.Tensor, input_splits: list[int], n: int, me: int) -> int:
@@ -69,7 +75,7 @@ def expert_shard_group(layout, rank: int) -> list[int]:
     """The experts' FSDP2 group (edp) of `rank` under expert parallel: its dp_shard x cp group unflattened
     into (edp, ep), ep innermost (topology/mesh.py's expert_meshes), so the members a multiple of ep apart."""
     shard = layout.group(FLATTENED_BY_PURPOSE["fsdp"].axes, rank)  # in flattened order
-    return shard[shard.index(rank) % layout.ep::layout.ep]
+    return shard[shard.index(rank) % layout.ep :: layout.ep]
 
 
 def _nbytes(x: Any) -> int:
@@ -101,13 +107,17 @@ class CommCounter(TorchDispatchMode):
             fsdp = FLATTENED_BY_PURPOSE["fsdp"]
             if len(members) > 1 and sorted(members) == sorted(self.layout.group(fsdp.axes, self.rank)):
                 name = fsdp.name  # FSDP's mesh, by that name even when cp or dp_shard is 1 (or it is the world)
-            elif (len(members) > 1 and self.layout.ep > 1
-                  and sorted(members) == sorted(expert_shard_group(self.layout, self.rank))):
+            elif (
+                len(members) > 1
+                and self.layout.ep > 1
+                and sorted(members) == sorted(expert_shard_group(self.layout, self.rank))
+            ):
                 name = fsdp.name  # the experts' FSDP2 group: FSDP's traffic (before axis_of_group, which may
                 # name it dp_shard or cp when it spans one of them)
             else:
                 name = axis_of_group(self.layout, self.rank, members) or (
-                    "world" if len(members) == self.layout.world_size else f"group{sorted(members)}")
+                    "world" if len(members) == self.layout.world_size else f"group{sorted(members)}"
+                )
             self._axis_by_group[key] = (name, len(members))
         return self._axis_by_group[key]
 
@@ -116,7 +126,9 @@ class CommCounter(TorchDispatchMode):
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "c10d" and name in _C10D:
             op, where = _C10D[name]
-            group = next((a for a in args if type(a).__name__ == "ScriptObject" and "ProcessGroup" in str(a._type())), None)
+            group = next(
+                (a for a in args if type(a).__name__ == "ScriptObject" and "ProcessGroup" in str(a._type())), None
+            )
             if group is not None:
                 pg = dist.ProcessGroup.unbox(group)
                 if op == "all_to_all":  # (output, input, group, output_split_sizes, input_split_sizes, ...)
@@ -153,6 +165,8 @@ class CommCounter(TorchDispatchMode):
         return out
 
     def report(self) -> dict[str, Any]:
-        return {"bytes_by_axis": self.by_axis(),
-                "bytes_by_collective": {axis: dict(ops) for axis, ops in self.bytes.items()},
-                "calls": {axis: dict(ops) for axis, ops in self.calls.items()}}
+        return {
+            "bytes_by_axis": self.by_axis(),
+            "bytes_by_collective": {axis: dict(ops) for axis, ops in self.bytes.items()},
+            "calls": {axis: dict(ops) for axis, ops in self.calls.items()},
+        }

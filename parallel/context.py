@@ -45,7 +45,9 @@ SEQ_DIM = 2  # attention tensors are (batch, heads, seq, head_dim)
 
 
 # ----------------------------------------------------------------------------- the zigzag layout
-def check_context(seq_len: int | None, cp: int, method: str = "ring", tp: int = 1, sequence_parallel: bool = False) -> None:
+def check_context(
+    seq_len: int | None, cp: int, method: str = "ring", tp: int = 1, sequence_parallel: bool = False
+) -> None:
     """ValueError naming the value and the fix, before any process group starts."""
     if method not in METHODS:
         raise ValueError(f"unknown --cp-method {method!r}; use one of {', '.join(METHODS)}")
@@ -135,10 +137,12 @@ class _RingPass:
         self.received = torch.empty_like(tensor)
         self.group, self.what, self.timeout = group, what, timeout
         with collective(f"ring {what} (post)", "cp", group):
-            self.works = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
-                dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % size), group),
-            ])
+            self.works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
+                    dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % size), group),
+                ]
+            )
 
     def wait(self) -> Tensor:
         with collective(f"ring {self.what}", "cp", self.group):
@@ -182,9 +186,15 @@ class _RingAttention(Function):
             ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
             rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
             if run is None or run[step]:
-                o_b, lse_b = flash_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=block_causal,
-                                             scale=scale, return_lse=True, **_block_docs(docs, all_docs, rows, cols,
-                                                                                        (rank - step) % size))
+                o_b, lse_b = flash_attention(
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    causal=block_causal,
+                    scale=scale,
+                    return_lse=True,
+                    **_block_docs(docs, all_docs, rows, cols, (rank - step) % size),
+                )
                 out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
             if ring is not None:
                 kv = ring.wait()
@@ -211,9 +221,17 @@ class _RingAttention(Function):
             computed = run is None or run[step]
             if computed:
                 dq_b, dk_b, dv_b = flash_attention_backward(
-                    dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                    lse[:, :, rows], None if dlse is None else dlse[:, :, rows], causal=block_causal, scale=scale,
-                    **_block_docs(docs, all_docs, rows, cols, (rank - step) % size))
+                    dout[:, :, rows],
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    None if dlse is None else dlse[:, :, rows],
+                    causal=block_causal,
+                    scale=scale,
+                    **_block_docs(docs, all_docs, rows, cols, (rank - step) % size),
+                )
                 dq[:, :, rows] += dq_b.to(acc)
             # the dk/dv of the block held now: what the ranks before added, plus this rank's share
             if dkv_pass is not None:
@@ -246,9 +264,18 @@ def _gather_documents(docs: Tensor, group: dist.ProcessGroup) -> Tensor:
     return gathered.view(size, *docs.shape)
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool = True,
-                   scale: float | None = None, return_lse: bool = False, timeout: float | None = None,
-                   docs: Tensor | None = None, stats: dict | None = None) -> Tensor | tuple[Tensor, Tensor]:
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    timeout: float | None = None,
+    docs: Tensor | None = None,
+    stats: dict | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of this rank's zigzag queries over the whole sequence, whose K/V the cp ranks hold in
     zigzag shards: equals zigzag_shard(flash_attention(q, k, v, causal), dim=2) of the full tensors,
     forward and backward (lse included). q (B, Hq, S/cp, D); k, v (B, Hkv, S/cp, D).
@@ -264,8 +291,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, ca
         if stats is not None:
             stats["ring_steps"] = stats.get("ring_steps", 0) + len(run)
             stats["ring_steps_skipped"] = stats.get("ring_steps_skipped", 0) + run.count(False)
-    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, None if timeout is None else timedelta(seconds=timeout),
-                                    docs, all_docs, run)
+    out, lse = _RingAttention.apply(
+        q, k, v, group, causal, scale, None if timeout is None else timedelta(seconds=timeout), docs, all_docs, run
+    )
     return (out, lse) if return_lse else out
 
 
@@ -299,11 +327,20 @@ class _AllGatherAttention(Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full.shape[SEQ_DIM + 1])
         if docs is not None:  # blocks whose queries share no document with their keys are skipped
-            meets = torch.stack([_documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]).tolist()
+            meets = torch.stack(
+                [_documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]
+            ).tolist()
             blocks = [block for block, meet in zip(blocks, meets) if meet]
         for rows, cols, block_causal in blocks:
-            o_b, lse_b = flash_attention(q[:, :, rows], full[0][:, :, cols], full[1][:, :, cols], causal=block_causal,
-                                         scale=scale, return_lse=True, **_gathered_docs(docs, full_docs, rows, cols))
+            o_b, lse_b = flash_attention(
+                q[:, :, rows],
+                full[0][:, :, cols],
+                full[1][:, :, cols],
+                causal=block_causal,
+                scale=scale,
+                return_lse=True,
+                **_gathered_docs(docs, full_docs, rows, cols),
+            )
             out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, full, out, lse, docs, full_docs)
@@ -320,9 +357,17 @@ class _AllGatherAttention(Function):
         dfull = torch.zeros(full.shape, dtype=acc, device=q.device)
         for rows, cols, block_causal in ctx.blocks:
             dq_b, dk_b, dv_b = flash_attention_backward(
-                dout[:, :, rows], q[:, :, rows], full[0][:, :, cols], full[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows], None if dlse is None else dlse[:, :, rows], causal=block_causal, scale=ctx.scale,
-                **_gathered_docs(docs, full_docs, rows, cols))
+                dout[:, :, rows],
+                q[:, :, rows],
+                full[0][:, :, cols],
+                full[1][:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                None if dlse is None else dlse[:, :, rows],
+                causal=block_causal,
+                scale=ctx.scale,
+                **_gathered_docs(docs, full_docs, rows, cols),
+            )
             dq[:, :, rows] += dq_b.to(acc)
             dfull[0][:, :, cols] += dk_b.to(acc)
             dfull[1][:, :, cols] += dv_b.to(acc)
@@ -339,9 +384,16 @@ def _gathered_docs(docs: Tensor | None, full_docs: Tensor | None, rows: slice, c
     return {} if docs is None else {"q_docs": docs[:, rows], "k_docs": full_docs[:, cols]}
 
 
-def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool = True,
-                        scale: float | None = None, return_lse: bool = False,
-                        docs: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    docs: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """ring_attention's result with K/V gathered once per layer (one all-gather forward, one
     reduce-scatter of dK/dV backward): each query chunk attends the keys before it in one unmasked block
     and its own chunk causally, so no masked work beyond the diagonal. Packed documents (`docs`, as in
@@ -378,8 +430,9 @@ class ContextParallelAttention(nn.Module):
         return f"method={self.method}, cp={dist.get_world_size(self.group)}"
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str = "ring", timeout: float | None = None,
-             slots: str | None = None) -> nn.Module:
+def apply_cp(
+    model: nn.Module, cp_mesh: DeviceMesh, method: str = "ring", timeout: float | None = None, slots: str | None = None
+) -> nn.Module:
     """Swap every attention slot (the modules matching `slots`, the spec's `attention` pattern; by default
     the model's family spec's) for context-parallel attention over `cp_mesh`, in place."""
     if method not in METHODS:
@@ -392,8 +445,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str = "ring", timeou
     group = cp_mesh.get_group()
     found = find_modules(model, slots)
     if not found:  # a stage always holds a block: a pattern that finds no slot would leave attention local
-        raise ValueError(f"context parallel: the attention pattern {slots!r} matches no module of "
-                         f"{type(model).__name__}; the spec's `attention` must name the (q, k, v) -> o slots")
+        raise ValueError(
+            f"context parallel: the attention pattern {slots!r} matches no module of "
+            f"{type(model).__name__}; the spec's `attention` must name the (q, k, v) -> o slots"
+        )
     for name, _ in found:
         replace_module(model, name, ContextParallelAttention(group, method, timeout))
     return model

@@ -43,7 +43,9 @@ def check_data_parallel(config: DataParallelConfig, layout: Layout) -> None:
     if config.strategy not in STRATEGIES:
         raise ValueError(f"unknown FSDP strategy {config.strategy!r}; use one of {', '.join(STRATEGIES)}")
     if config.activation_checkpointing not in AC_MODES:
-        raise ValueError(f"unknown activation checkpointing {config.activation_checkpointing!r}; use one of {', '.join(AC_MODES)}")
+        raise ValueError(
+            f"unknown activation checkpointing {config.activation_checkpointing!r}; use one of {', '.join(AC_MODES)}"
+        )
     if config.mixed_precision not in PRECISIONS:
         raise ValueError(f"unknown mixed precision {config.mixed_precision!r}; use one of {', '.join(PRECISIONS)}")
     if config.prefetch < 0:
@@ -73,10 +75,18 @@ def _saved_by_op_policy() -> set:
     """The ops whose outputs `--ac op` keeps: matmuls and attention (torchtitan's policy); the norms,
     RoPE, SwiGLU's elementwise ops and the collectives are recomputed."""
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
-           aten._scaled_dot_product_flash_attention_for_cpu.default}
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention"):
+    ops = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.linear.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
     tessera_ops = getattr(torch.ops, "tessera", None)
@@ -110,13 +120,21 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: str = "l
 
     for i, (name, block) in enumerate(find_modules(model, blocks)):
         if mode == "op":
-            replace_module(model, name, checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_op_policy_context))
+            replace_module(
+                model, name, checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_op_policy_context)
+            )
         elif mode == "full" or i % 2 == 0:
             replace_module(model, name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
-def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConfig, pipelined: bool = False,
-               plan=None, expert_mesh: DeviceMesh | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    fsdp_mesh: DeviceMesh,
+    config: DataParallelConfig,
+    pipelined: bool = False,
+    plan=None,
+    expert_mesh: DeviceMesh | None = None,
+) -> nn.Module:
     """fully_shard bottom-up over the data axes, in place: the plan's units in order (a family's spec:
     the embedding, each block, the final norm with the output head), then the root. `fsdp_mesh` is
     Meshes.fsdp (1-D, or 2-D for HSDP); parts a pipeline stage lacks are skipped. A unit that shares a
@@ -144,7 +162,11 @@ def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, config: DataParallelConf
     if config.prefetch:
         from .plan import find_modules
 
-        blocks = [m for _, m in find_modules(model, plan.checkpoint_blocks)] if plan.checkpoint_blocks else [u[0] for u in units]
+        blocks = (
+            [m for _, m in find_modules(model, plan.checkpoint_blocks)]
+            if plan.checkpoint_blocks
+            else [u[0] for u in units]
+        )
         for i, block in enumerate(blocks):
             ahead = blocks[i + 1 : i + 1 + config.prefetch]
             behind = blocks[max(0, i - config.prefetch) : i][::-1]

@@ -173,13 +173,17 @@ def check_expert_parallel(n_experts: int, ep: int, shard_ranks: int) -> None:
     if ep == 1:
         return
     if not n_experts:
-        raise ValueError(f"ep={ep} needs a mixture-of-experts model (this model has no experts); use ep 1, or a "
-                         f"model with experts such as qwen3-moe-debug")
+        raise ValueError(
+            f"ep={ep} needs a mixture-of-experts model (this model has no experts); use ep 1, or a "
+            f"model with experts such as qwen3-moe-debug"
+        )
     if n_experts % ep:
         raise ValueError(f"ep={ep} does not divide the {n_experts} experts; use a divisor of {n_experts}")
     if shard_ranks % ep:
-        raise ValueError(f"ep={ep} must divide dp_shard x cp = {shard_ranks} (the ranks expert parallel borrows); "
-                         f"raise --dp or --cp, or use --ep dividing {shard_ranks}")
+        raise ValueError(
+            f"ep={ep} must divide dp_shard x cp = {shard_ranks} (the ranks expert parallel borrows); "
+            f"raise --dp or --cp, or use --ep dividing {shard_ranks}"
+        )
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> nn.Module:
@@ -200,7 +204,6 @@ def apply_sequence_sum(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         block.sequence_sum = SequenceSum(cp_mesh.get_group())
 
 
-
 # ----------------------------------------------------------------------------- load balance over the mesh
 def block_index(name: str, pattern: str) -> int:
     """The layer of an MoE block's name: the number where its spec pattern has `*` (layers.*.mlp)."""
@@ -210,8 +213,14 @@ def block_index(name: str, pattern: str) -> int:
     return next(int(s) for p, s in zip(parts, segs) if p == "*" and s.isdigit())
 
 
-def expert_load(parts: list[nn.Module], pattern: str, n_layers: int, tp_rank: int, sequence_parallel: bool,
-                group: dist.ProcessGroup | None = None) -> tuple[Tensor, Tensor] | None:
+def expert_load(
+    parts: list[nn.Module],
+    pattern: str,
+    n_layers: int,
+    tp_rank: int,
+    sequence_parallel: bool,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor] | None:
     """(tokens routed to each expert (n_layers, E), the auxiliary loss's sum over sequences (n_layers,)) of
     the whole step on every rank, summed from every rank's MoE counters in one all-reduce; None without
     MoE blocks. A tp group routes the same tokens (counted once, on tp rank 0), and without sequence
@@ -247,5 +256,9 @@ def load_report(tokens: Tensor, aux_sum: Tensor, sequences: int) -> dict:
     balanced), the worst layer's, and the auxiliary loss (mean over the step's sequences, summed over layers)."""
     mean = tokens.mean(dim=1).clamp_min(1e-9)
     imbalance = tokens.max(dim=1).values / mean
-    return {"tokens_per_expert": tokens.round().long().tolist(), "imbalance": [round(x, 4) for x in imbalance.tolist()],
-            "max_imbalance": float(imbalance.max()), "aux_loss": float(aux_sum.sum() / max(1, sequences))}
+    return {
+        "tokens_per_expert": tokens.round().long().tolist(),
+        "imbalance": [round(x, 4) for x in imbalance.tolist()],
+        "max_imbalance": float(imbalance.max()),
+        "aux_loss": float(aux_sum.sum() / max(1, sequences)),
+    }

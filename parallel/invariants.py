@@ -59,7 +59,9 @@ def check_shard_gather(tensor: Tensor, mesh: DeviceMesh, placements: Sequence[Pl
                 g = torch.Generator().manual_seed(1234 + dim)
                 shares = torch.randn((mesh.shape[dim],) + tuple(local.shape), generator=g, dtype=tensor.dtype)
                 local = shares[coords[dim]] if coords[dim] else local - shares[1:].sum(0)
-        dt = DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
+        dt = DTensor.from_local(
+            local.contiguous(), mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
         back = dt.full_tensor()
         tol = 1e-5 * max(1.0, tensor.abs().max().item())
         if back.shape != tensor.shape or _max_error(back, tensor) > tol:
@@ -71,15 +73,18 @@ def check_shard_gather(tensor: Tensor, mesh: DeviceMesh, placements: Sequence[Pl
     dt = distribute_tensor(tensor, mesh, placements, src_data_rank=None)
     back = dt.full_tensor()
     if back.shape != tensor.shape or not torch.equal(back, tensor):
-        detail = f"shape {tuple(back.shape)}" if back.shape != tensor.shape else f"max error {_max_error(back, tensor):.3e}"
+        detail = (
+            f"shape {tuple(back.shape)}" if back.shape != tensor.shape else f"max error {_max_error(back, tensor):.3e}"
+        )
         raise InvariantError(
             f"shard then gather is not the identity for {name} {tuple(tensor.shape)} with {placements} on "
             f"{_mesh_text(mesh)}: {detail}"
         )
 
 
-def check_reduce_scatter_all_gather(tensor: Tensor, group: dist.ProcessGroup | None = None, name: str = "tensor",
-                                    reduce_scatter: Callable | None = None) -> None:
+def check_reduce_scatter_all_gather(
+    tensor: Tensor, group: dist.ProcessGroup | None = None, name: str = "tensor", reduce_scatter: Callable | None = None
+) -> None:
     """reduce-scatter of each rank's `tensor` over dim 0, then all-gather, equals the all-reduce (within
     float rounding: the two may add in different orders). dim 0 must divide by the group size."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -103,8 +108,15 @@ def check_reduce_scatter_all_gather(tensor: Tensor, group: dist.ProcessGroup | N
 
 
 # ----------------------------------------------------------------------------- attention
-def check_ring_merge(q: Tensor, k: Tensor, v: Tensor, blocks: int = 2, causal: bool = False,
-                     merge: Callable | None = None, name: str = "attention") -> None:
+def check_ring_merge(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: int = 2,
+    causal: bool = False,
+    merge: Callable | None = None,
+    name: str = "attention",
+) -> None:
     """Attention over the keys split into `blocks` contiguous blocks, each block's (out, lse) merged in
     ring order with `merge` (default: context.merge_partial), equals attention over all keys. Causal
     masks are bottom-right aligned, as everywhere in tessera (queries are the last Sq positions)."""
@@ -121,7 +133,7 @@ def check_ring_merge(q: Tensor, k: Tensor, v: Tensor, blocks: int = 2, causal: b
     lse = torch.full(q.shape[:3], float("-inf"))
     step = sk // blocks
     for b in range(blocks):
-        kb, vb = k[:, :, b * step:(b + 1) * step], v[:, :, b * step:(b + 1) * step]
+        kb, vb = k[:, :, b * step : (b + 1) * step], v[:, :, b * step : (b + 1) * step]
         if causal:  # query i (absolute sk - sq + i) sees key j <= it: mask this block's keys accordingly
             pos_q = torch.arange(sk - sq, sk).view(-1, 1)
             pos_k = torch.arange(b * step, (b + 1) * step).view(1, -1)
@@ -174,8 +186,11 @@ def check_fsdp_unshard(model: nn.Module, reference: Mapping[str, Tensor], layout
             if got.shape != want.shape or not torch.equal(got.to(want.dtype), want):
                 raise InvariantError(
                     f"FSDP unshard of parameter {name!r} on {layout or 'this layout'} differs from the original: "
-                    + (f"shape {tuple(got.shape)} vs {tuple(want.shape)}" if got.shape != want.shape
-                       else f"max error {_max_error(got, want):.3e}")
+                    + (
+                        f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+                        if got.shape != want.shape
+                        else f"max error {_max_error(got, want):.3e}"
+                    )
                 )
     finally:
         for _, unit in units:
@@ -211,12 +226,17 @@ def check_state_preserved(model: nn.Module, expected: Mapping[str, Tensor], layo
     state = {one_process_name(k): v for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise InvariantError(f"after loading on {layout or 'this layout'}: {len(missing)} tensors missing, first {missing[0]!r}")
+        raise InvariantError(
+            f"after loading on {layout or 'this layout'}: {len(missing)} tensors missing, first {missing[0]!r}"
+        )
     for name, want in expected.items():
         got = _full(state[name])
         if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
-            detail = (f"shape {tuple(got.shape)} vs {tuple(want.shape)}" if got.shape != want.shape
-                      else f"{int((got != want).sum())} of {want.numel()} elements differ, max error {_max_error(got, want):.3e}")
+            detail = (
+                f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+                if got.shape != want.shape
+                else f"{int((got != want).sum())} of {want.numel()} elements differ, max error {_max_error(got, want):.3e}"
+            )
             raise InvariantError(f"checkpoint tensor {name!r} was not preserved on {layout or 'this layout'}: {detail}")
 
 
@@ -232,6 +252,16 @@ def check_schedule_sound(schedule: list, name: str = "schedule") -> None:
         raise InvariantError(f"pipeline {name} over {len(schedule)} ranks is not sound: {e}") from None
 
 
-__all__ = ["InvariantError", "check_shard_gather", "check_reduce_scatter_all_gather", "check_ring_merge",
-           "check_fsdp_unshard", "check_fsdp_resharded", "check_state_preserved", "check_schedule_sound",
-           "Replicate", "Shard", "Partial"]
+__all__ = [
+    "InvariantError",
+    "check_shard_gather",
+    "check_reduce_scatter_all_gather",
+    "check_ring_merge",
+    "check_fsdp_unshard",
+    "check_fsdp_resharded",
+    "check_state_preserved",
+    "check_schedule_sound",
+    "Replicate",
+    "Shard",
+    "Partial",
+]

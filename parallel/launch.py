@@ -40,7 +40,9 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD + ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"])
+        ctx.set_forkserver_preload(
+            _PRELOAD + ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"]
+        )
         _CTX = ctx
     return _CTX
 
@@ -73,8 +75,6 @@ def _stop_ranks_on_sigterm(procs: list, forward: bool, forwarded: list) -> Itera
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
 
 
 @dataclass
@@ -113,9 +113,13 @@ def _rank_main(fn: Callable[..., Any], spec: _RankSpec, conn: Any, args: tuple, 
     except BaseException as e:  # report everything, including KeyboardInterrupt/SystemExit
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         # what the parent decides by: the error's type, not its text
-        cause = {"type": type(e).__name__, "message": next((ln for ln in str(e).splitlines() if ln.strip()), ""),
-                 "restartable": is_restartable(e), "exit_code": getattr(e, "exit_code", None),
-                 "tessera": isinstance(e, TesseraError)}
+        cause = {
+            "type": type(e).__name__,
+            "message": next((ln for ln in str(e).splitlines() if ln.strip()), ""),
+            "restartable": is_restartable(e),
+            "exit_code": getattr(e, "exit_code", None),
+            "tessera": isinstance(e, TesseraError),
+        }
         conn.send_bytes(pickle.dumps(("error", spec.rank, (tb, cause))))
     finally:
         try:
@@ -177,8 +181,21 @@ def run_ranks(
     try:
         forwarded: list[int] = []
         with _stop_ranks_on_sigterm(procs, forward_sigterm, forwarded):
-            results = _start_and_collect(fn, world_size, args, kwargs, ctx, workdir, procs, conns, timeout,
-                                         collective_timeout, backend, threads, env)
+            results = _start_and_collect(
+                fn,
+                world_size,
+                args,
+                kwargs,
+                ctx,
+                workdir,
+                procs,
+                conns,
+                timeout,
+                collective_timeout,
+                backend,
+                threads,
+                env,
+            )
         if forwarded:
             raise Interrupted(f"stopped by {signal.Signals(forwarded[0]).name}; the ranks saved a checkpoint first")
         return results
@@ -191,8 +208,9 @@ def run_ranks(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _start_and_collect(fn, world_size, args, kwargs, ctx, workdir, procs, conns, timeout, collective_timeout, backend,
-                       threads, env) -> list[Any]:
+def _start_and_collect(
+    fn, world_size, args, kwargs, ctx, workdir, procs, conns, timeout, collective_timeout, backend, threads, env
+) -> list[Any]:
     """Start one process per rank (appended to `procs`, so the caller can kill them) and collect results."""
     for rank in range(world_size):
         spec = _RankSpec(
@@ -233,8 +251,9 @@ def _collect(procs: list, conns: dict, world_size: int, timeout: float | None, w
                 raise RankFailure(f"rank {rank} of {world_size} died without a result (exit code {code})") from None
             if status == "error":
                 tb, cause = payload
-                raise RankFailure(f"rank {rank} of {world_size} raised:\n{tb}", restartable=cause["restartable"],
-                                  cause=cause)
+                raise RankFailure(
+                    f"rank {rank} of {world_size} raised:\n{tb}", restartable=cause["restartable"], cause=cause
+                )
             results[rank] = payload
     if pending:
         stalled = sorted(pending.values())

@@ -122,8 +122,9 @@ class CrossEntropySum:
             return cross_entropy_sum(logits, targets)
         return vocab_parallel_cross_entropy_sum(logits, targets, self.vocab_start, self.group)
 
-    def model_loss(self, model: nn.Module, inputs: Tensor, positions: Tensor | None,
-                   targets: Tensor) -> tuple[Tensor, Tensor]:
+    def model_loss(
+        self, model: nn.Module, inputs: Tensor, positions: Tensor | None, targets: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """(sum, count) of `model` on one microbatch: through its LinearCrossEntropyHead when parallelize
         installed one (--loss chunked: no full logits), else this loss on the logits it returns."""
         if has_loss_head(model):
@@ -144,8 +145,10 @@ LOSS_KINDS = ("chunked", "logits")
 def check_loss(kind: str) -> str:
     """`kind` if it names a loss, else a ValueError naming the value and the fix."""
     if kind not in LOSS_KINDS:
-        raise ValueError(f"unknown --loss {kind!r}; use chunked (fused linear cross-entropy over token chunks, "
-                         f"never the full logits) or logits (the full logits, then cross-entropy)")
+        raise ValueError(
+            f"unknown --loss {kind!r}; use chunked (fused linear cross-entropy over token chunks, "
+            f"never the full logits) or logits (the full logits, then cross-entropy)"
+        )
     return kind
 
 
@@ -200,24 +203,40 @@ class _LinearCrossEntropy(Function):
     def backward(ctx, grad_total):
         grad_h, grad_w = ctx.grads
         if grad_h is None and grad_w is None:
-            raise RuntimeError("the chunked loss's backward ran twice: its gradients are computed in the forward and "
-                               "handed over once; set reuse_backward=True on the LinearCrossEntropyHead (the "
-                               "zero-bubble pipeline does) to keep them for a second backward")
+            raise RuntimeError(
+                "the chunked loss's backward ran twice: its gradients are computed in the forward and "
+                "handed over once; set reuse_backward=True on the LinearCrossEntropyHead (the "
+                "zero-bubble pipeline does) to keep them for a second backward"
+            )
         if ctx.reusable:  # out of place: the zero-bubble W pass runs this again after B (retain_graph)
             dh = None if grad_h is None else (grad_h.to(grad_total.dtype) * grad_total).to(grad_h.dtype)
             dw = None if grad_w is None else (grad_w * grad_total).to(ctx.weight_dtype)
         else:  # in place and released: dW needs no second weight-sized buffer (AccumulateGrad takes it as is)
             ctx.grads = (None, None)
-            dh = None if grad_h is None else (grad_h.mul_(grad_total) if grad_h.dtype == grad_total.dtype
-                                              else (grad_h.to(grad_total.dtype) * grad_total).to(grad_h.dtype))
+            dh = (
+                None
+                if grad_h is None
+                else (
+                    grad_h.mul_(grad_total)
+                    if grad_h.dtype == grad_total.dtype
+                    else (grad_h.to(grad_total.dtype) * grad_total).to(grad_h.dtype)
+                )
+            )
             dw = None if grad_w is None else grad_w.mul_(grad_total).to(ctx.weight_dtype)
         return dh, dw, None, None, None, None, None, None, None, None
 
 
-def linear_cross_entropy_sum(h: Tensor, weight: Tensor, targets: Tensor, vocab_start: int = 0,
-                             group: dist.ProcessGroup | None = None, ignore_index: int = IGNORE_INDEX,
-                             chunk_elements: int = CHUNK_ELEMENTS, vocab_rows: int | None = None,
-                             reuse_backward: bool = False) -> tuple[Tensor, Tensor]:
+def linear_cross_entropy_sum(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    vocab_rows: int | None = None,
+    reuse_backward: bool = False,
+) -> tuple[Tensor, Tensor]:
     """(sum of cross-entropy of h @ weight^T over non-ignored targets, their count), without the full logits.
 
     h (..., D) in the compute dtype; weight (V_local, D) holds vocab rows [vocab_start, vocab_start +
@@ -230,8 +249,18 @@ def linear_cross_entropy_sum(h: Tensor, weight: Tensor, targets: Tensor, vocab_s
     h2 = h.reshape(flat.numel(), h.shape[-1])
     chunk = chunk_tokens(flat.numel(), weight.shape[0] if vocab_rows is None else vocab_rows, chunk_elements)
     grads = torch.is_grad_enabled()  # evaluation (no_grad): the loss only, no gradient buffers
-    total = _LinearCrossEntropy.apply(h2, weight, flat, vocab_start, group, ignore_index, chunk,
-                                      grads and h2.requires_grad, grads and weight.requires_grad, reuse_backward)
+    total = _LinearCrossEntropy.apply(
+        h2,
+        weight,
+        flat,
+        vocab_start,
+        group,
+        ignore_index,
+        chunk,
+        grads and h2.requires_grad,
+        grads and weight.requires_grad,
+        reuse_backward,
+    )
     return total, (flat != ignore_index).sum()
 
 
@@ -245,8 +274,13 @@ class LinearCrossEntropyHead(nn.Module):
     takes_targets = True  # models.Transformer.forward(targets=...) looks for this
     reuse_backward = False  # True: the backward may run twice (PipelineRunner sets it for zero-bubble kinds)
 
-    def __init__(self, weight: nn.Parameter, input_comm: nn.Module | None = None,
-                 chunk_elements: int = CHUNK_ELEMENTS, ignore_index: int = IGNORE_INDEX):
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        input_comm: nn.Module | None = None,
+        chunk_elements: int = CHUNK_ELEMENTS,
+        ignore_index: int = IGNORE_INDEX,
+    ):
         super().__init__()
         self.weight = weight
         self.input_comm = input_comm if input_comm is not None else nn.Identity()
@@ -263,8 +297,17 @@ class LinearCrossEntropyHead(nn.Module):
         w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         if targets is None:
             return F.linear(h, w)
-        return linear_cross_entropy_sum(h, w, targets, self.vocab_start, self.group, self.ignore_index,
-                                        self.chunk_elements, self.vocab_rows, self.reuse_backward)
+        return linear_cross_entropy_sum(
+            h,
+            w,
+            targets,
+            self.vocab_start,
+            self.group,
+            self.ignore_index,
+            self.chunk_elements,
+            self.vocab_rows,
+            self.reuse_backward,
+        )
 
     def extra_repr(self) -> str:
         return f"vocab={self.weight.shape[0]}, chunk_elements={self.chunk_elements}, tp_vocab_start={self.vocab_start}"
@@ -315,8 +358,13 @@ def has_loss_head(model: nn.Module) -> bool:
     return any(isinstance(m, LinearCrossEntropyHead) for m in model.modules())
 
 
-def model_loss(loss_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], model: nn.Module, inputs: Tensor,
-               positions: Tensor | None, targets: Tensor) -> tuple[Tensor, Tensor]:
+def model_loss(
+    loss_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    model: nn.Module,
+    inputs: Tensor,
+    positions: Tensor | None,
+    targets: Tensor,
+) -> tuple[Tensor, Tensor]:
     """What the runners call per microbatch: `loss_fn.model_loss` when the loss object has one (the fused
     head, when installed), else loss_fn(model(inputs, positions), targets) for a plain function."""
     method = getattr(loss_fn, "model_loss", None)

@@ -55,8 +55,14 @@ class ParallelConfig:
     compile: bool = False  # torch.compile each block (the plan's checkpoint_blocks)
     loss: str = "chunked"  # "chunked": the fused head, never the full logits (parallel/loss.py); "logits"
 
-    def check(self, model_config, seq_len: int | None = None, global_batch: int | None = None,
-              microbatches: int | None = None, spec=None) -> None:
+    def check(
+        self,
+        model_config,
+        seq_len: int | None = None,
+        global_batch: int | None = None,
+        microbatches: int | None = None,
+        spec=None,
+    ) -> None:
         """Every check that can fail, before any process group starts. `model_config` is a family's config
         (its spec found by its `family`, or given as `spec`) or a ModelShape."""
         layout = self.layout
@@ -64,18 +70,22 @@ class ParallelConfig:
         microbatches = microbatches or self.pipeline.microbatches
         check_context(seq_len, layout.cp, self.cp_method, layout.tp, self.sequence_parallel)
         check_loss(self.loss)
-        check_tensor_parallel(model_config, layout.tp, self.sequence_parallel,
-                              None if seq_len is None else seq_len // layout.cp)
+        check_tensor_parallel(
+            model_config, layout.tp, self.sequence_parallel, None if seq_len is None else seq_len // layout.cp
+        )
         check_data_parallel(self.data, layout)
         check_expert_parallel(getattr(model_config, "n_experts", 0), layout.ep, layout.dp_shard * layout.cp)
         if layout.ep > 1 and self.data.activation_checkpointing == "op":
             # the experts' own FSDP2 unit sits inside the recomputed block, and its hooks issue ops that
             # op-level selective checkpointing cannot match between forward and recomputation
-            raise ValueError(f"activation checkpointing 'op' with ep={layout.ep} is not supported: the experts' FSDP2 "
-                             f"unit runs inside the recomputed block; use 'full' or 'selective' with expert parallel")
+            raise ValueError(
+                f"activation checkpointing 'op' with ep={layout.ep} is not supported: the experts' FSDP2 "
+                f"unit runs inside the recomputed block; use 'full' or 'selective' with expert parallel"
+            )
         if layout.pp > 1:
-            check_pipeline(self.pipeline, layout.pp, model_config.n_layers, self.uses_fsdp,
-                           self.data.activation_checkpointing)
+            check_pipeline(
+                self.pipeline, layout.pp, model_config.n_layers, self.uses_fsdp, self.data.activation_checkpointing
+            )
         if global_batch is not None and global_batch % layout.dp:
             raise ValueError(
                 f"global batch {global_batch} does not split over dp={layout.dp}; use a multiple of {layout.dp}"
@@ -93,8 +103,9 @@ class ParallelConfig:
         return self.layout.dp_shard * self.layout.cp * self.layout.dp_replicate > 1
 
 
-def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelConfig, plan: Plan | None = None,
-                spec=None) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelConfig, plan: Plan | None = None, spec=None
+) -> nn.Module:
     """Turn a one-process model into this rank's part of the mesh-parallel model, in place. `mesh` is a
     Meshes, or the DeviceMesh of `Layout.build_mesh`. The model (or a pipeline stage of it) is described by
     its family's spec (models/spec.py): the registered one of `model.config`, or `spec` for a user's model
@@ -129,8 +140,9 @@ def parallelize(model: nn.Module, mesh: Meshes | DeviceMesh, config: ParallelCon
     if config.compile:
         apply_compile(model, plan.checkpoint_blocks)
     if meshes.fsdp is not None:
-        apply_fsdp(model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan,
-                   expert_mesh=meshes.expert_fsdp)
+        apply_fsdp(
+            model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan, expert_mesh=meshes.expert_fsdp
+        )
     elif config.data.mixed_precision != "fp32":
         # no data axes to shard over, but the same precision policy as every other layout: FSDP2 on the
         # degree-1 data mesh casts the fp32 master weights to the compute dtype once per step (gathered
@@ -167,10 +179,14 @@ def _check_user_plan(model: nn.Module, config: ParallelConfig, plan: Plan) -> No
             f"(the pattern of the blocks to recompute, e.g. 'blocks.*')"
         )
     plan.check(model, layout.tp)
-    if config.sequence_parallel and layout.tp > 1 and not any(
-        isinstance(s, (PrepareInput, ColwiseParallel)) for s in plan.rules.values()
+    if (
+        config.sequence_parallel
+        and layout.tp > 1
+        and not any(isinstance(s, (PrepareInput, ColwiseParallel)) for s in plan.rules.values())
     ):
-        raise ValueError("sequence parallel with a plan that has no PrepareInput or ColwiseParallel: nothing would gather the sequence")
+        raise ValueError(
+            "sequence parallel with a plan that has no PrepareInput or ColwiseParallel: nothing would gather the sequence"
+        )
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int, spec=None) -> nn.Module:
@@ -239,7 +255,9 @@ def dry_run_model_states(
         # edp mesh: the flattened dp_shard x cp index unflattened into (edp, ep), ep innermost (mesh.py)
         shards = layout.dp_shard * layout.cp if meshes.fsdp is not None else 1
         index = layout.index(("dp_shard", "cp"), rank)
-        experts = {id(p) for m in parts for _, b in moe_blocks(m) for p in b.experts.parameters()} if meshes.ep else set()
+        experts = (
+            {id(p) for m in parts for _, b in moe_blocks(m) for p in b.experts.parameters()} if meshes.ep else set()
+        )
 
         def shard(p) -> int:
             t = p.to_local() if isinstance(p, DTensor) else p
@@ -248,8 +266,13 @@ def dry_run_model_states(
             return fsdp_shard_numel(rows, t.numel() // max(1, rows), n, i)
 
         sharded = sum(shard(p) for m in parts for p in m.parameters())
-    out = {"local_params": float(sharded), "tp_local_params": float(unsharded), "stage_params": float(stage_params),
-           "stages": stages, "layers": [[layers[s].start, layers[s].stop] for s in stages]}
+    out = {
+        "local_params": float(sharded),
+        "tp_local_params": float(unsharded),
+        "stage_params": float(stage_params),
+        "stages": stages,
+        "layers": [[layers[s].start, layers[s].stop] for s in stages],
+    }
     for component in ("parameters", "gradients", "optimizer"):
         count = sharded if component in SHARDED_BY_STAGE[stage] else unsharded
         out[component] = float(count * getattr(r, component))

@@ -39,8 +39,15 @@ from tessera.topology.schedule_files import action_text, check_fits
 
 from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule, simulate, validate
 
-__all__ = ["build_schedule", "PipelineConfig", "split_layers", "stages_of_rank", "build_stage", "check_pipeline",
-           "PipelineRunner"]
+__all__ = [
+    "build_schedule",
+    "PipelineConfig",
+    "split_layers",
+    "stages_of_rank",
+    "build_stage",
+    "check_pipeline",
+    "PipelineRunner",
+]
 
 Microbatch = tuple[Tensor, ...]  # (inputs, targets) or (inputs, targets, positions): packed documents
 LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -82,8 +89,9 @@ def stages_of_rank(pp_rank: int, pp: int, virtual: int = 1, placement: str = "lo
     return stages_on_rank(pp_rank, pp, virtual, placement)
 
 
-def build_stage(model_config, stage: int, n_stages: int, layers: range, device: torch.device | str = "meta",
-                spec=None) -> nn.Module:
+def build_stage(
+    model_config, stage: int, n_stages: int, layers: range, device: torch.device | str = "meta", spec=None
+) -> nn.Module:
     """The one-process model cut down to one stage, by its family's spec (`spec`, or the registered one of
     `model_config`): the blocks in `layers`, the spec's first-stage modules on stage 0 only, its last-stage
     modules on the last stage only; the others are set to None. A module that owns a weight tied to a kept
@@ -123,14 +131,20 @@ def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, a
         split = kind in SPLIT_BACKWARD
     else:  # a file's errors spell actions as the file does (0F1)
         source = config.source or "the schedule"
-        split = check_fits(config.schedule, pp, config.virtual, config.microbatches, source,
-                           action_text if config.source else str)[2]
+        split = check_fits(
+            config.schedule, pp, config.virtual, config.microbatches, source, action_text if config.source else str
+        )[2]
     split_layers(n_layers, pp * config.virtual, config.layers_per_stage)
     if split and activation_checkpointing != "none":
-        what, other = ((f"--schedule {kind}", "--schedule 1f1b") if kind is not None
-                       else (f"{config.source or 'a schedule'} (W actions)", "a schedule without W actions"))
-        raise ValueError(f"{what} with --ac {activation_checkpointing} is not supported (the W pass "
-                         f"would recompute the block again); use --ac none or {other}")
+        what, other = (
+            (f"--schedule {kind}", "--schedule 1f1b")
+            if kind is not None
+            else (f"{config.source or 'a schedule'} (W actions)", "a schedule without W actions")
+        )
+        raise ValueError(
+            f"{what} with --ac {activation_checkpointing} is not supported (the W pass "
+            f"would recompute the block again); use --ac none or {other}"
+        )
 
 
 # ----------------------------------------------------------------------------- the executor
@@ -153,10 +167,20 @@ class PipelineRunner:
     gradients are those of the one-process global-batch mean. `activation` gives the (shape, dtype) of
     the hidden states between stages for a microbatch of `rows` x `seq` tokens."""
 
-    def __init__(self, stages: dict[int, nn.Module], schedule: str | Sequence[Sequence[Action]], pp_group: dist.ProcessGroup, microbatches: int,
-                 virtual: int, loss_fn: LossFn, activation: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]],
-                 device: torch.device, grad_scale: float = 1.0, timeout: float = 600.0,
-                 positions: Callable[[Tensor], Tensor] | None = None):
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        schedule: str | Sequence[Sequence[Action]],
+        pp_group: dist.ProcessGroup,
+        microbatches: int,
+        virtual: int,
+        loss_fn: LossFn,
+        activation: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]],
+        device: torch.device,
+        grad_scale: float = 1.0,
+        timeout: float = 600.0,
+        positions: Callable[[Tensor], Tensor] | None = None,
+    ):
         self.placement = placement_of(schedule if isinstance(schedule, str) else None)
         self.stages, self.group = stages, pp_group
         self.pp = dist.get_world_size(pp_group)
@@ -174,15 +198,19 @@ class PipelineRunner:
         for head in (m for part in stages.values() for m in part.modules() if isinstance(m, LinearCrossEntropyHead)):
             head.reuse_backward = self.split  # W runs the fused loss head's backward again, after B
         if len(schedule) != self.pp or n_stages != self.n_stages or n_microbatches != microbatches:
-            raise ValueError(f"the schedule has {len(schedule)} ranks, {n_stages} stages and {n_microbatches} "
-                             f"microbatches; this pipeline has {self.pp}, {self.n_stages} and {microbatches}")
+            raise ValueError(
+                f"the schedule has {len(schedule)} ranks, {n_stages} stages and {n_microbatches} "
+                f"microbatches; this pipeline has {self.pp}, {self.n_stages} and {microbatches}"
+            )
         if any(self.rank_of_stage(a.stage) != r for r, actions in enumerate(schedule) for a in actions):
             where = "on the V (rank r: r and 2 pp - 1 - r)" if self.placement == "v" else f"s % {self.pp}"
             raise ValueError(f"stage s must run on pp rank {where}, where its parameters are")
         self.actions = schedule[self.me]
         if set(stages) != {a.stage for a in self.actions}:
-            raise ValueError(f"pp rank {self.me} holds stages {sorted(stages)}; its actions run stages "
-                             f"{sorted({a.stage for a in self.actions})}")
+            raise ValueError(
+                f"pp rank {self.me} holds stages {sorted(stages)}; its actions run stages "
+                f"{sorted({a.stage for a in self.actions})}"
+            )
         self.microbatches = microbatches
         # (start, end, action) of each compute of the last step, receives excluded (host clock: meaningful
         # on CPU ranks; on a GPU the kernels run asynchronously); off by default
@@ -195,7 +223,9 @@ class PipelineRunner:
                 if to == self.me:
                     self.incoming[peer].append(key)
         # gradient sync (FSDP2) on each part's last backward of the step only
-        self.last_backward = {s: max(k for k, a in enumerate(self.actions) if a.op == "B" and a.stage == s) for s in stages}
+        self.last_backward = {
+            s: max(k for k, a in enumerate(self.actions) if a.op == "B" and a.stage == s) for s in stages
+        }
         # When the next action's receive is posted. gloo runs each operation on its own: posting it before
         # this action computes lets the message arrive meanwhile. NCCL runs a peer's operations in order on
         # one stream, where a receive posted ahead of a send can wait on a neighbour whose receive waits on
@@ -279,7 +309,11 @@ class PipelineRunner:
             out = loss_sum * self.scale  # backward starts here, with no output gradient
         else:
             self._send(out.detach(), ("act", a.microbatch, a.stage + 1))
-        self.saved[(a.microbatch, a.stage)] = {"input": x if a.stage > 0 else None, "output": out, "weight_users": captured}
+        self.saved[(a.microbatch, a.stage)] = {
+            "input": x if a.stage > 0 else None,
+            "output": out,
+            "weight_users": captured,
+        }
         self.peak_in_flight = max(self.peak_in_flight, len(self.saved))  # activations held: F run, B (or W) not yet
 
     def _B(self, a: Action, k: int, grad: Tensor | None) -> None:
@@ -290,7 +324,9 @@ class PipelineRunner:
         if self.split:  # input gradient now; the weight gradient waits for W
             users = [y for y, _ in saved["weight_users"]]
             wanted = ([x] if x is not None else []) + users
-            grads = torch.autograd.grad([out], wanted, None if grad is None else [grad], retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(
+                [out], wanted, None if grad is None else [grad], retain_graph=True, allow_unused=True
+            )
             input_grad = grads[0] if x is not None else None
             saved["weight_grads"] = list(grads[1:] if x is not None else grads)
             saved["output"] = saved["input"] = None
@@ -332,15 +368,18 @@ class PipelineRunner:
                 part = self.stages[stage]
                 if stage == self.n_stages - 1:
                     loss_sum, valid = model_loss(self.loss_fn, part, x, positions, targets)
-                    totals += torch.stack([loss_sum.float(), torch.as_tensor(valid, dtype=torch.float32,
-                                                                                device=self.device)])
+                    totals += torch.stack(
+                        [loss_sum.float(), torch.as_tensor(valid, dtype=torch.float32, device=self.device)]
+                    )
                     continue
                 out = part(x, positions)
                 if self.rank_of_stage(stage + 1) == self.me:
                     local[stage + 1] = out
                 else:
                     with collective(f"send act of microbatch {mb} for stage {stage + 1} (eval)", "pp", self.group):
-                        dist.isend(out.contiguous(), self.peers[self.rank_of_stage(stage + 1)], self.group).wait(self.timeout)
+                        dist.isend(out.contiguous(), self.peers[self.rank_of_stage(stage + 1)], self.group).wait(
+                            self.timeout
+                        )
         with collective("all_reduce (eval loss)", "pp", self.group):
             dist.all_reduce(totals, group=self.group)
         return totals[0], totals[1]
@@ -349,9 +388,11 @@ class PipelineRunner:
     def _send(self, tensor: Tensor, key: tuple) -> None:
         kind, mb, stage = key
         if tuple(tensor.shape) != tuple(self.act_shape) or tensor.dtype != self.act_dtype:
-            raise RuntimeError(f"pipeline stage {stage - 1 if kind == 'act' else stage + 1} produced {kind} of "
-                               f"{tuple(tensor.shape)} {tensor.dtype} for microbatch {mb}; stage boundaries carry "
-                               f"{tuple(self.act_shape)} {self.act_dtype}")
+            raise RuntimeError(
+                f"pipeline stage {stage - 1 if kind == 'act' else stage + 1} produced {kind} of "
+                f"{tuple(tensor.shape)} {tensor.dtype} for microbatch {mb}; stage boundaries carry "
+                f"{tuple(self.act_shape)} {self.act_dtype}"
+            )
         to = self.rank_of_stage(stage)
         if to == self.me:
             self.local[key] = tensor.detach()

@@ -140,14 +140,12 @@ class ColwiseParallel(Style):
         return ColwiseLinear(_linear_weight(module), tp_mesh, comm, _bias_of(module))
 
 
-
 @dataclass(repr=False)
 class RowwiseParallel(Style):
     takes = (nn.Linear,)
 
     def apply(self, module, tp_mesh, sequence_parallel):
         return RowwiseLinear(_linear_weight(module), tp_mesh, sequence_parallel, _bias_of(module))
-
 
 
 @dataclass(repr=False)
@@ -174,7 +172,9 @@ class TPLayerNorm(nn.Module):
         return copy_weight_to_tp(p.to_local(), self.group) if self.sequence_parallel else p.to_local()
 
     def forward(self, x):
-        return torch.nn.functional.layer_norm(x, self.normalized_shape, self._local(self.weight), self._local(self.bias), self.eps)
+        return torch.nn.functional.layer_norm(
+            x, self.normalized_shape, self._local(self.weight), self._local(self.bias), self.eps
+        )
 
 
 @dataclass(repr=False)
@@ -189,7 +189,9 @@ class ReplicatedNorm(Style):
         if isinstance(module, nn.LayerNorm):
             return
         if not (hasattr(module, "weight") and hasattr(module, "eps")) or len(list(module.parameters())) != 1:
-            raise ValueError(f"plan: ReplicatedNorm on {name!r} needs an RMSNorm (one weight and eps) or nn.LayerNorm, got {type(module).__name__}")
+            raise ValueError(
+                f"plan: ReplicatedNorm on {name!r} needs an RMSNorm (one weight and eps) or nn.LayerNorm, got {type(module).__name__}"
+            )
 
 
 @dataclass(repr=False)
@@ -201,7 +203,9 @@ class HeadNorm(Style):
 
     def check(self, name, module, tp):
         if not (hasattr(module, "weight") and hasattr(module, "eps")) or len(list(module.parameters())) != 1:
-            raise ValueError(f"plan: HeadNorm on {name!r} needs an RMSNorm (one weight and eps), got {type(module).__name__}")
+            raise ValueError(
+                f"plan: HeadNorm on {name!r} needs an RMSNorm (one weight and eps), got {type(module).__name__}"
+            )
 
 
 class ReplicatedLinear(nn.Module):
@@ -261,8 +265,9 @@ class Experts(Style):
         from tessera.models.moe import GroupedExperts
 
         if not isinstance(module, GroupedExperts):
-            raise ValueError(f"plan: Experts on {name!r} needs a tessera.models.moe.GroupedExperts, got "
-                             f"{type(module).__name__}")
+            raise ValueError(
+                f"plan: Experts on {name!r} needs a tessera.models.moe.GroupedExperts, got {type(module).__name__}"
+            )
 
 
 @dataclass(repr=False)
@@ -307,7 +312,9 @@ class Plan:
         object.__setattr__(self, "blocks", tuple(self.blocks))
         for pattern, style in self.rules.items():
             if not isinstance(style, Style):
-                raise TypeError(f"plan rule {pattern!r}: {style!r} is not a Style (ColwiseParallel(), RowwiseParallel(), ...)")
+                raise TypeError(
+                    f"plan rule {pattern!r}: {style!r} is not a Style (ColwiseParallel(), RowwiseParallel(), ...)"
+                )
 
     def assignments(self, model: nn.Module) -> list[tuple[str, nn.Module, Style]]:
         """(module name, module, style) for every module a rule takes; errors for rules that match nothing."""
@@ -316,7 +323,9 @@ class Plan:
             found = [(n, m) for n, m in find_modules(model, pattern) if n not in taken]
             if not found and not self.allow_unmatched:
                 names = ", ".join(n for n, _ in list(model.named_modules())[1:12])
-                raise ValueError(f"plan rule {pattern!r} matches no module of {type(model).__name__} (its modules: {names}, ...)")
+                raise ValueError(
+                    f"plan rule {pattern!r} matches no module of {type(model).__name__} (its modules: {names}, ...)"
+                )
             for n, m in found:
                 taken[n] = (m, style)
         return [(n, m, s) for n, (m, s) in taken.items()]
@@ -361,9 +370,16 @@ def _style(kind: str, shape, tp: int) -> Style:
             return ColwiseParallel(gather_input=False)
         return ReplicatedHeads(shape.n_kv_heads, shape.head_dim)
     return {
-        "embedding": VocabEmbedding, "block_input": PrepareInput, "rowwise": RowwiseParallel,
-        "colwise": lambda: ColwiseParallel(gather_input=False), "colwise_gather": lambda: ColwiseParallel(gather_input=True),
-        "norm": ReplicatedNorm, "head_norm": HeadNorm, "replicated": Replicated, "moe": MoEBlock, "experts": Experts,
+        "embedding": VocabEmbedding,
+        "block_input": PrepareInput,
+        "rowwise": RowwiseParallel,
+        "colwise": lambda: ColwiseParallel(gather_input=False),
+        "colwise_gather": lambda: ColwiseParallel(gather_input=True),
+        "norm": ReplicatedNorm,
+        "head_norm": HeadNorm,
+        "replicated": Replicated,
+        "moe": MoEBlock,
+        "experts": Experts,
     }[kind]()
 
 

@@ -26,8 +26,15 @@ from tessera.models.safetensors_io import (
     write_safetensors,
 )
 
-__all__ = ["CheckpointError", "SafeFileSystemReader", "SafeLoadPlanner", "read_safetensors", "read_safetensors_header",
-           "read_safetensors_slice", "write_safetensors"]
+__all__ = [
+    "CheckpointError",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "read_safetensors",
+    "read_safetensors_header",
+    "read_safetensors_slice",
+    "write_safetensors",
+]
 
 
 _METADATA_GLOBALS = {
@@ -50,8 +57,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch":
             allowed = name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         if not allowed:
-            raise CheckpointError(f"DCP metadata refers to {module}.{name}, which no DCP metadata holds: a crafted "
-                                  f"file, refused (nothing read from a checkpoint may run code)")
+            raise CheckpointError(
+                f"DCP metadata refers to {module}.{name}, which no DCP metadata holds: a crafted "
+                f"file, refused (nothing read from a checkpoint may run code)"
+            )
         return super().find_class(module, name)
 
 
@@ -61,7 +70,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = self._get_metadata_path(kwargs.get("rank")) if hasattr(self, "_get_metadata_path") else Path(self.path) / ".metadata"
+        path = (
+            self._get_metadata_path(kwargs.get("rank"))
+            if hasattr(self, "_get_metadata_path")
+            else Path(self.path) / ".metadata"
+        )
         with self.fs.create_stream(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()

@@ -16,5 +16,16 @@ from tessera.topology.schedule import (  # noqa: F401
     validate,
 )
 
-__all__ = ["DEFAULT_COSTS", "KINDS", "SPLIT_BACKWARD", "Action", "Timeline", "build_schedule", "check_schedule",
-           "dependency", "render", "simulate", "validate"]
+__all__ = [
+    "DEFAULT_COSTS",
+    "KINDS",
+    "SPLIT_BACKWARD",
+    "Action",
+    "Timeline",
+    "build_schedule",
+    "check_schedule",
+    "dependency",
+    "render",
+    "simulate",
+    "validate",
+]

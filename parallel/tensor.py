@@ -64,7 +64,9 @@ def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     size = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     if x.shape[0] % size:
-        raise ValueError(f"cannot reduce-scatter {x.shape[0]} positions over {size} tp ranks; the sequence must divide tp")
+        raise ValueError(
+            f"cannot reduce-scatter {x.shape[0]} positions over {size} tp ranks; the sequence must divide tp"
+        )
     out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
     with collective("reduce_scatter", "tp", group):
         _reduce_scatter_flat(out, x, group=group)
@@ -255,14 +257,18 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len
     """Raise ValueError naming the value and the fix if a model of shape `cfg` (a ModelShape, or a config
     with n_heads, n_kv_heads and ffn_dim) cannot be split over `tp` ranks."""
     if cfg.n_heads % tp:
-        raise ValueError(f"tp={tp} does not divide the {cfg.n_heads} attention heads; use a tp that divides {cfg.n_heads}")
+        raise ValueError(
+            f"tp={tp} does not divide the {cfg.n_heads} attention heads; use a tp that divides {cfg.n_heads}"
+        )
     if not kv_heads_fit(cfg.n_kv_heads, tp):
         raise ValueError(
             f"tp={tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other (kv heads are split when tp "
             f"divides them and replicated when they divide tp)"
         )
     if cfg.ffn_dim % tp:
-        raise ValueError(f"tp={tp} does not divide the MLP width ffn_dim={cfg.ffn_dim}; use a tp that divides {cfg.ffn_dim}")
+        raise ValueError(
+            f"tp={tp} does not divide the MLP width ffn_dim={cfg.ffn_dim}; use a tp that divides {cfg.ffn_dim}"
+        )
     if sequence_parallel and seq_len is not None and seq_len % tp:
         raise ValueError(
             f"sequence parallel needs the sequence length divisible by tp: seq_len={seq_len}, tp={tp}; "

@@ -57,10 +57,13 @@ def retie(model: nn.Module, groups: list[list[str]]) -> None:
                 continue
             current = getattr(module, attr)
             if isinstance(param, DTensor) != isinstance(current, DTensor) or (
-                    isinstance(param, DTensor) and tuple(param.placements) != tuple(current.placements)):
-                raise ValueError(f"tied parameters {owner!r} and {alias!r} were sharded differently by the tp plan "
-                                 f"({getattr(param, 'placements', 'whole')} vs {getattr(current, 'placements', 'whole')}): "
-                                 f"give both modules styles that split the same dimension")
+                isinstance(param, DTensor) and tuple(param.placements) != tuple(current.placements)
+            ):
+                raise ValueError(
+                    f"tied parameters {owner!r} and {alias!r} were sharded differently by the tp plan "
+                    f"({getattr(param, 'placements', 'whole')} vs {getattr(current, 'placements', 'whole')}): "
+                    f"give both modules styles that split the same dimension"
+                )
             setattr(module, attr, param)
 
 
@@ -85,8 +88,7 @@ def pipeline_tied_group(layout: Layout, rank: int, timeout: float | None = None)
 class TiedGradients:
     """Sums the gradients of tied parameters held by two pipeline stages (see the module docstring)."""
 
-    def __init__(self, names: list[str], parts: dict[int, nn.Module], n_stages: int,
-                 group: dist.ProcessGroup | None):
+    def __init__(self, names: list[str], parts: dict[int, nn.Module], n_stages: int, group: dist.ProcessGroup | None):
         self.group = group
         holders = [s for s in parts if s in (0, n_stages - 1)]
         self.params: list[nn.Parameter] = []
@@ -102,7 +104,9 @@ class TiedGradients:
         # the copy that the grad norm skips: the last stage's, unless this rank also holds the first
         self.duplicates = {id(p) for p in self.params} if 0 not in parts else {id(b) for _, b in self.local_pairs}
         if self.params and group is None:
-            raise ValueError("tied parameters on a pipeline stage need the first/last-stage group (pipeline_tied_group)")
+            raise ValueError(
+                "tied parameters on a pipeline stage need the first/last-stage group (pipeline_tied_group)"
+            )
 
     def synchronize(self) -> None:
         for a, b in self.local_pairs:

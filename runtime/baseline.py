@@ -191,8 +191,14 @@ def build(cfg: Any, state: State, device: torch.device, options: Options) -> Lla
     return model
 
 
-def train(cfg: Any, batches: Callable[[int], tuple[Tensor, Tensor]], steps: int, device: torch.device | str = "cpu",
-          state: State = None, options: Options = Options()) -> list[dict[str, Any]]:
+def train(
+    cfg: Any,
+    batches: Callable[[int], tuple[Tensor, Tensor]],
+    steps: int,
+    device: torch.device | str = "cpu",
+    state: State = None,
+    options: Options = Options(),
+) -> list[dict[str, Any]]:
     """`steps` optimizer steps of the baseline on `batches(step)` -> (inputs, targets) (B, S) each; one record
     per step: step, loss (before the update), grad_norm, step_time_s (the wall time of the whole step, host
     sync included), tokens_per_s, peak_memory_bytes (the CUDA allocator's peak since the model was built,
@@ -220,8 +226,14 @@ def _train(cfg, batches, steps, device, state, options) -> list[dict[str, Any]]:
     if device.type == "cuda":  # the weights' load is not the step's memory
         torch.cuda.reset_peak_memory_stats(device)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=options.lr, betas=options.betas, eps=options.eps, weight_decay=options.weight_decay,
-                            **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    opt = torch.optim.AdamW(
+        params,
+        lr=options.lr,
+        betas=options.betas,
+        eps=options.eps,
+        weight_decay=options.weight_decay,
+        **({"fused": True} if device.type == "cuda" else {"foreach": True}),
+    )
     total = options.total_steps or steps
 
     def lr_factor(step: int) -> float:  # tessera's schedule: linear warm-up, then cosine to min_lr_ratio
@@ -263,9 +275,17 @@ def _train(cfg, batches, steps, device, state, options) -> list[dict[str, Any]]:
         if step == 1:
             handle.remove()
         tokens = inputs.numel()
-        records.append({"step": step, "loss": loss_value, "grad_norm": norm_value, "step_time_s": elapsed,
-                        "tokens_per_s": tokens / elapsed, "peak_memory_bytes": _peak_memory(device),
-                        "compute_dtype": seen.get("compute_dtype")})
+        records.append(
+            {
+                "step": step,
+                "loss": loss_value,
+                "grad_norm": norm_value,
+                "step_time_s": elapsed,
+                "tokens_per_s": tokens / elapsed,
+                "peak_memory_bytes": _peak_memory(device),
+                "compute_dtype": seen.get("compute_dtype"),
+            }
+        )
     return records
 
 
@@ -286,8 +306,9 @@ def tessera_state(cfg: Any, seed: int, device: torch.device | str = "cpu") -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tessera.baseline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tessera.baseline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="debug")
     p.add_argument("--n-layers", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=64)
@@ -300,13 +321,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from tessera.models import get_preset
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     cfg = get_preset(args.model, **({"n_layers": args.n_layers} if args.n_layers else {}))
-    options = Options(mixed_precision=args.mixed_precision or ("bf16" if device.type == "cuda" else "fp32"),
-                      compile=args.compile == "on" or (args.compile == "auto" and device.type == "cuda"))
-    records = train(cfg, tessera_batches(cfg, args.seq_len, args.global_batch), args.steps, device,
-                    lambda: tessera_state(cfg, args.seed), options)
+    options = Options(
+        mixed_precision=args.mixed_precision or ("bf16" if device.type == "cuda" else "fp32"),
+        compile=args.compile == "on" or (args.compile == "auto" and device.type == "cuda"),
+    )
+    records = train(
+        cfg,
+        tessera_batches(cfg, args.seq_len, args.global_batch),
+        args.steps,
+        device,
+        lambda: tessera_state(cfg, args.seed),
+        options,
+    )
     for r in records:
         print(json.dumps(r))
     return 0

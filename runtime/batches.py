@@ -51,8 +51,17 @@ class StepBatch:
 class StepData:
     """Turns a data stream's next global batch into this rank's microbatches (see the module docstring)."""
 
-    def __init__(self, layout: Layout, meshes: Meshes, rank: int, device: torch.device, seq_len: int,
-                 global_batch: int, microbatches: int, pack: bool):
+    def __init__(
+        self,
+        layout: Layout,
+        meshes: Meshes,
+        rank: int,
+        device: torch.device,
+        seq_len: int,
+        global_batch: int,
+        microbatches: int,
+        pack: bool,
+    ):
         self.layout, self.meshes, self.device = layout, meshes, device
         self.cp_index = layout.index("cp", rank)
         self.seq_len, self.global_batch, self.microbatches, self.pack = seq_len, global_batch, microbatches, pack
@@ -105,7 +114,9 @@ class StepData:
             if self.pack:
                 documents = self.documents(int((batch[2] == 0).sum()), int((batch[1] == IGNORE_INDEX).sum()))
             local = self.of_global_batch(*batch)
-        return StepBatch(split_microbatches(local[0], local[1], self.microbatches, *local[2:]), valid, checksum, documents)
+        return StepBatch(
+            split_microbatches(local[0], local[1], self.microbatches, *local[2:]), valid, checksum, documents
+        )
 
     def global_counts(self, mine: list[int]) -> list[int]:
         """Counts over this dp rank's rows, summed over the dp ranks (the cp ranks of one hold the same rows)."""

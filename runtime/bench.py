@@ -41,9 +41,11 @@ from pathlib import Path
 
 from .layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
 
-MFU_FORMULA = ("(6 x matmul parameters + 6 x n_layers x dim x seq_len) x tokens per step / (step time x devices x peak); "
-               "the second term is causal attention (QK^T and PV, forward + backward, half the dense 12 x n_layers x "
-               "dim x seq_len); peak per device: ")
+MFU_FORMULA = (
+    "(6 x matmul parameters + 6 x n_layers x dim x seq_len) x tokens per step / (step time x devices x peak); "
+    "the second term is causal attention (QK^T and PV, forward + backward, half the dense 12 x n_layers x "
+    "dim x seq_len); peak per device: "
+)
 
 
 def series_layouts(kind: str, max_ranks: int, global_batch: int) -> list[tuple[str, int]]:
@@ -51,10 +53,12 @@ def series_layouts(kind: str, max_ranks: int, global_batch: int) -> list[tuple[s
     keeps the batch per rank (the global batch grows), strong keeps the global batch."""
     if max_ranks < 1 or max_ranks & (max_ranks - 1):
         raise ValueError(f"--max-ranks {max_ranks} must be a power of two (the series doubles the ranks)")
-    counts = [2 ** i for i in range(max_ranks.bit_length())]
+    counts = [2**i for i in range(max_ranks.bit_length())]
     if kind == "strong" and global_batch % max_ranks:
-        raise ValueError(f"--series strong keeps --global-batch {global_batch} fixed; it must divide over "
-                         f"--max-ranks {max_ranks} (use a multiple of {max_ranks})")
+        raise ValueError(
+            f"--series strong keeps --global-batch {global_batch} fixed; it must divide over "
+            f"--max-ranks {max_ranks} (use a multiple of {max_ranks})"
+        )
     return [("one" if n == 1 else f"dp{n}", global_batch * n if kind == "weak" else global_batch) for n in counts]
 
 
@@ -70,7 +74,7 @@ def cpu_core_peak_flops(size: int = 512, reps: int = 5) -> float:
         best = min(_timed(lambda: a @ b) for _ in range(reps))
     finally:
         torch.set_num_threads(threads)
-    return 2 * size ** 3 / best
+    return 2 * size**3 / best
 
 
 def _timed(fn) -> float:
@@ -80,12 +84,18 @@ def _timed(fn) -> float:
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="the scaling sweep: runs layouts, writes results JSON and plots",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="the scaling sweep: runs layouts, writes results JSON and plots",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="debug", help="a model preset (default debug)")
     p.add_argument("--n-layers", type=int, default=None, help="override the preset's number of blocks")
     p.add_argument("--layouts", default=None, help="comma-separated layouts, e.g. one,dp2,tp2,dp2xtp2")
-    p.add_argument("--series", choices=("weak", "strong"), default=None, help="a data-parallel scaling series instead of --layouts")
+    p.add_argument(
+        "--series", choices=("weak", "strong"), default=None, help="a data-parallel scaling series instead of --layouts"
+    )
     p.add_argument("--max-ranks", type=int, default=4, help="the series' largest rank count (a power of two)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step (--series weak: per rank)")
@@ -93,13 +103,25 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (the first also counts bytes)")
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: CUDA when there is a GPU for every rank)")
-    p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--baseline", nargs="?", const="auto", choices=("auto", "eager", "compile"), default=None,
-                   help="also run the plain-torch baseline (tessera.baseline) at the first layout's batch; compiled per "
-                        "block or not (auto: compiled on CUDA, eager on CPU)")
-    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="skip measuring this device's rates at the start (the predicted step time then uses the "
-                        "planner's uncalibrated constants)")
+    p.add_argument(
+        "--mixed-precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU"
+    )
+    p.add_argument(
+        "--baseline",
+        nargs="?",
+        const="auto",
+        choices=("auto", "eager", "compile"),
+        default=None,
+        help="also run the plain-torch baseline (tessera.baseline) at the first layout's batch; compiled per "
+        "block or not (auto: compiled on CUDA, eager on CPU)",
+    )
+    p.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="skip measuring this device's rates at the start (the predicted step time then uses the "
+        "planner's uncalibrated constants)",
+    )
     p.add_argument("--out", required=True, help="directory for bench-<model>-<device>.json and the PNG plots")
     p.set_defaults(func=run_bench)
 
@@ -111,19 +133,35 @@ def run_bench(args: argparse.Namespace) -> int:
         if (args.layouts is None) == (args.series is None):
             raise ValueError("give --layouts L1,L2,... or --series weak|strong (with --max-ranks N)")
         if args.warmup < 2:
-            raise ValueError(f"--warmup {args.warmup} must be at least 2: step 1 counts the bytes per axis and step 2 "
-                             f"measures the peak tensor memory, both slower than a plain step")
+            raise ValueError(
+                f"--warmup {args.warmup} must be at least 2: step 1 counts the bytes per axis and step 2 "
+                f"measures the peak tensor memory, both slower than a plain step"
+            )
         if args.steps <= args.warmup:
             raise ValueError(f"--steps {args.steps} must exceed --warmup {args.warmup} (the timed steps come after it)")
-        runs = (series_layouts(args.series, args.max_ranks, args.global_batch) if args.series
-                else [(name, args.global_batch) for name in args.layouts.split(",")])
+        runs = (
+            series_layouts(args.series, args.max_ranks, args.global_batch)
+            if args.series
+            else [(name, args.global_batch) for name in args.layouts.split(",")]
+        )
         configs = []
         for name, batch in runs:
             kw = parse_layout(name)
             mb = args.microbatches or (2 * kw.get("pp", 1) if kw.get("pp", 1) > 1 else 1)
-            config = Config.create(model=args.model, n_layers=args.n_layers, seq_len=args.seq_len, global_batch=batch,
-                                   steps=args.steps, microbatches=mb, quiet=True, device=args.device,
-                                   mixed_precision=args.mixed_precision, comm_stats="first", track_memory=True, **kw)
+            config = Config.create(
+                model=args.model,
+                n_layers=args.n_layers,
+                seq_len=args.seq_len,
+                global_batch=batch,
+                steps=args.steps,
+                microbatches=mb,
+                quiet=True,
+                device=args.device,
+                mixed_precision=args.mixed_precision,
+                comm_stats="first",
+                track_memory=True,
+                **kw,
+            )
             config.check()
             configs.append((name, config))
         from .tokenize_files import check_out_dir
@@ -146,12 +184,25 @@ def planner_estimate(config, calibration=None):
     p = config.parallel_config()
     layout = layout_for_strategy(config.layout, p.data.strategy)
     strategy = "SHARD_GRAD_OP" if p.data.strategy == "SHARD_GRAD_OP" else "FULL_SHARD"
-    cand = Candidate(layout, strategy, p.data.activation_checkpointing, p.pipeline.schedule, config.data.microbatches,
-                     p.pipeline.virtual, p.sequence_parallel)
+    cand = Candidate(
+        layout,
+        strategy,
+        p.data.activation_checkpointing,
+        p.pipeline.schedule,
+        config.data.microbatches,
+        p.pipeline.virtual,
+        p.sequence_parallel,
+    )
     element = PRECISIONS[p.data.mixed_precision].itemsize
     ranks = layout.world_size
-    hw = Hardware(gpus=ranks, gpu_memory_gb=1e6, gpus_per_node=max(8, ranks), dtype_bytes=element,
-                  recipe="mixed_adam" if element == 2 else "fp32_adam", calibration=calibration)
+    hw = Hardware(
+        gpus=ranks,
+        gpu_memory_gb=1e6,
+        gpus_per_node=max(8, ranks),
+        dtype_bytes=element,
+        recipe="mixed_adam" if element == 2 else "fp32_adam",
+        calibration=calibration,
+    )
     from .plan_command import model_shape
 
     return estimate(model_shape(config.model_config), cand, hw, config.data.seq_len, config.data.global_batch)
@@ -167,7 +218,9 @@ def calibrate_rank(config, quick: bool = True) -> dict:
 
     rows = max(1, config.data.global_batch // config.layout.dp // config.data.microbatches)
     device = current_device() if config.device_type() == "cuda" else torch.device("cpu")
-    return measure(config.model_config, config.data.seq_len // config.layout.cp, rows, device, config.mixed_precision, quick=quick)
+    return measure(
+        config.model_config, config.data.seq_len // config.layout.cp, rows, device, config.mixed_precision, quick=quick
+    )
 
 
 def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
@@ -180,11 +233,22 @@ def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
 
     device = current_device() if config.device_type() == "cuda" else torch.device("cpu")
     cfg, o = config.model_config, config.optimizer
-    options = baseline.Options(mixed_precision=config.mixed_precision, compile=compile, lr=o.lr, warmup=o.warmup,
-                               min_lr_ratio=o.min_lr_ratio, total_steps=config.runtime.steps, betas=(o.beta1, o.beta2),
-                               eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+    options = baseline.Options(
+        mixed_precision=config.mixed_precision,
+        compile=compile,
+        lr=o.lr,
+        warmup=o.warmup,
+        min_lr_ratio=o.min_lr_ratio,
+        total_steps=config.runtime.steps,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm,
+    )
     batches = baseline.tessera_batches(cfg, config.data.seq_len, config.data.global_batch)
-    return baseline.train(cfg, batches, steps, device, lambda: baseline.tessera_state(cfg, config.runtime.seed), options)
+    return baseline.train(
+        cfg, batches, steps, device, lambda: baseline.tessera_state(cfg, config.runtime.seed), options
+    )
 
 
 def _one_rank(fn, config, *args):
@@ -200,7 +264,9 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
 
     info = device_info()
     on_gpu = configs[0][1].device_type() == "cuda"
-    per_device_peak = next((v for k, v in BF16_PEAK.items() if k in info["device"]), None) if on_gpu else cpu_core_peak_flops()
+    per_device_peak = (
+        next((v for k, v in BF16_PEAK.items() if k in info["device"]), None) if on_gpu else cpu_core_peak_flops()
+    )
     calibration = None
     if args.calibrate:
         print(f"bench: calibrating this device at {configs[0][0]}'s shapes ...", flush=True)
@@ -210,49 +276,80 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
         print(f"bench: {describe(calibration)} ({calibration['seconds']:.1f} s)", flush=True)
     rows = []
     for i, (name, config) in enumerate(configs, 1):
-        print(f"bench [{i}/{len(configs)}] {name}: {config.layout.world_size} rank(s), {config.runtime.steps} steps ...", flush=True)
+        print(
+            f"bench [{i}/{len(configs)}] {name}: {config.layout.world_size} rank(s), {config.runtime.steps} steps ...",
+            flush=True,
+        )
         history = train(config)
         rows.append(_row(name, config, history, args.warmup, per_device_peak, on_gpu, calibration))
         r = rows[-1]
-        experts = (f"; experts: max/mean imbalance {r['moe']['max_imbalance']:.2f} (worst layer, step), aux loss "
-                   f"{r['moe']['aux_loss_median']:.4g}") if "moe" in r else ""
-        print(f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per device), "
-              f"step {r['step_time_s'] * 1e3:.1f} ms ({r['exposed_comm_s'] * 1e3:.1f} ms exposed communication), "
-              f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}, {r['compute_dtype']}; predicted step "
-              f"{r['predicted']['step_time_s'] * 1e3:.1f} ms (measured / predicted {r['measured_over_predicted']['step_time']:.2f})"
-              + experts, flush=True)
+        experts = (
+            (
+                f"; experts: max/mean imbalance {r['moe']['max_imbalance']:.2f} (worst layer, step), aux loss "
+                f"{r['moe']['aux_loss_median']:.4g}"
+            )
+            if "moe" in r
+            else ""
+        )
+        print(
+            f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per device), "
+            f"step {r['step_time_s'] * 1e3:.1f} ms ({r['exposed_comm_s'] * 1e3:.1f} ms exposed communication), "
+            f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}, {r['compute_dtype']}; predicted step "
+            f"{r['predicted']['step_time_s'] * 1e3:.1f} ms (measured / predicted {r['measured_over_predicted']['step_time']:.2f})"
+            + experts,
+            flush=True,
+        )
     _efficiency(rows)
     baseline = None
     if args.baseline:
         base_config = configs[0][1]
         compile = args.baseline == "compile" or (args.baseline == "auto" and on_gpu)
-        print(f"bench [baseline] plain torch{' (compiled blocks)' if compile else ''}: 1 rank, {args.steps} steps ...", flush=True)
+        print(
+            f"bench [baseline] plain torch{' (compiled blocks)' if compile else ''}: 1 rank, {args.steps} steps ...",
+            flush=True,
+        )
         records = _one_rank(baseline_rank, base_config, compile, args.steps)
         baseline = _baseline_row(base_config, records, args.warmup, per_device_peak, compile)
         for r in rows:
             r["baseline_step_time_s"] = baseline["step_time_s"]
             # tessera / baseline at the same global batch: > 1 is slower than plain torch
-            r["step_time_vs_baseline"] = r["step_time_s"] / baseline["step_time_s"] if r["global_batch"] == baseline["global_batch"] else None
-        print(f"bench [baseline]: {baseline['tokens_per_s']:,.0f} tok/s, step {baseline['step_time_s'] * 1e3:.1f} ms, MFU "
-              f"{baseline['mfu']:.1%}, {baseline['compute_dtype']}; tessera / baseline step time: "
-              + ", ".join(f"{r['layout']} {r['step_time_vs_baseline']:.3f}" for r in rows if r.get("step_time_vs_baseline")), flush=True)
+            r["step_time_vs_baseline"] = (
+                r["step_time_s"] / baseline["step_time_s"] if r["global_batch"] == baseline["global_batch"] else None
+            )
+        print(
+            f"bench [baseline]: {baseline['tokens_per_s']:,.0f} tok/s, step {baseline['step_time_s'] * 1e3:.1f} ms, MFU "
+            f"{baseline['mfu']:.1%}, {baseline['compute_dtype']}; tessera / baseline step time: "
+            + ", ".join(
+                f"{r['layout']} {r['step_time_vs_baseline']:.3f}" for r in rows if r.get("step_time_vs_baseline")
+            ),
+            flush=True,
+        )
     device = "cuda" if on_gpu else "cpu"
     name = f"bench-{args.model}-{args.series or 'layouts'}-{device}"
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config["mfu_formula"] = MFU_FORMULA + ("the GPU's dense bf16 datasheet figure" if on_gpu else
-                                           "one CPU core's fp32 matmul rate measured at the start; devices on CPU: min(ranks, cores)")
+    config["mfu_formula"] = MFU_FORMULA + (
+        "the GPU's dense bf16 datasheet figure"
+        if on_gpu
+        else "one CPU core's fp32 matmul rate measured at the start; devices on CPU: min(ranks, cores)"
+    )
     config["attention_flops_included"] = True
     config["peak_flops_per_device"] = per_device_peak
-    config["predicted_step_time"] = ("the planner's estimate (topology/planner.py) at rates measured on this device at the start "
-                                     "(topology/step_time.py: matmuls, attention, elementwise traffic, loss, optimizer, "
-                                     "host dispatch); ratios are measured / predicted" if calibration else
-                                     "the planner's uncalibrated estimate (FLOPs at its efficiency of the H100 bf16 peak)")
+    config["predicted_step_time"] = (
+        "the planner's estimate (topology/planner.py) at rates measured on this device at the start "
+        "(topology/step_time.py: matmuls, attention, elementwise traffic, loss, optimizer, "
+        "host dispatch); ratios are measured / predicted"
+        if calibration
+        else "the planner's uncalibrated estimate (FLOPs at its efficiency of the H100 bf16 peak)"
+    )
     config["calibration"] = calibration
     has_moe = any("moe" in r for r in rows)
-    config["moe_load"] = (f"each layout row's 'moe': its measured steps' expert load; {name}-moe_load.png (with matplotlib): the last "
-                          f"measured step's tokens per expert and layer" if has_moe else
-                          f"absent: {args.model} is a dense model (no experts), so its rows have no 'moe' entry and "
-                          f"there is no moe_load plot")
+    config["moe_load"] = (
+        f"each layout row's 'moe': its measured steps' expert load; {name}-moe_load.png (with matplotlib): the last "
+        f"measured step's tokens per expert and layer"
+        if has_moe
+        else f"absent: {args.model} is a dense model (no experts), so its rows have no 'moe' entry and "
+        f"there is no moe_load plot"
+    )
     results = {"layouts": rows}
     if baseline is not None:
         results["baseline"] = baseline
@@ -272,17 +369,36 @@ def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, 
     tokens = config.data.global_batch * config.data.seq_len
     flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = 1
-    return {"layout": "baseline", "implementation": "tessera.baseline (plain torch: FSDP2 on a one-rank mesh, SDPA, "
-            "fused/foreach AdamW)", "compile": compile, "mixed_precision": config.mixed_precision, "ranks": 1, "devices": devices,
-            "global_batch": config.data.global_batch, "seq_len": config.data.seq_len, "step_time_s": step,
-            "step_times_s": [m["step_time_s"] for m in timed], "tokens_per_s": tokens / step,
-            "tokens_per_s_per_device": tokens / step / devices, "mfu": flops / (step * devices * peak) if peak else None,
-            "compute_dtype": records[0].get("compute_dtype"), "peak_memory_bytes": max(m["peak_memory_bytes"] for m in records),
-            "final_loss": records[-1]["loss"], "losses": [m["loss"] for m in records]}
+    return {
+        "layout": "baseline",
+        "implementation": "tessera.baseline (plain torch: FSDP2 on a one-rank mesh, SDPA, fused/foreach AdamW)",
+        "compile": compile,
+        "mixed_precision": config.mixed_precision,
+        "ranks": 1,
+        "devices": devices,
+        "global_batch": config.data.global_batch,
+        "seq_len": config.data.seq_len,
+        "step_time_s": step,
+        "step_times_s": [m["step_time_s"] for m in timed],
+        "tokens_per_s": tokens / step,
+        "tokens_per_s_per_device": tokens / step / devices,
+        "mfu": flops / (step * devices * peak) if peak else None,
+        "compute_dtype": records[0].get("compute_dtype"),
+        "peak_memory_bytes": max(m["peak_memory_bytes"] for m in records),
+        "final_loss": records[-1]["loss"],
+        "losses": [m["loss"] for m in records],
+    }
 
 
-def _row(name: str, config, history: list[dict], warmup: int, peak: float | None, on_gpu: bool,
-         calibration: dict | None = None) -> dict:
+def _row(
+    name: str,
+    config,
+    history: list[dict],
+    warmup: int,
+    peak: float | None,
+    on_gpu: bool,
+    calibration: dict | None = None,
+) -> dict:
     import os
 
     from tessera.topology.planner import model_flops_per_token
@@ -291,8 +407,10 @@ def _row(name: str, config, history: list[dict], warmup: int, peak: float | None
 
     timed = history[warmup:]
     step = statistics.median(m["step_time_s"] for m in timed)
-    waits = {axis: statistics.median(m["collective_wait_s"].get(axis, 0.0) for m in timed)
-             for axis in {a for m in timed for a in m["collective_wait_s"]}}
+    waits = {
+        axis: statistics.median(m["collective_wait_s"].get(axis, 0.0) for m in timed)
+        for axis in {a for m in timed for a in m["collective_wait_s"]}
+    }
     exposed = min(step, sum(waits.values()))
     lay, ranks = config.layout, config.layout.world_size
     tokens = config.data.global_batch * config.data.seq_len
@@ -308,29 +426,51 @@ def _row(name: str, config, history: list[dict], warmup: int, peak: float | None
     measured_memory = peak_process if on_gpu else history[1].get("peak_tensor_bytes")
     moe = moe_load(timed)
     return {
-        "layout": name, "degrees": lay.as_dict(), "ranks": ranks, "devices": devices,
-        "global_batch": config.data.global_batch, "microbatches": config.data.microbatches,
-        "options": {"sequence_parallel": p.sequence_parallel, "ac": p.data.activation_checkpointing,
-                    "fsdp": p.data.strategy, "compile": p.compile},
-        "step_time_s": step, "step_times_s": [m["step_time_s"] for m in timed],
-        "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / devices,
+        "layout": name,
+        "degrees": lay.as_dict(),
+        "ranks": ranks,
+        "devices": devices,
+        "global_batch": config.data.global_batch,
+        "microbatches": config.data.microbatches,
+        "options": {
+            "sequence_parallel": p.sequence_parallel,
+            "ac": p.data.activation_checkpointing,
+            "fsdp": p.data.strategy,
+            "compile": p.compile,
+        },
+        "step_time_s": step,
+        "step_times_s": [m["step_time_s"] for m in timed],
+        "tokens_per_s": tokens / step,
+        "tokens_per_s_per_device": tokens / step / devices,
         "mfu": flops / (step * devices * peak) if peak else None,
-        "exposed_comm_s": exposed, "compute_and_fsdp_s": step - exposed, "collective_wait_s_by_axis": waits,
+        "exposed_comm_s": exposed,
+        "compute_and_fsdp_s": step - exposed,
+        "collective_wait_s_by_axis": waits,
         "peak_memory_bytes_rank0": peak_process,
-        "peak_memory_kind": "CUDA allocator peak" if on_gpu else "process peak RSS (the Python and torch runtime included)",
+        "peak_memory_kind": "CUDA allocator peak"
+        if on_gpu
+        else "process peak RSS (the Python and torch runtime included)",
         "peak_tensor_bytes_rank0": history[1].get("peak_tensor_bytes"),
-        "comm_bytes_counted": comm.get("bytes_by_axis", {}), "comm_bytes_by_collective": comm.get("bytes_by_collective", {}),
+        "comm_bytes_counted": comm.get("bytes_by_axis", {}),
+        "comm_bytes_by_collective": comm.get("bytes_by_collective", {}),
         "compute_dtype": next((m["compute_dtype"] for m in history if m.get("compute_dtype")), None),
         "allocator_peak_bytes_rank0": peak_process if on_gpu else None,
-        "predicted": {"comm_bytes": comm.get("analytic_bytes_by_axis", {}),
-                      "memory_bytes": predicted.memory, "planner_comm_bytes": predicted.comm_bytes,
-                      "step_time_s": predicted.time["step"], "time_s": predicted.time,
-                      "compute_parts_s": predicted.compute_parts, "calibrated": calibration is not None},
+        "predicted": {
+            "comm_bytes": comm.get("analytic_bytes_by_axis", {}),
+            "memory_bytes": predicted.memory,
+            "planner_comm_bytes": predicted.comm_bytes,
+            "step_time_s": predicted.time["step"],
+            "time_s": predicted.time,
+            "compute_parts_s": predicted.compute_parts,
+            "calibrated": calibration is not None,
+        },
         "measured_over_predicted": {
             "step_time": step / predicted.time["step"],
             "memory": measured_memory / predicted.memory["total"] if measured_memory else None,
-            "memory_measure": "CUDA allocator peak (rank 0)" if on_gpu else "live tensors at step 2's peak (rank 0)"},
-        "final_loss": history[-1]["loss"], "losses": [m["loss"] for m in history],
+            "memory_measure": "CUDA allocator peak (rank 0)" if on_gpu else "live tensors at step 2's peak (rank 0)",
+        },
+        "final_loss": history[-1]["loss"],
+        "losses": [m["loss"] for m in history],
         # a dense model's rows have no "moe" key at all (not zeros): there is no expert load to report
         **({"moe": moe} if moe is not None else {}),
     }
@@ -344,12 +484,16 @@ def moe_load(records: list[dict]) -> dict | None:
     if not steps:
         return None
     per_layer = list(zip(*(s["imbalance"] for s in steps)))
-    return {"steps": steps, "n_layers": len(per_layer), "n_experts": len(steps[0]["tokens_per_expert"][0]),
-            "imbalance_median_per_layer": [statistics.median(layer) for layer in per_layer],
-            "max_imbalance": max(s["max_imbalance"] for s in steps),
-            "aux_loss_median": statistics.median(s["aux_loss"] for s in steps),
-            "imbalance_definition": "max / mean of the tokens routed to each expert in a layer, over the whole step "
-                                    "(every rank's tokens); 1.0 is perfectly balanced"}
+    return {
+        "steps": steps,
+        "n_layers": len(per_layer),
+        "n_experts": len(steps[0]["tokens_per_expert"][0]),
+        "imbalance_median_per_layer": [statistics.median(layer) for layer in per_layer],
+        "max_imbalance": max(s["max_imbalance"] for s in steps),
+        "aux_loss_median": statistics.median(s["aux_loss"] for s in steps),
+        "imbalance_definition": "max / mean of the tokens routed to each expert in a layer, over the whole step "
+        "(every rank's tokens); 1.0 is perfectly balanced",
+    }
 
 
 def _efficiency(rows: list[dict]) -> None:
@@ -375,13 +519,27 @@ def _plots(rows: list[dict], out: Path, name: str, series: str | None, device: s
     ranks = [r["ranks"] for r in rows]
     ax1.plot(ranks, [r["tokens_per_s"] for r in rows], "o-" if series else "o")
     for r in rows:
-        ax1.annotate(r["layout"], (r["ranks"], r["tokens_per_s"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax1.set(xlabel="ranks", ylabel="tokens/s", title=f"throughput ({series or 'layouts'})", xscale="log", xticks=sorted(set(ranks)))
+        ax1.annotate(
+            r["layout"], (r["ranks"], r["tokens_per_s"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+        )
+    ax1.set(
+        xlabel="ranks",
+        ylabel="tokens/s",
+        title=f"throughput ({series or 'layouts'})",
+        xscale="log",
+        xticks=sorted(set(ranks)),
+    )
     ax1.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax1.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax2.plot(ranks, [r["scaling_efficiency"] for r in rows], "o-" if series else "o")
     ax2.axhline(1.0, color="grey", lw=0.8)
-    ax2.set(xlabel="ranks", ylabel="scaling efficiency", title="efficiency vs the first layout", xscale="log", xticks=sorted(set(ranks)))
+    ax2.set(
+        xlabel="ranks",
+        ylabel="scaling efficiency",
+        title="efficiency vs the first layout",
+        xscale="log",
+        xticks=sorted(set(ranks)),
+    )
     ax2.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax2.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle(f"tessera bench on {device}", fontsize=9)
@@ -392,10 +550,18 @@ def _plots(rows: list[dict], out: Path, name: str, series: str | None, device: s
 
     fig, ax = plt.subplots(figsize=(max(5, len(rows) * 0.9), 4))
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [(r["peak_tensor_bytes_rank0"] or 0) / 2**20 for r in rows], 0.4,
-           label="measured: live tensors at the peak (rank 0, step 2)")
-    ax.bar([x + 0.2 for x in xs], [r["predicted"]["memory_bytes"]["total"] / 2**20 for r in rows], 0.4,
-           label="planner's estimate (the rank holding the most)")
+    ax.bar(
+        [x - 0.2 for x in xs],
+        [(r["peak_tensor_bytes_rank0"] or 0) / 2**20 for r in rows],
+        0.4,
+        label="measured: live tensors at the peak (rank 0, step 2)",
+    )
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [r["predicted"]["memory_bytes"]["total"] / 2**20 for r in rows],
+        0.4,
+        label="planner's estimate (the rank holding the most)",
+    )
     ax.set_xticks(list(xs), [r["layout"] for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set(ylabel="MiB per rank", title="peak tensor memory per rank")
     ax.legend(fontsize=8)
@@ -413,8 +579,13 @@ def _plots(rows: list[dict], out: Path, name: str, series: str | None, device: s
                 ax.annotate(f"{r['layout']}:{axis}", (want, counted), fontsize=6)
     lo, hi = ax.get_xlim()
     ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="predicted bytes per step (comm_model)", ylabel="counted bytes per step",
-           title="communication per axis: predicted vs measured")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="predicted bytes per step (comm_model)",
+        ylabel="counted bytes per step",
+        title="communication per axis: predicted vs measured",
+    )
     fig.tight_layout()
     paths.append(out / f"{name}-predicted.png")
     fig.savefig(paths[-1], dpi=110)
@@ -445,20 +616,32 @@ def _moe_plot(plt, rows: list[dict], path: Path, device: str, max_panels: int = 
             top = max(max(layer) for layer in counts) or 1
             for li, layer in enumerate(counts):
                 for e, c in enumerate(layer):
-                    ax.text(e, li, str(c), ha="center", va="center", fontsize=7,
-                            color="black" if c > 0.6 * top else "white")
+                    ax.text(
+                        e, li, str(c), ha="center", va="center", fontsize=7, color="black" if c > 0.6 * top else "white"
+                    )
         for li, imbalance in enumerate(last["imbalance"]):
-            ax.annotate(f"max/mean {imbalance:.2f}", (1.01, 1 - (li + 0.5) / n_layers), xycoords="axes fraction",
-                        va="center", fontsize=8)
+            ax.annotate(
+                f"max/mean {imbalance:.2f}",
+                (1.01, 1 - (li + 0.5) / n_layers),
+                xycoords="axes fraction",
+                va="center",
+                fontsize=8,
+            )
         ax.set_xticks(range(n_experts), [str(e) for e in range(n_experts)], fontsize=7 if n_experts <= 32 else 5)
         ax.set_yticks(range(n_layers), [str(li) for li in range(n_layers)], fontsize=7)
-        ax.set(xlabel="expert", ylabel="layer", title=f"{', '.join(r['layout'] for r in group)}: step {last['step']}, "
-               f"aux loss {last['aux_loss']:.4g}")
+        ax.set(
+            xlabel="expert",
+            ylabel="layer",
+            title=f"{', '.join(r['layout'] for r in group)}: step {last['step']}, aux loss {last['aux_loss']:.4g}",
+        )
         ax.title.set_fontsize(9)
         fig.colorbar(im, ax=ax, label="tokens routed", pad=0.16)
     more = len(groups) - len(shown)
-    fig.suptitle(f"expert load, last measured step (tessera bench on {device})"
-                 + (f"; {more} more routing(s) in the JSON" if more else ""), fontsize=9)
+    fig.suptitle(
+        f"expert load, last measured step (tessera bench on {device})"
+        + (f"; {more} more routing(s) in the JSON" if more else ""),
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -78,16 +78,28 @@ def linear_shapes(model) -> list[tuple[int, int, int]]:
     hd = cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     shapes = {(cfg.dim, q): 0, (cfg.dim, kv): 0, (q, cfg.dim): 0, (cfg.dim, cfg.ffn_dim): 0, (cfg.ffn_dim, cfg.dim): 0}
-    for key, n in (((cfg.dim, q), 1), ((cfg.dim, kv), 2), ((q, cfg.dim), 1), ((cfg.dim, cfg.ffn_dim), cfg.mlp_matrices - 1),
-                   ((cfg.ffn_dim, cfg.dim), 1)):
+    for key, n in (
+        ((cfg.dim, q), 1),
+        ((cfg.dim, kv), 2),
+        ((q, cfg.dim), 1),
+        ((cfg.dim, cfg.ffn_dim), cfg.mlp_matrices - 1),
+        ((cfg.ffn_dim, cfg.dim), 1),
+    ):
         shapes[key] += n * cfg.n_layers
     out = [(i, o, n) for (i, o), n in shapes.items()]
     out.append((cfg.dim, cfg.vocab_size, 1))
     return out
 
 
-def measure(cfg, seq_len: int, rows: int, device: torch.device | str = "cpu", dtype: str = "fp32", quick: bool = False,
-            reps: int | None = None) -> dict[str, Any]:
+def measure(
+    cfg,
+    seq_len: int,
+    rows: int,
+    device: torch.device | str = "cpu",
+    dtype: str = "fp32",
+    quick: bool = False,
+    reps: int | None = None,
+) -> dict[str, Any]:
     """One calibration entry measured here: see the module docstring. `rows` x `seq_len` tokens (the
     step's microbatch); each matmul shape is measured at no more than MAX_FLOPS (QUICK_MAX_FLOPS with
     `quick`) by taking fewer tokens, and the entry says how many it took. `cfg`: a family's config, a
@@ -146,13 +158,31 @@ def measure(cfg, seq_len: int, rows: int, device: torch.device | str = "cpu", dt
 
     overhead = op_overhead(device)
     entry = {
-        "device_kind": device_kind(device), "dtype": str(dt).replace("torch.", ""),
-        "matmul_flops_per_s": total_flops / total_seconds, "attention_flops_per_s": attention_rate,
-        "memory_bytes_per_s": mix, "copy_bytes_per_s": copy, "op_overhead_s": overhead, "device_type": device.type,
+        "device_kind": device_kind(device),
+        "dtype": str(dt).replace("torch.", ""),
+        "matmul_flops_per_s": total_flops / total_seconds,
+        "attention_flops_per_s": attention_rate,
+        "memory_bytes_per_s": mix,
+        "copy_bytes_per_s": copy,
+        "op_overhead_s": overhead,
+        "device_type": device.type,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "measured_at": {"dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
-                        "head_dim": cfg.head_dim, "mlp": cfg.mlp, "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.vocab_size, "seq_len": seq_len, "rows": rows,
-                        "attention_rows": b, "copy_bytes": copy_bytes, "quick": quick, "reps": reps},
+        "measured_at": {
+            "dim": cfg.dim,
+            "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads,
+            "n_kv_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
+            "mlp": cfg.mlp,
+            "ffn_dim": cfg.ffn_dim,
+            "vocab_size": cfg.vocab_size,
+            "seq_len": seq_len,
+            "rows": rows,
+            "attention_rows": b,
+            "copy_bytes": copy_bytes,
+            "quick": quick,
+            "reps": reps,
+        },
         "matmul_by_shape": by_shape,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": time.perf_counter() - started,
@@ -252,11 +282,15 @@ def load(path: str | Path | None = None) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except ValueError as e:
-        raise ValueError(f"calibration file {path} is not JSON ({e}); recalibrate with tessera plan --calibrate") from None
+        raise ValueError(
+            f"calibration file {path} is not JSON ({e}); recalibrate with tessera plan --calibrate"
+        ) from None
 
 
 def describe(entry: dict[str, Any]) -> str:
-    return (f"{entry['device_kind']}, {entry['dtype']}: matmul {entry['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, "
-            f"attention {entry['attention_flops_per_s'] / 1e12:.3g} TFLOP/s, elementwise {entry['memory_bytes_per_s'] / 1e9:.3g} GB/s "
-            f"(copy {entry.get('copy_bytes_per_s', float('nan')) / 1e9:.3g}), "
-            f"{entry['op_overhead_s'] * 1e6:.2f} us per operator")
+    return (
+        f"{entry['device_kind']}, {entry['dtype']}: matmul {entry['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, "
+        f"attention {entry['attention_flops_per_s'] / 1e12:.3g} TFLOP/s, elementwise {entry['memory_bytes_per_s'] / 1e9:.3g} GB/s "
+        f"(copy {entry.get('copy_bytes_per_s', float('nan')) / 1e9:.3g}), "
+        f"{entry['op_overhead_s'] * 1e6:.2f} us per operator"
+    )

@@ -34,25 +34,32 @@ def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
     from tessera.topology import memory
 
     if args.params is not None and args.model is not None:
-        raise ValueError(f"give --params N or --model PRESET, not both (--model {args.model} has its own parameter "
-                         f"count): drop one")
+        raise ValueError(
+            f"give --params N or --model PRESET, not both (--model {args.model} has its own parameter count): drop one"
+        )
     if args.params is None and args.model is None:
         raise ValueError("give --params N or --model PRESET")
     if args.params is not None and not (math.isfinite(args.params) and args.params > 0):
         raise ValueError(f"--params {args.params:g} must be a positive parameter count, e.g. --params 70e9")
     if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
-        raise ValueError(f"--gpu-memory {args.gpu_memory:g} must be a positive number of GB per GPU, e.g. --gpu-memory 80")
+        raise ValueError(
+            f"--gpu-memory {args.gpu_memory:g} must be a positive number of GB per GPU, e.g. --gpu-memory 80"
+        )
     recipe = memory.get_recipe(args.recipe)  # its ValueError names the recipes
     if args.dry_run and args.model is None:
-        raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device); drop --dry-run "
-                         "or give --model instead of --params")
+        raise ValueError(
+            "--dry-run needs --model PRESET (it builds that model on the meta device); drop --dry-run "
+            "or give --model instead of --params"
+        )
     degrees = _memory_degrees(args)
     from tessera.topology.axes import AXIS
 
     world = math.prod(d for name, d in degrees.items() if not AXIS[name].borrows)  # ep borrows its ranks
     if args.dry_run and world > DRY_RUN_MAX_RANKS:
-        raise ValueError(f"--dry-run builds the mesh of every fake rank, and {world:,} ranks are too many for one process "
-                         f"(at most {DRY_RUN_MAX_RANKS:,}); drop --dry-run for the analytic table")
+        raise ValueError(
+            f"--dry-run builds the mesh of every fake rank, and {world:,} ranks are too many for one process "
+            f"(at most {DRY_RUN_MAX_RANKS:,}); drop --dry-run for the analytic table"
+        )
     if args.model is not None:
         from .plan_command import model_shape
 
@@ -88,8 +95,10 @@ def _memory_shape_checks(model: str, shape, degrees: dict[str, int]) -> None:
         else:
             use = f"another {a.option}"
         rule, _, given = broken[0].partition("; ")
-        raise ValueError(f"{a.option} {degrees[a.name]} does not fit the {model} preset ({given.replace(';', ',')}): "
-                         f"{rule}; use {use}")
+        raise ValueError(
+            f"{a.option} {degrees[a.name]} does not fit the {model} preset ({given.replace(';', ',')}): "
+            f"{rule}; use {use}"
+        )
 
 
 def _gb(nbytes: float) -> str:
@@ -109,7 +118,9 @@ def _memory_table(num_params: float, dp: int, recipe: str) -> str:
     rows.update({c: [_gb(st[c]) for st in stages] for c in ("parameters", "gradients", "optimizer", "total")})
     width = max(15, 2 + max(len(cell) for cells in rows.values() for cell in cells))
     title = memory.memory_table(num_params, dp, recipe).splitlines()[0]
-    return "\n".join([title] + [f"{name:<12}" + "".join(f"{cell:>{width}}" for cell in cells) for name, cells in rows.items()])
+    return "\n".join(
+        [title] + [f"{name:<12}" + "".join(f"{cell:>{width}}" for cell in cells) for name, cells in rows.items()]
+    )
 
 
 def _memory(args: argparse.Namespace) -> int:
@@ -123,15 +134,20 @@ def _memory(args: argparse.Namespace) -> int:
         # tp and pp split the model (evenly, in this analytic view; --dry-run counts exactly); FSDP / ZeRO
         # shards what a rank holds over dp_shard x cp; dp_replicate holds copies
         sharding = FLATTENED_BY_PURPOSE["fsdp"].axes  # dp_shard x cp
-        splitting = [a.name for a in reversed(TABLE)  # tp, pp: the axes of their own ranks that split the model
-                     if not a.borrows and a.name not in sharding and {"layers", "parameters"} & set(a.shards)]
+        splitting = [
+            a.name
+            for a in reversed(TABLE)  # tp, pp: the axes of their own ranks that split the model
+            if not a.borrows and a.name not in sharding and {"layers", "parameters"} & set(a.shards)
+        ]
         split = math.prod(degrees[n] for n in splitting)
         shard_group = math.prod(degrees[n] for n in sharding)
         per_rank_params = args.params / split
         exact = _planner_model_states(args, shard_group) if args.model is not None else None
         floor = None
         if args.gpu_memory is not None:
-            floor = math.ceil(args.params * memory.get_recipe(args.recipe).bytes_per_param / (args.gpu_memory * memory.GB) - 1e-9)
+            floor = math.ceil(
+                args.params * memory.get_recipe(args.recipe).bytes_per_param / (args.gpu_memory * memory.GB) - 1e-9
+            )
         if args.json:
             rows = {
                 f"zero{s}": memory.model_state_bytes(per_rank_params, dp=shard_group, zero_stage=s, recipe=args.recipe)
@@ -145,19 +161,25 @@ def _memory(args: argparse.Namespace) -> int:
             print(json.dumps(rows))
         else:
             if split > 1 or shard_group != args.dp:
-                print(f"layout {' x '.join(f'{n}{d}' for n, d in degrees.items())}: {' x '.join(splitting)} split the "
-                      f"model {split} ways ({per_rank_params / 1e9:g}B parameters each, evenly: --dry-run counts "
-                      f"exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks")
+                print(
+                    f"layout {' x '.join(f'{n}{d}' for n, d in degrees.items())}: {' x '.join(splitting)} split the "
+                    f"model {split} ways ({per_rank_params / 1e9:g}B parameters each, evenly: --dry-run counts "
+                    f"exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks"
+                )
             print(_memory_table(per_rank_params, shard_group, args.recipe))
             if floor is not None:
                 total = args.params * memory.get_recipe(args.recipe).bytes_per_param
                 gpus = floor if floor < 10**12 else f"{floor:.3e}"
-                print(f"raw floor: {gpus} GPUs of {args.gpu_memory:g} GB hold the {_gb(total)} of model states "
-                      f"(fully sharded, before activations and buffers)")
+                print(
+                    f"raw floor: {gpus} GPUs of {args.gpu_memory:g} GB hold the {_gb(total)} of model states "
+                    f"(fully sharded, before activations and buffers)"
+                )
             if exact is not None:
-                print(f"the planner's count (tessera plan), FULL_SHARD, the rank holding the most (embedding or head, "
-                      f"K/V replicated beyond the kv heads): {exact['parameters_on_rank']:,} parameters, "
-                      f"{exact['total'] / 1e9:.2f} GB of model states")
+                print(
+                    f"the planner's count (tessera plan), FULL_SHARD, the rank holding the most (embedding or head, "
+                    f"K/V replicated beyond the kv heads): {exact['parameters_on_rank']:,} parameters, "
+                    f"{exact['total'] / 1e9:.2f} GB of model states"
+                )
         if args.dry_run:
             _memory_dry_run(args)
     except ValueError as e:
@@ -194,7 +216,9 @@ def _memory_dry_run(args: argparse.Namespace) -> None:
         from tessera.models import get_preset
 
         if args.pp > get_preset(args.model).n_layers:
-            raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {get_preset(args.model).n_layers} layers")
+            raise ValueError(
+                f"--pp {args.pp} exceeds the {args.model} preset's {get_preset(args.model).n_layers} layers"
+            )
         _memory_per_stage(args, layout)
         return
     for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
@@ -220,7 +244,8 @@ def _memory_per_stage(args: argparse.Namespace, layout) -> None:
         print(
             f"  stage {stage}: layers {first}-{last - 1}{' + ' + ', '.join(extras) if extras else ''}, "
             f"{m['stage_params'] / 1e9:.2f}B parameters; {m['local_params'] / 1e6:,.1f}M on each of its ranks; "
-            f"model states " + " + ".join(f"{m[c] / 1e9:.2f}" for c in ("parameters", "gradients", "optimizer"))
+            f"model states "
+            + " + ".join(f"{m[c] / 1e9:.2f}" for c in ("parameters", "gradients", "optimizer"))
             + f" = {m['total'] / 1e9:.2f} GB per rank"
         )
 
@@ -236,7 +261,9 @@ def _export(args: argparse.Namespace) -> int:
     try:
         _check_out_path(flag, target, directory=args.to_hf is not None)
         if not args.checkpoint:
-            raise CheckpointError("the checkpoint '' is an empty path; name a checkpoint directory (or a --checkpoint-dir)")
+            raise CheckpointError(
+                "the checkpoint '' is an empty path; name a checkpoint directory (or a --checkpoint-dir)"
+            )
         if args.out is not None:
             manifest = export_checkpoint(args.checkpoint, args.out)
         else:
@@ -245,11 +272,16 @@ def _export(args: argparse.Namespace) -> int:
         print(f"tessera export: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # writing the output (reading the checkpoint raises CheckpointError)
-        print(f"tessera export: error: {flag} {target}: {e.strerror or e} ({e.filename or target}); choose another "
-              f"path, or free space", file=sys.stderr)
+        print(
+            f"tessera export: error: {flag} {target}: {e.strerror or e} ({e.filename or target}); choose another "
+            f"path, or free space",
+            file=sys.stderr,
+        )
         return 2
-    print(f"wrote {target}: model {manifest['model']['preset']} at step {manifest['step']}"
-          + (" (a Hugging Face Llama directory: LlamaForCausalLM.from_pretrained loads it)" if args.to_hf else ""))
+    print(
+        f"wrote {target}: model {manifest['model']['preset']} at step {manifest['step']}"
+        + (" (a Hugging Face Llama directory: LlamaForCausalLM.from_pretrained loads it)" if args.to_hf else "")
+    )
     return 0
 
 
@@ -279,7 +311,9 @@ def _check_out_path(flag: str, target: str, directory: bool = False) -> None:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".tessera-write-check-"):
             pass
     except OSError as e:
-        raise ValueError(f"{flag} {target}: directory {parent} cannot be written ({e.strerror}); choose another") from None
+        raise ValueError(
+            f"{flag} {target}: directory {parent} cannot be written ({e.strerror}); choose another"
+        ) from None
 
 
 def _export_hf(checkpoint_path: str, directory: str) -> dict:
@@ -306,27 +340,42 @@ def _convert(args: argparse.Namespace) -> int:
         cfg = read_hf_config(args.from_hf, flag="--from-hf")  # the family from config.json's model_type
         check_hf_weights(args.from_hf, cfg, flag="--from-hf")
         # tessera's names; a tied parameter once, under its owner's name
-        tensors = {ours: read_hf_parameter(source)
-                   for ours, source in hf_weight_map(args.from_hf, cfg, flag="--from-hf").items()}
+        tensors = {
+            ours: read_hf_parameter(source)
+            for ours, source in hf_weight_map(args.from_hf, cfg, flag="--from-hf").items()
+        }
     except ValueError as e:  # CheckpointError (a damaged safetensors file) included
         print(f"tessera convert: error: {e}", file=sys.stderr)
         return 2
     except SafetensorError as e:  # a shard of an indexed checkpoint that is not safetensors
-        print(f"tessera convert: error: --from-hf {args.from_hf}: a weight file is not safetensors "
-              f"({str(e).splitlines()[0] if str(e) else 'damaged'})", file=sys.stderr)
+        print(
+            f"tessera convert: error: --from-hf {args.from_hf}: a weight file is not safetensors "
+            f"({str(e).splitlines()[0] if str(e) else 'damaged'})",
+            file=sys.stderr,
+        )
         return 2
     except OSError as e:
-        print(f"tessera convert: error: --from-hf {args.from_hf}: {e.filename or args.from_hf} cannot be read "
-              f"({e.strerror or e})", file=sys.stderr)
+        print(
+            f"tessera convert: error: --from-hf {args.from_hf}: {e.filename or args.from_hf} cannot be read "
+            f"({e.strerror or e})",
+            file=sys.stderr,
+        )
         return 2
     try:
-        write_safetensors(tensors, args.out, {"source": "huggingface", "family": cfg.family, "config": json.dumps(cfg.as_dict())})
+        write_safetensors(
+            tensors, args.out, {"source": "huggingface", "family": cfg.family, "config": json.dumps(cfg.as_dict())}
+        )
     except OSError as e:
-        print(f"tessera convert: error: --out {args.out} cannot be written ({e.strerror or e}); choose another path, "
-              f"or free space", file=sys.stderr)
+        print(
+            f"tessera convert: error: --out {args.out} cannot be written ({e.strerror or e}); choose another path, "
+            f"or free space",
+            file=sys.stderr,
+        )
         return 2
-    print(f"wrote {args.out}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.num_params() / 1e6:,.1f}M parameters in "
-          f"tessera's names (train from it with --init-from-hf {args.from_hf}, or --init-from {args.out} with a matching preset)")
+    print(
+        f"wrote {args.out}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.num_params() / 1e6:,.1f}M parameters in "
+        f"tessera's names (train from it with --init-from-hf {args.from_hf}, or --init-from {args.out} with a matching preset)"
+    )
     return 0
 
 
@@ -334,8 +383,9 @@ def _tokenize(args: argparse.Namespace) -> int:
     from .tokenize_files import tokenize
 
     try:
-        written = tokenize(args.tokenizer, args.out, args.files, args.separator, args.field, args.shard_tokens,
-                           progress=not args.quiet)
+        written = tokenize(
+            args.tokenizer, args.out, args.files, args.separator, args.field, args.shard_tokens, progress=not args.quiet
+        )
     except (ValueError, OSError) as e:
         print(f"tessera tokenize: error: {e}", file=sys.stderr)
         return 2
@@ -357,34 +407,56 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--params", type=_float, default=None, help="parameter count, e.g. 70e9")
     mem.add_argument("--model", default=None, help="a model preset (its parameter count, and --dry-run)")
     mem.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (splits the model)")
-    mem.add_argument("--pp", type=int, default=1, help="pipeline stages (split the model; --dry-run: per-stage figures)")
+    mem.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (split the model; --dry-run: per-stage figures)"
+    )
     mem.add_argument("--cp", type=int, default=1, help="context-parallel degree (FSDP shards over dp_shard x cp)")
     mem.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas: --dp = dp_replicate x dp_shard")
-    mem.add_argument("--dry-run", action="store_true",
-                     help="also build the preset on the fake backend and count the shards each rank holds")
+    mem.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="also build the preset on the fake backend and count the shards each rank holds",
+    )
     mem.add_argument("--dp", type=int, default=1, help="data-parallel ranks sharing the model states")
     mem.add_argument("--recipe", default="mixed_adam", help="mixed_adam (2+2+12 B), fp32_adam (4+4+8 B), ...")
     mem.add_argument("--gpu-memory", type=_float, default=None, help="GB per GPU: also print the raw GPU floor")
     mem.add_argument("--json", action="store_true", help="print bytes as JSON instead of the table")
     mem.set_defaults(func=_memory)
 
-    exp = sub.add_parser("export", help="a checkpoint's model as one full safetensors file, or a Hugging Face directory (no ranks needed)")
+    exp = sub.add_parser(
+        "export",
+        help="a checkpoint's model as one full safetensors file, or a Hugging Face directory (no ranks needed)",
+    )
     exp.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir with a latest pointer")
     exp.add_argument("--out", default=None, help="the .safetensors file to write (tessera's names)")
-    exp.add_argument("--to-hf", default=None, metavar="DIR", help="write a Hugging Face Llama directory (config.json, model.safetensors) instead")
+    exp.add_argument(
+        "--to-hf",
+        default=None,
+        metavar="DIR",
+        help="write a Hugging Face Llama directory (config.json, model.safetensors) instead",
+    )
     exp.set_defaults(func=_export)
 
-    conv = sub.add_parser("convert", help="a Hugging Face directory (Llama, Qwen3: by config.json's model_type) to one "
-                                          "safetensors file in tessera's names")
-    conv.add_argument("--from-hf", required=True, metavar="DIR", help="config.json + model.safetensors (or sharded with an index)")
+    conv = sub.add_parser(
+        "convert",
+        help="a Hugging Face directory (Llama, Qwen3: by config.json's model_type) to one "
+        "safetensors file in tessera's names",
+    )
+    conv.add_argument(
+        "--from-hf", required=True, metavar="DIR", help="config.json + model.safetensors (or sharded with an index)"
+    )
     conv.add_argument("--out", required=True, help="the .safetensors file to write")
     conv.set_defaults(func=_convert)
 
     tok = sub.add_parser("tokenize", help="text or JSONL files to token files for --data (needs the data extra)")
     tok.add_argument("files", nargs="+", help=".txt files (one document each) or .jsonl files (one per line)")
-    tok.add_argument("--tokenizer", required=True, help="a tokenizer.json (Hugging Face tokenizers format); nothing is downloaded")
+    tok.add_argument(
+        "--tokenizer", required=True, help="a tokenizer.json (Hugging Face tokenizers format); nothing is downloaded"
+    )
     tok.add_argument("--out", required=True, help="the directory to write shard_NNNNN.bin/.json into")
-    tok.add_argument("--separator", default=None, help="the document separator token (default: the tokenizer's end-of-text token)")
+    tok.add_argument(
+        "--separator", default=None, help="the document separator token (default: the tokenizer's end-of-text token)"
+    )
     tok.add_argument("--field", default="text", help="the JSONL field that holds the text (default: text)")
     tok.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default: 100,000,000)")
     tok.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -399,10 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import add_arguments
 
     tr = sub.add_parser(
-        "train", help="train a model on a layout (spawns local ranks outside torchrun)",
+        "train",
+        help="train a model on a layout (spawns local ranks outside torchrun)",
         description="Train on a layout. Outside torchrun it spawns pp*dp*cp*tp local ranks (NCCL, one GPU per "
-                    "rank, on a machine with enough GPUs; gloo on CPU); under torchrun it joins the job, and the "
-                    "degrees not given are inferred from WORLD_SIZE (the rest to dp).",
+        "rank, on a machine with enough GPUs; gloo on CPU); under torchrun it joins the job, and the "
+        "degrees not given are inferred from WORLD_SIZE (the rest to dp).",
     )
     add_arguments(tr)
     tr.set_defaults(func=_train)
@@ -422,9 +495,11 @@ def _train(args: argparse.Namespace) -> int:
         if world is not None:
             config.layout.check_world_size(world)
             if config.runtime.check_drift:
-                raise ValueError("--check-drift trains one-process runs after this one: run it outside torchrun "
-                                 "(tessera train spawns the ranks), or check a torchrun job's records with "
-                                 "tessera.testing.judge_drift")
+                raise ValueError(
+                    "--check-drift trains one-process runs after this one: run it outside torchrun "
+                    "(tessera train spawns the ranks), or check a torchrun job's records with "
+                    "tessera.testing.judge_drift"
+                )
     except ValueError as e:  # CheckpointError included
         return error_exit("train", str(e))
     from tessera.parallel.checkpoint import CheckpointError
@@ -457,8 +532,10 @@ def _check_drift(config, history: list) -> int:
     envelope = drift_envelope(config, counts)
     problems = judge_drift(history, envelope)
     widest = {k: max(row[k] for row in envelope["envelope"]) for k in ("loss", "grad_norm")}
-    spread = f"one process at microbatches {', '.join(map(str, counts))} spreads up to {widest['loss']:.1e} in loss " \
-             f"and {widest['grad_norm']:.1e} in grad norm"
+    spread = (
+        f"one process at microbatches {', '.join(map(str, counts))} spreads up to {widest['loss']:.1e} in loss "
+        f"and {widest['grad_norm']:.1e} in grad norm"
+    )
     if not problems:
         print(f"drift check: all {len(history)} steps within 2x one process's own spread ({spread})")
         return 0

@@ -32,16 +32,26 @@ def degree_opt(name: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelSection:
-    preset: str = opt("debug", "model preset of a registered family: llama (debug, small, 1b, 8b, 70b, "
-                         "405b), qwen3 (qwen3-debug, qwen3-0.6b, qwen3-1.7b, qwen3-8b), qwen3_moe (qwen3-moe-debug, qwen3-30b-a3b, "
-                         "qwen3-235b-a22b); or hf:DIR (a Hugging Face "
-                         "config.json, the family from its model_type)", flag="--model")
+    preset: str = opt(
+        "debug",
+        "model preset of a registered family: llama (debug, small, 1b, 8b, 70b, "
+        "405b), qwen3 (qwen3-debug, qwen3-0.6b, qwen3-1.7b, qwen3-8b), qwen3_moe (qwen3-moe-debug, qwen3-30b-a3b, "
+        "qwen3-235b-a22b); or hf:DIR (a Hugging Face "
+        "config.json, the family from its model_type)",
+        flag="--model",
+    )
     n_layers: int | None = opt(None, "override the preset's number of transformer blocks")
     vocab_size: int | None = opt(None, "override the preset's vocabulary (e.g. a tokenizer's for --data)")
-    moe_aux_loss: float | None = opt(None, "MoE models: the sequence-level auxiliary loss's weight (0: off; default: "
-                                           "the preset's, 0.001 for Qwen3-MoE)", metavar="COEF")
-    moe_bias_rate: float | None = opt(None, "MoE models: the auxiliary-loss-free bias's step per optimizer step "
-                                            "(DeepSeek-V3: 0.001; default 0: off)", metavar="RATE")
+    moe_aux_loss: float | None = opt(
+        None,
+        "MoE models: the sequence-level auxiliary loss's weight (0: off; default: the preset's, 0.001 for Qwen3-MoE)",
+        metavar="COEF",
+    )
+    moe_bias_rate: float | None = opt(
+        None,
+        "MoE models: the auxiliary-loss-free bias's step per optimizer step (DeepSeek-V3: 0.001; default 0: off)",
+        metavar="RATE",
+    )
 
 
 @dataclass(frozen=True)
@@ -55,25 +65,48 @@ class ParallelSection:
     ep: int = degree_opt("ep")
     sequence_parallel: bool = opt(False, "shard the norms and the residual stream over tp")
     fsdp: str = opt("FULL_SHARD", "FSDP strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
-    ac: str = opt("none", "activation checkpointing: none, full, selective (every other block) or op (keep matmul and "
-                                  "attention outputs, recompute the rest)")
+    ac: str = opt(
+        "none",
+        "activation checkpointing: none, full, selective (every other block) or op (keep matmul and "
+        "attention outputs, recompute the rest)",
+    )
     mixed_precision: str | None = opt(None, "parameter compute dtype, bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)")
-    compile: bool = opt(False, "torch.compile each transformer block (after tp, cp and checkpointing, before FSDP2; the "
-                               "first step compiles, on CPU through a C++ compiler)")
-    schedule: str | None = opt(None, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zb or zbv "
-                                          "(default with --pp > 1: 1f1b)")
-    schedule_file: str | None = opt(None, "a pipeline schedule as data instead of --schedule: CSV, one line per pp rank "
-                                          "of actions STAGE OP MICROBATCH (0F1: stage 0's forward of microbatch 1; B "
-                                          "backward, W weight gradient), or JSON {\"ranks\": [[\"0F0\", ...], ...]}; "
-                                          "proven by the simulator before any rank starts; its microbatches are the "
-                                          "default of --microbatches", metavar="PATH")
-    virtual: int = opt(1, "virtual pipeline stages per pp rank (interleaved-1f1b, looped-bfs, interleaved-zb: stage s on "
-                              "rank s % pp)")
-    pp_layers: str | None = opt(None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,...")
-    cp_method: str | None = opt(None, "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); default with --cp > 1: ring")
-    loss: str = opt("chunked", "the loss: chunked (fused linear cross-entropy over token chunks, never the full fp32 "
-                               "logits) or logits (the full logits, then cross-entropy)", metavar="chunked|logits")
+    compile: bool = opt(
+        False,
+        "torch.compile each transformer block (after tp, cp and checkpointing, before FSDP2; the "
+        "first step compiles, on CPU through a C++ compiler)",
+    )
+    schedule: str | None = opt(
+        None,
+        "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zb or zbv "
+        "(default with --pp > 1: 1f1b)",
+    )
+    schedule_file: str | None = opt(
+        None,
+        "a pipeline schedule as data instead of --schedule: CSV, one line per pp rank "
+        "of actions STAGE OP MICROBATCH (0F1: stage 0's forward of microbatch 1; B "
+        'backward, W weight gradient), or JSON {"ranks": [["0F0", ...], ...]}; '
+        "proven by the simulator before any rank starts; its microbatches are the "
+        "default of --microbatches",
+        metavar="PATH",
+    )
+    virtual: int = opt(
+        1, "virtual pipeline stages per pp rank (interleaved-1f1b, looped-bfs, interleaved-zb: stage s on rank s % pp)"
+    )
+    pp_layers: str | None = opt(
+        None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,..."
+    )
+    cp_method: str | None = opt(
+        None,
+        "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); default with --cp > 1: ring",
+    )
+    loss: str = opt(
+        "chunked",
+        "the loss: chunked (fused linear cross-entropy over token chunks, never the full fp32 "
+        "logits) or logits (the full logits, then cross-entropy)",
+        metavar="chunked|logits",
+    )
 
     @property
     def layers_per_stage(self) -> tuple[int, ...] | None:
@@ -111,19 +144,31 @@ class OptimizerSection:
 class DataSection:
     seq_len: int = opt(64, "tokens per sequence")
     global_batch: int = opt(8, "sequences per optimizer step, over all data-parallel ranks")
-    microbatches: int | None = opt(None, "split each dp rank's rows into M microbatches (gradient accumulation; "
-                                         "default 1, and with --pp the fewest the schedule needs that divide the "
-                                         "rows: --pp for 1f1b, zb-h1 and interleaved-1f1b; a --schedule-file's "
-                                         "own count)", metavar="M")
+    microbatches: int | None = opt(
+        None,
+        "split each dp rank's rows into M microbatches (gradient accumulation; "
+        "default 1, and with --pp the fewest the schedule needs that divide the "
+        "rows: --pp for 1f1b, zb-h1 and interleaved-1f1b; a --schedule-file's "
+        "own count)",
+        metavar="M",
+    )
     eval_data: str | None = opt(None, "held-out token files for --eval-every (same format as --data)", metavar="PATH")
     eval_every: int = opt(0, "every N steps, the mean loss on --eval-batches global batches of --eval-data (0: never)")
     eval_batches: int = opt(1, "global batches of --eval-data per evaluation (the same ones each time)")
-    path: str | None = opt(None, "token files (a .bin shard with its .json, or a directory of them) from `tessera "
-                                 "tokenize`; default: the text shipped with tessera, byte-tokenized", flag="--data")
-    pack_documents: bool = opt(False, "train on packed documents: each token attends only to its own document "
-                                      "(positions restart at each), and the target after a document's separator "
-                                      "is left out of the loss; documents end at --data's separator token (the "
-                                      "shipped text: each paragraph is one)", flag="--pack-documents")
+    path: str | None = opt(
+        None,
+        "token files (a .bin shard with its .json, or a directory of them) from `tessera "
+        "tokenize`; default: the text shipped with tessera, byte-tokenized",
+        flag="--data",
+    )
+    pack_documents: bool = opt(
+        False,
+        "train on packed documents: each token attends only to its own document "
+        "(positions restart at each), and the target after a document's separator "
+        "is left out of the loss; documents end at --data's separator token (the "
+        "shipped text: each paragraph is one)",
+        flag="--pack-documents",
+    )
 
 
 @dataclass(frozen=True)
@@ -132,17 +177,30 @@ class CheckpointSection:
     every: int = opt(0, "save every N steps (0: never)", flag="--checkpoint-every")
     keep: int = opt(3, "keep the newest K checkpoints", flag="--keep-checkpoints")
     resume: str | None = opt(
-        None, "resume from a checkpoint (default: the latest in --checkpoint-dir), on any layout",
-        nargs="?", const="", metavar="PATH",
+        None,
+        "resume from a checkpoint (default: the latest in --checkpoint-dir), on any layout",
+        nargs="?",
+        const="",
+        metavar="PATH",
     )
     init_from: str | None = opt(None, "start from the weights of a full safetensors state dict", metavar="FILE")
-    init_from_hf: str | None = opt(None, "start from a Hugging Face Llama directory (config.json + safetensors); the model "
-                                         "is read from its config.json", metavar="DIR", flag="--init-from-hf")
-    on_signal: bool = opt(False, "on SIGTERM, every rank finishes its step and saves a checkpoint before stopping",
-                          flag="--checkpoint-on-signal")
-    asynchronous: bool = opt(False, "save in the background (DCP's async save): training waits only while the state "
-                                    "is copied to host memory; a checkpoint becomes latest once every rank wrote it",
-                             flag="--checkpoint-async")
+    init_from_hf: str | None = opt(
+        None,
+        "start from a Hugging Face Llama directory (config.json + safetensors); the model is read from its config.json",
+        metavar="DIR",
+        flag="--init-from-hf",
+    )
+    on_signal: bool = opt(
+        False,
+        "on SIGTERM, every rank finishes its step and saves a checkpoint before stopping",
+        flag="--checkpoint-on-signal",
+    )
+    asynchronous: bool = opt(
+        False,
+        "save in the background (DCP's async save): training waits only while the state "
+        "is copied to host memory; a checkpoint becomes latest once every rank wrote it",
+        flag="--checkpoint-async",
+    )
 
 
 MAX_SKIPPED_STEPS = 5  # --max-skipped-steps when not given
@@ -155,30 +213,63 @@ class RuntimeSection:
     metrics: str | None = opt(None, "append a header record, then one JSON line per step, to this file", metavar="FILE")
     timeout: float = opt(600.0, "seconds any collective may stall before the run fails, naming the rank and axis")
     device: str = opt("auto", "cpu or cuda (auto: one GPU per rank when this machine has enough, else CPU)")
-    kernels: str = opt("auto", "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton")
+    kernels: str = opt(
+        "auto", "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton"
+    )
     quiet: bool = opt(False, "no start-up or progress lines")
-    check_drift: bool = opt(False, "after the run, train this config on one process at 1, 2 and 4 microbatches (only "
-                                   "the order of its sums differs) and judge each step's loss and grad norm against "
-                                   "that spread: a step more than 2x it (and 1e-5) from one process is named and the "
-                                   "command exits 1; the model must fit one process", flag="--check-drift")
-    track_memory: bool = opt(False, "measure the peak tensor storage of step 2 (every live tensor, re-read around each "
-                                    "operator: a slow step) into the metrics' peak_tensor_bytes")
-    comm_stats: str | None = opt(None, "count the bytes each mesh axis and collective sends, every step or the first "
-                                       "only (rank 0's, in the metrics beside the analytic volumes; a Python call "
-                                       "per operator while counting)", nargs="?", const="every", choices=("every", "first"),
-                                 metavar="every|first")
-    max_restarts: int = opt(0, "when a rank fails, restart every rank from the latest checkpoint up to N times (under torchrun: its --max-restarts)")
-    on_nonfinite: str = opt("stop", "a NaN or inf loss or gradient: stop (name it, apply and save nothing) or skip (drop that step's update)")
-    max_skipped_steps: int | None = opt(None, "with --on-nonfinite skip: after N skipped steps in a row, the next "
-                                              "non-finite step stops the run as --on-nonfinite stop does (default: "
-                                              "5)", metavar="N")
-    profile: str | None = opt(None, "trace --profile-steps with torch.profiler: every rank writes DIR/rank{R}.trace.json "
-                                    "(Perfetto / chrome://tracing JSON); rank 0 prints its top ops by self time at the end",
-                              metavar="DIR")
-    profile_steps: str | None = opt(None, "the steps --profile records, A:B inclusive (default: the run's 2nd and 3rd "
-                                          "steps, leaving out the first step's warm-up)", metavar="A:B")
-    profile_shapes: bool = opt(False, "with --profile: record each op's input shapes too (larger traces; the table "
-                                      "groups ops by shape)")
+    check_drift: bool = opt(
+        False,
+        "after the run, train this config on one process at 1, 2 and 4 microbatches (only "
+        "the order of its sums differs) and judge each step's loss and grad norm against "
+        "that spread: a step more than 2x it (and 1e-5) from one process is named and the "
+        "command exits 1; the model must fit one process",
+        flag="--check-drift",
+    )
+    track_memory: bool = opt(
+        False,
+        "measure the peak tensor storage of step 2 (every live tensor, re-read around each "
+        "operator: a slow step) into the metrics' peak_tensor_bytes",
+    )
+    comm_stats: str | None = opt(
+        None,
+        "count the bytes each mesh axis and collective sends, every step or the first "
+        "only (rank 0's, in the metrics beside the analytic volumes; a Python call "
+        "per operator while counting)",
+        nargs="?",
+        const="every",
+        choices=("every", "first"),
+        metavar="every|first",
+    )
+    max_restarts: int = opt(
+        0,
+        "when a rank fails, restart every rank from the latest checkpoint up to N times (under torchrun: its --max-restarts)",
+    )
+    on_nonfinite: str = opt(
+        "stop",
+        "a NaN or inf loss or gradient: stop (name it, apply and save nothing) or skip (drop that step's update)",
+    )
+    max_skipped_steps: int | None = opt(
+        None,
+        "with --on-nonfinite skip: after N skipped steps in a row, the next "
+        "non-finite step stops the run as --on-nonfinite stop does (default: "
+        "5)",
+        metavar="N",
+    )
+    profile: str | None = opt(
+        None,
+        "trace --profile-steps with torch.profiler: every rank writes DIR/rank{R}.trace.json "
+        "(Perfetto / chrome://tracing JSON); rank 0 prints its top ops by self time at the end",
+        metavar="DIR",
+    )
+    profile_steps: str | None = opt(
+        None,
+        "the steps --profile records, A:B inclusive (default: the run's 2nd and 3rd "
+        "steps, leaving out the first step's warm-up)",
+        metavar="A:B",
+    )
+    profile_shapes: bool = opt(
+        False, "with --profile: record each op's input shapes too (larger traces; the table groups ops by shape)"
+    )
 
     @property
     def skip_limit(self) -> int:
@@ -288,7 +379,9 @@ class Config:
             if value is not None and (not isinstance(value, (int, float)) or value < 0 or value != value):
                 raise ValueError(f"{flag} {value} must be a number >= 0")
         moe = {k: float(v) for k, v in moe.items() if v is not None}
-        hf_dir = self.checkpoint.init_from_hf or (self.model.preset[3:] if self.model.preset.startswith("hf:") else None)
+        hf_dir = self.checkpoint.init_from_hf or (
+            self.model.preset[3:] if self.model.preset.startswith("hf:") else None
+        )
         from dataclasses import replace
 
         if hf_dir is None:
@@ -298,15 +391,19 @@ class Config:
 
             cfg = read_hf_config(hf_dir, flag="--init-from-hf" if self.checkpoint.init_from_hf else "--model hf:")
             if overrides:
-                raise ValueError(f"--n-layers / --vocab-size with a Hugging Face model ({hf_dir}): its config.json fixes "
-                                 f"them; drop them")
+                raise ValueError(
+                    f"--n-layers / --vocab-size with a Hugging Face model ({hf_dir}): its config.json fixes "
+                    f"them; drop them"
+                )
             preset = self.model.preset
             if preset != "debug" and not preset.startswith("hf:"):  # a --model given as well must agree
                 compare_with_preset(cfg, get_preset(preset), preset)
         if moe and not hasattr(cfg, "n_experts"):
             flag = "--moe-aux-loss" if "aux_loss_coef" in moe else "--moe-bias-rate"
-            raise ValueError(f"{flag} needs a mixture-of-experts model, and {self.model_name} has no experts; "
-                             f"use e.g. --model qwen3-moe-debug, or drop {flag}")
+            raise ValueError(
+                f"{flag} needs a mixture-of-experts model, and {self.model_name} has no experts; "
+                f"use e.g. --model qwen3-moe-debug, or drop {flag}"
+            )
         return replace(cfg, **moe)
 
     @property
@@ -337,13 +434,25 @@ class Config:
         if p.schedule_file is not None:  # the file's actions, as data (read here, on every rank, like --data)
             from tessera.topology.schedule_files import read_schedule_file
 
-            pipeline = PipelineConfig(tuple(map(tuple, read_schedule_file(p.schedule_file))), p.virtual,
-                                      p.layers_per_stage, self.data.microbatches, source=f"--schedule-file {p.schedule_file}")
+            pipeline = PipelineConfig(
+                tuple(map(tuple, read_schedule_file(p.schedule_file))),
+                p.virtual,
+                p.layers_per_stage,
+                self.data.microbatches,
+                source=f"--schedule-file {p.schedule_file}",
+            )
         else:
             pipeline = PipelineConfig(p.schedule or "1f1b", p.virtual, p.layers_per_stage, self.data.microbatches)
-        return ParallelConfig(layout=self.layout, sequence_parallel=p.sequence_parallel, data=data, pipeline=pipeline,
-                              cp_method=p.cp_method or "ring", timeout=self.runtime.timeout, compile=p.compile,
-                              loss=p.loss)
+        return ParallelConfig(
+            layout=self.layout,
+            sequence_parallel=p.sequence_parallel,
+            data=data,
+            pipeline=pipeline,
+            cp_method=p.cp_method or "ring",
+            timeout=self.runtime.timeout,
+            compile=p.compile,
+            loss=p.loss,
+        )
 
     @property
     def resume_path(self) -> str:
@@ -410,8 +519,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 continue
             if section == "parallel" and f.name in DEGREE_FLAGS:
                 default = None
-            group.add_argument(flag_of(f), dest=dest, type=_parse_type(f, f.default), default=default,
-                               help=help_, **extra)
+            group.add_argument(
+                flag_of(f), dest=dest, type=_parse_type(f, f.default), default=default, help=help_, **extra
+            )
 
 
 def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> Config:

@@ -17,8 +17,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.float64: "float64"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -61,8 +65,15 @@ _ATTENTION = {
     "tessera::flash_attention_bwd": True,
 }
 # matmuls by operator name, every overload (mm.out, addmm_ ...): (a, b) at these argument positions
-_MATMULS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1, "aten::addmm_": 1, "aten::baddbmm": 1,
-            "aten::baddbmm_": 1, "aten::_grouped_mm": 0}
+_MATMULS = {
+    "aten::mm": 0,
+    "aten::bmm": 0,
+    "aten::addmm": 1,
+    "aten::addmm_": 1,
+    "aten::baddbmm": 1,
+    "aten::baddbmm_": 1,
+    "aten::_grouped_mm": 0,
+}
 
 
 class MatmulDtypes(TorchDispatchMode):

@@ -6,8 +6,14 @@ import re
 from typing import Any
 
 AXIS_OF = {"pp": "pp", "dpr": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp", "ep": "ep"}
-OPTIONS = {"sp": dict(sequence_parallel=True), "ac_op": dict(ac="op"), "ac_full": dict(ac="full"),
-           "ac_selective": dict(ac="selective"), "zero2": dict(fsdp="SHARD_GRAD_OP"), "compile": dict(compile=True)}
+OPTIONS = {
+    "sp": dict(sequence_parallel=True),
+    "ac_op": dict(ac="op"),
+    "ac_full": dict(ac="full"),
+    "ac_selective": dict(ac="selective"),
+    "zero2": dict(fsdp="SHARD_GRAD_OP"),
+    "compile": dict(compile=True),
+}
 
 
 def parse_layout(name: str) -> dict[str, Any]:
@@ -19,8 +25,10 @@ def parse_layout(name: str) -> dict[str, Any]:
         for term in degrees.split("x"):
             m = re.fullmatch(r"(pp|dpr|dp|cp|tp|ep)(\d+)", term)
             if m is None:
-                raise ValueError(f"layout {name!r}: {term!r} is not <axis><degree> with axis pp, dpr, dp, cp, tp or ep "
-                                 f"(e.g. dp2xtp2, dpr2xdp2, pp2xdp2xcp2xtp2+sp, dp4xep2)")
+                raise ValueError(
+                    f"layout {name!r}: {term!r} is not <axis><degree> with axis pp, dpr, dp, cp, tp or ep "
+                    f"(e.g. dp2xtp2, dpr2xdp2, pp2xdp2xcp2xtp2+sp, dp4xep2)"
+                )
             axis, degree = AXIS_OF[m.group(1)], int(m.group(2))
             if axis == "dp_shard":
                 dp_shard = degree

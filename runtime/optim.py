@@ -45,13 +45,20 @@ def kernel_options(params: list[nn.Parameter]) -> dict[str, bool]:
     return {"fused": False, "foreach": True}
 
 
-def build_adamw(params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float], eps: float,
-                weight_decay: float) -> torch.optim.AdamW:
+def build_adamw(
+    params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> torch.optim.AdamW:
     """AdamW over `params` with the multi-tensor kernels, one param group per mesh."""
     params = list(params)
     options = kernel_options(params)
-    optimizer = torch.optim.AdamW([{"params": g} for g in groups_by_mesh(params)], lr=lr, betas=betas, eps=eps,
-                                  weight_decay=weight_decay, **options)
+    optimizer = torch.optim.AdamW(
+        [{"params": g} for g in groups_by_mesh(params)],
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        **options,
+    )
     optimizer.register_load_state_dict_post_hook(lambda o: _keep_kernels(o, options))
     return optimizer
 

@@ -34,9 +34,19 @@ class Parts:
     tied: TiedGradients  # the tied weights' gradient sum over the first and last stages (a no-op without)
 
 
-def build_parts(spec: Any, model_config: Any, meshes: Meshes, parallel: Any, device: torch.device, seed: int,
-                microbatches: int, loss_fn: Callable, positions: Callable[[Tensor], Tensor | None],
-                timeout: float = 600.0, global_rows: int | None = None) -> Parts:
+def build_parts(
+    spec: Any,
+    model_config: Any,
+    meshes: Meshes,
+    parallel: Any,
+    device: torch.device,
+    seed: int,
+    microbatches: int,
+    loss_fn: Callable,
+    positions: Callable[[Tensor], Tensor | None],
+    timeout: float = 600.0,
+    global_rows: int | None = None,
+) -> Parts:
     """This rank's parts of `spec`'s model for `model_config`, parallelized by `parallel` (a ParallelConfig)
     on `meshes` and initialized from `seed` (the one-process values, shard by shard). `global_rows`: the
     global batch's sequences, which an MoE block's auxiliary loss is the mean over (models/moe.py)."""
@@ -73,7 +83,17 @@ def build_parts(spec: Any, model_config: Any, meshes: Meshes, parallel: Any, dev
     def activation(rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
         return (rows, seq // tp, dim), dtype  # sequence parallel: S / tp positions between stages
 
-    runner = PipelineRunner(stages, parallel.pipeline.schedule, Meshes.group(meshes.pp), microbatches, virtual,
-                            loss_fn, activation, device, grad_scale=meshes.fsdp_size, timeout=timeout,
-                            positions=positions)
+    runner = PipelineRunner(
+        stages,
+        parallel.pipeline.schedule,
+        Meshes.group(meshes.pp),
+        microbatches,
+        virtual,
+        loss_fn,
+        activation,
+        device,
+        grad_scale=meshes.fsdp_size,
+        timeout=timeout,
+        positions=positions,
+    )
     return Parts(list(stages.values()), runner, tied)

@@ -24,6 +24,7 @@ from tessera.topology.planner import (
     plan,
 )
 
+
 def model_shape(model):
     """The ModelShape of a preset name, a family's config or a ModelShape (models/spec.py's shape_of),
     imported when called: the planner's own modules load no torch."""
@@ -34,68 +35,137 @@ def model_shape(model):
 
 MAX_GPUS = 1 << 22  # 4,194,304: beyond any cluster; the layouts of more take the planner minutes to enumerate
 
-MEMORY_COLUMNS = (("states", ("parameters", "gradients", "optimizer")), ("gathered", ("gathered_params",)),
-                  ("acc.grads", ("unsharded_grads",)), ("activ.", ("activations",)), ("logits", ("logits",)),
-                  ("buffers", ("buffers",)), ("total", ("total",)))
+MEMORY_COLUMNS = (
+    ("states", ("parameters", "gradients", "optimizer")),
+    ("gathered", ("gathered_params",)),
+    ("acc.grads", ("unsharded_grads",)),
+    ("activ.", ("activations",)),
+    ("logits", ("logits",)),
+    ("buffers", ("buffers",)),
+    ("total", ("total",)),
+)
 
 
 def add_plan_parser(sub) -> None:
     p = sub.add_parser(
-        "plan", help="ranked layouts for a model on N GPUs, with the per-rank memory breakdown",
+        "plan",
+        help="ranked layouts for a model on N GPUs, with the per-rank memory breakdown",
         description="Enumerate every layout tessera can run (tp inside a node, cp, pp with its schedule, "
-                    "microbatches and virtual stages, dp_replicate x dp_shard, FSDP strategy, activation "
-                    "checkpointing), estimate per-rank memory and step time, rule out what does not fit and "
-                    "rank the rest. Estimates, not measurements: the assumptions are the options below.")
-    p.add_argument("--model", required=True, help="a model preset of any registered family (debug, small, 1b, 8b, 70b, 405b, qwen3-0.6b, ...)")
+        "microbatches and virtual stages, dp_replicate x dp_shard, FSDP strategy, activation "
+        "checkpointing), estimate per-rank memory and step time, rule out what does not fit and "
+        "rank the rest. Estimates, not measurements: the assumptions are the options below.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a model preset of any registered family (debug, small, 1b, 8b, 70b, 405b, qwen3-0.6b, ...)",
+    )
     p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (required unless --calibrate)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside one (default 8)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (required unless --calibrate: default 1024)")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step (required unless --calibrate; there: the rows measured, default 1)")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (required unless --calibrate: default 1024)"
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step (required unless --calibrate; there: the rows measured, default 1)",
+    )
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
-    p.add_argument("--layout", default=None, metavar="LAYOUT",
-                   help="also score this layout (tessera bench's names: pp2xdp4xtp8, dpr2xdp4xtp2+sp, with +ac_op, "
-                        "+ac_full, +ac_selective or +zero2 to fix a setting): its rank, and why it is slower or does not fit")
+    p.add_argument(
+        "--layout",
+        default=None,
+        metavar="LAYOUT",
+        help="also score this layout (tessera bench's names: pp2xdp4xtp8, dpr2xdp4xtp2+sp, with +ac_op, "
+        "+ac_full, +ac_selective or +zero2 to fix a setting): its rank, and why it is slower or does not fit",
+    )
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
-    p.add_argument("--dry-run", action="store_true",
-                   help="build the top layout on the fake backend (model on meta) and count each rank's parameters exactly")
-    p.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS,
-                   help=f"dense bf16 peak per GPU (default {H100_BF16_TFLOPS:g}: H100 SXM)")
-    p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
-                   help=f"share of the peak a step's matmuls reach (default {DEFAULT_EFFICIENCY})")
-    p.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_GBPS,
-                   help=f"GB/s per GPU reached inside a node (default {DEFAULT_INTRA_GBPS:g}: NVLink 4 at ~80%%)")
-    p.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_GBPS,
-                   help=f"GB/s per GPU reached across nodes (default {DEFAULT_INTER_GBPS:g}: 400 Gb/s at ~80%%)")
-    p.add_argument("--hbm-gbps", type=float, default=DEFAULT_HBM_GBPS,
-                   help=f"GB/s of a GPU's own memory, which MoE experts' weights stream at (default {DEFAULT_HBM_GBPS:g}: "
-                        f"H100 SXM's 3.35 TB/s at ~90%%)")
-    p.add_argument("--headroom", type=float, default=0.10,
-                   help="share of GPU memory kept free for the CUDA context, NCCL and fragmentation (default 0.10)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the top layout on the fake backend (model on meta) and count each rank's parameters exactly",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H100_BF16_TFLOPS,
+        help=f"dense bf16 peak per GPU (default {H100_BF16_TFLOPS:g}: H100 SXM)",
+    )
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=DEFAULT_EFFICIENCY,
+        help=f"share of the peak a step's matmuls reach (default {DEFAULT_EFFICIENCY})",
+    )
+    p.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=DEFAULT_INTRA_GBPS,
+        help=f"GB/s per GPU reached inside a node (default {DEFAULT_INTRA_GBPS:g}: NVLink 4 at ~80%%)",
+    )
+    p.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=DEFAULT_INTER_GBPS,
+        help=f"GB/s per GPU reached across nodes (default {DEFAULT_INTER_GBPS:g}: 400 Gb/s at ~80%%)",
+    )
+    p.add_argument(
+        "--hbm-gbps",
+        type=float,
+        default=DEFAULT_HBM_GBPS,
+        help=f"GB/s of a GPU's own memory, which MoE experts' weights stream at (default {DEFAULT_HBM_GBPS:g}: "
+        f"H100 SXM's 3.35 TB/s at ~90%%)",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.10,
+        help="share of GPU memory kept free for the CUDA context, NCCL and fragmentation (default 0.10)",
+    )
     cal = p.add_argument_group(
-        "calibration", "Measured rates instead of --peak-tflops x --efficiency: --calibrate measures this machine (a "
+        "calibration",
+        "Measured rates instead of --peak-tflops x --efficiency: --calibrate measures this machine (a "
         "matmul at the model's shapes in the compute dtype, tessera's attention, the bandwidth a block's elementwise operators reach beside a plain copy, the host's "
         "cost per operator) and stores the figures by device kind; --device-kind plans with a stored kind "
-        "(topology/step_time.py states what the step-time model counts)")
-    cal.add_argument("--calibrate", action="store_true",
-                     help="measure this device at --model's shapes (--seq-len x --global-batch tokens) and store the figures")
-    cal.add_argument("--calibration", default=None, metavar="PATH",
-                     help="the calibration file (default $TESSERA_CALIBRATION or ~/.cache/tessera/calibration.json)")
-    cal.add_argument("--device-kind", default=None, metavar="KIND",
-                     help="plan with the stored calibration whose device kind contains KIND (e.g. H100, cpu)")
-    cal.add_argument("--mixed-precision", choices=("bf16", "fp32"), default=None,
-                     help="--calibrate: the compute dtype to measure (default bf16 on CUDA, fp32 on CPU)")
-    cal.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="--calibrate: the device to measure")
-    cal.add_argument("--threads", type=int, default=1, help="--calibrate on CPU: threads (default 1, as one tessera rank runs)")
+        "(topology/step_time.py states what the step-time model counts)",
+    )
+    cal.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this device at --model's shapes (--seq-len x --global-batch tokens) and store the figures",
+    )
+    cal.add_argument(
+        "--calibration",
+        default=None,
+        metavar="PATH",
+        help="the calibration file (default $TESSERA_CALIBRATION or ~/.cache/tessera/calibration.json)",
+    )
+    cal.add_argument(
+        "--device-kind",
+        default=None,
+        metavar="KIND",
+        help="plan with the stored calibration whose device kind contains KIND (e.g. H100, cpu)",
+    )
+    cal.add_argument(
+        "--mixed-precision",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="--calibrate: the compute dtype to measure (default bf16 on CUDA, fp32 on CPU)",
+    )
+    cal.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="--calibrate: the device to measure"
+    )
+    cal.add_argument(
+        "--threads", type=int, default=1, help="--calibrate on CPU: threads (default 1, as one tessera rank runs)"
+    )
     cal.add_argument("--quick", action="store_true", help="--calibrate: smaller measurements (a few seconds on a CPU)")
     p.set_defaults(func=run_plan)
 
 
 def _row(rank: int, x: Estimate) -> str:
     mem = "".join(f"{sum(x.memory[k] for k in keys) / GB:>10.2f}" for _, keys in MEMORY_COLUMNS)
-    return (f"{rank:>3}  {x.candidate.describe():<76}{mem}{x.time['step']:>9.3f}{x.tokens_per_s:>12,.0f}"
-            f"{x.mfu:>7.1%}")
+    return f"{rank:>3}  {x.candidate.describe():<76}{mem}{x.time['step']:>9.3f}{x.tokens_per_s:>12,.0f}{x.mfu:>7.1%}"
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -109,19 +179,29 @@ def run_plan(args: argparse.Namespace) -> int:
         if missing:
             raise PlanError(f"{', '.join(missing)} required (or --calibrate to measure this device)")
         if args.gpus > MAX_GPUS:  # the planner walks the divisors of the GPU count: 10^12 of them would never end
-            raise PlanError(f"--gpus {args.gpus:,} is more than the planner enumerates (at most {MAX_GPUS:,}); plan a "
-                            f"smaller job")
+            raise PlanError(
+                f"--gpus {args.gpus:,} is more than the planner enumerates (at most {MAX_GPUS:,}); plan a smaller job"
+            )
         calibration, dtype_bytes = _calibration(args)
-        hw = Hardware(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
-                      peak_tflops=args.peak_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
-                      inter_node_gbps=args.inter_node_gbps, hbm_gbps=args.hbm_gbps, headroom=args.headroom,
-                      calibration=calibration,
-                      dtype_bytes=dtype_bytes, recipe="mixed_adam" if dtype_bytes == 2 else "fp32_adam")
+        hw = Hardware(
+            gpus=args.gpus,
+            gpu_memory_gb=args.gpu_memory,
+            gpus_per_node=args.gpus_per_node,
+            peak_tflops=args.peak_tflops,
+            efficiency=args.efficiency,
+            intra_node_gbps=args.intra_node_gbps,
+            inter_node_gbps=args.inter_node_gbps,
+            hbm_gbps=args.hbm_gbps,
+            headroom=args.headroom,
+            calibration=calibration,
+            dtype_bytes=dtype_bytes,
+            recipe="mixed_adam" if dtype_bytes == 2 else "fp32_adam",
+        )
         shape = model_shape(args.model)
         named = parse_named_layout(args.layout, args.gpus) if args.layout else None
         result = plan(shape, hw, args.seq_len, args.global_batch, top=None, name=args.model)
         scored = score_layout(shape, hw, args.seq_len, args.global_batch, result, *named) if named else None
-        result.ranked = result.ranked[:args.top]
+        result.ranked = result.ranked[: args.top]
     except ValueError as e:  # PlanError and an unknown preset
         print(f"tessera plan: error: {e}", file=sys.stderr)
         return 2
@@ -129,16 +209,31 @@ def run_plan(args: argparse.Namespace) -> int:
     dry = _dry_run(args.model, best) if args.dry_run else None
     if args.json:
         best_ep = None if result.best_ep is None else {"rank": result.best_ep[0], **result.best_ep[1].as_dict()}
-        print(json.dumps({"request": result.request, "considered": result.considered, "why": result.why,
-                          "ranked": [x.as_dict() for x in result.ranked], "best_ep": best_ep, "dry_run": dry,
-                          **({"layout": scored} if scored is not None else {}),
-                          "seconds": time.perf_counter() - started}))
+        print(
+            json.dumps(
+                {
+                    "request": result.request,
+                    "considered": result.considered,
+                    "why": result.why,
+                    "ranked": [x.as_dict() for x in result.ranked],
+                    "best_ep": best_ep,
+                    "dry_run": dry,
+                    **({"layout": scored} if scored is not None else {}),
+                    "seconds": time.perf_counter() - started,
+                }
+            )
+        )
         return 0
-    print(f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), seq {args.seq_len}, "
-          f"global batch {args.global_batch}: {len(result.ranked)} of {result.considered} layouts shown "
-          f"(ranked by estimated step time; GB per rank)")
-    print(f"{'':>3}  {'layout':<76}" + "".join(f"{name:>10}" for name, _ in MEMORY_COLUMNS)
-          + f"{'s/step':>9}{'tokens/s':>12}{'MFU':>7}")
+    print(
+        f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), seq {args.seq_len}, "
+        f"global batch {args.global_batch}: {len(result.ranked)} of {result.considered} layouts shown "
+        f"(ranked by estimated step time; GB per rank)"
+    )
+    print(
+        f"{'':>3}  {'layout':<76}"
+        + "".join(f"{name:>10}" for name, _ in MEMORY_COLUMNS)
+        + f"{'s/step':>9}{'tokens/s':>12}{'MFU':>7}"
+    )
     for i, x in enumerate(result.ranked, 1):
         print(_row(i, x))
     if result.best_ep is not None and result.best_ep[0] > len(result.ranked):  # an MoE model's best with ep
@@ -149,20 +244,29 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"why: {result.why}")
     if scored is not None:
         print(f"--layout {args.layout}: {scored['verdict']}")
-    compute = (f"{args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s" if hw.calibration is None else
-               f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})")
-    print(f"assumptions: {compute}, {args.intra_node_gbps:g} GB/s in a node, "
-          f"{args.inter_node_gbps:g} GB/s across nodes, "
-          f"{f'experts streamed at {args.hbm_gbps:g} GB/s, ' if result.request['experts'] else ''}{args.headroom:.0%} memory headroom, "
-          f"{'bf16 compute, fp32 master weights and Adam (16 B/parameter)' if hw.dtype_bytes == 2 else 'fp32 compute and Adam'}, "
-          f"--ac op's recompute at 3% of the step")
+    compute = (
+        f"{args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s"
+        if hw.calibration is None
+        else f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})"
+    )
+    print(
+        f"assumptions: {compute}, {args.intra_node_gbps:g} GB/s in a node, "
+        f"{args.inter_node_gbps:g} GB/s across nodes, "
+        f"{f'experts streamed at {args.hbm_gbps:g} GB/s, ' if result.request['experts'] else ''}{args.headroom:.0%} memory headroom, "
+        f"{'bf16 compute, fp32 master weights and Adam (16 B/parameter)' if hw.dtype_bytes == 2 else 'fp32 compute and Adam'}, "
+        f"--ac op's recompute at 3% of the step"
+    )
     if dry is not None:
         for r in dry["ranks"]:
-            print(f"dry run, rank {r['rank']} (pp stages {r['stages']}): {r['local_params']:,} parameters "
-                  f"({r['tp_local_params']:,} before FSDP), model states {r['model_state_bytes'] / GB:.2f} GB")
+            print(
+                f"dry run, rank {r['rank']} (pp stages {r['stages']}): {r['local_params']:,} parameters "
+                f"({r['tp_local_params']:,} before FSDP), model states {r['model_state_bytes'] / GB:.2f} GB"
+            )
         most = max(r["model_state_bytes"] for r in dry["ranks"])
         estimated = sum(best.memory[k] for k in ("parameters", "gradients", "optimizer"))
-        print(f"model states of the rank holding the most: {most / GB:.3f} GB counted, {estimated / GB:.3f} GB estimated")
+        print(
+            f"model states of the rank holding the most: {most / GB:.3f} GB counted, {estimated / GB:.3f} GB estimated"
+        )
         print(f"dry run took {dry['seconds']:.1f} s")
     return 0
 
@@ -177,12 +281,22 @@ def parse_named_layout(text: str, gpus: int):
     except ValueError as e:
         raise PlanError(f"--layout {e}") from None
     if flags.pop("compile", False):
-        raise PlanError(f"--layout {text}: +compile is not part of the planner's model (it estimates eager steps); drop it")
+        raise PlanError(
+            f"--layout {text}: +compile is not part of the planner's model (it estimates eager steps); drop it"
+        )
     dp, dpr = flags.pop("dp", 1), flags.pop("dp_replicate", 1)
-    lay = Layout(pp=flags.pop("pp", 1), dp_replicate=dpr, dp_shard=dp // dpr, cp=flags.pop("cp", 1),
-                 tp=flags.pop("tp", 1), ep=flags.pop("ep", 1))
+    lay = Layout(
+        pp=flags.pop("pp", 1),
+        dp_replicate=dpr,
+        dp_shard=dp // dpr,
+        cp=flags.pop("cp", 1),
+        tp=flags.pop("tp", 1),
+        ep=flags.pop("ep", 1),
+    )
     if lay.world_size != gpus:
-        raise PlanError(f"--layout {text} is {lay.world_size} ranks and --gpus is {gpus}: name a layout of {gpus} ranks")
+        raise PlanError(
+            f"--layout {text} is {lay.world_size} ranks and --gpus is {gpus}: name a layout of {gpus} ranks"
+        )
     return lay, flags  # flags left: sequence_parallel, ac, fsdp
 
 
@@ -193,35 +307,61 @@ def score_layout(shape, hw: Hardware, seq_len: int, global_batch: int, result, l
     from tessera.topology.planner import Candidate, candidates_of_layout, estimate, why_not_runnable, wins_by
 
     def keep(c) -> bool:
-        return (c.sequence_parallel == fixed.get("sequence_parallel", c.sequence_parallel)
-                and c.ac == fixed.get("ac", c.ac) and c.strategy == fixed.get("fsdp", c.strategy))
+        return (
+            c.sequence_parallel == fixed.get("sequence_parallel", c.sequence_parallel)
+            and c.ac == fixed.get("ac", c.ac)
+            and c.strategy == fixed.get("fsdp", c.strategy)
+        )
 
-    mine = [estimate(shape, c, hw, seq_len, global_batch) for c in candidates_of_layout(shape, lay, seq_len, global_batch)
-            if keep(c)]
+    mine = [
+        estimate(shape, c, hw, seq_len, global_batch)
+        for c in candidates_of_layout(shape, lay, seq_len, global_batch)
+        if keep(c)
+    ]
     if not mine:
-        probe = Candidate(lay, fixed.get("fsdp", "FULL_SHARD"), fixed.get("ac", "none"), "1f1b", max(1, lay.pp), 1,
-                          fixed.get("sequence_parallel"))
-        why = why_not_runnable(shape, probe, seq_len, global_batch) or "no schedule, microbatch count and setting of it runs"
+        probe = Candidate(
+            lay,
+            fixed.get("fsdp", "FULL_SHARD"),
+            fixed.get("ac", "none"),
+            "1f1b",
+            max(1, lay.pp),
+            1,
+            fixed.get("sequence_parallel"),
+        )
+        why = (
+            why_not_runnable(shape, probe, seq_len, global_batch)
+            or "no schedule, microbatch count and setting of it runs"
+        )
         return {"fits": False, "rank": None, "verdict": f"tessera would not run it: {why}"}
     fitting = sorted((x for x in mine if x.fits), key=lambda x: (round(x.time["step"], 6), x.memory["total"]))
     if not fitting:
         least = min(mine, key=lambda x: x.memory["total"])
-        return {"fits": False, "rank": None, "closest": least.as_dict(), "verdict": (
-            f"does not fit: its least-memory settings ({least.candidate.describe()}) need "
-            f"{least.memory['total'] / GB:.1f} GB per rank against {hw.usable_bytes / GB:.1f} GB usable, short by "
-            f"{(least.memory['total'] - hw.usable_bytes) / GB:.1f} GB")}
+        return {
+            "fits": False,
+            "rank": None,
+            "closest": least.as_dict(),
+            "verdict": (
+                f"does not fit: its least-memory settings ({least.candidate.describe()}) need "
+                f"{least.memory['total'] / GB:.1f} GB per rank against {hw.usable_bytes / GB:.1f} GB usable, short by "
+                f"{(least.memory['total'] - hw.usable_bytes) / GB:.1f} GB"
+            ),
+        }
     ours = fitting[0]
     # its place in the ranking; a layout the ranking leaves out (tp beyond a node) is placed by its time
-    place = next((i for i, x in enumerate(result.ranked, 1) if x.candidate == ours.candidate),
-                 1 + sum(x.time["step"] < ours.time["step"] for x in result.ranked))
+    place = next(
+        (i for i, x in enumerate(result.ranked, 1) if x.candidate == ours.candidate),
+        1 + sum(x.time["step"] < ours.time["step"] for x in result.ranked),
+    )
     best = result.ranked[0]
     if place == 1:
         verdict = f"ranked 1 of {len(result.ranked)}: it is the best layout ({ours.candidate.describe()})"
     else:
         label, seconds = wins_by(best, ours)
-        verdict = (f"ranked {place} of {len(result.ranked)} at best ({ours.candidate.describe()}): "
-                   f"{ours.time['step']:.3f} s/step against {best.time['step']:.3f} s for the best, which wins by "
-                   f"{label} ({seconds:.3f} s/step); run it with: tessera train {ours.candidate.flags()}")
+        verdict = (
+            f"ranked {place} of {len(result.ranked)} at best ({ours.candidate.describe()}): "
+            f"{ours.time['step']:.3f} s/step against {best.time['step']:.3f} s for the best, which wins by "
+            f"{label} ({seconds:.3f} s/step); run it with: tessera train {ours.candidate.flags()}"
+        )
     return {"fits": True, "rank": place, "estimate": ours.as_dict(), "verdict": verdict}
 
 
@@ -238,8 +378,9 @@ def _calibration(args: argparse.Namespace):
     try:
         data = load(path)
     except OSError as e:
-        raise PlanError(f"--calibration {path} cannot be read ({e.strerror}); name the file tessera plan --calibrate "
-                        f"wrote") from None
+        raise PlanError(
+            f"--calibration {path} cannot be read ({e.strerror}); name the file tessera plan --calibrate wrote"
+        ) from None
     entry = find_entry(data, args.device_kind, dtype)
     calibration = Calibration.from_entry(entry)
     return calibration, 4 if calibration.dtype == "float32" else 2
@@ -254,7 +395,9 @@ def _calibration_file(args: argparse.Namespace):
 
     path = Path(args.calibration) if args.calibration else default_path()
     if path.is_dir():
-        raise PlanError(f"--calibration {path} is a directory; name the calibration file (e.g. {path}/calibration.json)")
+        raise PlanError(
+            f"--calibration {path} is a directory; name the calibration file (e.g. {path}/calibration.json)"
+        )
     return path
 
 
@@ -275,8 +418,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 
         path = _calibration_file(args)  # before minutes of measuring
         if args.device == "cuda" and not torch.cuda.is_available():
-            raise PlanError("--device cuda: torch sees no CUDA GPU here; calibrate on the GPU machine or use --device cpu")
-        device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+            raise PlanError(
+                "--device cuda: torch sees no CUDA GPU here; calibrate on the GPU machine or use --device cpu"
+            )
+        device = torch.device(
+            "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+        )
         dtype = args.mixed_precision or ("bf16" if device.type == "cuda" else "fp32")
         if device.type == "cpu":
             torch.set_num_threads(args.threads)
@@ -293,8 +440,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"path": str(path), "entry": entry, "seconds": time.perf_counter() - started}))
         return 0
-    print(f"calibrated {describe(entry)}; measured at {args.model}'s shapes, {rows} x {seq_len} tokens, in "
-          f"{entry['seconds']:.1f} s")
+    print(
+        f"calibrated {describe(entry)}; measured at {args.model}'s shapes, {rows} x {seq_len} tokens, in "
+        f"{entry['seconds']:.1f} s"
+    )
     print(f"wrote {path}: plan with it by tessera plan ... --device-kind {entry['device_kind'].split(',')[0]!r}")
     return 0
 
@@ -311,8 +460,22 @@ def _dry_run(model: str, best: Estimate) -> dict:
     ranks = sorted({0, lay.rank_of({"pp": lay.pp - 1})})
     out = []
     for rank in ranks:
-        m = dry_run_model_states(model, lay, "mixed_adam", c.strategy, c.sequence_parallel, rank=rank,
-                                 pipeline=PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual))
-        out.append({"rank": rank, "stages": m["stages"], "local_params": int(m["local_params"]),
-                    "tp_local_params": int(m["tp_local_params"]), "model_state_bytes": m["total"]})
+        m = dry_run_model_states(
+            model,
+            lay,
+            "mixed_adam",
+            c.strategy,
+            c.sequence_parallel,
+            rank=rank,
+            pipeline=PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual),
+        )
+        out.append(
+            {
+                "rank": rank,
+                "stages": m["stages"],
+                "local_params": int(m["local_params"]),
+                "tp_local_params": int(m["tp_local_params"]),
+                "model_state_bytes": m["total"],
+            }
+        )
     return {"ranks": out, "seconds": time.perf_counter() - started}

@@ -28,7 +28,9 @@ def check(config: Config) -> None:
     _check_paths(config, model)
     _check_profile(config)
     if config.runtime.comm_stats not in (None, "every", "first"):
-        raise ValueError(f"--comm-stats {config.runtime.comm_stats!r}: use every (each step) or first (the first step only)")
+        raise ValueError(
+            f"--comm-stats {config.runtime.comm_stats!r}: use every (each step) or first (the first step only)"
+        )
     d = config.data
     if d.eval_every < 0 or d.eval_batches < 1:
         raise ValueError(f"--eval-every {d.eval_every} must be >= 0 and --eval-batches {d.eval_batches} >= 1")
@@ -41,7 +43,9 @@ def check(config: Config) -> None:
 
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch)
         if held_out.vocab_size > model.vocab_size:
-            raise ValueError(f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} exceeds the model's {model.vocab_size}")
+            raise ValueError(
+                f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} exceeds the model's {model.vocab_size}"
+            )
     if d.pack_documents:
         check_document_masking(model)
     if not config.data.path:  # the built-in text, byte-tokenized: ids up to EOS must be rows of the embedding
@@ -51,19 +55,25 @@ def check(config: Config) -> None:
 
         data = TokenFileStream(config.data.path, config.data.seq_len, config.data.global_batch)
         if data.vocab_size > model.vocab_size:
-            raise ValueError(f"--data {config.data.path}: its vocab_size {data.vocab_size} exceeds the {config.model.preset} "
-                             f"model's {model.vocab_size}; add --vocab-size {data.vocab_size}")
+            raise ValueError(
+                f"--data {config.data.path}: its vocab_size {data.vocab_size} exceeds the {config.model.preset} "
+                f"model's {model.vocab_size}; add --vocab-size {data.vocab_size}"
+            )
 
 
 def _check_drift_flag(config: Config) -> None:
     if not config.runtime.check_drift:
         return
     if config.checkpoint.resume is not None:
-        raise ValueError("--check-drift compares the run from step 0 with one process's: drop --resume (or check "
-                         "the records with tessera.testing.judge_drift)")
+        raise ValueError(
+            "--check-drift compares the run from step 0 with one process's: drop --resume (or check "
+            "the records with tessera.testing.judge_drift)"
+        )
     if config.data.global_batch % 2:
-        raise ValueError(f"--check-drift runs one process at 1 and 2 microbatches: --global-batch {config.data.global_batch} "
-                         f"must be even; use --global-batch {config.data.global_batch + 1}")
+        raise ValueError(
+            f"--check-drift runs one process at 1 and 2 microbatches: --global-batch {config.data.global_batch} "
+            f"must be even; use --global-batch {config.data.global_batch + 1}"
+        )
 
 
 def check_document_masking(model_config, spec=None) -> None:
@@ -81,7 +91,9 @@ def check_document_masking(model_config, spec=None) -> None:
         model = spec.build(model_config)
     slots = find_modules(model, spec.attention)
     if not slots:
-        raise ValueError(f"--pack-documents: the {spec.name} spec's attention pattern {spec.attention!r} matches no module")
+        raise ValueError(
+            f"--pack-documents: the {spec.name} spec's attention pattern {spec.attention!r} matches no module"
+        )
 
     class Reached(Exception):
         pass
@@ -100,9 +112,11 @@ def check_document_masking(model_config, spec=None) -> None:
     finally:
         handle.remove()
     if not given:
-        raise ValueError(f"--pack-documents: {type(model).__name__} calls its attention slots ({spec.attention}) without "
-                         f"the positions it was given, so packed documents would attend to each other; pass them on: "
-                         f"core(q, k, v, positions)")
+        raise ValueError(
+            f"--pack-documents: {type(model).__name__} calls its attention slots ({spec.attention}) without "
+            f"the positions it was given, so packed documents would attend to each other; pass them on: "
+            f"core(q, k, v, positions)"
+        )
 
 
 def builtin_data_vocab() -> int:
@@ -125,14 +139,20 @@ def _check_builtin_data_vocab(config: Config, model) -> None:
     else:
         given = f"the {config.model_name} model's vocab_size {model.vocab_size}"
         fix = f"use a model with a vocabulary of {needed} or more"
-    raise ValueError(f"{given} is below the token ids of the built-in data (byte-level: ids 0-{needed - 1}, "
-                     f"{needed} of them); {fix}, or train on token files of your vocabulary with --data PATH")
+    raise ValueError(
+        f"{given} is below the token ids of the built-in data (byte-level: ids 0-{needed - 1}, "
+        f"{needed} of them); {fix}, or train on token files of your vocabulary with --data PATH"
+    )
 
 
 def _check_numbers(config: Config) -> None:
     d, o, r, c = config.data, config.optimizer, config.runtime, config.checkpoint
-    for flag, value in (("--steps", r.steps), ("--seq-len", d.seq_len), ("--global-batch", d.global_batch),
-                        ("--microbatches", d.microbatches)):
+    for flag, value in (
+        ("--steps", r.steps),
+        ("--seq-len", d.seq_len),
+        ("--global-batch", d.global_batch),
+        ("--microbatches", d.microbatches),
+    ):
         if value <= 0:
             raise ValueError(f"{flag} {value} must be positive")
     if not o.lr > 0 or math.isinf(o.lr):
@@ -161,11 +181,15 @@ def _check_numbers(config: Config) -> None:
         raise ValueError(f"--on-nonfinite {r.on_nonfinite!r}; use stop or skip")
     if r.max_skipped_steps is not None:
         if r.on_nonfinite != "skip":
-            raise ValueError(f"--max-skipped-steps {r.max_skipped_steps} applies to --on-nonfinite skip, and it is "
-                             f"{r.on_nonfinite}: add --on-nonfinite skip, or drop --max-skipped-steps")
+            raise ValueError(
+                f"--max-skipped-steps {r.max_skipped_steps} applies to --on-nonfinite skip, and it is "
+                f"{r.on_nonfinite}: add --on-nonfinite skip, or drop --max-skipped-steps"
+            )
         if not isinstance(r.max_skipped_steps, int) or r.max_skipped_steps < 1:
-            raise ValueError(f"--max-skipped-steps {r.max_skipped_steps} must be a positive number of steps (to stop "
-                             f"at the first non-finite step, use --on-nonfinite stop)")
+            raise ValueError(
+                f"--max-skipped-steps {r.max_skipped_steps} must be a positive number of steps (to stop "
+                f"at the first non-finite step, use --on-nonfinite stop)"
+            )
     if r.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {r.device!r}; use auto, cpu or cuda")
     if r.kernels not in ("auto", "torch", "triton"):
@@ -184,8 +208,10 @@ def _check_numbers(config: Config) -> None:
     if c.on_signal and not c.dir:
         raise ValueError("--checkpoint-on-signal needs --checkpoint-dir DIR (where the checkpoint goes)")
     if c.asynchronous and not (c.every or c.on_signal):
-        raise ValueError("--checkpoint-async changes how checkpoints are saved, and none would be: add "
-                         "--checkpoint-every N and --checkpoint-dir DIR (or drop --checkpoint-async)")
+        raise ValueError(
+            "--checkpoint-async changes how checkpoints are saved, and none would be: add "
+            "--checkpoint-every N and --checkpoint-dir DIR (or drop --checkpoint-async)"
+        )
     if c.resume is not None and c.init_from is not None:
         raise ValueError(
             "--init-from and --resume together: a resume restores the weights from the checkpoint, so --init-from "
@@ -200,22 +226,34 @@ def _check_pipeline_flags(config: Config) -> None:
     if not isinstance(p.virtual, int) or p.virtual < 1:
         raise ValueError(f"--virtual {p.virtual} must be a positive integer (stages per pp rank)")
     if p.sequence_parallel and p.tp == 1:
-        raise ValueError("--sequence-parallel shards the norms and the residual stream over tensor parallel, and --tp "
-                         "is 1: add --tp 2 (or more), or drop --sequence-parallel")
+        raise ValueError(
+            "--sequence-parallel shards the norms and the residual stream over tensor parallel, and --tp "
+            "is 1: add --tp 2 (or more), or drop --sequence-parallel"
+        )
     if p.cp == 1 and p.cp_method is not None:
-        raise ValueError(f"--cp-method {p.cp_method} applies to context parallel, and --cp is 1: add --cp 2 (or more), "
-                         f"or drop --cp-method")
+        raise ValueError(
+            f"--cp-method {p.cp_method} applies to context parallel, and --cp is 1: add --cp 2 (or more), "
+            f"or drop --cp-method"
+        )
     if p.schedule is not None and p.schedule_file is not None:
-        raise ValueError(f"--schedule {p.schedule} and --schedule-file {p.schedule_file} together: the file is the "
-                         f"schedule; drop one of them")
+        raise ValueError(
+            f"--schedule {p.schedule} and --schedule-file {p.schedule_file} together: the file is the "
+            f"schedule; drop one of them"
+        )
     if p.pp > 1:
         # a --schedule-file is read by parallel_config() and proven against pp, virtual and the microbatches
         # by check_pipeline (ParallelConfig.check), each error naming the file and its first bad action
         return
-    for flag, given in (("--schedule", p.schedule is not None), ("--schedule-file", p.schedule_file is not None),
-                        ("--virtual", p.virtual != 1), ("--pp-layers", p.pp_layers is not None)):
+    for flag, given in (
+        ("--schedule", p.schedule is not None),
+        ("--schedule-file", p.schedule_file is not None),
+        ("--virtual", p.virtual != 1),
+        ("--pp-layers", p.pp_layers is not None),
+    ):
         if given:
-            raise ValueError(f"{flag} applies to pipeline parallel, and --pp is 1: add --pp 2 (or more), or drop {flag}")
+            raise ValueError(
+                f"{flag} applies to pipeline parallel, and --pp is 1: add --pp 2 (or more), or drop {flag}"
+            )
 
 
 def _check_model(config: Config):
@@ -235,7 +273,11 @@ def _check_model(config: Config):
 def _check_device(config: Config, world: int) -> None:
     import torch
 
-    if config.runtime.kernels == "triton" and config.device_type() != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if (
+        config.runtime.kernels == "triton"
+        and config.device_type() != "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    ):
         raise ValueError(
             "--kernels triton on CPU ranks: the Triton kernels need CUDA tensors; use --kernels auto or torch "
             "(or set TRITON_INTERPRET=1 to run them through Triton's slow interpreter)"
@@ -244,11 +286,15 @@ def _check_device(config: Config, world: int) -> None:
         import shutil
 
         if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
-            raise ValueError("--compile on CPU ranks: torch.compile's CPU backend needs a C++ compiler (c++, g++ or "
-                             "clang++) on PATH; install one, or drop --compile")
+            raise ValueError(
+                "--compile on CPU ranks: torch.compile's CPU backend needs a C++ compiler (c++, g++ or "
+                "clang++) on PATH; install one, or drop --compile"
+            )
     if config.runtime.device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is False); use --device cpu")
+            raise ValueError(
+                "--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is False); use --device cpu"
+            )
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if torch.cuda.device_count() < local:
             raise ValueError(
@@ -274,7 +320,9 @@ def _check_writable_file(flag: str, path: str) -> None:
             pass
     except OSError as e:
         how = "opening it for appending" if existed else "creating it"
-        raise ValueError(f"{flag} {path} cannot be written ({how} fails: {e.strerror}); choose a path you can write") from None
+        raise ValueError(
+            f"{flag} {path} cannot be written ({how} fails: {e.strerror}); choose a path you can write"
+        ) from None
     if not existed:
         try:
             p.unlink()
@@ -310,16 +358,25 @@ def _check_paths(config: Config, model) -> None:
         if problem is not None:
             raise checkpoint.CheckpointError(problem)
         manifest = checkpoint.read_manifest(path)
-        checkpoint.check_compatible(path, manifest, config.model_name, model.as_dict(), config.data.seq_len,
-                                    config.data.global_batch, config.runtime.steps)
+        checkpoint.check_compatible(
+            path,
+            manifest,
+            config.model_name,
+            model.as_dict(),
+            config.data.seq_len,
+            config.data.global_batch,
+            config.runtime.steps,
+        )
     if c.init_from is not None:
         checkpoint.check_full_state_dict_file(c.init_from, model)
     if c.init_from_hf is not None:
         from tessera.models.hf import check_hf_weights
 
         if c.init_from is not None or c.resume is not None:
-            raise ValueError("--init-from-hf starts a run from Hugging Face weights: drop --init-from / --resume (resume "
-                             f"a run begun from them with --model hf:{c.init_from_hf} --resume)")
+            raise ValueError(
+                "--init-from-hf starts a run from Hugging Face weights: drop --init-from / --resume (resume "
+                f"a run begun from them with --model hf:{c.init_from_hf} --resume)"
+            )
         check_hf_weights(c.init_from_hf, model)
 
 

@@ -22,7 +22,9 @@ def parse_steps(text: str) -> tuple[int, int]:
     try:
         first, last = (int(part) for part in str(text).split(":"))
     except ValueError:
-        raise ValueError(f"--profile-steps {text!r} must be A:B, the first and last step to record (e.g. 2:3)") from None
+        raise ValueError(
+            f"--profile-steps {text!r} must be A:B, the first and last step to record (e.g. 2:3)"
+        ) from None
     if not 1 <= first <= last:
         raise ValueError(f"--profile-steps {text!r} needs 1 <= A <= B (steps count from 1); e.g. 2:3")
     return first, last
@@ -41,18 +43,24 @@ def check_profile(profile: str | None, profile_steps: str | None, steps: int, do
     `done`: the checkpoint's step when resuming."""
     if profile is None:
         if profile_steps is not None:
-            raise ValueError(f"--profile-steps {profile_steps} applies to --profile DIR; add --profile DIR (or drop --profile-steps)")
+            raise ValueError(
+                f"--profile-steps {profile_steps} applies to --profile DIR; add --profile DIR (or drop --profile-steps)"
+            )
         return
     if not profile.strip():
         raise ValueError("--profile '' needs a directory for the traces, e.g. --profile prof/")
     first, last = profile_window(profile_steps, steps, done)
     given = profile_steps or f"{first}:{last}"
     if last > steps:
-        raise ValueError(f"--profile-steps {given} reaches past the run's last step (--steps {steps}); record "
-                         f"steps that run, e.g. --profile-steps {min(first, steps)}:{steps}")
+        raise ValueError(
+            f"--profile-steps {given} reaches past the run's last step (--steps {steps}); record "
+            f"steps that run, e.g. --profile-steps {min(first, steps)}:{steps}"
+        )
     if first <= done:
-        raise ValueError(f"--profile-steps {given}: the resumed run starts after step {done}, so step {first} "
-                         f"never runs; record later steps, e.g. --profile-steps {done + 1}:{min(done + 2, steps)}")
+        raise ValueError(
+            f"--profile-steps {given}: the resumed run starts after step {done}, so step {first} "
+            f"never runs; record later steps, e.g. --profile-steps {done + 1}:{min(done + 2, steps)}"
+        )
     if Path(profile).exists() and not Path(profile).is_dir():
         raise ValueError(f"--profile {profile} is a file; give a directory for the traces")
     from .paths import check_writable_dir
@@ -87,8 +95,11 @@ class StepProfiler:
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(
-            activities=activities, record_shapes=r.profile_shapes, on_trace_ready=self._write,
-            schedule=torch.profiler.schedule(wait=lead - warmup, warmup=warmup, active=last - first + 1, repeat=1))
+            activities=activities,
+            record_shapes=r.profile_shapes,
+            on_trace_ready=self._write,
+            schedule=torch.profiler.schedule(wait=lead - warmup, warmup=warmup, active=last - first + 1, repeat=1),
+        )
 
     def _write(self, prof: torch.profiler.profile) -> None:
         prof.export_chrome_trace(str(self.path))
@@ -136,5 +147,7 @@ class StepProfiler:
         ops = self.finished.key_averages(group_by_input_shape=self.group_by_shape)
         ops[:] = [e for e in ops if not e.key.startswith(("tessera train step", "ProfilerStep"))]  # spans, not ops
         table = ops.table(sort_by=time, row_limit=rows)
-        return (f"profile: {steps} traced on every rank -> {where} (open in ui.perfetto.dev or chrome://tracing); "
-                f"rank {self.rank}'s top {rows} ops by self {'CUDA' if self.device.type == 'cuda' else 'CPU'} time:\n{table}")
+        return (
+            f"profile: {steps} traced on every rank -> {where} (open in ui.perfetto.dev or chrome://tracing); "
+            f"rank {self.rank}'s top {rows} ops by self {'CUDA' if self.device.type == 'cuda' else 'CPU'} time:\n{table}"
+        )

@@ -18,8 +18,12 @@ import pytest
 
 def pytest_addoption(parser):
     group = parser.getgroup("tessera")
-    group.addoption("--tessera-timeout", type=float, default=120.0,
-                    help="seconds a tessera_run_ranks / tessera_equivalence call may take before its ranks' stacks are reported")
+    group.addoption(
+        "--tessera-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a tessera_run_ranks / tessera_equivalence call may take before its ranks' stacks are reported",
+    )
 
 
 @pytest.fixture

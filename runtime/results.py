@@ -14,9 +14,23 @@ from typing import Any
 import torch
 
 # peak HBM bandwidth in bytes/s, by a substring of torch.cuda.get_device_name()
-HBM_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
+HBM_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100 80GB HBM3": 3.35e12,
+    "H100 SXM": 3.35e12,
+    "H100 NVL": 3.9e12,
+    "H100 PCIe": 2.0e12,
+    "A100": 2.0e12,
+}
 # dense bf16 peak FLOP/s, by a substring of the device name
-BF16_PEAK = {"H200": 989e12, "H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "A100": 312e12}
+BF16_PEAK = {
+    "H200": 989e12,
+    "H100 80GB HBM3": 989e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "A100": 312e12,
+}
 
 
 def finite_or_null(value: Any) -> Any:

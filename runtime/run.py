@@ -107,11 +107,16 @@ def pipeline_summary(config: Config) -> str:
     pp = config.layout.pp
     layers = split_layers(config.model_config.n_layers, pp * pc.virtual, pc.layers_per_stage)
     timeline = simulate(pc.actions(pp))
-    what = pc.kind or (f"schedule from {config.parallel.schedule_file} ({pc.microbatches} microbatches, at most "
-                       f"{max(timeline.peak_activations)} in flight on a rank)")
+    what = pc.kind or (
+        f"schedule from {config.parallel.schedule_file} ({pc.microbatches} microbatches, at most "
+        f"{max(timeline.peak_activations)} in flight on a rank)"
+    )
     v = " on a V (rank r holds stages r and 2 pp - 1 - r)" if pc.placement == "v" else ""
-    return (f"pipeline {what} over {len(layers)} stages{v} (layers "
-            + " | ".join(f"{r.start}-{r.stop - 1}" for r in layers) + f"), simulated bubble {timeline.bubble:.1%}")
+    return (
+        f"pipeline {what} over {len(layers)} stages{v} (layers "
+        + " | ".join(f"{r.start}-{r.stop - 1}" for r in layers)
+        + f"), simulated bubble {timeline.bubble:.1%}"
+    )
 
 
 def _hf_model_section(config: Config):
@@ -135,14 +140,19 @@ def _join_torchrun_job(backend: str, timeout: float, attempt: int) -> None:
 def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: int) -> str:
     remaining = config.runtime.steps - m["step"]
     eta = elapsed / max(1, done_here) * remaining
-    skipped = f"skipped: non-finite, no update ({m.get('skipped_steps', 0)} skipped so far) | " if m.get("skipped") else ""
+    skipped = (
+        f"skipped: non-finite, no update ({m.get('skipped_steps', 0)} skipped so far) | " if m.get("skipped") else ""
+    )
     return (
         f"step {m['step']:>4}/{config.runtime.steps} | {skipped}loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
         f"eta {_duration(eta)} | {Layout(**m['layout'])}"
         + (f" | moe aux {m['moe']['aux_loss']:.2e} imbalance {m['moe']['max_imbalance']:.2f}" if m.get("moe") else "")
-        + (f" | {m['documents']['documents']} docs, mean {m['documents']['mean_length']:.0f} tokens"
-           if m.get("documents") else "")
+        + (
+            f" | {m['documents']['documents']} docs, mean {m['documents']['mean_length']:.0f} tokens"
+            if m.get("documents")
+            else ""
+        )
         + (f" | eval loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else "")
         + (f" | {Straggler(**m['straggler']).describe()}" if m.get("straggler") else "")
     )
@@ -161,8 +171,10 @@ def done_line(history: list[dict[str, Any]], config: Config) -> str:
     first, last = history[0], history[-1]
     took = last["step"] - first["step"] + 1
     resumed = f" ({first['step']}-{last['step']}, resumed after step {first['step'] - 1})" if first["step"] > 1 else ""
-    return (f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {took} step{'s' if took != 1 else ''}"
-            f"{resumed} on {config.layout}")
+    return (
+        f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {took} step{'s' if took != 1 else ''}"
+        f"{resumed} on {config.layout}"
+    )
 
 
 def stopped_message(why: str, config: Config) -> str:
@@ -185,7 +197,7 @@ def failure_cause(error: Exception) -> str:
     lines = [line for line in str(error).splitlines() if line.strip()]
     first = lines[0] if lines else type(error).__name__
     if first.endswith(" raised:") and len(lines) > 1:  # a traceback follows: its last line is the exception
-        first = f"{first[:-len(' raised:')]} raised {lines[-1].strip()}"
+        first = f"{first[: -len(' raised:')]} raised {lines[-1].strip()}"
 
     def named(match: re.Match) -> str:
         code = int(match.group(1))
@@ -211,8 +223,11 @@ def _keep_metrics_through(path: str, step: int) -> None:
     p = Path(path)
     if not p.exists():
         return
-    kept = [line for line in p.read_text().splitlines()
-            if line.strip() and (json.loads(line).get("type") == "header" or json.loads(line).get("step", 0) <= step)]
+    kept = [
+        line
+        for line in p.read_text().splitlines()
+        if line.strip() and (json.loads(line).get("type") == "header" or json.loads(line).get("step", 0) <= step)
+    ]
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, p)
@@ -265,8 +280,10 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
         with warnings.catch_warnings():  # a fallback to an older checkpoint: the launcher announced it, once
             warnings.filterwarnings("ignore", message="the latest checkpoint .* is unusable")
             manifest = trainer.load(config.resume_path)
-        say(f"resumed from {resolve_checkpoint(config.resume_path)[0]}: step {manifest['step']} "
-            f"({manifest['consumed_tokens']:,} tokens) saved on {Layout(**manifest['layout'])}")
+        say(
+            f"resumed from {resolve_checkpoint(config.resume_path)[0]}: step {manifest['step']} "
+            f"({manifest['consumed_tokens']:,} tokens) saved on {Layout(**manifest['layout'])}"
+        )
     manager = checkpoint.CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
     history: list[dict[str, Any]] = []
     stop = _StopOnSignal() if config.checkpoint.on_signal else None
@@ -287,7 +304,9 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             if trainer.step == first_step + 1:  # the header and start-up line carry what step 1 measured
                 say(startup_line(config, trainer))
                 if out:
-                    out.write(strict_json({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
+                    out.write(
+                        strict_json({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n"
+                    )
                     header_written = True
             if result.skip_report and rank == 0:  # one line per skipped step, with --quiet too
                 print(f"tessera: {result.skip_report}", flush=True)
@@ -303,8 +322,11 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             saved = config.checkpoint.every and trainer.step % config.checkpoint.every == 0
             if saved:
                 path = trainer.save(manager)
-                say(f"saving checkpoint {path} in the background (training waited {manager.blocked_s:.2f} s)"
-                    if manager.pending is not None else f"saved checkpoint {path}")
+                say(
+                    f"saving checkpoint {path} in the background (training waited {manager.blocked_s:.2f} s)"
+                    if manager.pending is not None
+                    else f"saved checkpoint {path}"
+                )
             if stop is not None and stop.requested_anywhere(trainer.device):  # every rank decides alike
                 path = path if saved else trainer.save(manager)
                 manager.finish()
@@ -364,18 +386,33 @@ def train(config: Config) -> list[dict[str, Any]] | None:
         attempt = 0
         while True:
             try:
-                return run_ranks(run_rank, world, config, attempt, timeout=None,
-                                 collective_timeout=config.runtime.timeout, backend=_backend(config),
-                                 forward_sigterm=config.checkpoint.on_signal)[0]
+                return run_ranks(
+                    run_rank,
+                    world,
+                    config,
+                    attempt,
+                    timeout=None,
+                    collective_timeout=config.runtime.timeout,
+                    backend=_backend(config),
+                    forward_sigterm=config.checkpoint.on_signal,
+                )[0]
             except (RankFailure, RankTimeout) as e:
                 if attempt >= config.runtime.max_restarts or _deterministic(e):
                     raise
                 attempt += 1
                 config = _resuming_after_failure(config)
-                where = f"the latest checkpoint in {config.checkpoint.dir}" if config.checkpoint.resume is not None else "step 0"
+                where = (
+                    f"the latest checkpoint in {config.checkpoint.dir}"
+                    if config.checkpoint.resume is not None
+                    else "step 0"
+                )
                 first = failure_cause(e)
-                print(f"tessera: {first}; restarting every rank from {where} (restart {attempt} of "
-                      f"{config.runtime.max_restarts})", file=sys.stderr, flush=True)
+                print(
+                    f"tessera: {first}; restarting every rank from {where} (restart {attempt} of "
+                    f"{config.runtime.max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def _deterministic(error: Exception) -> bool:
@@ -399,8 +436,11 @@ def _resuming_after_failure(config: Config) -> Config:
             _announce(resolve_checkpoint(root)[1])
         except checkpoint.CheckpointError:
             return config
-        return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume="", init_from=None, init_from_hf=None),
-                               model=_hf_model_section(config))
+        return dataclasses.replace(
+            config,
+            checkpoint=dataclasses.replace(config.checkpoint, resume="", init_from=None, init_from_hf=None),
+            model=_hf_model_section(config),
+        )
     return config
 
 

@@ -40,8 +40,13 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 class LocalRunner:
     """pp == 1: the whole model on this rank; gradient accumulation over microbatches."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, grad_scale: float = 1.0,
-                 positions: Callable[[Tensor], Tensor] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        grad_scale: float = 1.0,
+        positions: Callable[[Tensor], Tensor] | None = None,
+    ):
         self.model, self.loss_fn, self.grad_scale = model, loss_fn, grad_scale
         self.positions = positions  # tokens -> their global positions (context parallel); default 0..S-1
 
@@ -61,15 +66,21 @@ class LocalRunner:
         return total
 
 
-def forward_only(model: nn.Module, loss_fn: LossFn, microbatches: Sequence[Microbatch],
-                 positions: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def forward_only(
+    model: nn.Module,
+    loss_fn: LossFn,
+    microbatches: Sequence[Microbatch],
+    positions: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """(summed loss, valid targets) of this rank's microbatches without gradients (evaluation)."""
     import torch
 
     total, count = None, None
     with torch.no_grad():
         for microbatch in microbatches:
-            loss_sum, valid = model_loss(loss_fn, model, microbatch[0], positions_of(microbatch, positions), microbatch[1])
+            loss_sum, valid = model_loss(
+                loss_fn, model, microbatch[0], positions_of(microbatch, positions), microbatch[1]
+            )
             total = loss_sum.float() if total is None else total + loss_sum.float()
             valid = torch.as_tensor(valid, dtype=torch.float32, device=loss_sum.device)
             count = valid if count is None else count + valid
@@ -84,10 +95,11 @@ def positions_of(microbatch: Microbatch, positions: Callable[[Tensor], Tensor] |
     return positions(microbatch[0]) if positions is not None else None
 
 
-def split_microbatches(inputs: Tensor, targets: Tensor, count: int, positions: Tensor | None = None) -> list[Microbatch]:
+def split_microbatches(
+    inputs: Tensor, targets: Tensor, count: int, positions: Tensor | None = None
+) -> list[Microbatch]:
     """Rows cut into `count` equal microbatches (the config checks that they divide), each with its rows'
     positions when given (packed documents)."""
     if positions is None:
         return list(zip(inputs.chunk(count), targets.chunk(count)))
     return list(zip(inputs.chunk(count), targets.chunk(count), positions.chunk(count)))
-

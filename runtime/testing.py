@@ -75,7 +75,7 @@ def train_on_layout(spec: RunSpec) -> dict[str, Any] | None:
     inputs, targets = spec.batch
     dp, dp_rank = layout.dp, layout.index("dp", rank)
     rows = inputs.shape[0] // dp
-    x, y = inputs[dp_rank * rows:(dp_rank + 1) * rows], targets[dp_rank * rows:(dp_rank + 1) * rows]
+    x, y = inputs[dp_rank * rows : (dp_rank + 1) * rows], targets[dp_rank * rows : (dp_rank + 1) * rows]
     loss_fn = spec.loss_fn or _default_loss
     losses, grads = [], []
     for _ in range(spec.steps):
@@ -117,14 +117,36 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
     with torch.device("meta"):
         model_config = spec.build_model().config
     meshes = Meshes(layout, "cpu")
-    parallel = ParallelConfig(layout, data=DataParallelConfig(strategy=spec.fsdp), cp_method=spec.cp_method,
-                              pipeline=PipelineConfig(schedule=spec.schedule, microbatches=spec.microbatches))
+    parallel = ParallelConfig(
+        layout,
+        data=DataParallelConfig(strategy=spec.fsdp),
+        cp_method=spec.cp_method,
+        pipeline=PipelineConfig(schedule=spec.schedule, microbatches=spec.microbatches),
+    )
     inputs, targets = spec.batch[:2]
-    data = StepData(layout, meshes, rank, torch.device("cpu"), inputs.shape[1], inputs.shape[0], spec.microbatches,
-                    pack=len(spec.batch) > 2)
+    data = StepData(
+        layout,
+        meshes,
+        rank,
+        torch.device("cpu"),
+        inputs.shape[1],
+        inputs.shape[0],
+        spec.microbatches,
+        pack=len(spec.batch) > 2,
+    )
     loss_fn = CrossEntropySum(model_config.vocab_size, meshes.tp)
-    built = build_parts(spec.model_spec, model_config, meshes, parallel, torch.device("cpu"), spec.seed,
-                        spec.microbatches, loss_fn, data.positions_of, global_rows=spec.batch[0].shape[0])
+    built = build_parts(
+        spec.model_spec,
+        model_config,
+        meshes,
+        parallel,
+        torch.device("cpu"),
+        spec.seed,
+        spec.microbatches,
+        loss_fn,
+        data.positions_of,
+        global_rows=spec.batch[0].shape[0],
+    )
     params = [p for part in built.parts for p in part.parameters()]
     optimizer = torch.optim.SGD(params, lr=spec.lr)
     x, y, *packed = data.of_global_batch(*spec.batch)  # packed: documents' positions
@@ -173,7 +195,9 @@ def compare_runs(reference: dict, run: dict, where: str, rtol: float) -> None:
         for name, gw in grads_want.items():
             gg = grads_got[name]
             if gg.shape != gw.shape:
-                raise LayoutsDiverge(f"{where}, step {step}: gradient of {name!r} has shape {tuple(gg.shape)}, one process {tuple(gw.shape)}")
+                raise LayoutsDiverge(
+                    f"{where}, step {step}: gradient of {name!r} has shape {tuple(gg.shape)}, one process {tuple(gw.shape)}"
+                )
             err = (gg.double() - gw.double()).abs().max().item() if gw.numel() else 0.0
             scale = max(gw.abs().max().item() if gw.numel() else 0.0, model_scale, 1e-12)
             if err > rtol * scale:
@@ -183,8 +207,10 @@ def compare_runs(reference: dict, run: dict, where: str, rtol: float) -> None:
                     f"{err:.3e} ({err / scale:.3e} of its scale {scale:.3e}) > rtol {rtol:g}{loss_note}"
                 )
         if abs(got - want) > rtol * max(abs(want), 1e-12):
-            raise LayoutsDiverge(f"{where}, step {step}: loss {got:.8g} differs from one process's {want:.8g} "
-                                 f"(relative {abs(got - want) / abs(want):.3e} > rtol {rtol:g})")
+            raise LayoutsDiverge(
+                f"{where}, step {step}: loss {got:.8g} differs from one process's {want:.8g} "
+                f"(relative {abs(got - want) / abs(want):.3e} > rtol {rtol:g})"
+            )
 
 
 _REFERENCES: dict[tuple, dict] = {}
@@ -241,7 +267,9 @@ def assert_layouts_equivalent(
 
     layouts = [lay if isinstance(lay, Layout) else Layout(**lay) for lay in layouts]
     if len(batch) not in (2, 3) or (len(batch) == 3 and spec is None):
-        raise ValueError("batch is (inputs, targets), or with spec=... (inputs, targets, positions) of packed documents")
+        raise ValueError(
+            "batch is (inputs, targets), or with spec=... (inputs, targets, positions) of packed documents"
+        )
     inputs, targets = batch[:2]
     if len(batch) == 3:
         if tuple(batch[2].shape) != tuple(inputs.shape):
@@ -251,14 +279,20 @@ def assert_layouts_equivalent(
         with torch.device("meta"):
             check_document_masking(build_model().config, spec)
     if spec is not None and (plan is not None or loss_fn is not None):
-        raise ValueError("with spec=..., the plan comes from the spec and the loss is cross-entropy over the targets: "
-                         "drop plan= and loss_fn=")
+        raise ValueError(
+            "with spec=..., the plan comes from the spec and the loss is cross-entropy over the targets: "
+            "drop plan= and loss_fn="
+        )
     for layout in layouts:  # every input error before any rank starts
         if spec is None and (layout.pp > 1 or layout.cp > 1):
-            raise ValueError(f"layout {layout}: pp and cp read a model's stages and attention slots from its spec: "
-                             f"pass spec=ModelSpec(...) (tessera.models.spec; examples/custom_model.py)")
+            raise ValueError(
+                f"layout {layout}: pp and cp read a model's stages and attention slots from its spec: "
+                f"pass spec=ModelSpec(...) (tessera.models.spec; examples/custom_model.py)"
+            )
         if inputs.shape[0] % layout.dp:
-            raise ValueError(f"layout {layout}: the batch's {inputs.shape[0]} rows do not split over dp={layout.dp}; use a multiple of {layout.dp} rows")
+            raise ValueError(
+                f"layout {layout}: the batch's {inputs.shape[0]} rows do not split over dp={layout.dp}; use a multiple of {layout.dp} rows"
+            )
         check_data_parallel(DataParallelConfig(strategy=fsdp), layout)
         if spec is not None:
             from tessera.parallel import ParallelConfig
@@ -268,7 +302,8 @@ def assert_layouts_equivalent(
                 model_config = build_model().config
             count = microbatches or layout.pp
             ParallelConfig(layout, pipeline=PipelineConfig(schedule=schedule, microbatches=count)).check(
-                model_config, seq_len=inputs.shape[1], global_batch=inputs.shape[0], microbatches=count, spec=spec)
+                model_config, seq_len=inputs.shape[1], global_batch=inputs.shape[0], microbatches=count, spec=spec
+            )
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
     if plan is not None and any(layout.tp > 1 for layout in layouts):
@@ -278,8 +313,20 @@ def assert_layouts_equivalent(
             plan.check(probe, tp)
 
     def run(layout: Layout) -> dict:
-        run_spec = RunSpec(build_model, layout, plan, tuple(batch), steps, lr, seed, loss_fn, fsdp, spec,
-                           microbatches or layout.pp, schedule)
+        run_spec = RunSpec(
+            build_model,
+            layout,
+            plan,
+            tuple(batch),
+            steps,
+            lr,
+            seed,
+            loss_fn,
+            fsdp,
+            spec,
+            microbatches or layout.pp,
+            schedule,
+        )
         fn = train_on_layout if spec is None else train_spec_on_layout
         return run_ranks(fn, layout.world_size, run_spec, timeout=timeout)[0]
 
@@ -304,15 +351,24 @@ def drift_envelope(config: Any, microbatches: Sequence[int] = (1, 2, 4)) -> dict
 
     single = dict.fromkeys(("pp", "dp", "dp_replicate", "cp", "tp", "ep"), 1)
     # one process: no pipeline schedule, no sequence parallel (they need pp or tp), and no check of its own
-    single.update(sequence_parallel=False, schedule=None, schedule_file=None, virtual=1, pp_layers=None, cp_method=None,
-                  fsdp="FULL_SHARD")
+    single.update(
+        sequence_parallel=False,
+        schedule=None,
+        schedule_file=None,
+        virtual=1,
+        pp_layers=None,
+        cp_method=None,
+        fsdp="FULL_SHARD",
+    )
     runs = {}
     for m in microbatches:
-        variant = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **single),
-                                      runtime=dataclasses.replace(config.runtime, check_drift=False, metrics=None,
-                                                                  quiet=True),
-                                      data=dataclasses.replace(config.data, microbatches=m),
-                                      checkpoint=dataclasses.replace(config.checkpoint, dir=None, every=0))
+        variant = dataclasses.replace(
+            config,
+            parallel=dataclasses.replace(config.parallel, **single),
+            runtime=dataclasses.replace(config.runtime, check_drift=False, metrics=None, quiet=True),
+            data=dataclasses.replace(config.data, microbatches=m),
+            checkpoint=dataclasses.replace(config.checkpoint, dir=None, every=0),
+        )
         runs[m] = train(variant)
     steps = min(len(h) for h in runs.values())
     envelope = []
@@ -325,8 +381,9 @@ def drift_envelope(config: Any, microbatches: Sequence[int] = (1, 2, 4)) -> dict
     return {"microbatches": list(microbatches), "runs": runs, "envelope": envelope}
 
 
-def judge_drift(history: Sequence[dict], envelope: dict[str, Any], factor: float = 2.0,
-                floor: float = 1e-5) -> list[str]:
+def judge_drift(
+    history: Sequence[dict], envelope: dict[str, Any], factor: float = 2.0, floor: float = 1e-5
+) -> list[str]:
     """The steps where a layout's run (its step records) is farther from the one-process run than `factor`
     times the envelope of one process's own reassociation variants (`drift_envelope`) allows, with `floor`
     (the contract's 1e-5) where the variants agree; empty: the layout drifted no more than one process does."""
@@ -337,7 +394,9 @@ def judge_drift(history: Sequence[dict], envelope: dict[str, Any], factor: float
             drift = abs(mine[key] - ref[key]) / max(abs(ref[key]), 1e-30)
             allowed = max(floor, factor * env[key])
             if drift > allowed:
-                out.append(f"step {s}: {key} {mine[key]:.7g} is {drift:.2e} from one process's {ref[key]:.7g}, "
-                           f"beyond {allowed:.2e} ({factor:g} x the spread of one process over microbatches "
-                           f"{envelope['microbatches']})")
+                out.append(
+                    f"step {s}: {key} {mine[key]:.7g} is {drift:.2e} from one process's {ref[key]:.7g}, "
+                    f"beyond {allowed:.2e} ({factor:g} x the spread of one process over microbatches "
+                    f"{envelope['microbatches']})"
+                )
     return out

@@ -22,8 +22,10 @@ SEPARATORS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 
 
 def _not_utf8(where: str, e: UnicodeDecodeError) -> ValueError:
-    return ValueError(f"{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); tokenize text "
-                      f"(.txt) or JSONL files, saved as UTF-8")
+    return ValueError(
+        f"{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); tokenize text "
+        f"(.txt) or JSONL files, saved as UTF-8"
+    )
 
 
 def documents(files: list[str], field: str) -> Iterator[str]:
@@ -60,12 +62,18 @@ def check_input_file(flag: str, name: str) -> None:
     said = f"{flag} {name}" if flag else name
     path = Path(name)
     if not name:
-        raise ValueError(f"{flag} '' is an empty file name; name a file" if flag else
-                         "an input file is named '' (empty); name the .txt or .jsonl files to read")
+        raise ValueError(
+            f"{flag} '' is an empty file name; name a file"
+            if flag
+            else "an input file is named '' (empty); name the .txt or .jsonl files to read"
+        )
     if path.is_dir():
-        raise ValueError(f"{said} is a directory; name a file in it" if flag else
-                         f"{said} is a directory; name the files in it (e.g. {name.rstrip('/') or '/'}/*.txt: the "
-                         f"shell expands it)")
+        raise ValueError(
+            f"{said} is a directory; name a file in it"
+            if flag
+            else f"{said} is a directory; name the files in it (e.g. {name.rstrip('/') or '/'}/*.txt: the "
+            f"shell expands it)"
+        )
     if not path.is_file():
         raise ValueError(f"{said}: no such file" if not path.exists() else f"{said} is not a regular file")
     if not os.access(path, os.R_OK):
@@ -87,8 +95,15 @@ def check_out_dir(flag: str, name: str) -> Path:
     return path
 
 
-def tokenize(tokenizer_file: str, out: str, files: list[str], separator: str | None = None, field: str = "text",
-             shard_tokens: int = 100_000_000, progress: bool = True) -> list[Path]:
+def tokenize(
+    tokenizer_file: str,
+    out: str,
+    files: list[str],
+    separator: str | None = None,
+    field: str = "text",
+    shard_tokens: int = 100_000_000,
+    progress: bool = True,
+) -> list[Path]:
     """Write the token files; returns the .bin paths. ValueError naming the file for bad input."""
     try:
         from tokenizers import Tokenizer
@@ -107,8 +122,10 @@ def tokenize(tokenizer_file: str, out: str, files: list[str], separator: str | N
     if separator is None:
         separator = next((s for s in SEPARATORS if tok.token_to_id(s) is not None), None)
         if separator is None:
-            raise ValueError(f"--tokenizer {tokenizer_file} has none of {', '.join(SEPARATORS)}; name the document "
-                             f"separator with --separator TOKEN")
+            raise ValueError(
+                f"--tokenizer {tokenizer_file} has none of {', '.join(SEPARATORS)}; name the document "
+                f"separator with --separator TOKEN"
+            )
     sep_id = tok.token_to_id(separator)
     if sep_id is None:
         raise ValueError(f"--separator {separator!r} is not a token of {tokenizer_file}")
@@ -132,6 +149,8 @@ def tokenize(tokenizer_file: str, out: str, files: list[str], separator: str | N
         if buffer or not written:
             written.append(write_shard(out_dir / f"shard_{len(written):05d}", buffer, vocab, sep_id))
     except OSError as e:  # the input's read errors are ValueErrors already (documents): this is a write
-        raise ValueError(f"--out {out}: writing {e.filename or 'a shard'} failed ({e.strerror}); free space or choose "
-                         f"another directory") from None
+        raise ValueError(
+            f"--out {out}: writing {e.filename or 'a shard'} failed ({e.strerror}); free space or choose "
+            f"another directory"
+        ) from None
     return written

@@ -58,8 +58,6 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-
-
 @dataclass
 class Progress:
     """Steps taken, tokens consumed, steps skipped for non-finite values (Stateful)."""
@@ -70,8 +68,12 @@ class Progress:
     skipped_in_a_row: int = 0  # the latest steps, all skipped (--max-skipped-steps bounds it)
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "consumed_tokens": self.consumed_tokens, "skipped_steps": self.skipped_steps,
-                "skipped_in_a_row": self.skipped_in_a_row}
+        return {
+            "step": self.step,
+            "consumed_tokens": self.consumed_tokens,
+            "skipped_steps": self.skipped_steps,
+            "skipped_in_a_row": self.skipped_in_a_row,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.consumed_tokens = int(state["step"]), int(state["consumed_tokens"])
@@ -128,8 +130,9 @@ class StepResult:
             **({"moe": self.moe} if self.moe is not None else {}),
             **({"documents": self.documents} if self.documents is not None else {}),
             **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
-            "straggler": None if self.straggler is None else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s,
-                                                              "steps": self.straggler.steps},
+            "straggler": None
+            if self.straggler is None
+            else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s, "steps": self.straggler.steps},
         }
 
 
@@ -146,25 +149,54 @@ class Trainer:
         self.spec = spec_of(self.model_config)
         self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
         d = config.data
-        self.batches = StepData(self.layout, self.meshes, self.rank, self.device, d.seq_len, d.global_batch,
-                                d.microbatches, d.pack_documents)
-        built = build_parts(self.spec, self.model_config, self.meshes, config.parallel_config(), self.device,
-                            config.runtime.seed, config.data.microbatches, self.loss_fn, self.batches.positions_of,
-                            timeout=config.runtime.timeout, global_rows=config.data.global_batch)
+        self.batches = StepData(
+            self.layout,
+            self.meshes,
+            self.rank,
+            self.device,
+            d.seq_len,
+            d.global_batch,
+            d.microbatches,
+            d.pack_documents,
+        )
+        built = build_parts(
+            self.spec,
+            self.model_config,
+            self.meshes,
+            config.parallel_config(),
+            self.device,
+            config.runtime.seed,
+            config.data.microbatches,
+            self.loss_fn,
+            self.batches.positions_of,
+            timeout=config.runtime.timeout,
+            global_rows=config.data.global_batch,
+        )
         self.parts, self.runner, self.tied = built.parts, built.runner, built.tied
         o = config.optimizer
-        self.optimizer = PartOptimizers([
-            build_adamw(part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-            for part in self.parts
-        ])
-        self.scheduler = PartSchedulers([
-            torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup, config.runtime.steps, o.min_lr_ratio))
-            for opt in self.optimizer.optimizers
-        ])
+        self.optimizer = PartOptimizers(
+            [
+                build_adamw(
+                    part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+                )
+                for part in self.parts
+            ]
+        )
+        self.scheduler = PartSchedulers(
+            [
+                torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup, config.runtime.steps, o.min_lr_ratio))
+                for opt in self.optimizer.optimizers
+            ]
+        )
         if data is None and config.data.path:
-            data = TokenFileStream(config.data.path, config.data.seq_len, config.data.global_batch, self.model_config.vocab_size)
-        self.data = data if data is not None else TokenStream(config.data.seq_len, config.data.global_batch,
-                                                              documents=config.data.pack_documents)
+            data = TokenFileStream(
+                config.data.path, config.data.seq_len, config.data.global_batch, self.model_config.vocab_size
+            )
+        self.data = (
+            data
+            if data is not None
+            else TokenStream(config.data.seq_len, config.data.global_batch, documents=config.data.pack_documents)
+        )
         self.progress = Progress()
         self.straggler_watch = StragglerWatch(self.device)
         # measured during this process's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}
@@ -174,7 +206,9 @@ class Trainer:
     def model(self) -> nn.Module:
         """The model of a run without pipeline stages (a pipeline rank holds `parts`)."""
         if len(self.parts) != 1 or self.layout.pp > 1:
-            raise AttributeError(f"a pipeline rank (pp={self.layout.pp}) holds stage parts, not the model: use trainer.parts")
+            raise AttributeError(
+                f"a pipeline rank (pp={self.layout.pp}) holds stage parts, not the model: use trainer.parts"
+            )
         return self.parts[0]
 
     @property
@@ -211,7 +245,9 @@ class Trainer:
                 rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
                 local = self.batches.local(rows_in, rows_tg, held_out)
                 if self.layout.pp > 1:  # through the stages, forward only (every pp rank gets the sums)
-                    loss_sum, count = self.runner.forward_only(split_microbatches(*local[:2], d.microbatches, *local[2:]))
+                    loss_sum, count = self.runner.forward_only(
+                        split_microbatches(*local[:2], d.microbatches, *local[2:])
+                    )
                 else:
                     loss_sum, count = forward_only(self.parts[0], self.loss_fn, [local], self.runner.positions)
                 totals += torch.stack([loss_sum, count])
@@ -231,17 +267,21 @@ class Trainer:
         try:
             return self._measured_step(step, on_grads)
         except CollectiveTimeout as e:
-            named = str(e).replace(f"rank {self.rank} stalled in", f"rank {self.rank} stalled at training step {step} in", 1)
+            named = str(e).replace(
+                f"rank {self.rank} stalled in", f"rank {self.rank} stalled at training step {step} in", 1
+            )
             raise CollectiveTimeout(named) from e
         except RuntimeError as e:
             if not is_timeout(e):
                 raise
             where = stalled_collective(e, self.layout, self.rank) or (
                 "a collective that torch issued (an FSDP2 all-gather or reduce-scatter over the data axes, or a "
-                "DTensor redistribution)")
+                "DTensor redistribution)"
+            )
             raise CollectiveTimeout(
                 f"rank {self.rank} stalled at training step {step} in {where}: a peer never joined; "
-                f"look for a rank that raised, exited or froze. Underlying error: {e}") from e
+                f"look for a rank that raised, exited or froze. Underlying error: {e}"
+            ) from e
 
     def _measured_step(self, step: int, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         """`_train_step`, inside the measuring modes this step asks for: --comm-stats (every step, or the
@@ -294,10 +334,24 @@ class Trainer:
         c, p = self.config, self.config.parallel_config()
         act = PRECISIONS[p.data.mixed_precision].itemsize
         return comm_bytes_per_step(
-            shape_of(self.model_config), self.layout, c.data.seq_len, c.data.global_batch, c.data.microbatches,
-            p.sequence_parallel, p.data.strategy, p.pipeline.virtual, p.data.activation_checkpointing, p.cp_method,
-            self.rank, p.pipeline.layers_per_stage, act_bytes=act, param_bytes=act, reduce_bytes=4,
-            placement=p.pipeline.placement, documents=c.data.pack_documents)
+            shape_of(self.model_config),
+            self.layout,
+            c.data.seq_len,
+            c.data.global_batch,
+            c.data.microbatches,
+            p.sequence_parallel,
+            p.data.strategy,
+            p.pipeline.virtual,
+            p.data.activation_checkpointing,
+            p.cp_method,
+            self.rank,
+            p.pipeline.layers_per_stage,
+            act_bytes=act,
+            param_bytes=act,
+            reduce_bytes=4,
+            placement=p.pipeline.placement,
+            documents=c.data.pack_documents,
+        )
 
     def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         waits: dict[str, float] = {}
@@ -320,8 +374,12 @@ class Trainer:
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
         if on_grads is not None:
             on_grads(self.parts)
-        grad_norm = clip_grad_norm_(self.norm_parameters(), self.config.optimizer.max_grad_norm, Meshes.group(self.meshes.pp),
-                                    scale_also=self.parameters())
+        grad_norm = clip_grad_norm_(
+            self.norm_parameters(),
+            self.config.optimizer.max_grad_norm,
+            Meshes.group(self.meshes.pp),
+            scale_also=self.parameters(),
+        )
         if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
             with collective("all_reduce (loss)", "pp", self.meshes.pp.get_group()):
                 dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
@@ -335,18 +393,23 @@ class Trainer:
             report = self._nonfinite_report(self.progress.step + 1, loss_sum / max(1, valid), grad_norm)
             runtime = self.config.runtime
             if runtime.on_nonfinite == "stop":
-                raise NonFiniteError(report + "; stopped before the update (nothing poisoned was applied or saved); "
-                                     "--on-nonfinite skip drops such steps instead")
+                raise NonFiniteError(
+                    report + "; stopped before the update (nothing poisoned was applied or saved); "
+                    "--on-nonfinite skip drops such steps instead"
+                )
             limit = runtime.skip_limit
             if self.progress.skipped_in_a_row >= limit:  # the run is not recovering: stop as `stop` does
                 raise NonFiniteError(
                     f"{report}; stopped before the update after {self.progress.skipped_in_a_row} skipped steps in a "
                     f"row (--max-skipped-steps {limit}): nothing poisoned was applied or saved; lower --lr, or allow "
-                    f"more with --max-skipped-steps N")
+                    f"more with --max-skipped-steps N"
+                )
             self.progress.skipped_steps += 1
             self.progress.skipped_in_a_row += 1
-            skip_report = (f"{report}; the step's update was skipped (--on-nonfinite skip: {self.progress.skipped_in_a_row} "
-                           f"of at most {limit} in a row)")
+            skip_report = (
+                f"{report}; the step's update was skipped (--on-nonfinite skip: {self.progress.skipped_in_a_row} "
+                f"of at most {limit} in a row)"
+            )
         load = self._expert_load()
         if not skipped:
             self.progress.skipped_in_a_row = 0
@@ -358,18 +421,35 @@ class Trainer:
         straggler = self.straggler_watch.observe(time.perf_counter() - started)
         self.progress.step += 1
         self.progress.consumed_tokens += global_tokens
-        return StepResult(self.progress.step, loss_sum / max(1, valid), grad_norm, lr, global_tokens, started,
-                          self.layout.as_dict(), self.device, skipped=skipped, skipped_steps=self.progress.skipped_steps,
-                          skip_report=skip_report, straggler=straggler, tokens_checksum=step.tokens_checksum,
-                          moe=None if load is None else load_report(*load, self.config.data.global_batch),
-                          documents=step.documents)
+        return StepResult(
+            self.progress.step,
+            loss_sum / max(1, valid),
+            grad_norm,
+            lr,
+            global_tokens,
+            started,
+            self.layout.as_dict(),
+            self.device,
+            skipped=skipped,
+            skipped_steps=self.progress.skipped_steps,
+            skip_report=skip_report,
+            straggler=straggler,
+            tokens_checksum=step.tokens_checksum,
+            moe=None if load is None else load_report(*load, self.config.data.global_batch),
+            documents=step.documents,
+        )
 
     def _expert_load(self) -> tuple[Tensor, Tensor] | None:
         """The step's expert token counts and auxiliary loss, summed over every rank (MoE models only)."""
         if not self.spec.moe:
             return None
-        return expert_load(self.parts, self.spec.moe, self.model_config.n_layers, self.layout.index("tp", self.rank),
-                           self.config.parallel.sequence_parallel)
+        return expert_load(
+            self.parts,
+            self.spec.moe,
+            self.model_config.n_layers,
+            self.layout.index("tp", self.rank),
+            self.config.parallel.sequence_parallel,
+        )
 
     def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
         """Which parameters hold a NaN or inf gradient, on which rank and shard (collective)."""
@@ -385,15 +465,22 @@ class Trainer:
                     where = ""
                     if isinstance(p.grad, DTensor):
                         mesh = p.grad.device_mesh
-                        where = " (shard " + ", ".join(f"{n}={mesh.get_local_rank(i)}" for i, n in
-                                                       enumerate(mesh.mesh_dim_names or ())) + ")"
+                        where = (
+                            " (shard "
+                            + ", ".join(
+                                f"{n}={mesh.get_local_rank(i)}" for i, n in enumerate(mesh.mesh_dim_names or ())
+                            )
+                            + ")"
+                        )
                     mine.append(f"rank {self.rank}: {one_process_name(name)}{where}")
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         found = [entry for entries in everyone for entry in entries]
         shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
-        return (f"non-finite values at step {step}: loss {loss.item()}, grad norm {grad_norm.item()}; "
-                f"gradients: {shown or 'all finite (the loss itself)'}")
+        return (
+            f"non-finite values at step {step}: loss {loss.item()}, grad norm {grad_norm.item()}; "
+            f"gradients: {shown or 'all finite (the loss itself)'}"
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_pieces(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -420,8 +507,11 @@ class Trainer:
 
     def save(self, manager: checkpoint.CheckpointManager) -> str:
         sharded, small = self.checkpoint_pieces()
-        return str(manager.save(self.step, sharded, small, self.checkpoint_info(),
-                                asynchronous=self.config.checkpoint.asynchronous))
+        return str(
+            manager.save(
+                self.step, sharded, small, self.checkpoint_info(), asynchronous=self.config.checkpoint.asynchronous
+            )
+        )
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore every piece from a checkpoint saved on any layout; collective. Returns the manifest."""

@@ -89,7 +89,12 @@ def measured_model_states(config: Config):
     grads = model_state_bytes_on_rank(trainer.model)["gradients"]
     trainer.optimizer.step()
     optim = model_state_bytes_on_rank(trainer.model, trainer.optimizer)["optimizer"]
-    return {"parameters": params, "gradients": grads, "optimizer": optim, "num_params": trainer.model_config.num_params()}
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": optim,
+        "num_params": trainer.model_config.num_params(),
+    }
 
 
 def _first_batch_loss(trainer: Trainer) -> float:
@@ -121,7 +126,9 @@ def full_parameters(config: Config):
 
 
 def named_full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {clean_name(n): full_tensor(p).detach().clone() for part in trainer.parts for n, p in part.named_parameters()}
+    return {
+        clean_name(n): full_tensor(p).detach().clone() for part in trainer.parts for n, p in part.named_parameters()
+    }
 
 
 def resumed_full_parameters(config: Config):
@@ -181,8 +188,13 @@ def train_with_dtypes(config: Config):
     rank, records, grads = _records_and_grads(config)
     if rank != 0:
         return None
-    return ([r["loss"] for r in records], [r["grad_norm"] for r in records], grads,
-            [r["compute_dtype"] for r in records], records[0]["matmul_flops_by_dtype"])
+    return (
+        [r["loss"] for r in records],
+        [r["grad_norm"] for r in records],
+        grads,
+        [r["compute_dtype"] for r in records],
+        records[0]["matmul_flops_by_dtype"],
+    )
 
 
 def train_with_records(config: Config):

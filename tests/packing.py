@@ -65,7 +65,7 @@ def run_alone(model, inputs, targets, positions) -> tuple[torch.Tensor, dict]:
     total = 0.0
     for b, docs in enumerate(documents_of(positions)):
         for s, e in docs:
-            logits = model(inputs[b:b + 1, s:e])
+            logits = model(inputs[b : b + 1, s:e])
             per_token = F.cross_entropy(logits[0].float(), targets[b, s:e], ignore_index=IGNORE_INDEX, reduction="none")
             losses[b, s:e] = per_token.detach()
             total = total + per_token.sum()

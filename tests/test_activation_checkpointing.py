@@ -47,5 +47,7 @@ def test_op_level_checkpointing_recomputes_only_the_cheap_ops():
 
 
 def test_unknown_ac_mode_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match="unknown activation checkpointing 'ops'; use one of none, full, selective, op"):
+    with pytest.raises(
+        ValueError, match="unknown activation checkpointing 'ops'; use one of none, full, selective, op"
+    ):
         check_data_parallel(DataParallelConfig(activation_checkpointing="ops"), Layout(dp_shard=2))

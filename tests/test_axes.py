@@ -26,8 +26,11 @@ def test_the_table_names_the_layouts_axes_in_mesh_order():
 
 
 def test_the_flattened_meshes_and_the_accounting_come_from_the_entries():
-    assert FLATTENED == {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-                         "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+    assert FLATTENED == {
+        "dp": ("dp_replicate", "dp_shard"),
+        "dp_shard_cp": ("dp_shard", "cp"),
+        "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    }
     assert list(FLATTENED) == ["dp", "dp_shard_cp", "dp_cp"]  # build_mesh flattens in this order
     assert COMM_AXES == ("pp", "dp_replicate", "dp_shard_cp", "cp", "tp", "ep")  # topology/comm_model.py's keys
     purposes = {f.purpose: f.name for f in axes.FLATTENED_MESHES}
@@ -86,7 +89,12 @@ def test_the_flags_accept_what_the_layout_accepts(flags):
         return
     layout = Layout(**axes.degrees_from_flags(flags))
     assert (layout.pp, layout.dp, layout.dp_replicate, layout.cp, layout.tp) == (
-        flags["pp"], flags["dp"], flags["dp_replicate"], flags["cp"], flags["tp"])
+        flags["pp"],
+        flags["dp"],
+        flags["dp_replicate"],
+        flags["cp"],
+        flags["tp"],
+    )
 
 
 # ----------------------------------------------------------------------------- degree rules
@@ -111,15 +119,24 @@ def test_the_degree_check_accepts_exactly_the_degrees_layout_accepts(degrees):
 
 
 # drawn so that about a third of the cases pass every check and the rest break one rule or more
-shapes = st.builds(SimpleNamespace, n_heads=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]),
-                   n_kv_heads=st.sampled_from([1, 2, 3, 4, 8]), ffn_dim=st.sampled_from([7, 12, 24, 48]),
-                   n_layers=st.integers(1, 8))
+shapes = st.builds(
+    SimpleNamespace,
+    n_heads=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]),
+    n_kv_heads=st.sampled_from([1, 2, 3, 4, 8]),
+    ffn_dim=st.sampled_from([7, 12, 24, 48]),
+    n_layers=st.integers(1, 8),
+)
 small = st.sampled_from([1, 1, 1, 2, 2, 3, 4])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.builds(Layout, pp=small, dp_replicate=small, dp_shard=small, cp=small, tp=small), shapes,
-       st.one_of(st.integers(1, 96), st.sampled_from([48, 96])), st.sampled_from([6, 8, 16, 24, 48, 7]), st.booleans())
+@given(
+    st.builds(Layout, pp=small, dp_replicate=small, dp_shard=small, cp=small, tp=small),
+    shapes,
+    st.one_of(st.integers(1, 96), st.sampled_from([48, 96])),
+    st.sampled_from([6, 8, 16, 24, 48, 7]),
+    st.booleans(),
+)
 def test_the_rules_accept_exactly_the_layouts_the_parallel_checks_accept(layout, shape, seq_len, global_batch, sp):
     """The table's rules and the checks the parallel layers run before any rank starts (tensor, context,
     pipeline split, batch rows) agree, for random models, sequences, batches and degrees."""
@@ -167,14 +184,17 @@ def test_an_axis_that_borrows_its_mesh_dimension_has_none_of_its_own():
     assert ep.borrows == ("dp_shard", "cp") and Layout(dp_shard=4, ep=2).world_size == 4
     assert ep.problems({"dp_shard": 2, "cp": 2, "ep": 8}, {"n_experts": 4}) == [
         "ep needs a mixture-of-experts model and must divide n_experts; n_experts=4",
-        "ep must divide dp_shard x cp (the ranks it borrows): raise --dp or --cp"]
+        "ep must divide dp_shard x cp (the ranks it borrows): raise --dp or --cp",
+    ]
     assert ep.problems({"dp_shard": 2, "cp": 2, "ep": 4}, {"n_experts": 8}) == []
     assert ep.problems({"dp_shard": 2, "cp": 1, "ep": 2}, {"n_experts": 0}) != []
 
 
 def test_the_table_and_the_layout_import_no_torch():
-    code = ("import sys; import tessera.topology.axes, tessera.topology.layout; from tessera.topology import Layout; "
-            "Layout.infer(8, tp=2); assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import tessera.topology.axes, tessera.topology.layout; from tessera.topology import Layout; "
+        "Layout.infer(8, tp=2); assert 'torch' not in sys.modules, 'torch imported'"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
@@ -184,9 +204,17 @@ def _extra_axis() -> Axis:
     """A hypothetical axis built here, not registered: cp's entry under a new name, with its own rule and cap."""
     from dataclasses import replace
 
-    return replace(AXIS["cp"], name="xp", flag="xp", counts=("xp",), mesh=None, meshes=(), comm="xp",
-                   rules=(axes.Rule(("seq_len",), lambda d, v: v["seq_len"] % d["xp"] == 0, "xp must divide seq_len"),),
-                   planner=axes.Planner(caps=(4,)))
+    return replace(
+        AXIS["cp"],
+        name="xp",
+        flag="xp",
+        counts=("xp",),
+        mesh=None,
+        meshes=(),
+        comm="xp",
+        rules=(axes.Rule(("seq_len",), lambda d, v: v["seq_len"] % d["xp"] == 0, "xp must divide seq_len"),),
+        planner=axes.Planner(caps=(4,)),
+    )
 
 
 def test_the_planner_enumerates_the_axes_of_the_table_it_is_given():
@@ -232,8 +260,11 @@ def test_a_candidates_flags_give_back_its_layout():
 
     for cand in candidates(model_shape("8b"), Hardware(gpus=16), 4096, 64)[::17]:
         words = shlex.split(cand.flags())
-        given = {w[2:].replace("-", "_"): int(v) for w, v in zip(words, words[1:] + [""])
-                 if w[2:].replace("-", "_") in axes.FLAGS}
+        given = {
+            w[2:].replace("-", "_"): int(v)
+            for w, v in zip(words, words[1:] + [""])
+            if w[2:].replace("-", "_") in axes.FLAGS
+        }
         assert Layout(**axes.degrees_from_flags(given)) == cand.layout, cand.flags()
 
 
@@ -245,8 +276,14 @@ def test_the_accounting_names_are_the_tables():
     from tessera.topology.planner import Candidate, Hardware, estimate
 
     assert set(comm_model.VOLUMES) == set(COMM_AXES)
-    assert axes.COMM_GROUPS == {"pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard_cp": ("dp_shard", "cp"),
-                                "cp": ("cp",), "tp": ("tp",), "ep": ("dp_shard", "cp")}
+    assert axes.COMM_GROUPS == {
+        "pp": ("pp",),
+        "dp_replicate": ("dp_replicate",),
+        "dp_shard_cp": ("dp_shard", "cp"),
+        "cp": ("cp",),
+        "tp": ("tp",),
+        "ep": ("dp_shard", "cp"),
+    }
     assert axes.OVERLAPPED == ("dp_replicate", "dp_shard_cp", "cp")
     layout = Layout(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2)
     comm = comm_model.comm_bytes_per_step(model_shape("debug"), layout, 64, 8, 2, True)
@@ -271,8 +308,11 @@ def _axis_listings(path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and named(node.elts) >= 2:
             out.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
-        if isinstance(node, ast.Dict) and named(node.keys) >= 2 and not all(
-                isinstance(v, ast.Constant) and isinstance(v.value, str) for v in node.values):
+        if (
+            isinstance(node, ast.Dict)
+            and named(node.keys) >= 2
+            and not all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in node.values)
+        ):
             out.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
     return out
 
@@ -298,8 +338,13 @@ def test_parallelize_applies_the_steps_in_the_tables_order():
     from tessera.parallel.parallelize import parallelize
 
     source = inspect.getsource(parallelize)
-    calls = {"tp": "apply_plan(", "cp": "apply_cp(", "ac": "apply_activation_checkpointing(",
-             "compile": "apply_compile(", "fsdp": "apply_fsdp("}
-    assert tuple(calls) == STEPS[STEPS.index("pp") + 1:]
+    calls = {
+        "tp": "apply_plan(",
+        "cp": "apply_cp(",
+        "ac": "apply_activation_checkpointing(",
+        "compile": "apply_compile(",
+        "fsdp": "apply_fsdp(",
+    }
+    assert tuple(calls) == STEPS[STEPS.index("pp") + 1 :]
     positions = [source.index(calls[s]) for s in calls]
     assert positions == sorted(positions)

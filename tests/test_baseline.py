@@ -19,11 +19,25 @@ def _first_steps(steps: int):
     trainer = Trainer(config, torch.device("cpu"))
     ours = [trainer.train_step().record() for _ in range(steps)]
     cfg, o = config.model_config, config.optimizer
-    options = baseline.Options(mixed_precision="fp32", lr=o.lr, warmup=o.warmup, min_lr_ratio=o.min_lr_ratio,
-                               total_steps=steps, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                               max_grad_norm=o.max_grad_norm)
-    theirs = baseline.train(cfg, baseline.tessera_batches(cfg, 32, 4), steps, "cpu",
-                            lambda: baseline.tessera_state(cfg, config.runtime.seed), options)
+    options = baseline.Options(
+        mixed_precision="fp32",
+        lr=o.lr,
+        warmup=o.warmup,
+        min_lr_ratio=o.min_lr_ratio,
+        total_steps=steps,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm,
+    )
+    theirs = baseline.train(
+        cfg,
+        baseline.tessera_batches(cfg, 32, 4),
+        steps,
+        "cpu",
+        lambda: baseline.tessera_state(cfg, config.runtime.seed),
+        options,
+    )
     return ours, theirs
 
 
@@ -37,7 +51,12 @@ def test_baseline_first_loss_is_tesseras_for_the_same_weights_and_batch():
     # a real model training: the same schedule and AdamW move it the same way
     assert theirs[1]["loss"] < theirs[0]["loss"] and theirs[1]["loss"] == pytest.approx(ours[1]["loss"], rel=1e-4)
     for r in theirs:
-        assert r["compute_dtype"] == "float32" and r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert (
+            r["compute_dtype"] == "float32"
+            and r["step_time_s"] > 0
+            and r["tokens_per_s"] > 0
+            and r["peak_memory_bytes"] > 0
+        )
 
 
 def test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_line():
@@ -47,8 +66,10 @@ def test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_li
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for ln in block.splitlines()]
     args = next(ln for ln in lines if ln.startswith("python -m tessera.baseline")).split()[3:]  # the README's command
-    code = (f"import sys, tessera.baseline as b; b.main({args!r}); "
-            "bad = [m for m in sys.modules if m.startswith(('tessera.parallel', 'tessera.trainer'))]; assert not bad, bad")
+    code = (
+        f"import sys, tessera.baseline as b; b.main({args!r}); "
+        "bad = [m for m in sys.modules if m.startswith(('tessera.parallel', 'tessera.trainer'))]; assert not bad, bad"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]

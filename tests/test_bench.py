@@ -12,11 +12,15 @@ from tessera.bench import parse_layout, series_layouts
 
 
 def _tessera(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
 
 
-@given(st.dictionaries(st.sampled_from(["pp", "dpr", "dp", "cp", "tp", "ep"]), st.integers(1, 8), min_size=1),
-       st.lists(st.sampled_from(["sp", "ac_op", "zero2"]), unique=True))
+@given(
+    st.dictionaries(st.sampled_from(["pp", "dpr", "dp", "cp", "tp", "ep"]), st.integers(1, 8), min_size=1),
+    st.lists(st.sampled_from(["sp", "ac_op", "zero2"]), unique=True),
+)
 def test_layout_names_parse_to_their_degrees(degrees, options):
     name = "x".join(f"{a}{d}" for a, d in degrees.items()) + "".join("+" + o for o in options)
     kw = parse_layout(name)
@@ -37,15 +41,37 @@ def test_series_double_the_ranks():
 
 
 def test_bench_runs_layouts_and_writes_json_and_plots(tmp_path):
-    out = _tessera("bench", "--model", "debug", "--layouts", "one,dp2,tp2+sp,pp2xdp2", "--steps", "4", "--warmup", "2",
-                   "--seq-len", "32", "--out", str(tmp_path))
+    out = _tessera(
+        "bench",
+        "--model",
+        "debug",
+        "--layouts",
+        "one,dp2,tp2+sp,pp2xdp2",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--seq-len",
+        "32",
+        "--out",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     progress = [ln for ln in out.stdout.splitlines() if ln.startswith("bench [")]
     assert len(progress) == 8 and "tok/s" in progress[-1]  # a line as each layout starts and one as it ends
     data = json.loads((tmp_path / "bench-debug-layouts-cpu.json").read_text())
-    assert data["device"]["device"] and data["versions"]["torch"] and "6 x matmul parameters" in data["config"]["mfu_formula"]
+    assert (
+        data["device"]["device"]
+        and data["versions"]["torch"]
+        and "6 x matmul parameters" in data["config"]["mfu_formula"]
+    )
     rows = data["results"]["layouts"]
-    assert [r["layout"] for r in rows] == ["one", "dp2", "tp2+sp", "pp2xdp2"] and [r["ranks"] for r in rows] == [1, 2, 2, 4]
+    assert [r["layout"] for r in rows] == ["one", "dp2", "tp2+sp", "pp2xdp2"] and [r["ranks"] for r in rows] == [
+        1,
+        2,
+        2,
+        4,
+    ]
     for r in rows:
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_memory_bytes_rank0"] > 0
         assert r["exposed_comm_s"] + r["compute_and_fsdp_s"] == pytest.approx(r["step_time_s"])
@@ -63,27 +89,47 @@ def test_bench_runs_layouts_and_writes_json_and_plots(tmp_path):
 
 
 def test_bench_weak_series(tmp_path):
-    out = _tessera("bench", "--series", "weak", "--max-ranks", "2", "--steps", "3", "--warmup", "2", "--seq-len", "32",
-                   "--global-batch", "2", "--out", str(tmp_path))
+    out = _tessera(
+        "bench",
+        "--series",
+        "weak",
+        "--max-ranks",
+        "2",
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "bench-debug-weak-cpu.json").read_text())["results"]["layouts"]
     assert [(r["layout"], r["global_batch"]) for r in rows] == [("one", 2), ("dp2", 4)]
     assert rows[0]["scaling_efficiency"] == 1.0 and rows[1]["scaling_efficiency"] > 0
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--layouts", "dp2xq2"], r"layout 'dp2xq2': 'q2' is not <axis><degree>"),
-    (["--layouts", "dp2+fast"], r"unknown option \+fast"),
-    (["--layouts", "tp3"], r"tp=3 does not divide the 4 attention heads"),
-    (["--layouts", "one", "--series", "weak"], r"give --layouts L1,L2,... or --series"),
-    (["--layouts", "one", "--steps", "2", "--warmup", "2"], r"--steps 2 must exceed --warmup 2"),
-    (["--layouts", "one", "--warmup", "1"], r"--warmup 1 must be at least 2"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--layouts", "dp2xq2"], r"layout 'dp2xq2': 'q2' is not <axis><degree>"),
+        (["--layouts", "dp2+fast"], r"unknown option \+fast"),
+        (["--layouts", "tp3"], r"tp=3 does not divide the 4 attention heads"),
+        (["--layouts", "one", "--series", "weak"], r"give --layouts L1,L2,... or --series"),
+        (["--layouts", "one", "--steps", "2", "--warmup", "2"], r"--steps 2 must exceed --warmup 2"),
+        (["--layouts", "one", "--warmup", "1"], r"--warmup 1 must be at least 2"),
+    ],
+)
 def test_bench_refuses_bad_requests_in_one_line(tmp_path, args, message):
     import re
 
     out = _tessera("bench", *args, "--out", str(tmp_path))
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), (
+        out.stderr
+    )
 
 
 def test_bench_rows_carry_dtype_predictions_and_the_baseline_as_the_readme_runs_it(tmp_path):
@@ -108,9 +154,14 @@ def test_bench_rows_carry_dtype_predictions_and_the_baseline_as_the_readme_runs_
     assert [r["options"]["compile"] for r in rows] == [False, True]
     for r in rows:
         assert r["compute_dtype"] == "float32" and r["predicted"]["calibrated"]
-        assert r["measured_over_predicted"]["step_time"] == pytest.approx(r["step_time_s"] / r["predicted"]["step_time_s"])
+        assert r["measured_over_predicted"]["step_time"] == pytest.approx(
+            r["step_time_s"] / r["predicted"]["step_time_s"]
+        )
         assert r["measured_over_predicted"]["memory"] == pytest.approx(
-            r["peak_tensor_bytes_rank0"] / r["predicted"]["memory_bytes"]["total"])
+            r["peak_tensor_bytes_rank0"] / r["predicted"]["memory_bytes"]["total"]
+        )
         assert r["step_time_vs_baseline"] == pytest.approx(r["step_time_s"] / base["step_time_s"])
-    assert base["compute_dtype"] == "float32" and base["global_batch"] == rows[0]["global_batch"] and not base["compile"]
+    assert (
+        base["compute_dtype"] == "float32" and base["global_batch"] == rows[0]["global_batch"] and not base["compile"]
+    )
     assert base["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=1e-4)  # the same weights and batch

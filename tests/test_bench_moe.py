@@ -30,8 +30,15 @@ def test_ep_layouts_parse():
 def test_moe_load_summarizes_the_measured_steps_and_is_none_for_a_dense_model():
     def record(step: int, tokens: list[list[int]], aux: float) -> dict:
         imbalance = [max(layer) / (sum(layer) / len(layer)) for layer in tokens]
-        return {"step": step, "moe": {"tokens_per_expert": tokens, "imbalance": imbalance,
-                                      "max_imbalance": max(imbalance), "aux_loss": aux}}
+        return {
+            "step": step,
+            "moe": {
+                "tokens_per_expert": tokens,
+                "imbalance": imbalance,
+                "max_imbalance": max(imbalance),
+                "aux_loss": aux,
+            },
+        }
 
     records = [record(3, [[4, 0], [2, 2]], 0.5), record(4, [[3, 1], [1, 3]], 0.25), record(5, [[2, 2], [4, 0]], 0.75)]
     load = moe_load(records)
@@ -42,10 +49,32 @@ def test_moe_load_summarizes_the_measured_steps_and_is_none_for_a_dense_model():
 
 
 def test_bench_of_an_moe_model_writes_the_expert_load_and_its_plot(tmp_path):
-    out = _run("-m", "tessera", "bench", "--model", "qwen3-moe-debug", "--layouts", "one,dp2xep2", "--steps", "3",
-               "--warmup", "2", "--seq-len", "32", "--global-batch", "2", "--no-calibrate", "--out", str(tmp_path))
+    out = _run(
+        "-m",
+        "tessera",
+        "bench",
+        "--model",
+        "qwen3-moe-debug",
+        "--layouts",
+        "one,dp2xep2",
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "2",
+        "--no-calibrate",
+        "--out",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert all("experts: max/mean imbalance" in ln for ln in out.stdout.splitlines() if ln.startswith("bench [") and "tok/s" in ln)
+    assert all(
+        "experts: max/mean imbalance" in ln
+        for ln in out.stdout.splitlines()
+        if ln.startswith("bench [") and "tok/s" in ln
+    )
     data = json.loads((tmp_path / "bench-qwen3-moe-debug-layouts-cpu.json").read_text())
     assert "moe_load.png" in data["config"]["moe_load"]
     rows = data["results"]["layouts"]
@@ -91,10 +120,20 @@ def test_bench_moe_quick_writes_its_json(tmp_path):
         assert row["step_time_s"] > 0 and len(row["step_times_s"]) == 1 and len(row["step_times_s"][0]) == 1
         assert row["ratio_to_ep1"] == pytest.approx(row["step_time_s"] / rows[0]["step_time_s"])
         assert row["max_loss_diff_vs_ep1"] < 1e-4 and row["expert_load"]["tokens_per_expert"]
-    assert rows[0]["comm_bytes_step1_rank0"]["all_to_all_bytes"] == 0 < rows[1]["comm_bytes_step1_rank0"]["all_to_all_bytes"]
+    assert (
+        rows[0]["comm_bytes_step1_rank0"]["all_to_all_bytes"]
+        == 0
+        < rows[1]["comm_bytes_step1_rank0"]["all_to_all_bytes"]
+    )
     cpu = r["gemm"]["cpu"]
     assert cpu["device"] == "cpu" and cpu["dtype"] == "float32" and cpu["routed_rows"] == 32 * 2 * 2
-    assert {"grouped_mm", "loop", "token_by_token"} == set(cpu["rows"]) and cpu["rows"]["loop"]["forward_backward_s"] > 0
+    assert {"grouped_mm", "loop", "token_by_token"} == set(cpu["rows"]) and cpu["rows"]["loop"][
+        "forward_backward_s"
+    ] > 0
     assert cpu["loop_speedup_over_token_by_token"]["forward_backward"] > 0
-    assert set(r["grouped_mm_probe"]["cpu_float32"]) == {"forward", "backward_contiguous_grad", "backward_expanded_grad"}
+    assert set(r["grouped_mm_probe"]["cpu_float32"]) == {
+        "forward",
+        "backward_contiguous_grad",
+        "backward_expanded_grad",
+    }
     assert ("cuda" in r["gemm"]) == torch.cuda.is_available()

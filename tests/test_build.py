@@ -21,9 +21,18 @@ def one_process_parameters():
     return {n: p.detach().clone() for n, p in build_model("debug", seed=0).named_parameters()}
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, tp=2), dict(dp=4, dp_replicate=2), dict(dp=2, ac="full"),
-                                    dict(tp=4, sequence_parallel=True), dict(pp=2, tp=2, microbatches=2)],
-                         ids=["tp2", "dp2xtp2", "hsdp2x2", "dp2+ac", "tp4+sp", "pp2xtp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=2),
+        dict(dp=2, tp=2),
+        dict(dp=4, dp_replicate=2),
+        dict(dp=2, ac="full"),
+        dict(tp=4, sequence_parallel=True),
+        dict(pp=2, tp=2, microbatches=2),
+    ],
+    ids=["tp2", "dp2xtp2", "hsdp2x2", "dp2+ac", "tp4+sp", "pp2xtp2"],
+)
 def test_meta_built_shards_equal_the_one_process_initialization(one_process_parameters, layout):
     config = small_config(**layout)
     got = run_ranks(full_parameters, config.layout.world_size, config, timeout=120)[0]
@@ -47,12 +56,21 @@ def _vocab_loss_vs_gathered(vocab: int, n: int, seed: int):
     ref = F.cross_entropy(full, targets, ignore_index=-100)
     ref.backward()
     grad_err = (local.grad - full.grad[:, start:stop]).abs().max().item() if stop > start else 0.0
-    return loss.item(), ref.item(), grad_err, total.item(), int(count), F.cross_entropy(logits, targets, reduction="sum").item()
+    return (
+        loss.item(),
+        ref.item(),
+        grad_err,
+        total.item(),
+        int(count),
+        F.cross_entropy(logits, targets, reduction="sum").item(),
+    )
 
 
 @pytest.mark.parametrize("vocab", [258, 7, 3])  # even split, uneven split, a rank with no columns at tp=4
 def test_vocab_parallel_loss_equals_cross_entropy_on_gathered_logits(vocab):
-    for loss, ref, grad_err, total, count, ref_total in run_ranks(_vocab_loss_vs_gathered, 4, vocab, 37, vocab, timeout=60):
+    for loss, ref, grad_err, total, count, ref_total in run_ranks(
+        _vocab_loss_vs_gathered, 4, vocab, 37, vocab, timeout=60
+    ):
         assert loss == pytest.approx(ref, rel=1e-12)
         assert grad_err < 1e-12
         assert total == pytest.approx(ref_total, rel=1e-12) and count == 37 - 8
@@ -66,4 +84,6 @@ def test_measured_memory_matches_the_model(strategy, dp):
     for rank, measured in enumerate(ranks):
         for component in ("parameters", "gradients", "optimizer"):
             ratio = measured[component] / predicted[component]
-            assert abs(ratio - 1) < 0.02, f"rank {rank} {strategy} {component}: {measured[component]} vs {predicted[component]}"
+            assert abs(ratio - 1) < 0.02, (
+                f"rank {rank} {strategy} {component}: {measured[component]} vs {predicted[component]}"
+            )

@@ -26,21 +26,37 @@ from tessera.topology.step_time import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-FAKE = dict(device_kind="Fake GPU 9000", dtype="bfloat16", matmul_flops_per_s=500e12, attention_flops_per_s=250e12,
-            memory_bytes_per_s=2.5e12, op_overhead_s=10e-6, device_type="cuda")
+FAKE = dict(
+    device_kind="Fake GPU 9000",
+    dtype="bfloat16",
+    matmul_flops_per_s=500e12,
+    attention_flops_per_s=250e12,
+    memory_bytes_per_s=2.5e12,
+    op_overhead_s=10e-6,
+    device_type="cuda",
+)
 
 
 def _tessera(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tessera", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_calibration_entries_parse_and_are_found_by_device_kind():
     cal = Calibration.from_entry({**FAKE, "measured_at": {"dim": 2048}, "created": "2026-01-01T00:00:00Z"})
     assert cal.matmul_flops_per_s == 500e12 and cal.host_overlaps
-    data = {"schema": SCHEMA, "entries": {"Fake GPU 9000 | bfloat16": FAKE,
-                                          "cpu: Some CPU, 1 thread | float32": {**FAKE, "device_kind": "cpu: Some CPU, 1 thread",
-                                                                                "dtype": "float32"}}}
+    data = {
+        "schema": SCHEMA,
+        "entries": {
+            "Fake GPU 9000 | bfloat16": FAKE,
+            "cpu: Some CPU, 1 thread | float32": {**FAKE, "device_kind": "cpu: Some CPU, 1 thread", "dtype": "float32"},
+        },
+    }
     assert find_entry(data, "fake gpu")["device_kind"] == "Fake GPU 9000"
     assert find_entry(data, "cpu", "float32")["dtype"] == "float32"
     with pytest.raises(ValueError, match=r"no calibration for device kind 'H100'.*Fake GPU 9000 \| bfloat16"):
@@ -72,7 +88,9 @@ def test_the_planner_uses_a_calibrations_rates():
     assert calibrated.time["compute"] == parts["step"] and calibrated.time["step"] == pytest.approx(parts["step"])
     assert not plain.compute_parts and plain.time["compute"] != calibrated.time["compute"]
     # twice the matmul rate: the matmul share halves, nothing else moves
-    faster = estimate(cfg, cand, Hardware(gpus=1, calibration=Calibration(**{**FAKE, "matmul_flops_per_s": 1000e12})), 2048, 4)
+    faster = estimate(
+        cfg, cand, Hardware(gpus=1, calibration=Calibration(**{**FAKE, "matmul_flops_per_s": 1000e12})), 2048, 4
+    )
     assert faster.compute_parts["matmul"] == pytest.approx(parts["matmul"] / 2)
     assert faster.compute_parts["memory"] == parts["memory"]
     # on a CPU one thread does both: device + host
@@ -106,8 +124,18 @@ def test_the_step_time_model_reads_the_shape():
 
 def test_bench_planner_check_smoke(tmp_path):
     """benchmarks/bench_planner_check.py's plumbing: calibrate, predict, measure, the ratio of the two."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_planner_check.py"), "--smoke", "--out",
-                          str(tmp_path / "check.json")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_planner_check.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path / "check.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads((tmp_path / "check.json").read_text())["results"]["rows"][0]
     assert row["config"] == "debug:1:32:2" and row["compute_dtype"] == "float32"
@@ -118,8 +146,19 @@ def test_bench_planner_check_smoke(tmp_path):
 
 def test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads(tmp_path):
     path = tmp_path / "calibration.json"
-    out = _tessera("plan", "--calibrate", "--model", "small", "--seq-len", "128", "--global-batch", "8", "--quick",
-                   "--calibration", str(path))
+    out = _tessera(
+        "plan",
+        "--calibrate",
+        "--model",
+        "small",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "8",
+        "--quick",
+        "--calibration",
+        str(path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("calibrated cpu: ") and f"wrote {path}" in out.stdout
     data = json.loads(path.read_text())
@@ -129,14 +168,43 @@ def test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads(tmp_p
     assert entry["dtype"] == "float32" and entry["threads"] == 1 and entry["device_type"] == "cpu"
     assert entry["measured_at"]["dim"] == 256 and entry["measured_at"]["rows"] == 8 and entry["versions"]["torch"]
     assert {s["in"] for s in entry["matmul_by_shape"]} == {256, 768}
-    planned = _tessera("plan", "--model", "small", "--gpus", "1", "--seq-len", "128", "--global-batch", "8",
-                       "--device-kind", "cpu", "--calibration", str(path), "--json", "--top", "1")
+    planned = _tessera(
+        "plan",
+        "--model",
+        "small",
+        "--gpus",
+        "1",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "8",
+        "--device-kind",
+        "cpu",
+        "--calibration",
+        str(path),
+        "--json",
+        "--top",
+        "1",
+    )
     assert planned.returncode == 0, planned.stderr[-3000:]
     top = json.loads(planned.stdout)["ranked"][0]
     assert top["compute_parts_s"]["step"] == pytest.approx(top["time_s"]["compute"])
     assert json.loads(planned.stdout)["request"]["hardware"]["calibration"]["device_kind"] == entry["device_kind"]
-    missing = _tessera("plan", "--model", "small", "--gpus", "1", "--seq-len", "128", "--global-batch", "8",
-                       "--device-kind", "H100", "--calibration", str(path))
+    missing = _tessera(
+        "plan",
+        "--model",
+        "small",
+        "--gpus",
+        "1",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "8",
+        "--device-kind",
+        "H100",
+        "--calibration",
+        str(path),
+    )
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     assert "no calibration for device kind 'H100'" in missing.stderr
 
@@ -182,11 +250,17 @@ def _counting_mode():
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             if not outs and func._schema.is_mutable:  # in-place foreach ops return nothing: they write their self
-                written = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write]
+                written = [
+                    a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write
+                ]
                 outs = [t for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)]
             aliased = {t.untyped_storage().data_ptr() for t in ins}
-            if func in matmuls or "attention" in str(func) or not outs or (
-                    all(o.untyped_storage().data_ptr() in aliased for o in outs) and not func._schema.is_mutable):
+            if (
+                func in matmuls
+                or "attention" in str(func)
+                or not outs
+                or (all(o.untyped_storage().data_ptr() in aliased for o in outs) and not func._schema.is_mutable)
+            ):
                 return out  # matmuls, attention and views move no elementwise traffic
             moved = [t for t in ins + outs if t.dim() > 0]
             self.elements += sum(t.numel() for t in moved)

@@ -32,7 +32,17 @@ def test_atomic_layout_latest_and_keep(saved):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000006"]  # keep=1 removed step 3
     assert (root / "latest").read_text() == "step_00000006"
     manifest = checkpoint.read_manifest(root / "step_00000006")
-    for key in ("step", "consumed_tokens", "data", "scheduler", "rng", "layout", "world_size", "sharding_strategy", "versions"):
+    for key in (
+        "step",
+        "consumed_tokens",
+        "data",
+        "scheduler",
+        "rng",
+        "layout",
+        "world_size",
+        "sharding_strategy",
+        "versions",
+    ):
         assert key in manifest, key
     assert manifest["step"] == 6 and manifest["consumed_tokens"] == 6 * 4 * 32
     assert manifest["layout"]["dp_shard"] == 4 and manifest["world_size"] == 4
@@ -55,7 +65,9 @@ def test_resume_on_the_same_layout_is_bitwise(step3):
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == history[3:]
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(tp=2, sequence_parallel=True), dict()], ids=["dp2xtp2", "tp2+sp", "one"])
+@pytest.mark.parametrize(
+    "layout", [dict(dp=2, tp=2), dict(tp=2, sequence_parallel=True), dict()], ids=["dp2xtp2", "tp2+sp", "one"]
+)
 def test_resume_on_another_layout_reshards(step3, layout):
     path, history = step3
     resumed = train(small_config(steps=6, resume=str(path), **layout))
@@ -129,7 +141,9 @@ def test_export_full_state_dict_and_load_it_into_any_layout(step3, tmp_path):
     from tessera.models import build_model
 
     reference = build_model("debug")
-    assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in full.items()} == {
+        k: tuple(v.shape) for k, v in reference.state_dict().items()
+    }
     assert not torch.equal(full["output.weight"], reference.output.weight)  # trained, not the initialization
     from helpers import resumed_full_parameters
 

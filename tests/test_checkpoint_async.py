@@ -65,8 +65,9 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_previous_checkpoint(
     assert (root / "latest").read_text() == "step_00000001"  # never the incomplete one
     incomplete = root / ".step_00000002.tmp"
     assert incomplete.is_dir() and not (incomplete / "manifest.json").exists()
-    resumed = train(small_config(steps=3, checkpoint_every=1, checkpoint_dir=str(root), checkpoint_async=True,
-                                 dp=2, resume=""))
+    resumed = train(
+        small_config(steps=3, checkpoint_every=1, checkpoint_dir=str(root), checkpoint_async=True, dp=2, resume="")
+    )
     straight = train(small_config(steps=3, dp=2))
     assert [m["step"] for m in resumed] == [2, 3]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight[1:]]
@@ -84,8 +85,9 @@ def test_the_checkpoint_benchmark_runs_and_records_both_modes(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_checkpoint.py"
-    out = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(script), "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads((tmp_path / "checkpoint_async_cpu_quick.json").read_text())
     summary = result["results"]["summary"]

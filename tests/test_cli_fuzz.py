@@ -32,24 +32,76 @@ PARSER = build_parser()
 COMMANDS = next(a for a in PARSER._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 # files to read; the scratch directory holds the relative ones (see `workspace`)
-INPUTS = ["", ".", "in", "in/file.txt", "in/blob.bin", "in/docs.jsonl", "in/tokenizer.json", "in/hf", "in/data",
-          "in/data/shard_00000.bin", "in/badshard", "missing.txt", "/proc/x", "/proc/self/status", "/dev/zero",
-          "/proc/x/y"]
+INPUTS = [
+    "",
+    ".",
+    "in",
+    "in/file.txt",
+    "in/blob.bin",
+    "in/docs.jsonl",
+    "in/tokenizer.json",
+    "in/hf",
+    "in/data",
+    "in/data/shard_00000.bin",
+    "in/badshard",
+    "missing.txt",
+    "/proc/x",
+    "/proc/self/status",
+    "/dev/zero",
+    "/proc/x/y",
+]
 # files and directories to write: only inside the scratch directory, or places where even root can create
 # nothing (never a device: os.replace would put a regular file in its place; never a missing absolute
 # directory: root would create it)
-OUTPUTS = ["", ".", "out", "out2/sub/dir", "taken.txt", "taken.txt/below", "pipe", "out.safetensors", "/proc/x",
-           "/sys/x", "/proc/x/y", "/proc", "/sys"]
+OUTPUTS = [
+    "",
+    ".",
+    "out",
+    "out2/sub/dir",
+    "taken.txt",
+    "taken.txt/below",
+    "pipe",
+    "out.safetensors",
+    "/proc/x",
+    "/sys/x",
+    "/proc/x/y",
+    "/proc",
+    "/sys",
+]
 JUNK = ["", " ", "x", "-", "0", "nan", "\u00e9\u00e8", "a,b", "1:2:3", "::", "None"]
 # string flags whose values are names rather than paths: meaningful values first
 KNOWN = {
-    "model": ["debug", "small", "1b", "8b", "70b", "405b", "qwen3-debug", "qwen3-0.6b", "hf:in/hf", "hf:missing", "nope"],
+    "model": [
+        "debug",
+        "small",
+        "1b",
+        "8b",
+        "70b",
+        "405b",
+        "qwen3-debug",
+        "qwen3-0.6b",
+        "hf:in/hf",
+        "hf:missing",
+        "nope",
+    ],
     "recipe": ["mixed_adam", "fp32_adam", "mixed_adam_fp32_grads", "adam8"],
     "separator": ["</s>", "[UNK]", "<nope>"],
     "field": ["text", "body"],
     "device_kind": ["cpu", "H100", "tpu"],
     "layout": ["dp8", "pp2xdp4", "tp2xdp4+sp", "dpr2xdp4+ac_op", "dp8+compile", "dp0", "xx", "tp8+nope"],
-    "layouts": ["one", "dp2", "tp2+sp", "one,dp2", "pp2xdp2xcp2xtp2+sp", "dpr2xdp2", "dp0", "tp2+nope", "xx", ",", "one,,dp2"],
+    "layouts": [
+        "one",
+        "dp2",
+        "tp2+sp",
+        "one,dp2",
+        "pp2xdp2xcp2xtp2+sp",
+        "dpr2xdp2",
+        "dp0",
+        "tp2+nope",
+        "xx",
+        ",",
+        "one,,dp2",
+    ],
     "device": ["auto", "cpu", "cuda", "tpu"],
     "fsdp": ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ZERO4"],
     "ac": ["none", "full", "selective", "op", "some"],
@@ -63,19 +115,51 @@ KNOWN = {
     "profile_steps": ["2:3", "1:1", "3:2", "0:5", "a:b", "5", "2:"],
     "comm_stats": ["every", "first"],
 }
-READS = {"checkpoint", "schedule_file", "from_hf", "files", "tokenizer", "calibration", "data", "eval_data", "resume", "init_from",
-         "init_from_hf"}
+READS = {
+    "checkpoint",
+    "schedule_file",
+    "from_hf",
+    "files",
+    "tokenizer",
+    "calibration",
+    "data",
+    "eval_data",
+    "resume",
+    "init_from",
+    "init_from_hf",
+}
 WRITES = {"out", "to_hf", "checkpoint_dir", "metrics", "profile"}
 
 # each value is sane or wild, about half and half, so that examples get past the first check as well
 INTS = st.sampled_from(["1", "2", "4", "8", "16", "64", "256", "1024"]) | st.sampled_from(
-    ["0", "-1", "3", "-2147483648", "1000000", "2147483648", "1000000000000000000", str(2**64), "1" + "0" * 40, "1.5",
-     "x", ""])
+    [
+        "0",
+        "-1",
+        "3",
+        "-2147483648",
+        "1000000",
+        "2147483648",
+        "1000000000000000000",
+        str(2**64),
+        "1" + "0" * 40,
+        "1.5",
+        "x",
+        "",
+    ]
+)
 FLOATS = st.sampled_from(["0.5", "1", "80", "70e9", "0.1", "3e-4"]) | st.sampled_from(
-    ["0", "-1", "nan", "inf", "-inf", "1e-300", "1e308", "1e30", "x", ""])
+    ["0", "-1", "nan", "inf", "-inf", "1e-300", "1e308", "1e30", "x", ""]
+)
 # flags an example usually gives (a command without them stops at its first check): flag -> commands
-USUAL = {"gpus": {"plan"}, "seq_len": {"plan"}, "global_batch": {"plan"}, "layouts": {"bench"},
-         "model": {"memory"}, "out": {"export"}, "files": {"tokenize"}}
+USUAL = {
+    "gpus": {"plan"},
+    "seq_len": {"plan"},
+    "global_batch": {"plan"},
+    "layouts": {"bench"},
+    "model": {"memory"},
+    "out": {"export"},
+    "files": {"tokenize"},
+}
 
 
 def _actions(parser):
@@ -113,8 +197,11 @@ def command_lines(draw):
     argv = [name]
     chosen = draw(st.lists(st.sampled_from(actions), unique_by=lambda a: a.dest, max_size=8))
     # a required flag is usually there (else argparse's usage error is all an example would see)
-    chosen += [a for a in actions if (a.required or name in USUAL.get(_key(a), ())) and a not in chosen
-               and draw(st.integers(0, 9)) > 0]
+    chosen += [
+        a
+        for a in actions
+        if (a.required or name in USUAL.get(_key(a), ())) and a not in chosen and draw(st.integers(0, 9)) > 0
+    ]
     positionals = []
     for a in chosen:
         if not a.option_strings:
@@ -158,8 +245,10 @@ def workspace(tmp_path_factory):
     (d / "docs.jsonl").write_text(json.dumps({"text": "the quick fox"}) + "\n" + json.dumps({"body": 1}) + "\n")
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10,
-                            trainers.BpeTrainer(vocab_size=50, special_tokens=["[UNK]", "</s>"]))
+    tok.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog"] * 10,
+        trainers.BpeTrainer(vocab_size=50, special_tokens=["[UNK]", "</s>"]),
+    )
     tok.save(str(d / "tokenizer.json"))
     (d / "hf").mkdir()  # a config.json without weights: convert and --init-from-hf read it, then refuse
     (d / "hf" / "config.json").write_text(json.dumps(hf_config_dict(get_preset("debug"))))
@@ -167,8 +256,9 @@ def workspace(tmp_path_factory):
     write_shard(d / "data" / "shard_00000", list(range(40)) * 5, 50, 1)
     (d / "badshard").mkdir()
     write_shard(d / "badshard" / "shard_00000", [1, 2, 3], 50, 1)
-    (d / "badshard" / "shard_00000.json").write_text(json.dumps({"format": "tessera-tokens", "version": 1,
-                                                                 "dtype": "uint16", "tokens": "3", "vocab_size": 50}))
+    (d / "badshard" / "shard_00000.json").write_text(
+        json.dumps({"format": "tessera-tokens", "version": 1, "dtype": "uint16", "tokens": "3", "vocab_size": 50})
+    )
     (root / "taken.txt").write_text("an existing file where a directory is asked for\n")
     os.mkfifo(root / "pipe")
     return root
@@ -246,32 +336,58 @@ def check(argv, threads):
     assert code in (0, 2), f"{said} exited {code!r}:\n{err}"
     if code == 2:
         last = err.strip().splitlines()[-1] if err.strip() else ""
-        assert last.startswith(f"tessera {argv[0]}: error: ") and len(last) > len(f"tessera {argv[0]}: error: ") + 3, \
+        assert last.startswith(f"tessera {argv[0]}: error: ") and len(last) > len(f"tessera {argv[0]}: error: ") + 3, (
             f"{said}: its error is not one clear line:\n{err}"
+        )
         # argparse's usage lines, and a progress bar (redrawn with \r) aside
-        ours = [line for line in err.strip().split("\n") if line and not line.startswith(("usage:", " ")) and "\r" not in line]
+        ours = [
+            line
+            for line in err.strip().split("\n")
+            if line and not line.startswith(("usage:", " ")) and "\r" not in line
+        ]
         assert len(ours) == 1, f"{said}: more than one line of error:\n{err}"
     assert time.perf_counter() - started < EXAMPLE_SECONDS
 
 
-@settings(max_examples=600, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+@settings(
+    max_examples=600,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 @given(command_lines())
 def test_any_command_line_works_or_ends_with_one_clear_line(cheap_cli, argv):
     check(argv, cheap_cli)
 
 
 # what the fuzz found before the fixes (tracebacks, a hang), and the issue's cases
-@pytest.mark.parametrize("argv", [
-    ["export", "--out=", "--", ""], ["memory", "--model=70b", "--tp=3"], ["memory", "--params=1e30", "--gpu-memory=1e-300"],
-    ["memory", "--model=debug", "--dp=10000000", "--dry-run"], ["plan", "--model=8b", "--gpus=1000000000000",
-                                                                 "--seq-len=1024", "--global-batch=8"],
-    ["tokenize", "--tokenizer=in/tokenizer.json", "--out=taken.txt", "--", "in/blob.bin"],
-    ["convert", "--from-hf=in/hf", "--out=pipe"], ["export", "--out=out.safetensors", "--", "in/data"],
-    ["bench", "--layouts=one", "--out=taken.txt/below"], ["train", "--data=in/badshard", "--steps=1"],
-    ["plan", "--model=8b", "--gpus=16", "--seq-len=1024", "--global-batch=1", "--device-kind=cpu", "--calibration=in/data"],
-    ["plan", "--model=debug", "--calibrate", "--calibration=in"], ["plan", "--model=debug", "--calibrate", f"--threads={10**18}"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["export", "--out=", "--", ""],
+        ["memory", "--model=70b", "--tp=3"],
+        ["memory", "--params=1e30", "--gpu-memory=1e-300"],
+        ["memory", "--model=debug", "--dp=10000000", "--dry-run"],
+        ["plan", "--model=8b", "--gpus=1000000000000", "--seq-len=1024", "--global-batch=8"],
+        ["tokenize", "--tokenizer=in/tokenizer.json", "--out=taken.txt", "--", "in/blob.bin"],
+        ["convert", "--from-hf=in/hf", "--out=pipe"],
+        ["export", "--out=out.safetensors", "--", "in/data"],
+        ["bench", "--layouts=one", "--out=taken.txt/below"],
+        ["train", "--data=in/badshard", "--steps=1"],
+        [
+            "plan",
+            "--model=8b",
+            "--gpus=16",
+            "--seq-len=1024",
+            "--global-batch=1",
+            "--device-kind=cpu",
+            "--calibration=in/data",
+        ],
+        ["plan", "--model=debug", "--calibrate", "--calibration=in"],
+        ["plan", "--model=debug", "--calibrate", f"--threads={10**18}"],
+    ],
+)
 def test_cases_the_fuzz_found(cheap_cli, argv):
     check(argv, cheap_cli)
 
@@ -279,7 +395,15 @@ def test_cases_the_fuzz_found(cheap_cli, argv):
 def test_every_string_flag_is_classified():
     """A new string flag must say what its values are (KNOWN names, files it READS, or files it WRITES), so the
     fuzz never hands a file to read to a flag that overwrites it."""
-    loose = sorted({f"{name} {a.dest}" for name, p in COMMANDS.items() for a in _actions(p)
-                    if a.type in (None, str) and a.nargs != 0 and a.choices is None
-                    and _key(a) not in KNOWN.keys() | READS | WRITES})
+    loose = sorted(
+        {
+            f"{name} {a.dest}"
+            for name, p in COMMANDS.items()
+            for a in _actions(p)
+            if a.type in (None, str)
+            and a.nargs != 0
+            and a.choices is None
+            and _key(a) not in KNOWN.keys() | READS | WRITES
+        }
+    )
     assert not loose, f"classify these flags in tests/test_cli_fuzz.py: {loose}"

@@ -39,8 +39,10 @@ def tokenizer_file(tmp_path_factory):
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["the quick brown fox", "jumps over the lazy dog"] * 20,
-                            trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"]))
+    tok.train_from_iterator(
+        ["the quick brown fox", "jumps over the lazy dog"] * 20,
+        trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"]),
+    )
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
     return path
@@ -62,45 +64,88 @@ def no_training(monkeypatch):
 # ----------------------------------------------------------------------------- 1. tokenize, token files, --out
 def test_tokenize_names_a_file_that_is_not_utf8_text(tmp_path, capsys, tokenizer_file):
     (tmp_path / "blob.txt").write_bytes(bytes(range(256)))
-    msg = one_error(capsys, "tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"), "--quiet",
-                    str(tmp_path / "blob.txt"))
-    assert msg == f"{tmp_path / 'blob.txt'}: not UTF-8 text (byte 0x80 at offset 128); tokenize text (.txt) or JSONL " \
-                  f"files, saved as UTF-8"
+    msg = one_error(
+        capsys,
+        "tokenize",
+        "--tokenizer",
+        str(tokenizer_file),
+        "--out",
+        str(tmp_path / "o"),
+        "--quiet",
+        str(tmp_path / "blob.txt"),
+    )
+    assert (
+        msg == f"{tmp_path / 'blob.txt'}: not UTF-8 text (byte 0x80 at offset 128); tokenize text (.txt) or JSONL "
+        f"files, saved as UTF-8"
+    )
     (tmp_path / "docs.jsonl").write_bytes(b'{"text": "the fox"}\n\xff\n')
-    msg = one_error(capsys, "tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"), "--quiet",
-                    str(tmp_path / "docs.jsonl"))
+    msg = one_error(
+        capsys,
+        "tokenize",
+        "--tokenizer",
+        str(tokenizer_file),
+        "--out",
+        str(tmp_path / "o"),
+        "--quiet",
+        str(tmp_path / "docs.jsonl"),
+    )
     assert msg.startswith(f"{tmp_path / 'docs.jsonl'}:2: not UTF-8 text (byte 0xff at offset 0)")
 
 
 def test_tokenize_says_a_directory_input_is_a_directory(tmp_path, capsys, tokenizer_file):
     (tmp_path / "docs").mkdir()
-    msg = one_error(capsys, "tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"), str(tmp_path / "docs"))
-    assert msg == f"{tmp_path / 'docs'} is a directory; name the files in it (e.g. {tmp_path / 'docs'}/*.txt: the shell expands it)"
-    msg = one_error(capsys, "tokenize", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o"), str(tmp_path / "docs"))
+    msg = one_error(
+        capsys, "tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"), str(tmp_path / "docs")
+    )
+    assert (
+        msg
+        == f"{tmp_path / 'docs'} is a directory; name the files in it (e.g. {tmp_path / 'docs'}/*.txt: the shell expands it)"
+    )
+    msg = one_error(
+        capsys, "tokenize", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o"), str(tmp_path / "docs")
+    )
     assert msg == f"--tokenizer {tmp_path} is a directory; name a file in it"
-    assert one_error(capsys, "tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"),
-                     str(tmp_path / "nope.txt")) == f"{tmp_path / 'nope.txt'}: no such file"
+    assert (
+        one_error(
+            capsys,
+            "tokenize",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--out",
+            str(tmp_path / "o"),
+            str(tmp_path / "nope.txt"),
+        )
+        == f"{tmp_path / 'nope.txt'}: no such file"
+    )
 
 
 @pytest.mark.parametrize("command", ["tokenize", "bench"])
 def test_out_that_cannot_be_a_directory_is_named_with_the_fix(tmp_path, capsys, tokenizer_file, command):
     (tmp_path / "a.txt").write_text("the quick brown fox")
     (tmp_path / "taken").write_text("a file")
-    before = {"tokenize": ["--tokenizer", str(tokenizer_file), "--quiet", str(tmp_path / "a.txt")],
-              "bench": ["--layouts", "one", "--no-calibrate"]}[command]
+    before = {
+        "tokenize": ["--tokenizer", str(tokenizer_file), "--quiet", str(tmp_path / "a.txt")],
+        "bench": ["--layouts", "one", "--no-calibrate"],
+    }[command]
 
     def out(path):
         return one_error(capsys, command, *before, "--out", path)
 
-    assert out(str(tmp_path / "taken")) == (f"--out {tmp_path / 'taken'} is a file, not a directory; name a directory "
-                                            f"(it is created if missing)")  # was [Errno 17] File exists
-    assert out(str(tmp_path / "taken" / "sub")) == (f"--out {tmp_path / 'taken' / 'sub'}: {tmp_path / 'taken'} is a "
-                                                    f"file, not a directory; name a directory elsewhere")  # [Errno 20]
-    assert out("/proc/tessera-out") == ("--out /proc/tessera-out cannot be created (No such file or directory); choose "
-                                        "a writable directory")  # [Errno 2]
+    assert out(str(tmp_path / "taken")) == (
+        f"--out {tmp_path / 'taken'} is a file, not a directory; name a directory (it is created if missing)"
+    )  # was [Errno 17] File exists
+    assert out(str(tmp_path / "taken" / "sub")) == (
+        f"--out {tmp_path / 'taken' / 'sub'}: {tmp_path / 'taken'} is a "
+        f"file, not a directory; name a directory elsewhere"
+    )  # [Errno 20]
+    assert out("/proc/tessera-out") == (
+        "--out /proc/tessera-out cannot be created (No such file or directory); choose a writable directory"
+    )  # [Errno 2]
     assert out("") == "--out '' is an empty path; name the directory to write into"
     # a directory that exists but takes no files (root passes its permission bits): found before any work
-    assert out("/proc").startswith("--out /proc ") and ("cannot be written" in out("/proc") or "not writable" in out("/proc"))
+    assert out("/proc").startswith("--out /proc ") and (
+        "cannot be written" in out("/proc") or "not writable" in out("/proc")
+    )
 
 
 def test_out_on_a_read_only_file_system_is_named(tmp_path, capsys, monkeypatch, tokenizer_file):
@@ -113,8 +158,16 @@ def test_out_on_a_read_only_file_system_is_named(tmp_path, capsys, monkeypatch, 
 
     monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
     (tmp_path / "a.txt").write_text("the quick brown fox")
-    msg = one_error(capsys, "tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "ro"), "--quiet",
-                    str(tmp_path / "a.txt"))
+    msg = one_error(
+        capsys,
+        "tokenize",
+        "--tokenizer",
+        str(tokenizer_file),
+        "--out",
+        str(tmp_path / "ro"),
+        "--quiet",
+        str(tmp_path / "a.txt"),
+    )
     assert msg == f"--out {tmp_path / 'ro'} cannot be created (Read-only file system); choose a writable directory"
     msg = one_error(capsys, "bench", "--layouts", "one", "--out", str(tmp_path / "ro"))
     assert msg == f"--out {tmp_path / 'ro'} cannot be created (Read-only file system); choose a writable directory"
@@ -131,8 +184,10 @@ def test_a_shard_description_with_a_bad_field_names_the_file_and_the_field(tmp_p
         with pytest.raises(ValueError) as e:
             open_dataset(tmp_path)
         word = "above 0" if field == "vocab_size" else "of 0 or more"
-        assert str(e.value) == (f"{meta_path}: field {field!r} is {value!r}, not a whole number {word} (a damaged file); "
-                                f"write the shard again with `tessera tokenize`")  # was: invalid literal for int()
+        assert str(e.value) == (
+            f"{meta_path}: field {field!r} is {value!r}, not a whole number {word} (a damaged file); "
+            f"write the shard again with `tessera tokenize`"
+        )  # was: invalid literal for int()
     meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "separator"}))  # was a KeyError
     with pytest.raises(ValueError, match=r"field 'separator' is None"):
         open_dataset(tmp_path)
@@ -141,8 +196,20 @@ def test_a_shard_description_with_a_bad_field_names_the_file_and_the_field(tmp_p
         open_dataset(tmp_path)
     # and through the command, before any rank starts
     meta_path.write_text(json.dumps({**meta, "tokens": "abc"}))
-    msg = one_error(capsys, "train", "--data", str(tmp_path), "--vocab-size", "60", "--steps", "1", "--seq-len", "2",
-                    "--global-batch", "1")
+    msg = one_error(
+        capsys,
+        "train",
+        "--data",
+        str(tmp_path),
+        "--vocab-size",
+        "60",
+        "--steps",
+        "1",
+        "--seq-len",
+        "2",
+        "--global-batch",
+        "1",
+    )
     assert msg.startswith(f"{meta_path}: field 'tokens' is 'abc'")
 
 
@@ -150,23 +217,39 @@ def test_a_shard_description_with_a_bad_field_names_the_file_and_the_field(tmp_p
 def test_convert_names_from_hf_not_init_from_hf(tmp_path, capsys):
     out = str(tmp_path / "x.safetensors")
     for directory, want in (
-        (tmp_path / "nowhere", f"--from-hf {tmp_path / 'nowhere'}: no such directory; name a Hugging Face model "
-                               f"directory (config.json, model.safetensors)"),
+        (
+            tmp_path / "nowhere",
+            f"--from-hf {tmp_path / 'nowhere'}: no such directory; name a Hugging Face model "
+            f"directory (config.json, model.safetensors)",
+        ),
         (tmp_path, f"--from-hf {tmp_path}: no config.json in it (a Hugging Face model directory)"),
     ):
         assert one_error(capsys, "convert", "--from-hf", str(directory), "--out", out) == want
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))  # was a KeyError
     assert one_error(capsys, "convert", "--from-hf", str(tmp_path), "--out", out) == (
         f"{tmp_path / 'config.json'}: no 'num_attention_heads' field (the llama config needs it); --from-hf takes a "
-        f"complete Hugging Face config.json")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-                                                      "num_attention_heads": 4, "vocab_size": 100, "intermediate_size": 128}))
+        f"complete Hugging Face config.json"
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "vocab_size": 100,
+                "intermediate_size": 128,
+            }
+        )
+    )
     assert one_error(capsys, "convert", "--from-hf", str(tmp_path), "--out", out) == (
         f"--from-hf {tmp_path}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin pickles are not "
-        f"read: they can run code)")
+        f"read: they can run code)"
+    )
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")  # was safetensors' own exception
     assert one_error(capsys, "convert", "--from-hf", str(tmp_path), "--out", out).startswith(
-        f"{tmp_path / 'model.safetensors'}: not a safetensors file (")
+        f"{tmp_path / 'model.safetensors'}: not a safetensors file ("
+    )
     # the train command keeps naming its own flag
     msg = one_error(capsys, "train", "--init-from-hf", str(tmp_path / "nowhere"), "--steps", "1")
     assert msg.startswith(f"--init-from-hf {tmp_path / 'nowhere'}: no such directory")
@@ -177,50 +260,73 @@ def test_export_and_convert_refuse_an_out_that_is_not_a_regular_file(tmp_path, c
     os.mkfifo(fifo)
     for command, before in (("convert", ["--from-hf", str(tmp_path)]), ("export", [str(tmp_path / "ckpt")])):
         assert one_error(capsys, command, *before, "--out", str(fifo)) == (
-            f"--out {fifo} is not a regular file (a device or a pipe); name the .safetensors file to write")
+            f"--out {fifo} is not a regular file (a device or a pipe); name the .safetensors file to write"
+        )
         assert one_error(capsys, command, *before, "--out", str(tmp_path)) == (
-            f"--out {tmp_path} is a directory; name the .safetensors file to write (e.g. {tmp_path}/model.safetensors)")
+            f"--out {tmp_path} is a directory; name the .safetensors file to write (e.g. {tmp_path}/model.safetensors)"
+        )
         assert one_error(capsys, command, *before, "--out", "") == (
-            "--out '' is an empty path; name the .safetensors file to write")
+            "--out '' is an empty path; name the .safetensors file to write"
+        )
     assert fifo.exists() and not fifo.is_file()  # left as it was
 
 
 # ----------------------------------------------------------------------------- 3. tessera memory
 def test_memory_refuses_a_tp_that_does_not_divide_the_heads_naming_the_divisors(capsys):
     assert one_error(capsys, "memory", "--model", "70b", "--tp", "3") == (
-        "--tp 3 does not fit the 70b preset (n_heads=64): tp must divide n_heads; use --tp 1, 2, 4, 8, 16, 32 or 64")
+        "--tp 3 does not fit the 70b preset (n_heads=64): tp must divide n_heads; use --tp 1, 2, 4, 8, 16, 32 or 64"
+    )
     assert one_error(capsys, "memory", "--model", "70b", "--pp", "81", "--json") == (
         "--pp 81 does not fit the 70b preset (n_layers=80): pp must be at most n_layers (every stage holds a block); "
-        "use --pp 1 to 80")
+        "use --pp 1 to 80"
+    )
 
 
 def test_memory_takes_params_or_a_model_not_both(capsys):
     assert one_error(capsys, "memory", "--params", "70e9", "--model", "8b") == (
-        "give --params N or --model PRESET, not both (--model 8b has its own parameter count): drop one")
+        "give --params N or --model PRESET, not both (--model 8b has its own parameter count): drop one"
+    )
 
 
-@pytest.mark.parametrize("argv,want", [
-    (["--gpu-memory", "-1"], "--gpu-memory -1 must be a positive number of GB per GPU, e.g. --gpu-memory 80"),
-    (["--gpu-memory", "nan"], "--gpu-memory nan must be a positive number of GB per GPU, e.g. --gpu-memory 80"),
-    (["--dry-run"], "--dry-run needs --model PRESET (it builds that model on the meta device); drop --dry-run or give "
-                    "--model instead of --params"),
-    (["--recipe", "adam8"], "unknown memory recipe 'adam8'; choose one of mixed_adam, fp32_adam, mixed_adam_fp32_grads"),
-])
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (["--gpu-memory", "-1"], "--gpu-memory -1 must be a positive number of GB per GPU, e.g. --gpu-memory 80"),
+        (["--gpu-memory", "nan"], "--gpu-memory nan must be a positive number of GB per GPU, e.g. --gpu-memory 80"),
+        (
+            ["--dry-run"],
+            "--dry-run needs --model PRESET (it builds that model on the meta device); drop --dry-run or give "
+            "--model instead of --params",
+        ),
+        (
+            ["--recipe", "adam8"],
+            "unknown memory recipe 'adam8'; choose one of mixed_adam, fp32_adam, mixed_adam_fp32_grads",
+        ),
+    ],
+)
 def test_memory_checks_everything_before_printing_the_table(capsys, argv, want):
     assert one_error(capsys, "memory", "--params", "70e9", *argv) == want  # one_error: and no table on stdout
 
 
 def test_memory_params_must_be_a_count(capsys):
-    assert one_error(capsys, "memory", "--params", "-5") == "--params -5 must be a positive parameter count, e.g. --params 70e9"
+    assert (
+        one_error(capsys, "memory", "--params", "-5")
+        == "--params -5 must be a positive parameter count, e.g. --params 70e9"
+    )
     assert one_error(capsys, "memory", "--params", "1e308") == (
-        "--params 1e+308 is too large: its model states overflow a float; give a real count")
+        "--params 1e+308 is too large: its model states overflow a float; give a real count"
+    )
 
 
 @pytest.mark.parametrize("params", ["1e30", "1e15", "70e9", "1"])
 def test_memory_columns_never_merge(capsys, params):
     code, out, err = run(capsys, "memory", "--params", params, "--dp", "3", "--gpu-memory", "80")
     assert code == 0, err
-    rows = [line for line in out.splitlines() if line.split()[:1] in (["parameters"], ["gradients"], ["optimizer"], ["total"])]
+    rows = [
+        line
+        for line in out.splitlines()
+        if line.split()[:1] in (["parameters"], ["gradients"], ["optimizer"], ["total"])
+    ]
     assert len(rows) == 4
     for line in rows:
         cells = line[12:].split("GB")[:-1]
@@ -234,26 +340,38 @@ def test_memory_columns_never_merge(capsys, params):
 def test_plan_names_a_calibration_path_that_is_a_directory_and_refuses_absurd_counts(tmp_path, capsys, monkeypatch):
     import tessera.calibrate
 
-    monkeypatch.setattr(tessera.calibrate, "measure", lambda *a, **k: pytest.fail("measured despite a bad --calibration"))
+    monkeypatch.setattr(
+        tessera.calibrate, "measure", lambda *a, **k: pytest.fail("measured despite a bad --calibration")
+    )
     common = ["--model", "8b", "--gpus", "16", "--seq-len", "1024", "--global-batch", "8"]
     want = f"--calibration {tmp_path} is a directory; name the calibration file (e.g. {tmp_path}/calibration.json)"
-    assert one_error(capsys, "plan", *common, "--device-kind", "cpu", "--calibration", str(tmp_path)) == want  # IsADirectoryError
+    assert (
+        one_error(capsys, "plan", *common, "--device-kind", "cpu", "--calibration", str(tmp_path)) == want
+    )  # IsADirectoryError
     assert one_error(capsys, "plan", "--model", "debug", "--calibrate", "--calibration", str(tmp_path)) == want
     assert one_error(capsys, "plan", "--model", "debug", "--calibrate", "--threads", str(10**18)) == (
-        "--threads 1,000,000,000,000,000,000 is more threads than torch takes; use this machine's cores")
+        "--threads 1,000,000,000,000,000,000 is more threads than torch takes; use this machine's cores"
+    )
     assert one_error(capsys, "plan", *common[:2], "--gpus", str(10**12), *common[4:]) == (  # was a hang (minutes)
-        "--gpus 1,000,000,000,000 is more than the planner enumerates (at most 4,194,304); plan a smaller job")
+        "--gpus 1,000,000,000,000 is more than the planner enumerates (at most 4,194,304); plan a smaller job"
+    )
 
 
 def test_memory_dry_run_refuses_a_fake_world_too_large_to_build(capsys):
     assert one_error(capsys, "memory", "--model", "debug", "--dp", str(10**7), "--dry-run") == (  # was a hang
         "--dry-run builds the mesh of every fake rank, and 10,000,000 ranks are too many for one process (at most "
-        "65,536); drop --dry-run for the analytic table")
-    assert one_error(capsys, "memory", "--params", "1e30", "--gpu-memory", "1e-300").startswith("--gpu-memory 1e-300 is")
+        "65,536); drop --dry-run for the analytic table"
+    )
+    assert one_error(capsys, "memory", "--params", "1e30", "--gpu-memory", "1e-300").startswith(
+        "--gpu-memory 1e-300 is"
+    )
 
 
 def test_export_with_an_empty_out_is_refused_not_a_traceback(capsys):
-    assert one_error(capsys, "export", "ckpt", "--out", "") == "--out '' is an empty path; name the .safetensors file to write"
+    assert (
+        one_error(capsys, "export", "ckpt", "--out", "")
+        == "--out '' is an empty path; name the .safetensors file to write"
+    )
 
 
 # ----------------------------------------------------------------------------- 4. --help everywhere

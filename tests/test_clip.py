@@ -42,8 +42,10 @@ class _CountAllReduce:
 # ---------------------------------------------------------------------- one process
 def test_norm_of_mixed_dtypes_matches_float64_and_clipping_reaches_max_norm():
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n, dtype=dt)) for n, dt in
-              ((300, torch.float32), (17, torch.bfloat16), (64, torch.float16), (5, torch.float64))]
+    params = [
+        torch.nn.Parameter(torch.randn(n, dtype=dt))
+        for n, dt in ((300, torch.float32), (17, torch.bfloat16), (64, torch.float16), (5, torch.float64))
+    ]
     for p in params:
         p.grad = torch.randn_like(p) * 3
     params.append(torch.nn.Parameter(torch.randn(4)))  # no gradient: skipped
@@ -141,8 +143,9 @@ def _trainer_norm_and_calls(config):
     return norm, _reference_norm(full.values()), len(calls.groups), len(expected) + (pp is not None)
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(pp=2, tp=2, microbatches=2, n_layers=4)],
-                         ids=["dp2xtp2", "pp2xtp2"])
+@pytest.mark.parametrize(
+    "layout", [dict(dp=2, tp=2), dict(pp=2, tp=2, microbatches=2, n_layers=4)], ids=["dp2xtp2", "pp2xtp2"]
+)
 def test_a_trainer_step_norm_matches_float64_with_one_all_reduce_per_group(layout):
     config = small_config(**layout)
     results = run_ranks(_trainer_norm_and_calls, config.layout.world_size, config, timeout=180)
@@ -160,7 +163,9 @@ def _optimizer_options(config):
     return [[(g["foreach"], g["fused"]) for g in o.param_groups] for o in trainer.optimizer.optimizers]
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(dp=2, tp=2), dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2, n_layers=4)])
+@pytest.mark.parametrize(
+    "layout", [dict(), dict(dp=2, tp=2), dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2, n_layers=4)]
+)
 def test_adamw_runs_its_multi_tensor_kernels_one_group_per_mesh(layout):
     config = small_config(**layout)
     for options in run_ranks(_optimizer_options, config.layout.world_size, config, timeout=120):
@@ -197,6 +202,7 @@ def _host_reads_per_step(config):
             if "torch/optim/" not in sys._getframe(1).f_code.co_filename.replace("\\", "/"):
                 reads.append(name)
             return originals[name](self, *args, **kwargs)
+
         return read
 
     for name in originals:

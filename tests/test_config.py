@@ -21,19 +21,37 @@ from tessera.config import Config, add_arguments, config_from_args
         (dict(model="llama9"), "unknown model preset 'llama9'"),
         # pipeline parallel
         (dict(pp=2, n_layers=4, microbatches=3), "--microbatches 3 does not divide the 4 rows each dp rank reads"),
-        (dict(pp=4, n_layers=4, microbatches=2), "needs at least as many microbatches as stages: --microbatches 2 < --pp 4"),
+        (
+            dict(pp=4, n_layers=4, microbatches=2),
+            "needs at least as many microbatches as stages: --microbatches 2 < --pp 4",
+        ),
         (dict(pp=4, microbatches=4), "4 pipeline stages (pp x virtual) but only 2 layers"),
-        (dict(pp=2, n_layers=4, microbatches=4, schedule="interleaved-1f1b", virtual=4), "8 pipeline stages (pp x virtual) but only 4 layers"),
-        (dict(pp=2, n_layers=4, microbatches=2, pp_layers="3,2"), "--pp-layers 3,2 must be positive counts summing to n_layers=4"),
+        (
+            dict(pp=2, n_layers=4, microbatches=4, schedule="interleaved-1f1b", virtual=4),
+            "8 pipeline stages (pp x virtual) but only 4 layers",
+        ),
+        (
+            dict(pp=2, n_layers=4, microbatches=2, pp_layers="3,2"),
+            "--pp-layers 3,2 must be positive counts summing to n_layers=4",
+        ),
         (dict(pp=2, n_layers=4, microbatches=2, pp_layers="1,1,2"), "--pp-layers 1,1,2 lists 3 stages; the run has 2"),
-        (dict(pp=2, n_layers=4, microbatches=2, pp_layers="2,x"), "--pp-layers '2,x' must be comma-separated layer counts"),
+        (
+            dict(pp=2, n_layers=4, microbatches=2, pp_layers="2,x"),
+            "--pp-layers '2,x' must be comma-separated layer counts",
+        ),
         (dict(pp=2, n_layers=4, microbatches=2, schedule="pipedream"), "unknown pipeline schedule 'pipedream'"),
         (dict(pp=2, n_layers=4, microbatches=2, virtual=2), "--virtual 2 needs --schedule interleaved-1f1b"),
         (dict(schedule="gpipe"), "--schedule applies to pipeline parallel, and --pp is 1: add --pp 2"),
         (dict(virtual=2), "--virtual applies to pipeline parallel, and --pp is 1"),
         (dict(pp_layers="1,1"), "--pp-layers applies to pipeline parallel, and --pp is 1"),
-        (dict(cp=3, seq_len=32), "--seq-len 32 does not split into 2 x cp = 6 equal chunks (zigzag context parallel); use --seq-len 30 or 36"),
-        (dict(cp=2, tp=4, sequence_parallel=True, seq_len=36), "whose S/cp tokens split over tp=4 (sequence parallel); use --seq-len 32 or 40"),
+        (
+            dict(cp=3, seq_len=32),
+            "--seq-len 32 does not split into 2 x cp = 6 equal chunks (zigzag context parallel); use --seq-len 30 or 36",
+        ),
+        (
+            dict(cp=2, tp=4, sequence_parallel=True, seq_len=36),
+            "whose S/cp tokens split over tp=4 (sequence parallel); use --seq-len 32 or 40",
+        ),
         (dict(cp=2, cp_method="ulysses"), "unknown --cp-method 'ulysses'; use one of ring, allgather"),
         (dict(cp_method="ring"), "--cp-method ring applies to context parallel, and --cp is 1: add --cp 2"),
         (dict(loss="fused"), "unknown --loss 'fused'; use chunked (fused linear cross-entropy"),
@@ -127,9 +145,37 @@ def _parse(argv, world=None):
 
 
 def test_cli_flags_map_onto_the_nested_config_and_round_trip():
-    c = _parse(["--model", "small", "--n-layers", "2", "--tp", "2", "--dp", "4", "--dp-replicate", "2", "--fsdp",
-                "HYBRID_SHARD", "--microbatches", "2", "--lr", "1e-3", "--beta2", "0.99", "--min-lr-ratio", "0.05",
-                "--checkpoint-dir", "/tmp/x", "--checkpoint-every", "5", "--resume", "--metrics", "m.jsonl"])
+    c = _parse(
+        [
+            "--model",
+            "small",
+            "--n-layers",
+            "2",
+            "--tp",
+            "2",
+            "--dp",
+            "4",
+            "--dp-replicate",
+            "2",
+            "--fsdp",
+            "HYBRID_SHARD",
+            "--microbatches",
+            "2",
+            "--lr",
+            "1e-3",
+            "--beta2",
+            "0.99",
+            "--min-lr-ratio",
+            "0.05",
+            "--checkpoint-dir",
+            "/tmp/x",
+            "--checkpoint-every",
+            "5",
+            "--resume",
+            "--metrics",
+            "m.jsonl",
+        ]
+    )
     assert c.model.preset == "small" and c.model_config.n_layers == 2
     assert (c.parallel.tp, c.parallel.dp, c.parallel.dp_replicate, c.parallel.fsdp) == (2, 4, 2, "HYBRID_SHARD")
     assert c.data.microbatches == 2 and c.optimizer.beta2 == 0.99 and c.optimizer.min_lr_ratio == 0.05
@@ -148,12 +194,24 @@ def test_degrees_not_given_are_inferred_from_the_torchrun_world():
 
 
 def test_the_cli_exits_2_with_one_line_and_runs_nothing(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tessera.cli", "train", "--steps", "1", "--tp", "3"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "train", "--steps", "1", "--tp", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip().splitlines() == ["tessera train: error: tp=3 does not divide the 4 attention heads; use a tp that divides 4"]
-    version = subprocess.run([sys.executable, "-m", "tessera.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.stderr.strip().splitlines() == [
+        "tessera train: error: tp=3 does not divide the 4 attention heads; use a tp that divides 4"
+    ]
+    version = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert version.returncode == 0 and version.stdout.startswith("tessera ")
-    missing = subprocess.run([sys.executable, "-m", "tessera.cli", "export", str(tmp_path), "--out", str(tmp_path / "no" / "m.safetensors")],
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "export", str(tmp_path), "--out", str(tmp_path / "no" / "m.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "does not exist; create it first" in missing.stderr

@@ -117,8 +117,10 @@ def _ring_vs_full(method, use_lse, causal, dtype):
     got = [o, lse, q_.grad, k_.grad, v_.grad]
     worst = {}
     for name, ref in (("definition", definition), ("kernel", kernel)):
-        worst[name] = max(((g.double() - shard(r).double()).abs().max() / shard(r).double().abs().max()).item()
-                          for g, r in zip(got, ref))
+        worst[name] = max(
+            ((g.double() - shard(r).double()).abs().max() / shard(r).double().abs().max()).item()
+            for g, r in zip(got, ref)
+        )
     return worst
 
 
@@ -138,8 +140,30 @@ def test_cli_trains_with_context_parallel(tmp_path):
 
     reference = [m["loss"] for m in train(small_config(steps=2))]
     metrics = tmp_path / "cp.jsonl"
-    args = ["--model", "debug", "--cp", "2", "--cp-method", "allgather", "--dp", "2", "--steps", "2", "--seq-len", "32",
-            "--global-batch", "4", "--lr", "3e-3", "--warmup", "1", "--metrics", str(metrics), "--device", "cpu"]
+    args = [
+        "--model",
+        "debug",
+        "--cp",
+        "2",
+        "--cp-method",
+        "allgather",
+        "--dp",
+        "2",
+        "--steps",
+        "2",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "1",
+        "--metrics",
+        str(metrics),
+        "--device",
+        "cpu",
+    ]
     out = subprocess.run([sys.executable, "-m", "tessera", "train", *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()[1:]]

@@ -40,14 +40,18 @@ LAYOUTS = {
     "dp2+microbatches2": dict(dp=2, microbatches=2),
     "dp2xtp2+microbatches2": dict(dp=2, tp=2, microbatches=2),
     # context parallel (zigzag), each with ring and all-gather attention; FSDP2 shards over dp_shard x cp
-    **{f"{name}-{method}": dict(cp_method=method, **layout) for method in ("ring", "allgather") for name, layout in {
-        "cp2": dict(cp=2),
-        "cp4": dict(cp=4),
-        "cp2xtp2": dict(cp=2, tp=2),
-        "cp2xtp2+sp": dict(cp=2, tp=2, sequence_parallel=True),
-        "cp2xdp2": dict(cp=2, dp=2),
-        "cp2xhsdp2x2": dict(cp=2, dp=4, dp_replicate=2),
-    }.items()},
+    **{
+        f"{name}-{method}": dict(cp_method=method, **layout)
+        for method in ("ring", "allgather")
+        for name, layout in {
+            "cp2": dict(cp=2),
+            "cp4": dict(cp=4),
+            "cp2xtp2": dict(cp=2, tp=2),
+            "cp2xtp2+sp": dict(cp=2, tp=2, sequence_parallel=True),
+            "cp2xdp2": dict(cp=2, dp=2),
+            "cp2xhsdp2x2": dict(cp=2, dp=4, dp_replicate=2),
+        }.items()
+    },
     "pp2xcp2": dict(pp=2, cp=2, microbatches=2),
 }
 
@@ -77,18 +81,23 @@ PIPELINE_LAYOUTS = {
     "pp2xdp2-zb-h1": dict(pp=2, dp=2, schedule="zb-h1", microbatches=2),
     "pp2xhsdp2x2": dict(pp=2, dp=4, dp_replicate=2, microbatches=2),
     # looped BFS and interleaved zero bubble (B/W split over virtual stages), alone and with tp (+SP) and FSDP2
-    **{f"pp{pp}-{kind}-v2": dict(pp=pp, schedule=kind, virtual=2, microbatches=4)
-       for pp in (2, 4) for kind in ("looped-bfs", "interleaved-zb", "zbv")},
+    **{
+        f"pp{pp}-{kind}-v2": dict(pp=pp, schedule=kind, virtual=2, microbatches=4)
+        for pp in (2, 4)
+        for kind in ("looped-bfs", "interleaved-zb", "zbv")
+    },
     "pp2xtp2-zbv+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="zbv", virtual=2, microbatches=2),
     "pp2xdp2-zbv": dict(pp=2, dp=2, schedule="zbv", virtual=2, microbatches=2),
-    "pp2xtp2-interleaved-zb+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved-zb", virtual=2,
-                                      microbatches=2),
+    "pp2xtp2-interleaved-zb+sp": dict(
+        pp=2, tp=2, sequence_parallel=True, schedule="interleaved-zb", virtual=2, microbatches=2
+    ),
     "pp2xdp2-interleaved-zb": dict(pp=2, dp=2, schedule="interleaved-zb", virtual=2, microbatches=2),
     "pp2xdp2-looped-bfs": dict(pp=2, dp=2, schedule="looped-bfs", virtual=2, microbatches=2),
     "pp2+ac_full": dict(pp=2, ac="full", microbatches=2),
     # all four axes at once: 16 ranks (pp2 x dp2 x cp2 x tp2 + sp and pp2 x HSDP x tp2: tests/test_four_d.py)
-    "pp2xdp2xcp2xtp2-interleaved-allgather": dict(pp=2, dp=2, cp=2, tp=2, schedule="interleaved-1f1b", virtual=2,
-                                                  microbatches=2, cp_method="allgather"),
+    "pp2xdp2xcp2xtp2-interleaved-allgather": dict(
+        pp=2, dp=2, cp=2, tp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2, cp_method="allgather"
+    ),
 }
 
 

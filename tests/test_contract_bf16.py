@@ -84,9 +84,13 @@ def assert_trains_like_one_process_in_bf16(case: str, run, one_process, bf16_sha
     loss_tol = 2 * max(abs(a - b) for a, b in zip(ref_losses, fp_losses))
     norm_tol = 2 * max(abs(a - b) for a, b in zip(ref_norms, fp_norms))
     for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
-        assert abs(a - b) <= loss_tol, f"{case} step {step}: loss {a} vs one-process bf16 {b} (tolerance {loss_tol:.2e})"
+        assert abs(a - b) <= loss_tol, (
+            f"{case} step {step}: loss {a} vs one-process bf16 {b} (tolerance {loss_tol:.2e})"
+        )
     for step, (a, b) in enumerate(zip(norms, ref_norms), 1):
-        assert abs(a - b) <= norm_tol, f"{case} step {step}: grad norm {a} vs one-process bf16 {b} (tolerance {norm_tol:.2e})"
+        assert abs(a - b) <= norm_tol, (
+            f"{case} step {step}: grad norm {a} vs one-process bf16 {b} (tolerance {norm_tol:.2e})"
+        )
     assert sorted(grads) == sorted(ref_grads)
     for name, g in grads.items():
         tol = 2 * (ref_grads[name] - fp_grads[name]).norm()

@@ -100,8 +100,10 @@ BF16_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def moe_one_process_bf16_and_fp32():
-    return tuple(run_ranks(train_with_dtypes, 1, small_config(**BASE, mixed_precision=p), timeout=120)[0]
-                 for p in ("bf16", "fp32"))
+    return tuple(
+        run_ranks(train_with_dtypes, 1, small_config(**BASE, mixed_precision=p), timeout=120)[0]
+        for p in ("bf16", "fp32")
+    )
 
 
 @pytest.mark.parametrize("case", list(BF16_LAYOUTS))

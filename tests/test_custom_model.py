@@ -17,7 +17,9 @@ import custom_model  # noqa: E402
 
 
 def test_the_custom_model_example_trains_like_one_process_on_pp2_cp2_tp2():
-    out = subprocess.run([sys.executable, str(EXAMPLES / "custom_model.py")], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "custom_model.py")], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gpt-mini on pp2 x cp2 x tp2 trains like one process" in out.stdout
     assert "Traceback" not in out.stderr
@@ -30,8 +32,12 @@ def test_the_readme_qwen3_command_trains_on_pp2_tp2(tmp_path):
     readme = (EXAMPLES.parent / "README.md").read_text()
     assert cmd in readme
     metrics = tmp_path / "run.jsonl"
-    out = subprocess.run([sys.executable, "-m", "tessera", *cmd.split()[1:], "--metrics", str(metrics)],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", *cmd.split()[1:], "--metrics", str(metrics)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in records if "step" in r]
@@ -45,12 +51,14 @@ def test_the_runner_takes_dp_and_cp_with_a_spec_and_names_a_wrong_spec():
     from tessera.testing import LayoutsDiverge, assert_layouts_equivalent
 
     inputs, targets = custom_model.batch(rows=4, seq=16)
-    assert_layouts_equivalent(custom_model.build_gpt, [Layout(dp_shard=2, cp=2)], batch=(inputs, targets), steps=2,
-                              spec=custom_model.GPT_SPEC)
+    assert_layouts_equivalent(
+        custom_model.build_gpt, [Layout(dp_shard=2, cp=2)], batch=(inputs, targets), steps=2, spec=custom_model.GPT_SPEC
+    )
     # a planted bug: the MLP's block_input left out of the spec, so nothing sums the MLP input's gradient
     # over tp in backward; the forward is right, the gradients upstream are not: the runner names one
-    wrong = dataclasses.replace(custom_model.GPT_SPEC, tp_plan=tuple(
-        (p, s) for p, s in custom_model.GPT_SPEC.tp_plan if p != "blocks.*.mlp"))
+    wrong = dataclasses.replace(
+        custom_model.GPT_SPEC, tp_plan=tuple((p, s) for p, s in custom_model.GPT_SPEC.tp_plan if p != "blocks.*.mlp")
+    )
     with pytest.raises(LayoutsDiverge, match=r"layout tp2, step 1: gradient of parameter '.*' differs"):
         assert_layouts_equivalent(custom_model.build_gpt, [Layout(tp=2)], batch=(inputs, targets), steps=1, spec=wrong)
 

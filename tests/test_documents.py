@@ -40,8 +40,10 @@ def _fill(xs: list[int], total: int) -> list[int]:
 
 def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, h, s, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-               for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
+    q, k, v = (
+        torch.randn(B, h, s, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+        for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk))
+    )
     do = torch.randn(B, Hq, Sq, D, generator=g, dtype=torch.float64).to(dtype)
     return q, k, v, do
 
@@ -80,8 +82,9 @@ def test_block_with_its_own_docs_and_the_backward_of_a_merged_softmax(backend):
     want = _naive_grads(q, k, v, do, False, q_docs, k_docs)
     torch.testing.assert_close(out, want[0])
     assert torch.isneginf(lse[0, :, 5:]).all() and (out[0, :, 5:] == 0).all()
-    dq, dk, dv = flash_attention_backward(do, q, k, v, out.detach(), lse.detach(), causal=False, backend=backend,
-                                          q_docs=q_docs, k_docs=k_docs)
+    dq, dk, dv = flash_attention_backward(
+        do, q, k, v, out.detach(), lse.detach(), causal=False, backend=backend, q_docs=q_docs, k_docs=k_docs
+    )
     for got, ref in zip((dq, dk, dv), want[2:]):
         torch.testing.assert_close(got, ref)
 
@@ -120,8 +123,9 @@ def test_triton_block_backward_with_empty_rows():
     want = _naive_grads(q, k, v, do, False, q_docs, k_docs)
     out, lse = flash_attention(q, k, v, causal=False, return_lse=True, backend="triton", q_docs=q_docs, k_docs=k_docs)
     torch.testing.assert_close(out.double(), want[0], atol=1e-5, rtol=1e-5)
-    dq, dk, dv = flash_attention_backward(do, q, k, v, out.detach(), lse.detach(), causal=False, backend="triton",
-                                          q_docs=q_docs, k_docs=k_docs)
+    dq, dk, dv = flash_attention_backward(
+        do, q, k, v, out.detach(), lse.detach(), causal=False, backend="triton", q_docs=q_docs, k_docs=k_docs
+    )
     for got, ref in zip((dq, dk, dv), want[2:]):
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -158,8 +162,9 @@ def test_a_packed_batch_equals_each_document_run_alone_on_one_process(data):
     want_losses, want_grads = run_alone(model, inputs, targets, positions)
     model.zero_grad(set_to_none=True)
     logits = model(inputs, positions)
-    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                                  reduction="none").view(targets.shape)
+    per_token = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
     torch.testing.assert_close(per_token.detach(), want_losses, atol=1e-5, rtol=1e-5)
     (per_token.sum() / (targets != IGNORE_INDEX).sum()).backward()
     for name, p in model.named_parameters():
@@ -175,6 +180,9 @@ def test_packing_is_refused_for_a_model_that_does_not_pass_positions_to_attentio
 
     from tessera.preflight import check_document_masking
 
-    with pytest.raises(ValueError, match=r"--pack-documents: GPT calls its attention slots \(blocks\.\*\.attn\.core\) "
-                                         r"without the positions"):
+    with pytest.raises(
+        ValueError,
+        match=r"--pack-documents: GPT calls its attention slots \(blocks\.\*\.attn\.core\) "
+        r"without the positions",
+    ):
         check_document_masking(custom_model.GPTConfig(), custom_model.GPT_SPEC)

@@ -24,15 +24,22 @@ def test_train_check_drift_judges_the_run_against_one_process_and_refuses_what_i
     import sys
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "tessera", "train", *args], capture_output=True, text=True,
-                              timeout=600, cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, "-m", "tessera", "train", *args], capture_output=True, text=True, timeout=600, cwd=tmp_path
+        )
 
     out = run("--dp", "2", "--tp", "2", "--steps", "3", "--check-drift", "--quiet")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("drift check: all 3 steps within 2x one process's own spread (one process at "
-                                 "microbatches 1, 2, 4 spreads up to"), out.stdout
-    for args, message in ((["--global-batch", "7"], "--check-drift runs one process at 1 and 2 microbatches: "
-                                                    "--global-batch 7 must be even; use --global-batch 8"),
-                          (["--resume", str(tmp_path / "none")], "--check-drift compares the run from step 0")):
+    assert out.stdout.startswith(
+        "drift check: all 3 steps within 2x one process's own spread (one process at microbatches 1, 2, 4 spreads up to"
+    ), out.stdout
+    for args, message in (
+        (
+            ["--global-batch", "7"],
+            "--check-drift runs one process at 1 and 2 microbatches: "
+            "--global-batch 7 must be even; use --global-batch 8",
+        ),
+        (["--resume", str(tmp_path / "none")], "--check-drift compares the run from step 0"),
+    ):
         out = run("--steps", "2", "--check-drift", *args)
         assert out.returncode == 2 and message in out.stderr, out.stderr

@@ -65,7 +65,9 @@ def on_two_ep_ranks(top_k: int, force: int | None):
     return rank, out.detach(), x.grad, grads, counts, block.experts.dispatch.received
 
 
-@pytest.mark.parametrize("top_k,force", [(2, None), (1, 0), (1, 3)], ids=["spread", "all-to-expert-0", "all-to-expert-3"])
+@pytest.mark.parametrize(
+    "top_k,force", [(2, None), (1, 0), (1, 3)], ids=["spread", "all-to-expert-0", "all-to-expert-3"]
+)
 def test_two_ep_ranks_compute_what_one_process_does(top_k, force):
     out, x_grad, grads, counts = one_process(top_k, force)
     ranks = run_ranks(on_two_ep_ranks, 2, top_k, force, timeout=120)

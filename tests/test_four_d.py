@@ -40,5 +40,9 @@ def test_a_16_rank_checkpoint_resumes_on_the_other_16_rank_layout(saved, deep_re
     assert [m["step"] for m in resumed] == [3]
     ref_losses, ref_norms, _ = deep_reference
     loss, norm = resumed[0]["loss"], resumed[0]["grad_norm"]
-    assert abs(loss - ref_losses[2]) <= 1e-5 * abs(ref_losses[2]), f"{source} -> {target}: loss {loss} vs {ref_losses[2]}"
-    assert abs(norm - ref_norms[2]) <= 1e-5 * abs(ref_norms[2]), f"{source} -> {target}: grad norm {norm} vs {ref_norms[2]}"
+    assert abs(loss - ref_losses[2]) <= 1e-5 * abs(ref_losses[2]), (
+        f"{source} -> {target}: loss {loss} vs {ref_losses[2]}"
+    )
+    assert abs(norm - ref_norms[2]) <= 1e-5 * abs(ref_norms[2]), (
+        f"{source} -> {target}: grad norm {norm} vs {ref_norms[2]}"
+    )

@@ -60,7 +60,9 @@ def _close(got, want, rel):
     assert err <= rel * want.double().abs().max().item(), f"{err} vs {rel} x {want.abs().max().item()}"
 
 
-@pytest.mark.parametrize("chunk_elements", [1, 7 * 53, 10 * 53, 10**9], ids=["1-token", "7-of-37", "10-of-37", "one-chunk"])
+@pytest.mark.parametrize(
+    "chunk_elements", [1, 7 * 53, 10 * 53, 10**9], ids=["1-token", "7-of-37", "10-of-37", "one-chunk"]
+)
 def test_chunked_equals_todays_loss_and_the_float64_definition(chunk_elements):
     h, w, targets = _problem(37, 16, 53)
     loss, count, dh, dw = _run(linear_cross_entropy_sum, h, w, targets, chunk_elements=chunk_elements)
@@ -91,8 +93,8 @@ def test_bf16_matches_todays_bf16_path_within_bf16_precision():
     ref, _, ref_dh, ref_dw = _run(_todays, h, w, targets)
     assert loss.dtype == torch.float32 and dh.dtype == dw.dtype == torch.bfloat16
     assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())  # the logits are the same bf16 matmul
-    _close(dh, ref_dh, 2 ** -6)
-    _close(dw, ref_dw, 2 ** -6)
+    _close(dh, ref_dh, 2**-6)
+    _close(dw, ref_dw, 2**-6)
 
 
 def test_all_targets_ignored_and_evaluation_without_gradients():
@@ -111,7 +113,7 @@ def test_backward_hands_its_gradients_over_once_unless_asked_to_keep_them():
     for reuse in (False, True):
         hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
         total, _ = linear_cross_entropy_sum(hr, wr, targets, chunk_elements=5 * 9, reuse_backward=reuse)
-        dh, = torch.autograd.grad(total * 0.37, [hr], retain_graph=True)  # as the zero-bubble B pass
+        (dh,) = torch.autograd.grad(total * 0.37, [hr], retain_graph=True)  # as the zero-bubble B pass
         assert torch.equal(dh, ref_dh)
         if not reuse:
             with pytest.raises(RuntimeError, match="reuse_backward=True"):
@@ -132,8 +134,13 @@ def test_the_chunk_rule():
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 24), dim=st.integers(1, 6), vocab=st.integers(1, 19), budget=st.integers(1, 400),
-       seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 24),
+    dim=st.integers(1, 6),
+    vocab=st.integers(1, 19),
+    budget=st.integers(1, 400),
+    seed=st.integers(0, 2**16),
+)
 def test_property_any_shape_and_chunk_size_matches_float64(n, dim, vocab, budget, seed):
     h, w, targets = _problem(n, dim, vocab, seed, dtype=torch.float64)
     loss, count, dh, dw = _run(linear_cross_entropy_sum, h, w, targets, chunk_elements=budget)
@@ -157,8 +164,9 @@ def _tp_rank(vocab: int, n: int, dim: int, chunk_elements: int, seed: int):
         hr, wr = h.clone().requires_grad_(), w[start:stop].clone().requires_grad_()
         x = copy_to_tp(hr, group)
         if kind == "chunked":
-            total, count = linear_cross_entropy_sum(x, wr, targets, start, group, chunk_elements=chunk_elements,
-                                                    vocab_rows=-(-vocab // size))
+            total, count = linear_cross_entropy_sum(
+                x, wr, targets, start, group, chunk_elements=chunk_elements, vocab_rows=-(-vocab // size)
+            )
         else:
             total, count = vocab_parallel_cross_entropy_sum(x @ wr.t(), targets, start, group)
         (total * 0.37).backward()
@@ -166,8 +174,11 @@ def _tp_rank(vocab: int, n: int, dim: int, chunk_elements: int, seed: int):
     return out
 
 
-@pytest.mark.parametrize("tp, vocab, chunk_elements", [(2, 53, 5 * 27), (4, 53, 3 * 14), (4, 3, 2)],
-                         ids=["tp2", "tp4-uneven", "tp4-rank-without-columns"])
+@pytest.mark.parametrize(
+    "tp, vocab, chunk_elements",
+    [(2, 53, 5 * 27), (4, 53, 3 * 14), (4, 3, 2)],
+    ids=["tp2", "tp4-uneven", "tp4-rank-without-columns"],
+)
 def test_tp_ranks_equal_one_process(tp, vocab, chunk_elements):
     n, dim = 37, 8
     h, w, targets = _problem(n, dim, vocab, 5)

@@ -12,7 +12,11 @@ from tessera.parallel.launch import run_ranks
 
 degrees = st.integers(0, 4)
 FLAGS = dict(
-    pp=degrees, dp=degrees, dp_replicate=st.integers(0, 3), cp=degrees, tp=degrees,
+    pp=degrees,
+    dp=degrees,
+    dp_replicate=st.integers(0, 3),
+    cp=degrees,
+    tp=degrees,
     sequence_parallel=st.booleans(),
     fsdp=st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "full_shard", "ZERO4"]),
     ac=st.sampled_from(["none", "full", "selective", "some"]),
@@ -61,18 +65,35 @@ def _one_step(config):
 
 
 VALID_CHOICES = dict(
-    pp=st.integers(1, 2), dp=st.integers(1, 2), dp_replicate=st.just(1), cp=st.integers(1, 2), tp=st.integers(1, 2),
-    sequence_parallel=st.booleans(), fsdp=st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP"]),
-    ac=st.sampled_from(["none", "full"]), schedule=st.sampled_from([None, "gpipe", "1f1b", "interleaved-1f1b"]),
-    virtual=st.integers(1, 2), pp_layers=st.just(None), cp_method=st.sampled_from([None, "ring", "allgather"]),
-    microbatches=st.integers(1, 4), seq_len=st.sampled_from([16, 32]), global_batch=st.sampled_from([4, 8]),
-    n_layers=st.integers(2, 4), steps=st.just(1), lr=st.just(3e-3), max_grad_norm=st.just(1.0),
+    pp=st.integers(1, 2),
+    dp=st.integers(1, 2),
+    dp_replicate=st.just(1),
+    cp=st.integers(1, 2),
+    tp=st.integers(1, 2),
+    sequence_parallel=st.booleans(),
+    fsdp=st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP"]),
+    ac=st.sampled_from(["none", "full"]),
+    schedule=st.sampled_from([None, "gpipe", "1f1b", "interleaved-1f1b"]),
+    virtual=st.integers(1, 2),
+    pp_layers=st.just(None),
+    cp_method=st.sampled_from([None, "ring", "allgather"]),
+    microbatches=st.integers(1, 4),
+    seq_len=st.sampled_from([16, 32]),
+    global_batch=st.sampled_from([4, 8]),
+    n_layers=st.integers(2, 4),
+    steps=st.just(1),
+    lr=st.just(3e-3),
+    max_grad_norm=st.just(1.0),
     on_nonfinite=st.sampled_from(["stop", "skip"]),
 )
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
 @given(st.fixed_dictionaries(VALID_CHOICES))
 def test_every_valid_small_combination_trains(flags):
     assume(outcome(flags) is None)

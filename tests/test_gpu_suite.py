@@ -17,8 +17,9 @@ from gpu_suite import sweep  # noqa: E402
 
 
 def _suite(*args):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), *args], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -57,9 +58,12 @@ def test_smoke_runs_every_part_and_writes_the_json_and_pngs(tmp_path):
             assert row["options"]["compile"] == (mode == "compiled") and row["compute_dtype"] == "float32"
             assert row["tokens_per_s"] > 0 and row["tokens_per_s_per_device"] > 0
             assert row["predicted"]["calibrated"] and row["predicted"]["step_time_s"] > 0
-            assert row["measured_over_predicted"]["step_time"] == pytest.approx(row["step_time_s"] / row["predicted"]["step_time_s"])
+            assert row["measured_over_predicted"]["step_time"] == pytest.approx(
+                row["step_time_s"] / row["predicted"]["step_time_s"]
+            )
             assert row["measured_over_predicted"]["memory"] == pytest.approx(
-                row["peak_tensor_bytes_rank0"] / row["predicted"]["memory_bytes"]["total"])
+                row["peak_tensor_bytes_rank0"] / row["predicted"]["memory_bytes"]["total"]
+            )
     base = r["baseline"]
     assert base["row"]["global_batch"] == 2 and base["row"]["compute_dtype"] == "float32"
     eager2 = r["train"]["eager"]["rows"][1]

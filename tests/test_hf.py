@@ -17,9 +17,19 @@ def _tiny_llama(path, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, rope_theta=50000.0, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, **overrides)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        **overrides,
+    )
     model = LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
@@ -77,11 +87,26 @@ def test_llama3_rope_scaling_loads_with_transformers_logits_and_exports_back(tmp
     from tessera.models.hf import hf_config_dict, read_hf_config
 
     torch.manual_seed(0)
-    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16}  # short: the 24-token input reaches the scaled band
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                      rope_parameters=rope)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 50000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }  # short: the 24-token input reaches the scaled band
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters=rope,
+    )
     model = LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(tmp_path / "l3", safe_serialization=True)
     ours = read_hf_config(tmp_path / "l3")
@@ -111,8 +136,21 @@ def test_train_from_hf_then_export_to_hf_loads_back_into_transformers(hf_dir, tm
     (tmp_path / "tokens").mkdir()
     ids = torch.randint(0, 96, (2000,), generator=torch.Generator().manual_seed(2)).tolist()
     write_shard(tmp_path / "tokens" / "shard_00000", ids, vocab_size=96, separator=0)  # ids of the model's vocabulary
-    train(small_config(init_from_hf=str(hf_dir), seq_len=24, global_batch=4, steps=2, dp=2, tp=2, data=str(tmp_path / "tokens"),
-                       checkpoint_dir=str(ckpt), checkpoint_every=2, vocab_size=None, model="debug"))
+    train(
+        small_config(
+            init_from_hf=str(hf_dir),
+            seq_len=24,
+            global_batch=4,
+            steps=2,
+            dp=2,
+            tp=2,
+            data=str(tmp_path / "tokens"),
+            checkpoint_dir=str(ckpt),
+            checkpoint_every=2,
+            vocab_size=None,
+            model="debug",
+        )
+    )
     assert main(["export", str(ckpt), "--to-hf", str(tmp_path / "out")]) == 0
     exported = LlamaForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
     theirs = exported(TOKENS).logits.detach()
@@ -128,7 +166,12 @@ def test_convert_writes_tesseras_names(hf_dir, tmp_path):
 
     assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "t.safetensors")]) == 0
     tensors = read_safetensors(tmp_path / "t.safetensors")
-    assert {"tok_embeddings.weight", "layers.1.attention.wk.weight", "layers.0.feed_forward.w3.weight", "output.weight"} <= set(tensors)
+    assert {
+        "tok_embeddings.weight",
+        "layers.1.attention.wk.weight",
+        "layers.0.feed_forward.w3.weight",
+        "output.weight",
+    } <= set(tensors)
     assert tensors["layers.1.attention.wk.weight"].shape == (32, 64)
 
 
@@ -137,12 +180,16 @@ def test_bad_hugging_face_input_is_one_clear_line(hf_dir, tmp_path):
     other = tmp_path / "gpt"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match=r"config.json: architecture 'GPT2LMHeadModel' \(model_type 'gpt2'\) is not supported"):
+    with pytest.raises(
+        ValueError, match=r"config.json: architecture 'GPT2LMHeadModel' \(model_type 'gpt2'\) is not supported"
+    ):
         small_config(init_from_hf=str(other)).check()
     # tied embeddings and rope scaling, refused by name
     cfg = json.loads((hf_dir / "config.json").read_text())
-    for field, value, message in (("tie_word_embeddings", True, "tied embeddings"),
-                                  ("rope_scaling", {"rope_type": "yarn", "factor": 8.0}, "rope type 'yarn'")):
+    for field, value, message in (
+        ("tie_word_embeddings", True, "tied embeddings"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 8.0}, "rope type 'yarn'"),
+    ):
         d = tmp_path / field
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**cfg, field: value}))
@@ -153,7 +200,10 @@ def test_bad_hugging_face_input_is_one_clear_line(hf_dir, tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     (bad / "model.safetensors").write_bytes((hf_dir / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match=r"model.safetensors: model.layers.0.mlp.down_proj.weight has shape \[64, 128\], config.json implies \[64, 96\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: model.layers.0.mlp.down_proj.weight has shape \[64, 128\], config.json implies \[64, 96\]",
+    ):
         small_config(init_from_hf=str(bad)).check()
     # a --model that disagrees with config.json
     with pytest.raises(ValueError, match=r"--model small does not match the Hugging Face config.json \(dim 64 vs 256"):
@@ -177,17 +227,25 @@ def test_the_readme_fine_tuning_commands_run_as_written(hf_dir, tmp_path):
     assert len(lines) == 4
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["hello tessera world"] * 50 + ["pipelines and rings"] * 50,
-                            trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"]))
+    tok.train_from_iterator(
+        ["hello tessera world"] * 50 + ["pipelines and rings"] * 50,
+        trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"]),
+    )
     llama = tmp_path / "llama"
     llama.mkdir()
     for f in hf_dir.iterdir():
         (llama / f.name).write_bytes(f.read_bytes())
     tok.save(str(llama / "tokenizer.json"))
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.jsonl").write_text("\n".join(json.dumps({"text": "hello tessera world " * 40}) for _ in range(8)))
-    sizes = {"--seq-len 2048": "--seq-len 32", "--global-batch 16": "--global-batch 4", "--steps 1000": "--steps 2",
-             "--checkpoint-every 100": "--checkpoint-every 2"}
+    (tmp_path / "docs" / "a.jsonl").write_text(
+        "\n".join(json.dumps({"text": "hello tessera world " * 40}) for _ in range(8))
+    )
+    sizes = {
+        "--seq-len 2048": "--seq-len 32",
+        "--global-batch 16": "--global-batch 4",
+        "--steps 1000": "--steps 2",
+        "--checkpoint-every 100": "--checkpoint-every 2",
+    }
     for line in lines:
         for a, b in sizes.items():
             line = line.replace(a, b)

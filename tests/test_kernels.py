@@ -123,8 +123,9 @@ def test_attention_custom_ops_have_fake_and_autograd():
     q, k, v, _, _ = _attention_case(1, 2, 1, 20, 20, 16, True)
     torch.library.opcheck(flash_attention_fwd, (q, k, v, True, 0.25))
     with torch.device("meta"):
-        o, lse = torch.ops.tessera.flash_attention_fwd(torch.empty(2, 8, 4096, 128), torch.empty(2, 2, 4096, 128),
-                                                       torch.empty(2, 2, 4096, 128), True, 0.1)
+        o, lse = torch.ops.tessera.flash_attention_fwd(
+            torch.empty(2, 8, 4096, 128), torch.empty(2, 2, 4096, 128), torch.empty(2, 2, 4096, 128), True, 0.1
+        )
     assert o.shape == (2, 8, 4096, 128) and lse.shape == (2, 8, 4096) and lse.dtype == torch.float32
 
 
@@ -153,15 +154,21 @@ def test_rms_norm_matches_the_definition(shape, backend):
 def test_rms_norm_custom_op_checks_and_meta():
     from tessera.kernels.triton_rmsnorm import rms_norm_fwd
 
-    torch.library.opcheck(rms_norm_fwd, (torch.randn(6, 32, requires_grad=True), torch.randn(32, requires_grad=True), 1e-6))
-    y, rstd = torch.ops.tessera.rms_norm_fwd(torch.empty(4, 1024, 8192, device="meta"), torch.empty(8192, device="meta"), 1e-5)
+    torch.library.opcheck(
+        rms_norm_fwd, (torch.randn(6, 32, requires_grad=True), torch.randn(32, requires_grad=True), 1e-6)
+    )
+    y, rstd = torch.ops.tessera.rms_norm_fwd(
+        torch.empty(4, 1024, 8192, device="meta"), torch.empty(8192, device="meta"), 1e-5
+    )
     assert y.shape == (4, 1024, 8192) and rstd.shape == (4096,)
 
 
 @interpreted
 def test_kernel_bad_input():
     q = torch.randn(1, 2, 8, 272)
-    with pytest.raises(ValueError, match="head_dim 272 is above the Triton attention kernel's 256; use backend='torch'"):
+    with pytest.raises(
+        ValueError, match="head_dim 272 is above the Triton attention kernel's 256; use backend='torch'"
+    ):
         flash_attention(q, q, q, backend="triton")
     q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="dtype torch.float64 is not supported by the Triton attention kernel"):
@@ -169,7 +176,9 @@ def test_kernel_bad_input():
     with pytest.raises(ValueError, match="multiple of kv heads"):
         flash_attention(torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), backend="triton")
     with pytest.raises(ValueError, match="share a dtype"):
-        flash_attention(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16), backend="triton")
+        flash_attention(
+            torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16), backend="triton"
+        )
     with pytest.raises(ValueError, match="backend='cuda'; use 'torch' or 'triton'"):
         flash_attention(q, q, q, backend="cuda")
 

@@ -49,8 +49,16 @@ def link_tree(dest: Path, root: Path = ROOT) -> Path:
 def lint(tree: Path, config: Path = ROOT / "pyproject.toml", *args: str) -> subprocess.CompletedProcess:
     """lint-imports over the layout in `tree` (it puts its working directory first on sys.path, ahead of the
     editable install's import hook)."""
-    cmd = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()",
-           "--config", str(config), "--no-cache", "--no-logo", *args]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from importlinter.cli import lint_imports_command; lint_imports_command()",
+        "--config",
+        str(config),
+        "--no-cache",
+        "--no-logo",
+        *args,
+    ]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=300)
 
@@ -71,7 +79,9 @@ def cycles(tree: Path) -> str:
     """Each pair of sibling modules that import each other (directly or not), with the two chains: the
     acyclic_siblings contract names only the imports that would break its cycles."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", _CYCLES], cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _CYCLES], cwd=tree, env=env, capture_output=True, text=True, timeout=300
+    )
     return out.stdout + out.stderr[-2000:]
 
 

@@ -12,7 +12,12 @@ GB = 1e9
 
 @pytest.mark.parametrize(
     "stage, params, grads, optim, total",
-    [(0, 140.0, 140.0, 840.0, 1120.00), (1, 140.0, 140.0, 3.28, 283.28), (2, 140.0, 0.55, 3.28, 143.83), (3, 0.55, 0.55, 3.28, 4.38)],
+    [
+        (0, 140.0, 140.0, 840.0, 1120.00),
+        (1, 140.0, 140.0, 3.28, 283.28),
+        (2, 140.0, 0.55, 3.28, 143.83),
+        (3, 0.55, 0.55, 3.28, 4.38),
+    ],
 )
 def test_reference_zero_table_70b_on_256(stage, params, grads, optim, total):
     m = model_state_bytes(70e9, dp=256, zero_stage=stage)
@@ -47,7 +52,9 @@ def test_stages_never_grow_and_stage3_divides_everything(n, dp, recipe):
         assert m["total"] == pytest.approx(m["parameters"] + m["gradients"] + m["optimizer"])
 
 
-@pytest.mark.parametrize("kwargs", [dict(dp=0), dict(dp=2.5), dict(zero_stage=4), dict(recipe="adam8"), dict(strategy="ZERO")])
+@pytest.mark.parametrize(
+    "kwargs", [dict(dp=0), dict(dp=2.5), dict(zero_stage=4), dict(recipe="adam8"), dict(strategy="ZERO")]
+)
 def test_bad_input(kwargs):
     with pytest.raises(ValueError):
         model_state_bytes(1e9, **kwargs)
@@ -56,13 +63,16 @@ def test_bad_input(kwargs):
 def test_cli_prints_the_reference_table():
     out = subprocess.run(
         [sys.executable, "-m", "tessera.cli", "memory", "--params", "70e9", "--dp", "256", "--gpu-memory", "80"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     total = next(line for line in out.splitlines() if line.startswith("total"))
     assert total.split() == ["total", "1120.00", "GB", "283.28", "GB", "143.83", "GB", "4.38", "GB"]
     assert "raw floor: 14 GPUs of 80 GB" in out
-    bad = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--params", "70e9", "--dp", "0"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "memory", "--params", "70e9", "--dp", "0"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "dp=0" in bad.stderr
 
 
@@ -90,8 +100,12 @@ def test_the_memory_command_honours_every_axis_it_is_given():
     from tessera.topology.memory import model_state_bytes
 
     def zero3(*flags):
-        out = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--model", "70b", "--json", *flags],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "tessera.cli", "memory", "--model", "70b", "--json", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         return _json.loads(out.stdout)["zero3"]["total"]
 
@@ -101,10 +115,15 @@ def test_the_memory_command_honours_every_axis_it_is_given():
     assert zero3("--dp", "4", "--cp", "2") == model_state_bytes(params, dp=8, zero_stage=3)["total"]
     assert zero3("--dp", "8", "--dp-replicate", "2") == zero3("--dp", "4")  # HSDP shards over dp_shard only
     assert zero3("--dp", "4", "--pp", "2") == model_state_bytes(params / 2, dp=4, zero_stage=3)["total"]
-    bad = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--model", "70b", "--dp", "4", "--dp-replicate", "3"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "memory", "--model", "70b", "--dp", "4", "--dp-replicate", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "tessera memory: error: --dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard); use --dp 3")
+        "tessera memory: error: --dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard); use --dp 3"
+    )
 
 
 def test_the_memory_command_agrees_with_the_planner():
@@ -116,12 +135,38 @@ def test_the_memory_command_agrees_with_the_planner():
     from tessera.topology import Layout
     from tessera.topology.planner import Candidate, Hardware, estimate
 
-    out = subprocess.run([sys.executable, "-m", "tessera.cli", "memory", "--model", "8b", "--json", "--dp", "4", "--tp", "16",
-                          "--pp", "2"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tessera.cli",
+            "memory",
+            "--model",
+            "8b",
+            "--json",
+            "--dp",
+            "4",
+            "--tp",
+            "16",
+            "--pp",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     exact = _json.loads(out.stdout)["planner_zero3"]
-    est = estimate(model_shape("8b"), Candidate(Layout(pp=2, dp_shard=4, tp=16), microbatches=2), Hardware(gpus=128, gpus_per_node=16), 4096, 8)
+    est = estimate(
+        model_shape("8b"),
+        Candidate(Layout(pp=2, dp_shard=4, tp=16), microbatches=2),
+        Hardware(gpus=128, gpus_per_node=16),
+        4096,
+        8,
+    )
     # the planner's table shows the rank with the highest peak (pp rank 0, with more microbatches in flight);
     # memory shows the rank with the most parameters (the last, whose final norm adds 4096 / 4 more)
-    assert exact["total"] == pytest.approx(est.memory["parameters"] + est.memory["gradients"] + est.memory["optimizer"], rel=1e-4)
+    assert exact["total"] == pytest.approx(
+        est.memory["parameters"] + est.memory["gradients"] + est.memory["optimizer"], rel=1e-4
+    )
     assert exact["total"] > _json.loads(out.stdout)["zero3"]["total"]  # the even split misses the replicated K/V

@@ -1,6 +1,5 @@
 """build_mesh agrees with Layout.group on every axis and flattened submesh: gloo ranks and the fake backend."""
 
-
 import pytest
 import torch.distributed as dist
 from hypothesis import given, settings
@@ -22,7 +21,9 @@ def _mesh_groups(layout):
 
 
 @pytest.mark.parametrize(
-    "layout", [Layout(pp=2, dp_shard=2, cp=2, tp=2), Layout(dp_replicate=2, dp_shard=2, tp=2), Layout(pp=3, tp=2)], ids=str
+    "layout",
+    [Layout(pp=2, dp_shard=2, cp=2, tp=2), Layout(dp_replicate=2, dp_shard=2, tp=2), Layout(pp=3, tp=2)],
+    ids=str,
 )
 def test_build_mesh_on_gloo_ranks_matches_layout(layout):
     for rank, groups, hsdp_shape in run_ranks(_mesh_groups, layout.world_size, layout, timeout=60):
@@ -35,8 +36,12 @@ big_degree = st.sampled_from([1, 2, 4, 8])
 
 
 @settings(max_examples=6, deadline=None)
-@given(st.builds(Layout, pp=big_degree, dp_replicate=big_degree, dp_shard=big_degree, cp=big_degree, tp=big_degree)
-       .filter(lambda lay: 1024 <= lay.world_size <= 4096), st.data())
+@given(
+    st.builds(Layout, pp=big_degree, dp_replicate=big_degree, dp_shard=big_degree, cp=big_degree, tp=big_degree).filter(
+        lambda lay: 1024 <= lay.world_size <= 4096
+    ),
+    st.data(),
+)
 def test_build_mesh_on_fake_backend_at_scale(layout, data):
     for _ in range(2):
         rank = data.draw(st.integers(0, layout.world_size - 1))

@@ -38,7 +38,11 @@ def test_init_depends_only_on_seed_and_name():
 
 
 shapes = st.tuples(
-    st.integers(1, 2), st.sampled_from([(2, 1), (4, 2), (2, 2)]), st.integers(1, 40), st.integers(1, 40), st.sampled_from([8, 16])
+    st.integers(1, 2),
+    st.sampled_from([(2, 1), (4, 2), (2, 2)]),
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.sampled_from([8, 16]),
 )
 
 

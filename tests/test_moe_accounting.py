@@ -24,8 +24,14 @@ from helpers import small_config
 from tessera.parallel.launch import run_ranks
 from tessera.topology import Layout, axes, comm_model
 from tessera.topology.comm_model import balanced_routed_fraction, comm_bytes_per_step, routed_fraction_of
-from tessera.topology.shapes import (ModelShape, expert_param_shapes, fsdp_shard_numel, layer_param_shapes,
-                                     layer_shard_groups, stage_param_shapes)
+from tessera.topology.shapes import (
+    ModelShape,
+    expert_param_shapes,
+    fsdp_shard_numel,
+    layer_param_shapes,
+    layer_shard_groups,
+    stage_param_shapes,
+)
 
 MOE = dict(model="qwen3-moe-debug", global_batch=8, comm_stats="every", steps=1)
 
@@ -46,6 +52,7 @@ def counted_step_with_routing(config):
         for _, block in moe_blocks(part):
             dispatch = block.experts.dispatch
             if isinstance(dispatch, AllToAllDispatch):  # every call's rows, activation checkpointing's reruns too
+
                 def logged(x, counts, run_experts, forward=dispatch.forward, d=dispatch):
                     out = forward(x, counts, run_experts)
                     calls.append((d.sent, d.received, x.shape[0], torch._C._current_graph_task_id() != -1))
@@ -69,8 +76,9 @@ LAYOUTS = {
     "cp2 x ep2": dict(cp=2, ep=2),  # ep borrows the cp ranks; the aux loss's counts summed over cp
     "pp2 x dp2 x ep2": dict(pp=2, dp=2, ep=2, microbatches=2),  # FSDP gathers once a step inside a pipeline
     # DeepSeek-V3's recipe: a shared expert beside the routed ones (tp: a dense MLP's input and output more)
-    "shared: dp2 x tp2 x ep2 + sp, ac full": dict(model="qwen3-moe-shared-debug", dp=2, tp=2, ep=2,
-                                                  sequence_parallel=True, ac="full"),
+    "shared: dp2 x tp2 x ep2 + sp, ac full": dict(
+        model="qwen3-moe-shared-debug", dp=2, tp=2, ep=2, sequence_parallel=True, ac="full"
+    ),
     "shared: dp2 x tp2 x ep2": dict(model="qwen3-moe-shared-debug", dp=2, tp=2, ep=2),
 }
 
@@ -86,7 +94,9 @@ def test_an_moe_step_moves_the_analytic_bytes_on_every_axis(case):
         for axis in axes.COMM_AXES:  # ep: the volume of the routing measured; the others need no routing
             want, got = exact[axis], counted.get(axis, 0.0)
             if want:
-                assert abs(got - want) <= 0.02 * want, f"{case} rank {rank} {axis}: counted {got:.0f} B, analytic {want:.0f} B"
+                assert abs(got - want) <= 0.02 * want, (
+                    f"{case} rank {rank} {axis}: counted {got:.0f} B, analytic {want:.0f} B"
+                )
             else:  # only scalars (loss, grad-norm partials) may travel over an axis the model says is silent
                 assert got <= 1e-3 * total, f"{case} rank {rank} {axis}: {got:.0f} B counted, none predicted"
             if axis != "ep":
@@ -127,8 +137,9 @@ def test_routed_fraction_weighs_each_dispatch_as_often_as_it_runs():
     with pytest.raises(ValueError, match="no assignments"):
         routed_fraction_of([])
     with pytest.raises(ValueError, match=r"routed_fraction=1.5 .* in \[0, 1\]"):
-        comm_bytes_per_step(ModelShape(8, 1, 2, 2, 4, 16, 8, n_experts=4, top_k=1), Layout(dp_shard=2, ep=2), 8, 2,
-                            routed_fraction=1.5)
+        comm_bytes_per_step(
+            ModelShape(8, 1, 2, 2, 4, 16, 8, n_experts=4, top_k=1), Layout(dp_shard=2, ep=2), 8, 2, routed_fraction=1.5
+        )
 
 
 # ----------------------------------------------------------------------------- the counters
@@ -166,11 +177,21 @@ def moe_shapes(draw) -> ModelShape:
     kv = draw(st.integers(1, 3))
     experts = draw(st.sampled_from([1, 2, 4, 8, 16]))
     return ModelShape(
-        dim=draw(st.integers(1, 24)), n_layers=draw(st.integers(1, 5)), n_heads=kv * draw(st.integers(1, 3)),
-        n_kv_heads=kv, head_dim=2 * draw(st.integers(1, 6)), vocab_size=draw(st.integers(1, 300)),
-        ffn_dim=draw(st.integers(1, 24)), norm=draw(st.sampled_from(["rms", "layer"])), qk_norm=draw(st.booleans()),
-        tied_embeddings=draw(st.booleans()), bias=draw(st.booleans()), n_experts=experts,
-        top_k=draw(st.integers(1, experts)), shared_ffn_dim=draw(st.sampled_from([0, 0, 3, 8])))
+        dim=draw(st.integers(1, 24)),
+        n_layers=draw(st.integers(1, 5)),
+        n_heads=kv * draw(st.integers(1, 3)),
+        n_kv_heads=kv,
+        head_dim=2 * draw(st.integers(1, 6)),
+        vocab_size=draw(st.integers(1, 300)),
+        ffn_dim=draw(st.integers(1, 24)),
+        norm=draw(st.sampled_from(["rms", "layer"])),
+        qk_norm=draw(st.booleans()),
+        tied_embeddings=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        n_experts=experts,
+        top_k=draw(st.integers(1, experts)),
+        shared_ffn_dim=draw(st.sampled_from([0, 0, 3, 8])),
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -184,8 +205,12 @@ def test_every_ranks_moe_parameters_add_up_to_the_model(shape, data):
     shards = ep * data.draw(st.integers(1, 3))  # dp_shard x cp: ep borrows ep of them
     n_stages = data.draw(st.integers(1, shape.n_layers))
     # tp dividing the heads, kv heads, widths and the vocabulary (no torch.chunk padding)
-    shape = ModelShape(**{**shape.__dict__, **{k: getattr(shape, k) * tp for k in (
-        "n_heads", "n_kv_heads", "ffn_dim", "shared_ffn_dim", "vocab_size")}})
+    shape = ModelShape(
+        **{
+            **shape.__dict__,
+            **{k: getattr(shape, k) * tp for k in ("n_heads", "n_kv_heads", "ffn_dim", "shared_ffn_dim", "vocab_size")},
+        }
+    )
     layers = comm_model.stage_layer_counts(shape.n_layers, n_stages)
     held = 0
     for s in range(n_stages):
@@ -222,7 +247,9 @@ def test_moe_presets_count_what_their_modules_hold():
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         assert experts == shape.expert_params()
         embedding = 0 if shape.tied_embeddings else shape.vocab_size * shape.dim  # a lookup (the tied one is the head)
-        assert shape.matmul_params() == shape.num_params() - experts + experts * shape.top_k // shape.n_experts - embedding
+        assert (
+            shape.matmul_params() == shape.num_params() - experts + experts * shape.top_k // shape.n_experts - embedding
+        )
     with pytest.raises(ValueError, match="top_k 9 must be between 1 and n_experts=8"):
         ModelShape(8, 1, 2, 2, 4, 16, 8, n_experts=8, top_k=9)
     with pytest.raises(ValueError, match="ep=3 does not divide the 8 experts"):
@@ -241,8 +268,11 @@ def test_the_dry_runs_expert_count_is_fully_shards():
     from tessera.parallel.plan import apply_tp
     from tessera.topology import Meshes, dry_run
 
-    for layout in (Layout(dp_shard=8, ep=4), Layout(dp_shard=3, cp=2, tp=2, ep=2),
-                   Layout(dp_replicate=2, dp_shard=4, tp=2, ep=2)):
+    for layout in (
+        Layout(dp_shard=8, ep=4),
+        Layout(dp_shard=3, cp=2, tp=2, ep=2),
+        Layout(dp_replicate=2, dp_shard=4, tp=2, ep=2),
+    ):
         for rank in range(0, layout.world_size, 5):
             counted = dry_run_model_states("qwen3-moe-debug", layout, rank=rank)["local_params"]
             with dry_run(layout, rank=rank) as mesh:
@@ -277,8 +307,11 @@ def test_the_planner_offers_expert_parallel_for_an_moe_model(moe_plan):
         lay = x.candidate.layout
         assert x.time["ep"] > 0 and x.comm_bytes["ep"] > 0 and lay.dp_shard * lay.cp % lay.ep == 0
         words = shlex.split(x.candidate.flags())
-        given = {w[2:].replace("-", "_"): int(v) for w, v in zip(words, words[1:] + [""])
-                 if w[2:].replace("-", "_") in axes.FLAGS}
+        given = {
+            w[2:].replace("-", "_"): int(v)
+            for w, v in zip(words, words[1:] + [""])
+            if w[2:].replace("-", "_") in axes.FLAGS
+        }
         assert Layout(**axes.degrees_from_flags(given)) == lay and f"--ep {lay.ep}" in x.candidate.flags()
     # MFU counts the active parameters (3B of 30B): 6 per token and parameter, plus causal attention
     from tessera.plan_command import model_shape
@@ -293,9 +326,27 @@ def test_tessera_plan_prints_the_best_expert_parallel_layout_and_its_flags():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "tessera", "plan", "--model", "qwen3-30b-a3b", "--gpus", "64",
-                          "--seq-len", "4096", "--global-batch", "256", "--top", "3"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tessera",
+            "plan",
+            "--model",
+            "qwen3-30b-a3b",
+            "--gpus",
+            "64",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "256",
+            "--top",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("best with expert parallel (ranked "))
     assert " --ep " in line and "experts streamed at 3000 GB/s" in out.stdout

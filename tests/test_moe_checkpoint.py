@@ -23,8 +23,9 @@ def ep_run(tmp_path_factory):
     return root, [(m["loss"], m["grad_norm"], m["moe"]) for m in history]
 
 
-@pytest.mark.parametrize("layout", [dict(dp=4, ep=4), dict(), dict(pp=2, dp=2, ep=2, microbatches=2)],
-                         ids=["ep4", "one", "pp2xep2"])
+@pytest.mark.parametrize(
+    "layout", [dict(dp=4, ep=4), dict(), dict(pp=2, dp=2, ep=2, microbatches=2)], ids=["ep4", "one", "pp2xep2"]
+)
 def test_an_ep2_checkpoint_resumes_on_another_expert_layout(ep_run, layout):
     root, history = ep_run
     resumed = train(small_config(**BASE, resume=str(root / "step_00000003"), **layout))
@@ -53,8 +54,12 @@ def _biases(config):
 
 def test_a_biased_run_is_refused_on_export_by_name(ep_run, tmp_path):
     root, _ = ep_run
-    out = subprocess.run([sys.executable, "-m", "tessera", "export", str(root / "step_00000006"), "--to-hf",
-                          str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", "export", str(root / "step_00000006"), "--to-hf", str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0 and "bias_rate=0.01 has no Hugging Face Qwen3-MoE form" in out.stderr
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
@@ -63,11 +68,24 @@ def test_an_ep2_checkpoint_exports_to_a_directory_transformers_loads(tmp_path):
     transformers = pytest.importorskip("transformers")
     base = dict(BASE, steps=2, moe_bias_rate=None)
     train(small_config(**base, dp=2, ep=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2))
-    out = subprocess.run([sys.executable, "-m", "tessera", "export", str(tmp_path / "ckpt" / "step_00000002"),
-                          "--to-hf", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tessera",
+            "export",
+            str(tmp_path / "ckpt" / "step_00000002"),
+            "--to-hf",
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    trained = run_ranks(resumed_full_parameters, 1, small_config(**base, resume=str(tmp_path / "ckpt" / "step_00000002")),
-                        timeout=120)[0]
+    trained = run_ranks(
+        resumed_full_parameters, 1, small_config(**base, resume=str(tmp_path / "ckpt" / "step_00000002")), timeout=120
+    )[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
     experts = hf.model.layers[1].mlp.experts
     gate_up = torch.cat([trained["layers.1.mlp.experts.gate_proj"], trained["layers.1.mlp.experts.up_proj"]], dim=1)

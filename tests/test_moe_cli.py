@@ -20,11 +20,18 @@ def _readme_moe_command() -> list[str]:
 
 def test_the_readme_moe_command_trains_and_shows_the_load(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    out = subprocess.run([sys.executable, "-m", "tessera", *_readme_moe_command(), "--metrics", str(metrics)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", *_readme_moe_command(), "--metrics", str(metrics)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step")]
-    assert len(lines) == 4 and all(re.search(r"moe aux \d\.\d\de-0\d imbalance \d+\.\d\d", ln) for ln in lines), out.stdout
+    assert len(lines) == 4 and all(re.search(r"moe aux \d\.\d\de-0\d imbalance \d+\.\d\d", ln) for ln in lines), (
+        out.stdout
+    )
     assert "tp2 x ep2" in lines[0]
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("type") != "header"]
     assert len(records) == 4
@@ -34,17 +41,24 @@ def test_the_readme_moe_command_trains_and_shows_the_load(tmp_path):
         assert moe["max_imbalance"] == pytest.approx(max(moe["imbalance"]), rel=1e-3) and moe["max_imbalance"] >= 1
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--dp", "2", "--ep", "2"], "ep=2 needs a mixture-of-experts model (this model has no experts)"),
-    (["--model", "qwen3-moe-debug", "--dp", "3", "--ep", "3"], "ep=3 does not divide the 8 experts"),
-    (["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "4"], "ep=4 must divide dp_shard x cp = 2"),
-    (["--moe-aux-loss", "0.1"], "--moe-aux-loss needs a mixture-of-experts model, and debug has no experts"),
-    (["--model", "qwen3-moe-debug", "--moe-bias-rate", "-1"], "--moe-bias-rate -1.0 must be a number >= 0"),
-    (["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "2", "--ac", "op"], "activation checkpointing 'op' with ep=2"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dp", "2", "--ep", "2"], "ep=2 needs a mixture-of-experts model (this model has no experts)"),
+        (["--model", "qwen3-moe-debug", "--dp", "3", "--ep", "3"], "ep=3 does not divide the 8 experts"),
+        (["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "4"], "ep=4 must divide dp_shard x cp = 2"),
+        (["--moe-aux-loss", "0.1"], "--moe-aux-loss needs a mixture-of-experts model, and debug has no experts"),
+        (["--model", "qwen3-moe-debug", "--moe-bias-rate", "-1"], "--moe-bias-rate -1.0 must be a number >= 0"),
+        (
+            ["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "2", "--ac", "op"],
+            "activation checkpointing 'op' with ep=2",
+        ),
+    ],
+)
 def test_expert_flags_that_cannot_work_are_refused_in_one_line(args, message):
-    out = subprocess.run([sys.executable, "-m", "tessera", "train", "--steps", "1", *args],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", "train", "--steps", "1", *args], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
     assert out.stderr.strip().splitlines() == [f"tessera train: error: {out.stderr.split('error: ', 1)[1].strip()}"]
     assert message in out.stderr
@@ -53,8 +67,14 @@ def test_expert_flags_that_cannot_work_are_refused_in_one_line(args, message):
 def test_a_model_named_hf_dir_is_named_so_in_its_messages(tmp_path):
     """--model hf:DIR errors say --model hf:DIR, not --init-from-hf (which the user did not give)."""
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    for model, message in ((f"hf:{tmp_path}", "--model hf:DIR takes a complete Hugging Face config.json"),
-                           (f"hf:{tmp_path / 'absent'}", f"--model hf:{tmp_path / 'absent'}: no such directory")):
-        out = subprocess.run([sys.executable, "-m", "tessera", "train", "--steps", "1", "--model", model],
-                             capture_output=True, text=True, timeout=120)
+    for model, message in (
+        (f"hf:{tmp_path}", "--model hf:DIR takes a complete Hugging Face config.json"),
+        (f"hf:{tmp_path / 'absent'}", f"--model hf:{tmp_path / 'absent'}: no such directory"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "tessera", "train", "--steps", "1", "--model", model],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and message in out.stderr and "--init-from-hf" not in out.stderr, out.stderr

@@ -7,8 +7,20 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_NAMES = ("tok_embeddings", "attention_norm", "ffn_norm", "feed_forward", "wq", "wk", "wv", "wo", "w1", "w2",
-               "w3", "llama_plan")
+LLAMA_NAMES = (
+    "tok_embeddings",
+    "attention_norm",
+    "ffn_norm",
+    "feed_forward",
+    "wq",
+    "wk",
+    "wv",
+    "wo",
+    "w1",
+    "w2",
+    "w3",
+    "llama_plan",
+)
 # the Llama family's own files; runtime/baseline.py is the plain-PyTorch Llama that tessera's Llama is timed
 # against (`python -m tessera.baseline`): a Llama by design, imported by nothing in the library
 FAMILY_FILES = {"models/llama.py", "runtime/baseline.py"}

@@ -27,8 +27,13 @@ def _readme_command() -> list[str]:
 
 def test_the_readme_packing_command_trains_and_reports_its_documents(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    out = subprocess.run([sys.executable, "-m", "tessera", *_readme_command(), "--metrics", str(metrics)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", *_readme_command(), "--metrics", str(metrics)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(packed documents, each attending only to itself)" in out.stdout
     steps = [ln for ln in out.stdout.splitlines() if ln.startswith("step")]
@@ -61,20 +66,31 @@ def test_packed_token_files_train_equally_on_dp2xcp2_and_one_process(packed_data
     unpacked = _history(data=str(packed_data))
     stream = TokenFileStream(packed_data, 32, 4)
     for step, (a, b) in enumerate(zip(one, spread)):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+        assert (
+            abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"]
+            and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+        )
         inputs, _ = stream.global_batch_at(step * 4)  # what the records report, counted from the batch itself
         separators = int((inputs == SEPARATOR).sum())
         starts = int(((inputs[:, :-1] == SEPARATOR).sum())) + inputs.shape[0]
-        assert a["documents"] == b["documents"] == {"documents": starts, "mean_length": 128 / starts,
-                                                   "targets_left_out": separators}
+        assert (
+            a["documents"]
+            == b["documents"]
+            == {"documents": starts, "mean_length": 128 / starts, "targets_left_out": separators}
+        )
     assert abs(one[0]["loss"] - unpacked[0]["loss"]) > 1e-4  # the mask changes what the model computes
 
 
 def test_the_documents_benchmark_smoke_run_writes_its_figures(tmp_path):
     """benchmarks/bench_documents.py --quick: its JSON holds every part, and the ratios are the times' ratios
     (figures are never asserted)."""
-    out = subprocess.run([sys.executable, "benchmarks/bench_documents.py", "--quick", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_documents.py", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads((tmp_path / "documents-cpu.json").read_text())
     rows = record["results"]

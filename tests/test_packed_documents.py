@@ -51,8 +51,20 @@ def test_packed_batch_equals_each_document_alone(layout, method, drawn):
         logits = model(batch[0], batch[2])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten(), ignore_index=-100)
     reference = {"losses": [loss.item()], "grads": [grads]}
-    spec = RunSpec(build_small, layout, None, batch, 1, 0.1, SEED, None, "FULL_SHARD", get_spec("llama"),
-                   microbatches=layout.pp, cp_method=method)
+    spec = RunSpec(
+        build_small,
+        layout,
+        None,
+        batch,
+        1,
+        0.1,
+        SEED,
+        None,
+        "FULL_SHARD",
+        get_spec("llama"),
+        microbatches=layout.pp,
+        cp_method=method,
+    )
     run = run_ranks(train_spec_on_layout, layout.world_size, spec, timeout=120)[0]
     compare_runs(reference, run, f"packed documents on {layout} ({method}), lengths {drawn}", rtol=1e-5)
 
@@ -82,11 +94,14 @@ def _ring_with_documents(seq: int, lengths: list[list[int]]):
     return stats
 
 
-@pytest.mark.parametrize("lengths,skipped", [
-    ([[4] * 8, [2] * 16], 3),  # documents inside the zigzag chunks: every step after the first is skipped
-    ([[32], [32]], 0),  # one document: nothing to skip
-    ([[6, 10, 3, 13], [1] * 32], None),  # unaligned: whatever the masks allow
-])
+@pytest.mark.parametrize(
+    "lengths,skipped",
+    [
+        ([[4] * 8, [2] * 16], 3),  # documents inside the zigzag chunks: every step after the first is skipped
+        ([[32], [32]], 0),  # one document: nothing to skip
+        ([[6, 10, 3, 13], [1] * 32], None),  # unaligned: whatever the masks allow
+    ],
+)
 def test_ring_skips_exactly_the_steps_no_query_sees(lengths, skipped):
     """cp4, S = 32 (chunks of 4): the ring with documents equals the float64 definition, forward and
     backward, and skips a step exactly when no query of its block shares a document with a key of it

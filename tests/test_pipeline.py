@@ -23,9 +23,17 @@ def unclipped_reference():
     return run_ranks(train_losses_and_grads, 1, small_config(**NO_CLIP), timeout=120)[0]
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=4), dict(pp=2, schedule="gpipe"), dict(pp=4, schedule="zb-h1"),
-                                    dict(pp=2, schedule="interleaved-1f1b", virtual=2)],
-                         ids=["pp2-1f1b", "pp4-1f1b", "pp2-gpipe", "pp4-zb-h1", "pp2-interleaved-v2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(pp=2),
+        dict(pp=4),
+        dict(pp=2, schedule="gpipe"),
+        dict(pp=4, schedule="zb-h1"),
+        dict(pp=2, schedule="interleaved-1f1b", virtual=2),
+    ],
+    ids=["pp2-1f1b", "pp4-1f1b", "pp2-gpipe", "pp4-zb-h1", "pp2-interleaved-v2"],
+)
 def test_pipeline_is_bitwise_the_one_process_run_with_the_same_microbatches(unclipped_reference, layout):
     # Every stage runs the one-process ops on the same shapes, and each parameter accumulates its
     # microbatches' gradients in ascending order on every kind (W too), so without clipping (whose norm
@@ -47,13 +55,18 @@ def _stage_model_state_bytes(config):
     for part in trainer.parts:  # the step freed the gradients; give each its shape back to count them
         for p in part.parameters():
             p.grad = torch.zeros_like(p)
-    held = sum(model_state_bytes_on_rank(part, opt)["total"] for part, opt in zip(trainer.parts, trainer.optimizer.optimizers))
+    held = sum(
+        model_state_bytes_on_rank(part, opt)["total"] for part, opt in zip(trainer.parts, trainer.optimizer.optimizers)
+    )
     names = sorted(n for part in trainer.parts for n, _ in part.named_parameters())
     return list(trainer.runner.stages), held, names
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2, pp_layers="5,3"), dict(pp=4), dict(pp=2, schedule="interleaved-1f1b", virtual=2)],
-                         ids=["pp2-5,3", "pp4", "pp2-v2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(pp=2, pp_layers="5,3"), dict(pp=4), dict(pp=2, schedule="interleaved-1f1b", virtual=2)],
+    ids=["pp2-5,3", "pp4", "pp2-v2"],
+)
 def test_a_pipeline_rank_holds_only_its_stages(layout):
     from tessera.models import build_model
 
@@ -79,14 +92,17 @@ def test_a_pipeline_rank_holds_only_its_stages(layout):
 @pytest.fixture(scope="module")
 def saved_on_pp2xtp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp-ckpt")
-    history = train(small_config(**PIPELINE_BASE, pp=2, tp=2, microbatches=2, steps=6, checkpoint_dir=str(root),
-                                 checkpoint_every=3))
+    history = train(
+        small_config(**PIPELINE_BASE, pp=2, tp=2, microbatches=2, steps=6, checkpoint_dir=str(root), checkpoint_every=3)
+    )
     return root / "step_00000003", [(m["loss"], m["grad_norm"]) for m in history]
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(pp=4, microbatches=4),
-                                    dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2)],
-                         ids=["dp2xtp2", "pp4", "pp2-interleaved-v2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(dp=2, tp=2), dict(pp=4, microbatches=4), dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2)],
+    ids=["dp2xtp2", "pp4", "pp2-interleaved-v2"],
+)
 def test_a_checkpoint_saved_on_pp2xtp2_resumes_on_other_pp_degrees(saved_on_pp2xtp2, layout):
     path, history = saved_on_pp2xtp2
     resumed = train(small_config(**{**PIPELINE_BASE, "steps": 6, "resume": str(path), **layout}))
@@ -97,9 +113,34 @@ def test_a_checkpoint_saved_on_pp2xtp2_resumes_on_other_pp_degrees(saved_on_pp2x
 
 def test_cli_trains_a_pipeline_and_reports_the_true_loss(tmp_path, deep_reference):
     metrics = tmp_path / "run.jsonl"
-    args = ["--model", "debug", "--n-layers", "8", "--pp", "2", "--schedule", "interleaved-1f1b", "--virtual", "2",
-            "--microbatches", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "8", "--lr", "3e-3",
-            "--warmup", "1", "--metrics", str(metrics), "--device", "cpu"]
+    args = [
+        "--model",
+        "debug",
+        "--n-layers",
+        "8",
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved-1f1b",
+        "--virtual",
+        "2",
+        "--microbatches",
+        "2",
+        "--steps",
+        "3",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "8",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "1",
+        "--metrics",
+        str(metrics),
+        "--device",
+        "cpu",
+    ]
     out = subprocess.run([sys.executable, "-m", "tessera", "train", *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
@@ -111,8 +152,26 @@ def test_cli_trains_a_pipeline_and_reports_the_true_loss(tmp_path, deep_referenc
 
 
 def test_memory_dry_run_reports_each_stage():
-    out = subprocess.run([sys.executable, "-m", "tessera", "memory", "--model", "70b", "--pp", "8", "--tp", "8",
-                          "--dp", "4", "--dry-run"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tessera",
+            "memory",
+            "--model",
+            "70b",
+            "--pp",
+            "8",
+            "--tp",
+            "8",
+            "--dp",
+            "4",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.strip().startswith("stage ")]
     assert len(lines) == 8
@@ -175,7 +234,9 @@ def _stage_one_never_answers(config):
 def test_a_stage_that_never_answers_fails_naming_the_rank_axis_and_message():
     config = small_config(**PIPELINE_BASE, pp=2, microbatches=2, timeout=2.0)
     message = run_ranks(_stage_one_never_answers, 2, config, timeout=60)[0]
-    assert message.startswith("rank 0 stalled at training step 1 in recv grad of microbatch 0 for stage 0 over the pp axis"), message
+    assert message.startswith(
+        "rank 0 stalled at training step 1 in recv grad of microbatch 0 for stage 0 over the pp axis"
+    ), message
 
 
 def _custom_schedule_gradients(schedule):
@@ -191,8 +252,16 @@ def _custom_schedule_gradients(schedule):
     cfg = get_preset("debug", n_layers=4)
     rank = dist.get_rank()
     stages = {s: materialize(build_stage(cfg, s, 4, range(s, s + 1)), "cpu", seed=0) for s in (rank, rank + 2)}
-    runner = PipelineRunner(stages, schedule, dist.group.WORLD, 2, 2, CrossEntropySum(cfg.vocab_size),
-                            lambda rows, seq: ((rows, seq, cfg.dim), torch.float32), torch.device("cpu"))
+    runner = PipelineRunner(
+        stages,
+        schedule,
+        dist.group.WORLD,
+        2,
+        2,
+        CrossEntropySum(cfg.vocab_size),
+        lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
+        torch.device("cpu"),
+    )
     tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     loss = runner.forward_backward(list(zip(inputs.chunk(2), targets.chunk(2))), targets.numel())
@@ -245,10 +314,20 @@ def _peak_held_by_kind(pp: int, kinds: list[tuple[str, int, int]]):
         cfg = get_preset("debug", n_layers=n_stages)
         mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
         stages = {s: materialize(build_stage(cfg, s, n_stages, range(s, s + 1)), "cpu", seed=0) for s in mine}
-        runner = PipelineRunner(stages, kind, dist.group.WORLD, microbatches, virtual, CrossEntropySum(cfg.vocab_size),
-                                lambda rows, seq: ((rows, seq, cfg.dim), torch.float32), torch.device("cpu"))
+        runner = PipelineRunner(
+            stages,
+            kind,
+            dist.group.WORLD,
+            microbatches,
+            virtual,
+            CrossEntropySum(cfg.vocab_size),
+            lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
+            torch.device("cpu"),
+        )
         tokens = torch.randint(0, cfg.vocab_size, (microbatches, 9), generator=torch.Generator().manual_seed(3))
-        runner.forward_backward(list(zip(tokens[:, :-1].chunk(microbatches), tokens[:, 1:].chunk(microbatches))), 8 * microbatches)
+        runner.forward_backward(
+            list(zip(tokens[:, :-1].chunk(microbatches), tokens[:, 1:].chunk(microbatches))), 8 * microbatches
+        )
         grads = gather_by_name({n: p.grad.clone() for m in stages.values() for n, p in m.named_parameters()})
         peaks = [None] * pp
         dist.all_gather_object(peaks, runner.peak_in_flight)
@@ -256,8 +335,15 @@ def _peak_held_by_kind(pp: int, kinds: list[tuple[str, int, int]]):
     return out
 
 
-KINDS_RUN = [("gpipe", 1, 4), ("1f1b", 1, 4), ("zb-h1", 1, 4), ("interleaved-1f1b", 2, 4), ("looped-bfs", 2, 4),
-             ("interleaved-zb", 2, 4), ("zbv", 2, 4)]
+KINDS_RUN = [
+    ("gpipe", 1, 4),
+    ("1f1b", 1, 4),
+    ("zb-h1", 1, 4),
+    ("interleaved-1f1b", 2, 4),
+    ("looped-bfs", 2, 4),
+    ("interleaved-zb", 2, 4),
+    ("zbv", 2, 4),
+]
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -285,10 +371,34 @@ def test_the_pipeline_benchmark_runs_the_new_kinds_beside_torchs(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "benchmarks/bench_pipeline.py", "--model", "debug", "--n-layers", "4",
-                          "--microbatches", "2", "--rows", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0",
-                          "--kinds", "looped-bfs,interleaved-zb,zbv", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, cwd=root)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_pipeline.py",
+            "--model",
+            "debug",
+            "--n-layers",
+            "4",
+            "--microbatches",
+            "2",
+            "--rows",
+            "1",
+            "--seq-len",
+            "16",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--kinds",
+            "looped-bfs,interleaved-zb,zbv",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "pipeline-debug-pp2-cpu.json").read_text())["results"]
     assert [r["kind"] for r in rows] == ["looped-bfs", "interleaved-zb", "zbv"]

@@ -22,13 +22,20 @@ def test_the_fewest_microbatches_are_what_the_schedule_accepts(kind, stages):
             check_schedule(kind, stages, least - 1, virtual)
 
 
-@pytest.mark.parametrize("flags, chosen", [
-    (dict(), 1), (dict(pp=2), 2), (dict(pp=2, schedule="gpipe"), 1), (dict(pp=4, n_layers=4), 4),
-    (dict(pp=2, schedule="interleaved-1f1b", virtual=2, n_layers=4), 2),
-    (dict(pp=2, schedule="zbv", virtual=2, n_layers=4), 2), (dict(pp=2, schedule="looped-bfs", virtual=2, n_layers=4), 1),
-    (dict(pp=4, n_layers=4, global_batch=10), 5),  # 4 does not divide 10 rows: the next count that does
-    (dict(pp=2, microbatches=4), 4),  # given: kept
-])
+@pytest.mark.parametrize(
+    "flags, chosen",
+    [
+        (dict(), 1),
+        (dict(pp=2), 2),
+        (dict(pp=2, schedule="gpipe"), 1),
+        (dict(pp=4, n_layers=4), 4),
+        (dict(pp=2, schedule="interleaved-1f1b", virtual=2, n_layers=4), 2),
+        (dict(pp=2, schedule="zbv", virtual=2, n_layers=4), 2),
+        (dict(pp=2, schedule="looped-bfs", virtual=2, n_layers=4), 1),
+        (dict(pp=4, n_layers=4, global_batch=10), 5),  # 4 does not divide 10 rows: the next count that does
+        (dict(pp=2, microbatches=4), 4),  # given: kept
+    ],
+)
 def test_microbatches_default_to_the_fewest_the_pipeline_runs(flags, chosen):
     config = small_config(**flags)
     assert config.data.microbatches == chosen
@@ -37,8 +44,13 @@ def test_microbatches_default_to_the_fewest_the_pipeline_runs(flags, chosen):
 
 
 def test_pp_alone_trains_and_says_what_it_chose(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tessera", "train", "--pp", "2", "--steps", "2"], capture_output=True,
-                         text=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", "train", "--pp", "2", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "in 2 microbatches (the fewest the schedule runs; --microbatches M to choose)" in out.stdout
     assert "done: loss" in out.stdout

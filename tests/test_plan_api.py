@@ -86,8 +86,14 @@ def batch(rows=4, seq=8, vocab=32, seed=0):
 
 
 def test_a_user_model_trains_equivalently_on_tp2_dp2_and_dp2xtp2():
-    assert_layouts_equivalent(build_tiny_lm, [Layout(tp=2), Layout(dp_shard=2), Layout(dp_shard=2, tp=2)],
-                              batch(), steps=2, rtol=1e-5, plan=PLAN)
+    assert_layouts_equivalent(
+        build_tiny_lm,
+        [Layout(tp=2), Layout(dp_shard=2), Layout(dp_shard=2, tp=2)],
+        batch(),
+        steps=2,
+        rtol=1e-5,
+        plan=PLAN,
+    )
 
 
 def test_the_plan_keeps_names_and_shards_what_it_names():
@@ -112,9 +118,13 @@ def test_a_plan_rule_that_matches_nothing_or_the_wrong_kind_is_a_clear_error():
 
     with dry_run(Layout(tp=2)) as mesh:
         with pytest.raises(ValueError, match=r"plan rule 'mixers\.\*\.qkv' matches no module of TinyLM"):
-            parallelize(build_tiny_lm(), mesh, ParallelConfig(Layout(tp=2)), plan=Plan({"mixers.*.qkv": ColwiseParallel()}))
+            parallelize(
+                build_tiny_lm(), mesh, ParallelConfig(Layout(tp=2)), plan=Plan({"mixers.*.qkv": ColwiseParallel()})
+            )
         with pytest.raises(ValueError, match=r"ColwiseParallel on 'mixers.0.pre' needs a Linear, got LayerNorm"):
-            parallelize(build_tiny_lm(), mesh, ParallelConfig(Layout(tp=2)), plan=Plan({"mixers.*.pre": ColwiseParallel()}))
+            parallelize(
+                build_tiny_lm(), mesh, ParallelConfig(Layout(tp=2)), plan=Plan({"mixers.*.pre": ColwiseParallel()})
+            )
     with pytest.raises(ValueError, match="a plan without a model spec supports dp .* and tp only: pp=2"):
         with dry_run(Layout(pp=2)) as mesh:
             parallelize(build_tiny_lm(), mesh, ParallelConfig(Layout(pp=2)), plan=PLAN)
@@ -155,14 +165,24 @@ def _planted(style_name, style):
 
 def test_a_row_parallel_layer_that_skips_its_forward_all_reduce_is_named():
     with pytest.raises(LayoutsDiverge, match=r"layout tp2, step 1: gradient of parameter '[\w.]+' differs"):
-        assert_layouts_equivalent(build_tiny_lm, [Layout(tp=2)], batch(), steps=1,
-                                  plan=_planted("mixers.*.contract", RowwiseSkippingForwardReduce()))
+        assert_layouts_equivalent(
+            build_tiny_lm,
+            [Layout(tp=2)],
+            batch(),
+            steps=1,
+            plan=_planted("mixers.*.contract", RowwiseSkippingForwardReduce()),
+        )
 
 
 def test_a_column_parallel_layer_that_skips_its_backward_all_reduce_is_named():
     with pytest.raises(LayoutsDiverge) as e:
-        assert_layouts_equivalent(build_tiny_lm, [Layout(tp=2)], batch(), steps=1,
-                                  plan=_planted("mixers.*.expand", ColwiseSkippingBackwardReduce()))
+        assert_layouts_equivalent(
+            build_tiny_lm,
+            [Layout(tp=2)],
+            batch(),
+            steps=1,
+            plan=_planted("mixers.*.expand", ColwiseSkippingBackwardReduce()),
+        )
     # the forward is exact (losses agree); the input gradient misses the other rank's half
     assert "layout tp2, step 1: gradient of parameter 'embed.weight' differs" in str(e.value)
     assert "; loss" not in str(e.value)
@@ -190,6 +210,7 @@ def _placements_property(world):
     x = torch.randn(8, 3, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     check_reduce_scatter_all_gather(x, group, name="x")
     try:  # planted: a reduce-scatter that keeps its own piece without summing
+
         def no_sum(out, inp, g):
             out.copy_(inp.chunk(torch.distributed.get_world_size(g))[torch.distributed.get_rank(g)])
 
@@ -261,14 +282,20 @@ def _checkpoint_across_layouts(path, drop):
 def test_a_checkpoint_moves_between_layouts_bitwise_and_a_dropped_shard_is_named(tmp_path):
     assert run_ranks(_checkpoint_across_layouts, 4, str(tmp_path / "ok"), False, timeout=120) == [None] * 4
     messages = run_ranks(_checkpoint_across_layouts, 4, str(tmp_path / "bad"), True, timeout=120)
-    assert all(m and m.startswith("checkpoint tensor 'mixers.0.expand.weight' was not preserved on dp2 x tp2 (saved on dp4)")
-               for m in messages)
+    assert all(
+        m and m.startswith("checkpoint tensor 'mixers.0.expand.weight' was not preserved on dp2 x tp2 (saved on dp4)")
+        for m in messages
+    )
 
 
 # ----------------------------------------------------------------------------- pure invariants
 def test_ring_merge_equals_the_full_softmax_and_a_wrong_sign_is_caught():
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 4, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
+    q, k, v = (
+        torch.randn(1, 4, 12, 8, generator=g),
+        torch.randn(1, 2, 12, 8, generator=g),
+        torch.randn(1, 2, 12, 8, generator=g),
+    )
     for causal in (False, True):
         check_ring_merge(q, k, v, blocks=3, causal=causal)
 
@@ -278,7 +305,10 @@ def test_ring_merge_equals_the_full_softmax_and_a_wrong_sign_is_caught():
         take = torch.exp(block_lse - new).nan_to_num(0).unsqueeze(-1)
         return out * keep + block_out * take, new
 
-    with pytest.raises(InvariantError, match=r"merging 3 attention blocks differs from the full softmax for attention \(q \(1, 4, 12, 8\)"):
+    with pytest.raises(
+        InvariantError,
+        match=r"merging 3 attention blocks differs from the full softmax for attention \(q \(1, 4, 12, 8\)",
+    ):
         check_ring_merge(q, k, v, blocks=3, merge=wrong_sign)
 
 
@@ -299,10 +329,15 @@ def test_a_schedule_missing_one_backward_is_named():
 
 # ----------------------------------------------------------------------------- strategies
 def _fits(layout, cfg, seq_len, global_batch, max_world):
-    return (layout.world_size <= max_world and cfg.n_heads % layout.tp == 0 and cfg.ffn_dim % layout.tp == 0
-            and (cfg.n_kv_heads % layout.tp == 0 or layout.tp % cfg.n_kv_heads == 0)
-            and (layout.cp == 1 or seq_len % (2 * layout.cp) == 0) and layout.pp <= cfg.n_layers
-            and global_batch % layout.dp == 0)
+    return (
+        layout.world_size <= max_world
+        and cfg.n_heads % layout.tp == 0
+        and cfg.ffn_dim % layout.tp == 0
+        and (cfg.n_kv_heads % layout.tp == 0 or layout.tp % cfg.n_kv_heads == 0)
+        and (layout.cp == 1 or seq_len % (2 * layout.cp) == 0)
+        and layout.pp <= cfg.n_layers
+        and global_batch % layout.dp == 0
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -319,8 +354,11 @@ def test_layout_strategies_never_violate_their_constraints(data):
 
 def test_a_failing_example_shrinks_to_the_minimal_layout():
     # "fails whenever tp and dp are both used": hypothesis shrinks any such layout to dp2 x tp2
-    found = find(layouts(16, axes=("dp_shard", "cp", "tp")), lambda lay: lay.tp > 1 and lay.dp > 1,
-                 settings=settings(database=None, max_examples=500))
+    found = find(
+        layouts(16, axes=("dp_shard", "cp", "tp")),
+        lambda lay: lay.tp > 1 and lay.dp > 1,
+        settings=settings(database=None, max_examples=500),
+    )
     assert found == Layout(dp_shard=2, tp=2)
 
 
@@ -332,7 +370,9 @@ def test_strategies_refuse_unknown_axes():
 def test_a_diverging_layout_stops_with_every_input_error_first():
     with pytest.raises(ValueError, match="the batch's 3 rows do not split over dp=2; use a multiple of 2 rows"):
         assert_layouts_equivalent(build_tiny_lm, [Layout(dp_shard=2)], batch(rows=3), plan=PLAN)
-    with pytest.raises(ValueError, match="pp and cp read a model's stages and attention slots from its spec: pass spec=ModelSpec"):
+    with pytest.raises(
+        ValueError, match="pp and cp read a model's stages and attention slots from its spec: pass spec=ModelSpec"
+    ):
         assert_layouts_equivalent(build_tiny_lm, [Layout(cp=2)], batch(), plan=PLAN)
 
 

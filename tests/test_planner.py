@@ -50,27 +50,31 @@ def test_the_reference_chapter_figures():
     assert round(states / GB, 2) == round(4.38 * cfg.num_params() / 70e9, 2)
 
 
-@pytest.mark.parametrize("model, layout, virtual", [
-    ("8b", Layout(pp=2, dp_shard=4, tp=2), 1),
-    ("70b", Layout(pp=4, dp_shard=8, cp=2, tp=8), 2),
-    ("8b", Layout(dp_shard=3, tp=16), 1),  # tp beyond the 8 kv heads: K/V replicated; 3 shards cut unevenly
-    ("debug", Layout(dp_replicate=2, dp_shard=5, tp=4), 1),
-    ("405b", Layout(pp=8, dp_shard=64, tp=8), 1),
-    # Qwen3: head_dim 128 != dim / heads, qk-norm weights, a tied head whose last pipeline stage holds a copy
-    ("qwen3-0.6b", Layout(pp=2, dp_shard=4, tp=2), 1),
-    ("qwen3-debug", Layout(dp_shard=3, tp=4), 1),  # tp beyond its 2 kv heads, tied, one stage
-    ("qwen3-8b", Layout(pp=2, dp_shard=2, cp=2, tp=8), 2),  # untied
-    # Qwen3-MoE: the experts split over ep (E / ep each), FSDP-sharded over the dp_shard x cp / ep ranks left
-    ("qwen3-moe-debug", Layout(dp_shard=8, ep=4), 1),
-    ("qwen3-moe-debug", Layout(pp=2, dp_shard=4, tp=2, ep=2), 1),
-    ("qwen3-moe-debug", Layout(dp_shard=2, cp=2, ep=4), 1),
-    ("qwen3-moe-debug", Layout(dp_shard=3, tp=2), 1),  # experts without ep: cut on their expert dim over 3
-    ("qwen3-moe-shared-debug", Layout(pp=2, dp_shard=4, tp=2, ep=4), 1),  # a shared expert split like an MLP
-    ("qwen3-30b-a3b", Layout(dp_shard=8, ep=4), 1),
-    ("qwen3-30b-a3b", Layout(pp=2, dp_shard=4, tp=2, ep=2), 1),
-    ("qwen3-30b-a3b", Layout(dp_replicate=2, dp_shard=2, cp=2, tp=4, ep=4), 1),
-    ("qwen3-30b-a3b", Layout(pp=4, dp_shard=6, cp=2, ep=4), 2),  # 3 edp ranks cut 32 experts unevenly
-], ids=str)
+@pytest.mark.parametrize(
+    "model, layout, virtual",
+    [
+        ("8b", Layout(pp=2, dp_shard=4, tp=2), 1),
+        ("70b", Layout(pp=4, dp_shard=8, cp=2, tp=8), 2),
+        ("8b", Layout(dp_shard=3, tp=16), 1),  # tp beyond the 8 kv heads: K/V replicated; 3 shards cut unevenly
+        ("debug", Layout(dp_replicate=2, dp_shard=5, tp=4), 1),
+        ("405b", Layout(pp=8, dp_shard=64, tp=8), 1),
+        # Qwen3: head_dim 128 != dim / heads, qk-norm weights, a tied head whose last pipeline stage holds a copy
+        ("qwen3-0.6b", Layout(pp=2, dp_shard=4, tp=2), 1),
+        ("qwen3-debug", Layout(dp_shard=3, tp=4), 1),  # tp beyond its 2 kv heads, tied, one stage
+        ("qwen3-8b", Layout(pp=2, dp_shard=2, cp=2, tp=8), 2),  # untied
+        # Qwen3-MoE: the experts split over ep (E / ep each), FSDP-sharded over the dp_shard x cp / ep ranks left
+        ("qwen3-moe-debug", Layout(dp_shard=8, ep=4), 1),
+        ("qwen3-moe-debug", Layout(pp=2, dp_shard=4, tp=2, ep=2), 1),
+        ("qwen3-moe-debug", Layout(dp_shard=2, cp=2, ep=4), 1),
+        ("qwen3-moe-debug", Layout(dp_shard=3, tp=2), 1),  # experts without ep: cut on their expert dim over 3
+        ("qwen3-moe-shared-debug", Layout(pp=2, dp_shard=4, tp=2, ep=4), 1),  # a shared expert split like an MLP
+        ("qwen3-30b-a3b", Layout(dp_shard=8, ep=4), 1),
+        ("qwen3-30b-a3b", Layout(pp=2, dp_shard=4, tp=2, ep=2), 1),
+        ("qwen3-30b-a3b", Layout(dp_replicate=2, dp_shard=2, cp=2, tp=4, ep=4), 1),
+        ("qwen3-30b-a3b", Layout(pp=4, dp_shard=6, cp=2, ep=4), 2),  # 3 edp ranks cut 32 experts unevenly
+    ],
+    ids=str,
+)
 def test_planner_counts_parameters_exactly_as_the_dry_run_builds_them(model, layout, virtual):
     from tessera.parallel.parallelize import dry_run_model_states
     from tessera.parallel.pipeline import PipelineConfig
@@ -78,8 +82,10 @@ def test_planner_counts_parameters_exactly_as_the_dry_run_builds_them(model, lay
     shape = model_shape(model)
     fsdp = layout.dp_shard * layout.cp
     tp_local, sharded, _ = rank_params(shape, layout.tp, layout.pp, virtual, fsdp, layout.ep)
-    counted = [dry_run_model_states(model, layout, rank=layout.rank_of({"pp": p}), pipeline=PipelineConfig(virtual=virtual))
-               for p in sorted({0, layout.pp - 1})]
+    counted = [
+        dry_run_model_states(model, layout, rank=layout.rank_of({"pp": p}), pipeline=PipelineConfig(virtual=virtual))
+        for p in sorted({0, layout.pp - 1})
+    ]
     most = max(counted, key=lambda m: m["tp_local_params"])
     assert tp_local == most["tp_local_params"] and sharded == most["local_params"]
 
@@ -123,19 +129,24 @@ def test_the_dry_runs_fsdp_count_is_fully_shards(tmp_path):
 
 @given(st.integers(1, 300), st.integers(1, 9), st.integers(0, 6))
 def test_fsdp_shards_partition_the_rows(rows, cols, log_shards):
-    shards = 2 ** log_shards
+    shards = 2**log_shards
     sizes = [fsdp_shard_numel(rows, cols, shards, i) for i in range(shards)]
     assert sum(sizes) == rows * cols and max(sizes) == fsdp_shard_numel(rows, cols, shards, 0)
 
 
 @settings(max_examples=25, deadline=None)
-@given(model=st.sampled_from(["debug", "small", "1b", "8b", "qwen3-0.6b", "qwen3-moe-debug"]), nodes=st.sampled_from([1, 2, 4]),
-       per_node=st.sampled_from([2, 4, 8]), seq_exp=st.integers(8, 13), batch_mult=st.sampled_from([1, 2, 4]),
-       memory=st.sampled_from([16.0, 40.0, 80.0]))
+@given(
+    model=st.sampled_from(["debug", "small", "1b", "8b", "qwen3-0.6b", "qwen3-moe-debug"]),
+    nodes=st.sampled_from([1, 2, 4]),
+    per_node=st.sampled_from([2, 4, 8]),
+    seq_exp=st.integers(8, 13),
+    batch_mult=st.sampled_from([1, 2, 4]),
+    memory=st.sampled_from([16.0, 40.0, 80.0]),
+)
 def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_exp, batch_mult, memory):
     hw = Hardware(gpus=nodes * per_node, gpu_memory_gb=memory, gpus_per_node=per_node)
     try:
-        result = plan(model_shape(model), hw, 2 ** seq_exp, hw.gpus * batch_mult, name=model)
+        result = plan(model_shape(model), hw, 2**seq_exp, hw.gpus * batch_mult, name=model)
     except PlanError as e:
         assert "short by" in str(e) and "closest" in str(e)
         return
@@ -155,9 +166,12 @@ def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_ex
         assert parts["parameters"] + parts["optimizer"] + parts["activations"] <= x.memory["total"]
         assert x.memory["total"] <= sum(parts.values()) + parts["gradients"]  # the optimizer step: grads + temporaries
         assert 0 <= x.bubble < 1 and (x.bubble == 0) == (lay.pp == 1)
-        ParallelConfig(lay, c.sequence_parallel, DataParallelConfig(c.strategy, "bf16", c.ac),
-                       PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual)).check(
-            cfg, 2 ** seq_exp, hw.gpus * batch_mult, c.microbatches)
+        ParallelConfig(
+            lay,
+            c.sequence_parallel,
+            DataParallelConfig(c.strategy, "bf16", c.ac),
+            PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual),
+        ).check(cfg, 2**seq_exp, hw.gpus * batch_mult, c.microbatches)
     assert why_best(result)
 
 
@@ -177,19 +191,38 @@ def test_memory_model_directions():
 
 
 def test_plan_cli_ranks_layouts_and_dry_runs_the_best():
-    out = _tessera("plan", "--model", "405b", "--gpus", "4096", "--seq-len", "8192", "--global-batch", "1024",
-                   "--top", "3", "--dry-run")
+    out = _tessera(
+        "plan",
+        "--model",
+        "405b",
+        "--gpus",
+        "4096",
+        "--seq-len",
+        "8192",
+        "--global-batch",
+        "1024",
+        "--top",
+        "3",
+        "--dry-run",
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("405b on 4096 GPUs of 80 GB") and len([ln for ln in lines[2:] if ln[:3].strip().isdigit()]) == 3
-    assert any(ln.startswith("best: tessera train --") for ln in lines) and any(ln.startswith("why: it") for ln in lines)
+    assert (
+        lines[0].startswith("405b on 4096 GPUs of 80 GB")
+        and len([ln for ln in lines[2:] if ln[:3].strip().isdigit()]) == 3
+    )
+    assert any(ln.startswith("best: tessera train --") for ln in lines) and any(
+        ln.startswith("why: it") for ln in lines
+    )
     counted = next(ln for ln in lines if ln.startswith("model states of the rank holding the most"))
     numbers = [float(w) for w in counted.replace(",", " ").split() if w.replace(".", "").isdigit()]
     assert numbers[0] == pytest.approx(numbers[1], rel=1e-3)  # the estimate's states are the exact count
 
 
 def test_plan_cli_json():
-    out = _tessera("plan", "--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--json", "--top", "4")
+    out = _tessera(
+        "plan", "--model", "8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--json", "--top", "4"
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert len(data["ranked"]) == 4 and data["request"]["hardware"]["gpus"] == 16
@@ -198,11 +231,14 @@ def test_plan_cli_json():
     assert top["flags"].startswith("--") and 0 < top["mfu"] < 1
 
 
-@pytest.mark.parametrize("name, message", [
-    ("dp4xtp2", r"--layout dp4xtp2 is 8 ranks and --gpus is 16: name a layout of 16 ranks"),
-    ("dp16+compile", r"\+compile is not part of the planner's model"),
-    ("dq16", r"--layout layout 'dq16': 'dq16' is not <axis><degree>"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("dp4xtp2", r"--layout dp4xtp2 is 8 ranks and --gpus is 16: name a layout of 16 ranks"),
+        ("dp16+compile", r"\+compile is not part of the planner's model"),
+        ("dq16", r"--layout layout 'dq16': 'dq16' is not <axis><degree>"),
+    ],
+)
 def test_a_named_layout_that_cannot_be_scored_is_refused(name, message):
     from tessera.plan_command import parse_named_layout
     from tessera.topology.errors import PlanError
@@ -231,33 +267,74 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
         return score_layout(shape, hw, 4096, 32, result, *parse_named_layout(name, 16))
 
     lay = ranked[0].candidate.layout
-    name = "x".join(f"{k}{v}" for k, v in (("pp", lay.pp), ("dpr", lay.dp_replicate), ("dp", lay.dp_shard),
-                                           ("cp", lay.cp), ("tp", lay.tp)) if v > 1)
+    name = "x".join(
+        f"{k}{v}"
+        for k, v in (("pp", lay.pp), ("dpr", lay.dp_replicate), ("dp", lay.dp_shard), ("cp", lay.cp), ("tp", lay.tp))
+        if v > 1
+    )
     assert score(name)["rank"] == 1 and score(name)["verdict"].startswith(f"ranked 1 of {len(ranked)}")
     got = score("pp2xdp4xtp2")
-    mine = [i for i, x in enumerate(ranked, 1) if (x.candidate.layout.pp, x.candidate.layout.dp_shard, x.candidate.layout.tp) == (2, 4, 2)]
+    mine = [
+        i
+        for i, x in enumerate(ranked, 1)
+        if (x.candidate.layout.pp, x.candidate.layout.dp_shard, x.candidate.layout.tp) == (2, 4, 2)
+    ]
     assert got["fits"] and got["rank"] == mine[0] > 1
     assert got["estimate"]["time_s"]["step"] == pytest.approx(ranked[mine[0] - 1].time["step"])
     assert "which wins by" in got["verdict"] and "tessera train --pp 2 --tp 2 --dp 4" in got["verdict"]
-    assert re.fullmatch(r"does not fit: its least-memory settings \(dp_replicate16, no FSDP, ac full, mb 1\) need "
-                        r"\d+\.\d GB per rank against 36\.0 GB usable, short by \d+\.\d GB", score("dpr16")["verdict"])
-    assert score("dp16xep2")["verdict"] == ("tessera would not run it: ep=2 needs a mixture-of-experts model (llama has "
-                                            "no experts)")
-    text = _tessera("plan", "--model", "8b", "--gpus", "16", "--gpu-memory", "40", "--seq-len", "4096", "--global-batch",
-                    "32", "--top", "1", "--layout", "pp2xdp4xtp2").stdout
+    assert re.fullmatch(
+        r"does not fit: its least-memory settings \(dp_replicate16, no FSDP, ac full, mb 1\) need "
+        r"\d+\.\d GB per rank against 36\.0 GB usable, short by \d+\.\d GB",
+        score("dpr16")["verdict"],
+    )
+    assert score("dp16xep2")["verdict"] == (
+        "tessera would not run it: ep=2 needs a mixture-of-experts model (llama has no experts)"
+    )
+    text = _tessera(
+        "plan",
+        "--model",
+        "8b",
+        "--gpus",
+        "16",
+        "--gpu-memory",
+        "40",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "32",
+        "--top",
+        "1",
+        "--layout",
+        "pp2xdp4xtp2",
+    ).stdout
     assert f"--layout pp2xdp4xtp2: {got['verdict']}" in text, text
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "70b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"],
-     r"70b does not fit on 8 GPUs of 80 GB .* needs \d+\.\d GB per rank against 72\.0 GB usable .* short by"),
-    (["--model", "8b", "--gpus", "12", "--gpus-per-node", "8", "--seq-len", "4096", "--global-batch", "12"],
-     r"--gpus 12 is not a whole number of nodes of 8"),
-    (["--model", "nope", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"], r"unknown model preset 'nope'"),
-    (["--model", "debug", "--gpus", "64", "--seq-len", "30", "--global-batch", "3"], r"no layout of 64 GPUs runs debug"),
-    (["--model", "8b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "64", "--peak-tflops", "inf"],
-     r"--peak-tflops inf must be a positive, finite number"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--model", "70b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"],
+            r"70b does not fit on 8 GPUs of 80 GB .* needs \d+\.\d GB per rank against 72\.0 GB usable .* short by",
+        ),
+        (
+            ["--model", "8b", "--gpus", "12", "--gpus-per-node", "8", "--seq-len", "4096", "--global-batch", "12"],
+            r"--gpus 12 is not a whole number of nodes of 8",
+        ),
+        (
+            ["--model", "nope", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"],
+            r"unknown model preset 'nope'",
+        ),
+        (
+            ["--model", "debug", "--gpus", "64", "--seq-len", "30", "--global-batch", "3"],
+            r"no layout of 64 GPUs runs debug",
+        ),
+        (
+            ["--model", "8b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "64", "--peak-tflops", "inf"],
+            r"--peak-tflops inf must be a positive, finite number",
+        ),
+    ],
+)
 def test_plan_cli_refuses_with_one_line(args, message):
     import re
 
@@ -272,11 +349,20 @@ def model_shapes(draw, max_layers: int = 6) -> ModelShape:
     """Random decoder shapes over every option a ModelShape has (head_dim independent of dim)."""
     kv = draw(st.integers(1, 4))
     return ModelShape(
-        dim=draw(st.integers(1, 48)), n_layers=draw(st.integers(1, max_layers)), n_heads=kv * draw(st.integers(1, 4)),
-        n_kv_heads=kv, head_dim=2 * draw(st.integers(1, 12)), vocab_size=draw(st.integers(1, 500)),
-        ffn_dim=draw(st.integers(1, 96)), mlp=draw(st.sampled_from(["swiglu", "gelu"])),
-        norm=draw(st.sampled_from(["rms", "layer"])), qk_norm=draw(st.booleans()), tied_embeddings=draw(st.booleans()),
-        bias=draw(st.booleans()), learned_positions=draw(st.sampled_from([0, 0, 1, 7, 64])))
+        dim=draw(st.integers(1, 48)),
+        n_layers=draw(st.integers(1, max_layers)),
+        n_heads=kv * draw(st.integers(1, 4)),
+        n_kv_heads=kv,
+        head_dim=2 * draw(st.integers(1, 12)),
+        vocab_size=draw(st.integers(1, 500)),
+        ffn_dim=draw(st.integers(1, 96)),
+        mlp=draw(st.sampled_from(["swiglu", "gelu"])),
+        norm=draw(st.sampled_from(["rms", "layer"])),
+        qk_norm=draw(st.booleans()),
+        tied_embeddings=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        learned_positions=draw(st.sampled_from([0, 0, 1, 7, 64])),
+    )
 
 
 def _numel(units) -> int:
@@ -301,10 +387,19 @@ def test_the_stages_hold_every_parameter_once_but_a_tied_heads_copy(shape, data)
 def test_tp_ranks_split_every_matrix_and_replicate_the_rest(shape, tp):
     """Summed over the tp ranks of one stage, a block holds its matrices once and each replicated vector
     (norms, qk-norms, the row-parallel biases) tp times, with tp dividing the heads, kv heads and width."""
-    shape = ModelShape(**{**shape.__dict__, "n_heads": shape.n_heads * tp, "n_kv_heads": shape.n_kv_heads * tp,
-                          "ffn_dim": shape.ffn_dim * tp, "vocab_size": shape.vocab_size * tp,
-                          "learned_positions": shape.learned_positions * tp})
-    replicated = 2 * shape.norm_params + (2 * shape.head_dim if shape.qk_norm else 0) + (2 * shape.dim if shape.bias else 0)
+    shape = ModelShape(
+        **{
+            **shape.__dict__,
+            "n_heads": shape.n_heads * tp,
+            "n_kv_heads": shape.n_kv_heads * tp,
+            "ffn_dim": shape.ffn_dim * tp,
+            "vocab_size": shape.vocab_size * tp,
+            "learned_positions": shape.learned_positions * tp,
+        }
+    )
+    replicated = (
+        2 * shape.norm_params + (2 * shape.head_dim if shape.qk_norm else 0) + (2 * shape.dim if shape.bias else 0)
+    )
     assert tp * _numel([layer_param_shapes(shape, tp)]) == shape.block_params() + (tp - 1) * replicated
     whole = sum(_numel(stage_param_shapes(shape, tp, True, True, shape.n_layers)) for _ in range(tp))
     assert whole == shape.num_params() + (tp - 1) * (shape.n_layers * replicated + shape.norm_params)
@@ -327,7 +422,8 @@ def test_flops_count_the_mlps_matrices_the_head_and_the_heads_attention(shape, s
     gelu, swiglu = (shape, swapped) if shape.mlp == "gelu" else (swapped, shape)
     bias = f if shape.bias else 0
     assert model_flops_per_token(swiglu, seq) - model_flops_per_token(gelu, seq) == pytest.approx(
-        6 * shape.n_layers * (h * f + bias))
+        6 * shape.n_layers * (h * f + bias)
+    )
     tied = ModelShape(**{**shape.__dict__, "tied_embeddings": not shape.tied_embeddings})
     assert model_flops_per_token(tied, seq) == pytest.approx(model_flops_per_token(shape, seq))
 
@@ -366,13 +462,24 @@ def test_a_llama_config_reads_as_its_specs_shape(model):
 
 
 @settings(max_examples=60, deadline=None)
-@given(model=st.sampled_from(["debug", "small", "8b", "qwen3-0.6b", "qwen3-debug"]),
-       tp=st.sampled_from([1, 2, 3, 4, 8, 16]), cp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 3, 4, 8, 64]),
-       dp=st.sampled_from([1, 2, 3]), strategy=st.sampled_from(STRATEGIES), ac=st.sampled_from(AC_MODES),
-       schedule=st.sampled_from(SCHEDULES), mb=st.sampled_from([1, 2, 3, 4, 8]), virtual=st.sampled_from([1, 2, 4]),
-       sp=st.sampled_from([None, False]), seq=st.sampled_from([24, 64, 96, 4096]), batch=st.sampled_from([3, 8, 12, 48]))
-def test_the_planners_validity_checks_are_tesseras_own(model, tp, cp, pp, dp, strategy, ac, schedule, mb, virtual, sp, seq,
-                                                      batch):
+@given(
+    model=st.sampled_from(["debug", "small", "8b", "qwen3-0.6b", "qwen3-debug"]),
+    tp=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    cp=st.sampled_from([1, 2, 4, 8]),
+    pp=st.sampled_from([1, 2, 3, 4, 8, 64]),
+    dp=st.sampled_from([1, 2, 3]),
+    strategy=st.sampled_from(STRATEGIES),
+    ac=st.sampled_from(AC_MODES),
+    schedule=st.sampled_from(SCHEDULES),
+    mb=st.sampled_from([1, 2, 3, 4, 8]),
+    virtual=st.sampled_from([1, 2, 4]),
+    sp=st.sampled_from([None, False]),
+    seq=st.sampled_from([24, 64, 96, 4096]),
+    batch=st.sampled_from([3, 8, 12, 48]),
+)
+def test_the_planners_validity_checks_are_tesseras_own(
+    model, tp, cp, pp, dp, strategy, ac, schedule, mb, virtual, sp, seq, batch
+):
     """The planner decides what runs without importing tessera.parallel: the same answer as ParallelConfig.check."""
     from tessera.parallel.data import DataParallelConfig
     from tessera.parallel.parallelize import ParallelConfig
@@ -380,9 +487,12 @@ def test_the_planners_validity_checks_are_tesseras_own(model, tp, cp, pp, dp, st
 
     cand = Candidate(Layout(pp=pp, dp_shard=dp, cp=cp, tp=tp), strategy, ac, schedule, mb, virtual, sp)
     try:
-        ParallelConfig(cand.layout, cand.sequence_parallel, DataParallelConfig(strategy, "bf16", ac),
-                       PipelineConfig(schedule=schedule, microbatches=mb, virtual=virtual)).check(
-            get_preset(model), seq, batch, mb)
+        ParallelConfig(
+            cand.layout,
+            cand.sequence_parallel,
+            DataParallelConfig(strategy, "bf16", ac),
+            PipelineConfig(schedule=schedule, microbatches=mb, virtual=virtual),
+        ).check(get_preset(model), seq, batch, mb)
         runs = True
     except ValueError:
         runs = False
@@ -399,20 +509,25 @@ def test_the_candidates_of_a_preset_are_those_tessera_runs():
     cands = candidates(model_shape("8b"), hw, 4096, 32)
     assert len(cands) == 2697  # 2127 before interleaved-zb, zbv and looped-bfs (v2) joined the schedules
     for c in cands[::7]:
-        ParallelConfig(c.layout, c.sequence_parallel, DataParallelConfig(c.strategy, "bf16", c.ac),
-                       PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual)).check(
-            cfg, 4096, 32, c.microbatches)
+        ParallelConfig(
+            c.layout,
+            c.sequence_parallel,
+            DataParallelConfig(c.strategy, "bf16", c.ac),
+            PipelineConfig(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual),
+        ).check(cfg, 4096, 32, c.microbatches)
 
 
 def test_topology_counts_without_torch_or_the_layers_above_it():
     """The planner, the memory, communication and step-time models and the schedules import no torch, no
     tessera.models, no tessera.parallel and nothing of the runtime."""
-    code = ("import sys\n"
-            "import tessera.topology.planner, tessera.topology.comm_model, tessera.topology.step_time\n"
-            "import tessera.topology.memory, tessera.topology.schedule, tessera.topology.shapes, tessera.topology.layout\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('tessera.models', "
-            "'tessera.parallel', 'tessera.kernels')) or m.count('.') == 1 and m.startswith('tessera.') and "
-            "not m.startswith('tessera.topology')))")
+    code = (
+        "import sys\n"
+        "import tessera.topology.planner, tessera.topology.comm_model, tessera.topology.step_time\n"
+        "import tessera.topology.memory, tessera.topology.schedule, tessera.topology.shapes, tessera.topology.layout\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('tessera.models', "
+        "'tessera.parallel', 'tessera.kernels')) or m.count('.') == 1 and m.startswith('tessera.') and "
+        "not m.startswith('tessera.topology')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -40,11 +40,14 @@ def test_predicted_peak_memory_is_within_10_percent_of_the_measured(case):
     predicted = predicted_peak(config)
     breakdown = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in predicted.items())
     assert abs(predicted["total"] - measured) <= 0.10 * measured, (
-        f"{case}: predicted {predicted['total'] / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB ({breakdown})")
+        f"{case}: predicted {predicted['total'] / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB ({breakdown})"
+    )
 
 
 def test_shard_grad_op_holds_the_sharded_and_the_gathered_parameters():
     config = small_config(**BASE, dp=2, fsdp="SHARD_GRAD_OP")
     m = predicted_peak(config)
     full = config.model_config.num_params() * 4
-    assert m["parameters"] == pytest.approx(full / 2, rel=0.01) and m["gathered_params"] == pytest.approx(full, rel=0.01)
+    assert m["parameters"] == pytest.approx(full / 2, rel=0.01) and m["gathered_params"] == pytest.approx(
+        full, rel=0.01
+    )

@@ -23,7 +23,11 @@ def test_the_probe_counts_matmul_flops_by_the_dtype_they_ran_in():
         torch.bmm(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 4, 6, dtype=torch.float64))
         torch.randn(4) + 1  # not a matmul
     report = probe.report()
-    assert report["matmul_flops_by_dtype"] == {"float32": 2 * 3 * 5 * 7, "bfloat16": 2 * 3 * 5 * 7, "float64": 2 * 2 * 3 * 4 * 6}
+    assert report["matmul_flops_by_dtype"] == {
+        "float32": 2 * 3 * 5 * 7,
+        "bfloat16": 2 * 3 * 5 * 7,
+        "float64": 2 * 2 * 3 * 4 * 6,
+    }
     assert report["matmul_calls_by_dtype"] == {"float32": 1, "bfloat16": 1, "float64": 1}
     assert report["compute_dtype"] == "float64"  # the most FLOPs
 
@@ -32,7 +36,9 @@ def test_the_probe_sees_backward_matmuls_and_attention():
     q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
     with MatmulDtypes() as probe:
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    assert set(probe.report()["matmul_flops_by_dtype"]) == {"bfloat16"} and probe.report()["compute_dtype"] == "bfloat16"
+    assert (
+        set(probe.report()["matmul_flops_by_dtype"]) == {"bfloat16"} and probe.report()["compute_dtype"] == "bfloat16"
+    )
     # the fused attention kernels themselves, forward and backward (4 B H S^2 D, and 2.5x that)
     assert probe.report()["matmul_flops_by_dtype"]["bfloat16"] >= 4 * 2 * 8 * 8 * 4 * 3.5
 
@@ -50,8 +56,22 @@ def test_the_probe_counts_every_matmul_of_the_chunked_loss():
 
 def _run(tmp_path, precision, *extra):
     metrics = tmp_path / f"{precision}.jsonl"
-    out = _tessera("train", "--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "4",
-                   "--mixed-precision", precision, "--metrics", str(metrics), *extra)
+    out = _tessera(
+        "train",
+        "--model",
+        "debug",
+        "--steps",
+        "3",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--mixed-precision",
+        precision,
+        "--metrics",
+        str(metrics),
+        *extra,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     return out.stdout, lines[0], lines[1:]
@@ -70,7 +90,9 @@ def test_bf16_runs_in_bf16_on_one_process_and_says_so_from_what_ran(tmp_path):
     assert bf16_header["mixed_precision_configured"] == "bf16"
     assert [r["compute_dtype"] for r in bf16_rows] == ["bfloat16"] * 3
     assert [r["compute_dtype"] for r in fp32_rows] == ["float32"] * 3
-    assert "matmuls in bfloat16 (" in bf16_out.splitlines()[0] and "matmuls in float32 (100.0%" in fp32_out.splitlines()[0]
+    assert (
+        "matmuls in bfloat16 (" in bf16_out.splitlines()[0] and "matmuls in float32 (100.0%" in fp32_out.splitlines()[0]
+    )
 
 
 def _graphs_compiled_in_two_steps(config):

@@ -38,8 +38,24 @@ def test_one_rank_writes_its_trace_of_steps_2_and_3_and_prints_the_top_ops(tmp_p
 
 def test_two_ranks_each_write_a_trace_beside_the_checkpoints_and_metrics(tmp_path):
     prof, ckpt, metrics = tmp_path / "prof", tmp_path / "ckpt", tmp_path / "run.jsonl"
-    out = _tessera("train", *TINY, "--dp", "2", "--steps", "3", "--profile", str(prof), "--profile-steps", "1:2",
-                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--metrics", str(metrics))
+    out = _tessera(
+        "train",
+        *TINY,
+        "--dp",
+        "2",
+        "--steps",
+        "3",
+        "--profile",
+        str(prof),
+        "--profile-steps",
+        "1:2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "1",
+        "--metrics",
+        str(metrics),
+    )
     assert out.returncode == 0, out.stderr
     assert sorted(os.listdir(prof)) == ["rank0.trace.json", "rank1.trace.json"]
     for rank in (0, 1):
@@ -50,15 +66,18 @@ def test_two_ranks_each_write_a_trace_beside_the_checkpoints_and_metrics(tmp_pat
     assert (ckpt / "latest").exists() and len(metrics.read_text().splitlines()) == 4  # header + 3 steps
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--profile-steps", "3:2"], "--profile-steps '3:2' needs 1 <= A <= B"),
-    (["--profile-steps", "2"], "--profile-steps '2' must be A:B"),
-    (["--profile-steps", ""], "--profile-steps '' must be A:B"),
-    (["--profile-steps", "2:9"], "--profile-steps 2:9 reaches past the run's last step (--steps 3)"),
-    (["--profile", "FILE"], "is a file; give a directory for the traces"),
-    (["--profile", "FILE/sub"], "cannot be created (Not a directory); choose a writable directory"),
-    (["--profile-steps", "2:3", "--no-profile"], "--profile-steps 2:3 applies to --profile DIR"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--profile-steps", "3:2"], "--profile-steps '3:2' needs 1 <= A <= B"),
+        (["--profile-steps", "2"], "--profile-steps '2' must be A:B"),
+        (["--profile-steps", ""], "--profile-steps '' must be A:B"),
+        (["--profile-steps", "2:9"], "--profile-steps 2:9 reaches past the run's last step (--steps 3)"),
+        (["--profile", "FILE"], "is a file; give a directory for the traces"),
+        (["--profile", "FILE/sub"], "cannot be created (Not a directory); choose a writable directory"),
+        (["--profile-steps", "2:3", "--no-profile"], "--profile-steps 2:3 applies to --profile DIR"),
+    ],
+)
 def test_bad_values_get_one_line_before_any_rank_starts(tmp_path, args, message):
     (tmp_path / "FILE").write_text("")
     args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
@@ -107,7 +126,9 @@ def test_a_window_cut_short_is_still_written(tmp_path):
 def test_a_run_that_ends_before_the_window_says_so(tmp_path):
     import torch
 
-    profiler = StepProfiler(Config.create(profile=str(tmp_path), profile_steps="5:6", steps=10), 0, torch.device("cpu"), 0)
+    profiler = StepProfiler(
+        Config.create(profile=str(tmp_path), profile_steps="5:6", steps=10), 0, torch.device("cpu"), 0
+    )
     profiler.start()
     profiler.step()
     profiler.stop()

@@ -28,8 +28,18 @@ from tessera.models.qwen3 import QWEN3, Qwen3Config  # noqa: E402
 VOCAB = 96
 TOKENS = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
 # 4 heads x head_dim 16 = 64 != dim 48; 2 kv heads (GQA)
-TINY = dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=VOCAB, ffn_dim=96, max_seq_len=256,
-            rope_theta=1e6, norm_eps=1e-6)
+TINY = dict(
+    dim=48,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    ffn_dim=96,
+    max_seq_len=256,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+)
 
 
 def _close(got, want, tol=1e-5):
@@ -43,9 +53,19 @@ def _hf_model(path, tied):
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = HFQwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=tied)
+    cfg = HFQwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=tied,
+    )
     model = Qwen3ForCausalLM(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -128,8 +148,16 @@ def test_hf_names_are_huggingfaces_own_and_round_trip():
         assert ("lm_head.weight" in names) != tied  # a tied head is named once, by its owner
         for n in names:
             assert hf_to_tessera_name(tessera_to_hf_name(n, cfg), cfg) == n
-        hf = HFQwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
+        hf = HFQwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=tied,
+        )
         with torch.device("meta"):
             theirs = Qwen3ForCausalLM(hf)
         assert {tessera_to_hf_name(n, cfg) for n in names} == {n for n, _ in theirs.named_parameters()}
@@ -147,44 +175,71 @@ def test_hf_dir_config_json_gives_a_qwen3_config(tmp_path):
     assert Config.create(init_from_hf=str(tmp_path)).model_config == cfg
     assert Config.create(model="qwen3-debug").model_config == get_preset("qwen3-debug")
     # a --model preset that disagrees names the differing field
-    with pytest.raises(ValueError, match=r"--model qwen3-debug does not match the Hugging Face config.json \(dim 48 vs 64"):
+    with pytest.raises(
+        ValueError, match=r"--model qwen3-debug does not match the Hugging Face config.json \(dim 48 vs 64"
+    ):
         _ = Config.create(init_from_hf=str(tmp_path), model="qwen3-debug").model_config
     # the export side finds the family from a manifest's preset, an hf: path, or the fields alone
     saved = cfg.as_dict()
     assert config_from_manifest({"preset": f"hf:{tmp_path}", "config": saved}) == cfg
     assert config_from_manifest({"preset": "hf:/gone", "config": saved}) == cfg
-    assert config_from_manifest({"preset": "qwen3-debug", "config": get_preset("qwen3-debug", n_layers=1).as_dict()}) \
-        == get_preset("qwen3-debug", n_layers=1)
-    assert type(config_from_manifest({"preset": "debug", "config": get_preset("debug").as_dict()})).__name__ == "ModelConfig"
+    assert config_from_manifest(
+        {"preset": "qwen3-debug", "config": get_preset("qwen3-debug", n_layers=1).as_dict()}
+    ) == get_preset("qwen3-debug", n_layers=1)
+    assert (
+        type(config_from_manifest({"preset": "debug", "config": get_preset("debug").as_dict()})).__name__
+        == "ModelConfig"
+    )
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("attention_bias", True, "biases in attention"),
-    ("use_sliding_window", True, "sliding-window attention"),
-    ("layer_types", ["full_attention", "sliding_attention"], "layer types"),
-    ("hidden_act", "gelu", "activation 'gelu'"),
-    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope type 'yarn'"),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope type 'linear'"),
-    ("architectures", ["Qwen3ForSequenceClassification"], None),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("attention_bias", True, "biases in attention"),
+        ("use_sliding_window", True, "sliding-window attention"),
+        ("layer_types", ["full_attention", "sliding_attention"], "layer types"),
+        ("hidden_act", "gelu", "activation 'gelu'"),
+        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope type 'yarn'"),
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope type 'linear'"),
+        ("architectures", ["Qwen3ForSequenceClassification"], None),
+    ],
+)
 def test_what_qwen3_cannot_represent_is_refused_by_field_name(tmp_path, field, value, message):
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 48, "intermediate_size": 96,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
-              "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-              "layer_types": ["full_attention"] * 2, "use_sliding_window": False, "sliding_window": None}
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "layer_types": ["full_attention"] * 2,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert read_hf_config(tmp_path) == Qwen3Config(**{**TINY, "max_seq_len": 32768})
     (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
-    pattern = (r"architecture 'Qwen3ForSequenceClassification' \(model_type 'qwen3'\) is not supported" if message is None
-               else f"config.json: {field}: {message}.* is not supported")
+    pattern = (
+        r"architecture 'Qwen3ForSequenceClassification' \(model_type 'qwen3'\) is not supported"
+        if message is None
+        else f"config.json: {field}: {message}.* is not supported"
+    )
     with pytest.raises(ValueError, match=pattern):
         read_hf_config(tmp_path)
 
 
 def test_an_unknown_model_type_names_the_families_tessera_reads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"architecture 'Qwen2ForCausalLM' \(model_type 'qwen2'\) is not supported; "
-                                         r"tessera loads .*Qwen3ForCausalLM \(model_type 'qwen3'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"architecture 'Qwen2ForCausalLM' \(model_type 'qwen2'\) is not supported; "
+        r"tessera loads .*Qwen3ForCausalLM \(model_type 'qwen3'\)",
+    ):
         read_hf_config(tmp_path)
 
 
@@ -197,13 +252,17 @@ def test_a_tied_checkpoint_with_only_the_heads_name_still_loads(tmp_path):
     save_hf(src.state_dict(), cfg, tmp_path)
     from tessera.parallel.safe_io import read_safetensors_slice
 
-    tensors = {n: read_safetensors_slice(tmp_path / "model.safetensors", n, (slice(None),)) for n in weight_files(tmp_path)}
+    tensors = {
+        n: read_safetensors_slice(tmp_path / "model.safetensors", n, (slice(None),)) for n in weight_files(tmp_path)
+    }
     tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
     write_safetensors(tensors, tmp_path / "model.safetensors", {"format": "pt"})
     check_hf_weights(tmp_path, cfg)
     dst = QWEN3.build_model(cfg, seed=5)
     load_hf_weights(dst, tmp_path)
-    assert torch.equal(dst.embed_tokens.weight, src.embed_tokens.weight) and dst.lm_head.weight is dst.embed_tokens.weight
+    assert (
+        torch.equal(dst.embed_tokens.weight, src.embed_tokens.weight) and dst.lm_head.weight is dst.embed_tokens.weight
+    )
     # a state dict whose two names of the tied matrix disagree (a tie broken in training) is not exported
     state = {**src.state_dict(), "lm_head.weight": src.embed_tokens.weight.detach() + 1}
     with pytest.raises(ValueError, match="lm_head.weight and embed_tokens.weight are one tied parameter"):

@@ -35,13 +35,18 @@ def test_a_tied_checkpoint_from_pp2xtp2_resumes_on_another_layout(pp_run, layout
 def test_the_tied_checkpoint_exports_to_a_directory_transformers_loads(pp_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     root, _ = pp_run
-    out = subprocess.run([sys.executable, "-m", "tessera", "export", str(root / "step_00000006"), "--to-hf",
-                          str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", "export", str(root / "step_00000006"), "--to-hf", str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     config = small_config(**BASE, resume=str(root / "step_00000006"))
     trained = run_ranks(resumed_full_parameters, 1, config, timeout=120)[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # still tied
     torch.testing.assert_close(hf.model.embed_tokens.weight, trained["embed_tokens.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(hf.model.layers[3].self_attn.q_norm.weight, trained["layers.3.self_attn.q_norm.weight"],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        hf.model.layers[3].self_attn.q_norm.weight, trained["layers.3.self_attn.q_norm.weight"], rtol=0, atol=0
+    )

@@ -32,8 +32,20 @@ from tessera.models.qwen3_moe import QWEN3_MOE, Qwen3MoeConfig  # noqa: E402
 VOCAB = 128
 TOKENS = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
 # 4 heads x head_dim 16 = 64 = dim; 2 kv heads (GQA); 8 experts, top 2
-TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=VOCAB, moe_ffn_dim=32, n_experts=8,
-            top_k=2, max_seq_len=256, rope_theta=1e6, norm_eps=1e-6)
+TINY = dict(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    moe_ffn_dim=32,
+    n_experts=8,
+    top_k=2,
+    max_seq_len=256,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+)
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -45,11 +57,25 @@ def _close(got, want, tol=1e-5):
 def _hf_config(norm_topk, **overrides):
     from transformers import Qwen3MoeConfig as HFQwen3MoeConfig
 
-    return HFQwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk, max_position_embeddings=256,
-                            rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                            tie_word_embeddings=False, attn_implementation="eager", **overrides)
+    return HFQwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        **overrides,
+    )
 
 
 def _hf_model(path, norm_topk):
@@ -151,8 +177,12 @@ def test_hf_names_are_huggingfaces_own_and_round_trip(tmp_path):
     Qwen3MoeForCausalLM(_hf_config(True)).save_pretrained(tmp_path, safe_serialization=True)
     assert set(weight_files(tmp_path)) == hf_names
     assert hf_to_tessera_name("model.rotary_emb.inv_freq", cfg) is None
-    for bad in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.experts.gate_proj",
-                "model.layers.0.mlp.experts.0.gate_up_proj", "model.layers.0.mlp.gate_proj.weight"):
+    for bad in (
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.mlp.experts.gate_proj",
+        "model.layers.0.mlp.experts.0.gate_up_proj",
+        "model.layers.0.mlp.gate_proj.weight",
+    ):
         with pytest.raises(ValueError, match="not a Qwen3-MoE weight"):
             hf_to_tessera_name(bad, cfg)
 
@@ -172,23 +202,33 @@ def test_a_missing_or_misshapen_expert_is_named_by_its_hf_name(tmp_path):
     cfg = Qwen3MoeConfig(**TINY)
     save_hf(QWEN3_MOE.build_model(cfg, seed=3).state_dict(), cfg, tmp_path / "ok")
     _rewrite(tmp_path / "ok", tmp_path / "gone", lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"--from-hf .*gone: the checkpoint lacks model.layers.1.mlp.experts.5.up_proj.weight "
-                                         r"\(and 0 more\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"--from-hf .*gone: the checkpoint lacks model.layers.1.mlp.experts.5.up_proj.weight "
+        r"\(and 0 more\)",
+    ):
         check_hf_weights(tmp_path / "gone", cfg, flag="--from-hf")
     with pytest.raises(ValueError, match=r"the checkpoint lacks model.layers.1.mlp.experts.5.up_proj.weight$"):
         load_hf_weights(QWEN3_MOE.build_model(cfg, seed=None), tmp_path / "gone")
 
     def shrink(t):
         t["model.layers.0.mlp.experts.2.down_proj.weight"] = t["model.layers.0.mlp.experts.2.down_proj.weight"][:, :16]
+
     _rewrite(tmp_path / "ok", tmp_path / "shape", shrink)
-    with pytest.raises(ValueError, match=r"model.safetensors: model.layers.0.mlp.experts.2.down_proj.weight has shape \[64, 16\], "
-                                         r"config.json implies \[64, 32\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: model.layers.0.mlp.experts.2.down_proj.weight has shape \[64, 16\], "
+        r"config.json implies \[64, 32\]",
+    ):
         check_hf_weights(tmp_path / "shape", cfg)
     # a state dict whose stack has another number of experts is not exported
     state = QWEN3_MOE.build_model(cfg, seed=3).state_dict()
     state["layers.0.mlp.experts.gate_proj"] = state["layers.0.mlp.experts.gate_proj"][:4]
-    with pytest.raises(ValueError, match=r"layers.0.mlp.experts.gate_proj has shape \[4, 32, 64\] in the state dict; "
-                                         r"the config implies \[8, 32, 64\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers.0.mlp.experts.gate_proj has shape \[4, 32, 64\] in the state dict; "
+        r"the config implies \[8, 32, 64\]",
+    ):
         save_hf(state, cfg, tmp_path / "four")
 
 
@@ -236,7 +276,9 @@ def _load_sharded(hf_path):
         for name, placement in placements.items():
             full = torch.full_like(getattr(layer.mlp.experts, name), float("nan"))
             setattr(layer.mlp.experts, name, torch.nn.Parameter(distribute_tensor(full, mesh, [placement])))
-        layer.mlp.gate.weight = torch.nn.Parameter(distribute_tensor(torch.zeros_like(layer.mlp.gate.weight), mesh, [Replicate()]))
+        layer.mlp.gate.weight = torch.nn.Parameter(
+            distribute_tensor(torch.zeros_like(layer.mlp.gate.weight), mesh, [Replicate()])
+        )
     load_hf_weights(model, hf_path)
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
 
@@ -252,31 +294,51 @@ def test_expert_parallel_and_tp_shards_load_their_own_block(tmp_path):
     for rank, got in enumerate(ranks):
         for layer in ("0", "1"):
             stem = f"layers.{layer}.mlp.experts"
-            assert torch.equal(got[f"{stem}.gate_proj"], full[f"{stem}.gate_proj"][4 * rank:4 * rank + 4])
-            assert torch.equal(got[f"{stem}.up_proj"], full[f"{stem}.up_proj"][:, 16 * rank:16 * rank + 16])
-            assert torch.equal(got[f"{stem}.down_proj"], full[f"{stem}.down_proj"][:, :, 16 * rank:16 * rank + 16])
+            assert torch.equal(got[f"{stem}.gate_proj"], full[f"{stem}.gate_proj"][4 * rank : 4 * rank + 4])
+            assert torch.equal(got[f"{stem}.up_proj"], full[f"{stem}.up_proj"][:, 16 * rank : 16 * rank + 16])
+            assert torch.equal(got[f"{stem}.down_proj"], full[f"{stem}.down_proj"][:, :, 16 * rank : 16 * rank + 16])
             assert torch.equal(got[f"layers.{layer}.mlp.gate.weight"], full[f"layers.{layer}.mlp.gate.weight"])
         assert torch.equal(got["embed_tokens.weight"], full["embed_tokens.weight"])
 
 
 # ----------------------------------------------------------------------------- config.json
 def _config_json(**overrides):
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
-            "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB, "num_experts": 8, "num_experts_per_tok": 2,
-            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-            "use_sliding_window": False, "sliding_window": None, **overrides}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": VOCAB,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "use_sliding_window": False,
+        "sliding_window": None,
+        **overrides,
+    }
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("mlp_only_layers", [1], "dense MLP layers among the MoE layers"),
-    ("decoder_sparse_step", 2, "MoE on every other layer"),
-    ("attention_bias", True, "biases in attention"),
-    ("use_sliding_window", True, "sliding-window attention"),
-    ("hidden_act", "gelu", "activation 'gelu'"),
-    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope type 'yarn'"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("mlp_only_layers", [1], "dense MLP layers among the MoE layers"),
+        ("decoder_sparse_step", 2, "MoE on every other layer"),
+        ("attention_bias", True, "biases in attention"),
+        ("use_sliding_window", True, "sliding-window attention"),
+        ("hidden_act", "gelu", "activation 'gelu'"),
+        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope type 'yarn'"),
+    ],
+)
 def test_what_qwen3_moe_cannot_represent_is_refused_by_field_name(tmp_path, field, value, message):
     (tmp_path / "config.json").write_text(json.dumps(_config_json()))
     assert read_hf_config(tmp_path) == Qwen3MoeConfig(**TINY)
@@ -294,7 +356,9 @@ def test_without_head_dim_config_json_means_hidden_size_over_heads_as_in_transfo
     (tmp_path / "config.json").write_text(json.dumps({**c, "hidden_size": 96}))
     assert read_hf_config(tmp_path).head_dim == 24
     with torch.device("meta"):
-        theirs = Qwen3MoeForCausalLM(HFQwen3MoeConfig(**{k: v for k, v in c.items() if k != "architectures"} | {"hidden_size": 96}))
+        theirs = Qwen3MoeForCausalLM(
+            HFQwen3MoeConfig(**{k: v for k, v in c.items() if k != "architectures"} | {"hidden_size": 96})
+        )
     assert theirs.model.layers[0].self_attn.q_norm.weight.shape == (24,)
 
 
@@ -328,8 +392,15 @@ def test_the_moe_block_is_its_float64_definition(norm_topk):
     with torch.no_grad():
         got = block(x)
     e = block.experts
-    want = _naive_moe(x.reshape(-1, 64), block.gate.weight.detach(), e.gate_proj.detach(), e.up_proj.detach(),
-                      e.down_proj.detach(), cfg.top_k, norm_topk).view_as(x)
+    want = _naive_moe(
+        x.reshape(-1, 64),
+        block.gate.weight.detach(),
+        e.gate_proj.detach(),
+        e.up_proj.detach(),
+        e.down_proj.detach(),
+        cfg.top_k,
+        norm_topk,
+    ).view_as(x)
     assert got.dtype == torch.float64
     _close(got, want, 1e-10)
 

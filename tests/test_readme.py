@@ -23,8 +23,13 @@ def test_the_quick_start_is_the_example_and_runs_as_written(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(code)
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "16", str(script)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "16", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", out.stdout)]
     assert len(losses) == 5 and losses[-1] < losses[0], out.stdout
@@ -63,8 +68,22 @@ def test_the_property_testing_example_runs_as_written_through_the_plugin(tmp_pat
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "max_examples=20" in code
     (tmp_path / "test_my_model.py").write_text(code)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--hypothesis-show-statistics",
-                          "test_my_model.py"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--hypothesis-show-statistics",
+            "test_my_model.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "1 passed" in out.stdout
     passing = re.search(r"(\d+) passing, 0 failing", out.stdout)

@@ -45,7 +45,9 @@ def test_a_frozen_rank_is_reported_within_the_timeout_by_every_peer_not_hung():
         assert kind == "CollectiveTimeout" and elapsed < 3.0 + 4, (rank, elapsed, message)
         assert message.startswith(f"rank {rank} stalled at training step 2 in"), message
     # rank 0 shares a tp group with the frozen rank 1: its stalled collective is tessera's own, named by axis
-    assert results[0][2].startswith("rank 0 stalled at training step 2 in all_reduce over the tp axis (group ranks [0, 1])")
+    assert results[0][2].startswith(
+        "rank 0 stalled at training step 2 in all_reduce over the tp axis (group ranks [0, 1])"
+    )
     # rank 3 shares FSDP2's shard group with rank 1: a collective torch issued, mapped to its mesh axis
     assert results[3][2].startswith("rank 3 stalled at training step 2 in an FSDP2 all-gather"), results[3][2]
     assert "over the dp_shard axis (group ranks [1, 3])" in results[3][2], results[3][2]
@@ -81,8 +83,12 @@ def test_a_crafted_dcp_metadata_pickle_is_refused_even_with_matching_checksums(o
     os.environ["TESSERA_PWNED"] = str(marker)
     try:
         forged = _forge(one_checkpoint, tmp_path / "forged", "state/.metadata", pickle.dumps(_Boom()))
-        out = subprocess.run([sys.executable, "-m", "tessera", "export", str(forged), "--out", str(tmp_path / "m.safetensors")],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "tessera", "export", str(forged), "--out", str(tmp_path / "m.safetensors")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and "refused" in out.stderr and "system" in out.stderr, out.stderr
         with pytest.raises(checkpoint.CheckpointError, match="refused"):
             checkpoint.SafeFileSystemReader(str(forged / "state")).read_metadata()
@@ -170,10 +176,28 @@ def test_nonfinite_policy_is_checked():
 def test_a_second_run_writing_to_the_same_checkpoint_directory_is_refused(tmp_path):
     root = tmp_path / "ckpt"
     with checkpoint.directory_lock(root):  # this test process plays the first run
-        out = subprocess.run([sys.executable, "-m", "tessera", "train", "--steps", "2", "--seq-len", "32",
-                              "--checkpoint-dir", str(root), "--checkpoint-every", "1"],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and f"--checkpoint-dir {root} is in use by another run (pid {os.getpid()}" in out.stderr
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tessera",
+                "train",
+                "--steps",
+                "2",
+                "--seq-len",
+                "32",
+                "--checkpoint-dir",
+                str(root),
+                "--checkpoint-every",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (
+            out.returncode == 2 and f"--checkpoint-dir {root} is in use by another run (pid {os.getpid()}" in out.stderr
+        )
         assert "step" not in out.stdout
     assert not (root / ".lock").exists()
     (root / ".lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": __import__("socket").gethostname()}))
@@ -199,15 +223,19 @@ def test_a_damaged_latest_falls_back_to_the_newest_intact_checkpoint(two_checkpo
     assert (copy / "latest").read_text() == "step_00000006"
     shard = next((copy / "step_00000006" / "state").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])  # truncated
-    with pytest.warns(UserWarning, match=r"the latest checkpoint .*step_00000006 is unusable \(truncated or altered checkpoint file"):
+    with pytest.warns(
+        UserWarning, match=r"the latest checkpoint .*step_00000006 is unusable \(truncated or altered checkpoint file"
+    ):
         assert checkpoint.resolve(copy).name == "step_00000004"
     capsys.readouterr()
     recwarn.clear()
     resumed = train(small_config(steps=6, resume=str(copy)))
     # the launcher says it once, in one line (no warning with its source line, none again by the pre-run checks)
     warned = [line for line in capsys.readouterr().err.splitlines() if "is unusable" in line]
-    assert len(warned) == 1 and warned[0].startswith(f"tessera: warning: the latest checkpoint {copy}/step_00000006 is "
-                                                     f"unusable (truncated or altered checkpoint file")
+    assert len(warned) == 1 and warned[0].startswith(
+        f"tessera: warning: the latest checkpoint {copy}/step_00000006 is "
+        f"unusable (truncated or altered checkpoint file"
+    )
     assert not [w for w in recwarn if "is unusable" in str(w.message)]
     assert [m["step"] for m in resumed] == [5, 6]
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == history[4:]  # bitwise the uninterrupted run
@@ -248,8 +276,26 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, signum):
 
     marker = f"TESSERA_TEST_RUN={uuid.uuid4().hex}"
     env = dict(os.environ, TESSERA_TEST_RUN=marker.split("=", 1)[1])
-    proc = subprocess.Popen([sys.executable, "-m", "tessera", "train", "--dp", "2", "--steps", "100000", "--seq-len", "32",
-                             "--global-batch", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tessera",
+            "train",
+            "--dp",
+            "2",
+            "--steps",
+            "100000",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         for line in proc.stdout:  # training has started on every rank
             if line.startswith("step "):
@@ -261,7 +307,9 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, signum):
         proc.kill()
     assert proc.returncode == 128 + signum, stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith(f"tessera train: error: stopped by {signal.Signals(signum).name}; every rank was stopped"), stderr
+    assert last.startswith(f"tessera train: error: stopped by {signal.Signals(signum).name}; every rank was stopped"), (
+        stderr
+    )
     deadline = time.time() + 10
     while _processes_with(marker) and time.time() < deadline:
         time.sleep(0.2)
@@ -292,14 +340,27 @@ def _train_reference(tmp_path, common):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    train(config_from_args(parser.parse_args([*common, "--checkpoint-dir", str(tmp_path / "reference"),
-                                              "--metrics", str(tmp_path / "reference.jsonl")])))
+    train(
+        config_from_args(
+            parser.parse_args(
+                [
+                    *common,
+                    "--checkpoint-dir",
+                    str(tmp_path / "reference"),
+                    "--metrics",
+                    str(tmp_path / "reference.jsonl"),
+                ]
+            )
+        )
+    )
 
 
 def _wait_for_step(metrics, step: int, seconds: float = 120) -> None:
     deadline = time.time() + seconds
     while time.time() < deadline:
-        steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        steps = (
+            [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        )
         if steps and max(steps) >= step:
             return
         time.sleep(0.02)
@@ -321,8 +382,11 @@ def _assert_matches_reference(tmp_path, metrics, total_steps: int) -> list[dict]
     return records
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], ["--pp", "2", "--n-layers", "4", "--microbatches", "2"]],
-                         ids=["dp2xtp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [["--dp", "2", "--tp", "2"], ["--pp", "2", "--n-layers", "4", "--microbatches", "2"]],
+    ids=["dp2xtp2", "pp2"],
+)
 def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_path, layout):
     import signal
     import uuid
@@ -332,9 +396,25 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_p
     # the same run, with one rank killed (SIGKILL) mid-run
     marker = uuid.uuid4().hex
     metrics = tmp_path / "run.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "tessera", "train", *common, "--checkpoint-dir", str(tmp_path / "run"),
-                             "--metrics", str(metrics), "--max-restarts", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, TESSERA_TEST_RUN=marker))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tessera",
+            "train",
+            *common,
+            "--checkpoint-dir",
+            str(tmp_path / "run"),
+            "--metrics",
+            str(metrics),
+            "--max-restarts",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TESSERA_TEST_RUN=marker),
+    )
     try:
         _wait_for_step(metrics, 7)
         victim = _rank_pids(f"TESSERA_TEST_RUN={marker}", proc.pid)[-1]
@@ -374,8 +454,10 @@ def _save_then_crash_during_the_next(root, where):
             raise _Crash(where)
         return real_replace(src, dst, *args, **kwargs)
 
-    patch = {"between shard writes and the rename": mock.patch("os.rename", side_effect=rename),
-             "between the rename and the latest update": mock.patch("os.replace", side_effect=replace)}[where]
+    patch = {
+        "between shard writes and the rename": mock.patch("os.rename", side_effect=rename),
+        "between the rename and the latest update": mock.patch("os.replace", side_effect=replace),
+    }[where]
     crashed = False
     try:
         with patch:
@@ -407,10 +489,31 @@ def test_checkpoint_on_signal_saves_then_stops_every_rank(tmp_path):
 
     marker = uuid.uuid4().hex
     root = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "tessera", "train", "--dp", "2", "--steps", "100000", "--seq-len", "32",
-                             "--global-batch", "4", "--checkpoint-dir", str(root), "--checkpoint-every", "1000",
-                             "--checkpoint-on-signal"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, TESSERA_TEST_RUN=marker))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tessera",
+            "train",
+            "--dp",
+            "2",
+            "--steps",
+            "100000",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+            "--checkpoint-dir",
+            str(root),
+            "--checkpoint-every",
+            "1000",
+            "--checkpoint-on-signal",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TESSERA_TEST_RUN=marker),
+    )
     try:
         for line in proc.stdout:
             if line.startswith("step    3/"):
@@ -420,8 +523,9 @@ def test_checkpoint_on_signal_saves_then_stops_every_rank(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 143, stderr
-    assert stderr.strip().splitlines()[-1] == ("tessera train: error: stopped by SIGTERM; the ranks saved a checkpoint "
-                                               "first (resume with --resume)"), stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "tessera train: error: stopped by SIGTERM; the ranks saved a checkpoint first (resume with --resume)"
+    ), stderr
     saved_line = next(line for line in stdout.splitlines() if line.startswith("stopping on SIGTERM at step "))
     step = int(saved_line.split("at step ")[1].split(":")[0])
     path = checkpoint.resolve(root)
@@ -447,7 +551,10 @@ def _rank_one_straggles(config):
             return step(*a, **kw)
 
         trainer.optimizer.step = slow_step
-    return [(r.step, r.straggler and (r.straggler.rank, r.straggler.steps)) for r in (trainer.train_step() for _ in range(5))]
+    return [
+        (r.step, r.straggler and (r.straggler.rank, r.straggler.steps))
+        for r in (trainer.train_step() for _ in range(5))
+    ]
 
 
 def test_a_straggler_is_named_after_three_slow_steps_in_the_progress_line():
@@ -455,9 +562,19 @@ def test_a_straggler_is_named_after_three_slow_steps_in_the_progress_line():
 
     named = run_ranks(_rank_one_straggles, 2, small_config(dp=2), timeout=120)
     assert named[0] == named[1] == [(1, None), (2, None), (3, (1, 3)), (4, (1, 4)), (5, (1, 5))]
-    record = {"step": 3, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1000.0, "peak_memory_bytes": 0,
-              "layout": {"dp_shard": 2}, "straggler": {"rank": 1, "lag_s": 0.31, "steps": 3}}
-    assert progress_line(record, small_config(dp=2, steps=5), 1.0, 3).endswith("| dp_shard2 | straggler rank 1 (+310 ms/step, 3 steps)")
+    record = {
+        "step": 3,
+        "loss": 2.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 1000.0,
+        "peak_memory_bytes": 0,
+        "layout": {"dp_shard": 2},
+        "straggler": {"rank": 1, "lag_s": 0.31, "steps": 3},
+    }
+    assert progress_line(record, small_config(dp=2, steps=5), 1.0, 3).endswith(
+        "| dp_shard2 | straggler rank 1 (+310 ms/step, 3 steps)"
+    )
 
 
 def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_path):
@@ -467,20 +584,54 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
     import signal
     import uuid
 
-    common = ["--steps", "20", "--seq-len", "32", "--global-batch", "4", "--checkpoint-every", "4", "--quiet",
-              "--dp", "2", "--tp", "2"]
+    common = [
+        "--steps",
+        "20",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--checkpoint-every",
+        "4",
+        "--quiet",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+    ]
     _train_reference(tmp_path, common)
     marker = uuid.uuid4().hex
     metrics = tmp_path / "run.jsonl"
     torchrun = shutil.which("torchrun", path=str(os.path.dirname(sys.executable))) or "torchrun"
-    proc = subprocess.Popen([torchrun, "--standalone", "--nproc_per_node", "4", "--max-restarts", "1", "-m", "tessera",
-                             "train", *common, "--checkpoint-dir", str(tmp_path / "run"), "--metrics", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, TESSERA_TEST_RUN=marker, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node",
+            "4",
+            "--max-restarts",
+            "1",
+            "-m",
+            "tessera",
+            "train",
+            *common,
+            "--checkpoint-dir",
+            str(tmp_path / "run"),
+            "--metrics",
+            str(metrics),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TESSERA_TEST_RUN=marker, OMP_NUM_THREADS="1"),
+    )
     try:
         _wait_for_step(metrics, 6)
-        workers = [pid for pid in _processes_with(f"TESSERA_TEST_RUN={marker}") if pid != proc.pid
-                   and int(open(f"/proc/{pid}/status").read().split("PPid:")[1].split()[0]) == proc.pid]
+        workers = [
+            pid
+            for pid in _processes_with(f"TESSERA_TEST_RUN={marker}")
+            if pid != proc.pid and int(open(f"/proc/{pid}/status").read().split("PPid:")[1].split()[0]) == proc.pid
+        ]
         assert len(workers) == 4, workers
         os.kill(sorted(workers)[1], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=240)

@@ -51,18 +51,26 @@ def test_a_vocab_below_the_builtin_datas_ids_is_refused_before_any_rank_starts(l
 
 
 def test_the_cli_refuses_a_small_vocab_with_one_line():
-    line = _one_error_line(_tessera("train", "--model", "debug", "--vocab-size", "10", "--steps", "2", *FAST),
-                           "--vocab-size 10 is below the token ids of the built-in data")
+    line = _one_error_line(
+        _tessera("train", "--model", "debug", "--vocab-size", "10", "--steps", "2", *FAST),
+        "--vocab-size 10 is below the token ids of the built-in data",
+    )
     assert "use --vocab-size 258 or more" in line
 
 
 # ---------------------------------------------------------------------- 2. --on-nonfinite skip, bounded
 def test_max_skipped_steps_is_checked():
-    with pytest.raises(ValueError, match=r"^--max-skipped-steps 3 applies to --on-nonfinite skip, and it is stop: add "
-                                         r"--on-nonfinite skip, or drop --max-skipped-steps$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--max-skipped-steps 3 applies to --on-nonfinite skip, and it is stop: add "
+        r"--on-nonfinite skip, or drop --max-skipped-steps$",
+    ):
         small_config(max_skipped_steps=3).check()
-    with pytest.raises(ValueError, match=r"^--max-skipped-steps 0 must be a positive number of steps \(to stop at the "
-                                         r"first non-finite step, use --on-nonfinite stop\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--max-skipped-steps 0 must be a positive number of steps \(to stop at the "
+        r"first non-finite step, use --on-nonfinite stop\)$",
+    ):
         small_config(on_nonfinite="skip", max_skipped_steps=0).check()
     small_config(on_nonfinite="skip", max_skipped_steps=1).check()
     assert small_config(on_nonfinite="skip").runtime.skip_limit == 5  # the default, as --help says
@@ -110,19 +118,40 @@ def test_skip_gives_up_after_max_skipped_steps_in_a_row_and_a_finite_step_resets
     assert [r["skipped_steps"] for r in records] == [0, 1, 2, 2, 3, 4]
     assert error is not None and "\n" not in error
     assert error.startswith("non-finite values at step 7: loss ") and "grad norm nan" in error
-    assert ("stopped before the update after 2 skipped steps in a row (--max-skipped-steps 2): nothing poisoned was "
-            "applied or saved" in error)
+    assert (
+        "stopped before the update after 2 skipped steps in a row (--max-skipped-steps 2): nothing poisoned was "
+        "applied or saved" in error
+    )
     assert progress["skipped_steps"] == 4 and progress["skipped_in_a_row"] == 2 and progress["step"] == 6
     # each skip carries its one-line report (the run prints it on rank 0), a finite step none
     assert [r is not None for r in reports] == [False, True, True, False, True, True]
-    assert all("\n" not in r and r.startswith(f"non-finite values at step {s}: ") and "of at most 2 in a row" in r
-               for s, r in zip(range(1, 7), reports) if r)
+    assert all(
+        "\n" not in r and r.startswith(f"non-finite values at step {s}: ") and "of at most 2 in a row" in r
+        for s, r in zip(range(1, 7), reports)
+        if r
+    )
 
 
 def test_a_diverging_run_under_skip_stops_after_five_skipped_steps_with_one_line_each(tmp_path):
     metrics = tmp_path / "run.jsonl"
-    out = _tessera("train", "--model", "debug", "--lr", "1e10", "--tp", "2", "--warmup", "0", "--steps", "8",
-                   "--on-nonfinite", "skip", "--metrics", str(metrics), *FAST)
+    out = _tessera(
+        "train",
+        "--model",
+        "debug",
+        "--lr",
+        "1e10",
+        "--tp",
+        "2",
+        "--warmup",
+        "0",
+        "--steps",
+        "8",
+        "--on-nonfinite",
+        "skip",
+        "--metrics",
+        str(metrics),
+        *FAST,
+    )
     assert out.returncode == 2, out.stderr
     assert "UserWarning" not in out.stderr and "warnings.warn" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
@@ -149,11 +178,23 @@ def test_a_diverging_run_under_skip_stops_after_five_skipped_steps_with_one_line
 def test_metrics_records_are_strict_json():
     from tessera.results import strict_json
 
-    record = {"loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3, "nested": [float("-inf"), {"x": 1.5}],
-              "layout": {"tp": 2}, "skipped": True}
+    record = {
+        "loss": float("nan"),
+        "grad_norm": float("inf"),
+        "lr": 1e-3,
+        "nested": [float("-inf"), {"x": 1.5}],
+        "layout": {"tp": 2},
+        "skipped": True,
+    }
     line = strict_json(record)
-    assert _strict_loads(line) == {"loss": None, "grad_norm": None, "lr": 1e-3, "nested": [None, {"x": 1.5}],
-                                   "layout": {"tp": 2}, "skipped": True}
+    assert _strict_loads(line) == {
+        "loss": None,
+        "grad_norm": None,
+        "lr": 1e-3,
+        "nested": [None, {"x": 1.5}],
+        "layout": {"tp": 2},
+        "skipped": True,
+    }
     json.dumps(_strict_loads(line), allow_nan=False)
 
 
@@ -161,8 +202,17 @@ def test_the_progress_line_marks_a_skipped_step():
     from tessera.run import progress_line
 
     config = small_config(steps=8, on_nonfinite="skip")
-    m = {"step": 3, "loss": float("nan"), "grad_norm": float("nan"), "lr": 1e-3, "tokens_per_s": 100.0,
-         "peak_memory_bytes": 2**20, "layout": config.layout.as_dict(), "skipped": True, "skipped_steps": 2}
+    m = {
+        "step": 3,
+        "loss": float("nan"),
+        "grad_norm": float("nan"),
+        "lr": 1e-3,
+        "tokens_per_s": 100.0,
+        "peak_memory_bytes": 2**20,
+        "layout": config.layout.as_dict(),
+        "skipped": True,
+        "skipped_steps": 2,
+    }
     line = progress_line(m, config, 1.0, 3)
     assert line.startswith("step    3/8 | skipped: non-finite, no update (2 skipped so far) | loss nan")
     assert "skipped" not in progress_line({**m, "loss": 4.0, "grad_norm": 1.0, "skipped": False}, config, 1.0, 3)
@@ -170,10 +220,15 @@ def test_the_progress_line_marks_a_skipped_step():
 
 # ---------------------------------------------------------------------- 3. paths that cannot be written
 def test_a_metrics_path_that_cannot_be_created_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match=r"^--metrics /proc/run\.jsonl cannot be written \(creating it fails: .*\); "
-                                         r"choose a path you can write$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--metrics /proc/run\.jsonl cannot be written \(creating it fails: .*\); "
+        r"choose a path you can write$",
+    ):
         small_config(metrics="/proc/run.jsonl").check()
-    with pytest.raises(ValueError, match=r"^--checkpoint-dir /proc cannot be written \(.*\); choose a writable directory$"):
+    with pytest.raises(
+        ValueError, match=r"^--checkpoint-dir /proc cannot be written \(.*\); choose a writable directory$"
+    ):
         small_config(checkpoint_dir="/proc", checkpoint_every=1).check()
     # a writable path passes and is left as it was: a new file is not left behind, an existing one keeps its lines
     fresh, existing = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
@@ -186,21 +241,28 @@ def test_a_metrics_path_that_cannot_be_created_is_refused_by_name(tmp_path):
 
 
 def test_the_cli_refuses_an_unwritable_metrics_path_with_one_line():
-    _one_error_line(_tessera("train", "--metrics", "/proc/run.jsonl", "--steps", "1", *FAST),
-                    "--metrics /proc/run.jsonl cannot be written (creating it fails: ")
+    _one_error_line(
+        _tessera("train", "--metrics", "/proc/run.jsonl", "--steps", "1", *FAST),
+        "--metrics /proc/run.jsonl cannot be written (creating it fails: ",
+    )
 
 
 # ---------------------------------------------------------------------- 5. --sequence-parallel needs tp
 def test_sequence_parallel_without_tp_is_refused():
-    with pytest.raises(ValueError, match=r"^--sequence-parallel shards the norms and the residual stream over tensor "
-                                         r"parallel, and --tp is 1: add --tp 2 \(or more\), or drop --sequence-parallel$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--sequence-parallel shards the norms and the residual stream over tensor "
+        r"parallel, and --tp is 1: add --tp 2 \(or more\), or drop --sequence-parallel$",
+    ):
         small_config(sequence_parallel=True, dp=2).check()
     small_config(sequence_parallel=True, tp=2).check()
 
 
 def test_the_cli_refuses_sequence_parallel_without_tp_with_one_line():
-    _one_error_line(_tessera("train", "--sequence-parallel", "--steps", "1", *FAST),
-                    "--sequence-parallel shards the norms and the residual stream over tensor parallel, and --tp is 1")
+    _one_error_line(
+        _tessera("train", "--sequence-parallel", "--steps", "1", *FAST),
+        "--sequence-parallel shards the norms and the residual stream over tensor parallel, and --tp is 1",
+    )
 
 
 # ---------------------------------------------------------------------- 4. and 6. resuming, stopping, restarting
@@ -225,8 +287,10 @@ def test_the_checkpoint_fallback_warning_is_one_line_printed_once(damaged_checkp
     assert out.returncode == 0, out.stderr
     warned = [line for line in out.stderr.splitlines() if "is unusable" in line]
     assert len(warned) == 1, out.stderr  # not once per rank, and not again by the pre-run checks
-    assert warned[0].startswith(f"tessera: warning: the latest checkpoint {root}/step_00000004 is unusable (truncated "
-                                f"or altered checkpoint file")
+    assert warned[0].startswith(
+        f"tessera: warning: the latest checkpoint {root}/step_00000004 is unusable (truncated "
+        f"or altered checkpoint file"
+    )
     assert warned[0].endswith(f"resuming from {root}/step_00000002, the newest intact one")
     assert "UserWarning" not in out.stderr and "warnings.warn" not in out.stderr
     assert f"resumed from {root}/step_00000002: step 2" in out.stdout
@@ -239,7 +303,10 @@ def test_the_done_line_counts_the_steps_this_run_took():
     fresh = [{"step": s, "loss": 5.0 - s} for s in range(1, 7)]
     assert done_line(fresh, config) == "done: loss 4.0000 -> -1.0000 over 6 steps on dp_shard2"
     resumed = [{"step": 5, "loss": 3.5}, {"step": 6, "loss": 3.25}]
-    assert done_line(resumed, config) == "done: loss 3.5000 -> 3.2500 over 2 steps (5-6, resumed after step 4) on dp_shard2"
+    assert (
+        done_line(resumed, config)
+        == "done: loss 3.5000 -> 3.2500 over 2 steps (5-6, resumed after step 4) on dp_shard2"
+    )
     assert "over 1 step (6-6" in done_line(resumed[1:], config)
 
 
@@ -247,16 +314,20 @@ def test_the_stop_message_suggests_resume_only_where_a_checkpoint_is_saved(tmp_p
     from tessera.run import stopped_message
 
     plain = stopped_message("stopped by SIGTERM", small_config())
-    assert plain == ("stopped by SIGTERM; every rank was stopped (no --checkpoint-dir was given: this run saved nothing "
-                     "to resume from)")
+    assert plain == (
+        "stopped by SIGTERM; every rank was stopped (no --checkpoint-dir was given: this run saved nothing "
+        "to resume from)"
+    )
     root = tmp_path / "ckpt"
     root.mkdir()
     saving = small_config(checkpoint_dir=str(root), checkpoint_every=5)
-    assert stopped_message("stopped by SIGINT", saving) == (f"stopped by SIGINT; every rank was stopped (no checkpoint "
-                                                            f"was saved in {root} yet: nothing to resume from)")
+    assert stopped_message("stopped by SIGINT", saving) == (
+        f"stopped by SIGINT; every rank was stopped (no checkpoint was saved in {root} yet: nothing to resume from)"
+    )
     (root / "latest").write_text("step_00000005")
-    assert stopped_message("stopped by SIGINT", saving) == (f"stopped by SIGINT; every rank was stopped (resume from the "
-                                                            f"last checkpoint in {root} with --resume)")
+    assert stopped_message("stopped by SIGINT", saving) == (
+        f"stopped by SIGINT; every rank was stopped (resume from the last checkpoint in {root} with --resume)"
+    )
     saved = stopped_message("stopped by SIGTERM; the ranks saved a checkpoint first", small_config())
     assert saved == "stopped by SIGTERM; the ranks saved a checkpoint first (resume with --resume)"
 
@@ -265,9 +336,13 @@ def test_the_restart_message_names_the_cause():
     from tessera.parallel.launch import RankFailure
     from tessera.run import failure_cause
 
-    assert (failure_cause(RankFailure("rank 1 of 4 died without a result (exit code -9)"))
-            == "rank 1 of 4 died without a result (killed by SIGKILL, exit code -9)")
+    assert (
+        failure_cause(RankFailure("rank 1 of 4 died without a result (exit code -9)"))
+        == "rank 1 of 4 died without a result (killed by SIGKILL, exit code -9)"
+    )
     assert failure_cause(RankFailure("rank 0 of 2 died without a result (exit code 3)")).endswith("(exit code 3)")
-    raised = RankFailure("rank 2 of 4 raised:\nTraceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
-                         "RuntimeError: connection reset by peer\n")
+    raised = RankFailure(
+        'rank 2 of 4 raised:\nTraceback (most recent call last):\n  File "x.py", line 1, in f\n'
+        "RuntimeError: connection reset by peer\n"
+    )
     assert failure_cause(raised) == "rank 2 of 4 raised RuntimeError: connection reset by peer"

@@ -141,19 +141,25 @@ def test_zbv_puts_two_stages_on_each_rank_in_a_v_and_beats_1f1b(p, rounds):
 
 def test_a_deadlocking_schedule_is_named():
     # rank 0 waits for B0 from rank 1 before sending F1; rank 1 wants F1 first: a cycle
-    bad = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
-           [Action("F", 1, 1), Action("F", 0, 1), Action("B", 0, 1), Action("B", 1, 1)]]
+    bad = [
+        [Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
+        [Action("F", 1, 1), Action("F", 0, 1), Action("B", 0, 1), Action("B", 1, 1)],
+    ]
     with pytest.raises(ValueError) as e:
         simulate(bad)
-    assert str(e.value) == ("the schedule deadlocks: rank 0 position 1 (B0@0) waits for B0@1 (rank 1 position 2); "
-                            "rank 1 position 0 (F1@1) waits for F1@0 (rank 0 position 2)")
+    assert str(e.value) == (
+        "the schedule deadlocks: rank 0 position 1 (B0@0) waits for B0@1 (rank 1 position 2); "
+        "rank 1 position 0 (F1@1) waits for F1@0 (rank 0 position 2)"
+    )
 
 
 def test_malformed_schedules_are_refused_naming_the_first_bad_action():
     good = build_schedule("gpipe", 2, 2)
     with pytest.raises(ValueError, match="B1@1 is missing: rank 1 runs F1@1 at position 1 but never its B"):
         validate([good[0], good[1][:-1]])
-    with pytest.raises(ValueError, match=r"rank 0 position 4 \(F0@0\): F0@0 appears twice \(first at rank 0 position 0\)"):
+    with pytest.raises(
+        ValueError, match=r"rank 0 position 4 \(F0@0\): F0@0 appears twice \(first at rank 0 position 0\)"
+    ):
         validate([good[0] + [good[0][0]], good[1]])
     with pytest.raises(ValueError, match=r"rank 0 position 0 \(B1@0\) comes before F1@0 \(position 2\)"):
         validate([good[0][::-1], good[1]])

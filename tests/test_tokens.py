@@ -33,8 +33,23 @@ def data_dir(tokenizer_file, tmp_path_factory):
     (src / "a.txt").write_text(" ".join(TEXT[:30]))
     (src / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXT[30:]) + "\n")
     out = tmp_path_factory.mktemp("data") / "tokens"
-    assert main(["tokenize", "--tokenizer", str(tokenizer_file), "--out", str(out), "--shard-tokens", "300", "--quiet",
-                 str(src / "a.txt"), str(src / "b.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "tokenize",
+                "--tokenizer",
+                str(tokenizer_file),
+                "--out",
+                str(out),
+                "--shard-tokens",
+                "300",
+                "--quiet",
+                str(src / "a.txt"),
+                str(src / "b.jsonl"),
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -95,12 +110,17 @@ def test_bad_token_files_are_named(tmp_path, data_dir):
     path = write_shard(tmp_path / "bad", [1, 2, 3, 99] * 20, vocab_size=100, separator=0)
     meta = json.loads(path.with_suffix(".json").read_text())
     path.with_suffix(".json").write_text(json.dumps({**meta, "vocab_size": 50}))
-    with pytest.raises(ValueError, match=r"--data .*bad\.bin: token id 99 near token \d+ is outside the vocabulary of 50"):
+    with pytest.raises(
+        ValueError, match=r"--data .*bad\.bin: token id 99 near token \d+ is outside the vocabulary of 50"
+    ):
         TokenFileStream(path, 8, 2).next_local_batch(0, 1)
     # a truncated file
     cut = write_shard(tmp_path / "cut", list(range(40)), vocab_size=100, separator=0)
     cut.write_bytes(cut.read_bytes()[:-6])
-    with pytest.raises(ValueError, match=r"cut\.bin is truncated or altered: 74 bytes, its cut\.json says 40 uint16 tokens \(80 bytes\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cut\.bin is truncated or altered: 74 bytes, its cut\.json says 40 uint16 tokens \(80 bytes\)",
+    ):
         open_dataset(cut)
     # no sidecar, an empty directory, a missing path
     (tmp_path / "lonely.bin").write_bytes(b"\0\0")
@@ -113,7 +133,9 @@ def test_bad_token_files_are_named(tmp_path, data_dir):
 
 def test_the_vocabulary_check_and_the_data_source_switch_are_refused(data_dir, tmp_path):
     big = write_shard(tmp_path / "big", [5, 300, 7] * 10, vocab_size=400, separator=0)
-    with pytest.raises(ValueError, match=r"--data .*big\.bin: its vocab_size 400 exceeds the debug model's 258; add --vocab-size 400"):
+    with pytest.raises(
+        ValueError, match=r"--data .*big\.bin: its vocab_size 400 exceeds the debug model's 258; add --vocab-size 400"
+    ):
         small_config(data=str(big), seq_len=8).check()
     with pytest.raises(ValueError, match="--vocab-size 1 must be at least 2"):
         small_config(vocab_size=1).check()
@@ -131,20 +153,56 @@ def test_tokenize_refuses_bad_input_with_one_line(tmp_path, tokenizer_file, caps
     from tessera.cli import main
 
     (tmp_path / "x.jsonl").write_text('{"body": "no text field"}\n')
-    assert main(["tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"), str(tmp_path / "x.jsonl")]) == 2
+    assert (
+        main(["tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"), str(tmp_path / "x.jsonl")])
+        == 2
+    )
     assert "x.jsonl:1: no string field 'text'; pass --field NAME" in capsys.readouterr().err
-    assert main(["tokenize", "--tokenizer", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o"), str(tmp_path / "x.jsonl")]) == 2
+    assert (
+        main(
+            [
+                "tokenize",
+                "--tokenizer",
+                str(tmp_path / "nope.json"),
+                "--out",
+                str(tmp_path / "o"),
+                str(tmp_path / "x.jsonl"),
+            ]
+        )
+        == 2
+    )
     assert "--tokenizer" in capsys.readouterr().err
-    assert main(["tokenize", "--tokenizer", str(tokenizer_file), "--separator", "<nope>", "--out", str(tmp_path / "o"),
-                 str(tmp_path / "x.jsonl")]) == 2
+    assert (
+        main(
+            [
+                "tokenize",
+                "--tokenizer",
+                str(tokenizer_file),
+                "--separator",
+                "<nope>",
+                "--out",
+                str(tmp_path / "o"),
+                str(tmp_path / "x.jsonl"),
+            ]
+        )
+        == 2
+    )
     assert "--separator '<nope>' is not a token" in capsys.readouterr().err
 
 
 def test_eval_every_reports_the_held_out_loss_equally_on_every_layout(data_dir, tmp_path):
     from tessera.run import train
 
-    common = dict(data=str(data_dir), eval_data=str(data_dir), eval_every=2, eval_batches=2, vocab_size=120,
-                  seq_len=16, global_batch=4, steps=4)
+    common = dict(
+        data=str(data_dir),
+        eval_data=str(data_dir),
+        eval_every=2,
+        eval_batches=2,
+        vocab_size=120,
+        seq_len=16,
+        global_batch=4,
+        steps=4,
+    )
     one = train(small_config(**common))
     assert [("eval_loss" in r) for r in one] == [False, True, False, True]
     # a pipeline evaluates through its stages too, with the microbatches the schedule chose (--pp alone)
@@ -157,11 +215,14 @@ def test_eval_every_reports_the_held_out_loss_equally_on_every_layout(data_dir, 
     assert one[3]["eval_loss"] < one[1]["eval_loss"]  # the same held-out batches, after two more steps
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(eval_every=2), "--eval-every 2 needs --eval-data PATH"),
-    (dict(eval_data="x"), "--eval-data x is read only with --eval-every N"),
-    (dict(eval_every=-1), "--eval-every -1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(eval_every=2), "--eval-every 2 needs --eval-data PATH"),
+        (dict(eval_data="x"), "--eval-data x is read only with --eval-every N"),
+        (dict(eval_every=-1), "--eval-every -1 must be >= 0"),
+    ],
+)
 def test_eval_flags_that_would_do_nothing_or_cannot_run_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         small_config(**overrides).check()

@@ -119,60 +119,119 @@ def _sp(d: Mapping[str, int], v: Mapping[str, Any]) -> bool:
 
 TABLE: tuple[Axis, ...] = (
     Axis(
-        "pp", step="pp", shards=("layers",), doc="the blocks: each stage holds a contiguous run of them (and the "
+        "pp",
+        step="pp",
+        shards=("layers",),
+        doc="the blocks: each stage holds a contiguous run of them (and the "
         "embedding on the first, the norm and head on the last); activations pass point to point",
-        flag="pp", counts=("pp",), help="pipeline-parallel ranks (stages of the model, each on its own ranks)",
-        rules=(Rule(("n_layers",), lambda d, v: d["pp"] <= v["n_layers"],
-                    "pp must be at most n_layers (every stage holds a block)"),),
-        mesh="pp", planner=Planner(caps=("n_layers",), adds=("schedule", "virtual", "microbatches")),
+        flag="pp",
+        counts=("pp",),
+        help="pipeline-parallel ranks (stages of the model, each on its own ranks)",
+        rules=(
+            Rule(
+                ("n_layers",),
+                lambda d, v: d["pp"] <= v["n_layers"],
+                "pp must be at most n_layers (every stage holds a block)",
+            ),
+        ),
+        mesh="pp",
+        planner=Planner(caps=("n_layers",), adds=("schedule", "virtual", "microbatches")),
     ),
     Axis(
-        "dp_replicate", step="fsdp", shards=("batch",), doc="the global batch's rows; replicas of the FSDP shard "
-        "group (HSDP): gradients all-reduced across them",
-        flag="dp_replicate", counts=("dp_replicate",), help="replicas of the FSDP shard group (HSDP); must divide --dp",
-        meshes=("dp", "dp_cp"), planner=Planner(overlapped=True),
+        "dp_replicate",
+        step="fsdp",
+        shards=("batch",),
+        doc="the global batch's rows; replicas of the FSDP shard group (HSDP): gradients all-reduced across them",
+        flag="dp_replicate",
+        counts=("dp_replicate",),
+        help="replicas of the FSDP shard group (HSDP); must divide --dp",
+        meshes=("dp", "dp_cp"),
+        planner=Planner(overlapped=True),
     ),
     Axis(
-        "dp_shard", step="fsdp", shards=("batch", "parameters"), doc="the global batch's rows, and (FSDP2, over "
-        "dp_shard x cp) the parameters, gradients and optimizer state",
-        flag="dp", counts=("dp_replicate", "dp_shard"),
+        "dp_shard",
+        step="fsdp",
+        shards=("batch", "parameters"),
+        doc="the global batch's rows, and (FSDP2, over dp_shard x cp) the parameters, gradients and optimizer state",
+        flag="dp",
+        counts=("dp_replicate", "dp_shard"),
         help="data-parallel degree (dp_replicate x dp_shard), sharded with FSDP2",
-        rules=(Rule(("global_batch",), lambda d, v: v["global_batch"] % (d["dp_replicate"] * d["dp_shard"]) == 0,
-                    "dp = dp_replicate x dp_shard must divide the global batch"),),
-        meshes=("dp", "dp_shard_cp", "dp_cp"), comm="dp_shard_cp",
+        rules=(
+            Rule(
+                ("global_batch",),
+                lambda d, v: v["global_batch"] % (d["dp_replicate"] * d["dp_shard"]) == 0,
+                "dp = dp_replicate x dp_shard must divide the global batch",
+            ),
+        ),
+        meshes=("dp", "dp_shard_cp", "dp_cp"),
+        comm="dp_shard_cp",
         planner=Planner(adds=("strategy",), rest=True, overlapped=True),
     ),
     Axis(
-        "cp", step="cp", shards=("sequence", "parameters"), doc="each sequence: 2 x cp zigzag chunks, rank i keeps "
+        "cp",
+        step="cp",
+        shards=("sequence", "parameters"),
+        doc="each sequence: 2 x cp zigzag chunks, rank i keeps "
         "chunks i and 2cp-1-i; K/V pass the ring. cp ranks hold the same parameters, so FSDP2 shards over them too",
-        flag="cp", counts=("cp",),
+        flag="cp",
+        counts=("cp",),
         help="context-parallel degree: each sequence split over cp ranks (zigzag), attention over the ring",
-        rules=(Rule(("seq_len",), lambda d, v: d["cp"] == 1 or v["seq_len"] % (2 * d["cp"]) == 0,
-                    "2 x cp must divide seq_len (zigzag chunks)"),),
-        mesh="cp", meshes=("dp_shard_cp", "dp_cp"), planner=Planner(caps=(16,), overlapped=True),
+        rules=(
+            Rule(
+                ("seq_len",),
+                lambda d, v: d["cp"] == 1 or v["seq_len"] % (2 * d["cp"]) == 0,
+                "2 x cp must divide seq_len (zigzag chunks)",
+            ),
+        ),
+        mesh="cp",
+        meshes=("dp_shard_cp", "dp_cp"),
+        planner=Planner(caps=(16,), overlapped=True),
     ),
     Axis(
-        "tp", step="tp", shards=("parameters",), doc="the heads, the MLP width and the vocabulary (column / row "
+        "tp",
+        step="tp",
+        shards=("parameters",),
+        doc="the heads, the MLP width and the vocabulary (column / row "
         "parallel); with sequence parallel, the norms' activations along the sequence",
-        flag="tp", counts=("tp",), help="tensor-parallel degree",
-        rules=(Rule(("n_heads",), lambda d, v: v["n_heads"] % d["tp"] == 0, "tp must divide n_heads"),
-               Rule(("n_kv_heads",), _kv, "tp must divide n_kv_heads, or n_kv_heads tp (then kv heads are replicated)"),
-               Rule(("ffn_dim",), lambda d, v: v["ffn_dim"] % d["tp"] == 0, "tp must divide ffn_dim"),
-               Rule(("seq_len", "sequence_parallel"), _sp, "with sequence parallel, tp must divide seq_len / cp")),
-        mesh="tp", planner=Planner(caps=("gpus_per_node", "n_heads"), adds=("sequence_parallel",)),
+        flag="tp",
+        counts=("tp",),
+        help="tensor-parallel degree",
+        rules=(
+            Rule(("n_heads",), lambda d, v: v["n_heads"] % d["tp"] == 0, "tp must divide n_heads"),
+            Rule(("n_kv_heads",), _kv, "tp must divide n_kv_heads, or n_kv_heads tp (then kv heads are replicated)"),
+            Rule(("ffn_dim",), lambda d, v: v["ffn_dim"] % d["tp"] == 0, "tp must divide ffn_dim"),
+            Rule(("seq_len", "sequence_parallel"), _sp, "with sequence parallel, tp must divide seq_len / cp"),
+        ),
+        mesh="tp",
+        planner=Planner(caps=("gpus_per_node", "n_heads"), adds=("sequence_parallel",)),
     ),
     Axis(
-        "ep", step="tp", shards=("parameters",), doc="the routed experts of each MoE block: each ep rank holds "
+        "ep",
+        step="tp",
+        shards=("parameters",),
+        doc="the routed experts of each MoE block: each ep rank holds "
         "n_experts / ep of them and receives their tokens by all-to-all; the ep ranks are a subgroup of dp_shard x cp "
         "(cp innermost, as torchtitan takes them), and the experts are FSDP-sharded over what is left",
-        flag="ep", counts=("ep",),
+        flag="ep",
+        counts=("ep",),
         help="expert-parallel degree: the experts of each MoE block split over ranks of dp_shard x cp (no ranks of "
-             "its own)",
-        rules=(Rule(("n_experts",), lambda d, v: d["ep"] == 1 or (v["n_experts"] > 0 and v["n_experts"] % d["ep"] == 0),
-                    "ep needs a mixture-of-experts model and must divide n_experts"),
-               Rule((), lambda d, v: d["dp_shard"] * d["cp"] % d["ep"] == 0,
-                    "ep must divide dp_shard x cp (the ranks it borrows): raise --dp or --cp")),
-        borrows=("dp_shard", "cp"), mesh="ep", comm="ep", planner=Planner(caps=("n_experts",)),
+        "its own)",
+        rules=(
+            Rule(
+                ("n_experts",),
+                lambda d, v: d["ep"] == 1 or (v["n_experts"] > 0 and v["n_experts"] % d["ep"] == 0),
+                "ep needs a mixture-of-experts model and must divide n_experts",
+            ),
+            Rule(
+                (),
+                lambda d, v: d["dp_shard"] * d["cp"] % d["ep"] == 0,
+                "ep must divide dp_shard x cp (the ranks it borrows): raise --dp or --cp",
+            ),
+        ),
+        borrows=("dp_shard", "cp"),
+        mesh="ep",
+        comm="ep",
+        planner=Planner(caps=("n_experts",)),
     ),
 )
 
@@ -200,8 +259,12 @@ class Flattened:
 
 FLATTENED_MESHES: tuple[Flattened, ...] = (
     Flattened("dp", "batch", "data loading: ranks with the same dp coordinate read the same batch slice"),
-    Flattened("dp_shard_cp", "fsdp", "FSDP2 sharding: cp ranks hold identical parameters, so they shard them too",
-              replicate="dp_replicate"),
+    Flattened(
+        "dp_shard_cp",
+        "fsdp",
+        "FSDP2 sharding: cp ranks hold identical parameters, so they shard them too",
+        replicate="dp_replicate",
+    ),
     Flattened("dp_cp", "loss", "loss and gradient reduction across every rank that sees different tokens"),
 )
 
@@ -321,7 +384,9 @@ def planner_degrees(axis: str | Axis, ranks: int, shape: Any = None, gpus_per_no
     """The degrees the planner tries for `axis` (a name, or an entry) with `ranks` left: powers of two
     dividing them, within the axis's caps (a cap whose value is not given is skipped)."""
     a = axis if isinstance(axis, Axis) else AXIS[axis]
-    caps = [c if isinstance(c, int) else gpus_per_node if c == "gpus_per_node" else getattr(shape, c, None)
-            for c in a.planner.caps]
+    caps = [
+        c if isinstance(c, int) else gpus_per_node if c == "gpus_per_node" else getattr(shape, c, None)
+        for c in a.planner.caps
+    ]
     caps = [c if c is None else max(1, c) for c in caps]  # a cap of 0 (a dense model's n_experts) leaves degree 1
     return [d for d in divisors(ranks) if d & (d - 1) == 0 and all(c is None or d <= c for c in caps)]

@@ -58,8 +58,15 @@ from typing import Callable
 from .axes import COMM_AXES, FLATTENED_BY_PURPOSE
 from .layout import Layout
 from .schedule import stage_rank, stages_on_rank
-from .shapes import (ModelShape, as_shape, fsdp_shard_numel, kv_heads_split, layer_shard_groups, split_layers,
-                     stage_param_shapes)
+from .shapes import (
+    ModelShape,
+    as_shape,
+    fsdp_shard_numel,
+    kv_heads_split,
+    layer_shard_groups,
+    split_layers,
+    stage_param_shapes,
+)
 
 FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's mesh (dp_shard x cp), replicated over dp_replicate under HSDP
 
@@ -87,8 +94,9 @@ INT64_BYTES, FP32_BYTES = 8, 4
 
 
 @functools.lru_cache(maxsize=65536)
-def padded_numel(shape, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks: int, n: int,
-                 ep: int = 1) -> tuple[tuple[int, int], ...]:
+def padded_numel(
+    shape, tp: int, stages: tuple[int, ...], n_stages: int, n_blocks: int, n: int, ep: int = 1
+) -> tuple[tuple[int, int], ...]:
     """((elements, ranks in the group), ...) that FSDP2 gathers for these stages' units on one tp rank, by
     shard group: each parameter's dim 0 padded to a multiple of its group's shards (its flat all-gather
     buffer). One group of n ranks, or under expert parallel a second one for the experts over n / ep."""
@@ -187,11 +195,31 @@ def comm_bytes_per_step(
     p = layout.index("pp", rank)
     stages = tuple(stages_on_rank(p, pp, virtual, placement))
     n_blocks = sum(layers[st] for st in stages)
-    recomputed = n_blocks if ac in ("full", "op") else (
-        sum(len(range(0, layers[st], 2)) for st in stages) if ac == "selective" else 0)
-    step = StepTraffic(cfg, layout, microbatches, global_batch // layout.dp // microbatches, seq_len // layout.cp,
-                       n_stages, stages, n_blocks, recomputed, sequence_parallel, strategy, cp_method, act_bytes,
-                       param_bytes, reduce_bytes, routed_fraction, placement, documents)
+    recomputed = (
+        n_blocks
+        if ac in ("full", "op")
+        else (sum(len(range(0, layers[st], 2)) for st in stages) if ac == "selective" else 0)
+    )
+    step = StepTraffic(
+        cfg,
+        layout,
+        microbatches,
+        global_batch // layout.dp // microbatches,
+        seq_len // layout.cp,
+        n_stages,
+        stages,
+        n_blocks,
+        recomputed,
+        sequence_parallel,
+        strategy,
+        cp_method,
+        act_bytes,
+        param_bytes,
+        reduce_bytes,
+        routed_fraction,
+        placement,
+        documents,
+    )
     return {name: fn(step) for name, fn in VOLUMES.items()}
 
 
@@ -213,7 +241,9 @@ def routed_fraction_of(calls) -> float:
         moved += runs * (sent + received - (rows - sent))
         total += runs * 2 * rows
     if not total:
-        raise ValueError("routed_fraction_of: no assignments dispatched; pass the (sent, received, rows) of the step's dispatches")
+        raise ValueError(
+            "routed_fraction_of: no assignments dispatched; pass the (sent, received, rows) of the step's dispatches"
+        )
     return moved / total
 
 
@@ -298,11 +328,14 @@ def pp_bytes(x: StepTraffic) -> float:
     if x.layout.pp == 1:
         return 0.0
     boundary = x.rows * (x.tokens // t if x.sequence_parallel else x.tokens) * cfg.dim * x.act_bytes
+
     # a stage sends forward to the next and backward to the previous, unless that one is on this rank (the V's turn)
     def other_rank(a: int, b: int) -> bool:
         return stage_rank(a, x.layout.pp, x.placement) != stage_rank(b, x.layout.pp, x.placement)
 
-    sends = sum((st < x.n_stages - 1 and other_rank(st, st + 1)) + (st > 0 and other_rank(st, st - 1)) for st in x.stages)
+    sends = sum(
+        (st < x.n_stages - 1 and other_rank(st, st + 1)) + (st > 0 and other_rank(st, st - 1)) for st in x.stages
+    )
     out = x.microbatches * sends * boundary
     if cfg.tied_embeddings and (x.first != x.last):  # the tied embedding's gradient shard, summed over 2 ranks
         shard = fsdp_shard_numel(-(-cfg.vocab_size // t), cfg.dim, x.layout.degree(FSDP.name))
@@ -333,7 +366,9 @@ def fsdp_bytes(x: StepTraffic) -> float:
             gathers = x.microbatches
         else:
             gathers = 2 * x.microbatches
-        out += gathers * wire_bytes("all_gather", padded * x.param_bytes, n) + wire_bytes("reduce_scatter", padded * x.reduce_bytes, n)
+        out += gathers * wire_bytes("all_gather", padded * x.param_bytes, n) + wire_bytes(
+            "reduce_scatter", padded * x.reduce_bytes, n
+        )
     return out
 
 
@@ -360,5 +395,7 @@ def ep_bytes(x: StepTraffic) -> float:
 
 # every accounting name of the table has its volume (a new axis: register one above with @volume(its comm name))
 if set(VOLUMES) != set(COMM_AXES):
-    raise ImportError(f"topology/comm_model.py's volumes {sorted(VOLUMES)} differ from topology/axes.py's accounting "
-                      f"names {sorted(COMM_AXES)}: give each name of COMM_AXES a @volume(name) function")
+    raise ImportError(
+        f"topology/comm_model.py's volumes {sorted(VOLUMES)} differ from topology/axes.py's accounting "
+        f"names {sorted(COMM_AXES)}: give each name of COMM_AXES a @volume(name) function"
+    )

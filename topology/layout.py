@@ -133,7 +133,9 @@ class Layout:
     # ----------------------------------------------------------------- rank <-> coordinates
     def _check_rank(self, rank: int) -> int:
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank!r} is outside this layout's {self.world_size} ranks (0..{self.world_size - 1})")
+            raise ValueError(
+                f"rank {rank!r} is outside this layout's {self.world_size} ranks (0..{self.world_size - 1})"
+            )
         return int(rank)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -205,7 +207,9 @@ class Layout:
         return out
 
     # ----------------------------------------------------------------- DeviceMesh
-    def build_mesh(self, device_type: str, gpus_per_node: int | None = None, timeout: float | None = None) -> "DeviceMesh":
+    def build_mesh(
+        self, device_type: str, gpus_per_node: int | None = None, timeout: float | None = None
+    ) -> "DeviceMesh":
         """One DeviceMesh with the five axes plus the flattened "dp", "dp_shard_cp" and "dp_cp" submeshes.
 
         Must run inside an initialized process group whose world size equals this layout's. Slice the
@@ -230,8 +234,10 @@ class Layout:
 
 # one degree field per axis of the table, in its order (a new axis: add its field above, default 1)
 if tuple(f.name for f in fields(Layout)) != tuple(a.name for a in TABLE):
-    raise ImportError(f"Layout's fields {[f.name for f in fields(Layout)]} differ from topology/axes.py's table "
-                      f"{[a.name for a in TABLE]}: give Layout one degree field per axis, in the table's order")
+    raise ImportError(
+        f"Layout's fields {[f.name for f in fields(Layout)]} differ from topology/axes.py's table "
+        f"{[a.name for a in TABLE]}: give Layout one degree field per axis, in the table's order"
+    )
 
 
 def _describe(degrees: Mapping[str, int]) -> str:

@@ -105,7 +105,11 @@ def model_state_bytes(
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r} must be a positive integer")
-    if isinstance(expert_params, bool) or not isinstance(expert_params, (int, float)) or not 0 <= expert_params <= num_params:
+    if (
+        isinstance(expert_params, bool)
+        or not isinstance(expert_params, (int, float))
+        or not 0 <= expert_params <= num_params
+    ):
         raise ValueError(f"expert_params={expert_params!r} must be between 0 and num_params={num_params!r}")
     if strategy is not None and zero_stage is not None:
         raise ValueError("give zero_stage or strategy, not both")
@@ -120,15 +124,20 @@ def model_state_bytes(
             )
         shard = shard_size
     if ep > 1 and shard % ep:
-        raise ValueError(f"ep={ep} must divide the {shard} ranks parameters are sharded over (dp_shard x cp): "
-                         f"ep borrows them; use an ep dividing {shard}")
+        raise ValueError(
+            f"ep={ep} must divide the {shard} ranks parameters are sharded over (dp_shard x cp): "
+            f"ep borrows them; use an ep dividing {shard}"
+        )
     r = get_recipe(recipe)
     dense, experts = (num_params - expert_params) / (tp * pp), expert_params / (tp * pp * ep)
     out: dict[str, float] = {}
     for component in ("parameters", "gradients", "optimizer"):
         b = getattr(r, component)
-        out[component] = (dense / shard + experts / (shard // ep)) * b if component in SHARDED_BY_STAGE[stage] \
+        out[component] = (
+            (dense / shard + experts / (shard // ep)) * b
+            if component in SHARDED_BY_STAGE[stage]
             else (dense + experts) * b
+        )
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer"]
     return out
 

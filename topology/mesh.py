@@ -24,11 +24,14 @@ if TYPE_CHECKING:
     from .layout import Layout
 
 
-def build_mesh(layout: "Layout", device_type: str, gpus_per_node: int | None = None,
-               timeout: float | None = None) -> DeviceMesh:
+def build_mesh(
+    layout: "Layout", device_type: str, gpus_per_node: int | None = None, timeout: float | None = None
+) -> DeviceMesh:
     """`Layout.build_mesh`: one DeviceMesh over the mesh axes, with the flattened submeshes of the table."""
     if not dist.is_initialized():
-        raise RuntimeError("build_mesh needs an initialized process group; call torch.distributed.init_process_group first")
+        raise RuntimeError(
+            "build_mesh needs an initialized process group; call torch.distributed.init_process_group first"
+        )
     layout.check_world_size(dist.get_world_size())
     if gpus_per_node is not None:
         layout.check_nodes(gpus_per_node)
@@ -96,7 +99,9 @@ def expert_meshes(world: DeviceMesh, layout: "Layout") -> tuple[DeviceMesh, Devi
     if not hasattr(shard, "_unflatten"):
         import torch
 
-        raise RuntimeError(f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); this is torch {torch.__version__}")
+        raise RuntimeError(
+            f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); this is torch {torch.__version__}"
+        )
     ep = layout.ep
     if shard.size() % ep:
         raise ValueError(f"ep={ep} must divide dp_shard x cp = {shard.size()}; raise --dp or --cp")
@@ -127,8 +132,9 @@ class Meshes:
     # the purpose meshes, by name: the axes' own, then the flattened ones'
     PURPOSES: tuple[str, ...] = tuple(a.mesh for a in TABLE if a.mesh) + tuple(f.purpose for f in FLATTENED_MESHES)
 
-    def __init__(self, layout: "Layout", device_type: str = "cpu", mesh: DeviceMesh | None = None,
-                 timeout: float | None = None):
+    def __init__(
+        self, layout: "Layout", device_type: str = "cpu", mesh: DeviceMesh | None = None, timeout: float | None = None
+    ):
         self.layout = layout
         self.device_type = device_type
         self.world = mesh if mesh is not None else layout.build_mesh(device_type, timeout=timeout)

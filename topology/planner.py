@@ -45,13 +45,32 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 
-from .axes import (AXIS, COMM_AXES, COMM_GROUPS, FLATTENED_BY_PURPOSE, OVERLAPPED, TABLE, Axis, planner_degrees,
-                   rest_axes, values_of)
+from .axes import (
+    AXIS,
+    COMM_AXES,
+    COMM_GROUPS,
+    FLATTENED_BY_PURPOSE,
+    OVERLAPPED,
+    TABLE,
+    Axis,
+    planner_degrees,
+    rest_axes,
+    values_of,
+)
 from .comm_model import comm_bytes_per_step, stage_layer_counts
 from .layout import AXES, Layout
 from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, placement_of, simulate, stages_on_rank
-from .shapes import (ModelShape, as_shape, chunk_tokens, fsdp_shard_numel, kv_heads_fit, kv_heads_split, layer_param_shapes, layer_shard_groups,
-                     stage_param_shapes)
+from .shapes import (
+    ModelShape,
+    as_shape,
+    chunk_tokens,
+    fsdp_shard_numel,
+    kv_heads_fit,
+    kv_heads_split,
+    layer_param_shapes,
+    layer_shard_groups,
+    stage_param_shapes,
+)
 from .memory import AC_MODES as MEMORY_AC_MODES
 from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
 from .step_time import Calibration, step_parts
@@ -79,15 +98,14 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv", "loop
 FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's group: dp_shard x cp
 # a candidate's degree flags: the axes the planner enumerates (mesh order), then --dp and --dp-replicate, the
 # flags of the axes that take the ranks left over
-FLAG_ORDER: tuple[Axis, ...] = (tuple(a for a in TABLE if a.name not in rest_axes())
-                                + tuple(AXIS[n] for n in rest_axes()))
+FLAG_ORDER: tuple[Axis, ...] = tuple(a for a in TABLE if a.name not in rest_axes()) + tuple(
+    AXIS[n] for n in rest_axes()
+)
 
 
 def fsdp_degree(layout: Layout) -> int:
     """The ranks FSDP2 shards over (dp_shard x cp; 1: no FSDP)."""
     return layout.degree(FSDP.name)
-
-
 
 
 @dataclass(frozen=True)
@@ -118,8 +136,10 @@ class Hardware:
         if not 0 <= self.headroom < 1:
             raise PlanError(f"--headroom {self.headroom!r} must be in [0, 1)")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            raise PlanError(f"--gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
-                            f"use a multiple of {self.gpus_per_node}")
+            raise PlanError(
+                f"--gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
+                f"use a multiple of {self.gpus_per_node}"
+            )
         get_recipe(self.recipe)
 
     @property
@@ -143,8 +163,12 @@ class Candidate:
         return self.layout.tp > 1 if self.sp is None else self.sp and self.layout.tp > 1
 
     def describe(self) -> str:
-        parts = [str(self.layout), self.strategy if fsdp_degree(self.layout) > 1 else "no FSDP",
-                 f"ac {self.ac}", f"mb {self.microbatches}"]
+        parts = [
+            str(self.layout),
+            self.strategy if fsdp_degree(self.layout) > 1 else "no FSDP",
+            f"ac {self.ac}",
+            f"mb {self.microbatches}",
+        ]
         if self.layout.pp > 1:
             parts.insert(1, self.schedule + (f" v{self.virtual}" if self.virtual > 1 else ""))
         return ", ".join(parts)
@@ -184,17 +208,31 @@ class Estimate:
 
     def as_dict(self) -> dict:
         c = self.candidate
-        return {"layout": c.layout.as_dict(), "strategy": c.strategy, "ac": c.ac, "schedule": c.schedule,
-                "microbatches": c.microbatches, "virtual": c.virtual, "sequence_parallel": c.sequence_parallel,
-                "flags": c.flags(), "memory_bytes": self.memory, "time_s": self.time, "comm_bytes": self.comm_bytes,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble, "fits": self.fits,
-                **({"compute_parts_s": self.compute_parts} if self.compute_parts else {})}
+        return {
+            "layout": c.layout.as_dict(),
+            "strategy": c.strategy,
+            "ac": c.ac,
+            "schedule": c.schedule,
+            "microbatches": c.microbatches,
+            "virtual": c.virtual,
+            "sequence_parallel": c.sequence_parallel,
+            "flags": c.flags(),
+            "memory_bytes": self.memory,
+            "time_s": self.time,
+            "comm_bytes": self.comm_bytes,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "bubble": self.bubble,
+            "fits": self.fits,
+            **({"compute_parts_s": self.compute_parts} if self.compute_parts else {}),
+        }
 
 
 # ----------------------------------------------------------------------------- parameter counts
 @functools.lru_cache(maxsize=65536)
-def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int, ep: int = 1,
-                   placement: str = "loop") -> tuple[int, int, int]:
+def rank_params_of(
+    shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: int, ep: int = 1, placement: str = "loop"
+) -> tuple[int, int, int]:
     """(parameters before FSDP, after FSDP, largest FSDP unit) on pipeline rank `pp_rank` of a model of
     `shape` (a ModelShape): after tp and ep (E / ep experts per MoE block), FSDP2 cuts every tensor's dim 0
     over the `fsdp` ranks of dp_shard x cp, the experts under ep over the fsdp / ep ranks ep leaves (its
@@ -214,16 +252,20 @@ def rank_params_of(shape, tp: int, pp: int, virtual: int, fsdp: int, pp_rank: in
     return numel, sharded, unit_max
 
 
-def rank_params(shape, tp: int, pp: int, virtual: int, fsdp: int, ep: int = 1,
-                placement: str = "loop") -> tuple[int, int, int]:
+def rank_params(
+    shape, tp: int, pp: int, virtual: int, fsdp: int, ep: int = 1, placement: str = "loop"
+) -> tuple[int, int, int]:
     """`rank_params_of` for the pp rank that holds the most: pp rank 0 (the embedding) or the last (the head)."""
-    return max((rank_params_of(shape, tp, pp, virtual, fsdp, p, ep, placement) for p in sorted({0, pp - 1})),
-               key=lambda x: x[0])
+    return max(
+        (rank_params_of(shape, tp, pp, virtual, fsdp, p, ep, placement) for p in sorted({0, pp - 1})),
+        key=lambda x: x[0],
+    )
 
 
 # ----------------------------------------------------------------------------- activations
-def layer_activation_bytes(shape, rows: int, seq: int, tp: int, sequence_parallel: bool, ac: str, e: int,
-                           cp: int = 1) -> float:
+def layer_activation_bytes(
+    shape, rows: int, seq: int, tp: int, sequence_parallel: bool, ac: str, e: int, cp: int = 1
+) -> float:
     """Bytes one block keeps for backward for `rows` sequences of `seq` local tokens on one tp rank, as
     tessera's block saves them (counted with saved-tensor hooks; tests/test_planner_memory.py measures it).
 
@@ -277,8 +319,9 @@ def _kv_out(shape: ModelShape, tp: int) -> int:
     return shape.n_kv_heads * shape.head_dim // tp if kv_heads_split(shape.n_kv_heads, tp) else shape.head_dim
 
 
-def loss_activation_bytes(shape, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int,
-                          loss: str = "chunked") -> tuple[float, float]:
+def loss_activation_bytes(
+    shape, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int, loss: str = "chunked"
+) -> tuple[float, float]:
     """(kept per microbatch until its backward, transient) on the last stage, for `--loss`:
     both: the final norm's input and x * rstd (sequence-parallel shards) and its gathered output;
     logits: the vocab-parallel softmax (fp32) kept, then the logits, their fp32 copy and their gradient;
@@ -325,8 +368,11 @@ def axis_bandwidth(layout: Layout, axis: str | tuple[str, ...], hw: Hardware, ra
     axes = (axis,) if isinstance(axis, str) else axis
     outer = min(AXES.index(a) for a in axes)
     inner = max(AXES.index(a) for a in axes)
-    span = (ranks * math.prod(getattr(layout, a) for a in AXES[inner + 1:]) if ranks is not None
-            else math.prod(getattr(layout, a) for a in AXES[outer:]))
+    span = (
+        ranks * math.prod(getattr(layout, a) for a in AXES[inner + 1 :])
+        if ranks is not None
+        else math.prod(getattr(layout, a) for a in AXES[outer:])
+    )
     return (hw.intra_node_gbps if span <= hw.gpus_per_node else hw.inter_node_gbps) * GB
 
 
@@ -336,8 +382,9 @@ def _group_ranks(layout: Layout, name: str) -> int | None:
     return None if borrowing is None else getattr(layout, borrowing.name)
 
 
-def expert_weight_seconds(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int,
-                          recompute: float) -> float:
+def expert_weight_seconds(
+    shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int, recompute: float
+) -> float:
     """Time the MoE experts' grouped GEMMs lose to memory on one rank, per step: they are at their roofline,
     max(FLOPs / the matmul rate, weight bytes / the memory bandwidth), and the FLOPs side is already in
     the compute. Each microbatch streams the rank's E / ep experts (ffn / tp of each) from memory three
@@ -356,7 +403,9 @@ def expert_weight_seconds(shape, cand: Candidate, hw: Hardware, seq_len: int, gl
     passes = 3 + {"none": 0.0, "selective": 0.5}.get(cand.ac, 1.0)  # op and full rerun each forward
     weight_bytes = cand.microbatches * blocks * local * hw.dtype_bytes * passes
     cal = hw.calibration
-    expert_flops = 6.0 * cfg.top_k * per_expert * cfg.n_layers * global_batch * seq_len * (1 + recompute) / lay.world_size
+    expert_flops = (
+        6.0 * cfg.top_k * per_expert * cfg.n_layers * global_batch * seq_len * (1 + recompute) / lay.world_size
+    )
     if cal is None:
         flops_s = expert_flops / (hw.peak_tflops * 1e12 * hw.efficiency)
         memory_s = weight_bytes / (hw.hbm_gbps * GB)
@@ -376,9 +425,16 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
     fsdp = fsdp_degree(lay)
     pipelined = lay.pp > 1
 
-    bubble, in_flight = pipeline_profile(cand.schedule, lay.pp, cand.microbatches, cand.virtual) if pipelined else (0.0, (1,))
-    memory = max((_rank_memory(cfg, cand, hw, pp_rank, in_flight[pp_rank], mb_rows, seq, fsdp)
-                  for pp_rank in sorted({0, lay.pp - 1})), key=lambda m: m["total"])
+    bubble, in_flight = (
+        pipeline_profile(cand.schedule, lay.pp, cand.microbatches, cand.virtual) if pipelined else (0.0, (1,))
+    )
+    memory = max(
+        (
+            _rank_memory(cfg, cand, hw, pp_rank, in_flight[pp_rank], mb_rows, seq, fsdp)
+            for pp_rank in sorted({0, lay.pp - 1})
+        ),
+        key=lambda m: m["total"],
+    )
 
     # step time
     tokens = global_batch * seq_len
@@ -392,33 +448,57 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         compute = flops * (1 + recompute) / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
     compute += expert_weight_seconds(cfg, cand, hw, seq_len, global_batch, recompute)
     compute_stretched = compute / (1 - bubble)
-    comm = comm_bytes_per_step(cfg, lay, seq_len, global_batch, cand.microbatches, cand.sequence_parallel,
-                               cand.strategy, cand.virtual, cand.ac, "ring", rank=0, act_bytes=e, param_bytes=e,
-                               reduce_bytes=4, placement=placement_of(cand.schedule))
+    comm = comm_bytes_per_step(
+        cfg,
+        lay,
+        seq_len,
+        global_batch,
+        cand.microbatches,
+        cand.sequence_parallel,
+        cand.strategy,
+        cand.virtual,
+        cand.ac,
+        "ring",
+        rank=0,
+        act_bytes=e,
+        param_bytes=e,
+        reduce_bytes=4,
+        placement=placement_of(cand.schedule),
+    )
     # each accounting name's traffic over its group's links; FSDP's, HSDP's and ring K/V's overlap compute
     # (only their excess is exposed), the rest (tp, pp) is exposed
     t = {name: comm[name] / axis_bandwidth(lay, COMM_GROUPS[name], hw, _group_ranks(lay, name)) for name in comm}
     overlapped = sum(t[name] for name in COMM_AXES if name in OVERLAPPED)
-    time = {"compute": compute, "bubble": compute_stretched - compute,
-            **{name: t[name] for name in comm if name not in OVERLAPPED},
-            "exposed_overlapped_comm": max(0.0, overlapped - compute)}
+    time = {
+        "compute": compute,
+        "bubble": compute_stretched - compute,
+        **{name: t[name] for name in comm if name not in OVERLAPPED},
+        "exposed_overlapped_comm": max(0.0, overlapped - compute),
+    }
     time["step"] = sum(time.values())
     tokens_per_s = tokens / time["step"]
     mfu = flops / (time["step"] * hw.gpus * hw.peak_tflops * 1e12)
     return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble, parts)
 
 
-def calibrated_compute(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int,
-                       recompute: float) -> dict[str, float]:
+def calibrated_compute(
+    shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int, recompute: float
+) -> dict[str, float]:
     """One rank's compute (no communication, no bubble) at the calibration's rates: every rank does
     1 / gpus of the model's FLOPs and activation traffic; its optimizer steps its own (sharded) parameters;
     its host dispatches the operators of its stage's blocks (topology/step_time.py)."""
     cfg = as_shape(shape)
     lay = cand.layout
     fsdp = fsdp_degree(lay)
-    biggest = max(sorted({0, lay.pp - 1}), key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p, lay.ep,
-                                                                         placement_of(cand.schedule))[0])
-    _, sharded, _ = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, biggest, lay.ep, placement_of(cand.schedule))
+    biggest = max(
+        sorted({0, lay.pp - 1}),
+        key=lambda p: rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, p, lay.ep, placement_of(cand.schedule))[
+            0
+        ],
+    )
+    _, sharded, _ = rank_params_of(
+        cfg, lay.tp, lay.pp, cand.virtual, fsdp, biggest, lay.ep, placement_of(cand.schedule)
+    )
     n_stages = lay.pp * cand.virtual
     layers = stage_layer_counts(cfg.n_layers, n_stages)
     stages = stages_on_rank(biggest, lay.pp, cand.virtual, placement_of(cand.schedule))
@@ -426,12 +506,24 @@ def calibrated_compute(shape, cand: Candidate, hw: Hardware, seq_len: int, globa
     # parameter tensors: a block's (9 in Llama's), the embedding on the first stage, the final norm and head on the last
     extra = [u for s in stages for u in stage_param_shapes(cfg, lay.tp, s == 0, s == n_stages - 1, 0)]
     tensors = len(layer_param_shapes(cfg, lay.tp, lay.ep)) * blocks + sum(len(u) for u in extra)
-    return step_parts(cfg, hw.calibration, global_batch * seq_len, seq_len, sharded, tensors, blocks, hw.dtype_bytes,
-                      recompute, share=1.0 / lay.world_size, microbatches=cand.microbatches)
+    return step_parts(
+        cfg,
+        hw.calibration,
+        global_batch * seq_len,
+        seq_len,
+        sharded,
+        tensors,
+        blocks,
+        hw.dtype_bytes,
+        recompute,
+        share=1.0 / lay.world_size,
+        microbatches=cand.microbatches,
+    )
 
 
-def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, mb_rows: int, seq: int,
-                 fsdp: int) -> dict[str, float]:
+def _rank_memory(
+    cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, mb_rows: int, seq: int, fsdp: int
+) -> dict[str, float]:
     """Peak bytes on a rank of pipeline rank `pp_rank`, by component. The peak is the start of the last
     backward (activations, the loss, accumulated gradients all live) or the optimizer step (gradients
     and optimizer state), whichever is larger; "total" is that peak."""
@@ -444,9 +536,11 @@ def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, i
     stage = 0 if fsdp == 1 else (2 if cand.strategy == "SHARD_GRAD_OP" else 3)
     # FSDP2 keeps every strategy's parameters sharded at rest; SHARD_GRAD_OP's are also gathered from
     # forward to backward (gathered_params below): the ZeRO-2 figure of topology.memory plus that copy
-    m = {"parameters": (sharded if stage >= 2 else tp_local) * r.parameters,
-         "gradients": (sharded if stage >= 2 else tp_local) * r.gradients,
-         "optimizer": (sharded if stage >= 1 else tp_local) * r.optimizer}
+    m = {
+        "parameters": (sharded if stage >= 2 else tp_local) * r.parameters,
+        "gradients": (sharded if stage >= 2 else tp_local) * r.gradients,
+        "optimizer": (sharded if stage >= 1 else tp_local) * r.optimizer,
+    }
     # FSDP2's gathered compute copy: one unit at a time under FULL_SHARD; the whole stage under
     # SHARD_GRAD_OP and inside a pipeline step (units stay gathered across microbatches)
     pipelined = lay.pp > 1
@@ -475,28 +569,36 @@ def _rank_memory(cfg: ModelShape, cand: Candidate, hw: Hardware, pp_rank: int, i
         acts = in_flight * chunk_layers * act(ac=cand.ac) + recompute
     m["activations"] = acts
     last = n_stages - 1 in stages
-    kept, transient = loss_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e) if last else (0.0, 0.0)
+    kept, transient = (
+        loss_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e) if last else (0.0, 0.0)
+    )
     m["logits"] = (in_flight if cand.schedule in ("gpipe", "looped-bfs") else 1) * kept + transient
     kv_block = 2 * mb_rows * seq * _kv_out(cfg, lay.tp) * e
     # the rotary cos and sin tables, fp32 (none with learned positions: those are parameters)
     rope = 0 if cfg.learned_positions else 2 * (cfg.max_seq_len or seq * lay.cp) * (cfg.head_dim // 2) * 4
-    m["buffers"] = rope + (unit_max * 4 if fsdp > 1 else 0.0) + (2 * kv_block if lay.cp > 1 else 0.0) + (
-        4 * mb_rows * seq * cfg.dim * e if pipelined else 0.0)
+    m["buffers"] = (
+        rope
+        + (unit_max * 4 if fsdp > 1 else 0.0)
+        + (2 * kv_block if lay.cp > 1 else 0.0)
+        + (4 * mb_rows * seq * cfg.dim * e if pipelined else 0.0)
+    )
     # the gradients flowing through one block's backward (its MLP's ffn-wide ones: SwiGLU's three, GELU's two;
     # two residual-wide)
     sp = seq // lay.tp if cand.sequence_parallel else seq
     mlp_width = (cfg.top_k * cfg.ffn_dim + cfg.shared_ffn_dim) if cfg.n_experts else cfg.ffn_dim  # per token
     m["backward_transient"] = float(mb_rows * (cfg.mlp_matrices * seq * mlp_width // lay.tp + 2 * sp * cfg.dim) * e)
-    backward_start = (m["activations"] + max(m["logits"], m["backward_transient"]) + m["unsharded_grads"]
-                      + m["gathered_params"])
+    backward_start = (
+        m["activations"] + max(m["logits"], m["backward_transient"]) + m["unsharded_grads"] + m["gathered_params"]
+    )
     optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
     m["total"] = m["parameters"] + m["optimizer"] + m["buffers"] + max(backward_start, optimizer_step)
     return m
 
 
 # ----------------------------------------------------------------------------- enumeration
-def layout_degrees(shape, hw: Hardware, seq_len: int, global_batch: int,
-                   table: tuple[Axis, ...] = TABLE) -> list[dict[str, int]]:
+def layout_degrees(
+    shape, hw: Hardware, seq_len: int, global_batch: int, table: tuple[Axis, ...] = TABLE
+) -> list[dict[str, int]]:
     """The degrees the planner tries, one dict per layout (every axis of `table`, in its order), read from
     the table: the axes with a mesh dimension of their own, innermost first (tp, cp, pp), each take the powers
     of two dividing the ranks left within their caps (`planner_degrees`: tp inside a node and at most the
@@ -536,8 +638,11 @@ def candidates(shape, hw: Hardware, seq_len: int, global_batch: int) -> list[Can
     axis), with the FSDP strategies, pipeline schedules, microbatches (1, 2, 4 and 8; or 1, 2 and 4 per
     stage) and activation checkpointing modes."""
     cfg = as_shape(shape)
-    return [c for degrees in layout_degrees(cfg, hw, seq_len, global_batch)
-            for c in candidates_of_layout(cfg, Layout(**degrees), seq_len, global_batch)]
+    return [
+        c
+        for degrees in layout_degrees(cfg, hw, seq_len, global_batch)
+        for c in candidates_of_layout(cfg, Layout(**degrees), seq_len, global_batch)
+    ]
 
 
 def candidates_of_layout(shape, lay: Layout, seq_len: int, global_batch: int) -> list[Candidate]:
@@ -546,7 +651,7 @@ def candidates_of_layout(shape, lay: Layout, seq_len: int, global_batch: int) ->
     rows = global_batch // lay.dp
     out: list[Candidate] = []
     # inside a pipeline FSDP2 keeps units gathered across microbatches either way: one strategy
-    for strategy in (STRATEGIES if fsdp_degree(lay) > 1 and lay.pp == 1 else ("FULL_SHARD",)):
+    for strategy in STRATEGIES if fsdp_degree(lay) > 1 and lay.pp == 1 else ("FULL_SHARD",):
         for sched, virtual in _schedules(lay.pp, cfg.n_layers):
             for mb in _microbatch_counts(rows, lay.pp):
                 for ac in AC_MODES:
@@ -633,28 +738,42 @@ class PlanResult:
     best_ep: tuple[int, Estimate] | None = None
 
 
-def plan(shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None = None,
-         name: str | None = None) -> PlanResult:
+def plan(
+    shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None = None, name: str | None = None
+) -> PlanResult:
     """Rank every runnable layout for a model of `shape` (a ModelShape: `tessera plan` resolves a preset name
     with spec_of(config).shape(config)) on `hw`; raise PlanError saying what is short when none fits. `name`
     is what the request and the messages call the model (default: the shape's family)."""
     if isinstance(shape, str):
-        raise TypeError(f"plan() takes a ModelShape, not the name {shape!r}: resolve it with tessera.models "
-                        f"(cfg = get_preset(name); spec_of(cfg).shape(cfg)), or run `tessera plan --model {shape}`")
+        raise TypeError(
+            f"plan() takes a ModelShape, not the name {shape!r}: resolve it with tessera.models "
+            f"(cfg = get_preset(name); spec_of(cfg).shape(cfg)), or run `tessera plan --model {shape}`"
+        )
     cfg = as_shape(shape)
     model = name or cfg.family
     if seq_len < 1 or global_batch < 1:
         raise PlanError(f"--seq-len {seq_len} and --global-batch {global_batch} must be positive")
     cands = candidates(cfg, hw, seq_len, global_batch)
-    request = {"model": model, "params": cfg.num_params(), "matmul_params": cfg.matmul_params(),
-               "experts": cfg.n_experts, "seq_len": seq_len, "global_batch": global_batch, "hardware": asdict(hw)}
+    request = {
+        "model": model,
+        "params": cfg.num_params(),
+        "matmul_params": cfg.matmul_params(),
+        "experts": cfg.n_experts,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "hardware": asdict(hw),
+    }
     if not cands:
-        raise PlanError(f"no layout of {hw.gpus} GPUs runs {model} with --seq-len {seq_len} --global-batch "
-                        f"{global_batch}: the global batch must split over dp (try a multiple of {hw.gpus}) and "
-                        f"tp must divide the {cfg.n_heads} heads")
+        raise PlanError(
+            f"no layout of {hw.gpus} GPUs runs {model} with --seq-len {seq_len} --global-batch "
+            f"{global_batch}: the global batch must split over dp (try a multiple of {hw.gpus}) and "
+            f"tp must divide the {cfg.n_heads} heads"
+        )
     estimates = [estimate(cfg, c, hw, seq_len, global_batch) for c in cands]
-    fitting = sorted((x for x in estimates if x.fits), key=lambda x: (round(x.time["step"], 6), x.memory["total"], x.candidate.layout.cp,
-                                                                      x.candidate.layout.pp))
+    fitting = sorted(
+        (x for x in estimates if x.fits),
+        key=lambda x: (round(x.time["step"], 6), x.memory["total"], x.candidate.layout.cp, x.candidate.layout.pp),
+    )
     closest = min(estimates, key=lambda x: x.memory["total"])
     result = PlanResult(fitting, None if fitting else closest, len(cands), request)
     result.why = why_best(result)  # against every fitting layout, not only the ones shown
@@ -668,7 +787,8 @@ def plan(shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None =
             f"needs {closest.memory['total'] / GB:.1f} GB per rank against {hw.usable_bytes / GB:.1f} GB usable "
             f"({hw.headroom:.0%} headroom), short by {(closest.memory['total'] - hw.usable_bytes) / GB:.1f} GB; "
             f"model states alone need at least {floor} GPUs of {hw.gpu_memory_gb:g} GB (fully sharded), so add "
-            f"GPUs or shorten the sequence or batch")
+            f"GPUs or shorten the sequence or batch"
+        )
     return result
 
 
@@ -677,10 +797,14 @@ def wins_by(faster: Estimate, slower: Estimate) -> tuple[str, float]:
     differs most (compute, bubble, each exposed accounting name (tp, pp, ep), the overlapped excess)."""
     diffs = {k: slower.time[k] - faster.time[k] for k in faster.time if k != "step"}
     key = max(diffs, key=diffs.get)
-    label = {"compute": "less recomputation", "bubble": "a smaller pipeline bubble", "tp": "less tensor-parallel traffic",
-             "pp": "less pipeline traffic", "ep": "less expert-parallel all-to-all traffic",
-             "exposed_overlapped_comm": "less data/context traffic left exposed"
-             }.get(key, f"less {key} traffic")
+    label = {
+        "compute": "less recomputation",
+        "bubble": "a smaller pipeline bubble",
+        "tp": "less tensor-parallel traffic",
+        "pp": "less pipeline traffic",
+        "ep": "less expert-parallel all-to-all traffic",
+        "exposed_overlapped_comm": "less data/context traffic left exposed",
+    }.get(key, f"less {key} traffic")
     return label, diffs[key]
 
 
@@ -692,11 +816,15 @@ def why_best(result: PlanResult) -> str:
     if len(result.ranked) == 1:
         return f"{best.candidate.describe()} is the only layout that fits."
     ties = [x for x in result.ranked[1:] if x.time["step"] <= best.time["step"] * 1.001]
-    tie_note = (f" {len(ties)} more layout(s) tie within 0.1% on time; it holds the least memory of them." if ties else "")
+    tie_note = (
+        f" {len(ties)} more layout(s) tie within 0.1% on time; it holds the least memory of them." if ties else ""
+    )
     other = next((x for x in result.ranked[1:] if x.time["step"] > best.time["step"] * 1.001), None)
     if other is None:
         return f"all {len(result.ranked)} layouts shown tie within 0.1% on time; it holds the least memory per rank."
     label, seconds = wins_by(best, other)
-    return (f"it wins by {label} ({seconds:.3f} s/step): an estimated {best.time['step']:.3f} s/step against "
-            f"{other.time['step']:.3f} s for the next slower layout ({other.candidate.describe()}), at "
-            f"{best.memory['total'] / GB:.1f} GB per rank against {other.memory['total'] / GB:.1f} GB.{tie_note}")
+    return (
+        f"it wins by {label} ({seconds:.3f} s/step): an estimated {best.time['step']:.3f} s/step against "
+        f"{other.time['step']:.3f} s for the next slower layout ({other.candidate.describe()}), at "
+        f"{best.memory['total'] / GB:.1f} GB per rank against {other.memory['total'] / GB:.1f} GB.{tie_note}"
+    )

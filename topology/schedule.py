@@ -89,15 +89,21 @@ def check_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
     if kind in V_KINDS and virtual != 2:
         raise ValueError(f"--schedule {kind} runs two stages per rank on a V: use --virtual 2 (not {virtual})")
     if virtual > 1 and kind not in VIRTUAL_KINDS + V_KINDS:
-        raise ValueError(f"--virtual {virtual} needs --schedule {' or '.join(VIRTUAL_KINDS)} ({kind} runs one stage "
-                         f"per rank); use --virtual 1")
+        raise ValueError(
+            f"--virtual {virtual} needs --schedule {' or '.join(VIRTUAL_KINDS)} ({kind} runs one stage "
+            f"per rank); use --virtual 1"
+        )
     if kind not in ANY_MICROBATCHES and microbatches < stages:
-        raise ValueError(f"--schedule {kind} needs at least as many microbatches as stages: --microbatches "
-                         f"{microbatches} < --pp {stages}; use --microbatches {stages} or more (or --schedule gpipe)")
+        raise ValueError(
+            f"--schedule {kind} needs at least as many microbatches as stages: --microbatches "
+            f"{microbatches} < --pp {stages}; use --microbatches {stages} or more (or --schedule gpipe)"
+        )
     if kind in ("interleaved-1f1b", "interleaved-zb") and virtual > 1 and microbatches % stages:
-        raise ValueError(f"--schedule {kind} runs microbatches in rounds of pp: --microbatches "
-                         f"{microbatches} is not a multiple of --pp {stages}; use "
-                         f"--microbatches {stages * -(-microbatches // stages)}")
+        raise ValueError(
+            f"--schedule {kind} runs microbatches in rounds of pp: --microbatches "
+            f"{microbatches} is not a multiple of --pp {stages}; use "
+            f"--microbatches {stages * -(-microbatches // stages)}"
+        )
 
 
 def fewest_microbatches(kind: str, stages: int, virtual: int = 1) -> int:
@@ -117,8 +123,11 @@ def build_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
     if kind == "interleaved-1f1b":
         return [_interleaved(r, p, m, virtual) for r in range(p)]
     if kind == "looped-bfs":
-        return [[Action("F", i, c * p + r) for c in range(virtual) for i in range(m)]
-                + [Action("B", i, c * p + r) for c in reversed(range(virtual)) for i in range(m)] for r in range(p)]
+        return [
+            [Action("F", i, c * p + r) for c in range(virtual) for i in range(m)]
+            + [Action("B", i, c * p + r) for c in reversed(range(virtual)) for i in range(m)]
+            for r in range(p)
+        ]
     if kind == "interleaved-zb":
         order = [_one_f_one_b(r, p, m) if virtual == 1 else _interleaved(r, p, m, virtual) for r in range(p)]
         return fill_weight_passes(order, max_pending=p)
@@ -214,8 +223,9 @@ def _v_order(p: int, m: int, costs: dict[str, float] | None = None) -> list[list
     return out
 
 
-def fill_weight_passes(order: Sequence[Sequence[Action]], costs: dict[str, float] | None = None,
-                       max_pending: int | None = None) -> list[list[Action]]:
+def fill_weight_passes(
+    order: Sequence[Sequence[Action]], costs: dict[str, float] | None = None, max_pending: int | None = None
+) -> list[list[Action]]:
     """A split-backward schedule from an order of F's and B's per rank (each B now the input gradient only):
     each weight gradient W waits, pending, until its rank would otherwise sit idle (the next F or B's input
     not there yet, or arriving later than a W takes), and runs there; with more than `max_pending` pending
@@ -252,8 +262,10 @@ def fill_weight_passes(order: Sequence[Sequence[Action]], costs: dict[str, float
                 continue  # waits for another rank
             break
         else:
-            raise ValueError("the F/B order deadlocks: " + "; ".join(
-                f"rank {r} waits at {order[r][index[r]]}" for r in range(p) if index[r] < len(order[r])))
+            raise ValueError(
+                "the F/B order deadlocks: "
+                + "; ".join(f"rank {r} waits at {order[r][index[r]]}" for r in range(p) if index[r] < len(order[r]))
+            )
     return [row + pending[r] for r, row in enumerate(out)]
 
 
@@ -296,12 +308,16 @@ def validate(schedule: Schedule, name: Namer = str) -> tuple[int, int, bool]:
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (a.stage, a.microbatch)):
                 raise ValueError(f"{_at(r, k, a, name)}: stage and microbatch must be integers >= 0")
             if a in seen:
-                raise ValueError(f"{_at(r, k, a, name)}: {name(a)} appears twice (first at rank {seen[a][0]} "
-                                 f"position {seen[a][1]}); drop one")
+                raise ValueError(
+                    f"{_at(r, k, a, name)}: {name(a)} appears twice (first at rank {seen[a][0]} "
+                    f"position {seen[a][1]}); drop one"
+                )
             first = rank_of.setdefault(a.stage, (r, k))
             if first[0] != r:
-                raise ValueError(f"{_at(r, k, a, name)}: stage {a.stage} has actions on ranks {first[0]} and {r}; "
-                                 f"a stage's actions run on one rank (where its layers are)")
+                raise ValueError(
+                    f"{_at(r, k, a, name)}: stage {a.stage} has actions on ranks {first[0]} and {r}; "
+                    f"a stage's actions run on one rank (where its layers are)"
+                )
             seen[a] = (r, k)
     if not seen:
         raise ValueError("the schedule has no actions")
@@ -315,9 +331,13 @@ def validate(schedule: Schedule, name: Namer = str) -> tuple[int, int, bool]:
                 if missing in seen:
                     continue
                 before = Action({"B": "F", "W": "B"}.get(op, "F"), i, s)
-                why = (f"rank {seen[before][0]} runs {name(before)} at position {seen[before][1]} but never its {op}"
-                       if before in seen
-                       else f"stage {s} runs on rank {rank_of[s][0]}" if s in rank_of else f"no rank runs stage {s}")
+                why = (
+                    f"rank {seen[before][0]} runs {name(before)} at position {seen[before][1]} but never its {op}"
+                    if before in seen
+                    else f"stage {s} runs on rank {rank_of[s][0]}"
+                    if s in rank_of
+                    else f"no rank runs stage {s}"
+                )
                 raise ValueError(f"{name(missing)} is missing: {why}; every microbatch needs one {op} on every stage")
     for r, actions in enumerate(schedule):
         position = {a: k for k, a in enumerate(actions)}
@@ -325,8 +345,10 @@ def validate(schedule: Schedule, name: Namer = str) -> tuple[int, int, bool]:
             before = {"B": "F", "W": "B"}.get(a.op)
             if before and position[Action(before, a.microbatch, a.stage)] > k:
                 needed = Action(before, a.microbatch, a.stage)
-                raise ValueError(f"{_at(r, k, a, name)} comes before {name(needed)} (position {position[needed]}); "
-                                 f"a microbatch runs F, then B, then W on a stage")
+                raise ValueError(
+                    f"{_at(r, k, a, name)} comes before {name(needed)} (position {position[needed]}); "
+                    f"a microbatch runs F, then B, then W on a stage"
+                )
     return stages, microbatches, split
 
 
@@ -373,15 +395,22 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None, name: Na
             for r, k in enumerate(next_index):
                 if k < len(schedule[r]):
                     dep = dependency(schedule[r][k], stages)
-                    waits.append(f"{_at(r, k, schedule[r][k], name)} waits for {name(dep)} "
-                                 f"(rank {where[dep][0]} position {where[dep][1]})")
+                    waits.append(
+                        f"{_at(r, k, schedule[r][k], name)} waits for {name(dep)} "
+                        f"(rank {where[dep][0]} position {where[dep][1]})"
+                    )
             raise ValueError("the schedule deadlocks: " + "; ".join(waits))
     makespan = max(free)
     busy = sum(end - start for row in ranks for start, end, _ in row)
     bubble = 1.0 - busy / (len(schedule) * makespan) if makespan > 0 else 0.0
-    return Timeline(ranks, makespan, bubble, [_peak(row, "F", "B") for row in schedule],
-                    [_peak(row, "B", "W") if split else 0 for row in schedule],
-                    [_peak(row, "F", "W" if split else "B") for row in schedule])
+    return Timeline(
+        ranks,
+        makespan,
+        bubble,
+        [_peak(row, "F", "B") for row in schedule],
+        [_peak(row, "B", "W") if split else 0 for row in schedule],
+        [_peak(row, "F", "W" if split else "B") for row in schedule],
+    )
 
 
 def _peak(actions: Sequence[Action], opens: str, closes: str) -> int:
@@ -401,7 +430,7 @@ def render(timeline: Timeline, width: int = 4) -> str:
         cells = []
         clock = 0.0
         for start, end, a in row:
-            cells += ["." .ljust(width)] * int(round(start - clock))
+            cells += [".".ljust(width)] * int(round(start - clock))
             label = f"{a.op}{a.microbatch}" + (f".{a.stage // len(timeline.ranks)}" if multi else "")
             cells += [label.ljust(width)] + [(a.op.lower()).ljust(width)] * (int(round(end - start)) - 1)
             clock = end

@@ -28,8 +28,9 @@ def parse_action(text: str) -> Action:
     """'0F1' -> Action('F', 1, 0); ValueError naming the text and what is wrong with it."""
     m = _ACTION.fullmatch(text.strip())
     if m is None:
-        raise ValueError(f"{text!r} is not an action; write STAGE OP MICROBATCH, e.g. 0F1 (stage 0's forward of "
-                         f"microbatch 1)")
+        raise ValueError(
+            f"{text!r} is not an action; write STAGE OP MICROBATCH, e.g. 0F1 (stage 0's forward of microbatch 1)"
+        )
     stage, op, microbatch = int(m[1]), m[2].upper(), int(m[3])
     if op not in OPS:
         # torch's I (input gradient) is our B of a schedule with W's; its full backward is our B
@@ -51,7 +52,7 @@ def _action_from_json(item: Any) -> Action:
         return parse_action(item)
     text = json.dumps(item)
     if not isinstance(item, dict) or set(item) != {"op", "stage", "microbatch"}:
-        raise ValueError(f"{text} is not an action; write \"0F1\" or {{\"op\": \"F\", \"stage\": 0, \"microbatch\": 1}}")
+        raise ValueError(f'{text} is not an action; write "0F1" or {{"op": "F", "stage": 0, "microbatch": 1}}')
     op, stage, microbatch = item["op"], item["stage"], item["microbatch"]
     if not isinstance(op, str) or op.upper() not in OPS:
         raise ValueError(f"{text} has op {json.dumps(op)}; ops are F, B and W")
@@ -80,8 +81,10 @@ def read_schedule_file(path: str | os.PathLike) -> list[list[Action]]:
     except FileNotFoundError:
         raise ValueError(f"schedule file {path} does not exist; give the path of a CSV or JSON schedule") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"schedule file {path} cannot be read ({getattr(e, 'strerror', None) or e}); give a "
-                         f"readable CSV or JSON file") from None
+        raise ValueError(
+            f"schedule file {path} cannot be read ({getattr(e, 'strerror', None) or e}); give a "
+            f"readable CSV or JSON file"
+        ) from None
     schedule = _read_json(path, text) if _is_json(path, text) else _read_csv(path, text)
     if not schedule:
         raise ValueError(f"schedule file {path} holds no ranks; write one line of actions per pp rank, e.g. 0F0,0B0")
@@ -109,8 +112,9 @@ def _read_json(path: str, text: str) -> list[list[Action]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"schedule file {path} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); "
-                         f"{shape}") from None
+        raise ValueError(
+            f"schedule file {path} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); {shape}"
+        ) from None
     ranks = data.get("ranks") if isinstance(data, dict) else data
     if not isinstance(ranks, list) or not all(isinstance(row, list) for row in ranks):
         raise ValueError(f"schedule file {path} holds no list of ranks; {shape}")
@@ -139,15 +143,18 @@ def write_schedule_file(schedule: Schedule, path: str | os.PathLike) -> None:
         f.write(text)
 
 
-def check_fits(schedule: Schedule, pp: int, virtual: int, microbatches: int,
-               source: str = "the schedule", name: Namer = str) -> tuple[int, int, bool]:
+def check_fits(
+    schedule: Schedule, pp: int, virtual: int, microbatches: int, source: str = "the schedule", name: Namer = str
+) -> tuple[int, int, bool]:
     """The schedule is sound (validate, then simulate: dependencies, deadlocks) and runs on this pipeline:
     one row per pp rank, pp x virtual stages with stage s on rank s % pp (where the executor puts its
     layers), `microbatches` microbatches. Returns validate's (stages, microbatches, split_backward);
     ValueError naming `source`, the first bad action or value, and the fix."""
     if len(schedule) != pp:
-        raise ValueError(f"{source} has {len(schedule)} ranks (rows) and --pp is {pp}: give one row of actions "
-                         f"per pp rank, or use --pp {len(schedule)}")
+        raise ValueError(
+            f"{source} has {len(schedule)} ranks (rows) and --pp is {pp}: give one row of actions "
+            f"per pp rank, or use --pp {len(schedule)}"
+        )
     try:
         stages, found, split = validate(schedule, name)
         simulate(schedule, name=name)
@@ -156,13 +163,20 @@ def check_fits(schedule: Schedule, pp: int, virtual: int, microbatches: int,
     for r, actions in enumerate(schedule):
         for k, a in enumerate(actions):
             if a.stage % pp != r:
-                raise ValueError(f"{source}: {_at(r, k, a, name)} runs stage {a.stage}, which lives on rank "
-                                 f"{a.stage % pp} (stage s on rank s % pp, where its layers are); move it to rank {a.stage % pp}'s row")
+                raise ValueError(
+                    f"{source}: {_at(r, k, a, name)} runs stage {a.stage}, which lives on rank "
+                    f"{a.stage % pp} (stage s on rank s % pp, where its layers are); move it to rank {a.stage % pp}'s row"
+                )
     if stages != pp * virtual:
-        fix = (f"use --virtual {stages // pp}" if stages % pp == 0
-               else f"give it {pp * virtual} stages (0 to {pp * virtual - 1}, stage s on rank s % pp)")
+        fix = (
+            f"use --virtual {stages // pp}"
+            if stages % pp == 0
+            else f"give it {pp * virtual} stages (0 to {pp * virtual - 1}, stage s on rank s % pp)"
+        )
         raise ValueError(f"{source} runs {stages} stages and --pp {pp} x --virtual {virtual} is {pp * virtual}: {fix}")
     if found != microbatches:
-        raise ValueError(f"{source} runs {found} microbatches and --microbatches is {microbatches}: use "
-                         f"--microbatches {found} (or leave it out: a schedule file's count is the default)")
+        raise ValueError(
+            f"{source} runs {found} microbatches and --microbatches is {microbatches}: use "
+            f"--microbatches {found} (or leave it out: a schedule file's count is the default)"
+        )
     return stages, found, split

@@ -58,7 +58,9 @@ class ModelShape:
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"ModelShape.top_k {self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.n_experts and self.mlp != "swiglu":
-            raise ValueError(f"ModelShape.mlp {self.mlp!r} with n_experts={self.n_experts}: experts are SwiGLU, use 'swiglu'")
+            raise ValueError(
+                f"ModelShape.mlp {self.mlp!r} with n_experts={self.n_experts}: experts are SwiGLU, use 'swiglu'"
+            )
 
     @property
     def mlp_matrices(self) -> int:
@@ -72,7 +74,9 @@ class ModelShape:
         """One block's parameters; `experts`: count that many of an MoE block's experts (default: all)."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = self.dim * (2 * q + 2 * kv) + (q + 2 * kv + self.dim if self.bias else 0)
-        mlp = self.mlp_matrices * self.dim * self.ffn_dim + ((self.mlp_matrices - 1) * self.ffn_dim + self.dim if self.bias else 0)
+        mlp = self.mlp_matrices * self.dim * self.ffn_dim + (
+            (self.mlp_matrices - 1) * self.ffn_dim + self.dim if self.bias else 0
+        )
         if self.n_experts:  # routed experts, the router and the shared expert (none of them has biases)
             mlp = (self.n_experts if experts is None else experts) * self.mlp_matrices * self.dim * self.ffn_dim
             mlp += self.n_experts * self.dim + self.mlp_matrices * self.dim * self.shared_ffn_dim
@@ -96,8 +100,11 @@ class ModelShape:
 
 
 # The fields a config may lack when read by name (`as_shape`): their defaults are Llama's.
-_OPTIONAL = tuple(f.name for f in fields(ModelShape) if f.name not in (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim"))
+_OPTIONAL = tuple(
+    f.name
+    for f in fields(ModelShape)
+    if f.name not in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim")
+)
 
 
 def as_shape(model) -> ModelShape:
@@ -119,8 +126,10 @@ def _read_shape(cfg) -> ModelShape:
     family = getattr(cfg, "family", "llama")
     lacking = [name for name in _OPTIONAL if not hasattr(cfg, name) and name not in ("family", "max_seq_len")]
     if lacking and family != "llama":
-        raise TypeError(f"{type(cfg).__name__} (family {family!r}) lacks ModelShape's {', '.join(lacking)}: pass its "
-                        f"spec's shape, spec_of(config).shape(config), not the config")
+        raise TypeError(
+            f"{type(cfg).__name__} (family {family!r}) lacks ModelShape's {', '.join(lacking)}: pass its "
+            f"spec's shape, spec_of(config).shape(config), not the config"
+        )
     missing = [f.name for f in fields(ModelShape) if f.name not in _OPTIONAL and not hasattr(cfg, f.name)]
     if missing:
         raise TypeError(f"{type(cfg).__name__} is not a model shape: it lacks {', '.join(missing)} (pass a ModelShape)")
@@ -135,15 +144,21 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[ra
     if layers_per_stage is not None:
         counts = list(layers_per_stage)
         if len(counts) != n_stages:
-            raise ValueError(f"--pp-layers {','.join(map(str, counts))} lists {len(counts)} stages; the run has "
-                             f"{n_stages} (pp x virtual): give one count per stage")
+            raise ValueError(
+                f"--pp-layers {','.join(map(str, counts))} lists {len(counts)} stages; the run has "
+                f"{n_stages} (pp x virtual): give one count per stage"
+            )
         if any(c < 1 for c in counts) or sum(counts) != n_layers:
-            raise ValueError(f"--pp-layers {','.join(map(str, counts))} must be positive counts summing to "
-                             f"n_layers={n_layers} (they sum to {sum(counts)})")
+            raise ValueError(
+                f"--pp-layers {','.join(map(str, counts))} must be positive counts summing to "
+                f"n_layers={n_layers} (they sum to {sum(counts)})"
+            )
     else:
         if n_stages > n_layers:
-            raise ValueError(f"{n_stages} pipeline stages (pp x virtual) but only {n_layers} layers: every stage "
-                             f"needs a layer; lower --pp/--virtual or raise --n-layers to {n_stages}")
+            raise ValueError(
+                f"{n_stages} pipeline stages (pp x virtual) but only {n_layers} layers: every stage "
+                f"needs a layer; lower --pp/--virtual or raise --n-layers to {n_stages}"
+            )
         base, extra = divmod(n_layers, n_stages)
         counts = [base + (s < extra) for s in range(n_stages)]
     starts = [sum(counts[:s]) for s in range(n_stages)]
@@ -165,7 +180,11 @@ def kv_heads_fit(n_kv_heads: int, tp: int) -> bool:
 def _kv_local(shape: ModelShape, tp: int) -> int:
     """Output features of the k (or v) projection on one tp rank: kv heads split, or all of them
     replicated when tp exceeds the kv heads (tessera's ReplicatedHeads keeps the whole weight)."""
-    return shape.n_kv_heads * shape.head_dim // tp if kv_heads_split(shape.n_kv_heads, tp) else shape.n_kv_heads * shape.head_dim
+    return (
+        shape.n_kv_heads * shape.head_dim // tp
+        if kv_heads_split(shape.n_kv_heads, tp)
+        else shape.n_kv_heads * shape.head_dim
+    )
 
 
 def expert_param_shapes(shape, tp: int, ep: int = 1) -> list[tuple[int, int]]:
@@ -226,10 +245,15 @@ def layer_shard_groups(shape, tp: int, ep: int, shards: int) -> list[tuple[list[
         return [(layer_param_shapes(shape, tp, ep), shards)]
     if shards % ep:
         raise ValueError(f"ep={ep} must divide the {shards} FSDP ranks of dp_shard x cp; raise --dp or --cp")
-    return [(layer_param_shapes(shape, tp, ep, experts=False), shards), (expert_param_shapes(shape, tp, ep), shards // ep)]
+    return [
+        (layer_param_shapes(shape, tp, ep, experts=False), shards),
+        (expert_param_shapes(shape, tp, ep), shards // ep),
+    ]
 
 
-def stage_param_shapes(shape, tp: int, first: bool, last: bool, n_layers: int, ep: int = 1) -> list[list[tuple[int, int]]]:
+def stage_param_shapes(
+    shape, tp: int, first: bool, last: bool, n_layers: int, ep: int = 1
+) -> list[list[tuple[int, int]]]:
     """One list of (rows, cols) per FSDP unit of a stage on one tp rank: the first stage's token embedding
     (rows split over tp: ceil(V / tp), as torch.chunk cuts them) and learned position table (split the same
     way), the blocks (`layer_param_shapes`, with E / ep experts each), and the last stage's final norm with

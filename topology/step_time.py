@@ -129,13 +129,20 @@ def find_entry(data: dict, device_kind: str, dtype: str | None = None) -> dict:
     """The entry of a calibration file (parsed JSON) whose device kind contains `device_kind` (case-
     insensitive) and, if given, measured in `dtype`; ValueError naming the entries there are otherwise."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
-        raise ValueError(f"not a tessera calibration file of schema {SCHEMA}; recalibrate with tessera plan --calibrate")
-    found = [e for e in data["entries"].values()
-             if device_kind.lower() in str(e.get("device_kind", "")).lower() and (dtype is None or e.get("dtype") == dtype)]
+        raise ValueError(
+            f"not a tessera calibration file of schema {SCHEMA}; recalibrate with tessera plan --calibrate"
+        )
+    found = [
+        e
+        for e in data["entries"].values()
+        if device_kind.lower() in str(e.get("device_kind", "")).lower() and (dtype is None or e.get("dtype") == dtype)
+    ]
     if not found:
         have = "; ".join(sorted(data["entries"])) or "none"
-        raise ValueError(f"no calibration for device kind {device_kind!r}{f' in {dtype}' if dtype else ''} (the file holds: "
-                         f"{have}); run tessera plan --calibrate on such a device")
+        raise ValueError(
+            f"no calibration for device kind {device_kind!r}{f' in {dtype}' if dtype else ''} (the file holds: "
+            f"{have}); run tessera plan --calibrate on such a device"
+        )
     return max(found, key=lambda e: e.get("created", ""))
 
 
@@ -171,8 +178,19 @@ def attention_flops_per_token(shape, seq_len: int) -> float:
     return 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
-def step_parts(shape, cal: Calibration, tokens: int, seq_len: int, params: float, param_tensors: int, layers: int,
-               dtype_bytes: int, recompute: float = 0.0, share: float = 1.0, microbatches: int = 1) -> dict[str, float]:
+def step_parts(
+    shape,
+    cal: Calibration,
+    tokens: int,
+    seq_len: int,
+    params: float,
+    param_tensors: int,
+    layers: int,
+    dtype_bytes: int,
+    recompute: float = 0.0,
+    share: float = 1.0,
+    microbatches: int = 1,
+) -> dict[str, float]:
     """Seconds of one rank's step by component: matmul, attention, memory, host, and "step" (their
     combination, module doc). `tokens` and `seq_len` are the step's whole (global) figures, `share` the
     fraction of the model FLOPs and traffic this rank does (1 / ranks for an even split); `params` and
@@ -184,12 +202,26 @@ def step_parts(shape, cal: Calibration, tokens: int, seq_len: int, params: float
     attention = attention_flops_per_token(cfg, seq_len) * tokens * share * (1 + recompute) / cal.attention_flops_per_s
     activations = (cfg.n_layers * block_elements_per_token(cfg) + 33 * cfg.dim) * e * tokens * share
     loss = (LOSS_PASSES * 4 + (6 if e == 2 else 0)) * cfg.vocab_size * tokens * share
-    optimizer = params * (OPTIMIZER_BYTES_PER_PARAM[cal.device_type] + (MIXED_PRECISION_BYTES_PER_PARAM if e == 2 else 0))
+    optimizer = params * (
+        OPTIMIZER_BYTES_PER_PARAM[cal.device_type] + (MIXED_PRECISION_BYTES_PER_PARAM if e == 2 else 0)
+    )
     traffic = activations + loss + optimizer
     memory = traffic / cal.memory_bytes_per_s
-    ops = OPS_TRAINER + (OPS_FIXED + OPS_PER_BLOCK * layers) * microbatches + OPS_PER_TENSOR * param_tensors + OPS_OPTIMIZER
+    ops = (
+        OPS_TRAINER
+        + (OPS_FIXED + OPS_PER_BLOCK * layers) * microbatches
+        + OPS_PER_TENSOR * param_tensors
+        + OPS_OPTIMIZER
+    )
     host = ops * cal.op_overhead_s
     device = matmul + attention + memory
     step = max(device, host) if cal.host_overlaps else device + host
-    return {"matmul": matmul, "attention": attention, "memory": memory, "host": host, "step": step,
-            "memory_traffic_bytes": traffic, "operators": float(ops)}
+    return {
+        "matmul": matmul,
+        "attention": attention,
+        "memory": memory,
+        "host": host,
+        "step": step,
+        "memory_traffic_bytes": traffic,
+        "operators": float(ops),
+    }

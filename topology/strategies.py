@@ -1,14 +1,14 @@
 """Hypothesis strategies for property tests of sharding (needs hypothesis: `pip install tessera-4d[test]`).
 
-    layouts(max_world=8, axes=("dp_shard", "tp"), model=cfg, seq_len=256, global_batch=8, tp_divides=None)
-        Layouts up to `max_world` ranks over the chosen axes, limited to what the model and data allow:
-        tp divides the heads and ffn width (and kv heads divide tp or tp divides them), cp splits the
-        sequence into 2*cp chunks, pp has a layer per stage, dp divides the global batch. Shrinks towards
-        the smallest degrees (1 on every axis, then the fewest ranks).
-    divisible_shapes(divisors, max_side=8)   shapes whose dim i is a multiple of divisors[i]
-    placements(ndim, mesh_ndim)              a DTensor placement per mesh dim: Shard(d), Replicate, Partial
-    schedules(max_stages=4, max_microbatches=8, kinds=KINDS)   valid (kind, stages, microbatches, virtual)
-                                             with the built schedule
+layouts(max_world=8, axes=("dp_shard", "tp"), model=cfg, seq_len=256, global_batch=8, tp_divides=None)
+    Layouts up to `max_world` ranks over the chosen axes, limited to what the model and data allow:
+    tp divides the heads and ffn width (and kv heads divide tp or tp divides them), cp splits the
+    sequence into 2*cp chunks, pp has a layer per stage, dp divides the global batch. Shrinks towards
+    the smallest degrees (1 on every axis, then the fewest ranks).
+divisible_shapes(divisors, max_side=8)   shapes whose dim i is a multiple of divisors[i]
+placements(ndim, mesh_ndim)              a DTensor placement per mesh dim: Shard(d), Replicate, Partial
+schedules(max_stages=4, max_microbatches=8, kinds=KINDS)   valid (kind, stages, microbatches, virtual)
+                                         with the built schedule
 """
 
 from __future__ import annotations
@@ -33,9 +33,16 @@ def _allowed(axis: str, model, seq_len: int | None, tp_divides: int | None, max_
 
 
 @st.composite
-def layouts(draw, max_world: int = 8, axes: Sequence[str] = ("dp_shard", "tp"), model=None,
-            seq_len: int | None = None, global_batch: int | None = None, min_world: int = 1,
-            tp_divides: int | None = None) -> Layout:
+def layouts(
+    draw,
+    max_world: int = 8,
+    axes: Sequence[str] = ("dp_shard", "tp"),
+    model=None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
+    min_world: int = 1,
+    tp_divides: int | None = None,
+) -> Layout:
     """A Layout over `axes` (the others 1) with min_world <= world_size <= max_world that the model
     (a ModelShape, a tessera ModelConfig, or anything with n_heads, n_kv_heads, ffn_dim and n_layers), the sequence
     length and the global batch allow; `tp_divides`: tp must divide it (a user model's head count)."""
@@ -65,8 +72,9 @@ def placements(ndim: int, mesh_ndim: int = 1, partial: bool = True) -> st.Search
     """One placement per mesh dimension: Shard(d) for d < ndim, Replicate(), or (if `partial`) Partial()."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    one = st.one_of(st.integers(0, max(0, ndim - 1)).map(Shard), st.just(Replicate()),
-                    *([st.just(Partial())] if partial else []))
+    one = st.one_of(
+        st.integers(0, max(0, ndim - 1)).map(Shard), st.just(Replicate()), *([st.just(Partial())] if partial else [])
+    )
     return st.lists(one, min_size=mesh_ndim, max_size=mesh_ndim)
 
 
@@ -79,8 +87,9 @@ class ScheduleCase(NamedTuple):
 
 
 @st.composite
-def schedules(draw, max_stages: int = 4, max_microbatches: int = 8, kinds: Sequence[str] | None = None,
-              max_virtual: int = 2) -> ScheduleCase:
+def schedules(
+    draw, max_stages: int = 4, max_microbatches: int = 8, kinds: Sequence[str] | None = None, max_virtual: int = 2
+) -> ScheduleCase:
     """A pipeline schedule that build_schedule accepts, with the arguments that built it."""
     from .schedule import KINDS, VIRTUAL_KINDS, build_schedule, check_schedule
 
