@@ -202,8 +202,8 @@ def train(
     """`steps` optimizer steps of the baseline on `batches(step)` -> (inputs, targets) (B, S) each; one record
     per step: step, loss (before the update), grad_norm, step_time_s (the wall time of the whole step, host
     sync included), tokens_per_s, peak_memory_bytes (the CUDA allocator's peak since the model was built,
-    or the process peak RSS on CPU) and compute_dtype (the dtype of the output head's matmul operands, read from the tensors during the
-    first step). Starts a one-rank process group if none is running (and ends it)."""
+    or the process peak RSS on CPU) and compute_dtype (the dtype of the output head's matmul operands, read
+    from the tensors during the first step). Starts a one-rank process group if none is running (and ends it)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -292,11 +292,12 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
             else ""
         )
         print(
-            f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per device), "
+            f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s "
+            f"({r['tokens_per_s_per_device']:,.0f} per device), "
             f"step {r['step_time_s'] * 1e3:.1f} ms ({r['exposed_comm_s'] * 1e3:.1f} ms exposed communication), "
             f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}, {r['compute_dtype']}; predicted step "
-            f"{r['predicted']['step_time_s'] * 1e3:.1f} ms (measured / predicted {r['measured_over_predicted']['step_time']:.2f})"
-            + experts,
+            f"{r['predicted']['step_time_s'] * 1e3:.1f} ms "
+            f"(measured / predicted {r['measured_over_predicted']['step_time']:.2f})" + experts,
             flush=True,
         )
     _efficiency(rows)
@@ -317,7 +318,8 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
                 r["step_time_s"] / baseline["step_time_s"] if r["global_batch"] == baseline["global_batch"] else None
             )
         print(
-            f"bench [baseline]: {baseline['tokens_per_s']:,.0f} tok/s, step {baseline['step_time_s'] * 1e3:.1f} ms, MFU "
+            f"bench [baseline]: {baseline['tokens_per_s']:,.0f} tok/s, "
+            f"step {baseline['step_time_s'] * 1e3:.1f} ms, MFU "
             f"{baseline['mfu']:.1%}, {baseline['compute_dtype']}; tessera / baseline step time: "
             + ", ".join(
                 f"{r['layout']} {r['step_time_vs_baseline']:.3f}" for r in rows if r.get("step_time_vs_baseline")

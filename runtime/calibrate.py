@@ -1,15 +1,16 @@
 """Calibrating the planner's step-time model on this device (`tessera plan --calibrate`).
 
-Measures, at a model's own shapes and in the compute dtype, the four figures topology/step_time.py uses:
-the achieved matmul rate of the model's linear layers (forward and both backward matmuls), tessera's
-attention forward + backward, the memory bandwidth the step's elementwise operators reach (a copy of an
+Measures, at a model's own shapes and in the compute dtype, the four figures topology/step_time.py uses: the
+achieved matmul rate of the model's linear layers (forward and both backward matmuls), tessera's attention
+forward + backward, the memory bandwidth the step's elementwise operators reach (a copy of an
 activation-sized tensor and the operator mix a block runs on such tensors: broadcast multiplies as RMSNorm
 and RoPE do, a two-input multiply and add, SiLU, a squared mean; the model uses the mix's rate, the copy's
-is kept beside it), and the host's cost of one dispatched operator. Each is the median of a few repetitions after a warm-up. The figures go
-into a small JSON file keyed by device kind and dtype (default ~/.cache/tessera/calibration.json, or
-$TESSERA_CALIBRATION, or --calibration PATH), which `tessera plan --device-kind KIND` and `tessera bench`
-read. On CPU a measurement uses the threads of one tessera rank (1, as the local launcher gives each rank)
-unless told otherwise; the figures are of this machine at this moment (other processes included).
+is kept beside it), and the host's cost of one dispatched operator. Each is the median of a few repetitions
+after a warm-up. The figures go into a small JSON file keyed by device kind and dtype (default
+~/.cache/tessera/calibration.json, or $TESSERA_CALIBRATION, or --calibration PATH), which `tessera plan
+--device-kind KIND` and `tessera bench` read. On CPU a measurement uses the threads of one tessera rank (1,
+as the local launcher gives each rank) unless told otherwise; the figures are of this machine at this moment
+(other processes included).
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ def load(path: str | Path | None = None) -> dict[str, Any]:
 def describe(entry: dict[str, Any]) -> str:
     return (
         f"{entry['device_kind']}, {entry['dtype']}: matmul {entry['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, "
-        f"attention {entry['attention_flops_per_s'] / 1e12:.3g} TFLOP/s, elementwise {entry['memory_bytes_per_s'] / 1e9:.3g} GB/s "
+        f"attention {entry['attention_flops_per_s'] / 1e12:.3g} TFLOP/s, "
+        f"elementwise {entry['memory_bytes_per_s'] / 1e9:.3g} GB/s "
         f"(copy {entry.get('copy_bytes_per_s', float('nan')) / 1e9:.3g}), "
         f"{entry['op_overhead_s'] * 1e6:.2f} us per operator"
     )

@@ -374,7 +374,8 @@ def _convert(args: argparse.Namespace) -> int:
         return 2
     print(
         f"wrote {args.out}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.num_params() / 1e6:,.1f}M parameters in "
-        f"tessera's names (train from it with --init-from-hf {args.from_hf}, or --init-from {args.out} with a matching preset)"
+        f"tessera's names (train from it with --init-from-hf {args.from_hf}, "
+        f"or --init-from {args.out} with a matching preset)"
     )
     return 0
 

@@ -99,7 +99,8 @@ class ParallelSection:
     )
     cp_method: str | None = opt(
         None,
-        "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); default with --cp > 1: ring",
+        "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); "
+        "default with --cp > 1: ring",
     )
     loss: str = opt(
         "chunked",
@@ -242,7 +243,8 @@ class RuntimeSection:
     )
     max_restarts: int = opt(
         0,
-        "when a rank fails, restart every rank from the latest checkpoint up to N times (under torchrun: its --max-restarts)",
+        "when a rank fails, restart every rank from the latest checkpoint up to N times "
+        "(under torchrun: its --max-restarts)",
     )
     on_nonfinite: str = opt(
         "stop",

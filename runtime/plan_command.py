@@ -126,7 +126,8 @@ def add_plan_parser(sub) -> None:
     cal = p.add_argument_group(
         "calibration",
         "Measured rates instead of --peak-tflops x --efficiency: --calibrate measures this machine (a "
-        "matmul at the model's shapes in the compute dtype, tessera's attention, the bandwidth a block's elementwise operators reach beside a plain copy, the host's "
+        "matmul at the model's shapes in the compute dtype, tessera's attention, the bandwidth a block's "
+        "elementwise operators reach beside a plain copy, the host's "
         "cost per operator) and stores the figures by device kind; --device-kind plans with a stored kind "
         "(topology/step_time.py states what the step-time model counts)",
     )
@@ -225,7 +226,8 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         return 0
     print(
-        f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), seq {args.seq_len}, "
+        f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), "
+        f"seq {args.seq_len}, "
         f"global batch {args.global_batch}: {len(result.ranked)} of {result.considered} layouts shown "
         f"(ranked by estimated step time; GB per rank)"
     )
@@ -249,11 +251,17 @@ def run_plan(args: argparse.Namespace) -> int:
         if hw.calibration is None
         else f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})"
     )
+    precision = (
+        "bf16 compute, fp32 master weights and Adam (16 B/parameter)"
+        if hw.dtype_bytes == 2
+        else "fp32 compute and Adam"
+    )
     print(
         f"assumptions: {compute}, {args.intra_node_gbps:g} GB/s in a node, "
         f"{args.inter_node_gbps:g} GB/s across nodes, "
-        f"{f'experts streamed at {args.hbm_gbps:g} GB/s, ' if result.request['experts'] else ''}{args.headroom:.0%} memory headroom, "
-        f"{'bf16 compute, fp32 master weights and Adam (16 B/parameter)' if hw.dtype_bytes == 2 else 'fp32 compute and Adam'}, "
+        f"{f'experts streamed at {args.hbm_gbps:g} GB/s, ' if result.request['experts'] else ''}"
+        f"{args.headroom:.0%} memory headroom, "
+        f"{precision}, "
         f"--ac op's recompute at 3% of the step"
     )
     if dry is not None:

@@ -44,7 +44,8 @@ def check(config: Config) -> None:
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch)
         if held_out.vocab_size > model.vocab_size:
             raise ValueError(
-                f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} exceeds the model's {model.vocab_size}"
+                f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} "
+                f"exceeds the model's {model.vocab_size}"
             )
     if d.pack_documents:
         check_document_masking(model)
@@ -264,7 +265,8 @@ def _check_model(config: Config):
     model = config.model_config  # unknown preset -> ValueError naming the presets
     if config.data.seq_len > model.max_seq_len:
         raise ValueError(
-            f"--seq-len {config.data.seq_len} exceeds the {config.model.preset} preset's max_seq_len={model.max_seq_len}; "
+            f"--seq-len {config.data.seq_len} exceeds the {config.model.preset} preset's "
+            f"max_seq_len={model.max_seq_len}; "
             f"use --seq-len {model.max_seq_len} or less"
         )
     return model

@@ -149,5 +149,6 @@ class StepProfiler:
         table = ops.table(sort_by=time, row_limit=rows)
         return (
             f"profile: {steps} traced on every rank -> {where} (open in ui.perfetto.dev or chrome://tracing); "
-            f"rank {self.rank}'s top {rows} ops by self {'CUDA' if self.device.type == 'cuda' else 'CPU'} time:\n{table}"
+            f"rank {self.rank}'s top {rows} ops by self {'CUDA' if self.device.type == 'cuda' else 'CPU'} "
+            f"time:\n{table}"
         )

@@ -73,15 +73,16 @@ def startup_line(config: Config, trainer: Any) -> str:
         where.append(f"checkpoints -> {config.checkpoint.dir} ({every})")
     if trainer.layout.pp > 1:
         where.insert(0, pipeline_summary(config))
+    fewest = config.microbatches_chosen and config.layout.pp > 1
     return (
         f"tessera: {config.model_name} ({_human(total)} params, {trainer.model_config.n_layers} layers) on "
-        f"{trainer.layout} = {trainer.layout.world_size} {trainer.device.type} rank(s); {_human(local)} params on rank 0; "
+        f"{trainer.layout} = {trainer.layout.world_size} {trainer.device.type} rank(s); "
+        f"{_human(local)} params on rank 0; "
         f"{compute_dtype_summary(trainer.dtype_report)}; "
         f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
         f"{' (packed documents, each attending only to itself)' if config.data.pack_documents else ''}"
         f"{f' in {config.data.microbatches} microbatches' if config.data.microbatches > 1 else ''}"
-        f"{' (the fewest the schedule runs; --microbatches M to choose)' if config.microbatches_chosen and config.layout.pp > 1 else ''}; "
-        + "; ".join(where)
+        f"{' (the fewest the schedule runs; --microbatches M to choose)' if fewest else ''}; " + "; ".join(where)
     )
 
 
@@ -144,7 +145,8 @@ def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: 
         f"skipped: non-finite, no update ({m.get('skipped_steps', 0)} skipped so far) | " if m.get("skipped") else ""
     )
     return (
-        f"step {m['step']:>4}/{config.runtime.steps} | {skipped}loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
+        f"step {m['step']:>4}/{config.runtime.steps} | {skipped}loss {m['loss']:.4f} | "
+        f"grad_norm {m['grad_norm']:.3f} | "
         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
         f"eta {_duration(eta)} | {Layout(**m['layout'])}"
         + (f" | moe aux {m['moe']['aux_loss']:.2e} imbalance {m['moe']['max_imbalance']:.2f}" if m.get("moe") else "")

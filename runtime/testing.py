@@ -196,7 +196,8 @@ def compare_runs(reference: dict, run: dict, where: str, rtol: float) -> None:
             gg = grads_got[name]
             if gg.shape != gw.shape:
                 raise LayoutsDiverge(
-                    f"{where}, step {step}: gradient of {name!r} has shape {tuple(gg.shape)}, one process {tuple(gw.shape)}"
+                    f"{where}, step {step}: gradient of {name!r} has shape {tuple(gg.shape)}, "
+                    f"one process {tuple(gw.shape)}"
                 )
             err = (gg.double() - gw.double()).abs().max().item() if gw.numel() else 0.0
             scale = max(gw.abs().max().item() if gw.numel() else 0.0, model_scale, 1e-12)
@@ -291,7 +292,8 @@ def assert_layouts_equivalent(
             )
         if inputs.shape[0] % layout.dp:
             raise ValueError(
-                f"layout {layout}: the batch's {inputs.shape[0]} rows do not split over dp={layout.dp}; use a multiple of {layout.dp} rows"
+                f"layout {layout}: the batch's {inputs.shape[0]} rows do not split over dp={layout.dp}; "
+                f"use a multiple of {layout.dp} rows"
             )
         check_data_parallel(DataParallelConfig(strategy=fsdp), layout)
         if spec is not None:
