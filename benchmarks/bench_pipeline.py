@@ -9,7 +9,8 @@ step by step so both see the same machine state. Figures per kind:
     the gradient difference between the two executors (they compute the same function)
     peak memory per rank of each executor (CPU: peak RSS of a separate run of each; GPU: max allocated)
     tessera's measured bubble (idle share of the ranks between the first and last action, from the
-    executor's trace) beside the simulated bubble of the same schedule with the measured per-op costs
+    executor's trace: a rank is idle only while it waits for a message) beside the simulated bubble of the
+    same schedule with each action's measured cost
 
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 8
 """
@@ -34,7 +35,7 @@ from tessera.parallel import materialize  # noqa: E402
 from tessera.parallel.loss import CrossEntropySum  # noqa: E402
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank  # noqa: E402
 from tessera.parallel.schedule import build_schedule, simulate  # noqa: E402
-from tessera.topology.schedule import VIRTUAL_KINDS, V_KINDS, placement_of  # noqa: E402
+from tessera.topology.schedule import VIRTUAL_KINDS, V_KINDS, Action, bubble_of, placement_of  # noqa: E402
 
 TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -44,8 +45,16 @@ TORCH_SCHEDULES = {
     "looped-bfs": "ScheduleLoopedBFS",
     "interleaved-zb": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
-MULTI_STAGE = ("interleaved-1f1b", "zb-h1", "looped-bfs", "interleaved-zb", "zbv")  # torch classes taking a stage list
+MULTI_STAGE = (
+    "interleaved-1f1b",
+    "zb-h1",
+    "looped-bfs",
+    "interleaved-zb",
+    "zbv",
+    "dualpipev",
+)  # torch classes taking a stage list
 
 
 def _device() -> torch.device:
@@ -210,15 +219,12 @@ def peak_memory(
 
 
 def measured_bubble(traces: list[list]) -> tuple[float, dict[str, float]]:
-    """(idle share of the ranks between the first action's start and the last one's end, mean op costs)."""
-    begin = min(t[0][0] for t in traces)
-    end = max(t[-1][1] for t in traces)
-    busy = sum(e - s for t in traces for s, e, _ in t)
+    """(the run's bubble from the executor's trace, as the simulator counts it; mean cost of each op)."""
     costs: dict[str, list[float]] = {}
     for t in traces:
         for s, e, a in t:
             costs.setdefault(a[0], []).append(e - s)
-    return 1 - busy / (len(traces) * (end - begin)), {op: statistics.mean(v) for op, v in costs.items()}
+    return bubble_of(traces), {op: statistics.mean(v) for op, v in costs.items()}
 
 
 def main(argv=None) -> int:
@@ -232,7 +238,7 @@ def main(argv=None) -> int:
         "--virtual",
         type=int,
         default=2,
-        help="stages per rank for interleaved-1f1b, looped-bfs and interleaved-zb (zbv: always 2)",
+        help="stages per rank for interleaved-1f1b, looped-bfs and interleaved-zb (zbv, dualpipev: always 2)",
     )
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
@@ -258,9 +264,10 @@ def main(argv=None) -> int:
         times = results[0]["times"]
         t_tessera, t_torch = statistics.median(times["tessera"]), statistics.median(times["torch"])
         bubble, costs = measured_bubble([r["trace"] for r in results])
-        simulated = simulate(
+        simulated = simulate(  # each action at its measured cost (a W run with its B: none)
             build_schedule(kind, args.pp, args.microbatches, virtual),
-            {"F": costs["F"], "B": costs["B"], "W": costs.get("W", 0.0)},
+            {"F": 0.0, "B": 0.0, "W": 0.0},
+            durations={Action(*a): e - s for r in results for s, e, a in r["trace"]},
         ).bubble
         row = dict(
             kind=kind,

@@ -73,7 +73,7 @@ class PipelineConfig:
 
     @property
     def placement(self) -> str:
-        """Where the stages live: "v" for zbv (rank r holds r and 2 pp - 1 - r), else "loop" (s % pp)."""
+        """Where the stages live: "v" for zbv and dualpipev (rank r holds r and 2 pp - 1 - r), else "loop"."""
         return placement_of(self.kind)
 
     def actions(self, pp: int) -> list[list[Action]]:
@@ -85,7 +85,7 @@ class PipelineConfig:
 
 # ----------------------------------------------------------------------------- stages
 def stages_of_rank(pp_rank: int, pp: int, virtual: int = 1, placement: str = "loop") -> list[int]:
-    """The virtual stages pp rank r holds: r, r + pp, r + 2 pp, ...; on the V (zbv) r and 2 pp - 1 - r."""
+    """The virtual stages pp rank r holds: r, r + pp, r + 2 pp, ...; on the V r and 2 pp - 1 - r."""
     return stages_on_rank(pp_rank, pp, virtual, placement)
 
 
@@ -212,8 +212,10 @@ class PipelineRunner:
                 f"{sorted({a.stage for a in self.actions})}"
             )
         self.microbatches = microbatches
-        # (start, end, action) of each compute of the last step, receives excluded (host clock: meaningful
-        # on CPU ranks; on a GPU the kernels run asynchronously); off by default
+        # (start, end, action) of each action of the last step: the rank is busy from start to end, idle only
+        # while it waits for a message (the time before start), so the bookkeeping between computes counts
+        # as its action's work and the trace's idle time is the bubble as the simulator counts it (host
+        # clock: meaningful on CPU ranks; on a GPU the kernels run asynchronously); off by default
         self.record_trace = False
         self.trace: list[tuple[float, float, Action]] = []
         # what each peer sends this rank, in its order (its receives must be posted in that order)
@@ -225,6 +227,13 @@ class PipelineRunner:
         # gradient sync (FSDP2) on each part's last backward of the step only
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.op == "B" and a.stage == s) for s in stages
+        }
+        # positions of W's that come right after their own B (dualpipev's full backwards): the pair runs as
+        # one backward pass, input and weight gradients together, at the B
+        self.fused = {
+            k + 1
+            for k, a in enumerate(self.actions[:-1])
+            if a.op == "B" and self.actions[k + 1] == Action("W", a.microbatch, a.stage)
         }
         # When the next action's receive is posted. gloo runs each operation on its own: posting it before
         # this action computes lets the message arrive meanwhile. NCCL runs a peer's operations in order on
@@ -255,20 +264,24 @@ class PipelineRunner:
         self.peak_in_flight = 0  # the most microbatch-stages whose activations this rank held at once, this step
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self.trace = []
+        self.waited, previous_end = 0.0, time.perf_counter()
         for k, action in enumerate(self.actions):
             following = self.actions[k + 1] if k + 1 < len(self.actions) else None
+            if action.op == "W" and k in self.fused:
+                continue  # ran with its B
             if following is not None and self.receive_early:
                 self._queue_receive_for(following)
                 self._flush()
             key = self._input_key(action)
             received = self._receive(key) if key is not None else None
-            started = time.perf_counter()
             getattr(self, f"_{action.op}")(action, k, received)  # queues its sends
-            if self.record_trace:
-                self.trace.append((started, time.perf_counter(), action))
             if following is not None and not self.receive_early:
                 self._queue_receive_for(following)
             self._flush()
+            if self.record_trace:
+                end = time.perf_counter()
+                self.trace.append((previous_end + self.waited, end, action))
+                self.waited, previous_end = 0.0, end
         for work, _ in self.sends:
             with collective("send (pipeline)", "pp", self.group):
                 work.wait(self.timeout)
@@ -321,7 +334,7 @@ class PipelineRunner:
         part, x, out = self.stages[a.stage], saved["input"], saved["output"]
         # split kinds: FSDP2 would reduce when the input gradient is ready, before W; they reduce after W
         _set_gradient_sync(part, k == self.last_backward[a.stage] and not self.split)
-        if self.split:  # input gradient now; the weight gradient waits for W
+        if self.split and k + 1 not in self.fused:  # input gradient now; the weight gradient waits for W
             users = [y for y, _ in saved["weight_users"]]
             wanted = ([x] if x is not None else []) + users
             grads = torch.autograd.grad(
@@ -330,7 +343,7 @@ class PipelineRunner:
             input_grad = grads[0] if x is not None else None
             saved["weight_grads"] = list(grads[1:] if x is not None else grads)
             saved["output"] = saved["input"] = None
-        else:
+        else:  # the whole backward: a kind without W, or a B whose W follows it at once
             torch.autograd.backward(out, grad)
             input_grad = x.grad if x is not None else None
             del self.saved[(a.microbatch, a.stage)]
@@ -455,8 +468,10 @@ class PipelineRunner:
                 self._flush()
             tensor, work = self.posted.pop(key)
             kind, mb, stage = key
+            waiting = time.perf_counter()
             with collective(f"recv {kind} of microbatch {mb} for stage {stage}", "pp", self.group):
                 work.wait(self.timeout)
+            self.waited += time.perf_counter() - waiting
         return tensor.requires_grad_() if key[0] == "act" else tensor
 
 

@@ -93,6 +93,11 @@ PIPELINE_LAYOUTS = {
     ),
     "pp2xdp2-interleaved-zb": dict(pp=2, dp=2, schedule="interleaved-zb", virtual=2, microbatches=2),
     "pp2xdp2-looped-bfs": dict(pp=2, dp=2, schedule="looped-bfs", virtual=2, microbatches=2),
+    # DualPipeV (2 pp microbatches at least): full backwards (B and W as one pass) beside split ones, on the V
+    "pp2-dualpipev": dict(pp=2, schedule="dualpipev", virtual=2, microbatches=4),
+    "pp4-dualpipev": dict(pp=4, schedule="dualpipev", virtual=2, microbatches=8),
+    "pp2xtp2-dualpipev+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="dualpipev", virtual=2, microbatches=4),
+    "pp2xdp2-dualpipev": dict(pp=2, dp=2, schedule="dualpipev", virtual=2, microbatches=4),
     "pp2+ac_full": dict(pp=2, ac="full", microbatches=2),
     # all four axes at once: 16 ranks (pp2 x dp2 x cp2 x tp2 + sp and pp2 x HSDP x tp2: tests/test_four_d.py)
     "pp2xdp2xcp2xtp2-interleaved-allgather": dict(

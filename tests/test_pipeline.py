@@ -343,6 +343,7 @@ KINDS_RUN = [
     ("looped-bfs", 2, 4),
     ("interleaved-zb", 2, 4),
     ("zbv", 2, 4),
+    ("dualpipev", 2, 8),
 ]
 
 
@@ -365,7 +366,7 @@ def test_every_kind_holds_the_activations_the_simulator_says_and_computes_the_on
 
 
 def test_the_pipeline_benchmark_runs_the_new_kinds_beside_torchs(tmp_path):
-    """benchmarks/bench_pipeline.py, small: tessera's looped-bfs, interleaved-zb and zbv against torch's
+    """benchmarks/bench_pipeline.py, small: tessera's looped-bfs, interleaved-zb, zbv and dualpipev against torch's
     classes of the same kind compute the same gradients; the record holds the ratio of the times it holds."""
     import json
     from pathlib import Path
@@ -380,7 +381,7 @@ def test_the_pipeline_benchmark_runs_the_new_kinds_beside_torchs(tmp_path):
             "--n-layers",
             "4",
             "--microbatches",
-            "2",
+            "4",
             "--rows",
             "1",
             "--seq-len",
@@ -390,7 +391,7 @@ def test_the_pipeline_benchmark_runs_the_new_kinds_beside_torchs(tmp_path):
             "--warmup",
             "0",
             "--kinds",
-            "looped-bfs,interleaved-zb,zbv",
+            "looped-bfs,interleaved-zb,zbv,dualpipev",
             "--out",
             str(tmp_path),
         ],
@@ -401,7 +402,75 @@ def test_the_pipeline_benchmark_runs_the_new_kinds_beside_torchs(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "pipeline-debug-pp2-cpu.json").read_text())["results"]
-    assert [r["kind"] for r in rows] == ["looped-bfs", "interleaved-zb", "zbv"]
+    assert [r["kind"] for r in rows] == ["looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
     for r in rows:
         assert r["grad_max_rel_diff"] < 1e-5, r
         assert r["torch_over_tessera"] == pytest.approx(r["torch_step_s"] / r["tessera_step_s"])
+
+
+def _traces_by_kind(pp, kinds):
+    """Each kind's steps on `pp` ranks with stages large enough that compute outweighs messages: the
+    executor's traces of three steps after a warm-up (one clock: time.perf_counter is system-wide on Linux),
+    per rank."""
+    import torch.distributed as dist
+
+    from tessera.models import get_preset
+    from tessera.parallel import materialize
+    from tessera.parallel.loss import CrossEntropySum
+    from tessera.parallel.pipeline import PipelineRunner
+    from tessera.topology.schedule import placement_of
+
+    out = {}
+    cfg = get_preset("small", n_layers=2 * pp)
+    for kind, virtual, microbatches in kinds:
+        n_stages = pp * virtual
+        per_stage = cfg.n_layers // n_stages
+        mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
+        stages = {
+            s: materialize(build_stage(cfg, s, n_stages, range(s * per_stage, (s + 1) * per_stage)), "cpu", seed=0)
+            for s in mine
+        }
+        runner = PipelineRunner(
+            stages,
+            kind,
+            dist.group.WORLD,
+            microbatches,
+            virtual,
+            CrossEntropySum(cfg.vocab_size),
+            lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
+            torch.device("cpu"),
+        )
+        tokens = torch.randint(0, cfg.vocab_size, (2 * microbatches, 257), generator=torch.Generator().manual_seed(3))
+        batch = list(zip(tokens[:, :-1].chunk(microbatches), tokens[:, 1:].chunk(microbatches)))
+        out[kind] = []
+        for record in (False, True, True, True):  # a warm-up step, then three traced ones
+            dist.barrier()
+            runner.record_trace = record
+            runner.forward_backward(batch, tokens[:, 1:].numel())
+            if record:
+                traces = [None] * pp
+                dist.all_gather_object(traces, [(s, e, tuple(a)) for s, e, a in runner.trace])
+                out[kind].append(traces)
+    return out
+
+
+def test_every_kinds_measured_bubble_is_the_simulated_one():
+    """The executor realizes each schedule's bubble: the idle share measured from its trace on two ranks equals
+    the simulator's for the same schedule with each action's measured duration (a full backward run with its
+    W: the W costs nothing), within 0.03 -- message latency and the executor's own bookkeeping are all that
+    the simulator leaves out. Of three steps the fastest is judged (the one least disturbed by the machine)."""
+    from tessera.topology.schedule import Action, bubble_of, build_schedule, simulate
+
+    kinds = [(kind, virtual, 2 * m if kind == "dualpipev" else m) for kind, virtual, m in KINDS_RUN]
+    results = run_ranks(_traces_by_kind, 2, 2, kinds, timeout=600)[0]
+    rows = []
+    for kind, virtual, microbatches in kinds:
+        steps = [[[(s, e, Action(*a)) for s, e, a in row] for row in step] for step in results[kind]]
+        traces = min(steps, key=lambda t: max(row[-1][1] for row in t) - min(row[0][0] for row in t))
+        durations = {a: e - s for row in traces for s, e, a in row}
+        schedule = build_schedule(kind, 2, microbatches, virtual)
+        simulated = simulate(schedule, {"F": 0.0, "B": 0.0, "W": 0.0}, durations=durations).bubble
+        measured = bubble_of(traces)
+        print(f"{kind}: measured {measured:.3f} simulated {simulated:.3f}")
+        rows.append((kind, measured, simulated))
+    assert all(abs(m - s) <= 0.03 for _, m, s in rows), rows

@@ -139,6 +139,49 @@ def test_zbv_puts_two_stages_on_each_rank_in_a_v_and_beats_1f1b(p, rounds):
         assert half.bubble < one_f_one_b.bubble
 
 
+def _torch_dualpipev(p, m):
+    """torch.distributed.pipelining's own DualPipeV order (its per-rank list, computed without stages), in
+    tessera's actions: an overlapped F/B pair as its two actions, a full backward as B with its W."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(schedules, "ScheduleDualPipeV"):
+        pytest.skip("this torch has no ScheduleDualPipeV")
+    op = {schedules.FORWARD: "F", schedules.BACKWARD_INPUT: "B", schedules.BACKWARD_WEIGHT: "W"}
+    out = []
+    for r in range(p):
+        row = []
+        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+        for a in schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r):
+            for x in a.sub_actions or (a,):
+                if x.computation_type == schedules.FULL_BACKWARD:
+                    row += [
+                        Action("B", x.microbatch_index, x.stage_index),
+                        Action("W", x.microbatch_index, x.stage_index),
+                    ]
+                else:
+                    row.append(Action(op[x.computation_type], x.microbatch_index, x.stage_index))
+        out.append(row)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 12))
+def test_dualpipev_is_torchs_order_on_the_v_holds_at_most_2pp_plus_1_and_beats_zbv(p, extra):
+    """dualpipev lists exactly torch's ScheduleDualPipeV actions (written independently from DeepSeek's steps);
+    on zbv's V it holds at most 2 pp + 1 activations per rank, its bubble is no larger than zbv's, and with
+    half-size stages its step is no longer than 1F1B's over the same layers."""
+    m = 2 * p + extra
+    schedule = build_schedule("dualpipev", p, m, 2)
+    assert schedule == _torch_dualpipev(p, m)
+    assert [sorted({a.stage for a in row}) for row in schedule] == [sorted({r, 2 * p - 1 - r}) for r in range(p)]
+    timeline = simulate(schedule)
+    assert max(timeline.peak_held_activations) <= 2 * p + 1
+    assert timeline.bubble <= simulate(build_schedule("zbv", p, m, 2)).bubble + 1e-12
+    half = simulate(schedule, {"F": 0.5, "B": 0.5, "W": 0.5})
+    assert half.makespan <= simulate(build_schedule("1f1b", p, m), {"F": 1, "B": 1, "W": 1}).makespan
+
+
 def test_a_deadlocking_schedule_is_named():
     # rank 0 waits for B0 from rank 1 before sending F1; rank 1 wants F1 first: a cycle
     bad = [
@@ -179,6 +222,8 @@ def test_malformed_schedules_are_refused_naming_the_first_bad_action():
         (("interleaved-1f1b", 2, 3, 2), "--microbatches 3 is not a multiple of --pp 2; use --microbatches 4"),
         (("1f1b", 2, 4, 2), "--virtual 2 needs --schedule interleaved-1f1b"),
         (("pipedream", 2, 4), "unknown pipeline schedule 'pipedream'"),
+        (("dualpipev", 2, 3, 2), "microbatches=3 < 2 x 2; use microbatches=4 or more"),
+        (("dualpipev", 2, 4, 1), "runs two stages per rank on a V"),
     ],
 )
 def test_bad_schedule_arguments_name_the_value_and_the_fix(args, message):

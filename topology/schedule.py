@@ -23,11 +23,16 @@ stage s needs B of stage s + 1 (its output gradient), or its own F on the last s
                       first and the last on rank 0, so a microbatch's forward turns around on rank pp - 1
                       with no message); F and B listed as each becomes ready (B first, deeper stages first,
                       at most 2 pp forwards in flight per rank), W's placed as in interleaved-zb
+    dualpipev         DeepSeek's DualPipe cut in half (torch's ScheduleDualPipeV, same order): on zbv's V, a
+                      warm-up of forwards, then pairs "forward of one chunk, full backward of the other" (which
+                      DeepSeek overlaps to hide expert-parallel all-to-alls), then zero-bubble cool-down with
+                      split B and W; needs 2 pp microbatches
 
-Placement: stage s runs on rank `stage_rank(s, pp, placement)`: s % pp for every kind but zbv's "v".
+Placement: stage s runs on rank `stage_rank(s, pp, placement)`: s % pp for every kind but the V kinds' "v".
 
 `simulate` runs a schedule with per-op costs (no compute is done): each rank's timeline, the makespan, the
 bubble fraction, the peak activations in flight, and a clear error if the schedule would deadlock.
+`bubble_of` measures a run's bubble from the executor's trace the same way.
 `render` draws the timeline as text, one row per rank. Errors name the first bad action by its rank and
 its position in that rank's list (both counted from 0).
 
@@ -40,11 +45,13 @@ Pure Python (no torch): the planner simulates schedules with it, and tessera.par
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
-KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "interleaved-zb", "zbv")
-SPLIT_BACKWARD = ("zb-h1", "interleaved-zb", "zbv")  # kinds whose backward is B (input gradient) + W (weight gradient)
-V_KINDS = ("zbv",)  # kinds on the V placement: two stages per rank, rank r holding r and 2 pp - 1 - r
+KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+# kinds whose backward is B (input gradient) + W (weight gradient); dualpipev's full backwards are a B with its W
+# right after (the executor runs such a pair as one backward pass)
+SPLIT_BACKWARD = ("zb-h1", "interleaved-zb", "zbv", "dualpipev")
+V_KINDS = ("zbv", "dualpipev")  # kinds on the V placement: two stages per rank, rank r holding r and 2 pp - 1 - r
 VIRTUAL_KINDS = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")  # kinds that run several stages per rank
 ANY_MICROBATCHES = ("gpipe", "looped-bfs")  # kinds that run any number of microbatches (the rest: >= pp)
 OPS = ("F", "B", "W")
@@ -93,6 +100,11 @@ def check_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
             f"--virtual {virtual} needs --schedule {' or '.join(VIRTUAL_KINDS)} ({kind} runs one stage "
             f"per rank); use --virtual 1"
         )
+    if kind == "dualpipev" and microbatches < 2 * stages:
+        raise ValueError(
+            f"schedule dualpipev needs at least as many microbatches as its 2 x pp stages: microbatches="
+            f"{microbatches} < 2 x {stages}; use microbatches={2 * stages} or more"
+        )
     if kind not in ANY_MICROBATCHES and microbatches < stages:
         raise ValueError(
             f"--schedule {kind} needs at least as many microbatches as stages: --microbatches "
@@ -107,9 +119,9 @@ def check_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
 
 
 def fewest_microbatches(kind: str, stages: int, virtual: int = 1) -> int:
-    """The fewest microbatches `kind` runs on `stages` ranks (what check_schedule asks for): GPipe one; the
-    others one per stage (interleaved 1F1B runs them in rounds of pp)."""
-    return 1 if kind in ANY_MICROBATCHES else stages
+    """The fewest microbatches `kind` runs on `stages` ranks (what check_schedule asks for): GPipe and looped
+    BFS one; dualpipev one per virtual stage (2 pp); the others one per rank."""
+    return 1 if kind in ANY_MICROBATCHES else 2 * stages if kind == "dualpipev" else stages
 
 
 def build_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -133,6 +145,8 @@ def build_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
         return fill_weight_passes(order, max_pending=p)
     if kind == "zbv":
         return fill_weight_passes(_v_order(p, m), max_pending=p)
+    if kind == "dualpipev":
+        return [_dualpipev(r, p, m) for r in range(p)]
     return [_zb_h1(r, p, m) for r in range(p)]
 
 
@@ -220,6 +234,63 @@ def _v_order(p: int, m: int, costs: dict[str, float] | None = None) -> list[list
         next_op[(a.op, a.stage)] += 1
         in_flight[r] += 1 if a.op == "F" else -1
         out[r].append(a)
+    return out
+
+
+def _dualpipev(r: int, p: int, m: int) -> list[Action]:
+    """DualPipeV on rank r (stages r and 2 p - 1 - r), step by step as torch's ScheduleDualPipeV lists it.
+    A full backward is B with its W right after; "overlapped" F and B pairs run one after the other (as torch
+    runs them: the overlap is for a model that interleaves the two passes' compute and communication)."""
+    first, second = r, 2 * p - 1 - r
+    count = {(op, s): 0 for op in OPS for s in (first, second)}
+    pending: list[Action] = []  # W's of split backwards, oldest first
+    out: list[Action] = []
+
+    def add(op: str, stage: int) -> None:
+        a = Action(op, count[(op, stage)], stage)
+        count[(op, stage)] += 1
+        out.append(a)
+        if op == "B":
+            pending.append(Action("W", a.microbatch, stage))
+
+    def full_backward(stage: int) -> None:
+        add("B", stage)
+        out.append(pending.pop())  # its W at once
+        count[("W", stage)] += 1
+
+    def weight_pass() -> None:
+        if pending:
+            out.append(pending.pop(0))
+
+    for _ in range(2 * (p - r - 1)):  # 1: forwards of the first stage
+        add("F", first)
+    for _ in range(r + 1):  # 2: forwards of both
+        add("F", first)
+        add("F", second)
+    for _ in range(p - r - 1):  # 3: zero bubble on the second stage: B, a W, F
+        add("B", second)
+        weight_pass()
+        add("F", second)
+    for i in range(m - 2 * p + r + 1):  # 4: the main part, F of one stage with the full backward of the other
+        add("F", first)
+        full_backward(second)  # (torch: not overlapped at i = 0 on the last rank; the order is the same)
+        add("F", second)
+        full_backward(first)
+    for _ in range(p - r - 1):  # 5: the second stage's full backward, then F of it with the first's backward
+        full_backward(second)
+        add("F", second)
+        full_backward(first)
+    split = False  # 6: backwards of both, split from the middle on (odd ranks one action earlier)
+    for i in range(r + 1):
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        add("B", second) if split else full_backward(second)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        add("B", first) if split else full_backward(first)
+    for _ in range(p - r - 1):  # 7: a W, then B of the first stage
+        weight_pass()
+        add("B", first) if split else full_backward(first)
+    while pending:  # 8: the W's left
+        weight_pass()
     return out
 
 
@@ -361,14 +432,21 @@ def dependency(a: Action, stages: int) -> Action | None:
     return Action("B", a.microbatch, a.stage)
 
 
-def simulate(schedule: Schedule, costs: dict[str, float] | None = None, name: Namer = str) -> Timeline:
+def simulate(
+    schedule: Schedule,
+    costs: dict[str, float] | None = None,
+    name: Namer = str,
+    durations: Mapping[Action, float] | None = None,
+) -> Timeline:
     """Run the schedule on paper: each rank takes its actions in order, each as soon as the rank is free
     and its dependency has finished (sends and receives cost nothing). For a kind without W the cost of
-    B is costs["B"] + costs["W"] (the whole backward). Raises ValueError naming each stuck rank's action
-    (and where the action it waits for sits) if the schedule would deadlock."""
+    B is costs["B"] + costs["W"] (the whole backward). `durations` gives actions their own cost (measured
+    ones: the executor's trace), over `costs`. Raises ValueError naming each stuck rank's action (and where
+    the action it waits for sits) if the schedule would deadlock."""
     costs = {**DEFAULT_COSTS, **(costs or {})}
     stages, _, split = validate(schedule, name)
-    cost = {"F": costs["F"], "B": costs["B"] if split else costs["B"] + costs["W"], "W": costs["W"]}
+    per_op = {"F": costs["F"], "B": costs["B"] if split else costs["B"] + costs["W"], "W": costs["W"]}
+    durations = durations or {}
     finished: dict[Action, float] = {}
     next_index = [0] * len(schedule)
     free = [0.0] * len(schedule)
@@ -383,7 +461,7 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None, name: Na
                 if dep is not None and dep not in finished:
                     break
                 start = max(free[r], finished[dep] if dep is not None else 0.0)
-                end = start + cost[a.op]
+                end = start + durations.get(a, per_op[a.op])
                 finished[a], free[r] = end, end
                 ranks[r].append((start, end, a))
                 next_index[r] += 1
@@ -411,6 +489,16 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None, name: Na
         [_peak(row, "B", "W") if split else 0 for row in schedule],
         [_peak(row, "F", "W" if split else "B") for row in schedule],
     )
+
+
+def bubble_of(traces: Sequence[Sequence[tuple[float, float, Action]]]) -> float:
+    """The bubble of a run: the idle share of the ranks' time between the first action's start and the last
+    one's end, from each rank's (start, end, action) in order (the executor's trace, one clock for all
+    ranks), as `simulate` counts it."""
+    begin = min(row[0][0] for row in traces if row)
+    end = max(row[-1][1] for row in traces if row)
+    busy = sum(e - s for row in traces for s, e, _ in row)
+    return 1.0 - busy / (len(traces) * (end - begin)) if end > begin else 0.0
 
 
 def _peak(actions: Sequence[Action], opens: str, closes: str) -> int:
