@@ -29,13 +29,16 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
+from tessera.models.spec import spec_of
+from tessera.topology.schedule import placement_of, stage_rank, stages_on_rank
+from tessera.topology.schedule_files import action_text, check_fits
 from tessera.topology.shapes import split_layers  # the stage split's one rule (re-exported here)
 
 from .comm import collective
 from .loss import LinearCrossEntropyHead, model_loss
-from tessera.topology.schedule import placement_of, stage_rank, stages_on_rank
-from tessera.topology.schedule_files import action_text, check_fits
+from .tied import shared_parameters
 
 from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule, simulate, validate
 
@@ -80,6 +83,7 @@ class PipelineConfig:
         """The schedule as data for `pp` ranks: the kind built, or the given actions."""
         if self.kind is not None:
             return build_schedule(self.kind, pp, self.microbatches, self.virtual)
+        assert not isinstance(self.schedule, str)
         return [list(row) for row in self.schedule]
 
 
@@ -99,10 +103,6 @@ def build_stage(
     on the meta device nothing is allocated; `parallelize` and `materialize` then give it its shards of
     the one-process initialization (seeded by parameter name, so the stage's values are the one-process
     values)."""
-    from tessera.models.spec import spec_of
-
-    from .tied import shared_parameters
-
     spec = spec or spec_of(model_config)
     model = spec.build_model(model_config, device=device, seed=None if str(device) == "meta" else 0)
     split = spec.pipeline
@@ -130,6 +130,7 @@ def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, a
         check_schedule(kind, pp, config.microbatches, config.virtual)
         split = kind in SPLIT_BACKWARD
     else:  # a file's errors spell actions as the file does (0F1)
+        assert not isinstance(config.schedule, str)
         source = config.source or "the schedule"
         split = check_fits(
             config.schedule, pp, config.virtual, config.microbatches, source, action_text if config.source else str
@@ -148,7 +149,7 @@ def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, a
 
 
 # ----------------------------------------------------------------------------- the executor
-def _messages_sent(actions: list[Action], me: int, rank_of_stage: Callable[[int], int], n_stages: int):
+def _messages_sent(actions: Sequence[Action], me: int, rank_of_stage: Callable[[int], int], n_stages: int):
     """(peer, key) of each message `actions` send, in order; key = ("act" | "grad", microbatch, stage it is for)."""
     for a in actions:
         if a.op == "F" and a.stage < n_stages - 1 and rank_of_stage(a.stage + 1) != me:
@@ -310,6 +311,7 @@ class PipelineRunner:
         inputs, targets = self.data[a.microbatch][:2]
         positions = self.positions[a.microbatch]
         x = inputs if a.stage == 0 else received
+        assert x is not None  # a stage past the first receives its input
         captured: list[tuple[Tensor, list[nn.Parameter]]] = []
         last = a.stage == self.n_stages - 1
         with _capture_weight_users(part, captured) if self.split else _nothing():
@@ -348,6 +350,7 @@ class PipelineRunner:
             input_grad = x.grad if x is not None else None
             del self.saved[(a.microbatch, a.stage)]
         if a.stage > 0:
+            assert input_grad is not None  # the stage's input requires grad (_receive)
             self._send(input_grad, ("grad", a.microbatch, a.stage - 1))
 
     def _W(self, a: Action, k: int, received: None) -> None:
@@ -377,7 +380,7 @@ class PipelineRunner:
                 else:
                     x = torch.empty(shape, dtype=dtype, device=self.device)
                     with collective(f"recv act of microbatch {mb} for stage {stage} (eval)", "pp", self.group):
-                        dist.irecv(x, self.peers[self.rank_of_stage(stage - 1)], self.group).wait(self.timeout)
+                        _wait(dist.irecv(x, self.peers[self.rank_of_stage(stage - 1)], self.group), self.timeout)
                 part = self.stages[stage]
                 if stage == self.n_stages - 1:
                     loss_sum, valid = model_loss(self.loss_fn, part, x, positions, targets)
@@ -390,9 +393,8 @@ class PipelineRunner:
                     local[stage + 1] = out
                 else:
                     with collective(f"send act of microbatch {mb} for stage {stage + 1} (eval)", "pp", self.group):
-                        dist.isend(out.contiguous(), self.peers[self.rank_of_stage(stage + 1)], self.group).wait(
-                            self.timeout
-                        )
+                        to = self.peers[self.rank_of_stage(stage + 1)]
+                        _wait(dist.isend(out.contiguous(), to, self.group), self.timeout)
         with collective("all_reduce (eval loss)", "pp", self.group):
             dist.all_reduce(totals, group=self.group)
         return totals[0], totals[1]
@@ -475,8 +477,13 @@ class PipelineRunner:
         return tensor.requires_grad_() if key[0] == "act" else tensor
 
 
+def _wait(work: dist.Work | None, timeout: timedelta) -> None:
+    assert work is not None, "this rank is in the pp group"  # torch returns None to ranks outside the group
+    work.wait(timeout)
+
+
 def _set_gradient_sync(part: nn.Module, last: bool) -> None:
-    if hasattr(part, "set_requires_gradient_sync"):  # FSDP2: reduce once per step, keep gathered until then
+    if isinstance(part, FSDPModule):  # FSDP2: reduce once per step, keep gathered until then
         part.set_requires_gradient_sync(last)
         part.set_reshard_after_backward(last)
 
@@ -486,15 +493,13 @@ def _reduce_gradients_now(part: nn.Module) -> None:
     REDUCE_GRAD does the same): the split schedules compute weight gradients in W passes that FSDP2's
     autograd hooks never see, so each unit's gradients (accumulated unsharded, with sync off) are reduced
     here, after the last W, and the units resharded."""
-    if not hasattr(part, "set_requires_gradient_sync"):
+    if not isinstance(part, FSDPModule):
         return
-    from torch.distributed.fsdp import fully_shard
-
     part.set_requires_gradient_sync(True)
     part.set_reshard_after_backward(True)
-    if hasattr(part, "set_is_last_backward"):
+    if hasattr(part, "set_is_last_backward"):  # not in every torch this runs on
         part.set_is_last_backward(True)
-    state = fully_shard.state(part)
+    state = part._get_fsdp_state()
     for unit in state._state_ctx.all_states:
         groups = getattr(unit, "_fsdp_param_groups", None)  # torch 2.13; 2.11 holds one group
         if groups is None:
@@ -511,7 +516,8 @@ class _capture_weight_users:
 
     def __init__(self, part: nn.Module, out: list[tuple[Tensor, list[nn.Parameter]]]):
         self.modules = [m for m in part.modules() if any(True for _ in m.parameters(recurse=False))]
-        self.out, self.handles = out, []
+        self.out = out
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def _hook(self, module: nn.Module, args, output) -> None:
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
+import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from tessera.parallel.loss import model_loss
 
@@ -33,7 +35,7 @@ class Runner(Protocol):
 
 
 def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+    if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
 
 
@@ -73,9 +75,8 @@ def forward_only(
     positions: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(summed loss, valid targets) of this rank's microbatches without gradients (evaluation)."""
-    import torch
-
-    total, count = None, None
+    total: Tensor | None = None
+    count: Tensor | None = None
     with torch.no_grad():
         for microbatch in microbatches:
             loss_sum, valid = model_loss(
@@ -84,6 +85,8 @@ def forward_only(
             total = loss_sum.float() if total is None else total + loss_sum.float()
             valid = torch.as_tensor(valid, dtype=torch.float32, device=loss_sum.device)
             count = valid if count is None else count + valid
+    if total is None or count is None:
+        raise ValueError("evaluation needs at least one microbatch")
     return total, count
 
 

@@ -413,9 +413,9 @@ def validate(schedule: Schedule, name: Namer = str) -> tuple[int, int, bool]:
     for r, actions in enumerate(schedule):
         position = {a: k for k, a in enumerate(actions)}
         for k, a in enumerate(actions):
-            before = {"B": "F", "W": "B"}.get(a.op)
-            if before and position[Action(before, a.microbatch, a.stage)] > k:
-                needed = Action(before, a.microbatch, a.stage)
+            earlier_op = {"B": "F", "W": "B"}.get(a.op)
+            if earlier_op and position[Action(earlier_op, a.microbatch, a.stage)] > k:
+                needed = Action(earlier_op, a.microbatch, a.stage)
                 raise ValueError(
                     f"{_at(r, k, a, name)} comes before {name(needed)} (position {position[needed]}); "
                     f"a microbatch runs F, then B, then W on a stage"
@@ -473,6 +473,7 @@ def simulate(
             for r, k in enumerate(next_index):
                 if k < len(schedule[r]):
                     dep = dependency(schedule[r][k], stages)
+                    assert dep is not None  # an action with no dependency never waits
                     waits.append(
                         f"{_at(r, k, schedule[r][k], name)} waits for {name(dep)} "
                         f"(rank {where[dep][0]} position {where[dep][1]})"
