@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -166,9 +168,6 @@ def build(cfg: Any, state: State, device: torch.device, options: Options) -> Lla
     """The model on `device`, weights from `state` (a tessera state dict, or a function returning one, called
     here and dropped once loaded; None: torch's default init), compiled per block if asked, then FSDP2 on a
     one-rank mesh with the mixed-precision policy. Needs an initialized one-rank process group."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     with torch.device("meta"):
         model = Llama(_shape_of(cfg))
     model.to_empty(device=device)
@@ -292,6 +291,7 @@ def _train(cfg, batches, steps, device, state, options) -> list[dict[str, Any]]:
 def tessera_batches(cfg: Any, seq_len: int, global_batch: int) -> Callable[[int], tuple[Tensor, Tensor]]:
     """Step -> (inputs, targets) of tessera's default token stream (the shipped text, byte-tokenized; token
     ids folded into the vocabulary for presets wider than bytes are not needed: ids < 258 always fit)."""
+    # lazy: the baseline itself imports torch only (never tessera's kernels, which tessera.models loads)
     from tessera.models.data import TokenStream
 
     stream = TokenStream(seq_len, global_batch)
@@ -300,7 +300,7 @@ def tessera_batches(cfg: Any, seq_len: int, global_batch: int) -> Callable[[int]
 
 def tessera_state(cfg: Any, seed: int, device: torch.device | str = "cpu") -> dict[str, Tensor]:
     """tessera's one-process initial weights for `seed` (equal to every layout's, shard by shard)."""
-    from tessera.models import build_model
+    from tessera.models import build_model  # lazy: (as in tessera_batches) the baseline imports torch only
 
     return build_model(cfg, device=device, seed=seed).state_dict()
 
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-precision", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="per block (auto: on CUDA only)")
     args = p.parse_args(argv)
-    from tessera.models import get_preset
+    from tessera.models import get_preset  # lazy: (as in tessera_batches) the baseline imports torch only
 
     device = torch.device(
         "cuda"

@@ -34,12 +34,18 @@ fused AdamW on CUDA / foreach on CPU) and each layout's step time over the basel
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from tessera.topology.planner import Candidate, Hardware, estimate, model_flops_per_token
+from tessera.topology.step_time import Calibration
+
+from .config import Config
 from .layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
+from .plan_command import model_shape
 
 MFU_FORMULA = (
     "(6 x matmul parameters + 6 x n_layers x dim x seq_len) x tokens per step / (step time x devices x peak); "
@@ -64,7 +70,7 @@ def series_layouts(kind: str, max_ranks: int, global_batch: int) -> list[tuple[s
 
 def cpu_core_peak_flops(size: int = 512, reps: int = 5) -> float:
     """One thread's fp32 matmul rate, measured: the CPU's stand-in for a GPU's datasheet peak."""
-    import torch
+    import torch  # lazy: torch stays out of `tessera --help` (the CLI imports this module for its parser)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -127,8 +133,6 @@ def add_bench_parser(sub) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .config import Config
-
     try:
         if (args.layouts is None) == (args.series is None):
             raise ValueError("give --layouts L1,L2,... or --series weak|strong (with --max-ranks N)")
@@ -164,7 +168,7 @@ def run_bench(args: argparse.Namespace) -> int:
             )
             config.check()
             configs.append((name, config))
-        from .tokenize_files import check_out_dir
+        from .tokenize_files import check_out_dir  # lazy: it imports torch (tessera.models.tokens)
 
         out = check_out_dir("--out", args.out)  # ValueError naming --out and the fix, never a bare [Errno]
     except (ValueError, OSError) as e:
@@ -178,8 +182,7 @@ def planner_estimate(config, calibration=None):
     it, every dp rank on dp_replicate; HYBRID_SHARD is FULL_SHARD on that 2-D mesh), checkpointing,
     schedule, microbatches, virtual stages and sequence parallel, at its dtype (fp32 on CPU: fp32 Adam);
     its step time at a calibration's measured rates when one is given (topology/step_time.py)."""
-    from tessera.parallel.data import PRECISIONS, layout_for_strategy
-    from tessera.topology.planner import Candidate, Hardware, estimate
+    from tessera.parallel.data import PRECISIONS, layout_for_strategy  # lazy: tessera.parallel imports torch
 
     p = config.parallel_config()
     layout = layout_for_strategy(config.layout, p.data.strategy)
@@ -203,7 +206,6 @@ def planner_estimate(config, calibration=None):
         recipe="mixed_adam" if element == 2 else "fp32_adam",
         calibration=calibration,
     )
-    from .plan_command import model_shape
 
     return estimate(model_shape(config.model_config), cand, hw, config.data.seq_len, config.data.global_batch)
 
@@ -211,8 +213,8 @@ def planner_estimate(config, calibration=None):
 def calibrate_rank(config, quick: bool = True) -> dict:
     """On a one-rank job (the threads and device of a rank): this device's rates at the config's shapes, a
     dp rank's microbatch (tessera.calibrate.measure)."""
+    # lazy: torch, and these modules that import it, stay out of `tessera --help`
     import torch
-
     from .calibrate import measure
     from .trainer import current_device
 
@@ -226,8 +228,8 @@ def calibrate_rank(config, quick: bool = True) -> dict:
 def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
     """On a one-rank job: the plain-torch baseline (tessera.baseline) at the config's model, seed, data,
     sequence, global batch, mixed precision and optimizer; its step records."""
+    # lazy: torch, and these modules that import it, stay out of `tessera --help`
     import torch
-
     from . import baseline
     from .trainer import current_device
 
@@ -252,13 +254,14 @@ def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
 
 
 def _one_rank(fn, config, *args):
-    from tessera.parallel.launch import run_ranks
+    from tessera.parallel.launch import run_ranks  # lazy: tessera.parallel imports torch
 
     backend = "nccl" if config.device_type() == "cuda" else "gloo"
     return run_ranks(fn, 1, config, *args, timeout=None, backend=backend)[0]
 
 
 def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
+    # lazy: these import torch, which stays out of `tessera --help`
     from .results import BF16_PEAK, device_info, write_results
     from .run import train
 
@@ -271,7 +274,7 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
     if args.calibrate:
         print(f"bench: calibrating this device at {configs[0][0]}'s shapes ...", flush=True)
         calibration = _one_rank(calibrate_rank, configs[0][1])
-        from .calibrate import describe
+        from .calibrate import describe  # lazy: tessera.calibrate imports torch
 
         print(f"bench: {describe(calibration)} ({calibration['seconds']:.1f} s)", flush=True)
     rows = []
@@ -362,10 +365,6 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
 
 
 def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, compile: bool) -> dict:
-    from tessera.topology.planner import model_flops_per_token
-
-    from .plan_command import model_shape
-
     timed = records[warmup:]
     step = statistics.median(m["step_time_s"] for m in timed)
     tokens = config.data.global_batch * config.data.seq_len
@@ -401,12 +400,6 @@ def _row(
     on_gpu: bool,
     calibration: dict | None = None,
 ) -> dict:
-    import os
-
-    from tessera.topology.planner import model_flops_per_token
-
-    from .plan_command import model_shape
-
     timed = history[warmup:]
     step = statistics.median(m["step_time_s"] for m in timed)
     waits = {
@@ -419,7 +412,6 @@ def _row(
     flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
     p = config.parallel_config()
-    from tessera.topology.step_time import Calibration
 
     predicted = planner_estimate(config, Calibration.from_entry(calibration) if calibration else None)
     comm = history[0].get("comm", {})
@@ -508,11 +500,11 @@ def _efficiency(rows: list[dict]) -> None:
 
 
 def _plots(rows: list[dict], out: Path, name: str, series: str | None, device: str) -> list[Path]:
-    try:
+    try:  # lazy: matplotlib is optional (the bench extra)
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: (as above) after choosing the Agg backend
     except ImportError:
         print("matplotlib is not installed (pip install 'tessera-4d[bench]'): JSON only, no plots", file=sys.stderr)
         return []

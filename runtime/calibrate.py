@@ -24,8 +24,16 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from tessera.kernels import flash_attention
+from tessera.models.spec import shape_of as model_shape
 from tessera.topology.step_time import SCHEMA, Calibration, attention_flops_per_token, entry_key
+
+from .baseline import Block, Shape
+from .paths import calibration_path as default_path
+from .paths import read_calibration as load  # noqa: F401  (tessera.calibrate.load, as before)
+from .results import cpu_name, versions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # the most FLOPs one measured matmul shape may take (forward + backward): the calibration stays quick
@@ -35,19 +43,10 @@ QUICK_MAX_FLOPS = {"cpu": 3e8, "cuda": 5e12}
 MIN_TOKENS = {"cpu": 256, "cuda": 2048}
 
 
-def default_path() -> Path:
-    if os.environ.get("TESSERA_CALIBRATION"):
-        return Path(os.environ["TESSERA_CALIBRATION"])
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "tessera" / "calibration.json"
-
-
 def device_kind(device: torch.device, threads: int | None = None) -> str:
     """A GPU's name (e.g. 'NVIDIA H100 80GB HBM3'), or 'cpu: <model name>, N thread(s)'."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from .results import cpu_name
-
     n = threads or torch.get_num_threads()
     return f"cpu: {cpu_name()}, {n} thread{'s' if n > 1 else ''}"
 
@@ -73,8 +72,6 @@ def _median_seconds(fn: Callable[[], Any], device: torch.device, reps: int, warm
 def linear_shapes(model) -> list[tuple[int, int, int]]:
     """(in, out, count) of the model's linear layers: the block's per layer (q, k, v, o and the MLP's two or
     three matrices) and the output head. `model`: a ModelShape, a family's config or a preset name."""
-    from tessera.models.spec import shape_of as model_shape
-
     cfg = model_shape(model)
     hd = cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
@@ -105,8 +102,6 @@ def measure(
     step's microbatch); each matmul shape is measured at no more than MAX_FLOPS (QUICK_MAX_FLOPS with
     `quick`) by taking fewer tokens, and the entry says how many it took. `cfg`: a family's config, a
     preset name or a ModelShape."""
-    from tessera.models.spec import shape_of as model_shape
-
     cfg = model_shape(cfg)
     device = torch.device(device)
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -138,8 +133,6 @@ def measure(
         del x, w, dy
 
     # attention: tessera's kernel (its own dispatch picks the backend), causal, at the model's heads
-    from tessera.kernels import flash_attention
-
     hd = cfg.head_dim
     att_flops_call = lambda b: attention_flops_per_token(cfg, seq_len) / cfg.n_layers * b * seq_len  # noqa: E731
     b = max(1, min(rows, int(budget // max(1.0, att_flops_call(1)))))
@@ -225,10 +218,6 @@ def op_overhead(device: torch.device, reps: int = 5) -> float:
     """Seconds of host time per dispatched operator: a plain-torch Llama block (tessera.baseline's) at a tiny
     size (dim 64, 8 tokens), forward and backward, whose kernels take next to nothing, over the operators
     the dispatcher saw (views included, as the step's count is)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from .baseline import Block, Shape
-
     shape = Shape(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=192)
     block = Block(shape).to(device)
     x = torch.randn(1, 8, 64, device=device, requires_grad=True)
@@ -257,8 +246,6 @@ def op_overhead(device: torch.device, reps: int = 5) -> float:
 
 def save(entry: dict[str, Any], path: str | Path | None = None) -> Path:
     """Add (or replace) the entry of its device kind and dtype in the calibration file; written atomically."""
-    from .results import versions
-
     path = Path(path) if path else default_path()
     data: dict[str, Any] = {"schema": SCHEMA, "entries": {}}
     if path.exists():
@@ -274,18 +261,6 @@ def save(entry: dict[str, Any], path: str | Path | None = None) -> Path:
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
     return path
-
-
-def load(path: str | Path | None = None) -> dict[str, Any]:
-    path = Path(path) if path else default_path()
-    if not path.exists():
-        raise ValueError(f"no calibration file at {path}; run tessera plan --calibrate --model M --seq-len S first")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(
-            f"calibration file {path} is not JSON ({e}); recalibrate with tessera plan --calibrate"
-        ) from None
 
 
 def describe(entry: dict[str, Any]) -> str:

@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+from tessera import __version__
+from tessera.topology import Layout, memory
+from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_from_flags, values_of
+from tessera.topology.memory import GB, get_recipe
+from tessera.topology.planner import rank_params
+
+from .bench import add_bench_parser
+from .config import add_arguments, config_from_args
+from .plan_command import add_plan_parser, model_shape
 
 
 def _float(text: str) -> float:
@@ -18,8 +33,6 @@ def _float(text: str) -> float:
 def _memory_degrees(args: argparse.Namespace) -> dict[str, int]:
     """The degree of every axis of topology/axes.py's table from the memory command's flags (an axis it has
     no flag for is 1), by the table's one rule for flags (`degrees_from_flags`, as `tessera train` reads them)."""
-    from tessera.topology.axes import TABLE, degrees_from_flags
-
     return degrees_from_flags({a.flag: getattr(args, a.flag, 1) for a in TABLE})
 
 
@@ -29,10 +42,6 @@ DRY_RUN_MAX_RANKS = 1 << 16  # memory --dry-run: the fake world's mesh is built 
 def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
     """Every input of `tessera memory`, before anything is printed: ValueError naming the flag and the fix.
     Sets args.params from --model; returns the degrees of the axes."""
-    import math
-
-    from tessera.topology import memory
-
     if args.params is not None and args.model is not None:
         raise ValueError(
             f"give --params N or --model PRESET, not both (--model {args.model} has its own parameter count): drop one"
@@ -52,8 +61,6 @@ def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
             "or give --model instead of --params"
         )
     degrees = _memory_degrees(args)
-    from tessera.topology.axes import AXIS
-
     world = math.prod(d for name, d in degrees.items() if not AXIS[name].borrows)  # ep borrows its ranks
     if args.dry_run and world > DRY_RUN_MAX_RANKS:
         raise ValueError(
@@ -61,11 +68,9 @@ def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
             f"(at most {DRY_RUN_MAX_RANKS:,}); drop --dry-run for the analytic table"
         )
     if args.model is not None:
-        from .plan_command import model_shape
-
         shape = model_shape(args.model)  # an unknown preset: its ValueError names the presets
         _memory_shape_checks(args.model, shape, degrees)
-        from tessera.models import get_preset
+        from tessera.models import get_preset  # lazy: torch stays out of `tessera memory --params`
 
         args.params = float(get_preset(args.model).num_params())
     total = args.params * recipe.bytes_per_param
@@ -79,8 +84,6 @@ def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
 def _memory_shape_checks(model: str, shape, degrees: dict[str, int]) -> None:
     """The rules of topology/axes.py's table that the preset's shape decides (tp divides the heads, pp at most
     the layers, ...): ValueError naming the flag, the preset's value and the degrees that work."""
-    from tessera.topology.axes import TABLE, values_of
-
     values = values_of(shape)
     for a in TABLE:
         broken = a.problems(degrees, values)
@@ -103,16 +106,12 @@ def _memory_shape_checks(model: str, shape, degrees: dict[str, int]) -> None:
 
 def _gb(nbytes: float) -> str:
     """Decimal GB with two decimals; scientific notation from 10 million GB on, so a cell stays short."""
-    from tessera.topology.memory import GB
-
     return f"{nbytes / GB:.2f} GB" if nbytes / GB < 1e7 else f"{nbytes / GB:.3e} GB"
 
 
 def _memory_table(num_params: float, dp: int, recipe: str) -> str:
     """topology.memory.memory_table's ZeRO table (its title line, its rows), with columns as wide as their
     widest cell: a figure of any size never runs into its neighbour."""
-    from tessera.topology import memory
-
     stages = [memory.model_state_bytes(num_params, dp=dp, zero_stage=s, recipe=recipe) for s in range(4)]
     rows = {"": [f"ZeRO-{s}" for s in range(4)], "FSDP": ["NO_SHARD", "-", "SHARD_GRAD_OP", "FULL_SHARD"]}
     rows.update({c: [_gb(st[c]) for st in stages] for c in ("parameters", "gradients", "optimizer", "total")})
@@ -124,11 +123,6 @@ def _memory_table(num_params: float, dp: int, recipe: str) -> str:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    import math
-
-    from tessera.topology import memory
-    from tessera.topology.axes import FLATTENED_BY_PURPOSE, TABLE
-
     try:
         degrees = _memory_checks(args)  # every input, before any output
         # tp and pp split the model (evenly, in this analytic view; --dry-run counts exactly); FSDP / ZeRO
@@ -191,11 +185,6 @@ def _memory(args: argparse.Namespace) -> int:
 def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
     """ZeRO-3 model states per rank as the planner counts them: exact per-rank parameters of the rank that
     holds the most, the same recipe (topology.memory) as the table."""
-    from tessera.topology.memory import get_recipe
-    from tessera.topology.planner import rank_params
-
-    from .plan_command import model_shape
-
     cfg = model_shape(args.model)
     if args.pp > cfg.n_layers:
         raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {cfg.n_layers} layers")
@@ -206,14 +195,13 @@ def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
 
 
 def _memory_dry_run(args: argparse.Namespace) -> None:
-    from tessera.parallel.parallelize import dry_run_model_states
-    from tessera.topology import Layout
+    from tessera.parallel.parallelize import dry_run_model_states  # lazy: torch, for --dry-run only
 
     if args.model is None:
         raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device)")
     layout = Layout(**_memory_degrees(args))
     if args.pp > 1:
-        from tessera.models import get_preset
+        from tessera.models import get_preset  # lazy: torch, for --dry-run only
 
         if args.pp > get_preset(args.model).n_layers:
             raise ValueError(
@@ -233,7 +221,7 @@ def _memory_dry_run(args: argparse.Namespace) -> None:
 
 def _memory_per_stage(args: argparse.Namespace, layout) -> None:
     """One line per pipeline stage: its layers, its parameters, and a rank's model states (FULL_SHARD)."""
-    from tessera.parallel.parallelize import dry_run_model_states
+    from tessera.parallel.parallelize import dry_run_model_states  # lazy: torch, for --dry-run only
 
     print(f"dry run, {args.model} on {layout.world_size} fake ranks ({layout}), FULL_SHARD, per pipeline stage:")
     for stage in range(args.pp):
@@ -251,6 +239,7 @@ def _memory_per_stage(args: argparse.Namespace, layout) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
+    # lazy: tessera.parallel imports torch, which stays out of `tessera --help` and the torch-free commands
     from tessera.parallel.checkpoint import CheckpointError, export_checkpoint
 
     if (args.out is None) == (args.to_hf is None):
@@ -288,8 +277,6 @@ def _export(args: argparse.Namespace) -> int:
 def _check_out_path(flag: str, target: str, directory: bool = False) -> None:
     """ValueError naming `flag` unless `target` can be written: a file (replaced atomically, so never a
     directory or a device) or, with `directory`, a directory, whose parent exists and is writable."""
-    from pathlib import Path
-
     what = "the directory to write" if directory else "the .safetensors file to write"
     if not target:
         raise ValueError(f"{flag} '' is an empty path; name {what}")
@@ -305,7 +292,6 @@ def _check_out_path(flag: str, target: str, directory: bool = False) -> None:
         raise ValueError(f"{flag} {target}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {target}: directory {parent} is not writable; choose another")
-    import tempfile
 
     try:  # permission bits pass directories no one can write into (/proc, as root): write a file to know
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".tessera-write-check-"):
@@ -317,8 +303,7 @@ def _check_out_path(flag: str, target: str, directory: bool = False) -> None:
 
 
 def _export_hf(checkpoint_path: str, directory: str) -> dict:
-    import tempfile
-
+    # lazy: tessera.models and tessera.parallel import torch, which stays out of the torch-free commands
     from tessera.models.hf import config_from_manifest, save_hf
     from tessera.parallel.checkpoint import export_checkpoint, read_safetensors
 
@@ -330,8 +315,7 @@ def _export_hf(checkpoint_path: str, directory: str) -> dict:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from safetensors import SafetensorError
-
+    # lazy: tessera.models and tessera.parallel import torch, which stays out of the torch-free commands
     from tessera.models.hf import check_hf_weights, hf_weight_map, read_hf_config, read_hf_parameter
     from tessera.parallel.safe_io import write_safetensors
 
@@ -381,7 +365,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from .tokenize_files import tokenize
+    from .tokenize_files import tokenize  # lazy: it imports torch (tessera.models.tokens)
 
     try:
         written = tokenize(
@@ -390,7 +374,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"tessera tokenize: error: {e}", file=sys.stderr)
         return 2
-    from tessera.models.tokens import open_dataset
+    from tessera.models.tokens import open_dataset  # lazy: tessera.models imports torch
 
     total = sum(len(s.tokens) for s in open_dataset(args.out))
     print(f"wrote {len(written)} shard(s), {total:,} tokens, to {args.out}: train on them with --data {args.out}")
@@ -398,8 +382,6 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tessera import __version__
-
     parser = argparse.ArgumentParser(prog="tessera", description="4D-parallel transformer training on one DeviceMesh")
     parser.add_argument("--version", action="version", version=f"tessera {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -463,13 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--quiet", action="store_true", help="no progress bar")
     tok.set_defaults(func=_tokenize)
 
-    from .bench import add_bench_parser
-    from .plan_command import add_plan_parser
-
     add_plan_parser(sub)
     add_bench_parser(sub)
-
-    from .config import add_arguments
 
     tr = sub.add_parser(
         "train",
@@ -484,9 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
+    # lazy: these import torch, which stays out of `tessera --help` and the torch-free commands
+    from tessera.parallel.checkpoint import CheckpointError
     from tessera.parallel.launch import Interrupted, RankFailure
-
-    from .config import config_from_args
     from .run import done_line, error_exit, stopped_message, train, under_torchrun
 
     try:
@@ -503,8 +480,6 @@ def _train(args: argparse.Namespace) -> int:
                 )
     except ValueError as e:  # CheckpointError included
         return error_exit("train", str(e))
-    from tessera.parallel.checkpoint import CheckpointError
-
     try:
         history = train(config)
     except CheckpointError as e:  # raised before any rank starts (e.g. the checkpoint directory is in use)
@@ -527,7 +502,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _check_drift(config, history: list) -> int:
     """--check-drift: one process's own spread over microbatch counts, and this run judged against it."""
-    from .testing import drift_envelope, judge_drift
+    from .testing import drift_envelope, judge_drift  # lazy: tessera.testing imports torch
 
     counts = tuple(m for m in (1, 2, 4) if config.data.global_batch % m == 0)
     envelope = drift_envelope(config, counts)
@@ -550,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     code = int(args.func(args) or 0)
     if args.command == "train" and code == 0:
-        from .run import under_torchrun
+        from .run import under_torchrun  # lazy: tessera.run imports torch (loaded by now: a train ran)
 
         if under_torchrun():
             # a torchrun worker that finished its job ends the way the local launcher's ranks do

@@ -17,6 +17,8 @@ from typing import Any
 
 from tessera.topology import Layout
 from tessera.topology import axes as _axes
+from tessera.topology.schedule import fewest_microbatches
+from tessera.topology.schedule_files import read_schedule_file
 
 
 def opt(default: Any, doc: str, flag: str | None = None, **argparse_kw: Any) -> Any:
@@ -123,7 +125,7 @@ class ParallelSection:
     @property
     def layout(self) -> Layout:
         """The mesh shape these degrees ask for (NO_SHARD puts every dp rank on dp_replicate)."""
-        from tessera.parallel.data import layout_for_strategy
+        from tessera.parallel.data import layout_for_strategy  # lazy: torch stays out of `tessera --help`
 
         layout = Layout(**_axes.degrees_from_flags({name: getattr(self, name) for name in DEGREE_FLAGS}))
         return layout_for_strategy(layout, self.fsdp.upper())
@@ -314,8 +316,6 @@ class Config:
         then name the problem)."""
         if self.parallel.schedule_file is None:
             return None
-        from tessera.topology.schedule_files import read_schedule_file
-
         try:
             actions = [a for row in read_schedule_file(self.parallel.schedule_file) for a in row]
         except ValueError:
@@ -323,8 +323,6 @@ class Config:
         return max((a.microbatch for a in actions), default=-1) + 1 or None
 
     def _default_microbatches(self) -> int:
-        from tessera.topology.schedule import fewest_microbatches
-
         p = self.parallel
         try:
             pp = self.layout.pp
@@ -371,7 +369,8 @@ class Config:
         """The model's config: any registered family's preset (models.spec.get_preset), with --n-layers /
         --vocab-size applied, or the config.json of --init-from-hf / --model hf:DIR read by the family its
         model_type names (models.hf.read_hf_config)."""
-        from tessera.models import get_preset  # importing tessera.models registers every family
+        # lazy: torch stays out of `tessera --help` (importing tessera.models registers every family)
+        from tessera.models import get_preset
 
         overrides = {} if self.model.n_layers is None else {"n_layers": self.model.n_layers}
         if self.model.vocab_size is not None:
@@ -384,12 +383,11 @@ class Config:
         hf_dir = self.checkpoint.init_from_hf or (
             self.model.preset[3:] if self.model.preset.startswith("hf:") else None
         )
-        from dataclasses import replace
 
         if hf_dir is None:
             cfg = get_preset(self.model.preset, **overrides)
         else:
-            from tessera.models.hf import compare_with_preset, read_hf_config
+            from tessera.models.hf import compare_with_preset, read_hf_config  # lazy: (as above) torch
 
             cfg = read_hf_config(hf_dir, flag="--init-from-hf" if self.checkpoint.init_from_hf else "--model hf:")
             if overrides:
@@ -406,7 +404,7 @@ class Config:
                 f"{flag} needs a mixture-of-experts model, and {self.model_name} has no experts; "
                 f"use e.g. --model qwen3-moe-debug, or drop {flag}"
             )
-        return replace(cfg, **moe)
+        return dataclasses.replace(cfg, **moe)
 
     @property
     def mixed_precision(self) -> str:
@@ -418,7 +416,7 @@ class Config:
         """cpu or cuda; auto picks CUDA when this machine has a GPU for every local rank."""
         if self.runtime.device != "auto":
             return self.runtime.device
-        import torch
+        import torch  # lazy: torch stays out of `tessera --help`
 
         if not torch.cuda.is_available():
             return "cpu"
@@ -426,16 +424,14 @@ class Config:
         return "cuda" if torch.cuda.device_count() >= local else "cpu"
 
     def parallel_config(self):
+        # lazy: tessera.parallel imports torch, which stays out of `tessera --help`
         from tessera.parallel import ParallelConfig
         from tessera.parallel.data import DataParallelConfig
-
         from tessera.parallel.pipeline import PipelineConfig
 
         p = self.parallel
         data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
         if p.schedule_file is not None:  # the file's actions, as data (read here, on every rank, like --data)
-            from tessera.topology.schedule_files import read_schedule_file
-
             pipeline = PipelineConfig(
                 tuple(map(tuple, read_schedule_file(p.schedule_file))),
                 p.virtual,
@@ -466,7 +462,7 @@ class Config:
     # ------------------------------------------------------------------ validation
     def check(self) -> None:
         """Every input error, raised before any rank starts (ValueError naming the value and the fix)."""
-        from . import preflight
+        from . import preflight  # lazy: preflight imports torch, which stays out of `tessera --help`
 
         preflight.check(self)
 

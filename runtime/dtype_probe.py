@@ -15,6 +15,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _DTYPE_NAMES = {
@@ -30,8 +31,6 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _local(t: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

@@ -1,10 +1,14 @@
-"""Checks on paths a run will write, shared by the pre-run checks (preflight) and the profiler."""
+"""Checks on paths a run will write, shared by the pre-run checks (preflight) and the profiler; and the
+calibration file's place and reading, shared by tessera/calibrate.py (which writes it) and `tessera plan
+--device-kind` (which reads it without importing torch)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def check_writable_dir(flag: str, path: str) -> None:
@@ -22,3 +26,26 @@ def check_writable_dir(flag: str, path: str) -> None:
             pass
     except OSError as e:
         raise ValueError(f"{flag} {path} cannot be written ({e.strerror}); choose a writable directory") from None
+
+
+def calibration_path() -> Path:
+    """The calibration file: $TESSERA_CALIBRATION, else ~/.cache/tessera/calibration.json (or under
+    $XDG_CACHE_HOME)."""
+    if os.environ.get("TESSERA_CALIBRATION"):
+        return Path(os.environ["TESSERA_CALIBRATION"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "tessera" / "calibration.json"
+
+
+def read_calibration(path: str | Path | None = None) -> dict[str, Any]:
+    """The calibration file's JSON (`path`, or `calibration_path()`); ValueError naming the file and the fix
+    when it is missing or not JSON."""
+    path = Path(path) if path else calibration_path()
+    if not path.exists():
+        raise ValueError(f"no calibration file at {path}; run tessera plan --calibrate --model M --seq-len S first")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(
+            f"calibration file {path} is not JSON ({e}); recalibrate with tessera plan --calibrate"
+        ) from None

@@ -10,7 +10,9 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
+from tessera.topology import Layout
 from tessera.topology.memory import GB
 from tessera.topology.planner import (
     DEFAULT_EFFICIENCY,
@@ -18,17 +20,26 @@ from tessera.topology.planner import (
     DEFAULT_INTER_GBPS,
     DEFAULT_INTRA_GBPS,
     H100_BF16_TFLOPS,
+    Candidate,
     Estimate,
     Hardware,
     PlanError,
+    candidates_of_layout,
+    estimate,
     plan,
+    why_not_runnable,
+    wins_by,
 )
+from tessera.topology.step_time import Calibration, find_entry
+
+from .layout_names import parse_layout
+from .paths import calibration_path, read_calibration
 
 
 def model_shape(model):
     """The ModelShape of a preset name, a family's config or a ModelShape (models/spec.py's shape_of),
     imported when called: the planner's own modules load no torch."""
-    from tessera.models.spec import shape_of
+    from tessera.models.spec import shape_of  # lazy: tessera.models imports torch; `tessera plan` stays torch-free
 
     return shape_of(model)
 
@@ -281,9 +292,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def parse_named_layout(text: str, gpus: int):
     """(Layout, fixed settings) of --layout's name (tessera bench's grammar); PlanError naming what is wrong."""
-    from tessera.layout_names import parse_layout
-    from tessera.topology import Layout
-
     try:
         flags = parse_layout(text)
     except ValueError as e:
@@ -312,7 +320,6 @@ def score_layout(shape, hw: Hardware, seq_len: int, global_batch: int, result, l
     """Where a layout the user names stands: its best settings' rank among every fitting layout and what the
     best gains over it; or why it does not fit (its least-memory settings' shortfall); or why tessera would
     not run it."""
-    from tessera.topology.planner import Candidate, candidates_of_layout, estimate, why_not_runnable, wins_by
 
     def keep(c) -> bool:
         return (
@@ -377,14 +384,12 @@ def _calibration(args: argparse.Namespace):
     """(the Calibration of --device-kind from the calibration file, or None; the compute dtype's bytes)."""
     if args.device_kind is None:
         return None, 2
-    from tessera.calibrate import load
-    from tessera.topology.step_time import Calibration, find_entry
 
     precision = getattr(args, "mixed_precision", None)
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision] if precision else None
     path = _calibration_file(args)
     try:
-        data = load(path)
+        data = read_calibration(path)
     except OSError as e:
         raise PlanError(
             f"--calibration {path} cannot be read ({e.strerror}); name the file tessera plan --calibrate wrote"
@@ -397,11 +402,7 @@ def _calibration(args: argparse.Namespace):
 def _calibration_file(args: argparse.Namespace):
     """--calibration's path (default $TESSERA_CALIBRATION or ~/.cache/tessera/calibration.json); PlanError naming
     it when it is a directory (found by the fuzz: an IsADirectoryError escaped from reading it)."""
-    from pathlib import Path
-
-    from tessera.calibrate import default_path
-
-    path = Path(args.calibration) if args.calibration else default_path()
+    path = Path(args.calibration) if args.calibration else calibration_path()
     if path.is_dir():
         raise PlanError(
             f"--calibration {path} is a directory; name the calibration file (e.g. {path}/calibration.json)"
@@ -413,7 +414,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     """Measure this device at the model's shapes and store the figures (tessera/calibrate.py)."""
     started = time.perf_counter()
     try:
-        from tessera.models import get_preset
+        from tessera.models import get_preset  # lazy: torch (tessera.models), only when --calibrate measures
 
         cfg = get_preset(args.model)
         seq_len = args.seq_len or min(1024, cfg.max_seq_len)
@@ -422,7 +423,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             raise PlanError(f"--seq-len {seq_len}, --global-batch {rows} and --threads {args.threads} must be positive")
         if args.threads > 1 << 16:  # torch.set_num_threads would fail with "Overflow when unpacking long"
             raise PlanError(f"--threads {args.threads:,} is more threads than torch takes; use this machine's cores")
-        import torch
+        import torch  # lazy: --calibrate alone needs torch; the rest of `tessera plan` is torch-free
 
         path = _calibration_file(args)  # before minutes of measuring
         if args.device == "cuda" and not torch.cuda.is_available():
@@ -435,7 +436,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         dtype = args.mixed_precision or ("bf16" if device.type == "cuda" else "fp32")
         if device.type == "cpu":
             torch.set_num_threads(args.threads)
-        from tessera.calibrate import describe, measure, save
+        from tessera.calibrate import describe, measure, save  # lazy: tessera.calibrate imports torch
 
         entry = measure(cfg, seq_len, rows, device, dtype, quick=args.quick)
         try:
@@ -459,6 +460,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _dry_run(model: str, best: Estimate) -> dict:
     """Build the top layout on the fake backend for pp rank 0 and the last pp rank (they hold the
     embedding and the head) and count their parameters exactly."""
+    # lazy: tessera.parallel imports torch; only --dry-run builds the layout
     from tessera.parallel.parallelize import dry_run_model_states
     from tessera.parallel.pipeline import PipelineConfig
 

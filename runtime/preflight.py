@@ -9,12 +9,25 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+from tessera.models.data import BOS, EOS
+from tessera.models.hf import check_hf_weights
+from tessera.models.spec import spec_of
+from tessera.models.tokens import TokenFileStream
+from tessera.parallel import checkpoint
+from tessera.parallel.plan import find_modules
+
+from .paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
+from .profiling import check_profile
+
 if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.check), not the other way round
     from .config import Config
-from .paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 
 
 def check(config: Config) -> None:
@@ -39,8 +52,6 @@ def check(config: Config) -> None:
     if d.eval_data and not d.eval_every:
         raise ValueError(f"--eval-data {d.eval_data} is read only with --eval-every N; add it (or drop --eval-data)")
     if d.eval_data:
-        from tessera.models.tokens import TokenFileStream
-
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch)
         if held_out.vocab_size > model.vocab_size:
             raise ValueError(
@@ -52,8 +63,6 @@ def check(config: Config) -> None:
     if not config.data.path:  # the built-in text, byte-tokenized: ids up to EOS must be rows of the embedding
         _check_builtin_data_vocab(config, model)
     if config.data.path:  # the files open, sizes match their sidecars, the vocabulary fits the model
-        from tessera.models.tokens import TokenFileStream
-
         data = TokenFileStream(config.data.path, config.data.seq_len, config.data.global_batch)
         if data.vocab_size > model.vocab_size:
             raise ValueError(
@@ -82,11 +91,6 @@ def check_document_masking(model_config, spec=None) -> None:
     (core(q, k, v, positions)): a model that calls them without positions would let packed documents see
     each other, silently. One forward on the meta device (no memory, no compute) stops at the first slot
     and checks what it was given."""
-    import torch
-
-    from tessera.models.spec import spec_of
-    from tessera.parallel.plan import find_modules
-
     spec = spec or spec_of(model_config)
     with torch.device("meta"):
         model = spec.build(model_config)
@@ -122,8 +126,6 @@ def check_document_masking(model_config, spec=None) -> None:
 
 def builtin_data_vocab() -> int:
     """The vocabulary the built-in data needs: 256 byte values, then BOS and EOS (tessera.models.data)."""
-    from tessera.models.data import BOS, EOS
-
     return max(BOS, EOS) + 1
 
 
@@ -273,8 +275,6 @@ def _check_model(config: Config):
 
 
 def _check_device(config: Config, world: int) -> None:
-    import torch
-
     if (
         config.runtime.kernels == "triton"
         and config.device_type() != "cuda"
@@ -285,8 +285,6 @@ def _check_device(config: Config, world: int) -> None:
             "(or set TRITON_INTERPRET=1 to run them through Triton's slow interpreter)"
         )
     if config.parallel.compile and config.device_type() == "cpu":
-        import shutil
-
         if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
             raise ValueError(
                 "--compile on CPU ranks: torch.compile's CPU backend needs a C++ compiler (c++, g++ or "
@@ -336,10 +334,6 @@ def resolve_checkpoint(path: str) -> tuple[Path, list[str]]:
     """checkpoint.resolve(path), and the warnings it gave (a damaged latest checkpoint, the intact one used
     instead) as their one-line messages, not emitted: the launcher prints them once (run.train); the
     pre-run checks and every rank resolve the same path again."""
-    import warnings
-
-    from tessera.parallel import checkpoint
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resolved = checkpoint.resolve(path)
@@ -347,8 +341,6 @@ def resolve_checkpoint(path: str) -> tuple[Path, list[str]]:
 
 
 def _check_paths(config: Config, model) -> None:
-    from tessera.parallel import checkpoint
-
     r, c = config.runtime, config.checkpoint
     if r.metrics:
         _check_writable_file("--metrics", r.metrics)
@@ -372,8 +364,6 @@ def _check_paths(config: Config, model) -> None:
     if c.init_from is not None:
         checkpoint.check_full_state_dict_file(c.init_from, model)
     if c.init_from_hf is not None:
-        from tessera.models.hf import check_hf_weights
-
         if c.init_from is not None or c.resume is not None:
             raise ValueError(
                 "--init-from-hf starts a run from Hugging Face weights: drop --init-from / --resume (resume "
@@ -385,14 +375,10 @@ def _check_paths(config: Config, model) -> None:
 def _check_profile(config: Config) -> None:
     """--profile DIR is writable and --profile-steps A:B are steps this run takes (a resumed run starts
     after its checkpoint's step)."""
-    from .profiling import check_profile
-
     r = config.runtime
     if r.profile_shapes and r.profile is None:
         raise ValueError("--profile-shapes applies to --profile DIR; add --profile DIR (or drop --profile-shapes)")
     done = 0
     if r.profile is not None and config.checkpoint.resume is not None:
-        from tessera.parallel import checkpoint
-
         done = int(checkpoint.read_manifest(resolve_checkpoint(config.resume_path)[0])["step"])
     check_profile(r.profile, r.profile_steps, r.steps, done)

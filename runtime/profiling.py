@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .paths import check_writable_dir
+
 DEFAULT_TABLE_ROWS = 15
 
 
@@ -63,7 +65,6 @@ def check_profile(profile: str | None, profile_steps: str | None, steps: int, do
         )
     if Path(profile).exists() and not Path(profile).is_dir():
         raise ValueError(f"--profile {profile} is a file; give a directory for the traces")
-    from .paths import check_writable_dir
 
     check_writable_dir("--profile", profile)
 

@@ -29,6 +29,7 @@ def pytest_addoption(parser):
 @pytest.fixture
 def tessera_run_ranks(request):
     """run_ranks(fn, world_size, *args, **kwargs) -> per-rank results, with the suite's deadline."""
+    # lazy: pytest loads this plugin in every session once tessera is installed; torch only when a test asks
     from tessera.parallel.launch import run_ranks
 
     return functools.partial(run_ranks, timeout=request.config.getoption("--tessera-timeout"))
@@ -37,6 +38,6 @@ def tessera_run_ranks(request):
 @pytest.fixture
 def tessera_equivalence(request):
     """assert_layouts_equivalent(build_model, layouts, batch, steps=2, rtol=1e-5, plan=None, ...)."""
-    from tessera.testing import assert_layouts_equivalent
+    from tessera.testing import assert_layouts_equivalent  # lazy: (as above) torch only when a test asks
 
     return functools.partial(assert_layouts_equivalent, timeout=request.config.getoption("--tessera-timeout"))

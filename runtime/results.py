@@ -79,7 +79,7 @@ def device_info() -> dict[str, Any]:
 def versions() -> dict[str, str]:
     out = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
     try:
-        import triton
+        import triton  # lazy: triton is optional (Linux only, and not needed on CPU)
 
         out["triton"] = triton.__version__
     except ImportError:

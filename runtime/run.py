@@ -7,23 +7,41 @@ with one GPU per rank when the machine has enough GPUs (else the config refuses)
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import platform
+import re
 import signal
 import sys
 import time
 import uuid
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from tessera import __version__
+from tessera.kernels import set_default_backend
+from tessera.models.hf import load_hf_weights
+from tessera.parallel import checkpoint
+from tessera.parallel.checkpoint import directory_lock
+from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
+from tessera.parallel.pipeline import split_layers
+from tessera.parallel.schedule import simulate
 from tessera.topology import Layout
 
-from .straggler import Straggler
 from .config import Config
+from .preflight import resolve_checkpoint
+from .profiling import StepProfiler
+from .results import strict_json
+from .straggler import Straggler
+from .trainer import Trainer
 
 
 def under_torchrun() -> bool:
@@ -39,10 +57,6 @@ def _human(n: float) -> str:
 
 
 def header_record(config: Config, trainer: Any, run_id: str) -> dict[str, Any]:
-    from tessera import __version__
-
-    import platform
-
     return {
         "type": "header",
         "run_id": run_id,
@@ -63,8 +77,6 @@ def header_record(config: Config, trainer: Any, run_id: str) -> dict[str, Any]:
 
 
 def startup_line(config: Config, trainer: Any) -> str:
-    from torch.distributed.tensor import DTensor
-
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.parameters())
     total = trainer.model_config.num_params()
     where = [f"metrics -> {config.runtime.metrics}" if config.runtime.metrics else "no metrics file"]
@@ -101,9 +113,6 @@ def pipeline_summary(config: Config) -> str:
     """The schedule (a kind, or a --schedule-file's actions), the stages' layers, and the schedule's bubble
     simulated with F = B = W; for a file also its peak activations in flight (its memory, which no kind's
     rule bounds)."""
-    from tessera.parallel.pipeline import split_layers
-    from tessera.parallel.schedule import simulate
-
     pc = config.parallel_config().pipeline
     pp = config.layout.pp
     layers = split_layers(config.model_config.n_layers, pp * pc.virtual, pc.layers_per_stage)
@@ -122,8 +131,6 @@ def pipeline_summary(config: Config) -> str:
 
 def _hf_model_section(config: Config):
     """After a restart the weights come from the checkpoint; a Hugging Face model keeps its config.json."""
-    import dataclasses
-
     if config.checkpoint.init_from_hf:
         return dataclasses.replace(config.model, preset=f"hf:{config.checkpoint.init_from_hf}")
     return config.model
@@ -194,8 +201,6 @@ def stopped_message(why: str, config: Config) -> str:
 def failure_cause(error: Exception) -> str:
     """A rank's failure in one line: the exception a rank raised ('rank 1 of 4 raised RuntimeError: ...'),
     or a death by a signal named ('rank 1 of 4 died without a result (killed by SIGKILL, exit code -9)')."""
-    import re
-
     lines = [line for line in str(error).splitlines() if line.strip()]
     first = lines[0] if lines else type(error).__name__
     if first.endswith(" raised:") and len(lines) > 1:  # a traceback follows: its last line is the exception
@@ -254,12 +259,6 @@ class _StopOnSignal:
 def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     """The training loop on this rank (process group initialized); rank 0 returns the step records.
     `attempt` > 0: a restart after a failure (the metrics file is cut back to the restored step)."""
-    from tessera.parallel import checkpoint
-
-    from .trainer import Trainer
-
-    from tessera.kernels import set_default_backend
-
     set_default_backend(None if config.runtime.kernels == "auto" else config.runtime.kernels)
     trainer = Trainer(config)
     rank, quiet = trainer.rank, config.runtime.quiet
@@ -269,16 +268,10 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             checkpoint.load_full_state_dict(part, config.checkpoint.init_from)
         say(f"loaded weights from {config.checkpoint.init_from}")
     if config.checkpoint.init_from_hf:
-        from tessera.models.hf import load_hf_weights
-
         for part in trainer.parts:  # each rank reads only the parameters it holds, cut to its shards
             load_hf_weights(part, config.checkpoint.init_from_hf)
         say(f"loaded Hugging Face weights from {config.checkpoint.init_from_hf}")
     if config.checkpoint.resume is not None:
-        import warnings
-
-        from .preflight import resolve_checkpoint
-
         with warnings.catch_warnings():  # a fallback to an older checkpoint: the launcher announced it, once
             warnings.filterwarnings("ignore", message="the latest checkpoint .* is unusable")
             manifest = trainer.load(config.resume_path)
@@ -292,8 +285,6 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     if attempt and config.runtime.metrics and rank == 0:
         _keep_metrics_through(config.runtime.metrics, trainer.step)
     out = open(config.runtime.metrics, "a") if (config.runtime.metrics and rank == 0) else None
-    from .results import strict_json
-    from .profiling import StepProfiler
 
     profiler = StepProfiler(config, rank, trainer.device, trainer.step)  # --profile (else it does nothing)
     header_written = False
@@ -358,14 +349,8 @@ def _backend(config: Config) -> str:
 def train(config: Config) -> list[dict[str, Any]] | None:
     """Validate, then run: join the torchrun job, or spawn the layout's ranks locally. Returns rank 0's
     step records (None on other torchrun ranks)."""
-    import contextlib
-
-    from tessera.parallel.checkpoint import directory_lock
-
     config.check()
     if config.checkpoint.resume is not None:  # a damaged latest checkpoint, and the older one used instead
-        from .preflight import resolve_checkpoint
-
         _announce(resolve_checkpoint(config.resume_path)[1])
     if _backend(config) == "nccl":  # a stalled NCCL collective dumps torch's flight recorder (every rank's last ops)
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
@@ -381,7 +366,6 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                 return run_rank(config, attempt)
             finally:
                 dist.destroy_process_group()
-    from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
 
     world = config.layout.world_size
     with directory_lock(config.checkpoint.dir) if writes else contextlib.nullcontext():  # one writer per directory
@@ -426,12 +410,6 @@ def _deterministic(error: Exception) -> bool:
 def _resuming_after_failure(config: Config) -> Config:
     """The config of a restart: resume from the latest complete checkpoint of --checkpoint-dir, if any
     (else start over from step 0, as the failed attempt did)."""
-    import dataclasses
-
-    from tessera.parallel import checkpoint
-
-    from .preflight import resolve_checkpoint
-
     root = config.checkpoint.dir
     if root and (Path(root) / "latest").exists():
         try:

@@ -14,15 +14,30 @@ gradient diverges is named with its layout, step and error (LayoutsDiverge, an A
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from tessera.models.init import one_process_name
-from tessera.topology import Layout
+from tessera.parallel import ParallelConfig, parallelize
+from tessera.parallel.data import DataParallelConfig, check_data_parallel
+from tessera.parallel.launch import run_ranks
+from tessera.parallel.loss import CrossEntropySum, count_valid
+from tessera.parallel.pipeline import PipelineConfig
+from tessera.topology import Layout, Meshes
+
+from .batches import StepData
+from .parts import build_parts
+from .preflight import check_document_masking
+from .run import train
+from .runners import split_microbatches
 
 
 class LayoutsDiverge(AssertionError):
@@ -58,12 +73,6 @@ def _clean(name: str) -> str:
 
 def train_on_layout(spec: RunSpec) -> dict[str, Any] | None:
     """One rank of a layout's run (process group initialized by run_ranks); rank 0 returns the record."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from tessera.parallel import ParallelConfig, parallelize
-    from tessera.parallel.data import DataParallelConfig
-
     layout, rank = spec.layout, dist.get_rank()
     torch.manual_seed(spec.seed)
     model = spec.build_model()
@@ -101,18 +110,6 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
     """One rank of a spec'd model's run on any layout (pp and cp included), through the parts and runners
     tessera's trainer uses (runtime/parts.py): the loss is the cross-entropy mean over the batch's valid
     targets (-100 ignored), summed per rank and divided by the global count, as on every layout."""
-    import torch.distributed as dist
-
-    from tessera.parallel import ParallelConfig
-    from tessera.parallel.data import DataParallelConfig
-    from tessera.parallel.loss import CrossEntropySum, count_valid
-    from tessera.parallel.pipeline import PipelineConfig
-    from tessera.topology import Meshes
-
-    from .batches import StepData
-    from .parts import build_parts
-    from .runners import split_microbatches
-
     layout, rank = spec.layout, dist.get_rank()
     with torch.device("meta"):
         model_config = spec.build_model().config
@@ -218,8 +215,6 @@ _REFERENCES: dict[tuple, dict] = {}
 
 
 def _reference_key(build_model, batch, steps, lr, seed, loss_fn) -> tuple:
-    import hashlib
-
     def name(f):
         return None if f is None else f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', repr(f))}"
 
@@ -263,9 +258,6 @@ def assert_layouts_equivalent(
 
     Packed documents (with `spec`): batch=(inputs, targets, positions), positions (B, S) restarting at each
     document (tessera.models.data.pack_documents), so each token attends only to its own document."""
-    from tessera.parallel.launch import run_ranks
-    from tessera.parallel.data import DataParallelConfig, check_data_parallel
-
     layouts = [lay if isinstance(lay, Layout) else Layout(**lay) for lay in layouts]
     if len(batch) not in (2, 3) or (len(batch) == 3 and spec is None):
         raise ValueError(
@@ -275,8 +267,6 @@ def assert_layouts_equivalent(
     if len(batch) == 3:
         if tuple(batch[2].shape) != tuple(inputs.shape):
             raise ValueError(f"positions {tuple(batch[2].shape)} must have the inputs' shape {tuple(inputs.shape)}")
-        from .preflight import check_document_masking
-
         with torch.device("meta"):
             check_document_masking(build_model().config, spec)
     if spec is not None and (plan is not None or loss_fn is not None):
@@ -297,9 +287,6 @@ def assert_layouts_equivalent(
             )
         check_data_parallel(DataParallelConfig(strategy=fsdp), layout)
         if spec is not None:
-            from tessera.parallel import ParallelConfig
-            from tessera.parallel.pipeline import PipelineConfig
-
             with torch.device("meta"):
                 model_config = build_model().config
             count = microbatches or layout.pp
@@ -347,10 +334,6 @@ def drift_envelope(config: Any, microbatches: Sequence[int] = (1, 2, 4)) -> dict
     else). Per step, for loss and grad_norm, the largest relative spread among the variants. Over a long run an
     ill-conditioned step amplifies reassociation, so a layout's drift from one process is judged against this
     envelope (`judge_drift`), not against a fixed tolerance."""
-    import dataclasses
-
-    from .run import train
-
     single = dict.fromkeys(("pp", "dp", "dp_replicate", "cp", "tp", "ep"), 1)
     # one process: no pipeline schedule, no sequence parallel (they need pp or tp), and no check of its own
     single.update(

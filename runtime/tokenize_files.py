@@ -106,7 +106,7 @@ def tokenize(
 ) -> list[Path]:
     """Write the token files; returns the .bin paths. ValueError naming the file for bad input."""
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers is optional (the data extra)
     except ImportError:
         raise ValueError('tessera tokenize needs the tokenizers library: pip install "tessera-4d[data]"') from None
     check_input_file("--tokenizer", tokenizer_file)
@@ -133,7 +133,7 @@ def tokenize(
     docs = documents(files, field)
     if progress:
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # lazy: tqdm is optional (the data extra): no bar without it
 
             docs = tqdm(docs, unit=" docs", desc=f"tokenize {len(files)} file(s)")
         except ImportError:

@@ -20,25 +20,29 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from tessera.models.data import TokenStream
 from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
-from tessera.models.spec import spec_of
+from tessera.models.spec import shape_of, spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
 from tessera.parallel.clip import clip_grad_norm_
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
-from tessera.parallel.data import PRECISIONS
+from tessera.parallel.comm_stats import CommCounter
+from tessera.parallel.data import PRECISIONS, layout_for_strategy
 from tessera.parallel.expert import expert_load, load_report, update_biases
 from tessera.parallel.loss import CrossEntropySum
-from tessera.topology import Meshes
+from tessera.topology import Meshes, comm_model
 
 from .batches import StepData
 from .config import Config
+from .dtype_probe import MatmulDtypes
+from .memtrack import LiveTensorBytes
 from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
 from .parts import build_parts
-from .runners import split_microbatches
+from .runners import forward_only, split_microbatches
 from .straggler import Straggler, StragglerWatch
 from tessera.topology.errors import NonFiniteError  # named by step, rank and parameter
 
@@ -230,10 +234,6 @@ class Trainer:
     def evaluate(self) -> float:
         """The mean loss over --eval-batches global batches of --eval-data, read from their start each time
         (every rank its own rows; the sums are added over the ranks that read different tokens)."""
-        from tessera.models.tokens import TokenFileStream
-
-        from .runners import forward_only
-
         d = self.config.data
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch, self.model_config.vocab_size)
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
@@ -296,18 +296,11 @@ class Trainer:
             return result
         with contextlib.ExitStack() as modes:
             if probing:
-                from .dtype_probe import MatmulDtypes
-
                 probe = modes.enter_context(MatmulDtypes())
             if tracking:
-                from tessera.memtrack import LiveTensorBytes
-
                 tracker = modes.enter_context(LiveTensorBytes())
                 tracker.track_existing(self.parts, self.optimizer.optimizers)
             if counting:
-                from tessera.parallel.comm_stats import CommCounter
-                from tessera.parallel.data import layout_for_strategy
-
                 data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
                 counter = modes.enter_context(CommCounter(data_layout, self.rank))
             result = self._train_step(on_grads)
@@ -328,12 +321,9 @@ class Trainer:
 
     def analytic_comm(self) -> dict[str, float]:
         """This rank's bytes per step by axis as topology.comm_model predicts them for this run."""
-        from tessera.models.spec import shape_of
-        from tessera.topology.comm_model import comm_bytes_per_step
-
         c, p = self.config, self.config.parallel_config()
         act = PRECISIONS[p.data.mixed_precision].itemsize
-        return comm_bytes_per_step(
+        return comm_model.comm_bytes_per_step(
             shape_of(self.model_config),
             self.layout,
             c.data.seq_len,
@@ -453,8 +443,6 @@ class Trainer:
 
     def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
         """Which parameters hold a NaN or inf gradient, on which rank and shard (collective)."""
-        from torch.distributed.tensor import DTensor
-
         mine = []
         for part in self.parts:
             for name, p in part.named_parameters():
