@@ -177,8 +177,9 @@ def build(cfg: Any, state: State, device: torch.device, options: Options) -> Lla
         del weights
     else:
         for m in model.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            reset = getattr(m, "reset_parameters", None)
+            if reset is not None:
+                reset()
     if options.compile:
         for block in model.layers:
             block.compile()

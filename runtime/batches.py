@@ -109,7 +109,8 @@ class StepData:
             local = self.to_rank(*rows)
         else:
             checksum = None
-            batch = self.packed(*data.next_global_batch(), data)
+            inputs, targets = data.next_global_batch()
+            batch = self.packed(inputs, targets, data)
             valid = count_valid(batch[1])  # over the whole global batch: the denominator on every rank
             if self.pack:
                 documents = self.documents(int((batch[2] == 0).sum()), int((batch[1] == IGNORE_INDEX).sum()))

@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tessera.topology.planner import Candidate, Hardware, estimate, model_flops_per_token
 from tessera.topology.step_time import Calibration
@@ -284,6 +285,7 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
             flush=True,
         )
         history = train(config)
+        assert history is not None, "the bench spawns its ranks itself: train returns rank 0's records"
         rows.append(_row(name, config, history, args.warmup, per_device_peak, on_gpu, calibration))
         r = rows[-1]
         experts = (
@@ -355,7 +357,7 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
         else f"absent: {args.model} is a dense model (no experts), so its rows have no 'moe' entry and "
         f"there is no moe_load plot"
     )
-    results = {"layouts": rows}
+    results: dict[str, Any] = {"layouts": rows}
     if baseline is not None:
         results["baseline"] = baseline
     path = write_results(name, config, results, out)

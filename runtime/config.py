@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tessera.topology import Layout
 from tessera.topology import axes as _axes
@@ -299,6 +299,8 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    if TYPE_CHECKING:  # set by __post_init__, not a field: to_dict() (the manifest, the metrics header) omits it
+        microbatches_chosen: bool = field(init=False)
 
     def __post_init__(self) -> None:
         # --microbatches left out: 1, or with a pipeline the fewest its schedule runs (which `microbatches_chosen`
@@ -358,6 +360,12 @@ class Config:
     @property
     def layout(self) -> Layout:
         return self.parallel.layout
+
+    @property
+    def microbatches(self) -> int:
+        """--microbatches as this config runs it: data.microbatches, which __post_init__ fills in when not given."""
+        assert self.data.microbatches is not None, "Config.__post_init__ sets data.microbatches"
+        return self.data.microbatches
 
     @property
     def model_name(self) -> str:

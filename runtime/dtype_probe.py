@@ -111,5 +111,5 @@ class MatmulDtypes(TorchDispatchMode):
         """{"compute_dtype": the dtype with the most matmul FLOPs (None if none ran), "matmul_flops_by_dtype",
         "matmul_calls_by_dtype"}."""
         flops = dict(self.flops)
-        top = max(flops, key=flops.get) if flops else None
+        top = max(flops, key=flops.__getitem__) if flops else None
         return {"compute_dtype": top, "matmul_flops_by_dtype": flops, "matmul_calls_by_dtype": dict(self.calls)}

@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 AXIS_OF = {"pp": "pp", "dpr": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp", "ep": "ep"}
-OPTIONS = {
+OPTIONS: dict[str, dict[str, Any]] = {
     "sp": dict(sequence_parallel=True),
     "ac_op": dict(ac="op"),
     "ac_full": dict(ac="full"),

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, weakref.ref] = {}
         self.now = 0

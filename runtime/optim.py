@@ -111,7 +111,7 @@ class PartSchedulers:
             s.step()
 
     def get_last_lr(self) -> list[float]:
-        return self.schedulers[0].get_last_lr()
+        return [float(lr) for lr in self.schedulers[0].get_last_lr()]  # torch types them float | Tensor
 
     def state_dict(self) -> dict[str, Any]:
         return self.schedulers[0].state_dict()

@@ -59,7 +59,7 @@ def build_parts(
         parallelize(model, meshes, parallel, spec=spec)
         materialize(model, device, seed, spec=spec)
         set_aux_weight(model, aux_weight)
-        runner = LocalRunner(model, loss_fn, grad_scale=meshes.fsdp_size, positions=positions)
+        runner: Runner = LocalRunner(model, loss_fn, grad_scale=meshes.fsdp_size, positions=positions)
         return Parts([model], runner, no_tied_gradients())
     pp, virtual = layout.pp, parallel.pipeline.virtual
     n_stages = pp * virtual

@@ -154,7 +154,7 @@ def _check_numbers(config: Config) -> None:
         ("--steps", r.steps),
         ("--seq-len", d.seq_len),
         ("--global-batch", d.global_batch),
-        ("--microbatches", d.microbatches),
+        ("--microbatches", config.microbatches),
     ):
         if value <= 0:
             raise ValueError(f"{flag} {value} must be positive")
@@ -169,9 +169,9 @@ def _check_numbers(config: Config) -> None:
             f"--max-grad-norm {o.max_grad_norm} would scale every gradient to zero; give a positive norm, "
             f"or --max-grad-norm inf to turn clipping off"
         )
-    for flag, value in (("--beta1", o.beta1), ("--beta2", o.beta2)):
-        if not 0 <= value < 1:
-            raise ValueError(f"{flag} {value} must lie in [0, 1)")
+    for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2)):
+        if not 0 <= beta < 1:
+            raise ValueError(f"{flag} {beta} must lie in [0, 1)")
     if not o.eps > 0:
         raise ValueError(f"--eps {o.eps} must be positive")
     if o.weight_decay < 0:

@@ -76,13 +76,15 @@ class StepProfiler:
 
     def __init__(self, config: Any, rank: int, device: torch.device, done: int):
         r = config.runtime
-        self.rank, self.device, self.path = rank, device, None
+        self.rank, self.device = rank, device
+        self.path: Path | None = None  # the trace file, set with the window
         self.prof: torch.profiler.profile | None = None  # while it runs; then `finished`
         self.finished: torch.profiler.profile | None = None
         self.written = False
         self.window: tuple[int, int] | None = None
         self.group_by_shape = r.profile_shapes
-        self.next_step, self._record = done, None  # the step about to run, less one; its trace label
+        self.next_step = done  # the step about to run, less one
+        self._record: torch.profiler.record_function | None = None  # its trace label
         if not r.profile:
             return
         first, last = profile_window(r.profile_steps, r.steps, done)
@@ -139,6 +141,7 @@ class StepProfiler:
         if self.window is None:  # no --profile (or a restart past its window)
             return None
         first, last = self.window
+        assert self.path is not None  # set with the window
         if not self.written or self.finished is None:
             return f"profile: no trace written (the run ended before step {first})"
         last = min(last, self.next_step)  # an early stop (SIGTERM) cuts the window short

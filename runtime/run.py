@@ -93,7 +93,7 @@ def startup_line(config: Config, trainer: Any) -> str:
         f"{compute_dtype_summary(trainer.dtype_report)}; "
         f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
         f"{' (packed documents, each attending only to itself)' if config.data.pack_documents else ''}"
-        f"{f' in {config.data.microbatches} microbatches' if config.data.microbatches > 1 else ''}"
+        f"{f' in {config.microbatches} microbatches' if config.microbatches > 1 else ''}"
         f"{' (the fewest the schedule runs; --microbatches M to choose)' if fewest else ''}; " + "; ".join(where)
     )
 
@@ -356,11 +356,12 @@ def train(config: Config) -> list[dict[str, Any]] | None:
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(config.checkpoint.dir or ".") / "nccl_trace_rank_"))
-    writes = config.checkpoint.dir and config.checkpoint.every and int(os.environ.get("RANK", "0")) == 0
+    # the checkpoint directory this process writes into (rank 0 of a run that saves), locked while it runs
+    writes = config.checkpoint.dir if config.checkpoint.every and int(os.environ.get("RANK", "0")) == 0 else None
     if under_torchrun():
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts restarted us
         config = _resuming_after_failure(config) if attempt else config
-        with directory_lock(config.checkpoint.dir) if writes and not attempt else contextlib.nullcontext():
+        with directory_lock(writes) if writes and not attempt else contextlib.nullcontext():
             _join_torchrun_job(_backend(config), config.runtime.timeout, attempt)
             try:
                 return run_rank(config, attempt)
@@ -368,7 +369,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                 dist.destroy_process_group()
 
     world = config.layout.world_size
-    with directory_lock(config.checkpoint.dir) if writes else contextlib.nullcontext():  # one writer per directory
+    with directory_lock(writes) if writes else contextlib.nullcontext():  # one writer per directory
         attempt = 0
         while True:
             try:

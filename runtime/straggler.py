@@ -44,10 +44,10 @@ class StragglerWatch:
         times[rank] = step_time_s
         with collective("all_reduce (step times)", "world"):
             dist.all_reduce(times)
-        times = times.tolist()
-        latest = max(range(world), key=times.__getitem__)
-        median = statistics.median(times)
-        lag = times[latest] - median
+        seconds: list[float] = times.tolist()
+        latest = max(range(world), key=seconds.__getitem__)
+        median = statistics.median(seconds)
+        lag = seconds[latest] - median
         if lag > self.min_lag_s and lag > self.min_ratio * median:
             self.count = self.count + 1 if latest == self.candidate else 1
             self.candidate = latest

@@ -138,7 +138,8 @@ def tokenize(
             docs = tqdm(docs, unit=" docs", desc=f"tokenize {len(files)} file(s)")
         except ImportError:
             pass  # tqdm is optional: no bar
-    written, buffer = [], []
+    written: list[Path] = []
+    buffer: list[int] = []
     try:
         for text in docs:
             buffer.extend(tok.encode(text, add_special_tokens=False).ids)

@@ -34,6 +34,7 @@ from tessera.parallel.comm_stats import CommCounter
 from tessera.parallel.data import PRECISIONS, layout_for_strategy
 from tessera.parallel.expert import expert_load, load_report, update_biases
 from tessera.parallel.loss import CrossEntropySum
+from tessera.parallel.pipeline import PipelineRunner
 from tessera.topology import Meshes, comm_model
 
 from .batches import StepData
@@ -42,7 +43,7 @@ from .dtype_probe import MatmulDtypes
 from .memtrack import LiveTensorBytes
 from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
 from .parts import build_parts
-from .runners import forward_only, split_microbatches
+from .runners import LocalRunner, forward_only, split_microbatches
 from .straggler import Straggler, StragglerWatch
 from tessera.topology.errors import NonFiniteError  # named by step, rank and parameter
 
@@ -160,7 +161,7 @@ class Trainer:
             self.device,
             d.seq_len,
             d.global_batch,
-            d.microbatches,
+            config.microbatches,
             d.pack_documents,
         )
         built = build_parts(
@@ -170,7 +171,7 @@ class Trainer:
             config.parallel_config(),
             self.device,
             config.runtime.seed,
-            config.data.microbatches,
+            config.microbatches,
             self.loss_fn,
             self.batches.positions_of,
             timeout=config.runtime.timeout,
@@ -235,6 +236,8 @@ class Trainer:
         """The mean loss over --eval-batches global batches of --eval-data, read from their start each time
         (every rank its own rows; the sums are added over the ranks that read different tokens)."""
         d = self.config.data
+        if d.eval_data is None:
+            raise ValueError("evaluate() reads --eval-data PATH (held-out token files); none was given")
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch, self.model_config.vocab_size)
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
         was_training = self.parts[0].training
@@ -244,11 +247,13 @@ class Trainer:
             for _ in range(d.eval_batches):
                 rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
                 local = self.batches.local(rows_in, rows_tg, held_out)
-                if self.layout.pp > 1:  # through the stages, forward only (every pp rank gets the sums)
+                if isinstance(self.runner, PipelineRunner):  # pp > 1: forward only, through the stages
+                    # (every pp rank gets the sums)
                     loss_sum, count = self.runner.forward_only(
-                        split_microbatches(*local[:2], d.microbatches, *local[2:])
+                        split_microbatches(local[0], local[1], self.config.microbatches, *local[2:])
                     )
                 else:
+                    assert isinstance(self.runner, LocalRunner)  # pp == 1 (build_parts)
                     loss_sum, count = forward_only(self.parts[0], self.loss_fn, [local], self.runner.positions)
                 totals += torch.stack([loss_sum, count])
         finally:
@@ -289,10 +294,11 @@ class Trainer:
         runtime = self.config.runtime
         counting = runtime.comm_stats == "every" or (runtime.comm_stats == "first" and step == 1)
         tracking = runtime.track_memory and step == 2
-        probing = self.dtype_report is None  # this process's first step: what the matmuls ran in
-        if not (counting or tracking or probing):
+        report = self.dtype_report
+        probing = report is None  # this process's first step: what the matmuls ran in
+        if report is not None and not (counting or tracking):
             result = self._train_step(on_grads)
-            result.compute_dtype = self.dtype_report["compute_dtype"]
+            result.compute_dtype = report["compute_dtype"]
             return result
         with contextlib.ExitStack() as modes:
             if probing:
@@ -304,15 +310,15 @@ class Trainer:
                 data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
                 counter = modes.enter_context(CommCounter(data_layout, self.rank))
             result = self._train_step(on_grads)
-        if probing:
-            self.dtype_report = probe.report()
+        if report is None:
+            report = self.dtype_report = probe.report()
         if self.config.parallel.compile:
             # dynamo skips (and marks skipped for good) a frame first seen under a dispatch mode: forget
             # that, so the blocks compile from the next step on
             torch._dynamo.reset()
         if probing:
-            result.matmul_flops_by_dtype = self.dtype_report["matmul_flops_by_dtype"]
-        result.compute_dtype = self.dtype_report["compute_dtype"]
+            result.matmul_flops_by_dtype = report["matmul_flops_by_dtype"]
+        result.compute_dtype = report["compute_dtype"]
         if tracking:
             result.peak_tensor_bytes = tracker.peak
         if counting:
@@ -328,7 +334,7 @@ class Trainer:
             self.layout,
             c.data.seq_len,
             c.data.global_batch,
-            c.data.microbatches,
+            c.microbatches,
             p.sequence_parallel,
             p.data.strategy,
             p.pipeline.virtual,
@@ -404,7 +410,7 @@ class Trainer:
         if not skipped:
             self.progress.skipped_in_a_row = 0
             self.optimizer.step()
-            if load is not None:  # the auxiliary-loss-free bias follows the step it was measured in
+            if load is not None and self.spec.moe:  # the auxiliary-loss-free bias follows the step it was measured in
                 update_biases(self.parts, self.spec.moe, load[0])
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
