@@ -180,7 +180,7 @@ class PipelineRunner:
         device: torch.device,
         grad_scale: float = 1.0,
         timeout: float = 600.0,
-        positions: Callable[[Tensor], Tensor] | None = None,
+        positions: Callable[[Tensor], Tensor | None] | None = None,
     ):
         self.placement = placement_of(schedule if isinstance(schedule, str) else None)
         self.stages, self.group = stages, pp_group

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from tessera.topology import Layout
 from tessera.topology import axes as _axes
-from tessera.topology.schedule import fewest_microbatches
+from tessera.topology.errors import ConfigError, with_flags
+from tessera.topology.schedule import V_KINDS, fewest_microbatches
 from tessera.topology.schedule_files import read_schedule_file
 
 
@@ -81,8 +82,8 @@ class ParallelSection:
     )
     schedule: str | None = opt(
         None,
-        "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zb or zbv "
-        "(default with --pp > 1: 1f1b)",
+        "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zb, zbv or "
+        "dualpipev (default with --pp > 1: 1f1b)",
     )
     schedule_file: str | None = opt(
         None,
@@ -93,8 +94,10 @@ class ParallelSection:
         "default of --microbatches",
         metavar="PATH",
     )
-    virtual: int = opt(
-        1, "virtual pipeline stages per pp rank (interleaved-1f1b, looped-bfs, interleaved-zb: stage s on rank s % pp)"
+    virtual: int | None = opt(
+        None,
+        "virtual pipeline stages per pp rank (interleaved-1f1b, looped-bfs, interleaved-zb: stage s on rank s % pp; "
+        "default 1, and 2 for zbv and dualpipev, which run two per rank on a V)",
     )
     pp_layers: str | None = opt(
         None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,..."
@@ -303,6 +306,10 @@ class Config:
         microbatches_chosen: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        # --virtual left out: the V kinds' two stages per rank, else one
+        if self.parallel.virtual is None:
+            virtual = 2 if self.parallel.schedule in V_KINDS else 1
+            object.__setattr__(self, "parallel", dataclasses.replace(self.parallel, virtual=virtual))
         # --microbatches left out: 1, or with a pipeline the fewest its schedule runs (which `microbatches_chosen`
         # says, for the start line), so that `--pp 2` alone trains; a --schedule-file's own count when given
         if self.data.microbatches is None:
@@ -333,8 +340,8 @@ class Config:
         if pp == 1:
             return 1
         kind = p.schedule or "1f1b"
-        least = fewest_microbatches(kind, pp, p.virtual)
-        step = pp if kind in ("interleaved-1f1b", "interleaved-zb") and p.virtual > 1 else 1  # rounds of pp
+        least = fewest_microbatches(kind, pp, self.virtual)
+        step = pp if kind in ("interleaved-1f1b", "interleaved-zb") and self.virtual > 1 else 1  # rounds of pp
         rows = self.data.global_batch // max(1, self.layout.dp)
         # the fewest that also divides each dp rank's rows (else the schedule's least: the checks name the fix)
         return next((m for m in range(least, rows + 1, step) if rows % m == 0), least)
@@ -360,6 +367,12 @@ class Config:
     @property
     def layout(self) -> Layout:
         return self.parallel.layout
+
+    @property
+    def virtual(self) -> int:
+        """--virtual as this config runs it: parallel.virtual, which __post_init__ fills in when not given."""
+        assert self.parallel.virtual is not None, "Config.__post_init__ sets parallel.virtual"
+        return self.parallel.virtual
 
     @property
     def microbatches(self) -> int:
@@ -442,13 +455,13 @@ class Config:
         if p.schedule_file is not None:  # the file's actions, as data (read here, on every rank, like --data)
             pipeline = PipelineConfig(
                 tuple(map(tuple, read_schedule_file(p.schedule_file))),
-                p.virtual,
+                self.virtual,
                 p.layers_per_stage,
                 self.data.microbatches,
                 source=f"--schedule-file {p.schedule_file}",
             )
         else:
-            pipeline = PipelineConfig(p.schedule or "1f1b", p.virtual, p.layers_per_stage, self.data.microbatches)
+            pipeline = PipelineConfig(p.schedule or "1f1b", self.virtual, p.layers_per_stage, self.data.microbatches)
         return ParallelConfig(
             layout=self.layout,
             sequence_parallel=p.sequence_parallel,
@@ -469,10 +482,22 @@ class Config:
 
     # ------------------------------------------------------------------ validation
     def check(self) -> None:
-        """Every input error, raised before any rank starts (ValueError naming the value and the fix)."""
+        """Every input error, raised before any rank starts (ValueError naming the value and the fix). The
+        library's checks name their parameters (microbatches=2); here they name the flags (--microbatches 2)."""
         from . import preflight  # lazy: preflight imports torch, which stays out of `tessera --help`
 
-        preflight.check(self)
+        try:
+            preflight.check(self)
+        except ConfigError as e:
+            raise type(e)(with_flags(str(e), flag_names())) from None
+
+
+def flag_names() -> dict[str, str]:
+    """The parameters library messages name -> the `tessera train` flag that sets them: every field of the
+    sections but the checkpoint's (whose short names, dir and every, are no parameter of the library), and
+    PipelineConfig's layers_per_stage (--pp-layers)."""
+    out = {f.name: flag_of(f) for name, cls in SECTIONS.items() if name != "checkpoint" for f in fields(cls)}
+    return {**out, "layers_per_stage": "--pp-layers"}
 
 
 def _flat_names() -> dict[str, tuple[str, str]]:

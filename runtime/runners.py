@@ -47,7 +47,7 @@ class LocalRunner:
         model: nn.Module,
         loss_fn: LossFn,
         grad_scale: float = 1.0,
-        positions: Callable[[Tensor], Tensor] | None = None,
+        positions: Callable[[Tensor], Tensor | None] | None = None,
     ):
         self.model, self.loss_fn, self.grad_scale = model, loss_fn, grad_scale
         self.positions = positions  # tokens -> their global positions (context parallel); default 0..S-1
@@ -72,7 +72,7 @@ def forward_only(
     model: nn.Module,
     loss_fn: LossFn,
     microbatches: Sequence[Microbatch],
-    positions: Callable[[Tensor], Tensor] | None = None,
+    positions: Callable[[Tensor], Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(summed loss, valid targets) of this rank's microbatches without gradients (evaluation)."""
     total: Tensor | None = None
@@ -90,7 +90,7 @@ def forward_only(
     return total, count
 
 
-def positions_of(microbatch: Microbatch, positions: Callable[[Tensor], Tensor] | None) -> Tensor | None:
+def positions_of(microbatch: Microbatch, positions: Callable[[Tensor], Tensor | None] | None) -> Tensor | None:
     """The positions a microbatch's tokens run at: its own (packed documents), else `positions(inputs)`
     (context parallel's zigzag indices), else None (the model's 0..S-1)."""
     if len(microbatch) > 2:

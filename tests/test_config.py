@@ -39,7 +39,7 @@ from tessera.config import Config, add_arguments, config_from_args
             dict(pp=2, n_layers=4, microbatches=2, pp_layers="2,x"),
             "--pp-layers '2,x' must be comma-separated layer counts",
         ),
-        (dict(pp=2, n_layers=4, microbatches=2, schedule="pipedream"), "unknown pipeline schedule 'pipedream'"),
+        (dict(pp=2, n_layers=4, microbatches=2, schedule="pipedream"), "unknown pipeline --schedule pipedream"),
         (dict(pp=2, n_layers=4, microbatches=2, virtual=2), "--virtual 2 needs --schedule interleaved-1f1b"),
         (dict(schedule="gpipe"), "--schedule applies to pipeline parallel, and --pp is 1: add --pp 2"),
         (dict(virtual=2), "--virtual applies to pipeline parallel, and --pp is 1"),

@@ -31,6 +31,8 @@ def test_the_fewest_microbatches_are_what_the_schedule_accepts(kind, stages):
         (dict(pp=4, n_layers=4), 4),
         (dict(pp=2, schedule="interleaved-1f1b", virtual=2, n_layers=4), 2),
         (dict(pp=2, schedule="zbv", virtual=2, n_layers=4), 2),
+        (dict(pp=2, schedule="zbv", n_layers=4), 2),  # --virtual left out: the V's two stages per rank
+        (dict(pp=2, schedule="dualpipev", n_layers=4), 4),  # 2 pp
         (dict(pp=2, schedule="looped-bfs", virtual=2, n_layers=4), 1),
         (dict(pp=4, n_layers=4, global_batch=10), 5),  # 4 does not divide 10 rows: the next count that does
         (dict(pp=2, microbatches=4), 4),  # given: kept
@@ -40,6 +42,7 @@ def test_microbatches_default_to_the_fewest_the_pipeline_runs(flags, chosen):
     config = small_config(**flags)
     assert config.data.microbatches == chosen
     assert config.microbatches_chosen == ("microbatches" not in flags)
+    assert config.virtual == flags.get("virtual", 2 if flags.get("schedule") in V_KINDS else 1)
     config.check()
 
 
@@ -54,3 +57,35 @@ def test_pp_alone_trains_and_says_what_it_chose(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "in 2 microbatches (the fewest the schedule runs; --microbatches M to choose)" in out.stdout
     assert "done: loss" in out.stdout
+
+
+def test_a_v_schedule_needs_only_its_name(tmp_path):
+    """--schedule dualpipev with --pp 2 (and the 4 layers its 4 stages need): two stages per rank on the V and 2 pp microbatches
+    are chosen; the library's refusal of too few microbatches reaches the command line in its flags."""
+    run = [
+        sys.executable,
+        "-m",
+        "tessera",
+        "train",
+        "--pp",
+        "2",
+        "--schedule",
+        "dualpipev",
+        "--n-layers",
+        "4",
+        "--steps",
+        "2",
+    ]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "in 4 microbatches (the fewest the schedule runs" in out.stdout
+    out = subprocess.run(run + ["--microbatches", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "--schedule dualpipev needs at least as many microbatches as its 2 x pp stages: --microbatches 2 < 2 x "
+            "--pp 2; use --microbatches 4 or more"
+        )
+    )

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from tessera.parallel.pipeline import build_schedule
 from tessera.parallel.schedule import KINDS, SPLIT_BACKWARD, Action, check_schedule, render, simulate, validate
+from tessera.topology.errors import ConfigError
 from tessera.topology.schedule import fill_weight_passes, placement_of, stage_rank
 
 stages = st.integers(1, 8)
@@ -217,17 +218,18 @@ def test_malformed_schedules_are_refused_naming_the_first_bad_action():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("1f1b", 4, 2), "needs at least as many microbatches as stages: --microbatches 2 < --pp 4"),
-        (("zb-h1", 4, 3), "--microbatches 4 or more"),
-        (("interleaved-1f1b", 2, 3, 2), "--microbatches 3 is not a multiple of --pp 2; use --microbatches 4"),
-        (("1f1b", 2, 4, 2), "--virtual 2 needs --schedule interleaved-1f1b"),
-        (("pipedream", 2, 4), "unknown pipeline schedule 'pipedream'"),
-        (("dualpipev", 2, 3, 2), "microbatches=3 < 2 x 2; use microbatches=4 or more"),
-        (("dualpipev", 2, 4, 1), "runs two stages per rank on a V"),
+        (("1f1b", 4, 2), "needs at least as many microbatches as stages: microbatches=2 < pp=4"),
+        (("zb-h1", 4, 3), "microbatches=4 or more"),
+        (("interleaved-1f1b", 2, 3, 2), "microbatches=3 is not a multiple of pp=2; use microbatches=4"),
+        (("1f1b", 2, 4, 2), "virtual=2 needs schedule=interleaved-1f1b"),
+        (("pipedream", 2, 4), "unknown pipeline schedule=pipedream"),
+        (("dualpipev", 2, 3, 2), "microbatches=3 < 2 x pp=2; use microbatches=4 or more"),
+        (("dualpipev", 2, 4, 1), "schedule=dualpipev runs two stages per rank on a V: use virtual=2 (not 1)"),
     ],
 )
 def test_bad_schedule_arguments_name_the_value_and_the_fix(args, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    """The library names PipelineConfig's and Layout's parameters (the CLI writes its flags for them)."""
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_schedule(*args)
 
 

@@ -18,6 +18,9 @@ configuration and checkpoint errors are also ValueErrors, so callers that catch 
 
 from __future__ import annotations
 
+import re
+from typing import Mapping
+
 
 class TesseraError(Exception):
     exit_code = 2  # a named failure: the CLI prints its one line and exits 2
@@ -72,3 +75,14 @@ def is_restartable(error: BaseException) -> bool:
     if isinstance(error, TesseraError):
         return error.restartable
     return not isinstance(error, (ValueError, TypeError, KeyboardInterrupt, SystemExit))
+
+
+def with_flags(message: str, flags: Mapping[str, str]) -> str:
+    """A library message as the command line says it: each `name=value` of a parameter in `flags` (its name
+    -> the flag, e.g. "microbatches" -> "--microbatches") written `--flag value`. Library messages name the
+    parameters of the Python API; the CLI calls this on the errors of the checks it runs, so they name its
+    flags instead."""
+    if not flags:
+        return message
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    return re.sub(rf"(?<![\w.-])({names})=", lambda m: flags[m.group(1)] + " ", message)

@@ -47,6 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Sequence
 
+from .errors import ConfigError
+
 KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 # kinds whose backward is B (input gradient) + W (weight gradient); dualpipev's full backwards are a B with its W
 # right after (the executor runs such a pair as one backward pass)
@@ -86,35 +88,35 @@ def stages_on_rank(rank: int, pp: int, virtual: int = 1, placement: str = "loop"
 
 
 def check_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -> None:
-    """ValueError naming the value and the fix for any (kind, stages, microbatches, virtual) that
-    `build_schedule` cannot build."""
+    """ConfigError (a ValueError) naming the value and the fix for any (kind, stages, microbatches, virtual)
+    that `build_schedule` cannot build. Messages name the values as PipelineConfig and Layout do (schedule=,
+    pp= for `stages`, microbatches=, virtual=); the CLI writes its flags for them."""
     if kind not in KINDS:
-        raise ValueError(f"unknown pipeline schedule {kind!r}; use one of {', '.join(KINDS)}")
-    for name, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
+        raise ConfigError(f"unknown pipeline schedule={kind}; use one of {', '.join(KINDS)}")
+    for name, value in (("pp", stages), ("microbatches", microbatches), ("virtual", virtual)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value} must be a positive integer")
+            raise ConfigError(f"{name}={value} must be a positive integer")
     if kind in V_KINDS and virtual != 2:
-        raise ValueError(f"--schedule {kind} runs two stages per rank on a V: use --virtual 2 (not {virtual})")
+        raise ConfigError(f"schedule={kind} runs two stages per rank on a V: use virtual=2 (not {virtual})")
     if virtual > 1 and kind not in VIRTUAL_KINDS + V_KINDS:
-        raise ValueError(
-            f"--virtual {virtual} needs --schedule {' or '.join(VIRTUAL_KINDS)} ({kind} runs one stage "
-            f"per rank); use --virtual 1"
+        raise ConfigError(
+            f"virtual={virtual} needs schedule={' or '.join(VIRTUAL_KINDS)} ({kind} runs one stage per rank); "
+            f"use virtual=1"
         )
     if kind == "dualpipev" and microbatches < 2 * stages:
-        raise ValueError(
-            f"schedule dualpipev needs at least as many microbatches as its 2 x pp stages: microbatches="
-            f"{microbatches} < 2 x {stages}; use microbatches={2 * stages} or more"
+        raise ConfigError(
+            f"schedule={kind} needs at least as many microbatches as its 2 x pp stages: microbatches="
+            f"{microbatches} < 2 x pp={stages}; use microbatches={2 * stages} or more"
         )
     if kind not in ANY_MICROBATCHES and microbatches < stages:
-        raise ValueError(
-            f"--schedule {kind} needs at least as many microbatches as stages: --microbatches "
-            f"{microbatches} < --pp {stages}; use --microbatches {stages} or more (or --schedule gpipe)"
+        raise ConfigError(
+            f"schedule={kind} needs at least as many microbatches as stages: microbatches={microbatches} < "
+            f"pp={stages}; use microbatches={stages} or more (or schedule=gpipe)"
         )
     if kind in ("interleaved-1f1b", "interleaved-zb") and virtual > 1 and microbatches % stages:
-        raise ValueError(
-            f"--schedule {kind} runs microbatches in rounds of pp: --microbatches "
-            f"{microbatches} is not a multiple of --pp {stages}; use "
-            f"--microbatches {stages * -(-microbatches // stages)}"
+        raise ConfigError(
+            f"schedule={kind} runs microbatches in rounds of pp: microbatches={microbatches} is not a "
+            f"multiple of pp={stages}; use microbatches={stages * -(-microbatches // stages)}"
         )
 
 
