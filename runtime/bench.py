@@ -44,7 +44,7 @@ from typing import Any
 from tessera.topology.planner import Candidate, Hardware, estimate, model_flops_per_token
 from tessera.topology.step_time import Calibration
 
-from .config import Config
+from .config import Config, said
 from .layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
 from .plan_command import model_shape
 
@@ -167,13 +167,13 @@ def run_bench(args: argparse.Namespace) -> int:
                 track_memory=True,
                 **kw,
             )
-            config.check()
+            config.check(flags={})  # a layout is a name here, not --tp/--pp flags
             configs.append((name, config))
         from .tokenize_files import check_out_dir  # lazy: it imports torch (tessera.models.tokens)
 
         out = check_out_dir("--out", args.out)  # ValueError naming --out and the fix, never a bare [Errno]
     except (ValueError, OSError) as e:
-        print(f"tessera bench: error: {e}", file=sys.stderr)
+        print(f"tessera bench: error: {said(e, args)}", file=sys.stderr)
         return 2
     return _sweep(args, configs, out)
 

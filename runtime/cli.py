@@ -19,7 +19,9 @@ from tessera.topology.memory import GB, get_recipe
 from tessera.topology.planner import rank_params
 
 from .bench import add_bench_parser
-from .config import add_arguments, config_from_args
+from tessera.topology.errors import with_flags
+
+from .config import add_arguments, config_from_args, flag_names, parser_flags, said
 from .plan_command import add_plan_parser, model_shape
 
 
@@ -177,7 +179,7 @@ def _memory(args: argparse.Namespace) -> int:
         if args.dry_run:
             _memory_dry_run(args)
     except ValueError as e:
-        print(f"tessera memory: error: {e}", file=sys.stderr)
+        print(f"tessera memory: error: {said(e, args)}", file=sys.stderr)
         return 2
     return 0
 
@@ -258,7 +260,7 @@ def _export(args: argparse.Namespace) -> int:
         else:
             manifest = _export_hf(args.checkpoint, args.to_hf)
     except (CheckpointError, ValueError) as e:
-        print(f"tessera export: error: {e}", file=sys.stderr)
+        print(f"tessera export: error: {said(e, args)}", file=sys.stderr)
         return 2
     except OSError as e:  # writing the output (reading the checkpoint raises CheckpointError)
         print(
@@ -329,7 +331,7 @@ def _convert(args: argparse.Namespace) -> int:
             for ours, source in hf_weight_map(args.from_hf, cfg, flag="--from-hf").items()
         }
     except ValueError as e:  # CheckpointError (a damaged safetensors file) included
-        print(f"tessera convert: error: {e}", file=sys.stderr)
+        print(f"tessera convert: error: {said(e, args)}", file=sys.stderr)
         return 2
     except SafetensorError as e:  # a shard of an indexed checkpoint that is not safetensors
         print(
@@ -372,7 +374,7 @@ def _tokenize(args: argparse.Namespace) -> int:
             args.tokenizer, args.out, args.files, args.separator, args.field, args.shard_tokens, progress=not args.quiet
         )
     except (ValueError, OSError) as e:
-        print(f"tessera tokenize: error: {e}", file=sys.stderr)
+        print(f"tessera tokenize: error: {said(e, args)}", file=sys.stderr)
         return 2
     from tessera.models.tokens import open_dataset  # lazy: tessera.models imports torch
 
@@ -457,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(tr)
     tr.set_defaults(func=_train)
+    # each subcommand's parameters -> its flags, for the errors it prints (train: the config's fields too)
+    for name, subparser in sub.choices.items():
+        subparser.set_defaults(flags={**parser_flags(subparser), **(flag_names() if name == "train" else {})})
     return parser
 
 
@@ -479,18 +484,18 @@ def _train(args: argparse.Namespace) -> int:
                     "tessera.testing.judge_drift"
                 )
     except ValueError as e:  # CheckpointError included
-        return error_exit("train", str(e))
+        return error_exit("train", said(e, args))
     try:
         history = train(config)
     except CheckpointError as e:  # raised before any rank starts (e.g. the checkpoint directory is in use)
-        return error_exit("train", str(e))
+        return error_exit("train", said(e, args))
     except (Interrupted, KeyboardInterrupt) as e:  # SIGTERM / Ctrl-C: every rank has been stopped
         why = str(e) or "stopped by SIGINT"
         error_exit("train", stopped_message(why, config))
         return 128 + (15 if "SIGTERM" in why else 2)
     except RankFailure as e:  # a rank's named failure (one of tessera's errors) becomes the command's one line
         if e.cause is not None and e.cause["tessera"]:
-            error_exit("train", e.cause["message"])
+            error_exit("train", with_flags(e.cause["message"], args.flags))
             return e.cause["exit_code"]
         raise
     if history and not config.runtime.quiet:

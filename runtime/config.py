@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tessera.topology import Layout
 from tessera.topology import axes as _axes
@@ -481,15 +481,27 @@ class Config:
         return path
 
     # ------------------------------------------------------------------ validation
-    def check(self) -> None:
+    def check(self, flags: Mapping[str, str] | None = None) -> None:
         """Every input error, raised before any rank starts (ValueError naming the value and the fix). The
-        library's checks name their parameters (microbatches=2); here they name the flags (--microbatches 2)."""
+        library's checks name their parameters (microbatches=2); here they name `flags` instead (default:
+        `tessera train`'s, --microbatches 2; `tessera bench`, whose layouts are names, passes none)."""
         from . import preflight  # lazy: preflight imports torch, which stays out of `tessera --help`
 
         try:
             preflight.check(self)
         except ConfigError as e:
-            raise type(e)(with_flags(str(e), flag_names())) from None
+            raise type(e)(with_flags(str(e), flag_names() if flags is None else flags)) from None
+
+
+def parser_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """A subcommand's parameters -> its flags: each option's dest -> its long option (--from-hf for from_hf)."""
+    return {a.dest: max(a.option_strings, key=len) for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def said(error: BaseException, args: argparse.Namespace) -> str:
+    """An error's message as the command line says it: the parameters it names written as the command's flags
+    (build_parser leaves each subcommand's in args.flags)."""
+    return with_flags(str(error), getattr(args, "flags", {}))
 
 
 def flag_names() -> dict[str, str]:

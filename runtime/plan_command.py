@@ -32,6 +32,7 @@ from tessera.topology.planner import (
 )
 from tessera.topology.step_time import Calibration, find_entry
 
+from .config import said
 from .layout_names import parse_layout
 from .paths import calibration_path, read_calibration
 
@@ -215,7 +216,7 @@ def run_plan(args: argparse.Namespace) -> int:
         scored = score_layout(shape, hw, args.seq_len, args.global_batch, result, *named) if named else None
         result.ranked = result.ranked[: args.top]
     except ValueError as e:  # PlanError and an unknown preset
-        print(f"tessera plan: error: {e}", file=sys.stderr)
+        print(f"tessera plan: error: {said(e, args)}", file=sys.stderr)
         return 2
     best = result.ranked[0]
     dry = _dry_run(args.model, best) if args.dry_run else None
@@ -444,7 +445,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         except OSError as e:
             raise PlanError(f"--calibration {path} cannot be written ({e.strerror}); name a writable file") from None
     except (ValueError, OSError) as e:
-        print(f"tessera plan: error: {e}", file=sys.stderr)
+        print(f"tessera plan: error: {said(e, args)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"path": str(path), "entry": entry, "seconds": time.perf_counter() - started}))

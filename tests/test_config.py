@@ -202,7 +202,7 @@ def test_the_cli_exits_2_with_one_line_and_runs_nothing(tmp_path):
     )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
-        "tessera train: error: tp=3 does not divide the 4 attention heads; use a tp that divides 4"
+        "tessera train: error: --tp 3 does not divide the 4 attention heads; use a tp that divides 4"
     ]
     version = subprocess.run(
         [sys.executable, "-m", "tessera.cli", "--version"], capture_output=True, text=True, timeout=60

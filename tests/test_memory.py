@@ -73,7 +73,7 @@ def test_cli_prints_the_reference_table():
     bad = subprocess.run(
         [sys.executable, "-m", "tessera.cli", "memory", "--params", "70e9", "--dp", "0"], capture_output=True, text=True
     )
-    assert bad.returncode == 2 and "dp=0" in bad.stderr
+    assert bad.returncode == 2 and "--dp 0 must be a positive integer; use --dp 1 or more" in bad.stderr
 
 
 def test_dry_run_70b_on_256_fake_ranks_matches_the_reference():

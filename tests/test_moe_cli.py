@@ -44,14 +44,14 @@ def test_the_readme_moe_command_trains_and_shows_the_load(tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--dp", "2", "--ep", "2"], "ep=2 needs a mixture-of-experts model (this model has no experts)"),
-        (["--model", "qwen3-moe-debug", "--dp", "3", "--ep", "3"], "ep=3 does not divide the 8 experts"),
-        (["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "4"], "ep=4 must divide dp_shard x cp = 2"),
+        (["--dp", "2", "--ep", "2"], "--ep 2 needs a mixture-of-experts model (this model has no experts)"),
+        (["--model", "qwen3-moe-debug", "--dp", "3", "--ep", "3"], "--ep 3 does not divide the 8 experts"),
+        (["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "4"], "--ep 4 must divide dp_shard x cp = 2"),
         (["--moe-aux-loss", "0.1"], "--moe-aux-loss needs a mixture-of-experts model, and debug has no experts"),
         (["--model", "qwen3-moe-debug", "--moe-bias-rate", "-1"], "--moe-bias-rate -1.0 must be a number >= 0"),
         (
             ["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "2", "--ac", "op"],
-            "activation checkpointing 'op' with ep=2",
+            "activation checkpointing 'op' with --ep 2",
         ),
     ],
 )
