@@ -58,6 +58,7 @@ SLOW_TESTS = {
     "test_bench_planner_check_smoke",
     "test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_line",
     "test_pp_alone_trains_and_says_what_it_chose",
+    "test_a_v_schedule_needs_only_its_name",
 }
 
 
