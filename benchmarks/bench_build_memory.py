@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     for r in ranks:
         print(
             f"rank {r['rank']}: peak RSS {r['peak_rss_before_build'] / 2**30:.2f} GiB before the build, "
-            f"{r['peak_rss_after_build'] / 2**30:.2f} GiB after; local parameters {r['local_parameter_bytes'] / 2**30:.2f} GiB"
+            f"{r['peak_rss_after_build'] / 2**30:.2f} GiB after; "
+            f"local parameters {r['local_parameter_bytes'] / 2**30:.2f} GiB"
         )
     worst = max(r["peak_rss_after_build"] for r in ranks)
     print(

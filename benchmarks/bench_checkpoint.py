@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         f"state {result['state_bytes_all_ranks'] / 1e6:.0f} MB over 2 ranks: training waits "
         f"{summary['sync']['blocked_s_median']:.2f} s for a synchronous save, "
         f"{summary['async']['blocked_s_median']:.2f} s for an async one "
-        f"({summary['blocked_ratio_async_to_sync']:.2f}x; complete after {summary['async']['complete_s_median']:.2f} s) -> {path}"
+        f"({summary['blocked_ratio_async_to_sync']:.2f}x; "
+        f"complete after {summary['async']['complete_s_median']:.2f} s) -> {path}"
     )
     return 0
 

@@ -146,7 +146,8 @@ def bench_rms_norm(args, device, dtype) -> list[dict]:
                 row["fwd_bwd_fraction_of_hbm"] = row["fwd_bwd_gb_s"] * 1e9 / bandwidth
             rows.append(row)
             print(
-                f"rms_norm {name:<15} {tokens}x{hidden}  fwd {row['fwd_gb_s']:8.1f} GB/s  fwd+bwd {row['fwd_bwd_gb_s']:8.1f} GB/s",
+                f"rms_norm {name:<15} {tokens}x{hidden}  fwd {row['fwd_gb_s']:8.1f} GB/s  "
+                f"fwd+bwd {row['fwd_bwd_gb_s']:8.1f} GB/s",
                 flush=True,
             )
     return rows

@@ -386,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results: dict[str, Any] = {"model": model_figures(cfg)}
     print(
-        f"model: {cfg.n_experts} experts of ffn {cfg.moe_ffn_dim}, top {cfg.top_k}, dim {cfg.dim}, {cfg.n_layers} layers: "
+        f"model: {cfg.n_experts} experts of ffn {cfg.moe_ffn_dim}, top {cfg.top_k}, dim {cfg.dim}, "
+        f"{cfg.n_layers} layers: "
         f"{results['model']['params'] / 1e6:.2f} M parameters, experts {results['model']['expert_param_share']:.0%} "
         f"of them and {results['model']['expert_matmul_flop_share']:.0%} of the matmul FLOPs per token",
         flush=True,

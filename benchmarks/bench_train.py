@@ -74,7 +74,8 @@ def main(argv=None) -> int:
         )
         rows.append(row)
         print(
-            f"{name:<18} {kernels:<7} {row['ranks']:>2} ranks  {row['tokens_per_s']:>9,.0f} tok/s  step {row['step_time_s'] * 1e3:7.1f} ms  "
+            f"{name:<18} {kernels:<7} {row['ranks']:>2} ranks  {row['tokens_per_s']:>9,.0f} tok/s  "
+            f"step {row['step_time_s'] * 1e3:7.1f} ms  "
             f"loss {row['final_loss']:.6f}",
             flush=True,
         )

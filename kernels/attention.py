@@ -3,8 +3,8 @@
 Shapes: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hq a multiple of Hkv (grouped-query attention:
 query head h reads kv head h // (Hq // Hkv)). Causal masking is aligned bottom-right, as in
 FlashAttention-2: query i sees key j when j <= i + (Sk - Sq); with Sq == Sk that is the usual lower
-triangle. The log-sum-exp (natural log, float32 -- float64 for float64 inputs -- shape (B, Hq, Sq)) is what ring attention needs to
-merge partial results.
+triangle. The log-sum-exp (natural log, float32 -- float64 for float64 inputs -- shape (B, Hq, Sq)) is
+what ring attention needs to merge partial results.
 
 Three torch implementations live here; `tessera.kernels.dispatch` chooses between them and the Triton
 kernel, in one place:

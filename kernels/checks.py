@@ -10,7 +10,8 @@ from torch import Tensor
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
-            f"q, k, v must be 4-D (batch, heads, seq, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"q, k, v must be 4-D (batch, heads, seq, head_dim); "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")

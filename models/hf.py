@@ -124,12 +124,14 @@ def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -
         return spec_for_hf(model_type, str(path)).hf.read_config(c, str(path))
     except KeyError as e:  # the family's reader indexes the fields it needs
         raise ValueError(
-            f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); {flag + 'DIR' if flag.endswith(':') else flag} takes a "
+            f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); "
+            f"{flag + 'DIR' if flag.endswith(':') else flag} takes a "
             f"complete Hugging Face config.json"
         ) from None
     except (TypeError, AttributeError, ZeroDivisionError) as e:
         raise ValueError(
-            f"{path}: a field holds a value of the wrong kind ({e}); {flag + 'DIR' if flag.endswith(':') else flag} takes a Hugging Face "
+            f"{path}: a field holds a value of the wrong kind ({e}); "
+            f"{flag + 'DIR' if flag.endswith(':') else flag} takes a Hugging Face "
             f"config.json as transformers writes it"
         ) from None
 

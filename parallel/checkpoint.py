@@ -129,7 +129,10 @@ def structural_problem(path: Path) -> str | None:
         if not file.exists():
             return f"missing checkpoint file {file}"
         if file.stat().st_size != want["bytes"]:
-            return f"truncated or altered checkpoint file {file}: {file.stat().st_size} bytes, the manifest says {want['bytes']}"
+            return (
+                f"truncated or altered checkpoint file {file}: {file.stat().st_size} bytes, "
+                f"the manifest says {want['bytes']}"
+            )
     return None
 
 
@@ -436,7 +439,10 @@ def verify_files(path: Path, manifest: dict[str, Any]) -> None:
         if not file.exists():
             problem = f"missing checkpoint file {file}"
         elif file.stat().st_size != want["bytes"]:
-            problem = f"truncated or altered checkpoint file {file}: {file.stat().st_size} bytes, the manifest says {want['bytes']}"
+            problem = (
+                f"truncated or altered checkpoint file {file}: {file.stat().st_size} bytes, "
+                f"the manifest says {want['bytes']}"
+            )
         if problem:
             break
     if not problem:

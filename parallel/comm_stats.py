@@ -5,8 +5,9 @@
 functional-collective op (DTensor's), so counting there sees all of them, wherever they were issued,
 including inside autograd's backward. Each op's process group is mapped to the mesh axis with the same
 members (`axis_of_group`; tessera's own collectives name their axis in `comm.collective`, which
-settles groups two axes share, such as cp's and FSDP's when dp_shard is 1), and its payload to the bytes this rank puts on the wire with a ring algorithm
-(the same convention as topology/comm_model.py, which predicts them):
+settles groups two axes share, such as cp's and FSDP's when dp_shard is 1), and its payload to the bytes
+this rank puts on the wire with a ring algorithm (the same convention as topology/comm_model.py, which
+predicts them):
 
     all-reduce 2 (n-1)/n x payload; all-gather (n-1)/n x output; reduce-scatter (n-1)/n x input; send: payload
     all-to-all: exactly the rows this rank sends to the other ranks (the input less the chunk it keeps, by

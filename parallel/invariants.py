@@ -103,7 +103,8 @@ def check_reduce_scatter_all_gather(
         bad = int(rows.argmax()) // (tensor.shape[0] // size)
         raise InvariantError(
             f"reduce-scatter then all-gather differs from all-reduce for {name} {tuple(tensor.shape)} over a group "
-            f"of {size} (seen on rank {rank}): max error {_max_error(gathered, summed):.3e}, worst in the piece of rank {bad}"
+            f"of {size} (seen on rank {rank}): max error {_max_error(gathered, summed):.3e}, "
+            f"worst in the piece of rank {bad}"
         )
 
 
@@ -235,7 +236,8 @@ def check_state_preserved(model: nn.Module, expected: Mapping[str, Tensor], layo
             detail = (
                 f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
                 if got.shape != want.shape
-                else f"{int((got != want).sum())} of {want.numel()} elements differ, max error {_max_error(got, want):.3e}"
+                else f"{int((got != want).sum())} of {want.numel()} elements differ, "
+                f"max error {_max_error(got, want):.3e}"
             )
             raise InvariantError(f"checkpoint tensor {name!r} was not preserved on {layout or 'this layout'}: {detail}")
 

@@ -185,7 +185,8 @@ def _check_user_plan(model: nn.Module, config: ParallelConfig, plan: Plan) -> No
         and not any(isinstance(s, (PrepareInput, ColwiseParallel)) for s in plan.rules.values())
     ):
         raise ValueError(
-            "sequence parallel with a plan that has no PrepareInput or ColwiseParallel: nothing would gather the sequence"
+            "sequence parallel with a plan that has no PrepareInput or ColwiseParallel: "
+            "nothing would gather the sequence"
         )
 
 

@@ -2,8 +2,9 @@
 
 A `Plan` maps patterns to styles and names the blocks that FSDP2 wraps one by one (and activation
 checkpointing recomputes). A model family's spec (models/spec.py) names its tp plan as data and
-`spec_plan` turns it into a Plan; a user's model may also pass a plan written for it directly. Patterns match module names segment by segment: `*` is one segment (`layers.*.mlp`
-matches `layers.3.mlp`, not `layers.3.x.mlp`), fnmatch inside a segment (`w[13]`).
+`spec_plan` turns it into a Plan; a user's model may also pass a plan written for it directly. Patterns
+match module names segment by segment: `*` is one segment (`layers.*.mlp` matches `layers.3.mlp`, not
+`layers.3.x.mlp`), fnmatch inside a segment (`w[13]`).
 
     plan = Plan({
         "blocks.*.attn": PrepareInput(),             # one collective in front of the block's column layers
@@ -190,7 +191,8 @@ class ReplicatedNorm(Style):
             return
         if not (hasattr(module, "weight") and hasattr(module, "eps")) or len(list(module.parameters())) != 1:
             raise ValueError(
-                f"plan: ReplicatedNorm on {name!r} needs an RMSNorm (one weight and eps) or nn.LayerNorm, got {type(module).__name__}"
+                f"plan: ReplicatedNorm on {name!r} needs an RMSNorm (one weight and eps) or nn.LayerNorm, "
+                f"got {type(module).__name__}"
             )
 
 

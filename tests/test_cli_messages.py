@@ -98,8 +98,8 @@ def test_tokenize_says_a_directory_input_is_a_directory(tmp_path, capsys, tokeni
         capsys, "tokenize", "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "o"), str(tmp_path / "docs")
     )
     assert (
-        msg
-        == f"{tmp_path / 'docs'} is a directory; name the files in it (e.g. {tmp_path / 'docs'}/*.txt: the shell expands it)"
+        msg == f"{tmp_path / 'docs'} is a directory; name the files in it "
+        f"(e.g. {tmp_path / 'docs'}/*.txt: the shell expands it)"
     )
     msg = one_error(
         capsys, "tokenize", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o"), str(tmp_path / "docs")
@@ -243,8 +243,8 @@ def test_convert_names_from_hf_not_init_from_hf(tmp_path, capsys):
         )
     )
     assert one_error(capsys, "convert", "--from-hf", str(tmp_path), "--out", out) == (
-        f"--from-hf {tmp_path}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin pickles are not "
-        f"read: they can run code)"
+        f"--from-hf {tmp_path}: no model.safetensors or model.safetensors.index.json "
+        f"(pytorch_model.bin pickles are not read: they can run code)"
     )
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")  # was safetensors' own exception
     assert one_error(capsys, "convert", "--from-hf", str(tmp_path), "--out", out).startswith(

@@ -46,7 +46,8 @@ from tessera.config import Config, add_arguments, config_from_args
         (dict(pp_layers="1,1"), "--pp-layers applies to pipeline parallel, and --pp is 1"),
         (
             dict(cp=3, seq_len=32),
-            "--seq-len 32 does not split into 2 x cp = 6 equal chunks (zigzag context parallel); use --seq-len 30 or 36",
+            "--seq-len 32 does not split into 2 x cp = 6 equal chunks (zigzag context parallel); "
+            "use --seq-len 30 or 36",
         ),
         (
             dict(cp=2, tp=4, sequence_parallel=True, seq_len=36),

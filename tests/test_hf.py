@@ -202,7 +202,8 @@ def test_bad_hugging_face_input_is_one_clear_line(hf_dir, tmp_path):
     (bad / "model.safetensors").write_bytes((hf_dir / "model.safetensors").read_bytes())
     with pytest.raises(
         ValueError,
-        match=r"model.safetensors: model.layers.0.mlp.down_proj.weight has shape \[64, 128\], config.json implies \[64, 96\]",
+        match=r"model.safetensors: model.layers.0.mlp.down_proj.weight has shape \[64, 128\], "
+        r"config.json implies \[64, 96\]",
     ):
         small_config(init_from_hf=str(bad)).check()
     # a --model that disagrees with config.json

@@ -60,8 +60,9 @@ def test_pp_alone_trains_and_says_what_it_chose(tmp_path):
 
 
 def test_a_v_schedule_needs_only_its_name(tmp_path):
-    """--schedule dualpipev with --pp 2 (and the 4 layers its 4 stages need): two stages per rank on the V and 2 pp microbatches
-    are chosen; the library's refusal of too few microbatches reaches the command line in its flags."""
+    """--schedule dualpipev with --pp 2 (and the 4 layers its 4 stages need): two stages per rank on the V
+    and 2 pp microbatches are chosen; the library's refusal of too few microbatches reaches the command line
+    in its flags."""
     run = [
         sys.executable,
         "-m",

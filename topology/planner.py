@@ -1,7 +1,8 @@
 """The layout planner: which layout (a degree per axis of topology/axes.py's table: pp, dp_replicate,
-dp_shard, cp, tp, and ep for a mixture-of-experts model), FSDP strategy, pipeline schedule and activation checkpointing to use for a model on N GPUs,
-before reserving them. The axes it enumerates, their caps, the axis that takes the ranks left over, the flags
-of a candidate and which traffic overlaps compute all come from the table (`layout_degrees`).
+dp_shard, cp, tp, and ep for a mixture-of-experts model), FSDP strategy, pipeline schedule and
+activation checkpointing to use for a model on N GPUs, before reserving them. The axes it enumerates,
+their caps, the axis that takes the ranks left over, the flags of a candidate and which traffic overlaps
+compute all come from the table (`layout_degrees`).
 
 For every candidate layout the planner estimates, per rank:
 
@@ -272,13 +273,14 @@ def layer_activation_bytes(
     ac none, elements per token: each RMSNorm's input and x * rstd (seq/tp tokens under sequence parallel)
     and its output, which the column-parallel matmuls keep (gathered: seq tokens); q, k and v after RoPE
     (k and v repeated to the query heads for the fused kernel; ring attention keeps them at the kv heads),
-    the attention output and its (B, S, heads x dim) copy that the output projection reads; SwiGLU's gate and up outputs,
-    silu(gate) and the product the down projection reads (ffn / tp each; a GELU MLP: its up matrix's output and the GELU of it);
-    with qk-norm, the q and k norms' inputs and x * rstd; the log-sum-exp (fp32) and the norms' rstd (a
-    layer norm keeps its input, mean and rstd instead: F.layer_norm).
-    op: matmul and attention outputs (q, k, v, out, the output projection, the MLP's matrices) and the block input; the rest
-    recomputed. full: only the block input. (selective checkpoints every other block: `_rank_memory`
-    combines them.)
+    the attention output and its (B, S, heads x dim) copy that the output projection reads; SwiGLU's gate
+    and up outputs, silu(gate) and the product the down projection reads (ffn / tp each; a GELU MLP: its up
+    matrix's output and the GELU of it); with qk-norm, the q and k norms' inputs and x * rstd; the
+    log-sum-exp (fp32) and the norms' rstd (a layer norm keeps its input, mean and rstd instead:
+    F.layer_norm).
+    op: matmul and attention outputs (q, k, v, out, the output projection, the MLP's matrices) and the block
+    input; the rest recomputed. full: only the block input. (selective checkpoints every other block:
+    `_rank_memory` combines them.)
     An MoE block (an estimate, not counted with hooks): each token's top_k assignments keep an MLP's
     tensors each (ffn / tp wide) plus their dispatched input and combined output (dim wide), the router's
     fp32 scores (n_experts per token), and a shared expert a dense MLP's.

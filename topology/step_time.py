@@ -7,7 +7,8 @@ A calibration holds, per device kind and compute dtype, four measured figures:
     matmul_flops_per_s     forward + backward of the model's own linear layers (x @ W^T, dx, dW) at its
                            shapes and in the compute dtype, the FLOPs of all of them over their summed time
     attention_flops_per_s  tessera's attention forward + backward (causal) at the model's heads, head dim
-                           and sequence, counted as the model FLOPs below (6 x heads x head_dim x seq per token and layer)
+                           and sequence, counted as the model FLOPs below (6 x heads x head_dim x seq per
+                           token and layer)
     memory_bytes_per_s     the bandwidth a block's elementwise operators reach on activation-sized tensors
                            (broadcast multiplies as RMSNorm and RoPE run them, a two-input multiply and add,
                            SiLU, a squared mean; bytes read + written over their time), measured beside a
@@ -51,10 +52,10 @@ F = ffn dim, V = vocab, P = parameters, e = bytes of the compute dtype), for a m
                      compute dtype), chunked or not. The optimizer, per parameter of fp32 master weights:
                      the clip reads the gradients and scales them (12 bytes), then AdamW: foreach on a CPU,
                      84 bytes (its eight multi-tensor passes; 96 in all, counted), fused on a GPU, one pass
-                     over the parameter, gradient and both moments, 28 bytes (40 in all); with a 2-byte compute dtype FSDP2's casts add
-                     32 bytes (the parameter's cast to its compute copy and that copy's one-rank all-gather,
-                     6 + 4; the gradient's cast to fp32 and its one-rank reduce-scatter into the sharded
-                     gradient, 6 + 16)
+                     over the parameter, gradient and both moments, 28 bytes (40 in all); with a 2-byte
+                     compute dtype FSDP2's casts add 32 bytes (the parameter's cast to its compute copy
+                     and that copy's one-rank all-gather, 6 + 4; the gradient's cast to fp32 and its
+                     one-rank reduce-scatter into the sharded gradient, 6 + 16)
     operators        (57 + 232 per block (forward and backward, views included)) per microbatch + 7 per
                      parameter tensor + 28 (clip and optimizer), counted; and the trainer's own Python per
                      step (reading the batch, the microbatch split, the schedule, the step's record), costed
