@@ -48,7 +48,7 @@ def attention_reference(
     """Blockwise attention in torch; returns (out in q's dtype, lse float32). Differentiable in q, k, v.
     With document ids (B, Sq) and (B, Sk) a query sees only keys of its own document."""
     check_attention_inputs(q, k, v)
-    check_documents(q, k, q_docs, k_docs)
+    docs = check_documents(q, k, q_docs, k_docs)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -58,10 +58,9 @@ def attention_reference(
     qf = q.to(acc_dtype).reshape(B, Hkv, group, Sq, D) * scale
     kf, vf = k.to(acc_dtype).unsqueeze(2), v.to(acc_dtype).unsqueeze(2)
     rows = torch.arange(Sq, device=q.device).view(Sq, 1) + (Sk - Sq)
-    opts = dict(device=q.device, dtype=acc_dtype)
-    m = torch.full((B, Hkv, group, Sq, 1), float("-inf"), **opts)
-    l = torch.zeros((B, Hkv, group, Sq, 1), **opts)
-    acc = torch.zeros((B, Hkv, group, Sq, D), **opts)
+    m = torch.full((B, Hkv, group, Sq, 1), float("-inf"), device=q.device, dtype=acc_dtype)
+    l = torch.zeros((B, Hkv, group, Sq, 1), device=q.device, dtype=acc_dtype)
+    acc = torch.zeros((B, Hkv, group, Sq, D), device=q.device, dtype=acc_dtype)
     for start in range(0, Sk, block):
         stop = min(start + block, Sk)
         if causal and start > Sq - 1 + (Sk - Sq):
@@ -70,8 +69,8 @@ def attention_reference(
         if causal:
             cols = torch.arange(start, stop, device=q.device).view(1, -1)
             s = s.masked_fill(cols > rows, float("-inf"))
-        if q_docs is not None:
-            s = s.masked_fill(~_same_document(q_docs, k_docs[:, start:stop]), float("-inf"))
+        if docs is not None:
+            s = s.masked_fill(~_same_document(docs[0], docs[1][:, start:stop]), float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         # rows with nothing visible yet keep m = -inf; shift by 0 there to avoid inf - inf
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -105,6 +104,7 @@ def attention_backward_reference(
     """(dq, dk, dv) of one attention block, given the output `o` and log-sum-exp `lse` of the softmax
     the block belongs to (FlashAttention-2's backward; ring attention passes the merged, global o and
     lse, so each key block's share of the gradient comes out exactly). Blockwise over keys, fp32."""
+    docs = check_documents(q, k, q_docs, k_docs)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -133,8 +133,8 @@ def attention_backward_reference(
         if causal:
             cols = torch.arange(start, stop, device=q.device).view(1, -1)
             p = p.masked_fill(cols > rows, 0.0)
-        if q_docs is not None:
-            p = p.masked_fill(~_same_document(q_docs, k_docs[:, start:stop]), 0.0)
+        if docs is not None:
+            p = p.masked_fill(~_same_document(docs[0], docs[1][:, start:stop]), 0.0)
         dv[..., start:stop, :] = (p.transpose(-1, -2) @ dof).sum(2)
         ds = p * (dof @ vb.transpose(-1, -2) - delta)
         dq += (ds @ kb) * scale
@@ -179,6 +179,7 @@ def naive_attention(
     """Softmax(q k^T) v with every head materialized: the definition the other implementations are tested
     against. With document ids a query sees only its own document's keys; one that sees none gives 0 and
     lse -inf."""
+    docs = check_documents(q, k, q_docs, k_docs)
     group = q.shape[1] // k.shape[1]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     k = k.repeat_interleave(group, dim=1).to(acc_dtype)
@@ -189,8 +190,8 @@ def naive_attention(
         Sq, Sk = q.shape[2], k.shape[2]
         mask = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - Sq)
         s = s.masked_fill(~mask, float("-inf"))
-    if q_docs is not None:
-        s = s.masked_fill(~(q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2)).unsqueeze(1), float("-inf"))
+    if docs is not None:
+        s = s.masked_fill(~(docs[0].unsqueeze(-1) == docs[1].unsqueeze(-2)).unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf, no weight
     return (p @ v).to(q.dtype), lse

@@ -27,11 +27,12 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
-def check_documents(q: Tensor, k: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> None:
+def check_documents(q: Tensor, k: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> tuple[Tensor, Tensor] | None:
     """Document ids: integer (B, Sq) for the queries and (B, Sk) for the keys, non-decreasing along each row
-    (packed documents lie back to back; the order is checked where the ids are made, not per call)."""
+    (packed documents lie back to back; the order is checked where the ids are made, not per call).
+    Returns (q_docs, k_docs), or None without documents."""
     if q_docs is None and k_docs is None:
-        return
+        return None
     if q_docs is None or k_docs is None:
         raise ValueError("document ids need both q_docs and k_docs (or neither)")
     for name, ids, t in (("q_docs", q_docs, q), ("k_docs", k_docs, k)):
@@ -41,6 +42,7 @@ def check_documents(q: Tensor, k: Tensor, q_docs: Tensor | None, k_docs: Tensor 
             raise ValueError(f"{name} must hold integer document ids, not {ids.dtype}")
         if ids.device != t.device:
             raise ValueError(f"{name} is on {ids.device}, the tensors on {t.device}")
+    return q_docs, k_docs
 
 
 def check_rms_norm_inputs(x: Tensor, weight: Tensor) -> None:

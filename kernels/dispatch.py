@@ -20,6 +20,7 @@ TRITON_INTERPRET=1). The triton modules are imported only when used: CPU trainin
 from __future__ import annotations
 
 import warnings
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,43 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+@overload
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str | None = ...,
+    q_docs: Tensor | None = ...,
+    k_docs: Tensor | None = ...,
+) -> Tensor: ...
+@overload
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = ...,
+    scale: float | None = ...,
+    *,
+    return_lse: Literal[True],
+    backend: str | None = ...,
+    q_docs: Tensor | None = ...,
+    k_docs: Tensor | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: bool = ...,
+    backend: str | None = ...,
+    q_docs: Tensor | None = ...,
+    k_docs: Tensor | None = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 def flash_attention(
     q: Tensor,
     k: Tensor,
@@ -92,7 +130,7 @@ def flash_attention(
     check_attention_inputs(q, k, v)
     if q_docs is not None and k_docs is None:
         k_docs = q_docs
-    check_documents(q, k, q_docs, k_docs)
+    docs = check_documents(q, k, q_docs, k_docs)
     backend = _effective_backend(backend)
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention
@@ -104,9 +142,9 @@ def flash_attention(
         if backend == "triton":
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
-    if q_docs is not None:
+    if docs is not None:
         grad_lse = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        found = None if backend == "torch" else document_attention(q, k, v, q_docs, k_docs, causal, scale, grad_lse)
+        found = None if backend == "torch" else document_attention(q, k, v, *docs, causal, scale, grad_lse)
         out, lse = (
             found if found is not None else attention_reference(q, k, v, causal, scale, q_docs=q_docs, k_docs=k_docs)
         )
@@ -146,7 +184,7 @@ def flash_attention_backward(
     check_attention_inputs(q, k, v)
     if q_docs is not None and k_docs is None:
         k_docs = q_docs
-    check_documents(q, k, q_docs, k_docs)
+    docs = check_documents(q, k, q_docs, k_docs)
     backend = _effective_backend(backend)
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
     if backend == "triton" or (backend is None and q.is_cuda):
@@ -159,11 +197,9 @@ def flash_attention_backward(
         if backend == "triton":
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
-    if q_docs is not None:
+    if docs is not None:
         found = (
-            None
-            if backend == "torch"
-            else document_attention_backward(do, q, k, v, o, lse, dlse, q_docs, k_docs, causal, scale)
+            None if backend == "torch" else document_attention_backward(do, q, k, v, o, lse, dlse, *docs, causal, scale)
         )
         return (
             found

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import check_attention_inputs
+from .checks import check_attention_inputs, check_documents
 
 MAX_HEAD_DIM = 256  # any head dim up to this, powers of two or not (80, 96, 192: a padded, masked tile)
 
@@ -360,12 +360,13 @@ def check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
-def _doc_args(q: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> tuple[Tensor, Tensor, bool]:
+def _doc_args(q: Tensor, k: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> tuple[Tensor, Tensor, bool]:
     """The kernels' document-id pointers (int32, contiguous); without documents two unused placeholders."""
-    if q_docs is None:
+    docs = check_documents(q, k, q_docs, k_docs)
+    if docs is None:
         empty = torch.zeros(1, dtype=torch.int32, device=q.device)
         return empty, empty, False
-    return q_docs.to(torch.int32).contiguous(), k_docs.to(torch.int32).contiguous(), True
+    return docs[0].to(torch.int32).contiguous(), docs[1].to(torch.int32).contiguous(), True
 
 
 @torch.library.custom_op("tessera::flash_attention_fwd", mutates_args=())
@@ -383,7 +384,7 @@ def flash_attention_fwd(
     Hkv, Sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
-    qd, kd, docs = _doc_args(q, q_docs, k_docs)
+    qd, kd, docs = _doc_args(q, k, q_docs, k_docs)
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     _fwd_kernel[grid](
         q,
@@ -445,7 +446,7 @@ def flash_attention_bwd(
     delta = ((do.float() * o.float()).sum(-1) - dlse.float()).contiguous()
     lse = lse.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    qd, kd, docs = _doc_args(q, q_docs, k_docs)
+    qd, kd, docs = _doc_args(q, k, q_docs, k_docs)
     common = (
         q.stride(0),
         q.stride(1),

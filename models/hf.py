@@ -74,7 +74,11 @@ def _hf_names(name: str, shape: tuple[int, ...], cfg: Any) -> dict[int | None, s
 
 def _slices(src: Source | None) -> dict[int | None, tuple[str, Path]]:
     """A Source as {index or None: (HF name, file)}, what `_hf_names` keys are compared with."""
-    return {} if src is None else src if isinstance(src, dict) else {None: src}
+    if src is None:
+        return {}
+    if isinstance(src, dict):
+        return {i: s for i, s in src.items()}
+    return {None: src}
 
 
 def _lacks(name: str, shape: tuple[int, ...], src: Source | None, cfg: Any) -> list[str]:
@@ -121,7 +125,7 @@ def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -
             + ", ".join(f"{a} (model_type {t!r})" for t, a in known.items())
         )
     try:
-        return spec_for_hf(model_type, str(path)).hf.read_config(c, str(path))
+        return _adapter(spec_for_hf(model_type, str(path))).read_config(c, str(path))
     except KeyError as e:  # the family's reader indexes the fields it needs
         raise ValueError(
             f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); "
@@ -269,7 +273,10 @@ def _weight_map(
         if index is None:
             where[owner] = (hf_name, file)
         else:
-            where.setdefault(owner, {})[index] = (hf_name, file)
+            slices = where.setdefault(owner, {})
+            if not isinstance(slices, dict):  # from_hf names a parameter either whole or by index, never both
+                raise ValueError(f"{owner}: {slices[0]} holds it whole and {hf_name} one slice of it")
+            slices[index] = (hf_name, file)
     return where
 
 
@@ -287,8 +294,9 @@ def _read(handles: dict[Path, Any], src: Source, block: tuple[slice, ...] | None
     if not isinstance(src, dict):
         hf_name, file = src
         return handles[file].get_tensor(hf_name) if block is None else handles[file].get_slice(hf_name)[block]
-    rows = sorted(src) if block is None else range(block[0].start, block[0].stop)
-    parts = [_read(handles, src[i], None if block is None else block[1:]) for i in rows]
+    if block is None:
+        return torch.stack([_read(handles, src[i], None) for i in sorted(src)])
+    parts = [_read(handles, src[i], block[1:]) for i in range(block[0].start, block[0].stop)]
     if not parts:  # a rank that holds none of the indices
         return torch.empty(0, *(s.stop - s.start for s in block[1:]))
     return torch.stack(parts)
@@ -371,11 +379,11 @@ def save_hf(state: dict[str, torch.Tensor], cfg: Any, directory: str | os.PathLi
     by_owner: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         name = one_process_name(name)
-        if name not in groups and buffers is None:  # built only for a state dict that holds more than parameters
-            buffers = {n for n, _ in _spec(cfg).build_model(cfg, device="meta").named_buffers()}
-        if name not in groups and name in buffers:
-            continue
         if name not in groups:
+            if buffers is None:  # built only for a state dict that holds more than parameters
+                buffers = {n for n, _ in _spec(cfg).build_model(cfg, device="meta").named_buffers()}
+            if name in buffers:
+                continue
             tessera_to_hf_name(name, cfg)  # a name the family does not know: its ValueError
             raise ValueError(f"{name} is not a parameter of the {_spec(cfg).name} model config.json describes")
         owner = groups[name][0]

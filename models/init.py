@@ -40,6 +40,8 @@ def init_region(
         return out.fill_(1.0)
     if std == ZEROS:
         return out.zero_()
+    if isinstance(std, str):
+        raise ValueError(f"{name}: init {std!r} is not a std, {ONES!r} or {ZEROS!r}")
     if len(shape) == 3:  # a stack of matrices (grouped experts): each its own 2-D tiles, named by its index
         for e in range(offset[0], offset[0] + size[0]):
             init_region(
@@ -105,5 +107,6 @@ def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]
             else:
                 local.copy_(init_region(name, tuple(p.shape), offset, size, init_std(name), seed))
     for module in model.modules():
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers(device or torch.device("cpu"))
+        reset = getattr(module, "reset_buffers", None)
+        if reset is not None:
+            reset(device or torch.device("cpu"))

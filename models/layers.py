@@ -46,6 +46,9 @@ def llama3_scaled(
 class Rotary(nn.Module):
     """RoPE tables; looked up by absolute position so sharded sequences rotate at their true positions."""
 
+    cos: Tensor  # (max_seq_len, head_dim / 2) fp32 buffers, not persistent (`reset_tables` computes them)
+    sin: Tensor
+
     def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: tuple | None = None):
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta

@@ -302,9 +302,12 @@ def read_hf_config(c: dict, path: str) -> ModelConfig:
         max_seq_len=int(c.get("max_position_embeddings", 8192)),
         rope_scaling=None
         if rope_kind == "default"
-        else {
-            k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        },
+        else tuple(
+            sorted(
+                (k, float(rope[k]))
+                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            )
+        ),
     )
 
 
@@ -381,4 +384,7 @@ LLAMA = register(
 def build_model(cfg: ModelConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
     """Build the one-process model on `device` and initialize it from `seed`; on "meta" nothing is
     allocated (parallelize it, `to_empty` on the real device, then `init_weights`)."""
-    return LLAMA.build_model(get_preset(cfg) if isinstance(cfg, str) else cfg, device, seed)
+    model = LLAMA.build_model(get_preset(cfg) if isinstance(cfg, str) else cfg, device, seed)
+    if not isinstance(model, Transformer):
+        raise TypeError(f"the llama spec built a {type(model).__name__}, not a Transformer")
+    return model

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -109,8 +109,36 @@ PRESETS: dict[str, Qwen3Config] = {
 }
 
 
+class Qwen3Fields(Protocol):
+    """What Qwen3's modules read of a config: Qwen3Config's fields, which Qwen3-MoE's config has too (its
+    ffn_dim: each expert's width)."""
+
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def ffn_dim(self) -> int: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+
+
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Fields):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
@@ -137,7 +165,7 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Fields):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
@@ -153,7 +181,7 @@ class Qwen3DecoderLayer(nn.Module):
     """Attention and an MLP, each behind a norm, with residuals; `mlp`: another feed-forward block in the MLP's
     place (Qwen3-MoE's mixture of experts)."""
 
-    def __init__(self, cfg: Qwen3Config, mlp: nn.Module | None = None):
+    def __init__(self, cfg: Qwen3Fields, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Qwen3Attention(cfg)
@@ -168,7 +196,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3(nn.Module):
     """The one-process Qwen3 causal LM (Hugging Face's Qwen3ForCausalLM, without the "model." level)."""
 
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Fields):
         super().__init__()
         self.config = cfg
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -180,7 +208,7 @@ class Qwen3(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @staticmethod
-    def decoder_layer(cfg: Qwen3Config) -> nn.Module:
+    def decoder_layer(cfg: Qwen3Fields) -> nn.Module:
         """One block (a family built on Qwen3 gives its own: Qwen3-MoE's has experts for its MLP)."""
         return Qwen3DecoderLayer(cfg)
 
@@ -409,4 +437,7 @@ QWEN3 = register(
 
 def build_model(cfg: Qwen3Config | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Qwen3:
     """Build the one-process model on `device` and initialize it from `seed` (on "meta" nothing is allocated)."""
-    return QWEN3.build_model(QWEN3.config(cfg) if isinstance(cfg, str) else cfg, device, seed)
+    model = QWEN3.build_model(QWEN3.config(cfg) if isinstance(cfg, str) else cfg, device, seed)
+    if not isinstance(model, Qwen3):
+        raise TypeError(f"the qwen3 spec built a {type(model).__name__}, not a Qwen3")
+    return model

@@ -25,7 +25,7 @@ from tessera.topology.shapes import ModelShape
 from .init import ONES
 from .llama import BYTE_VOCAB
 from .moe import MoE
-from .qwen3 import Qwen3, Qwen3DecoderLayer
+from .qwen3 import Qwen3, Qwen3DecoderLayer, Qwen3Fields
 from .spec import HFAdapter, ModelSpec, PipelineSplit, register
 
 
@@ -133,7 +133,9 @@ class Qwen3Moe(Qwen3):
     mixture of experts in every block's MLP place; forward as Qwen3's."""
 
     @staticmethod
-    def decoder_layer(cfg: Qwen3MoeConfig) -> nn.Module:
+    def decoder_layer(cfg: Qwen3Fields) -> nn.Module:
+        if not isinstance(cfg, Qwen3MoeConfig):
+            raise TypeError(f"Qwen3Moe is built from a Qwen3MoeConfig, not a {type(cfg).__name__}")
         return Qwen3DecoderLayer(
             cfg,
             mlp=MoE(
@@ -379,4 +381,7 @@ QWEN3_MOE = register(
 
 
 def build_model(cfg: Qwen3MoeConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Qwen3Moe:
-    return QWEN3_MOE.build_model(QWEN3_MOE.config(cfg) if isinstance(cfg, str) else cfg, device, seed)
+    model = QWEN3_MOE.build_model(QWEN3_MOE.config(cfg) if isinstance(cfg, str) else cfg, device, seed)
+    if not isinstance(model, Qwen3Moe):
+        raise TypeError(f"the qwen3_moe spec built a {type(model).__name__}, not a Qwen3Moe")
+    return model

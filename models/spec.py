@@ -211,6 +211,7 @@ def shape_of(model: Any) -> ModelShape:
         return model
     cfg = get_preset(model) if isinstance(model, str) else model
     shape = spec_of(cfg).shape(cfg)
-    if not shape.max_seq_len and not shape.learned_positions and getattr(cfg, "max_seq_len", 0):
-        shape = dataclasses.replace(shape, max_seq_len=cfg.max_seq_len)
+    max_seq_len = getattr(cfg, "max_seq_len", 0)
+    if not shape.max_seq_len and not shape.learned_positions and max_seq_len:
+        shape = dataclasses.replace(shape, max_seq_len=max_seq_len)
     return shape

@@ -338,6 +338,8 @@ class CheckpointManager:
     def _finalize(self, p: "_PendingSave") -> None:
         """Checksums, the manifest, then the atomic rename and the `latest` pointer (rank 0); collective."""
         root, rank, world = self.root, dist.get_rank(), dist.get_world_size()
+        if root is None:  # save() refuses to start without one
+            raise CheckpointError("no checkpoint directory: pass --checkpoint-dir DIR")
         dist.barrier()
         # every rank checksums a share of the files; rank 0 collects them into the manifest
         files = sorted(f for f in p.tmp.rglob("*") if f.is_file())
@@ -521,7 +523,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
 
 def load_full_state_dict(model: torch.nn.Module, file: str | os.PathLike) -> None:
     """Load a full (unsharded) state dict into a model on any layout: rank 0 reads, DCP scatters."""
-    full = read_safetensors(file) if dist.get_rank() == 0 else {}
+    full: dict[str, Any] = read_safetensors(file) if dist.get_rank() == 0 else {}
     # not strict: a pipeline stage takes only the names it holds; each must be in the file
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     missing = set_model_state_dict(model, full, options=options).missing_keys

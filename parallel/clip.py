@@ -112,6 +112,6 @@ def clip_grad_norm_(
     # a NaN/inf norm leaves the gradients as they are, so the non-finite ones can still be found by name
     coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
     # on the local shards: a foreach op over DTensors of different meshes is refused by some torch versions
-    for (device, _), grads in _by_device_and_dtype([_local(p.grad) for p in params]).items():
+    for (device, _), grads in _by_device_and_dtype([_local(g) for p in params if (g := p.grad) is not None]).items():
         torch._foreach_mul_(grads, coef.to(device))
     return norm

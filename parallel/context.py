@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -250,8 +251,10 @@ class _RingAttention(Function):
 
 def _block_docs(docs: Tensor | None, all_docs: Tensor | None, rows: slice, cols: slice, src: int) -> dict:
     """The document ids of one block's queries (this rank's `rows`) and keys (rank `src`'s `cols`)."""
-    if docs is None:
+    if docs is None and all_docs is None:
         return {}
+    if docs is None or all_docs is None:
+        raise ValueError("a block's document ids need this rank's and every rank's (or neither)")
     return {"q_docs": docs[:, rows], "k_docs": all_docs[src][:, cols]}
 
 
@@ -264,6 +267,46 @@ def _gather_documents(docs: Tensor, group: dist.ProcessGroup) -> Tensor:
     return gathered.view(size, *docs.shape)
 
 
+@overload
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    timeout: float | None = ...,
+    docs: Tensor | None = ...,
+    stats: dict | None = ...,
+) -> Tensor: ...
+@overload
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    *,
+    return_lse: Literal[True],
+    timeout: float | None = ...,
+    docs: Tensor | None = ...,
+    stats: dict | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: bool = ...,
+    timeout: float | None = ...,
+    docs: Tensor | None = ...,
+    stats: dict | None = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -381,9 +424,47 @@ class _AllGatherAttention(Function):
 
 
 def _gathered_docs(docs: Tensor | None, full_docs: Tensor | None, rows: slice, cols: slice) -> dict:
-    return {} if docs is None else {"q_docs": docs[:, rows], "k_docs": full_docs[:, cols]}
+    if docs is None and full_docs is None:
+        return {}
+    if docs is None or full_docs is None:
+        raise ValueError("a block's document ids need this rank's and the gathered ones (or neither)")
+    return {"q_docs": docs[:, rows], "k_docs": full_docs[:, cols]}
 
 
+@overload
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    docs: Tensor | None = ...,
+) -> Tensor: ...
+@overload
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    *,
+    return_lse: Literal[True],
+    docs: Tensor | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: bool = ...,
+    docs: Tensor | None = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 def allgather_attention(
     q: Tensor,
     k: Tensor,

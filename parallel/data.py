@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tessera.topology import Layout
 from tessera.topology.memory import AC_MODES, FSDP_STRATEGIES
@@ -149,20 +149,22 @@ def apply_fsdp(
         plan = spec_plan(spec, spec.shape(model.config), 1)
     reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[config.mixed_precision], reduce_dtype=torch.float32)
-    kw = dict(mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     if expert_mesh is not None:  # expert parallel: each MoE block's experts, sharded over what ep leaves
         from tessera.models.moe import moe_blocks
 
-        for _, block in moe_blocks(model):
-            fully_shard(block.experts, **{**kw, "mesh": expert_mesh})
+        for _, moe in moe_blocks(model):
+            fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
     units = _without_shared(plan.units(model))
     for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], **kw)
-    fully_shard(model, **kw)
+        if len(unit) > 1:
+            fully_shard(unit, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        else:
+            fully_shard(unit[0], mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     if config.prefetch:
         from .plan import find_modules
 
-        blocks = (
+        blocks = _fsdp_units(
             [m for _, m in find_modules(model, plan.checkpoint_blocks)]
             if plan.checkpoint_blocks
             else [u[0] for u in units]
@@ -175,6 +177,14 @@ def apply_fsdp(
             if behind:
                 block.set_modules_to_backward_prefetch(behind)
     return model
+
+
+def _fsdp_units(modules: list[nn.Module]) -> list[FSDPModule]:
+    """The modules prefetch is set on, each an FSDP2 unit (fully_shard applied to it)."""
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"prefetch: {type(m).__name__} is not an FSDP2 unit (the plan's units are)")
+    return [m for m in modules if isinstance(m, FSDPModule)]
 
 
 def _without_shared(units: list[list[nn.Module]]) -> list[list[nn.Module]]:

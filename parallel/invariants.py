@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from tessera.models.init import one_process_name
@@ -49,6 +50,8 @@ def check_shard_gather(tensor: Tensor, mesh: DeviceMesh, placements: Sequence[Pl
         from .tensor import shard_range
 
         coords = mesh.get_coordinate()
+        if coords is None:
+            raise ValueError(f"this rank is not in the mesh ({_mesh_text(mesh)})")
         local = tensor.clone()
         for dim, p in enumerate(placements):  # this rank's piece first (DTensor's even-chunk split) ...
             if isinstance(p, Shard):
@@ -159,9 +162,7 @@ def _expand(kv: Tensor, q: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- FSDP2
-def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from torch.distributed.fsdp import FSDPModule
-
+def _fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 

@@ -28,7 +28,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator
 from tessera.topology.errors import RankFailure, RankTimeout, TesseraError, is_restartable
 
@@ -177,7 +178,8 @@ def run_ranks(
         raise ValueError(f"world_size={world_size} must be at least 1")
     ctx = _context()
     workdir = tempfile.mkdtemp(prefix="tessera-ranks-")
-    procs, conns = [], {}
+    procs: list[BaseProcess] = []
+    conns: dict[Connection, int] = {}
     try:
         forwarded: list[int] = []
         with _stop_ranks_on_sigterm(procs, forward_sigterm, forwarded):
@@ -233,7 +235,9 @@ def _start_and_collect(
     return _collect(procs, conns, world_size, timeout, workdir)
 
 
-def _collect(procs: list, conns: dict, world_size: int, timeout: float | None, workdir: str) -> list[Any]:
+def _collect(
+    procs: list[BaseProcess], conns: dict[Connection, int], world_size: int, timeout: float | None, workdir: str
+) -> list[Any]:
     results: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = dict(conns)
@@ -241,7 +245,7 @@ def _collect(procs: list, conns: dict, world_size: int, timeout: float | None, w
         ready = wait(list(pending), timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         if not ready:
             break
-        for conn in ready:
+        for conn in [c for c in pending if c in ready]:  # the connections `wait` returned, as typed in `pending`
             rank = pending.pop(conn)
             try:
                 status, _, payload = pickle.loads(conn.recv_bytes())
@@ -258,8 +262,9 @@ def _collect(procs: list, conns: dict, world_size: int, timeout: float | None, w
     if pending:
         stalled = sorted(pending.values())
         for rank in stalled:
-            if procs[rank].is_alive():
-                os.kill(procs[rank].pid, signal.SIGUSR1)
+            pid = procs[rank].pid
+            if pid is not None and procs[rank].is_alive():
+                os.kill(pid, signal.SIGUSR1)
         time.sleep(0.3)
         where = {}
         for rank in stalled:

@@ -114,8 +114,11 @@ class CrossEntropySum:
 
     def __init__(self, vocab_size: int, tp_mesh: DeviceMesh | None = None):
         self.vocab_size = vocab_size
-        self.group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
-        self.vocab_start = shard_range(vocab_size, tp_mesh.get_local_rank(), tp_mesh.size())[0] if self.group else 0
+        self.group: dist.ProcessGroup | None = None
+        self.vocab_start = 0
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            self.group = tp_mesh.get_group()
+            self.vocab_start = shard_range(vocab_size, tp_mesh.get_local_rank(), tp_mesh.size())[0]
 
     def __call__(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         if self.group is None:
@@ -276,7 +279,7 @@ class LinearCrossEntropyHead(nn.Module):
 
     def __init__(
         self,
-        weight: nn.Parameter,
+        weight: Tensor,  # the replaced layer's Parameter: a plain one, or a tp DTensor Shard(0)
         input_comm: nn.Module | None = None,
         chunk_elements: int = CHUNK_ELEMENTS,
         ignore_index: int = IGNORE_INDEX,
@@ -288,8 +291,11 @@ class LinearCrossEntropyHead(nn.Module):
         vocab = weight.shape[0]  # global rows (a DTensor reports its logical shape)
         mesh = weight.device_mesh if isinstance(weight, DTensor) else None
         tp = mesh.size() if mesh is not None else 1
-        self.group = mesh.get_group() if tp > 1 else None
-        self.vocab_start = shard_range(vocab, mesh.get_local_rank(), tp)[0] if tp > 1 else 0
+        self.group: dist.ProcessGroup | None = None
+        self.vocab_start = 0
+        if mesh is not None and tp > 1:
+            self.group = mesh.get_group()
+            self.vocab_start = shard_range(vocab, mesh.get_local_rank(), tp)[0]
         self.vocab_rows = -(-vocab // tp)
 
     def forward(self, h: Tensor, targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ its axis is off). The model is normally built on the meta device; parallelize al
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -213,10 +214,12 @@ def dry_run_model_states(
     sequence_parallel: bool = False,
     rank: int = 0,
     pipeline: PipelineConfig | None = None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Per-rank model-state bytes of `rank`, counted from the parameters that pp, tp, ep and FSDP2 actually
     leave on it: the preset (only `rank`'s pipeline stages when pp > 1) is built on the meta device and
-    parallelized on the fake backend, so any layout (thousands of ranks) is measured in one process."""
+    parallelized on the fake backend, so any layout (thousands of ranks) is measured in one process.
+    Bytes and counts as floats (local_params, tp_local_params, stage_params, parameters, gradients,
+    optimizer, total), with the rank's `stages` and their `layers` ([start, stop) each)."""
     from torch.distributed.tensor import DTensor
 
     from tessera.models.moe import moe_blocks
@@ -267,7 +270,7 @@ def dry_run_model_states(
             return fsdp_shard_numel(rows, t.numel() // max(1, rows), n, i)
 
         sharded = sum(shard(p) for m in parts for p in m.parameters())
-    out = {
+    out: dict[str, Any] = {
         "local_params": float(sharded),
         "tp_local_params": float(unsharded),
         "stage_params": float(stage_params),

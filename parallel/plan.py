@@ -96,6 +96,8 @@ class Style:
 
 
 def _linear_weight(module: nn.Module) -> torch.Tensor:
+    if not isinstance(module, nn.Linear):  # the styles that call this take nn.Linear (Style.check)
+        raise TypeError(f"an nn.Linear's weight, not a {type(module).__name__}'s")
     return module.weight
 
 

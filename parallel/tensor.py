@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from tessera.kernels import rms_norm
 from tessera.topology.shapes import kv_heads_fit
@@ -165,9 +165,14 @@ def shard_range(full: int, rank: int, size: int) -> tuple[int, int]:
     return start, min(start + chunk, full)
 
 
-def _shard_param(weight: Tensor, mesh: DeviceMesh, placement) -> nn.Parameter:
+def _shard_param(weight: Tensor, mesh: DeviceMesh, placement: Placement) -> DTensor:
+    """An nn.Parameter of the DTensor (modules register it as a parameter)."""
     # every rank holds the same one-process weight, so each slices its own piece: no communication
-    return nn.Parameter(distribute_tensor(weight.detach(), mesh, [placement], src_data_rank=None))
+    param = nn.Parameter(distribute_tensor(weight.detach(), mesh, [placement], src_data_rank=None))
+    # nn.Parameter of a tensor subclass keeps the subclass (marked as a parameter); torch's stubs say Parameter
+    if not isinstance(param, DTensor):
+        raise TypeError(f"nn.Parameter of a DTensor is a {type(param).__name__}")
+    return param
 
 
 class ColumnParallelLinear(nn.Module):

@@ -73,13 +73,12 @@ def pipeline_tied_group(layout: Layout, rank: int, timeout: float | None = None)
     if layout.pp == 1:
         return None
     mine = None
-    kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
     for first in range(layout.world_size):
         if layout.coords(first)["pp"] != 0:
             continue
         pipeline = layout.group("pp", first)
         ends = [pipeline[0], pipeline[-1]]
-        group = dist.new_group(ends, **kwargs)
+        group = dist.new_group(ends, timeout=timedelta(seconds=timeout) if timeout else None)
         if rank in ends:
             mine = group
     return mine

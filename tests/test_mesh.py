@@ -84,3 +84,12 @@ def test_meshes_by_purpose_are_none_when_their_axes_are_off(layout, on):
         if meshes.loss is not None:
             assert mesh_group_ranks(mesh, "dp_cp") == dist.get_process_group_ranks(meshes.loss.get_group())
         assert meshes.batch_index == layout.index("dp", layout.world_size - 1)
+
+
+def test_every_purpose_mesh_is_declared_with_its_type():
+    """Meshes sets its purpose meshes by name from topology/axes.py's table; the class declares each (for
+    the type checker), so a purpose added to the table needs its declaration too."""
+    from tessera.topology import Meshes
+
+    declared = set(Meshes.__annotations__) - {"PURPOSES"}
+    assert set(Meshes.PURPOSES) | {"precision", "expert_fsdp"} == declared

@@ -69,6 +69,9 @@ from .shapes import (
 )
 
 FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's mesh (dp_shard x cp), replicated over dp_replicate under HSDP
+if FSDP.replicate is None:
+    raise RuntimeError("topology/axes.py: the fsdp mesh must name the axis HSDP replicates it over")
+HSDP_REPLICATE: str = FSDP.replicate  # "dp_replicate"
 
 
 def wire_bytes(op: str, payload: float, n: int) -> float:
@@ -307,6 +310,8 @@ def cp_bytes(x: StepTraffic) -> float:
     heads = cfg.n_kv_heads // t if kv_heads_split(cfg.n_kv_heads, t) else 1
     kv = 2 * x.rows * heads * x.tokens * cfg.head_dim
     acc = max(4, e)
+    per_block: float
+    per_recompute: float
     if x.cp_method == "ring":
         per_block = (cp - 1) * kv * e * 2 + cp * kv * acc
         per_recompute = (cp - 1) * kv * e
@@ -336,7 +341,7 @@ def pp_bytes(x: StepTraffic) -> float:
     sends = sum(
         (st < x.n_stages - 1 and other_rank(st, st + 1)) + (st > 0 and other_rank(st, st - 1)) for st in x.stages
     )
-    out = x.microbatches * sends * boundary
+    out: float = x.microbatches * sends * boundary
     if cfg.tied_embeddings and (x.first != x.last):  # the tied embedding's gradient shard, summed over 2 ranks
         shard = fsdp_shard_numel(-(-cfg.vocab_size // t), cfg.dim, x.layout.degree(FSDP.name))
         out += wire_bytes("all_reduce", shard * x.reduce_bytes, 2)
@@ -347,7 +352,7 @@ def _data_groups(x: StepTraffic) -> tuple[int, tuple[tuple[int, int], ...]]:
     """(FSDP2's replicas, ((padded elements of this rank's units, ranks that shard them), ...)): one group of
     dp_shard x cp ranks, and under expert parallel the experts' of dp_shard x cp / ep. NO_SHARD replicates
     over every data-parallel rank, and FSDP2 keeps only cp's ranks (which hold the same rows) as its group."""
-    shard, replicas = x.layout.degree(FSDP.name), x.layout.degree(FSDP.replicate)
+    shard, replicas = x.layout.degree(FSDP.name), x.layout.degree(HSDP_REPLICATE)
     if x.strategy == "NO_SHARD":
         shard, replicas = x.layout.cp, x.layout.dp
     if shard * replicas == 1:
@@ -372,7 +377,7 @@ def fsdp_bytes(x: StepTraffic) -> float:
     return out
 
 
-@volume(FSDP.replicate)
+@volume(HSDP_REPLICATE)
 def replicate_bytes(x: StepTraffic) -> float:
     replicas, groups = _data_groups(x)
     return sum(wire_bytes("all_reduce", padded // n * x.reduce_bytes, replicas) for padded, n in groups)

@@ -131,6 +131,17 @@ class Meshes:
 
     # the purpose meshes, by name: the axes' own, then the flattened ones'
     PURPOSES: tuple[str, ...] = tuple(a.mesh for a in TABLE if a.mesh) + tuple(f.purpose for f in FLATTENED_MESHES)
+    # each set by __init__ (from the table, by name); declared here for their type (tests/test_mesh.py
+    # checks that every purpose is)
+    tp: DeviceMesh | None
+    ep: DeviceMesh | None
+    expert_fsdp: DeviceMesh | None
+    pp: DeviceMesh | None
+    cp: DeviceMesh | None
+    fsdp: DeviceMesh | None
+    precision: DeviceMesh
+    batch: DeviceMesh | None
+    loss: DeviceMesh | None
 
     def __init__(
         self, layout: "Layout", device_type: str = "cpu", mesh: DeviceMesh | None = None, timeout: float | None = None

@@ -489,6 +489,9 @@ def calibrated_compute(
     """One rank's compute (no communication, no bubble) at the calibration's rates: every rank does
     1 / gpus of the model's FLOPs and activation traffic; its optimizer steps its own (sharded) parameters;
     its host dispatches the operators of its stage's blocks (topology/step_time.py)."""
+    calibration = hw.calibration
+    if calibration is None:
+        raise ValueError("calibrated_compute needs a Hardware with a calibration (tessera plan --calibrate)")
     cfg = as_shape(shape)
     lay = cand.layout
     fsdp = fsdp_degree(lay)
@@ -510,7 +513,7 @@ def calibrated_compute(
     tensors = len(layer_param_shapes(cfg, lay.tp, lay.ep)) * blocks + sum(len(u) for u in extra)
     return step_parts(
         cfg,
-        hw.calibration,
+        calibration,
         global_batch * seq_len,
         seq_len,
         sharded,
@@ -538,7 +541,7 @@ def _rank_memory(
     stage = 0 if fsdp == 1 else (2 if cand.strategy == "SHARD_GRAD_OP" else 3)
     # FSDP2 keeps every strategy's parameters sharded at rest; SHARD_GRAD_OP's are also gathered from
     # forward to backward (gathered_params below): the ZeRO-2 figure of topology.memory plus that copy
-    m = {
+    m: dict[str, float] = {
         "parameters": (sharded if stage >= 2 else tp_local) * r.parameters,
         "gradients": (sharded if stage >= 2 else tp_local) * r.gradients,
         "optimizer": (sharded if stage >= 1 else tp_local) * r.optimizer,
@@ -798,7 +801,7 @@ def wins_by(faster: Estimate, slower: Estimate) -> tuple[str, float]:
     """(what `faster` gains most by, seconds per step) against `slower`: the part of the step time that
     differs most (compute, bubble, each exposed accounting name (tp, pp, ep), the overlapped excess)."""
     diffs = {k: slower.time[k] - faster.time[k] for k in faster.time if k != "step"}
-    key = max(diffs, key=diffs.get)
+    key = max(diffs, key=lambda k: diffs[k])
     label = {
         "compute": "less recomputation",
         "bubble": "a smaller pipeline bubble",

@@ -65,7 +65,11 @@ def layouts(
 
 def divisible_shapes(divisors: Sequence[int], max_multiple: int = 4) -> st.SearchStrategy[tuple[int, ...]]:
     """Shapes (d0, d1, ...) with d_i a positive multiple of divisors[i] (at most max_multiple times it)."""
-    return st.tuples(*(st.integers(1, max_multiple).map(lambda k, d=d: k * d) for d in divisors))
+
+    def multiples(d: int) -> st.SearchStrategy[int]:
+        return st.integers(1, max_multiple).map(lambda k: k * d)
+
+    return st.tuples(*(multiples(d) for d in divisors))
 
 
 def placements(ndim: int, mesh_ndim: int = 1, partial: bool = True) -> st.SearchStrategy[list]:
