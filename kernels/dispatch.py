@@ -133,7 +133,7 @@ def flash_attention(
     docs = check_documents(q, k, q_docs, k_docs)
     backend = _effective_backend(backend)
     if backend == "triton" or (backend is None and q.is_cuda):
-        from . import triton_attention
+        from . import triton_attention  # lazy: triton is optional (Linux only; CPU runs never load it)
 
         refusal = triton_attention.kernel_refusal(q)
         if refusal is None:
@@ -188,7 +188,7 @@ def flash_attention_backward(
     backend = _effective_backend(backend)
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
     if backend == "triton" or (backend is None and q.is_cuda):
-        from . import triton_attention
+        from . import triton_attention  # lazy: triton is optional (Linux only; CPU runs never load it)
 
         refusal = triton_attention.kernel_refusal(q)
         if refusal is None:
@@ -216,7 +216,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, backend: str | None =
     check_rms_norm_inputs(x, weight)
     backend = _effective_backend(backend)
     if backend == "triton" or (backend is None and x.is_cuda):
-        from . import triton_rmsnorm
+        from . import triton_rmsnorm  # lazy: triton is optional (Linux only; CPU runs never load it)
 
         return triton_rmsnorm.rms_norm(x, weight, eps)
     if backend is None and x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype:

@@ -25,11 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tessera.topology.shapes import ModelShape
 
 from .init import one_process_name
+from .safetensors_io import write_safetensors
 from .spec import HFAdapter, ModelSpec, all_presets, families, get_spec, spec_for_hf, spec_of
 
 # Where a parameter is in a checkpoint: (HF name, file), or for a stacked parameter index -> (HF name, file)
@@ -209,8 +213,6 @@ def _parameters(cfg: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[s
 
 def _open_each(files: dict[str, Path], stack: contextlib.ExitStack) -> dict[Path, Any]:
     """One memory-mapped safe_open handle per shard file (not one per tensor), closed with `stack`."""
-    from safetensors import safe_open
-
     return {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(files.values())}
 
 
@@ -233,8 +235,6 @@ def weight_files(directory: str | os.PathLike, flag: str | None = None) -> dict[
         return {name: d / file for name, file in mapping.items()}
     single = d / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
         try:
             with safe_open(str(single), framework="pt") as f:
                 return {name: single for name in f.keys()}
@@ -338,9 +338,6 @@ def load_hf_weights(part: nn.Module, directory: str | os.PathLike, config: Any |
     alone, or a stack of experts under expert parallel) is read as just this rank's block of the
     memory-mapped files; one sharded in strides (FSDP over tp) is read whole, one parameter at a time, and
     cut locally. A tied parameter is read once, under whichever of its names the part calls it."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     cfg = config if config is not None else part.config
     files = weight_files(directory)
     shapes, groups = _parameters(cfg)
@@ -372,8 +369,6 @@ def save_hf(state: dict[str, torch.Tensor], cfg: Any, directory: str | os.PathLi
     the other from config.json's tie_word_embeddings); a stacked one as one tensor per index. The model's
     buffers (an MoE routing bias) are not written: HF checkpoints hold parameters, and the family's
     config_dict refuses a config whose buffers would change the outputs."""
-    from .safetensors_io import write_safetensors
-
     want, groups = _parameters(cfg)
     buffers: set[str] | None = None
     by_owner: dict[str, torch.Tensor] = {}

@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 INIT_TILE = (256, 256)  # rows x columns drawn by one generator
 ONES, ZEROS = "ones", "zeros"  # norm weights, biases
@@ -70,12 +72,8 @@ def init_region(
 
 def local_region(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offset, local shape) of the piece of `p` this rank holds (the whole tensor if not a DTensor)."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(p, DTensor):
         return (0,) * p.dim(), tuple(p.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return tuple(offset), tuple(size)
 
@@ -91,8 +89,6 @@ def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]
     model, or a model built on the meta device, parallelized and materialized with `to_empty`, whose
     DTensor shards are filled from the tiles they cover. Then every module with `reset_buffers(device)`
     (rotary tables, say) recomputes its non-persistent buffers on the parameters' device."""
-    from torch.distributed.tensor import DTensor
-
     device = None
     for name, p in model.named_parameters():
         name = one_process_name(name)  # the one-process name seeds the generators

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
 from tessera.topology.errors import CheckpointError  # the hierarchy's: a ValueError too
 
 
@@ -23,8 +26,6 @@ def write_safetensors(
     tensors: dict[str, torch.Tensor], file: str | os.PathLike, metadata: dict[str, str] | None = None
 ) -> None:
     """Write `tensors` (any dtype safetensors supports) to `file` atomically (a temporary file, renamed)."""
-    from safetensors.torch import save_file
-
     contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     tmp = Path(f"{file}.tmp")
     save_file(contiguous, str(tmp), metadata=metadata or {})
@@ -33,9 +34,6 @@ def write_safetensors(
 
 def read_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (memory-mapped while read); CheckpointError if it is damaged."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     if not Path(file).exists():
         raise CheckpointError(f"{file}: no such file")
     try:
@@ -46,8 +44,6 @@ def read_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def read_safetensors_header(file: str | os.PathLike) -> dict[str, Any]:
     """name -> {"dtype", "shape"} of a safetensors file, without reading any tensor data."""
-    from safetensors import SafetensorError, safe_open
-
     if not Path(file).exists():
         raise CheckpointError(f"{file}: no such file")
     try:
@@ -62,8 +58,6 @@ def read_safetensors_header(file: str | os.PathLike) -> dict[str, Any]:
 
 def read_safetensors_slice(file: str | os.PathLike, name: str, index: tuple) -> torch.Tensor:
     """tensor[name][index] read from `file` without loading the rest (index: a tuple of slices)."""
-    from safetensors import SafetensorError, safe_open
-
     try:
         with safe_open(str(file), framework="pt") as f:
             return f.get_slice(name)[index]

@@ -31,11 +31,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import torch
 from torch import nn
 
 from tessera.topology.shapes import ModelShape
 
-from .init import Init
+from .init import Init, init_parameters
 
 # The tensor-parallel styles a spec's plan may name (parallel/plan.py turns each into its Style):
 TP_STYLES = {
@@ -118,8 +119,6 @@ class ModelSpec:
 
     def build_model(self, config: Any, device: Any = "cpu", seed: int | None = 0) -> nn.Module:
         """The one-process model on `device`, initialized from `seed` (nothing allocated on "meta")."""
-        import torch
-
         with torch.device(device):
             model = self.build(config)
         if str(device) != "meta" and seed is not None:
@@ -128,8 +127,6 @@ class ModelSpec:
 
     def init_weights(self, model: nn.Module, seed: int, config: Any | None = None) -> None:
         """Initialize every parameter (or shard of one) this rank holds: see models/init.py."""
-        from .init import init_parameters
-
         config = config if config is not None else model.config
         init_parameters(model, seed, lambda name: self.init_std(name, config))
 

@@ -22,10 +22,13 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
+import socket
 import time
 import warnings
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -38,8 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from tessera.models.init import one_process_name
+from tessera.models.spec import build_model
 
 from .safe_io import (  # re-exported: CheckpointError and the safetensors functions are part of this module's API
     CheckpointError,
@@ -153,8 +158,6 @@ def _my_share(files: list[Path], rank: int, world: int) -> list[Path]:
 def directory_lock(root: str | os.PathLike) -> Iterator[None]:
     """Hold `root/.lock` while a run writes checkpoints there; a second live run is refused. A lock left
     by a process that no longer runs on this host is taken over."""
-    import socket
-
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     lock, host = root / ".lock", socket.gethostname()
@@ -398,8 +401,6 @@ class CheckpointManager:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-        import random
-
         random.setstate(_as_tuple(rng["python"]))
         return manifest
 
@@ -409,8 +410,6 @@ def _as_tuple(x: Any) -> Any:
 
 
 def _rng_state() -> dict[str, Any]:
-    import random
-
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -418,8 +417,6 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         tessera_version = version("tessera-4d")
     except PackageNotFoundError:
@@ -507,8 +504,6 @@ def check_compatible(
 # ----------------------------------------------------------------------------- full state dicts
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
     """One process, no ranks: turn a checkpoint's sharded model into one full safetensors file."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     path = resolve(path)
     manifest = read_manifest(path)
     verify_files(path, manifest)
@@ -533,8 +528,6 @@ def load_full_state_dict(model: torch.nn.Module, file: str | os.PathLike) -> Non
 
 def check_full_state_dict_file(file: str | os.PathLike, model_config: Any) -> None:
     """Raise CheckpointError unless `file` holds exactly the parameters of `model_config`, shape for shape."""
-    from tessera.models.spec import build_model
-
     header = read_safetensors_header(file)
     want = {k: list(v.shape) for k, v in build_model(model_config, device="meta").state_dict().items()}
     have = {k: v.get("shape") for k, v in header.items()}

@@ -14,7 +14,9 @@ import time
 from typing import Iterator
 
 import torch.distributed as dist
+
 from tessera.topology.errors import CollectiveTimeout  # a restartable TesseraError
+from tessera.topology.layout import AXES, FLATTENED
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog")
 
@@ -112,8 +114,6 @@ def _group_members_in(scope: dict) -> tuple[list[int] | None, str]:
 
 def axis_of_group(layout, rank: int, members: list[int]) -> str | None:
     """The mesh axis (a single axis first, then a flattened one) whose group of `rank` is `members`."""
-    from tessera.topology.layout import AXES, FLATTENED
-
     wanted = sorted(members)
     for axis in tuple(a for a in AXES if getattr(layout, a) > 1) + tuple(FLATTENED):
         if sorted(layout.group(axis, rank)) == wanted:

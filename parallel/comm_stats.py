@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.topology.axes import COMM_AXES, FLATTENED_BY_PURPOSE
@@ -137,8 +138,6 @@ class CommCounter(TorchDispatchMode):
                 else:
                     self._count(op, _nbytes(args[where]), pg)
         elif ns == "_c10d_functional" and name in _FUNCTIONAL:
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
             group_name = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
             out = func(*args, **kwargs)
             pg = _resolve_process_group(group_name)

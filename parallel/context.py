@@ -37,8 +37,10 @@ from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.kernels import document_ids, flash_attention, flash_attention_backward
+from tessera.models.spec import spec_of
 
 from .comm import collective
+from .plan import find_modules, replace_module
 from .tensor import _all_gather_flat, _reduce_scatter_flat
 
 METHODS = ("ring", "allgather")
@@ -518,9 +520,6 @@ def apply_cp(
     the model's family spec's) for context-parallel attention over `cp_mesh`, in place."""
     if method not in METHODS:
         raise ValueError(f"unknown --cp-method {method!r}; use one of {', '.join(METHODS)}")
-    from tessera.models.spec import spec_of
-
-    from .plan import find_modules, replace_module
 
     slots = slots or spec_of(model.config).attention
     group = cp_mesh.get_group()

@@ -20,11 +20,18 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from tessera.models.moe import moe_blocks
+from tessera.models.spec import spec_of
 from tessera.topology import Layout
 from tessera.topology.memory import AC_MODES, FSDP_STRATEGIES
+
+from .plan import find_modules, replace_module, spec_plan
 
 STRATEGIES = tuple(FSDP_STRATEGIES)  # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (topology/memory.py)
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -96,8 +103,6 @@ def _saved_by_op_policy() -> set:
 
 
 def _op_policy_context():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     saved = _saved_by_op_policy()
 
     def policy(ctx, op, *args, **kwargs):
@@ -114,9 +119,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: str = "l
     Wrapping keeps parameter names (checkpoint_wrapper's prefix is stripped from state dicts)."""
     if mode == "none":
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    from .plan import find_modules, replace_module
 
     for i, (name, block) in enumerate(find_modules(model, blocks)):
         if mode == "op":
@@ -141,17 +143,11 @@ def apply_fsdp(
     parameter with another (a tied embedding and head) is left to the root: FSDP2 shards a tensor once.
     `expert_mesh` (expert parallel): each MoE block's experts are their own unit on it, inside their block's."""
     if plan is None:
-        from tessera.models.spec import spec_of
-
-        from .plan import spec_plan
-
         spec = spec_of(model.config)
         plan = spec_plan(spec, spec.shape(model.config), 1)
     reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[config.mixed_precision], reduce_dtype=torch.float32)
     if expert_mesh is not None:  # expert parallel: each MoE block's experts, sharded over what ep leaves
-        from tessera.models.moe import moe_blocks
-
         for _, moe in moe_blocks(model):
             fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
     units = _without_shared(plan.units(model))
@@ -162,8 +158,6 @@ def apply_fsdp(
             fully_shard(unit[0], mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     if config.prefetch:
-        from .plan import find_modules
-
         blocks = _fsdp_units(
             [m for _, m in find_modules(model, plan.checkpoint_blocks)]
             if plan.checkpoint_blocks
@@ -200,7 +194,6 @@ def _without_shared(units: list[list[nn.Module]]) -> list[list[nn.Module]]:
 def model_state_bytes_on_rank(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes this rank holds now: parameters as registered on the modules (the gathered tensors of units
     that are unsharded, else the local shards), local gradient shards, and optimizer state shards."""
-    from torch.distributed.tensor import DTensor
 
     def local_bytes(t: torch.Tensor) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t

@@ -32,7 +32,8 @@ from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tessera.models.moe import MoE, moe_blocks
+from tessera.models.init import one_process_name
+from tessera.models.moe import MoE, moe_blocks, update_expert_bias
 
 from .comm import collective
 from .tensor import BlockInput, _all_gather, copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
@@ -207,8 +208,6 @@ def apply_sequence_sum(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 # ----------------------------------------------------------------------------- load balance over the mesh
 def block_index(name: str, pattern: str) -> int:
     """The layer of an MoE block's name: the number where its spec pattern has `*` (layers.*.mlp)."""
-    from tessera.models.init import one_process_name
-
     parts, segs = pattern.split("."), one_process_name(name).split(".")
     return next(int(s) for p, s in zip(parts, segs) if p == "*" and s.isdigit())
 
@@ -244,8 +243,6 @@ def expert_load(
 def update_biases(parts: list[nn.Module], pattern: str, tokens: Tensor) -> None:
     """The auxiliary-loss-free step of every MoE block here, from the step's global counts (same on every
     rank, so every replica of a block moves its bias alike)."""
-    from tessera.models.moe import update_expert_bias
-
     for part in parts:
         for name, block in moe_blocks(part):
             update_expert_bias(block, tokens[block_index(name, pattern)])

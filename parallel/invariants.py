@@ -22,7 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from tessera.kernels import flash_attention
 from tessera.models.init import one_process_name
+
+from .context import merge_partial
+from .schedule import simulate, validate
+from .tensor import shard_range
 
 
 class InvariantError(AssertionError):
@@ -47,8 +52,6 @@ def check_shard_gather(tensor: Tensor, mesh: DeviceMesh, placements: Sequence[Pl
     if len(placements) != mesh.ndim:
         raise ValueError(f"{len(placements)} placements for a {mesh.ndim}-D mesh ({_mesh_text(mesh)})")
     if any(isinstance(p, Partial) for p in placements):
-        from .tensor import shard_range
-
         coords = mesh.get_coordinate()
         if coords is None:
             raise ValueError(f"this rank is not in the mesh ({_mesh_text(mesh)})")
@@ -124,10 +127,6 @@ def check_ring_merge(
     """Attention over the keys split into `blocks` contiguous blocks, each block's (out, lse) merged in
     ring order with `merge` (default: context.merge_partial), equals attention over all keys. Causal
     masks are bottom-right aligned, as everywhere in tessera (queries are the last Sq positions)."""
-    from tessera.kernels import flash_attention
-
-    from .context import merge_partial
-
     merge = merge or merge_partial
     sq, sk = q.shape[2], k.shape[2]
     if sk % blocks:
@@ -246,8 +245,6 @@ def check_state_preserved(model: nn.Module, expected: Mapping[str, Tensor], layo
 def check_schedule_sound(schedule: list, name: str = "schedule") -> None:
     """The schedule gives every (microbatch, stage) exactly one forward and one backward (and one weight
     gradient when split) in order on one rank, and runs to the end without a deadlock."""
-    from .schedule import simulate, validate
-
     try:
         validate(schedule)
         simulate(schedule)

@@ -31,6 +31,10 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
 from tessera.topology.errors import RankFailure, RankTimeout, TesseraError, is_restartable
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
@@ -91,9 +95,6 @@ class _RankSpec:
 
 
 def _rank_main(fn: Callable[..., Any], spec: _RankSpec, conn: Any, args: tuple, kwargs: dict) -> None:
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(spec.env)
     os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank))
     torch.set_num_threads(spec.threads)

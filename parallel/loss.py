@@ -42,6 +42,7 @@ from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from tessera.models.spec import spec_of
 from tessera.topology.shapes import CHUNK_ELEMENTS, chunk_tokens
 
 from .tensor import ColumnParallelLinear, all_reduce_tp, shard_range
@@ -333,8 +334,6 @@ def apply_loss_head(model: nn.Module, chunk_elements: int = CHUNK_ELEMENTS, head
     takes `targets` (a spec'd family's model, or a stage of it with the head); anything else (a user's
     model without that, a stage without the head) is left as it is."""
     if head is None:
-        from tessera.models.spec import spec_of
-
         try:
             head = spec_of(model.config).head
         except (AttributeError, TypeError, ValueError):

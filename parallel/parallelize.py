@@ -17,9 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from tessera.topology import Layout, Meshes
+from tessera.models.moe import moe_blocks
+from tessera.models.spec import get_preset, spec_of
+from tessera.topology import Layout, Meshes, dry_run
+from tessera.topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
+from tessera.topology.shapes import ModelShape, fsdp_shard_numel
 
+from .context import apply_cp, check_context
 from .data import (
     DataParallelConfig,
     apply_activation_checkpointing,
@@ -27,19 +33,16 @@ from .data import (
     check_data_parallel,
     layout_for_strategy,
 )
-from .context import apply_cp, check_context
 from .expert import apply_ep, apply_sequence_sum, check_expert_parallel
 from .loss import apply_loss_head, check_loss
-from .pipeline import PipelineConfig, check_pipeline
-from .plan import ColwiseParallel, Plan, PrepareInput, apply_plan, apply_tp, spec_plan
+from .pipeline import PipelineConfig, build_stage, check_pipeline, split_layers, stages_of_rank
+from .plan import ColwiseParallel, Plan, PrepareInput, apply_plan, apply_tp, find_modules, spec_plan
 from .tensor import check_tensor_parallel
+from .tied import retie, shared_parameters
 
 
 def model_shape_of(model_config, spec=None):
     """The plain-number shape (topology.shapes.ModelShape) of a family's config; a ModelShape as it is."""
-    from tessera.models.spec import spec_of
-    from tessera.topology.shapes import ModelShape
-
     if isinstance(model_config, ModelShape):
         return model_config
     return (spec or spec_of(model_config)).shape(model_config)
@@ -117,8 +120,6 @@ def parallelize(
         head, attention = None, None
     else:
         if spec is None:
-            from tessera.models.spec import spec_of
-
             spec = spec_of(model.config)
         shape = spec.shape(model.config)
         config.check(shape)
@@ -157,8 +158,6 @@ def apply_compile(model: nn.Module, blocks: str | None) -> None:
     Per block rather than the whole model, as torchtitan does: blocks share one compiled graph, FSDP2's
     hooks stay between them, and tessera's collectives (autograd Functions around c10d calls) break the
     graph where they run."""
-    from .plan import find_modules
-
     if not blocks:
         raise ValueError("--compile needs the plan's checkpoint_blocks (the modules to compile)")
     for _, block in find_modules(model, blocks):
@@ -195,10 +194,6 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int, spec=No
     """Allocate a meta-built, parallelized model's local shards on `device` and initialize them to their
     slice of the one-process initialization for `seed` (no rank draws a tensor it does not hold), by the
     init rule of its family's spec (`spec`, or the registered one of `model.config`)."""
-    from tessera.models.spec import spec_of
-
-    from .tied import retie, shared_parameters
-
     tied = shared_parameters(model)
     model.to_empty(device=device)  # allocates each registration of a shared parameter apart: tie them again
     retie(model, tied)
@@ -220,15 +215,6 @@ def dry_run_model_states(
     parallelized on the fake backend, so any layout (thousands of ranks) is measured in one process.
     Bytes and counts as floats (local_params, tp_local_params, stage_params, parameters, gradients,
     optimizer, total), with the rank's `stages` and their `layers` ([start, stop) each)."""
-    from torch.distributed.tensor import DTensor
-
-    from tessera.models.moe import moe_blocks
-    from tessera.models.spec import get_preset, spec_of
-    from tessera.topology import dry_run
-    from tessera.topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
-    from tessera.topology.shapes import fsdp_shard_numel
-
-    from .pipeline import build_stage, split_layers, stages_of_rank
 
     def local_numel(parts: list[nn.Module]) -> int:
         return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for m in parts for p in m.parameters())

@@ -45,8 +45,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from tessera.models.moe import GroupedExperts, MoE
+from tessera.models.spec import spec_of
 from tessera.topology.shapes import kv_heads_split
 
+from .expert import apply_moe_tp, shard_experts
 from .tensor import (
     BlockInput,
     ColumnParallelLinear,
@@ -58,6 +61,7 @@ from .tensor import (
     check_tensor_parallel,
     copy_weight_to_tp,
 )
+from .tied import retie, shared_parameters
 
 
 # ----------------------------------------------------------------------------- matching
@@ -245,13 +249,9 @@ class MoEBlock(Style):
     experts' partial outputs summed once (parallel/expert.py)."""
 
     def apply(self, module, tp_mesh, sequence_parallel):
-        from .expert import apply_moe_tp
-
         return apply_moe_tp(module, tp_mesh, sequence_parallel)
 
     def check(self, name, module, tp):
-        from tessera.models.moe import MoE
-
         if not isinstance(module, MoE):
             raise ValueError(f"plan: MoEBlock on {name!r} needs a tessera.models.moe.MoE, got {type(module).__name__}")
 
@@ -261,13 +261,9 @@ class Experts(Style):
     """Grouped experts: each expert's ffn split (gate and up on their rows, down on its columns)."""
 
     def apply(self, module, tp_mesh, sequence_parallel):
-        from .expert import shard_experts
-
         return shard_experts(module, None, tp_mesh)
 
     def check(self, name, module, tp):
-        from tessera.models.moe import GroupedExperts
-
         if not isinstance(module, GroupedExperts):
             raise ValueError(
                 f"plan: Experts on {name!r} needs a tessera.models.moe.GroupedExperts, got {type(module).__name__}"
@@ -355,8 +351,6 @@ def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan, sequence_paral
     """Swap the modules a plan names for their tensor-parallel forms, in place (children before the
     PrepareInput hooks of their parents do not matter: each style touches only its own module). Tied
     weights (one parameter under two names) are one tensor again afterwards."""
-    from .tied import retie, shared_parameters
-
     plan.check(model, tp_mesh.size())
     tied = shared_parameters(model)
     for name, module, style in plan.assignments(model):
@@ -403,8 +397,6 @@ def spec_plan(spec, shape, tp: int) -> Plan:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, spec=None) -> nn.Module:
     """Swap a spec'd model's (or stage's) one-process layers for tensor-parallel ones, in place: its
     family's plan, the same mechanism users' plans go through. Tied weights stay one tensor."""
-    from tessera.models.spec import spec_of
-
     spec = spec or spec_of(model.config)
     shape = spec.shape(model.config)
     check_tensor_parallel(shape, tp_mesh.size(), sequence_parallel)

@@ -15,7 +15,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 # the safetensors side lives with the models (Hugging Face files are read there); re-exported here
 from tessera.models.safetensors_io import (
@@ -49,8 +52,6 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Admits only what DCP metadata is made of: its metadata classes, torch.Size and dtypes."""
 
     def find_class(self, module: str, name: str) -> Any:
-        import torch.distributed.checkpoint.metadata as dcp_metadata
-
         allowed = name in _METADATA_GLOBALS.get(module, ())
         if module == "torch.distributed.checkpoint.metadata":
             allowed = isinstance(getattr(dcp_metadata, name, None), type) or name == "_MEM_FORMAT_ENCODING"
@@ -68,8 +69,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's reader, with `.metadata` read by a restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         path = (
             self._get_metadata_path(kwargs.get("rank"))
             if hasattr(self, "_get_metadata_path")
@@ -94,8 +93,6 @@ def _load_bytes_safely(planner: Any, read_item: Any, value: Any) -> None:
     except Exception as e:
         raise CheckpointError(f"checkpoint item {read_item.dest_index.fqn} is not plain data ({e}); refused") from None
     if planner.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes does, with the safe load
-        from torch.distributed.checkpoint._traverse import set_element
-
         set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
     else:
         planner.state_dict[read_item.dest_index.fqn] = obj

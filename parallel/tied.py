@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from tessera.topology import Layout
 
@@ -44,8 +45,6 @@ def _module_and_attr(model: nn.Module, name: str) -> tuple[nn.Module | None, str
 def retie(model: nn.Module, groups: list[list[str]]) -> None:
     """Point every alias of each group at its owner's (new) parameter; ValueError if tensor parallel gave
     the two a different layout (a tied embedding and head must both split the vocabulary)."""
-    from torch.distributed.tensor import DTensor
-
     for owner, *aliases in groups:
         owner_module, owner_attr = _module_and_attr(model, owner)
         if owner_module is None or getattr(owner_module, owner_attr, None) is None:

@@ -8,7 +8,7 @@ __all__ = ["AXES", "FLATTENED", "Layout", "Meshes", "submesh", "dry_run", "mesh_
 
 def __getattr__(name: str):  # the mesh helpers import torch; keep `import topology` light
     if name in ("Meshes", "submesh", "dry_run", "mesh_group_ranks"):
-        from . import mesh
+        from . import mesh  # lazy: the mesh helpers import torch, which `import tessera.topology` does not
 
         return getattr(mesh, name)
     raise AttributeError(name)

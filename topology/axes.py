@@ -33,6 +33,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from .shapes import kv_heads_fit
+
 # the order parallel axes and the other steps are applied in: pp keeps a rank's stage(s) when the model is
 # built; parallelize (parallel/parallelize.py) then applies the rest in this order
 STEPS: tuple[str, ...] = ("pp", "tp", "cp", "ac", "compile", "fsdp")
@@ -108,8 +110,6 @@ class Axis:
 
 
 def _kv(d: Mapping[str, int], v: Mapping[str, Any]) -> bool:
-    from .shapes import kv_heads_fit  # torch-free like this table; imported here, shapes needs nothing of it
-
     return kv_heads_fit(v["n_kv_heads"], d["tp"])
 
 

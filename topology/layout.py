@@ -217,7 +217,7 @@ class Layout:
         subgroup of the mesh: torch creates them with its own default (30 minutes on gloo, 10 on NCCL),
         not the world group's timeout, so a stalled tp or FSDP collective would otherwise hang that long.
         """
-        from .mesh import build_mesh  # the DeviceMesh side (torch), loaded only here
+        from .mesh import build_mesh  # lazy: the DeviceMesh side imports torch; the rest of topology is torch-free
 
         return build_mesh(self, device_type, gpus_per_node, timeout)
 

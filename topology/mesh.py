@@ -15,8 +15,11 @@ import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Iterator
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .axes import FLATTENED_BY_PURPOSE, FLATTENED_MESHES, MESH_AXES, TABLE
 
@@ -45,8 +48,6 @@ def build_mesh(
 
 def set_mesh_timeout(mesh: DeviceMesh, timeout: float) -> None:
     """Give every process group of `mesh` (each axis and each flattened submesh) `timeout` seconds."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     groups += [submesh(mesh, flat.name).get_group() for flat in FLATTENED_MESHES]
     seen: set[int] = set()
@@ -78,8 +79,6 @@ def dry_run(layout: "Layout", rank: int = 0, device_type: str = "cpu") -> Iterat
     >>> with dry_run(Layout.infer(4096, tp=8, pp=4, cp=2)) as mesh:
     ...     mesh_group_ranks(mesh, "tp")
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("dry_run needs this process to have no process group; destroy the current one first")
     layout._check_rank(rank)
@@ -97,8 +96,6 @@ def expert_meshes(world: DeviceMesh, layout: "Layout") -> tuple[DeviceMesh, Devi
     fsdp = FLATTENED_BY_PURPOSE["fsdp"]
     shard = submesh(world, fsdp.name)
     if not hasattr(shard, "_unflatten"):
-        import torch
-
         raise RuntimeError(
             f"expert parallel needs DeviceMesh._unflatten (torch >= 2.10); this is torch {torch.__version__}"
         )

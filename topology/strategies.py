@@ -19,6 +19,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from .layout import Layout
+from .schedule import KINDS, VIRTUAL_KINDS, build_schedule, check_schedule
 
 AXES = Layout.AXES
 
@@ -74,7 +75,7 @@ def divisible_shapes(divisors: Sequence[int], max_multiple: int = 4) -> st.Searc
 
 def placements(ndim: int, mesh_ndim: int = 1, partial: bool = True) -> st.SearchStrategy[list]:
     """One placement per mesh dimension: Shard(d) for d < ndim, Replicate(), or (if `partial`) Partial()."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard  # lazy: torch objects; topology is torch-free
 
     one = st.one_of(
         st.integers(0, max(0, ndim - 1)).map(Shard), st.just(Replicate()), *([st.just(Partial())] if partial else [])
@@ -95,8 +96,6 @@ def schedules(
     draw, max_stages: int = 4, max_microbatches: int = 8, kinds: Sequence[str] | None = None, max_virtual: int = 2
 ) -> ScheduleCase:
     """A pipeline schedule that build_schedule accepts, with the arguments that built it."""
-    from .schedule import KINDS, VIRTUAL_KINDS, build_schedule, check_schedule
-
     kind = draw(st.sampled_from(list(kinds or KINDS)))
     stages = draw(st.integers(1, max_stages))
     virtual = draw(st.integers(2, max(2, max_virtual))) if kind in VIRTUAL_KINDS else 1
