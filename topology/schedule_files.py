@@ -165,7 +165,8 @@ def check_fits(
             if a.stage % pp != r:
                 raise ValueError(
                     f"{source}: {_at(r, k, a, name)} runs stage {a.stage}, which lives on rank "
-                    f"{a.stage % pp} (stage s on rank s % pp, where its layers are); move it to rank {a.stage % pp}'s row"
+                    f"{a.stage % pp} (stage s on rank s % pp, where its layers are); "
+                    f"move it to rank {a.stage % pp}'s row"
                 )
     if stages != pp * virtual:
         fix = (
