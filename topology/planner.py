@@ -94,7 +94,7 @@ assert set(RECOMPUTE) == set(MEMORY_AC_MODES), "a recompute share for every acti
 AC_MODES = tuple(sorted(RECOMPUTE, key=RECOMPUTE.__getitem__))
 # the strategies it enumerates: NO_SHARD and HYBRID_SHARD are layouts with dp_replicate, which it enumerates
 STRATEGIES = tuple(s for s in FSDP_STRATEGIES if s in ("FULL_SHARD", "SHARD_GRAD_OP"))
-SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv", "looped-bfs", "gpipe")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv", "dualpipev", "looped-bfs", "gpipe")
 
 FSDP = FLATTENED_BY_PURPOSE["fsdp"]  # FSDP2's group: dp_shard x cp
 # a candidate's degree flags: the axes the planner enumerates (mesh order), then --dp and --dp-replicate, the
@@ -722,7 +722,7 @@ def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
         return [("1f1b", 1)]
     out = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1)]
     if n_layers >= 2 * pp:
-        out += [("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2), ("looped-bfs", 2)]
+        out += [("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2), ("looped-bfs", 2)]
     return out
 
 
