@@ -1,6 +1,7 @@
 """Pipeline schedules are pure values: property tests over stages 1-8, microbatches 1-32, virtual 1-4."""
 
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import assume, given, settings
@@ -88,16 +89,19 @@ def test_zero_bubble_beats_1f1b_when_microbatches_are_at_least_twice_the_stages(
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(2, 8), st.integers(1, 8), st.integers(2, 4))
-def test_interleaved_zero_bubble_beats_interleaved_1f1b_at_no_more_than_pp_pending_weight_passes(p, rounds, v):
-    """With F = B = W, filling the waits with W passes shortens interleaved 1F1B's step, never lengthens it,
-    and keeps at most pp + 1 W passes pending on a rank."""
+def test_interleaved_zero_bubble_beats_interleaved_1f1b_holding_virtual_x_pp_activations(p, rounds, v):
+    """With F = B = W, splitting the backward shortens interleaved 1F1B's step, never lengthens it (bubble
+    (p-1)/(3 v m + p-1)), with no more activations in flight, and every rank holds v x pp activations at most
+    (F run, W not yet): the W's run right after a B from the rank's (r + 1)-th backward on."""
     m = p * rounds
     costs = {"F": 1, "B": 1, "W": 1}
     zb = simulate(build_schedule("interleaved-zb", p, m, v), costs)
     interleaved = simulate(build_schedule("interleaved-1f1b", p, m, v), costs)  # its B costs B + W
     assert zb.makespan <= interleaved.makespan and zb.bubble < interleaved.bubble
-    assert max(zb.peak_pending_weight_grads) <= p + 1
-    assert zb.peak_activations == interleaved.peak_activations  # the F/B order is interleaved 1F1B's
+    assert zb.bubble == pytest.approx(float(Fraction(p - 1, 3 * v * m + p - 1)), abs=1e-12)
+    assert all(a <= b for a, b in zip(zb.peak_activations, interleaved.peak_activations))
+    assert zb.peak_held_activations == [v * p] * p
+    assert max(zb.peak_pending_weight_grads) <= p
 
 
 @settings(max_examples=100, deadline=None)
@@ -140,21 +144,20 @@ def test_zbv_puts_two_stages_on_each_rank_in_a_v_and_beats_1f1b(p, rounds):
         assert half.bubble < one_f_one_b.bubble
 
 
-def _torch_dualpipev(p, m):
-    """torch.distributed.pipelining's own DualPipeV order (its per-rank list, computed without stages), in
-    tessera's actions: an overlapped F/B pair as its two actions, a full backward as B with its W."""
-    from types import SimpleNamespace
-
+def _torch_order(schedule_class, rank_count, **attributes):
+    """torch.distributed.pipelining's own order for `schedule_class` (its per-rank list, computed without
+    stages: `attributes` are what its _calculate_single_rank_operations reads) in tessera's actions: an
+    overlapped F/B pair as its two actions, a full backward as B with its W, torch's idle slots left out."""
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    if not hasattr(schedules, "ScheduleDualPipeV"):
-        pytest.skip("this torch has no ScheduleDualPipeV")
+    if not hasattr(schedules, schedule_class):
+        pytest.skip(f"this torch has no {schedule_class}")
     op = {schedules.FORWARD: "F", schedules.BACKWARD_INPUT: "B", schedules.BACKWARD_WEIGHT: "W"}
+    fake = SimpleNamespace(**attributes)
     out = []
-    for r in range(p):
+    for r in range(rank_count):
         row = []
-        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
-        for a in schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r):
-            for x in a.sub_actions or (a,):
+        for a in getattr(schedules, schedule_class)._calculate_single_rank_operations(fake, r):
+            for x in (a.sub_actions or (a,)) if a is not None else ():
                 if x.computation_type == schedules.FULL_BACKWARD:
                     row += [
                         Action("B", x.microbatch_index, x.stage_index),
@@ -164,6 +167,82 @@ def _torch_dualpipev(p, m):
                     row.append(Action(op[x.computation_type], x.microbatch_index, x.stage_index))
         out.append(row)
     return out
+
+
+def _torch_dualpipev(p, m):
+    """torch's ScheduleDualPipeV order in tessera's actions."""
+    return _torch_order("ScheduleDualPipeV", p, pp_group_size=p, _n_microbatches=m)
+
+
+def _torch_zbv(p, m):
+    """torch's ScheduleZBVZeroBubble order in tessera's actions (torch plans max(m, 2 pp - 1) microbatches
+    and leaves the slots of those past m idle)."""
+    return _torch_order("ScheduleZBVZeroBubble", p, pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+
+
+def _torch_interleaved_zb(p, m, v):
+    """torch's ScheduleInterleavedZeroBubble order in tessera's actions, or None for a microbatch count torch
+    refuses (not a multiple of its max(1, m // pp) rounds)."""
+    rounds = max(1, m // p)
+    if m % rounds:
+        return None
+    return _torch_order(
+        "ScheduleInterleavedZeroBubble",
+        p,
+        pp_group_size=p,
+        _n_microbatches=m,
+        n_local_stages=v,
+        number_of_rounds=rounds,
+        microbatches_per_round=m // rounds,
+    )
+
+
+COST_MODELS = [  # F = B = W; a cheap W; the ratios benchmarks/bench_pipeline.py measures on CPU (F 1, B 1.25, W 0.75)
+    {"F": 1, "B": 1, "W": 1},
+    {"F": 1, "B": 1, "W": 0.5},
+    {"F": 1, "B": 1.3, "W": 0.8},
+]
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_zbv_is_torchs_order_and_with_pp_microbatches_idles_less_at_torchs_held_activations(p):
+    """zbv lists exactly torch's ScheduleZBVZeroBubble actions for pp + 1 to 4 pp + 2 microbatches (each W right
+    after its B: 2 pp activations held per rank at most). With pp microbatches (torch's order idles where the
+    microbatches it lacks would run) it keeps torch's F/B order and holds on each rank what torch's holds, and
+    its bubble is no larger than torch's under each cost model (smaller from pp = 2 on)."""
+    for m in range(p + 1, 4 * p + 3):
+        schedule = build_schedule("zbv", p, m, 2)
+        assert schedule == _torch_zbv(p, m), m
+        assert max(simulate(schedule).peak_held_activations) <= 2 * p
+    schedule, torchs = build_schedule("zbv", p, p, 2), _torch_zbv(p, p)
+    assert [[a for a in row if a.op != "W"] for row in schedule] == [[a for a in row if a.op != "W"] for row in torchs]
+    for costs in COST_MODELS:
+        mine, theirs = simulate(schedule, costs), simulate(torchs, costs)
+        assert mine.peak_held_activations == theirs.peak_held_activations
+        assert mine.bubble <= theirs.bubble + 1e-12
+        if p > 1:
+            assert mine.bubble < theirs.bubble
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_interleaved_zb_is_torchs_order_holding_virtual_x_pp_activations(p):
+    """interleaved-zb lists exactly torch's ScheduleInterleavedZeroBubble actions, for 1 to 4 stages per rank
+    and every microbatch count up to 4 pp + 2 that both accept (with one stage per rank: zb-h1's order, for
+    counts torch refuses too); each rank holds virtual x pp activations at most, at the unit-cost bubble
+    (p-1)/(3 v m + p-1)."""
+    for v in range(1, 5):
+        for m in range(p, 4 * p + 3):
+            if not buildable("interleaved-zb", p, m, v):
+                continue
+            schedule = build_schedule("interleaved-zb", p, m, v)
+            torchs = _torch_interleaved_zb(p, m, v)
+            if torchs is not None:
+                assert schedule == torchs, (m, v)
+            if v == 1:
+                assert schedule == build_schedule("zb-h1", p, m)
+            timeline = simulate(schedule)
+            assert timeline.peak_held_activations == [v * p] * p
+            assert timeline.bubble == pytest.approx(float(Fraction(p - 1, 3 * v * m + p - 1)), abs=1e-12)
 
 
 @settings(max_examples=60, deadline=None)

@@ -17,12 +17,20 @@ stage s needs B of stage s + 1 (its output gradient), or its own F on the last s
     looped-bfs        breadth first over `virtual` stages per rank: every microbatch's forward through a
                       rank's first stage, then its next, ...; backwards in reverse (GPipe per stage: fewest
                       switches, peak m x virtual activations)
-    interleaved-zb    interleaved 1F1B's order with B split into B and W, each W placed where its rank
-                      would otherwise wait (at most pp W's pending): zero bubble with virtual stages
-    zbv               zero bubble on a V: two stages per rank, rank r holding stages r and 2 pp - 1 - r (the
-                      first and the last on rank 0, so a microbatch's forward turns around on rank pp - 1
-                      with no message); F and B listed as each becomes ready (B first, deeper stages first,
-                      at most 2 pp forwards in flight per rank), W's placed as in interleaved-zb
+    interleaved-zb    zero bubble with virtual stages, torch's ScheduleInterleavedZeroBubble order: interleaved 1F1B
+                      with B split into B and W, a warm-up of (virtual - 1) pp + pp - r - 1 forwards on rank r, and
+                      from its (r + 1)-th backward on each B followed by the W of the backward r before it: at most
+                      virtual x pp activations held per rank (F run, W not yet), unit-cost bubble (p-1)/(3 virtual
+                      m + p-1); with one stage per rank it is zb-h1. (W's held back for idle time, up to pp pending,
+                      gave the same unit-cost bubble holding up to pp more activations per rank.)
+    zbv               zero bubble on a V, torch's ScheduleZBVZeroBubble order: two stages per rank, rank r holding
+                      stages r and 2 pp - 1 - r (the first and the last on rank 0, so a microbatch's forward turns
+                      around on rank pp - 1 with no message); a warm-up of forwards, then steps "F, B, W" of one
+                      stage and of the other, each W right after its B (the executor runs such a pair as one
+                      backward pass): at most 2 pp activations held per rank, pp fewer than W's held back for idle
+                      time, at no larger bubble. With m = pp microbatches torch's order idles where the ones it
+                      lacks would run: there its F/B order with each W in a wait, or before an F once the rank
+                      holds what torch's order holds (the same held activations, a smaller bubble)
     dualpipev         DeepSeek's DualPipe cut in half (torch's ScheduleDualPipeV, same order): on zbv's V, a
                       warm-up of forwards, then pairs "forward of one chunk, full backward of the other" (which
                       DeepSeek overlaps to hide expert-parallel all-to-alls), then zero-bubble cool-down with
@@ -143,10 +151,16 @@ def build_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) 
             for r in range(p)
         ]
     if kind == "interleaved-zb":
-        order = [_one_f_one_b(r, p, m) if virtual == 1 else _interleaved(r, p, m, virtual) for r in range(p)]
-        return fill_weight_passes(order, max_pending=p)
+        return [_interleaved_zb(r, p, m, virtual) for r in range(p)]
     if kind == "zbv":
-        return fill_weight_passes(_v_order(p, m), max_pending=p)
+        order = [_zbv(r, p, m) for r in range(p)]
+        if m > p:
+            return order
+        # m == pp: torch's order idles where the microbatches it lacks would run; the same F/B order with each W
+        # placed in a wait, or before an F once the rank holds what torch's order holds at most there
+        return fill_weight_passes(
+            [[a for a in row if a.op != "W"] for row in order], max_held=[_peak(row, "F", "W") for row in order]
+        )
     if kind == "dualpipev":
         return [_dualpipev(r, p, m) for r in range(p)]
     return [_zb_h1(r, p, m) for r in range(p)]
@@ -202,41 +216,67 @@ def _zb_h1(r: int, p: int, m: int) -> list[Action]:
     return out + [Action("W", i, r) for i in pending]
 
 
-def _v_order(p: int, m: int, costs: dict[str, float] | None = None) -> list[list[Action]]:
-    """F's and B's on the V placement, listed as the simulator's clock makes each ready: at each step the
-    action that can start earliest anywhere runs (ties: B before F, the deeper stage first), each stage
-    taking its microbatches in order, a rank starting no forward while 2 p of its own are in flight."""
-    costs = {**DEFAULT_COSTS, **(costs or {})}
-    stages = 2 * p
-    finished: dict[Action, float] = {}
-    free = [0.0] * p
-    next_op = {(op, s): 0 for op in ("F", "B") for s in range(stages)}
-    in_flight = [0] * p
-    out: list[list[Action]] = [[] for _ in range(p)]
-    for _ in range(2 * stages * m):
-        best = None
-        for s in range(stages):
-            r = stage_rank(s, p, "v")
-            for op in ("B", "F"):
-                i = next_op[(op, s)]
-                if i == m or (op == "F" and in_flight[r] >= 2 * p):
-                    continue
-                a = Action(op, i, s)
-                dep = dependency(a, stages)
-                if dep is not None and dep not in finished:
-                    continue
-                start = max(free[r], finished[dep] if dep is not None else 0.0)
-                key = (start, op == "F", -s)
-                if best is None or key < best[0]:
-                    best = (key, a, r)
-        if best is None:
-            raise AssertionError(f"no action can run on the V (p={p}, m={m}): the in-flight bound is too tight")
-        (start, _, _), a, r = best
-        finished[a] = free[r] = start + costs[a.op]
-        next_op[(a.op, a.stage)] += 1
-        in_flight[r] += 1 if a.op == "F" else -1
-        out[r].append(a)
-    return out
+def _interleaved_zb(r: int, p: int, m: int, v: int) -> list[Action]:
+    """Interleaved zero bubble (ZB1P) on rank r as torch's ScheduleInterleavedZeroBubble lists it: interleaved
+    1F1B's forwards and backwards (the k-th of each on chunk (k // p) % v, backwards in reverse, microbatches
+    in rounds of p) after a warm-up of (v - 1) p + p - r - 1 forwards, one less per rank down (Megatron's
+    interleaved 1F1B warms up with 2 (p - r - 1) + (v - 1) p); each B from the (r + 1)-th on is followed by
+    the W of the backward r before it (the W's of the first r wait: they fill the waits of the warm-up and
+    the cool-down), the last r W's at the end. Rank r then holds v p activations at most, F run, W not yet:
+    the W's run soon, where waiting for idle time (up to p pending) held up to p more."""
+    total = m * v
+
+    def step(op: str, k: int, chunk: int) -> Action:
+        return Action(op, (k // (p * v)) * p + k % p, chunk * p + r)
+
+    warmup = min((v - 1) * p + p - 1 - r, total)
+    out = [step("F", k, (k // p) % v) for k in range(warmup)]
+    backwards: list[Action] = []
+    for k in range(total):
+        if warmup + k < total:
+            out.append(step("F", warmup + k, ((warmup + k) // p) % v))
+        backwards.append(step("B", k, v - 1 - (k // p) % v))
+        out.append(backwards[-1])
+        if k >= r:
+            out.append(backwards[k - r]._replace(op="W"))
+    return out + [b._replace(op="W") for b in backwards[total - r :]]
+
+
+def _zbv(r: int, p: int, m: int) -> list[Action]:
+    """ZB-V on rank r (stages r and 2 p - 1 - r) as torch's ScheduleZBVZeroBubble lists it, planned for
+    max(m, 2 p - 1) microbatches with those past m left out: 2 (p - r) - 1 forwards of the first stage, r pairs
+    of forwards (second, first), p - r steps "F, B, W" of the second stage; then, while forwards remain, F, B, W
+    of the first stage and F, B, W of the second (each W right after its own B: no W pending); the cool-down:
+    r pairs of B's (first, second), p - r steps "B, W" of the first stage, and the W's left, second stage's
+    first. At most 2 p activations held per rank."""
+    n = max(m, 2 * p - 1)
+    first, second = r, 2 * p - 1 - r
+    count = {(op, s): 0 for op in OPS for s in (first, second)}
+    out: list[Action] = []
+
+    def add(*steps: tuple[str, int]) -> None:
+        for op, stage in steps:
+            out.append(Action(op, count[(op, stage)], stage))
+            count[(op, stage)] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        add(("F", first))
+    for _ in range(r):
+        add(("F", second), ("F", first))
+    for _ in range(p - r):
+        add(("F", second), ("B", second), ("W", second))
+    while count[("F", second)] < count[("F", first)] or count[("F", first)] < n:
+        if count[("F", first)] < n:
+            add(("F", first))
+        add(("B", first), ("W", first), ("F", second), ("B", second), ("W", second))
+    for _ in range(r):
+        add(("B", first), ("B", second))
+    for _ in range(p - r):
+        add(("B", first), ("W", first))
+    for stage in (second, first):
+        while count[("W", stage)] < count[("B", stage)]:
+            add(("W", stage))
+    return [a for a in out if a.microbatch < m]
 
 
 def _dualpipev(r: int, p: int, m: int) -> list[Action]:
@@ -297,13 +337,18 @@ def _dualpipev(r: int, p: int, m: int) -> list[Action]:
 
 
 def fill_weight_passes(
-    order: Sequence[Sequence[Action]], costs: dict[str, float] | None = None, max_pending: int | None = None
+    order: Sequence[Sequence[Action]],
+    costs: dict[str, float] | None = None,
+    max_pending: int | None = None,
+    max_held: Sequence[int] | None = None,
 ) -> list[list[Action]]:
     """A split-backward schedule from an order of F's and B's per rank (each B now the input gradient only):
     each weight gradient W waits, pending, until its rank would otherwise sit idle (the next F or B's input
-    not there yet, or arriving later than a W takes), and runs there; with more than `max_pending` pending
-    (their activations held) the oldest runs first; the rest at the end. Decided on the simulator's clock,
-    ranks taken in the order they come free; the F/B order is kept, so a deadlock-free order stays so."""
+    not there yet, or arriving later than a W takes), and runs there; the oldest pending runs first as well
+    when more than `max_pending` are pending, or before an F when rank r already holds `max_held[r]`
+    activations (F run, W not yet); the rest at the end. Decided on the simulator's clock, ranks taken in the
+    order they come free; the F/B order is kept, so a deadlock-free order stays so. (zbv fills torch's order
+    of pp microbatches with it, within torch's held activations.)"""
     costs = {**DEFAULT_COSTS, **(costs or {})}
     stages = 1 + max((a.stage for row in order for a in row), default=0)
     p = len(order)
@@ -311,10 +356,12 @@ def fill_weight_passes(
     free, index = [0.0] * p, [0] * p
     pending: list[list[Action]] = [[] for _ in range(p)]
     out: list[list[Action]] = [[] for _ in range(p)]
+    held = [0] * p
 
     def run(r: int, a: Action, start: float) -> None:
         finished[a] = free[r] = start + costs[a.op]
         out[r].append(a)
+        held[r] += (a.op == "F") - (a.op == "W")
         if a.op == "B":
             pending[r].append(Action("W", a.microbatch, a.stage))
 
@@ -325,7 +372,9 @@ def fill_weight_passes(
             a = order[r][index[r]]
             dep = dependency(a, stages)
             ready = 0.0 if dep is None else finished.get(dep)
-            full = max_pending is not None and len(pending[r]) > max_pending
+            full = (max_pending is not None and len(pending[r]) > max_pending) or (
+                max_held is not None and a.op == "F" and held[r] >= max_held[r]
+            )
             if pending[r] and (full or ready is None or ready >= free[r] + costs["W"]):
                 run(r, pending[r].pop(0), free[r])  # a W in the time the rank would wait
             elif ready is not None:
