@@ -459,9 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(tr)
     tr.set_defaults(func=_train)
-    # each subcommand's parameters -> its flags, for the errors it prints (train: the config's fields too)
+    # each subcommand's parameters -> its flags, for the errors it prints (train: the config's fields too; a
+    # subcommand may add the library's own names of its options, as plan does Hardware's gpu_memory_gb)
     for name, subparser in sub.choices.items():
-        subparser.set_defaults(flags={**parser_flags(subparser), **(flag_names() if name == "train" else {})})
+        own = subparser.get_default("flags") or {}
+        subparser.set_defaults(flags={**parser_flags(subparser), **own, **(flag_names() if name == "train" else {})})
     return parser
 
 

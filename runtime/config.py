@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from tessera.topology import Layout
 from tessera.topology import axes as _axes
-from tessera.topology.errors import ConfigError, with_flags
+from tessera.topology.errors import TesseraError, with_flags
 from tessera.topology.schedule import V_KINDS, fewest_microbatches
 from tessera.topology.schedule_files import read_schedule_file
 
@@ -489,8 +489,11 @@ class Config:
 
         try:
             preflight.check(self)
-        except ConfigError as e:
-            raise type(e)(with_flags(str(e), flag_names() if flags is None else flags)) from None
+        except ValueError as e:  # ConfigError, CheckpointError, and the plain ValueErrors of the library's checks
+            message = with_flags(str(e), flag_names() if flags is None else flags)
+            if message == str(e) or not (type(e) is ValueError or isinstance(e, TesseraError)):
+                raise
+            raise type(e)(message) from None
 
 
 def parser_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -506,10 +509,14 @@ def said(error: BaseException, args: argparse.Namespace) -> str:
 
 def flag_names() -> dict[str, str]:
     """The parameters library messages name -> the `tessera train` flag that sets them: every field of the
-    sections but the checkpoint's (whose short names, dir and every, are no parameter of the library), and
-    PipelineConfig's layers_per_stage (--pp-layers)."""
+    sections but the checkpoint's, whose short names (dir, every) are no parameter of the library: those by
+    the names Config.create takes for them (checkpoint_dir, init_from, init_from_hf, ...); and the library's
+    own names of two fields, PipelineConfig's layers_per_stage (--pp-layers) and DataParallelConfig's
+    activation_checkpointing (--ac)."""
     out = {f.name: flag_of(f) for name, cls in SECTIONS.items() if name != "checkpoint" for f in fields(cls)}
-    return {**out, "layers_per_stage": "--pp-layers"}
+    for f in fields(SECTIONS["checkpoint"]):
+        out[flag_of(f).lstrip("-").replace("-", "_")] = flag_of(f)
+    return {**out, "layers_per_stage": "--pp-layers", "activation_checkpointing": "--ac"}
 
 
 def _flat_names() -> dict[str, tuple[str, str]]:

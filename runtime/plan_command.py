@@ -30,6 +30,7 @@ from tessera.topology.planner import (
     why_not_runnable,
     wins_by,
 )
+from tessera.topology.errors import with_flags
 from tessera.topology.step_time import Calibration, find_entry
 
 from .config import said
@@ -173,7 +174,7 @@ def add_plan_parser(sub) -> None:
         "--threads", type=int, default=1, help="--calibrate on CPU: threads (default 1, as one tessera rank runs)"
     )
     cal.add_argument("--quick", action="store_true", help="--calibrate: smaller measurements (a few seconds on a CPU)")
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=run_plan, flags={"gpu_memory_gb": "--gpu-memory"})  # Hardware's name for --gpu-memory
 
 
 def _row(rank: int, x: Estimate) -> str:
@@ -214,6 +215,8 @@ def run_plan(args: argparse.Namespace) -> int:
         named = parse_named_layout(args.layout, args.gpus) if args.layout else None
         result = plan(shape, hw, args.seq_len, args.global_batch, top=None, name=args.model)
         scored = score_layout(shape, hw, args.seq_len, args.global_batch, result, *named) if named else None
+        if scored is not None:  # the planner's reasons name its parameters (seq_len=1023): say the flags
+            scored["verdict"] = with_flags(scored["verdict"], getattr(args, "flags", {}))
         result.ranked = result.ranked[: args.top]
     except ValueError as e:  # PlanError and an unknown preset
         print(f"tessera plan: error: {said(e, args)}", file=sys.stderr)

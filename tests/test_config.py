@@ -16,8 +16,8 @@ from tessera.config import Config, add_arguments, config_from_args
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(tp=3), "tp=3 does not divide the 4 attention heads"),
-        (dict(tp=2, sequence_parallel=True, seq_len=33), "seq_len=33, tp=2; use --seq-len 32"),
+        (dict(tp=3), "--tp 3 does not divide the 4 attention heads"),
+        (dict(tp=2, sequence_parallel=True, seq_len=33), "--seq-len 33, --tp 2; use --seq-len 32"),
         (dict(model="llama9"), "unknown model preset 'llama9'"),
         # pipeline parallel
         (dict(pp=2, n_layers=4, microbatches=3), "--microbatches 3 does not divide the 4 rows each dp rank reads"),
@@ -32,7 +32,7 @@ from tessera.config import Config, add_arguments, config_from_args
         ),
         (
             dict(pp=2, n_layers=4, microbatches=2, pp_layers="3,2"),
-            "--pp-layers 3,2 must be positive counts summing to n_layers=4",
+            "--pp-layers 3,2 must be positive counts summing to --n-layers 4",
         ),
         (dict(pp=2, n_layers=4, microbatches=2, pp_layers="1,1,2"), "--pp-layers 1,1,2 lists 3 stages; the run has 2"),
         (
@@ -51,16 +51,16 @@ from tessera.config import Config, add_arguments, config_from_args
         ),
         (
             dict(cp=2, tp=4, sequence_parallel=True, seq_len=36),
-            "whose S/cp tokens split over tp=4 (sequence parallel); use --seq-len 32 or 40",
+            "whose S/cp tokens split over --tp 4 (sequence parallel); use --seq-len 32 or 40",
         ),
         (dict(cp=2, cp_method="ulysses"), "unknown --cp-method 'ulysses'; use one of ring, allgather"),
         (dict(cp_method="ring"), "--cp-method ring applies to context parallel, and --cp is 1: add --cp 2"),
         (dict(loss="fused"), "unknown --loss 'fused'; use chunked (fused linear cross-entropy"),
-        (dict(tp=0), "tp=0 must be a positive integer"),
-        (dict(dp=4, fsdp="HYBRID_SHARD"), "HYBRID_SHARD needs replica groups: dp=4 with dp_replicate=1"),
+        (dict(tp=0), "--tp 0 must be a positive integer"),
+        (dict(dp=4, fsdp="HYBRID_SHARD"), "HYBRID_SHARD needs replica groups: --dp 4 with --dp-replicate 1"),
         (dict(dp=2, fsdp="ZERO9"), "unknown FSDP strategy 'ZERO9'"),
         (dict(dp=4, dp_replicate=3), "--dp-replicate 3 must divide --dp 4"),
-        (dict(dp=3, global_batch=8), "global batch 8 does not split over dp=3"),
+        (dict(dp=3, global_batch=8), "global batch 8 does not split over --dp 3"),
         (dict(dp=2, ac="most"), "unknown activation checkpointing 'most'"),
         (dict(checkpoint_every=2), "--checkpoint-every needs --checkpoint-dir"),
         (dict(microbatches=3), "--microbatches 3 does not divide the 4 rows each dp rank reads"),

@@ -79,10 +79,12 @@ def is_restartable(error: BaseException) -> bool:
 
 def with_flags(message: str, flags: Mapping[str, str]) -> str:
     """A library message as the command line says it: each `name=value` of a parameter in `flags` (its name
-    -> the flag, e.g. "microbatches" -> "--microbatches") written `--flag value`. Library messages name the
-    parameters of the Python API; the CLI calls this on the errors of the checks it runs, so they name its
-    flags instead."""
+    -> the flag, e.g. "microbatches" -> "--microbatches") written `--flag value`, and each parameter named
+    without a value, in backquotes ("raise `dp` or `cp`"), written as the bare flag ("raise --dp or --cp").
+    Library messages name the parameters of the Python API; the CLI calls this on the errors of the checks
+    it runs, so they name its flags instead."""
     if not flags:
         return message
     names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    message = re.sub(rf"`({names})`", lambda m: flags[m.group(1)], message)
     return re.sub(rf"(?<![\w.-])({names})=", lambda m: flags[m.group(1)] + " ", message)
