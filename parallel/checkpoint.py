@@ -173,12 +173,12 @@ def directory_lock(root: str | os.PathLike) -> Iterator[None]:
                 holder = {}
             if holder.get("host") == host and _alive(int(holder.get("pid", -1))):
                 raise CheckpointError(
-                    f"--checkpoint-dir {root} is in use by another run (pid {holder['pid']} on {host}); "
+                    f"checkpoint_dir={root} is in use by another run (pid {holder['pid']} on {host}); "
                     f"use another directory, or wait for that run to end"
                 ) from None
             if holder.get("host") not in (None, host):
                 raise CheckpointError(
-                    f"--checkpoint-dir {root} is locked by a run on host {holder['host']} (pid "
+                    f"checkpoint_dir={root} is locked by a run on host {holder['host']} (pid "
                     f"{holder.get('pid')}); if it has ended, remove {lock}"
                 ) from None
             lock.unlink(missing_ok=True)  # stale: its process is gone
@@ -286,7 +286,7 @@ class CheckpointManager:
         rank has written its files: at a later `poll()` that finds them all done, or at `finish()`. Until then
         `latest` names the previous complete checkpoint, so a run killed mid-save resumes from that one."""
         if self.root is None:
-            raise CheckpointError("no checkpoint directory: pass --checkpoint-dir DIR")
+            raise CheckpointError("no checkpoint directory: give CheckpointManager a root to save into")
         self.finish()  # one save in flight at a time
         root = self.root
         rank = dist.get_rank()
@@ -342,7 +342,7 @@ class CheckpointManager:
         """Checksums, the manifest, then the atomic rename and the `latest` pointer (rank 0); collective."""
         root, rank, world = self.root, dist.get_rank(), dist.get_world_size()
         if root is None:  # save() refuses to start without one
-            raise CheckpointError("no checkpoint directory: pass --checkpoint-dir DIR")
+            raise CheckpointError("no checkpoint directory: give CheckpointManager a root to save into")
         dist.barrier()
         # every rank checksums a share of the files; rank 0 collects them into the manifest
         files = sorted(f for f in p.tmp.rglob("*") if f.is_file())
@@ -474,30 +474,30 @@ def check_compatible(
     if saved["config"] != model_config:
         diff = {k: (saved["config"].get(k), v) for k, v in model_config.items() if saved["config"].get(k) != v}
         raise CheckpointError(
-            f"checkpoint {path} holds model {saved['preset']!r}, not {model!r}; resume with --model {saved['preset']} "
+            f"checkpoint {path} holds model {saved['preset']!r}, not {model!r}; resume with preset={saved['preset']} "
             f"(differences, saved vs now: {diff})"
         )
     data = manifest["data"]
     if data["seq_len"] != seq_len:
         raise CheckpointError(
-            f"checkpoint {path} was trained with --seq-len {data['seq_len']}, this run uses {seq_len}; "
-            f"use --seq-len {data['seq_len']} to resume faithfully"
+            f"checkpoint {path} was trained with seq_len={data['seq_len']}, this run uses {seq_len}; "
+            f"use seq_len={data['seq_len']} to resume faithfully"
         )
     if global_batch is not None and data["global_batch"] != global_batch:
         raise CheckpointError(
-            f"checkpoint {path} was trained with --global-batch {data['global_batch']}, this run uses {global_batch}: "
-            f"the data cursor and the loss scale would change mid-run; use --global-batch {data['global_batch']}"
+            f"checkpoint {path} was trained with global_batch={data['global_batch']}, this run uses {global_batch}: "
+            f"the data cursor and the loss scale would change mid-run; use global_batch={data['global_batch']}"
         )
     saved_steps = manifest.get("steps")
     if steps is not None and saved_steps is not None and saved_steps != steps:
         raise CheckpointError(
-            f"checkpoint {path} is from a run of --steps {saved_steps}, this run asks for {steps}: the cosine "
-            f"learning-rate schedule would jump mid-run; use --steps {saved_steps} to continue it faithfully"
+            f"checkpoint {path} is from a run of steps={saved_steps}, this run asks for {steps}: the cosine "
+            f"learning-rate schedule would jump mid-run; use steps={saved_steps} to continue it faithfully"
         )
     if steps is not None and manifest["step"] >= steps:
         raise CheckpointError(
-            f"checkpoint {path} is at step {manifest['step']}, already at --steps {steps}: nothing left to train; "
-            f"start a new run (--init-from an exported checkpoint) to train further"
+            f"checkpoint {path} is at step {manifest['step']}, already at steps={steps}: nothing left to train; "
+            f"start a new run from an exported checkpoint (init_from=FILE) to train further"
         )
 
 
@@ -540,6 +540,6 @@ def check_full_state_dict_file(file: str | os.PathLike, model_config: Any) -> No
             or (f"{wrong[0]} has shape {have[wrong[0]]}, the model needs {want[wrong[0]]}")
         )
         raise CheckpointError(
-            f"--init-from {file} does not hold this model's weights ({detail}); pass the --model (and --n-layers) "
+            f"init_from={file} does not hold this model's weights ({detail}); pass the `preset` (and `n_layers`) "
             f"it was exported from"
         )

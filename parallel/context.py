@@ -53,7 +53,7 @@ def check_context(
 ) -> None:
     """ValueError naming the value and the fix, before any process group starts."""
     if method not in METHODS:
-        raise ValueError(f"unknown --cp-method {method!r}; use one of {', '.join(METHODS)}")
+        raise ValueError(f"unknown cp_method={method!r}; use one of {', '.join(METHODS)}")
     if cp == 1 or seq_len is None:
         return
     multiple, why = 2 * cp, f"2 x cp = {2 * cp} equal chunks (zigzag context parallel)"
@@ -62,8 +62,8 @@ def check_context(
         why += f" whose S/cp tokens split over tp={tp} (sequence parallel)"
     if seq_len % multiple:
         lower, upper = seq_len - seq_len % multiple, seq_len - seq_len % multiple + multiple
-        nearest = f"--seq-len {lower} or {upper}" if lower > 0 else f"--seq-len {upper}"
-        raise ValueError(f"--seq-len {seq_len} does not split into {why}; use {nearest}")
+        nearest = f"seq_len={lower} or {upper}" if lower > 0 else f"seq_len={upper}"
+        raise ValueError(f"seq_len={seq_len} does not split into {why}; use {nearest}")
 
 
 def zigzag_indices(seq_len: int, rank: int, size: int, device: torch.device | str | None = None) -> Tensor:
@@ -519,7 +519,7 @@ def apply_cp(
     """Swap every attention slot (the modules matching `slots`, the spec's `attention` pattern; by default
     the model's family spec's) for context-parallel attention over `cp_mesh`, in place."""
     if method not in METHODS:
-        raise ValueError(f"unknown --cp-method {method!r}; use one of {', '.join(METHODS)}")
+        raise ValueError(f"unknown cp_method={method!r}; use one of {', '.join(METHODS)}")
 
     slots = slots or spec_of(model.config).attention
     group = cp_mesh.get_group()

@@ -60,12 +60,12 @@ def check_data_parallel(config: DataParallelConfig, layout: Layout) -> None:
     if config.strategy == "HYBRID_SHARD" and layout.dp_replicate == 1:
         raise ValueError(
             f"HYBRID_SHARD needs replica groups: dp={layout.dp} with dp_replicate=1; "
-            f"pass --dp-replicate R with R dividing {layout.dp} (e.g. --dp-replicate 2), or use FULL_SHARD"
+            f"pass dp_replicate=R with R dividing {layout.dp} (e.g. dp_replicate=2), or use FULL_SHARD"
         )
     if config.strategy == "NO_SHARD" and layout.dp_shard > 1:
         raise ValueError(
             f"NO_SHARD replicates every dp rank: use dp_replicate={layout.dp} and dp_shard=1 "
-            f"(tessera train maps --fsdp NO_SHARD --dp {layout.dp} to that layout), not dp_shard={layout.dp_shard}"
+            f"(layout_for_strategy(layout, 'NO_SHARD') gives that layout), not dp_shard={layout.dp_shard}"
         )
 
 

@@ -183,7 +183,7 @@ def check_expert_parallel(n_experts: int, ep: int, shard_ranks: int) -> None:
     if shard_ranks % ep:
         raise ValueError(
             f"ep={ep} must divide dp_shard x cp = {shard_ranks} (the ranks expert parallel borrows); "
-            f"raise --dp or --cp, or use --ep dividing {shard_ranks}"
+            f"raise `dp` or `cp`, or use `ep` dividing {shard_ranks}"
         )
 
 

@@ -150,7 +150,7 @@ def check_loss(kind: str) -> str:
     """`kind` if it names a loss, else a ValueError naming the value and the fix."""
     if kind not in LOSS_KINDS:
         raise ValueError(
-            f"unknown --loss {kind!r}; use chunked (fused linear cross-entropy over token chunks, "
+            f"unknown loss={kind!r}; use chunked (fused linear cross-entropy over token chunks, "
             f"never the full logits) or logits (the full logits, then cross-entropy)"
         )
     return kind

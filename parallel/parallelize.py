@@ -97,8 +97,8 @@ class ParallelConfig:
         if global_batch is not None and (global_batch // layout.dp) % microbatches:
             rows = global_batch // layout.dp
             raise ValueError(
-                f"--microbatches {microbatches} does not divide the {rows} rows each dp rank reads "
-                f"(global batch {global_batch} / dp {layout.dp}); use a divisor of {rows} or --global-batch "
+                f"microbatches={microbatches} does not divide the {rows} rows each dp rank reads "
+                f"(global batch {global_batch} / dp {layout.dp}); use a divisor of {rows} or global_batch="
                 f"{layout.dp * microbatches * max(1, rows // microbatches)}"
             )
 
@@ -159,7 +159,7 @@ def apply_compile(model: nn.Module, blocks: str | None) -> None:
     hooks stay between them, and tessera's collectives (autograd Functions around c10d calls) break the
     graph where they run."""
     if not blocks:
-        raise ValueError("--compile needs the plan's checkpoint_blocks (the modules to compile)")
+        raise ValueError("`compile` needs the plan's checkpoint_blocks (the modules to compile)")
     for _, block in find_modules(model, blocks):
         block.compile()
 

@@ -63,7 +63,7 @@ class PipelineConfig:
     virtual: int = 1  # stages per pp rank
     layers_per_stage: tuple[int, ...] | None = None  # None: an even split
     microbatches: int = 1  # per step, per dp rank
-    source: str | None = None  # where a schedule given as data came from, for messages ("--schedule-file s.csv")
+    source: str | None = None  # where a schedule given as data came from, for messages ("schedule_file=s.csv")
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str):  # tuples: the config stays frozen and hashable
@@ -138,13 +138,13 @@ def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, a
     split_layers(n_layers, pp * config.virtual, config.layers_per_stage)
     if split and activation_checkpointing != "none":
         what, other = (
-            (f"--schedule {kind}", "--schedule 1f1b")
+            (f"schedule={kind}", "schedule=1f1b")
             if kind is not None
             else (f"{config.source or 'a schedule'} (W actions)", "a schedule without W actions")
         )
         raise ValueError(
-            f"{what} with --ac {activation_checkpointing} is not supported (the W pass "
-            f"would recompute the block again); use --ac none or {other}"
+            f"{what} with activation_checkpointing={activation_checkpointing} is not supported (the W pass "
+            f"would recompute the block again); use activation_checkpointing=none or {other}"
         )
 
 

@@ -277,7 +277,7 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len
     if sequence_parallel and seq_len is not None and seq_len % tp:
         raise ValueError(
             f"sequence parallel needs the sequence length divisible by tp: seq_len={seq_len}, tp={tp}; "
-            f"use --seq-len {seq_len - seq_len % tp or tp}"
+            f"use seq_len={seq_len - seq_len % tp or tp}"
         )
 
 

@@ -458,7 +458,7 @@ class Config:
                 self.virtual,
                 p.layers_per_stage,
                 self.data.microbatches,
-                source=f"--schedule-file {p.schedule_file}",
+                source=f"schedule_file={p.schedule_file}",
             )
         else:
             pipeline = PipelineConfig(p.schedule or "1f1b", self.virtual, p.layers_per_stage, self.data.microbatches)

@@ -184,7 +184,7 @@ def test_an_axis_that_borrows_its_mesh_dimension_has_none_of_its_own():
     assert ep.borrows == ("dp_shard", "cp") and Layout(dp_shard=4, ep=2).world_size == 4
     assert ep.problems({"dp_shard": 2, "cp": 2, "ep": 8}, {"n_experts": 4}) == [
         "ep needs a mixture-of-experts model and must divide n_experts; n_experts=4",
-        "ep must divide dp_shard x cp (the ranks it borrows): raise --dp or --cp",
+        "ep must divide dp_shard x cp (the ranks it borrows): raise `dp` or `cp`",
     ]
     assert ep.problems({"dp_shard": 2, "cp": 2, "ep": 4}, {"n_experts": 8}) == []
     assert ep.problems({"dp_shard": 2, "cp": 1, "ep": 2}, {"n_experts": 0}) != []

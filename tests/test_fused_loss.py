@@ -246,7 +246,7 @@ def test_apply_loss_head_leaves_other_models_alone():
 
 def test_an_unknown_loss_is_one_clear_line():
     assert check_loss("chunked") == "chunked"
-    with pytest.raises(ValueError, match=r"unknown --loss 'fused'; use chunked .* or logits"):
+    with pytest.raises(ValueError, match=r"unknown loss='fused'; use chunked .* or logits"):
         check_loss("fused")
 
 

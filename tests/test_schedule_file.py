@@ -138,7 +138,7 @@ BAD_FILES = [
         "three-ranks.csv",
         _gpipe(3, 2),
         PP2,
-        "--schedule-file {path} has 3 ranks (rows) and --pp is 2: give one row of actions per pp rank, or use --pp 3",
+        "--schedule-file {path} has 3 ranks (rows) and --pp 2: give one row of actions per pp rank, or use --pp 3",
     ),
     (
         "swapped.csv",
@@ -156,7 +156,7 @@ BAD_FILES = [
         "two-microbatches.csv",
         _gpipe(2, 2),
         dict(pp=2, microbatches=4),
-        "--schedule-file {path} runs 2 microbatches and --microbatches is 4: use --microbatches 2",
+        "--schedule-file {path} runs 2 microbatches and --microbatches 4: use --microbatches 2",
     ),
     ("three-microbatches.csv", _gpipe(2, 3), PP2, "--microbatches 3 does not divide the 4 rows each dp rank reads"),
     (

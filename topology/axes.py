@@ -225,7 +225,7 @@ TABLE: tuple[Axis, ...] = (
             Rule(
                 (),
                 lambda d, v: d["dp_shard"] * d["cp"] % d["ep"] == 0,
-                "ep must divide dp_shard x cp (the ranks it borrows): raise --dp or --cp",
+                "ep must divide dp_shard x cp (the ranks it borrows): raise `dp` or `cp`",
             ),
         ),
         borrows=("dp_shard", "cp"),

@@ -101,7 +101,7 @@ def expert_meshes(world: DeviceMesh, layout: "Layout") -> tuple[DeviceMesh, Devi
         )
     ep = layout.ep
     if shard.size() % ep:
-        raise ValueError(f"ep={ep} must divide dp_shard x cp = {shard.size()}; raise --dp or --cp")
+        raise ValueError(f"ep={ep} must divide dp_shard x cp = {shard.size()}; raise `dp` or `cp`")
     split = shard._unflatten(0, (shard.size() // ep, ep), ("edp", "ep"))
     experts = split["edp"]
     if fsdp.replicate is not None and layout.degree(fsdp.replicate) > 1:

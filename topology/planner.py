@@ -129,16 +129,16 @@ class Hardware:
         for name in ("gpus", "gpus_per_node"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+                raise PlanError(f"{name}={v!r} must be a positive integer")
         for name in ("gpu_memory_gb", "peak_tflops", "efficiency", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):  # inf would make every step take no time
-                raise PlanError(f"--{name.replace('_', '-')} {v!r} must be a positive, finite number")
+                raise PlanError(f"{name}={v!r} must be a positive, finite number")
         if not 0 <= self.headroom < 1:
-            raise PlanError(f"--headroom {self.headroom!r} must be in [0, 1)")
+            raise PlanError(f"headroom={self.headroom!r} must be in [0, 1)")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise PlanError(
-                f"--gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
+                f"gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
                 f"use a multiple of {self.gpus_per_node}"
             )
         get_recipe(self.recipe)
@@ -681,7 +681,7 @@ def why_not_runnable(shape, cand: Candidate, seq_len: int, global_batch: int) ->
     if lay.cp > 1:
         multiple = math.lcm(2 * lay.cp, lay.cp * lay.tp) if sp and lay.tp > 1 else 2 * lay.cp
         if seq_len % multiple:
-            return f"--seq-len {seq_len} does not split into {multiple} chunks for cp={lay.cp}"
+            return f"seq_len={seq_len} does not split into {multiple} chunks for cp={lay.cp}"
     if cfg.n_heads % lay.tp:
         return f"tp={lay.tp} does not divide the {cfg.n_heads} attention heads"
     if not kv_heads_fit(cfg.n_kv_heads, lay.tp):
@@ -693,7 +693,7 @@ def why_not_runnable(shape, cand: Candidate, seq_len: int, global_batch: int) ->
     if lay.ep > 1 and (cfg.n_experts % lay.ep or fsdp_degree(lay) % lay.ep):
         return f"ep={lay.ep} must divide the {cfg.n_experts} experts and dp_shard x cp = {fsdp_degree(lay)}"
     if lay.ep > 1 and cand.ac == "op":  # the experts' FSDP2 unit inside an op-checkpointed block (parallelize)
-        return f"--ac op with ep={lay.ep} is not supported; use --ac full or selective with expert parallel"
+        return f"ac=op with ep={lay.ep} is not supported; use ac=full or ac=selective with expert parallel"
     if sp and (seq_len // lay.cp) % lay.tp:
         return f"sequence parallel needs the {seq_len // lay.cp} tokens of a cp rank divisible by tp={lay.tp}"
     if lay.pp > 1:
@@ -704,11 +704,11 @@ def why_not_runnable(shape, cand: Candidate, seq_len: int, global_batch: int) ->
         if lay.pp * cand.virtual > cfg.n_layers:
             return f"{lay.pp * cand.virtual} pipeline stages but only {cfg.n_layers} layers"
         if cand.schedule in SPLIT_BACKWARD and cand.ac != "none":
-            return f"--schedule {cand.schedule} with --ac {cand.ac} is not supported"
+            return f"schedule={cand.schedule} with ac={cand.ac} is not supported"
     if global_batch % lay.dp:
         return f"global batch {global_batch} does not split over dp={lay.dp}"
     if (global_batch // lay.dp) % cand.microbatches:
-        return f"--microbatches {cand.microbatches} does not divide the {global_batch // lay.dp} rows of a dp rank"
+        return f"microbatches={cand.microbatches} does not divide the {global_batch // lay.dp} rows of a dp rank"
     return None
 
 
@@ -757,7 +757,7 @@ def plan(
     cfg = as_shape(shape)
     model = name or cfg.family
     if seq_len < 1 or global_batch < 1:
-        raise PlanError(f"--seq-len {seq_len} and --global-batch {global_batch} must be positive")
+        raise PlanError(f"seq_len={seq_len} and global_batch={global_batch} must be positive")
     cands = candidates(cfg, hw, seq_len, global_batch)
     request = {
         "model": model,
@@ -770,7 +770,7 @@ def plan(
     }
     if not cands:
         raise PlanError(
-            f"no layout of {hw.gpus} GPUs runs {model} with --seq-len {seq_len} --global-batch "
+            f"no layout of {hw.gpus} GPUs runs {model} with seq_len={seq_len} global_batch="
             f"{global_batch}: the global batch must split over dp (try a multiple of {hw.gpus}) and "
             f"tp must divide the {cfg.n_heads} heads"
         )
@@ -787,8 +787,8 @@ def plan(
     if not fitting:
         floor = min_gpus(cfg.num_params(), hw.gpu_memory_gb, hw.recipe)
         raise PlanError(
-            f"{model} does not fit on {hw.gpus} GPUs of {hw.gpu_memory_gb:g} GB at --seq-len {seq_len} "
-            f"--global-batch {global_batch}: the closest of {len(cands)} layouts ({closest.candidate.describe()}) "
+            f"{model} does not fit on {hw.gpus} GPUs of {hw.gpu_memory_gb:g} GB at seq_len={seq_len} "
+            f"global_batch={global_batch}: the closest of {len(cands)} layouts ({closest.candidate.describe()}) "
             f"needs {closest.memory['total'] / GB:.1f} GB per rank against {hw.usable_bytes / GB:.1f} GB usable "
             f"({hw.headroom:.0%} headroom), short by {(closest.memory['total'] - hw.usable_bytes) / GB:.1f} GB; "
             f"model states alone need at least {floor} GPUs of {hw.gpu_memory_gb:g} GB (fully sharded), so add "

@@ -152,8 +152,8 @@ def check_fits(
     ValueError naming `source`, the first bad action or value, and the fix."""
     if len(schedule) != pp:
         raise ValueError(
-            f"{source} has {len(schedule)} ranks (rows) and --pp is {pp}: give one row of actions "
-            f"per pp rank, or use --pp {len(schedule)}"
+            f"{source} has {len(schedule)} ranks (rows) and pp={pp}: give one row of actions "
+            f"per pp rank, or use pp={len(schedule)}"
         )
     try:
         stages, found, split = validate(schedule, name)
@@ -170,14 +170,14 @@ def check_fits(
                 )
     if stages != pp * virtual:
         fix = (
-            f"use --virtual {stages // pp}"
+            f"use virtual={stages // pp}"
             if stages % pp == 0
             else f"give it {pp * virtual} stages (0 to {pp * virtual - 1}, stage s on rank s % pp)"
         )
-        raise ValueError(f"{source} runs {stages} stages and --pp {pp} x --virtual {virtual} is {pp * virtual}: {fix}")
+        raise ValueError(f"{source} runs {stages} stages and pp={pp} x virtual={virtual} is {pp * virtual}: {fix}")
     if found != microbatches:
         raise ValueError(
-            f"{source} runs {found} microbatches and --microbatches is {microbatches}: use "
-            f"--microbatches {found} (or leave it out: a schedule file's count is the default)"
+            f"{source} runs {found} microbatches and microbatches={microbatches}: use "
+            f"microbatches={found} (or leave it out: a schedule file's count is the default)"
         )
     return stages, found, split

@@ -145,19 +145,19 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[ra
         counts = list(layers_per_stage)
         if len(counts) != n_stages:
             raise ValueError(
-                f"--pp-layers {','.join(map(str, counts))} lists {len(counts)} stages; the run has "
+                f"layers_per_stage={','.join(map(str, counts))} lists {len(counts)} stages; the run has "
                 f"{n_stages} (pp x virtual): give one count per stage"
             )
         if any(c < 1 for c in counts) or sum(counts) != n_layers:
             raise ValueError(
-                f"--pp-layers {','.join(map(str, counts))} must be positive counts summing to "
+                f"layers_per_stage={','.join(map(str, counts))} must be positive counts summing to "
                 f"n_layers={n_layers} (they sum to {sum(counts)})"
             )
     else:
         if n_stages > n_layers:
             raise ValueError(
                 f"{n_stages} pipeline stages (pp x virtual) but only {n_layers} layers: every stage "
-                f"needs a layer; lower --pp/--virtual or raise --n-layers to {n_stages}"
+                f"needs a layer; lower `pp`/`virtual` or use n_layers={n_stages} or more"
             )
         base, extra = divmod(n_layers, n_stages)
         counts = [base + (s < extra) for s in range(n_stages)]
@@ -244,7 +244,7 @@ def layer_shard_groups(shape, tp: int, ep: int, shards: int) -> list[tuple[list[
     if ep == 1 or not as_shape(shape).n_experts:
         return [(layer_param_shapes(shape, tp, ep), shards)]
     if shards % ep:
-        raise ValueError(f"ep={ep} must divide the {shards} FSDP ranks of dp_shard x cp; raise --dp or --cp")
+        raise ValueError(f"ep={ep} must divide the {shards} FSDP ranks of dp_shard x cp; raise `dp` or `cp`")
     return [
         (layer_param_shapes(shape, tp, ep, experts=False), shards),
         (expert_param_shapes(shape, tp, ep), shards // ep),
