@@ -14,6 +14,8 @@ from importlib import resources
 import torch
 from torch import Tensor
 
+from tessera.topology.errors import ConfigError  # the hierarchy's: a ValueError too
+
 BOS, EOS = 256, 257
 
 
@@ -64,7 +66,8 @@ class TokenStream:
         self.span = len(self.tokens) - seq_len - 1
         if self.span <= 0:
             raise ValueError(
-                f"seq_len={seq_len} is longer than the corpus ({len(self.tokens)} tokens); use a shorter --seq-len"
+                f"seq_len={seq_len} is longer than the corpus ({len(self.tokens)} tokens); "
+                f"use seq_len={len(self.tokens) - 2} or less"
             )
         self.cursor = 0  # sequences consumed so far
 
@@ -93,8 +96,7 @@ class TokenStream:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("data") is not None:
-            raise ValueError(
-                f"the checkpoint was trained on token files ({state['data'].get('path')}); resume with "
-                f"--data pointing at them"
+            raise ConfigError(
+                f"the checkpoint was trained on token files: resume with path={state['data'].get('path')}"
             )
         self.cursor = int(state["cursor"])

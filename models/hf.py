@@ -93,14 +93,21 @@ def _lacks(name: str, shape: tuple[int, ...], src: Source | None, cfg: Any) -> l
 
 # ----------------------------------------------------------------------------- config.json
 def _named(flag: str, directory: Any) -> str:
-    """How the user named the directory: "--init-from-hf DIR", or "--model hf:DIR" (flag "--model hf:")."""
-    return f"{flag}{directory}" if flag.endswith(":") else f"{flag} {directory}"
+    """How the user named the directory, by the parameter that did: "init_from_hf=DIR", or "preset=hf:DIR"
+    (flag "preset=hf:"); the CLI writes its flags for them (--init-from-hf DIR, --model hf:DIR)."""
+    return f"{flag}{directory}" if flag.endswith(":") else f"{flag}={directory}"
 
 
-def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -> Any:
+def _takes(flag: str) -> str:
+    """The parameter that named the directory, without the directory: `init_from_hf`, or preset=hf:DIR."""
+    return f"{flag}DIR" if flag.endswith(":") else f"`{flag}`"
+
+
+def read_hf_config(directory: str | os.PathLike, flag: str = "init_from_hf") -> Any:
     """The family's config from a Hugging Face config.json, the family chosen by its model_type;
-    ValueError naming the file and the field for what the family cannot represent. `flag`: the option that
-    named the directory, for the messages (`tessera convert` passes --from-hf)."""
+    ValueError naming the file and the field for what the family cannot represent. `flag`: the parameter
+    that named the directory, for the messages (`tessera convert` passes from_hf; a model named hf:DIR is
+    "preset=hf:")."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         if not str(directory) or not Path(directory).exists():
@@ -133,13 +140,13 @@ def read_hf_config(directory: str | os.PathLike, flag: str = "--init-from-hf") -
     except KeyError as e:  # the family's reader indexes the fields it needs
         raise ValueError(
             f"{path}: no {e.args[0]!r} field (the {model_type} config needs it); "
-            f"{flag + 'DIR' if flag.endswith(':') else flag} takes a "
+            f"{_takes(flag)} takes a "
             f"complete Hugging Face config.json"
         ) from None
     except (TypeError, AttributeError, ZeroDivisionError) as e:
         raise ValueError(
             f"{path}: a field holds a value of the wrong kind ({e}); "
-            f"{flag + 'DIR' if flag.endswith(':') else flag} takes a Hugging Face "
+            f"{_takes(flag)} takes a Hugging Face "
             f"config.json as transformers writes it"
         ) from None
 
@@ -150,7 +157,7 @@ def hf_config_dict(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
 
 
 def compare_with_preset(hf: Any, preset: Any, preset_name: str) -> None:
-    """ValueError unless a --model preset has the sizes (and family) of the config read from config.json."""
+    """ValueError unless a preset has the sizes (and family) of the config read from config.json."""
     a, b = _spec(hf).shape(hf), _spec(preset).shape(preset)
     differ = [
         f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}"
@@ -159,8 +166,8 @@ def compare_with_preset(hf: Any, preset: Any, preset_name: str) -> None:
     ]
     if differ:
         raise ValueError(
-            f"--model {preset_name} does not match the Hugging Face config.json ({'; '.join(differ)}); "
-            f"drop --model: the config is read from config.json"
+            f"preset={preset_name} does not match the Hugging Face config.json ({'; '.join(differ)}); "
+            f"drop `preset`: the config is read from config.json"
         )
 
 
@@ -218,7 +225,7 @@ def _open_each(files: dict[str, Path], stack: contextlib.ExitStack) -> dict[Path
 
 def weight_files(directory: str | os.PathLike, flag: str | None = None) -> dict[str, Path]:
     """HF parameter name -> the safetensors file that holds it (sharded with an index, or one file).
-    `flag`: the option that named the directory, to begin the messages with."""
+    `flag`: the parameter that named the directory, to begin the messages with (as read_hf_config's)."""
     d = Path(directory)
     named = _named(flag, d) if flag else str(d)
     index = d / "model.safetensors.index.json"
@@ -310,7 +317,7 @@ def read_hf_parameter(src: Source) -> torch.Tensor:
 
 def check_hf_weights(directory: str | os.PathLike, cfg: Any, flag: str | None = None) -> None:
     """Every parameter of `cfg`'s model is in the files with its shape; ValueError naming the file and the tensor
-    (`flag`: the option that named the directory, to begin the messages with)."""
+    (`flag`: the parameter that named the directory, to begin the messages with, as read_hf_config's)."""
     files = weight_files(directory, flag)
     want, groups = _parameters(cfg)
     ours = _weight_map(files, cfg, want, groups)

@@ -186,7 +186,7 @@ class Transformer(nn.Module):
             raise TypeError(
                 f"Transformer.forward(targets=...) needs the fused loss head, and `output` is a "
                 f"{type(self.output).__name__}: install it with tessera.parallel.loss.apply_loss_head(model) "
-                f"(parallelize does, with --loss chunked), or call model(inputs) and a loss on the logits"
+                f"(parallelize does, with loss=chunked), or call model(inputs) and a loss on the logits"
             )
         return self.output(h, targets)
 

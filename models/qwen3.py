@@ -248,7 +248,7 @@ class Qwen3(nn.Module):
             raise TypeError(
                 f"{type(self).__name__}.forward(targets=...) needs the fused loss head, and `lm_head` is a "
                 f"{type(self.lm_head).__name__}: install it with tessera.parallel.loss.apply_loss_head(model) "
-                f"(parallelize does, with --loss chunked), or call model(inputs) and a loss on the logits"
+                f"(parallelize does, with loss=chunked), or call model(inputs) and a loss on the logits"
             )
         return self.lm_head(h, targets)
 

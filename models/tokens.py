@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tessera.topology.errors import ConfigError  # the hierarchy's: a ValueError too
+
 FORMAT, VERSION = "tessera-tokens", 1
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -116,19 +118,19 @@ def open_dataset(path: str | Path) -> list[Shard]:
         bins = sorted(p for p in path.glob("*.bin") if p.is_file())
         if not bins:
             raise ValueError(
-                f"--data {path}: the directory holds no .bin token files; write some with `tessera tokenize`"
+                f"path={path}: the directory holds no .bin token files; write some with `tessera tokenize`"
             )
     elif path.exists():
         bins = [path]
     elif path.with_suffix(".bin").exists():
         bins = [path.with_suffix(".bin")]
     else:
-        raise ValueError(f"--data {path}: no such file or directory")
+        raise ValueError(f"path={path}: no such file or directory")
     shards = [open_shard(b) for b in bins]
     vocab = {s.vocab_size for s in shards}
     if len(vocab) > 1:
         raise ValueError(
-            f"--data {path}: its shards disagree on vocab_size ({sorted(vocab)}); tokenize them with one tokenizer"
+            f"path={path}: its shards disagree on vocab_size ({sorted(vocab)}); tokenize them with one tokenizer"
         )
     return shards
 
@@ -142,13 +144,13 @@ class TokenFileStream:
         separators = {s.separator for s in self.shards}
         if len(separators) > 1:
             raise ValueError(
-                f"--data {path}: its shards disagree on the separator token ({sorted(separators)}); "
-                f"tokenize them with one --separator"
+                f"path={path}: its shards disagree on the separator token ({sorted(separators)}); "
+                f"tokenize them with one separator (tessera tokenize --separator)"
             )
         self.separator = self.shards[0].separator  # ends each document (--pack-documents)
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ValueError(
-                f"--data {path}: its vocab_size {self.vocab_size} exceeds the model's {model_vocab}; "
+                f"path={path}: its vocab_size {self.vocab_size} exceeds the model's {model_vocab}; "
                 f"use a model whose vocabulary holds the tokenizer's"
             )
         self.starts = np.cumsum([0] + [len(s.tokens) for s in self.shards])
@@ -157,7 +159,7 @@ class TokenFileStream:
         self.span = self.total - seq_len - 1
         if self.span <= 0:
             raise ValueError(
-                f"--data {path} holds {self.total} tokens, too few for --seq-len {seq_len}; use a shorter "
+                f"path={path} holds {self.total} tokens, too few for seq_len={seq_len}; use a shorter "
                 f"sequence or more data"
             )
         self.cursor = 0
@@ -180,8 +182,8 @@ class TokenFileStream:
             start = ((cursor + i) * self.seq_len) % self.span
             seq = self._tokens(start, self.seq_len + 1)
             if seq.max(initial=0) >= self.vocab_size:
-                raise ValueError(
-                    f"--data {self.path}: token id {int(seq.max())} near token {start} is outside the "
+                raise ConfigError(
+                    f"path={self.path}: token id {int(seq.max())} near token {start} is outside the "
                     f"vocabulary of {self.vocab_size} (a damaged file)"
                 )
             seqs.append(seq)
@@ -218,13 +220,13 @@ class TokenFileStream:
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("data")
         if saved is None:
-            raise ValueError(
-                f"the checkpoint was trained on the text shipped with tessera, not on --data {self.path}; "
-                f"resume without --data, or start a new run"
+            raise ConfigError(
+                f"the checkpoint was trained on the text shipped with tessera, not on path={self.path}; "
+                f"resume without it, or start a new run"
             )
         if saved.get("tokens") != self.total:
-            raise ValueError(
-                f"--data {self.path} holds {self.total} tokens; the checkpoint was trained on "
+            raise ConfigError(
+                f"path={self.path} holds {self.total} tokens; the checkpoint was trained on "
                 f"{saved.get('path')} with {saved.get('tokens')}: resume with the same data"
             )
         self.cursor = int(state["cursor"])

@@ -323,12 +323,11 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         _check_out_path("--out", args.out)
-        cfg = read_hf_config(args.from_hf, flag="--from-hf")  # the family from config.json's model_type
-        check_hf_weights(args.from_hf, cfg, flag="--from-hf")
+        cfg = read_hf_config(args.from_hf, flag="from_hf")  # the family from config.json's model_type
+        check_hf_weights(args.from_hf, cfg, flag="from_hf")
         # tessera's names; a tied parameter once, under its owner's name
         tensors = {
-            ours: read_hf_parameter(source)
-            for ours, source in hf_weight_map(args.from_hf, cfg, flag="--from-hf").items()
+            ours: read_hf_parameter(source) for ours, source in hf_weight_map(args.from_hf, cfg, flag="from_hf").items()
         }
     except ValueError as e:  # CheckpointError (a damaged safetensors file) included
         print(f"tessera convert: error: {said(e, args)}", file=sys.stderr)

@@ -410,7 +410,7 @@ class Config:
         else:
             from tessera.models.hf import compare_with_preset, read_hf_config  # lazy: (as above) torch
 
-            cfg = read_hf_config(hf_dir, flag="--init-from-hf" if self.checkpoint.init_from_hf else "--model hf:")
+            cfg = read_hf_config(hf_dir, flag="init_from_hf" if self.checkpoint.init_from_hf else "preset=hf:")
             if overrides:
                 raise ValueError(
                     f"--n-layers / --vocab-size with a Hugging Face model ({hf_dir}): its config.json fixes "

@@ -204,10 +204,10 @@ def test_a_missing_or_misshapen_expert_is_named_by_its_hf_name(tmp_path):
     _rewrite(tmp_path / "ok", tmp_path / "gone", lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.weight"))
     with pytest.raises(
         ValueError,
-        match=r"--from-hf .*gone: the checkpoint lacks model.layers.1.mlp.experts.5.up_proj.weight "
+        match=r"from_hf=.*gone: the checkpoint lacks model.layers.1.mlp.experts.5.up_proj.weight "
         r"\(and 0 more\)",
     ):
-        check_hf_weights(tmp_path / "gone", cfg, flag="--from-hf")
+        check_hf_weights(tmp_path / "gone", cfg, flag="from_hf")
     with pytest.raises(ValueError, match=r"the checkpoint lacks model.layers.1.mlp.experts.5.up_proj.weight$"):
         load_hf_weights(QWEN3_MOE.build_model(cfg, seed=None), tmp_path / "gone")
 

@@ -111,7 +111,7 @@ def test_bad_token_files_are_named(tmp_path, data_dir):
     meta = json.loads(path.with_suffix(".json").read_text())
     path.with_suffix(".json").write_text(json.dumps({**meta, "vocab_size": 50}))
     with pytest.raises(
-        ValueError, match=r"--data .*bad\.bin: token id 99 near token \d+ is outside the vocabulary of 50"
+        ValueError, match=r"path=.*bad\.bin: token id 99 near token \d+ is outside the vocabulary of 50"
     ):
         TokenFileStream(path, 8, 2).next_local_batch(0, 1)
     # a truncated file
