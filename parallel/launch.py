@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from tessera.topology.errors import RankFailure, RankTimeout, TesseraError, is_restartable
 
+FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others may take to report their own errors
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 _CTX: Any = None
 
@@ -113,6 +114,7 @@ def _rank_main(fn: Callable[..., Any], spec: _RankSpec, conn: Any, args: tuple, 
         # plain pickle, by value: multiprocessing would share tensors through memory that dies with the rank
         conn.send_bytes(pickle.dumps(("ok", spec.rank, result)))
     except BaseException as e:  # report everything, including KeyboardInterrupt/SystemExit
+        failed_at = time.time()  # before the report is formatted: which rank failed first
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         # what the parent decides by: the error's type, not its text
         cause = {
@@ -121,6 +123,7 @@ def _rank_main(fn: Callable[..., Any], spec: _RankSpec, conn: Any, args: tuple, 
             "restartable": is_restartable(e),
             "exit_code": getattr(e, "exit_code", None),
             "tessera": isinstance(e, TesseraError),
+            "at": failed_at,  # the others' errors may only follow from this rank's exit
         }
         conn.send_bytes(pickle.dumps(("error", spec.rank, (tb, cause))))
     finally:
@@ -242,8 +245,14 @@ def _collect(
     results: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = dict(conns)
+    # (when, rank, error) of the ranks that failed. After the first, the others get a moment to report too,
+    # and the earliest is raised: a rank that raises closes its connections, and its peers' collectives then
+    # fail with the backend's "connection closed", which may reach the parent first.
+    failures: list[tuple[float, int, RankFailure]] = []
+    grace_end: float | None = None
     while pending:
-        ready = wait(list(pending), timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        ends = [t for t in (deadline, grace_end) if t is not None]
+        ready = wait(list(pending), timeout=max(0.0, min(ends) - time.monotonic()) if ends else None)
         if not ready:
             break
         for conn in [c for c in pending if c in ready]:  # the connections `wait` returned, as typed in `pending`
@@ -253,13 +262,23 @@ def _collect(
             except EOFError:
                 procs[rank].join(timeout=5)  # reaped: its exit code (a signal: -N) is known, not None
                 code = procs[rank].exitcode
-                raise RankFailure(f"rank {rank} of {world_size} died without a result (exit code {code})") from None
-            if status == "error":
+                error = RankFailure(f"rank {rank} of {world_size} died without a result (exit code {code})")
+                # first of all: a rank dies without a result by a signal or a crash of its own, never from a
+                # peer's error (that it would catch and report)
+                failures.append((float("-inf"), rank, error))
+            else:
+                if status == "ok":
+                    results[rank] = payload
+                    continue
                 tb, cause = payload
-                raise RankFailure(
+                error = RankFailure(
                     f"rank {rank} of {world_size} raised:\n{tb}", restartable=cause["restartable"], cause=cause
                 )
-            results[rank] = payload
+                failures.append((cause["at"], rank, error))
+            if grace_end is None:
+                grace_end = time.monotonic() + FAILURE_GRACE_S
+    if failures:
+        raise min(failures, key=lambda f: (f[0], f[1]))[2]
     if pending:
         stalled = sorted(pending.values())
         for rank in stalled:

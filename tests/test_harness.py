@@ -21,6 +21,19 @@ def _rank_two_raises():
     dist.barrier()
 
 
+class _SlowToSay(RuntimeError):
+    def __str__(self) -> str:
+        time.sleep(1.0)  # its report reaches the parent after rank 0's, which failed later
+        return "the first failure"
+
+
+def _rank_one_fails_first_and_reports_last():
+    if dist.get_rank() == 1:
+        raise _SlowToSay()
+    time.sleep(0.2)
+    raise RuntimeError("a failure that follows")
+
+
 def _rank_one_hangs():
     if dist.get_rank() == 1:
         time.sleep(3600)
@@ -40,6 +53,14 @@ def test_a_raising_rank_fails_with_its_traceback():
     # RankFailure, not RankTimeout: the failure is reported when it happens, not at the deadline
     with pytest.raises(RankFailure, match=r"rank 2 of 4 raised:(.|\n)*ZeroDivisionError: rank two cannot divide"):
         run_ranks(_rank_two_raises, 4, timeout=120)
+
+
+def test_the_rank_that_failed_first_is_reported_even_when_its_report_comes_last():
+    # a rank that raises closes its connections and its peers' collectives fail after it ("connection closed
+    # by peer"); whichever report reaches the parent first, the error raised is the earliest failure's
+    with pytest.raises(RankFailure, match=r"rank 1 of 2 raised:(.|\n)*the first failure") as caught:
+        run_ranks(_rank_one_fails_first_and_reports_last, 2, timeout=120)
+    assert caught.value.cause is not None and caught.value.cause["message"] == "the first failure"
 
 
 def test_a_hung_rank_fails_within_the_timeout_naming_rank_and_collective():
