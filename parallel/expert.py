@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tessera.models.init import one_process_name
 from tessera.models.moe import MoE, moe_blocks, update_expert_bias
+from tessera.topology.shapes import check_expert_parallel  # re-exported: the rule lives with the shapes
 
 from .comm import collective
 from .tensor import BlockInput, _all_gather, copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
@@ -167,24 +168,6 @@ def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: Devic
         placements = ([Shard(0)] if ep_mesh is not None else []) + ([Shard(ffn_dim)] if tp_mesh is not None else [])
         setattr(experts, name, nn.Parameter(distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)))
     return experts
-
-
-def check_expert_parallel(n_experts: int, ep: int, shard_ranks: int) -> None:
-    """ValueError naming the value and the fix, before any process group starts."""
-    if ep == 1:
-        return
-    if not n_experts:
-        raise ValueError(
-            f"ep={ep} needs a mixture-of-experts model (this model has no experts); use ep 1, or a "
-            f"model with experts such as qwen3-moe-debug"
-        )
-    if n_experts % ep:
-        raise ValueError(f"ep={ep} does not divide the {n_experts} experts; use a divisor of {n_experts}")
-    if shard_ranks % ep:
-        raise ValueError(
-            f"ep={ep} must divide dp_shard x cp = {shard_ranks} (the ranks expert parallel borrows); "
-            f"raise `dp` or `cp`, or use `ep` dividing {shard_ranks}"
-        )
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> nn.Module:

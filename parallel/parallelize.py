@@ -78,7 +78,7 @@ class ParallelConfig:
             model_config, layout.tp, self.sequence_parallel, None if seq_len is None else seq_len // layout.cp
         )
         check_data_parallel(self.data, layout)
-        check_expert_parallel(getattr(model_config, "n_experts", 0), layout.ep, layout.dp_shard * layout.cp)
+        check_expert_parallel(model_config.n_experts, layout.ep, layout.dp_shard * layout.cp, model_config.family)
         if layout.ep > 1 and self.data.activation_checkpointing == "op":
             # the experts' own FSDP2 unit sits inside the recomputed block, and its hooks issue ops that
             # op-level selective checkpointing cannot match between forward and recomputation

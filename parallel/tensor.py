@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from tessera.kernels import rms_norm
-from tessera.topology.shapes import kv_heads_fit
+from tessera.topology.shapes import check_tensor_parallel  # re-exported: the rule lives with the shapes
 
 from .comm import collective
 
@@ -258,29 +258,6 @@ class TPRMSNorm(nn.Module):
 
 
 # ----------------------------------------------------------------------------- validation and application
-def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
-    """Raise ValueError naming the value and the fix if a model of shape `cfg` (a ModelShape, or a config
-    with n_heads, n_kv_heads and ffn_dim) cannot be split over `tp` ranks."""
-    if cfg.n_heads % tp:
-        raise ValueError(
-            f"tp={tp} does not divide the {cfg.n_heads} attention heads; use a tp that divides {cfg.n_heads}"
-        )
-    if not kv_heads_fit(cfg.n_kv_heads, tp):
-        raise ValueError(
-            f"tp={tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other (kv heads are split when tp "
-            f"divides them and replicated when they divide tp)"
-        )
-    if cfg.ffn_dim % tp:
-        raise ValueError(
-            f"tp={tp} does not divide the MLP width ffn_dim={cfg.ffn_dim}; use a tp that divides {cfg.ffn_dim}"
-        )
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ValueError(
-            f"sequence parallel needs the sequence length divisible by tp: seq_len={seq_len}, tp={tp}; "
-            f"use seq_len={seq_len - seq_len % tp or tp}"
-        )
-
-
 def full_tensor(x: Tensor) -> Tensor:
     """The global value of a (possibly DTensor) parameter or gradient."""
     return x.full_tensor() if isinstance(x, DTensor) else x

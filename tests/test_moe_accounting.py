@@ -360,7 +360,10 @@ def test_the_planner_never_offers_expert_parallel_for_a_dense_model():
         found = candidates(model_shape(model), Hardware(gpus=16), 4096, 64)
         assert found and {c.layout.ep for c in found} == {1}
     reason = why_not_runnable(model_shape("8b"), Candidate(Layout(dp_shard=4, ep=2)), 4096, 8)
-    assert reason == "ep=2 needs a mixture-of-experts model (llama has no experts)"
+    assert reason == (
+        "ep=2 needs a mixture-of-experts model (llama has no experts); use ep 1, or a model with experts such as "
+        "qwen3-moe-debug"
+    )
 
 
 def test_expert_parallel_shrinks_a_ranks_parameters_and_the_memory_model_agrees():

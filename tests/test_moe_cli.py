@@ -44,7 +44,7 @@ def test_the_readme_moe_command_trains_and_shows_the_load(tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--dp", "2", "--ep", "2"], "--ep 2 needs a mixture-of-experts model (this model has no experts)"),
+        (["--dp", "2", "--ep", "2"], "--ep 2 needs a mixture-of-experts model (llama has no experts)"),
         (["--model", "qwen3-moe-debug", "--dp", "3", "--ep", "3"], "--ep 3 does not divide the 8 experts"),
         (["--model", "qwen3-moe-debug", "--dp", "2", "--ep", "4"], "--ep 4 must divide dp_shard x cp = 2"),
         (["--moe-aux-loss", "0.1"], "--moe-aux-loss needs a mixture-of-experts model, and debug has no experts"),

@@ -288,7 +288,8 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
         score("dpr16")["verdict"],
     )
     assert score("dp16xep2")["verdict"] == (
-        "tessera would not run it: ep=2 needs a mixture-of-experts model (llama has no experts)"
+        "tessera would not run it: ep=2 needs a mixture-of-experts model (llama has no experts); use ep 1, or a "
+        "model with experts such as qwen3-moe-debug"
     )
     text = _tessera(
         "plan",

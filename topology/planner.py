@@ -64,9 +64,10 @@ from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, placement_
 from .shapes import (
     ModelShape,
     as_shape,
+    check_expert_parallel,
+    check_tensor_parallel,
     chunk_tokens,
     fsdp_shard_numel,
-    kv_heads_fit,
     kv_heads_split,
     layer_param_shapes,
     layer_shard_groups,
@@ -682,16 +683,11 @@ def why_not_runnable(shape, cand: Candidate, seq_len: int, global_batch: int) ->
         multiple = math.lcm(2 * lay.cp, lay.cp * lay.tp) if sp and lay.tp > 1 else 2 * lay.cp
         if seq_len % multiple:
             return f"seq_len={seq_len} does not split into {multiple} chunks for cp={lay.cp}"
-    if cfg.n_heads % lay.tp:
-        return f"tp={lay.tp} does not divide the {cfg.n_heads} attention heads"
-    if not kv_heads_fit(cfg.n_kv_heads, lay.tp):
-        return f"tp={lay.tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other"
-    if cfg.ffn_dim % lay.tp:
-        return f"tp={lay.tp} does not divide ffn_dim={cfg.ffn_dim}"
-    if lay.ep > 1 and not cfg.n_experts:
-        return f"ep={lay.ep} needs a mixture-of-experts model ({cfg.family} has no experts)"
-    if lay.ep > 1 and (cfg.n_experts % lay.ep or fsdp_degree(lay) % lay.ep):
-        return f"ep={lay.ep} must divide the {cfg.n_experts} experts and dp_shard x cp = {fsdp_degree(lay)}"
+    try:  # the rules parallelize checks, in their words
+        check_tensor_parallel(cfg, lay.tp)
+        check_expert_parallel(cfg.n_experts, lay.ep, fsdp_degree(lay), cfg.family)
+    except ValueError as e:
+        return str(e)
     if lay.ep > 1 and cand.ac == "op":  # the experts' FSDP2 unit inside an op-checkpointed block (parallelize)
         return f"ac=op with ep={lay.ep} is not supported; use ac=full or ac=selective with expert parallel"
     if sp and (seq_len // lay.cp) % lay.tp:

@@ -9,6 +9,8 @@ import functools
 import math
 from dataclasses import dataclass, fields
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -187,6 +189,52 @@ def _kv_local(shape: ModelShape, tp: int) -> int:
     )
 
 
+# ----------------------------------------------------------------------------- the degree rules
+# One copy each, torch-free: parallelize's checks before any process group starts, the planner's verdicts and
+# the memory model's shapes all call these.
+def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+    """Raise ConfigError naming the value and the fix if a model of shape `cfg` (a ModelShape, or a config
+    with n_heads, n_kv_heads and ffn_dim) cannot be split over `tp` ranks; `seq_len`: the tokens a cp rank
+    holds, which sequence parallel splits over tp."""
+    if cfg.n_heads % tp:
+        raise ConfigError(
+            f"tp={tp} does not divide the {cfg.n_heads} attention heads; use a tp that divides {cfg.n_heads}"
+        )
+    if not kv_heads_fit(cfg.n_kv_heads, tp):
+        raise ConfigError(
+            f"tp={tp} and n_kv_heads={cfg.n_kv_heads}: one must divide the other (kv heads are split when tp "
+            f"divides them and replicated when they divide tp)"
+        )
+    if cfg.ffn_dim % tp:
+        raise ConfigError(
+            f"tp={tp} does not divide the MLP width ffn_dim={cfg.ffn_dim}; use a tp that divides {cfg.ffn_dim}"
+        )
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ConfigError(
+            f"sequence parallel needs the sequence length divisible by tp: seq_len={seq_len}, tp={tp}; "
+            f"use seq_len={seq_len - seq_len % tp or tp}"
+        )
+
+
+def check_expert_parallel(n_experts: int, ep: int, shard_ranks: int, model: str = "this model") -> None:
+    """Raise ConfigError naming the value and the fix if `ep` cannot split a model's `n_experts` (0: a dense
+    model, called `model` in the message) or the `shard_ranks` (dp_shard x cp) it borrows."""
+    if ep == 1:
+        return
+    if not n_experts:
+        raise ConfigError(
+            f"ep={ep} needs a mixture-of-experts model ({model} has no experts); use ep 1, or a "
+            f"model with experts such as qwen3-moe-debug"
+        )
+    if n_experts % ep:
+        raise ConfigError(f"ep={ep} does not divide the {n_experts} experts; use a divisor of {n_experts}")
+    if shard_ranks % ep:
+        raise ConfigError(
+            f"ep={ep} must divide dp_shard x cp = {shard_ranks} (the ranks expert parallel borrows); "
+            f"raise `dp` or `cp`, or use `ep` dividing {shard_ranks}"
+        )
+
+
 def expert_param_shapes(shape, tp: int, ep: int = 1) -> list[tuple[int, int]]:
     """(rows, cols) of one MoE block's routed experts on one rank, in the rows FSDP2 shards (the expert dim):
     gate_proj and up_proj (E / ep, ffn / tp x dim) and down_proj (E / ep, dim x ffn / tp), as
@@ -195,8 +243,7 @@ def expert_param_shapes(shape, tp: int, ep: int = 1) -> list[tuple[int, int]]:
     s = as_shape(shape)
     if not s.n_experts:
         return []
-    if s.n_experts % ep:
-        raise ValueError(f"ep={ep} does not divide the {s.n_experts} experts; use a divisor of {s.n_experts}")
+    check_expert_parallel(s.n_experts, ep, ep)
     local, f = s.n_experts // ep, s.ffn_dim // tp
     return [(local, f * s.dim)] * (s.mlp_matrices - 1) + [(local, s.dim * f)]
 
