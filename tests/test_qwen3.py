@@ -167,18 +167,21 @@ def test_hf_names_are_huggingfaces_own_and_round_trip():
 
 
 def test_hf_dir_config_json_gives_a_qwen3_config(tmp_path):
-    from tessera.config import Config
+    from tessera.config import Config, flag_names
+    from tessera.topology.errors import with_flags
 
     _hf_model(tmp_path, tied=True)
     cfg = Config.create(model=f"hf:{tmp_path}").model_config
     assert isinstance(cfg, Qwen3Config) and cfg.head_dim == 16 and cfg.tie_word_embeddings
     assert Config.create(init_from_hf=str(tmp_path)).model_config == cfg
     assert Config.create(model="qwen3-debug").model_config == get_preset("qwen3-debug")
-    # a --model preset that disagrees names the differing field
+    # a preset that disagrees names the differing field, and the CLI says it as --model
     with pytest.raises(
-        ValueError, match=r"--model qwen3-debug does not match the Hugging Face config.json \(dim 48 vs 64"
-    ):
+        ValueError, match=r"preset=qwen3-debug does not match the Hugging Face config.json \(dim 48 vs 64"
+    ) as caught:
         _ = Config.create(init_from_hf=str(tmp_path), model="qwen3-debug").model_config
+    said = with_flags(str(caught.value), flag_names())
+    assert said.startswith("--model qwen3-debug does not match") and "drop --model:" in said, said
     # the export side finds the family from a manifest's preset, an hf: path, or the fields alone
     saved = cfg.as_dict()
     assert config_from_manifest({"preset": f"hf:{tmp_path}", "config": saved}) == cfg
