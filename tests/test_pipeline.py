@@ -296,6 +296,35 @@ def test_a_hand_written_schedule_runs_and_a_deadlocking_one_is_refused():
         run_ranks(_custom_schedule_gradients, 2, swapped, timeout=120)
 
 
+def _this_ranks_runner(cfg, kind: str, pp: int, virtual: int, microbatches: int):
+    """(stages, runner) of this rank for `kind` on the WORLD group: cfg's layers split evenly over pp x virtual
+    stages, each materialized from seed 0 on CPU (called inside run_ranks)."""
+    import torch.distributed as dist
+
+    from tessera.parallel import materialize
+    from tessera.parallel.loss import CrossEntropySum
+    from tessera.parallel.pipeline import PipelineRunner
+    from tessera.topology.schedule import placement_of
+
+    n_stages = pp * virtual
+    mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
+    stages = {
+        s: materialize(build_stage(cfg, s, n_stages, split_layers(cfg.n_layers, n_stages)[s]), "cpu", seed=0)
+        for s in mine
+    }
+    runner = PipelineRunner(
+        stages,
+        kind,
+        dist.group.WORLD,
+        microbatches,
+        virtual,
+        CrossEntropySum(cfg.vocab_size),
+        lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
+        torch.device("cpu"),
+    )
+    return stages, runner
+
+
 def _peak_held_by_kind(pp: int, kinds: list[tuple[str, int, int]]):
     """Each kind's step on `pp` ranks (debug model, one block per stage): the most microbatch-stages whose
     activations the executor held at once on this rank, and the step's gradients (merged on rank 0)."""
@@ -303,27 +332,11 @@ def _peak_held_by_kind(pp: int, kinds: list[tuple[str, int, int]]):
 
     from helpers import gather_by_name
     from tessera.models import get_preset
-    from tessera.parallel import materialize
-    from tessera.parallel.loss import CrossEntropySum
-    from tessera.parallel.pipeline import PipelineRunner
-    from tessera.topology.schedule import placement_of
 
     out = {}
     for kind, virtual, microbatches in kinds:
-        n_stages = pp * virtual
-        cfg = get_preset("debug", n_layers=n_stages)
-        mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
-        stages = {s: materialize(build_stage(cfg, s, n_stages, range(s, s + 1)), "cpu", seed=0) for s in mine}
-        runner = PipelineRunner(
-            stages,
-            kind,
-            dist.group.WORLD,
-            microbatches,
-            virtual,
-            CrossEntropySum(cfg.vocab_size),
-            lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
-            torch.device("cpu"),
-        )
+        cfg = get_preset("debug", n_layers=pp * virtual)
+        stages, runner = _this_ranks_runner(cfg, kind, pp, virtual, microbatches)
         tokens = torch.randint(0, cfg.vocab_size, (microbatches, 9), generator=torch.Generator().manual_seed(3))
         runner.forward_backward(
             list(zip(tokens[:, :-1].chunk(microbatches), tokens[:, 1:].chunk(microbatches))), 8 * microbatches
@@ -415,31 +428,11 @@ def _traces_by_kind(pp, kinds):
     import torch.distributed as dist
 
     from tessera.models import get_preset
-    from tessera.parallel import materialize
-    from tessera.parallel.loss import CrossEntropySum
-    from tessera.parallel.pipeline import PipelineRunner
-    from tessera.topology.schedule import placement_of
 
     out = {}
     cfg = get_preset("small", n_layers=2 * pp)
     for kind, virtual, microbatches in kinds:
-        n_stages = pp * virtual
-        per_stage = cfg.n_layers // n_stages
-        mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
-        stages = {
-            s: materialize(build_stage(cfg, s, n_stages, range(s * per_stage, (s + 1) * per_stage)), "cpu", seed=0)
-            for s in mine
-        }
-        runner = PipelineRunner(
-            stages,
-            kind,
-            dist.group.WORLD,
-            microbatches,
-            virtual,
-            CrossEntropySum(cfg.vocab_size),
-            lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
-            torch.device("cpu"),
-        )
+        _, runner = _this_ranks_runner(cfg, kind, pp, virtual, microbatches)
         tokens = torch.randint(0, cfg.vocab_size, (2 * microbatches, 257), generator=torch.Generator().manual_seed(3))
         batch = list(zip(tokens[:, :-1].chunk(microbatches), tokens[:, 1:].chunk(microbatches)))
         out[kind] = []
