@@ -50,7 +50,6 @@ SLOW_MODULES = {
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
 SLOW_TESTS = {
-    "test_the_memory_command_honours_every_axis_it_is_given",
     "test_token_files_train_equally_on_dp2xtp2_and_one_process_and_resume_on_another_layout",
     "test_eval_every_reports_the_held_out_loss_equally_on_every_layout",
     "test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads",
