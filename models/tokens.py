@@ -112,25 +112,25 @@ def open_shard(path: Path) -> Shard:
     return Shard(path, tokens, meta["vocab_size"], meta["separator"])
 
 
-def open_dataset(path: str | Path) -> list[Shard]:
+def open_dataset(path: str | Path, name: str = "path") -> list[Shard]:
     path = Path(path)
     if path.is_dir():
         bins = sorted(p for p in path.glob("*.bin") if p.is_file())
         if not bins:
             raise ValueError(
-                f"path={path}: the directory holds no .bin token files; write some with `tessera tokenize`"
+                f"{name}={path}: the directory holds no .bin token files; write some with `tessera tokenize`"
             )
     elif path.exists():
         bins = [path]
     elif path.with_suffix(".bin").exists():
         bins = [path.with_suffix(".bin")]
     else:
-        raise ValueError(f"path={path}: no such file or directory")
+        raise ValueError(f"{name}={path}: no such file or directory")
     shards = [open_shard(b) for b in bins]
     vocab = {s.vocab_size for s in shards}
     if len(vocab) > 1:
         raise ValueError(
-            f"path={path}: its shards disagree on vocab_size ({sorted(vocab)}); tokenize them with one tokenizer"
+            f"{name}={path}: its shards disagree on vocab_size ({sorted(vocab)}); tokenize them with one tokenizer"
         )
     return shards
 
@@ -138,19 +138,22 @@ def open_dataset(path: str | Path) -> list[Shard]:
 class TokenFileStream:
     """Sequences of `seq_len + 1` tokens from memory-mapped token files (see the module docstring)."""
 
-    def __init__(self, path: str | Path, seq_len: int, global_batch: int, model_vocab: int | None = None):
-        self.path, self.shards = str(path), open_dataset(path)
+    def __init__(
+        self, path: str | Path, seq_len: int, global_batch: int, model_vocab: int | None = None, name: str = "path"
+    ):
+        # `name`: the parameter that gave the path, which the messages name (eval_data for held-out files)
+        self.path, self.name, self.shards = str(path), name, open_dataset(path, name)
         self.vocab_size = self.shards[0].vocab_size
         separators = {s.separator for s in self.shards}
         if len(separators) > 1:
             raise ValueError(
-                f"path={path}: its shards disagree on the separator token ({sorted(separators)}); "
+                f"{self.name}={path}: its shards disagree on the separator token ({sorted(separators)}); "
                 f"tokenize them with one separator (tessera tokenize --separator)"
             )
         self.separator = self.shards[0].separator  # ends each document (--pack-documents)
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ValueError(
-                f"path={path}: its vocab_size {self.vocab_size} exceeds the model's {model_vocab}; "
+                f"{self.name}={path}: its vocab_size {self.vocab_size} exceeds the model's {model_vocab}; "
                 f"use a model whose vocabulary holds the tokenizer's"
             )
         self.starts = np.cumsum([0] + [len(s.tokens) for s in self.shards])
@@ -159,7 +162,7 @@ class TokenFileStream:
         self.span = self.total - seq_len - 1
         if self.span <= 0:
             raise ValueError(
-                f"path={path} holds {self.total} tokens, too few for seq_len={seq_len}; use a shorter "
+                f"{self.name}={path} holds {self.total} tokens, too few for seq_len={seq_len}; use a shorter "
                 f"sequence or more data"
             )
         self.cursor = 0
@@ -183,7 +186,7 @@ class TokenFileStream:
             seq = self._tokens(start, self.seq_len + 1)
             if seq.max(initial=0) >= self.vocab_size:
                 raise ConfigError(
-                    f"path={self.path}: token id {int(seq.max())} near token {start} is outside the "
+                    f"{self.name}={self.path}: token id {int(seq.max())} near token {start} is outside the "
                     f"vocabulary of {self.vocab_size} (a damaged file)"
                 )
             seqs.append(seq)
@@ -221,12 +224,12 @@ class TokenFileStream:
         saved = state.get("data")
         if saved is None:
             raise ConfigError(
-                f"the checkpoint was trained on the text shipped with tessera, not on path={self.path}; "
+                f"the checkpoint was trained on the text shipped with tessera, not on {self.name}={self.path}; "
                 f"resume without it, or start a new run"
             )
         if saved.get("tokens") != self.total:
             raise ConfigError(
-                f"path={self.path} holds {self.total} tokens; the checkpoint was trained on "
+                f"{self.name}={self.path} holds {self.total} tokens; the checkpoint was trained on "
                 f"{saved.get('path')} with {saved.get('tokens')}: resume with the same data"
             )
         self.cursor = int(state["cursor"])

@@ -52,7 +52,7 @@ def check(config: Config) -> None:
     if d.eval_data and not d.eval_every:
         raise ValueError(f"--eval-data {d.eval_data} is read only with --eval-every N; add it (or drop --eval-data)")
     if d.eval_data:
-        held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch)
+        held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch, name="eval_data")
         if held_out.vocab_size > model.vocab_size:
             raise ValueError(
                 f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} "

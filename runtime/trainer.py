@@ -238,7 +238,9 @@ class Trainer:
         d = self.config.data
         if d.eval_data is None:
             raise ValueError("evaluate() reads --eval-data PATH (held-out token files); none was given")
-        held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch, self.model_config.vocab_size)
+        held_out = TokenFileStream(
+            d.eval_data, d.seq_len, d.global_batch, self.model_config.vocab_size, name="eval_data"
+        )
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
         was_training = self.parts[0].training
         for part in self.parts:

@@ -152,6 +152,10 @@ def test_token_files_name_path_and_seq_len(tmp_path):
         open_dataset(tmp_path / "none")
     assert says(e) == f"path={tmp_path / 'none'}: no such file or directory"
     assert with_flags(says(e), TRAIN) == f"--data {tmp_path / 'none'}: no such file or directory"
+    # held-out files are named by the parameter that gave them
+    with pytest.raises(ValueError) as e:
+        TokenFileStream(tmp_path / "none", 8, 2, name="eval_data")
+    assert with_flags(says(e), TRAIN) == f"--eval-data {tmp_path / 'none'}: no such file or directory"
     # what a rank finds on resume is one of tessera's errors, so the CLI prints its one line with the flags
     with pytest.raises(ConfigError) as e:
         TokenStream(16, 4).load_state_dict({"cursor": 0, "data": {"path": "/d", "tokens": 9}})

@@ -221,6 +221,7 @@ def test_eval_every_reports_the_held_out_loss_equally_on_every_layout(data_dir, 
         (dict(eval_every=2), "--eval-every 2 needs --eval-data PATH"),
         (dict(eval_data="x"), "--eval-data x is read only with --eval-every N"),
         (dict(eval_every=-1), "--eval-every -1 must be >= 0"),
+        (dict(eval_every=2, eval_data="/nonexistent/held-out"), "--eval-data /nonexistent/held-out: no such file"),
     ],
 )
 def test_eval_flags_that_would_do_nothing_or_cannot_run_are_refused(overrides, message):
