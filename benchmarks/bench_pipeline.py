@@ -5,7 +5,9 @@ For each schedule kind, every pp rank builds its stage(s) twice from the same se
 executor), then runs forward + backward over the same microbatches, alternating tessera and torch
 step by step so both see the same machine state. Figures per kind:
 
-    step time (median over the timed steps, slowest rank) of each executor and their ratio
+    step time (median over the timed steps, slowest rank) of each executor, and their ratio: the median
+    over steps of torch's step over tessera's step just before it (pairs cancel the machine's drift), with
+    the ratio's quartiles over the steps, so a difference can be told from the noise
     the gradient difference between the two executors (they compute the same function)
     peak memory per rank of each executor (CPU: peak RSS of a separate run of each; GPU: max allocated)
     tessera's measured bubble (idle share of the ranks between the first and last action, from the
@@ -263,6 +265,8 @@ def main(argv=None) -> int:
         }
         times = results[0]["times"]
         t_tessera, t_torch = statistics.median(times["tessera"]), statistics.median(times["torch"])
+        paired = [b / a for a, b in zip(times["tessera"], times["torch"])]
+        quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
         bubble, costs = measured_bubble([r["trace"] for r in results])
         simulated = simulate(  # each action at its measured cost (a W run with its B: none)
             build_schedule(kind, args.pp, args.microbatches, virtual),
@@ -275,7 +279,9 @@ def main(argv=None) -> int:
             torch_schedule=TORCH_SCHEDULES[kind],
             tessera_step_s=t_tessera,
             torch_step_s=t_torch,
-            torch_over_tessera=t_torch / t_tessera,
+            torch_over_tessera=statistics.median(paired),
+            torch_over_tessera_quartiles=[quartiles[0], quartiles[2]],
+            torch_over_tessera_of_medians=t_torch / t_tessera,
             tessera_peak_memory_bytes=max(memory["tessera"]),
             torch_peak_memory_bytes=max(memory["torch"]),
             measured_bubble=bubble,
@@ -287,7 +293,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(
             f"{kind:<17} tessera {t_tessera * 1e3:8.1f} ms  torch {t_torch * 1e3:8.1f} ms  torch/tessera "
-            f"{row['torch_over_tessera']:.3f}  peak {row['tessera_peak_memory_bytes'] / 2**20:,.0f} vs "
+            f"{row['torch_over_tessera']:.3f} (quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f})  "
+            f"peak {row['tessera_peak_memory_bytes'] / 2**20:,.0f} vs "
             f"{row['torch_peak_memory_bytes'] / 2**20:,.0f} MiB  bubble measured {bubble:.3f} simulated "
             f"{simulated:.3f}  grad diff {row['grad_max_rel_diff']:.1e}",
             flush=True,

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.fsdp import FSDPModule
 
 from tessera.models.spec import spec_of
@@ -312,7 +313,7 @@ class PipelineRunner:
         positions = self.positions[a.microbatch]
         x = inputs if a.stage == 0 else received
         assert x is not None  # a stage past the first receives its input
-        captured: list[tuple[Tensor, list[nn.Parameter]]] = []
+        captured: list[tuple[GradientEdge, list[nn.Parameter]]] = []
         last = a.stage == self.n_stages - 1
         with _capture_weight_users(part, captured) if self.split else _nothing():
             if last:  # through the fused loss head when the stage has one (no full logits)
@@ -337,7 +338,7 @@ class PipelineRunner:
         # split kinds: FSDP2 would reduce when the input gradient is ready, before W; they reduce after W
         _set_gradient_sync(part, k == self.last_backward[a.stage] and not self.split)
         if self.split and k + 1 not in self.fused:  # input gradient now; the weight gradient waits for W
-            users = [y for y, _ in saved["weight_users"]]
+            users = [edge for edge, _ in saved["weight_users"]]
             wanted = ([x] if x is not None else []) + users
             grads = torch.autograd.grad(
                 [out], wanted, None if grad is None else [grad], retain_graph=True, allow_unused=True
@@ -355,9 +356,9 @@ class PipelineRunner:
 
     def _W(self, a: Action, k: int, received: None) -> None:
         saved = self.saved.pop((a.microbatch, a.stage))
-        for (y, params), dy in zip(saved["weight_users"], saved["weight_grads"]):
-            if dy is not None:  # only this module's own weights: the path from y to them, nothing upstream
-                torch.autograd.backward(y, dy, inputs=params)
+        for (edge, params), dy in zip(saved["weight_users"], saved["weight_grads"]):
+            if dy is not None:  # only this module's own weights: the path from its output to them, nothing upstream
+                torch.autograd.backward(edge, dy, inputs=params)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -510,11 +511,14 @@ def _reduce_gradients_now(part: nn.Module) -> None:
 
 
 class _capture_weight_users:
-    """Record the output of every module that owns parameters during one forward: W later runs the
-    backward from each output to that module's own weights only (ZB's weight-gradient pass). A module
-    returning a tuple (the fused loss head: loss sum, count) is recorded by its first tensor."""
+    """Record where the output of every module that owns parameters enters the autograd graph, during one
+    forward: B asks for the gradient there and W runs the backward from it to that module's own weights
+    only (ZB's weight-gradient pass). The gradient edge, not the output tensor: holding a tensor that no
+    backward saves (the attention and MLP outputs, added to the residual) would keep it alive from F to W,
+    and an in-place op on it later would move its grad_fn. A module returning a tuple (the fused loss head:
+    loss sum, count) is recorded by its first tensor."""
 
-    def __init__(self, part: nn.Module, out: list[tuple[Tensor, list[nn.Parameter]]]):
+    def __init__(self, part: nn.Module, out: list[tuple[GradientEdge, list[nn.Parameter]]]):
         self.modules = [m for m in part.modules() if any(True for _ in m.parameters(recurse=False))]
         self.out = out
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -524,7 +528,7 @@ class _capture_weight_users:
         if isinstance(output, tuple):
             output = next((o for o in output if isinstance(o, Tensor)), None)
         if isinstance(output, Tensor) and output.requires_grad and params:
-            self.out.append((output, params))
+            self.out.append((get_gradient_edge(output), params))
 
     def __enter__(self):
         self.handles = [m.register_forward_hook(self._hook) for m in self.modules]
