@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import subprocess
+
 import torch
 
 from tessera.config import Config
@@ -203,3 +207,20 @@ def train_with_records(config: Config):
     if rank != 0:
         return None
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads, records
+
+
+def cli_here(*argv: str) -> subprocess.CompletedProcess:
+    """`tessera ARGV` through the command line's own main() in this process, captured as a subprocess run
+    would be (exit code, stdout, stderr). For refusals, which end before any rank starts: a fresh interpreter
+    costs ~3 s of imports per call; every command keeps tests that run it as a user does (`python -m tessera`)."""
+    from tessera.cli import main  # lazy: the rank functions above are pickled without the CLI
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's usage errors (2), --help (0)
+            if isinstance(e.code, str):
+                print(e.code, file=err)
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    return subprocess.CompletedProcess(["tessera", *argv], code, out.getvalue(), err.getvalue())

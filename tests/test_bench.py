@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+
+from helpers import cli_here
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -126,7 +128,7 @@ def test_bench_weak_series(tmp_path):
 def test_bench_refuses_bad_requests_in_one_line(tmp_path, args, message):
     import re
 
-    out = _tessera("bench", *args, "--out", str(tmp_path))
+    out = cli_here("bench", *args, "--out", str(tmp_path))
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), (
         out.stderr
     )

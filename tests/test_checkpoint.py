@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import first_loss, small_config
+from helpers import cli_here, first_loss, small_config
 from tessera.parallel import checkpoint
 from tessera.parallel.launch import run_ranks
 from tessera.run import train
@@ -105,12 +105,12 @@ def test_corrupt_shard_fails_naming_the_file(step3, tmp_path):
 def test_missing_manifest_and_other_model_fail_before_ranks_start(step3, tmp_path):
     bad = _copy(step3[0], tmp_path / "bad")
     (bad / "manifest.json").unlink()
-    out = _cli("train", "--steps", "6", "--seq-len", "32", "--resume", str(bad))
+    out = cli_here("train", "--steps", "6", "--seq-len", "32", "--resume", str(bad))
     assert out.returncode == 2 and f"no manifest.json (and no 'latest' pointer) in {bad}" in out.stderr
-    out = _cli("train", "--model", "small", "--steps", "6", "--seq-len", "32", "--resume", str(step3[0]))
+    out = cli_here("train", "--model", "small", "--steps", "6", "--seq-len", "32", "--resume", str(step3[0]))
     assert out.returncode == 2 and "holds model 'debug', not 'small'; resume with --model debug" in out.stderr
     assert "step" not in out.stdout
-    out = _cli("train", "--steps", "6", "--seq-len", "16", "--resume", str(step3[0]))
+    out = cli_here("train", "--steps", "6", "--seq-len", "16", "--resume", str(step3[0]))
     assert out.returncode == 2 and "was trained with --seq-len 32, this run uses 16; use --seq-len 32" in out.stderr
     assert "step" not in out.stdout
 

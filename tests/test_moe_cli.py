@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cli_here
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,9 +58,7 @@ def test_the_readme_moe_command_trains_and_shows_the_load(tmp_path):
     ],
 )
 def test_expert_flags_that_cannot_work_are_refused_in_one_line(args, message):
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", "train", "--steps", "1", *args], capture_output=True, text=True, timeout=120
-    )
+    out = cli_here("train", "--steps", "1", *args)
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
     assert out.stderr.strip().splitlines() == [f"tessera train: error: {out.stderr.split('error: ', 1)[1].strip()}"]
     assert message in out.stderr
@@ -71,10 +71,5 @@ def test_a_model_named_hf_dir_is_named_so_in_its_messages(tmp_path):
         (f"hf:{tmp_path}", "--model hf:DIR takes a complete Hugging Face config.json"),
         (f"hf:{tmp_path / 'absent'}", f"--model hf:{tmp_path / 'absent'}: no such directory"),
     ):
-        out = subprocess.run(
-            [sys.executable, "-m", "tessera", "train", "--steps", "1", "--model", model],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = cli_here("train", "--steps", "1", "--model", model)
         assert out.returncode == 2 and message in out.stderr and "--init-from-hf" not in out.stderr, out.stderr

@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from helpers import cli_here
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -339,7 +341,7 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
 def test_plan_cli_refuses_with_one_line(args, message):
     import re
 
-    out = _tessera("plan", *args)
+    out = cli_here("plan", *args)
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from helpers import cli_here
+
 from tessera.config import Config
 from tessera.profiling import StepProfiler, check_profile, parse_steps, profile_window
 
@@ -82,7 +84,7 @@ def test_bad_values_get_one_line_before_any_rank_starts(tmp_path, args, message)
     (tmp_path / "FILE").write_text("")
     args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
     given = ["--profile", str(tmp_path / "prof")] if "--profile" not in args and "--no-profile" not in args else []
-    out = _tessera("train", *TINY, "--steps", "3", *given, *[a for a in args if a != "--no-profile"], timeout=60)
+    out = cli_here("train", *TINY, "--steps", "3", *given, *[a for a in args if a != "--no-profile"])
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("tessera train: error: "), out.stderr
     assert message in lines[0], lines[0]

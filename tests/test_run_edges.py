@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import small_config
+from helpers import cli_here, small_config
 from tessera.parallel.launch import run_ranks
 
 FAST = ["--seq-len", "32", "--global-batch", "4"]
@@ -52,7 +52,7 @@ def test_a_vocab_below_the_builtin_datas_ids_is_refused_before_any_rank_starts(l
 
 def test_the_cli_refuses_a_small_vocab_with_one_line():
     line = _one_error_line(
-        _tessera("train", "--model", "debug", "--vocab-size", "10", "--steps", "2", *FAST),
+        cli_here("train", "--model", "debug", "--vocab-size", "10", "--steps", "2", *FAST),
         "--vocab-size 10 is below the token ids of the built-in data",
     )
     assert "use --vocab-size 258 or more" in line
@@ -242,7 +242,7 @@ def test_a_metrics_path_that_cannot_be_created_is_refused_by_name(tmp_path):
 
 def test_the_cli_refuses_an_unwritable_metrics_path_with_one_line():
     _one_error_line(
-        _tessera("train", "--metrics", "/proc/run.jsonl", "--steps", "1", *FAST),
+        cli_here("train", "--metrics", "/proc/run.jsonl", "--steps", "1", *FAST),
         "--metrics /proc/run.jsonl cannot be written (creating it fails: ",
     )
 
@@ -260,7 +260,7 @@ def test_sequence_parallel_without_tp_is_refused():
 
 def test_the_cli_refuses_sequence_parallel_without_tp_with_one_line():
     _one_error_line(
-        _tessera("train", "--sequence-parallel", "--steps", "1", *FAST),
+        cli_here("train", "--sequence-parallel", "--steps", "1", *FAST),
         "--sequence-parallel shards the norms and the residual stream over tensor parallel, and --tp is 1",
     )
 
