@@ -33,7 +33,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.fsdp import FSDPModule
 
 from tessera.models.spec import spec_of
-from tessera.topology.schedule import placement_of, stage_rank, stages_on_rank
+from tessera.topology.schedule import fused_backwards, placement_of, stage_rank, stages_on_rank
 from tessera.topology.schedule_files import action_text, check_fits
 from tessera.topology.shapes import split_layers  # the stage split's one rule (re-exported here)
 
@@ -230,13 +230,10 @@ class PipelineRunner:
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.op == "B" and a.stage == s) for s in stages
         }
-        # positions of W's that come right after their own B (dualpipev's full backwards): the pair runs as
-        # one backward pass, input and weight gradients together, at the B
-        self.fused = {
-            k + 1
-            for k, a in enumerate(self.actions[:-1])
-            if a.op == "B" and self.actions[k + 1] == Action("W", a.microbatch, a.stage)
-        }
+        # positions of the W's that run with their B (listed right before) as one backward pass: where no
+        # other rank waits for the B's input gradient, or where the simulator finds nobody idles longer for it
+        # (dualpipev's full backwards); elsewhere B sends first and W runs after (`fused_backwards`)
+        self.fused = {k + 1 for k in fused_backwards(schedule, self.placement)[self.me]}
         # When the next action's receive is posted. gloo runs each operation on its own: posting it before
         # this action computes lets the message arrive meanwhile. NCCL runs a peer's operations in order on
         # one stream, where a receive posted ahead of a send can wait on a neighbour whose receive waits on
