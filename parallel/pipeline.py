@@ -33,7 +33,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.fsdp import FSDPModule
 
 from tessera.models.spec import spec_of
-from tessera.topology.schedule import fused_backwards, placement_of, stage_rank, stages_on_rank
+from tessera.topology.schedule import placement_of, stage_rank, stages_on_rank
+from tessera.topology.simulator import fused_backwards
 from tessera.topology.schedule_files import action_text, check_fits
 from tessera.topology.shapes import split_layers  # the stage split's one rule (re-exported here)
 

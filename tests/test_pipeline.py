@@ -430,7 +430,8 @@ def test_every_kind_holds_the_activations_the_simulator_says_and_computes_the_on
     not yet) equals the simulator's for every schedule kind, V placement included; and every kind's
     gradients equal one process's."""
     from tessera.models import build_model, get_preset
-    from tessera.topology.schedule import build_schedule, simulate
+    from tessera.topology.schedule import build_schedule
+    from tessera.topology.simulator import simulate
 
     results = run_ranks(_peak_held_by_kind, pp, pp, KINDS_RUN, timeout=300)[0]
     for kind, virtual, microbatches in KINDS_RUN:
@@ -521,7 +522,8 @@ def test_every_kinds_measured_bubble_is_the_simulated_one():
     the simulator's for the same schedule with each action's measured duration (a full backward run with its
     W: the W costs nothing), within 0.03 -- message latency and the executor's own bookkeeping are all that
     the simulator leaves out. Of three steps the fastest is judged (the one least disturbed by the machine)."""
-    from tessera.topology.schedule import Action, bubble_of, build_schedule, simulate
+    from tessera.topology.schedule import Action, build_schedule
+    from tessera.topology.simulator import bubble_of, simulate
 
     kinds = [(kind, virtual, 2 * m if kind == "dualpipev" else m) for kind, virtual, m in KINDS_RUN]
     results = run_ranks(_traces_by_kind, 2, 2, kinds, timeout=600)[0]

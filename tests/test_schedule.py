@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from tessera.parallel.pipeline import build_schedule
 from tessera.parallel.schedule import KINDS, SPLIT_BACKWARD, Action, check_schedule, render, simulate, validate
 from tessera.topology.errors import ConfigError
-from tessera.topology.schedule import DEFAULT_COSTS, fill_weight_passes, fused_backwards, placement_of, stage_rank
+from tessera.topology.schedule import DEFAULT_COSTS, fill_weight_passes, placement_of, stage_rank
+from tessera.topology.simulator import fused_backwards
 
 stages = st.integers(1, 8)
 microbatches = st.integers(1, 32)

@@ -60,7 +60,8 @@ from .axes import (
 )
 from .comm_model import comm_bytes_per_step, stage_layer_counts
 from .layout import AXES, Layout
-from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, placement_of, simulate, stages_on_rank
+from .schedule import SPLIT_BACKWARD, build_schedule, check_schedule, placement_of, stages_on_rank
+from .simulator import simulate
 from .shapes import (
     ModelShape,
     as_shape,

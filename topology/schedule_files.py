@@ -14,7 +14,8 @@ import os
 import re
 from typing import Any
 
-from .schedule import OPS, Action, Namer, Schedule, _at, simulate, validate
+from .schedule import OPS, Action, Namer, Schedule
+from .simulator import at_position, simulate, validate
 
 _ACTION = re.compile(r"(-?\d+)\s*([A-Za-z]+)\s*(-?\d+)")  # STAGE OP MICROBATCH; signs only to name them
 
@@ -164,7 +165,7 @@ def check_fits(
         for k, a in enumerate(actions):
             if a.stage % pp != r:
                 raise ValueError(
-                    f"{source}: {_at(r, k, a, name)} runs stage {a.stage}, which lives on rank "
+                    f"{source}: {at_position(r, k, a, name)} runs stage {a.stage}, which lives on rank "
                     f"{a.stage % pp} (stage s on rank s % pp, where its layers are); "
                     f"move it to rank {a.stage % pp}'s row"
                 )
