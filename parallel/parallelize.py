@@ -88,7 +88,12 @@ class ParallelConfig:
             )
         if layout.pp > 1:
             check_pipeline(
-                self.pipeline, layout.pp, model_config.n_layers, self.uses_fsdp, self.data.activation_checkpointing
+                self.pipeline,
+                layout.pp,
+                model_config.n_layers,
+                self.uses_fsdp,
+                self.data.activation_checkpointing,
+                self.compile,
             )
         if global_batch is not None and global_batch % layout.dp:
             raise ValueError(

@@ -124,7 +124,9 @@ def build_stage(
     return model
 
 
-def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, activation_checkpointing: str) -> None:
+def check_pipeline(
+    config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, activation_checkpointing: str, compile: bool = False
+) -> None:
     """Every pipeline input error, before any process group starts. A schedule given as data is proven by the
     simulator (dependencies, deadlocks) and must fit pp, virtual and the microbatches."""
     kind = config.kind
@@ -138,15 +140,22 @@ def check_pipeline(config: PipelineConfig, pp: int, n_layers: int, fsdp: bool, a
             config.schedule, pp, config.virtual, config.microbatches, source, action_text if config.source else str
         )[2]
     split_layers(n_layers, pp * config.virtual, config.layers_per_stage)
-    if split and activation_checkpointing != "none":
-        what, other = (
-            (f"schedule={kind}", "schedule=1f1b")
-            if kind is not None
-            else (f"{config.source or 'a schedule'} (W actions)", "a schedule without W actions")
-        )
+    if not split:
+        return
+    what, other = (
+        (f"schedule={kind}", "schedule=1f1b")
+        if kind is not None
+        else (f"{config.source or 'a schedule'} (W actions)", "a schedule without W actions")
+    )
+    if activation_checkpointing != "none":
         raise ValueError(
             f"{what} with activation_checkpointing={activation_checkpointing} is not supported (the W pass "
             f"would recompute the block again); use activation_checkpointing=none or {other}"
+        )
+    if compile:  # W would find the modules' outputs inside one compiled graph, and rerun it per module
+        raise ValueError(
+            f"{what} with `compile` is not supported: a compiled block's backward is one graph, which the W pass "
+            f"cannot run apart from B; use {other} (or gpipe, interleaved-1f1b, looped-bfs), or drop `compile`"
         )
 
 

@@ -100,6 +100,13 @@ def test_parallel_checks_name_their_parameters():
             "schedule=zb-h1 with activation_checkpointing=full is not supported",
             "--schedule zb-h1 with --ac full is not supported",
         ),
+        (
+            lambda: check_pipeline(PipelineConfig("zbv", virtual=2, microbatches=4), 2, 4, False, "none", compile=True),
+            "schedule=zbv with `compile` is not supported",
+            "--schedule zbv with --compile is not supported: a compiled block's backward is one graph, which the W "
+            "pass cannot run apart from B; use --schedule 1f1b (or gpipe, interleaved-1f1b, looped-bfs), or drop "
+            "--compile",
+        ),
     ]
     for call, library, cli in cases:
         with pytest.raises(ValueError) as e:

@@ -239,6 +239,47 @@ def test_a_stage_that_never_answers_fails_naming_the_rank_axis_and_message():
     ), message
 
 
+def _a_stage_casts_its_output():
+    """Two 1F1B stages where stage 0 hands over float64 hidden states where float32 ones are declared."""
+    import torch.distributed as dist
+
+    from tessera.models import get_preset
+    from tessera.parallel import materialize
+    from tessera.parallel.loss import CrossEntropySum
+    from tessera.parallel.pipeline import PipelineRunner
+
+    cfg = get_preset("debug", n_layers=2)
+    rank = dist.get_rank()
+    part = materialize(build_stage(cfg, rank, 2, range(rank, rank + 1)), "cpu", seed=0)
+    if rank == 0:
+        forward = part.forward
+        part.forward = lambda *args, **kwargs: forward(*args, **kwargs).double()
+    runner = PipelineRunner(
+        {rank: part},
+        "1f1b",
+        dist.group.WORLD,
+        2,
+        1,
+        CrossEntropySum(cfg.vocab_size),
+        lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
+        torch.device("cpu"),
+        timeout=30,
+    )
+    tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+    runner.forward_backward(list(zip(tokens[:, :-1].chunk(2), tokens[:, 1:].chunk(2))), 64)
+
+
+def test_a_stage_whose_output_does_not_match_the_next_stages_input_is_named_at_its_first_forward():
+    """Not a hang, nor a receive of the wrong bytes: the sending stage fails at once, naming what it produced and
+    what the boundary carries (the launcher reports it within its 60 s, before the peer's 30 s receive timeout)."""
+    with pytest.raises(
+        Exception,
+        match=r"pipeline stage 0 produced act of \(2, 16, \d+\) torch\.float64 for microbatch 0; "
+        r"stage boundaries carry \(2, 16, \d+\) torch\.float32",
+    ):
+        run_ranks(_a_stage_casts_its_output, 2, timeout=60)
+
+
 def _custom_schedule_gradients(schedule):
     """Run a hand-written schedule on 2 pp ranks; return every parameter's gradient (merged on rank 0)."""
     import torch.distributed as dist

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import small_config
+from helpers import cli_here, small_config
 from tessera.topology.schedule import KINDS, V_KINDS, VIRTUAL_KINDS, check_schedule, fewest_microbatches
 
 
@@ -90,3 +90,16 @@ def test_a_v_schedule_needs_only_its_name(tmp_path):
             "--pp 2; use --microbatches 4 or more"
         )
     )
+
+
+def test_compile_runs_with_the_kinds_without_w_and_a_split_backward_kind_refuses_it_in_one_line():
+    """--compile composes with --pp (contract row pp2-interleaved+compile); a kind with W passes refuses it
+    before any rank starts: a compiled block's backward is one graph, which W cannot run apart from B."""
+    out = cli_here("train", "--pp", "2", "--schedule", "zbv", "--compile", "--n-layers", "4", "--steps", "1")
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "tessera train: error: --schedule zbv with --compile is not supported: a compiled block's backward is one "
+        "graph, which the W pass cannot run apart from B; use --schedule 1f1b (or gpipe, interleaved-1f1b, "
+        "looped-bfs), or drop --compile"
+    ]
+    assert small_config(pp=2, n_layers=4, microbatches=2, compile=True).check() is None  # 1f1b: accepted
