@@ -31,7 +31,6 @@ LAYOUTS = {
     "ac_selective+prefetch": dict(dp=2, ac="selective", prefetch=1),
     "dp2xtp2+sp+ac_op": dict(dp=2, tp=2, sequence_parallel=True, ac="op"),
     "cp2xdp2+ac_op": dict(cp=2, dp=2, ac="op"),
-    "tp2+sp+compile": dict(tp=2, sequence_parallel=True, compile=True),  # tessera's collectives break the graph
     # today's loss on full logits against the chunked (fused) default of the reference
     "loss_logits": dict(loss="logits"),
     "tp2+sp+loss_logits": dict(tp=2, sequence_parallel=True, loss="logits"),
@@ -99,8 +98,11 @@ PIPELINE_LAYOUTS = {
     "pp2xtp2-dualpipev+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="dualpipev", virtual=2, microbatches=4),
     "pp2xdp2-dualpipev": dict(pp=2, dp=2, schedule="dualpipev", virtual=2, microbatches=4),
     "pp2+ac_full": dict(pp=2, ac="full", microbatches=2),
-    # torch.compile per block inside the stages (the split-backward kinds refuse it: tests/test_library_messages.py)
-    "pp2-interleaved+compile": dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2, compile=True),
+    # torch.compile per block inside tp (+SP) stages: tessera's collectives break the graph (the split-backward
+    # kinds refuse compile: tests/test_pipeline_defaults.py); tp2 + SP + compile alone: the bf16 and Qwen3 rows
+    "pp2xtp2-interleaved+sp+compile": dict(
+        pp=2, tp=2, sequence_parallel=True, schedule="interleaved-1f1b", virtual=2, microbatches=2, compile=True
+    ),
     # all four axes at once: 16 ranks (pp2 x dp2 x cp2 x tp2 + sp and pp2 x HSDP x tp2: tests/test_four_d.py)
     "pp2xdp2xcp2xtp2-interleaved-allgather": dict(
         pp=2, dp=2, cp=2, tp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2, cp_method="allgather"

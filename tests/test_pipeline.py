@@ -534,7 +534,7 @@ def test_the_pipeline_benchmark_runs_the_new_kinds_beside_torchs(tmp_path):
 
 def _traces_by_kind(pp, kinds):
     """Each kind's steps on `pp` ranks with stages large enough that compute outweighs messages: the
-    executor's traces of three steps after a warm-up (one clock: time.perf_counter is system-wide on Linux),
+    executor's traces of two steps after a warm-up (one clock: time.perf_counter is system-wide on Linux),
     per rank."""
     import torch.distributed as dist
 
@@ -547,7 +547,7 @@ def _traces_by_kind(pp, kinds):
         tokens = torch.randint(0, cfg.vocab_size, (2 * microbatches, 257), generator=torch.Generator().manual_seed(3))
         batch = list(zip(tokens[:, :-1].chunk(microbatches), tokens[:, 1:].chunk(microbatches)))
         out[kind] = []
-        for record in (False, True, True, True):  # a warm-up step, then three traced ones
+        for record in (False, True, True):  # a warm-up step, then two traced ones
             dist.barrier()
             runner.record_trace = record
             runner.forward_backward(batch, tokens[:, 1:].numel())
@@ -562,7 +562,7 @@ def test_every_kinds_measured_bubble_is_the_simulated_one():
     """The executor realizes each schedule's bubble: the idle share measured from its trace on two ranks equals
     the simulator's for the same schedule with each action's measured duration (a full backward run with its
     W: the W costs nothing), within 0.03 -- message latency and the executor's own bookkeeping are all that
-    the simulator leaves out. Of three steps the fastest is judged (the one least disturbed by the machine)."""
+    the simulator leaves out. Of two steps the faster is judged (the one least disturbed by the machine)."""
     from tessera.topology.schedule import Action, build_schedule
     from tessera.topology.simulator import bubble_of, simulate
 
