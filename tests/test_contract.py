@@ -98,11 +98,9 @@ PIPELINE_LAYOUTS = {
     "pp2xtp2-dualpipev+sp": dict(pp=2, tp=2, sequence_parallel=True, schedule="dualpipev", virtual=2, microbatches=4),
     "pp2xdp2-dualpipev": dict(pp=2, dp=2, schedule="dualpipev", virtual=2, microbatches=4),
     "pp2+ac_full": dict(pp=2, ac="full", microbatches=2),
-    # torch.compile per block inside tp (+SP) stages: tessera's collectives break the graph (the split-backward
-    # kinds refuse compile: tests/test_pipeline_defaults.py); tp2 + SP + compile alone: the bf16 and Qwen3 rows
-    "pp2xtp2-interleaved+sp+compile": dict(
-        pp=2, tp=2, sequence_parallel=True, schedule="interleaved-1f1b", virtual=2, microbatches=2, compile=True
-    ),
+    # torch.compile per block inside the stages (the split-backward kinds refuse it: tests/test_pipeline_defaults.py);
+    # tp2 + SP + compile: the bf16 and Qwen3 rows
+    "pp2-interleaved+compile": dict(pp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2, compile=True),
     # all four axes at once: 16 ranks (pp2 x dp2 x cp2 x tp2 + sp and pp2 x HSDP x tp2: tests/test_four_d.py)
     "pp2xdp2xcp2xtp2-interleaved-allgather": dict(
         pp=2, dp=2, cp=2, tp=2, schedule="interleaved-1f1b", virtual=2, microbatches=2, cp_method="allgather"
