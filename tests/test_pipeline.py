@@ -239,14 +239,36 @@ def test_a_stage_that_never_answers_fails_naming_the_rank_axis_and_message():
     ), message
 
 
+def _cpu_runner(cfg, stages: dict, schedule, microbatches: int, virtual: int, **kwargs):
+    """A PipelineRunner of this rank's `stages` on the WORLD group on CPU: cfg's loss and float32 hidden states
+    of cfg.dim between stages (called inside run_ranks)."""
+    import torch.distributed as dist
+
+    from tessera.parallel.loss import CrossEntropySum
+    from tessera.parallel.pipeline import PipelineRunner
+
+    def activation(rows: int, seq: int):
+        return (rows, seq, cfg.dim), torch.float32
+
+    return PipelineRunner(
+        stages,
+        schedule,
+        dist.group.WORLD,
+        microbatches,
+        virtual,
+        CrossEntropySum(cfg.vocab_size),
+        activation,
+        torch.device("cpu"),
+        **kwargs,
+    )
+
+
 def _a_stage_casts_its_output():
     """Two 1F1B stages where stage 0 hands over float64 hidden states where float32 ones are declared."""
     import torch.distributed as dist
 
     from tessera.models import get_preset
     from tessera.parallel import materialize
-    from tessera.parallel.loss import CrossEntropySum
-    from tessera.parallel.pipeline import PipelineRunner
 
     cfg = get_preset("debug", n_layers=2)
     rank = dist.get_rank()
@@ -254,17 +276,7 @@ def _a_stage_casts_its_output():
     if rank == 0:
         forward = part.forward
         part.forward = lambda *args, **kwargs: forward(*args, **kwargs).double()
-    runner = PipelineRunner(
-        {rank: part},
-        "1f1b",
-        dist.group.WORLD,
-        2,
-        1,
-        CrossEntropySum(cfg.vocab_size),
-        lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
-        torch.device("cpu"),
-        timeout=30,
-    )
+    runner = _cpu_runner(cfg, {rank: part}, "1f1b", 2, 1, timeout=30)
     tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     runner.forward_backward(list(zip(tokens[:, :-1].chunk(2), tokens[:, 1:].chunk(2))), 64)
 
@@ -287,22 +299,11 @@ def _custom_schedule_gradients(schedule):
     from helpers import gather_by_name
     from tessera.models import get_preset
     from tessera.parallel import materialize
-    from tessera.parallel.loss import CrossEntropySum
-    from tessera.parallel.pipeline import PipelineRunner
 
     cfg = get_preset("debug", n_layers=4)
     rank = dist.get_rank()
     stages = {s: materialize(build_stage(cfg, s, 4, range(s, s + 1)), "cpu", seed=0) for s in (rank, rank + 2)}
-    runner = PipelineRunner(
-        stages,
-        schedule,
-        dist.group.WORLD,
-        2,
-        2,
-        CrossEntropySum(cfg.vocab_size),
-        lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
-        torch.device("cpu"),
-    )
+    runner = _cpu_runner(cfg, stages, schedule, 2, 2)
     tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     loss = runner.forward_backward(list(zip(inputs.chunk(2), targets.chunk(2))), targets.numel())
@@ -344,12 +345,8 @@ def _module_outputs_alive_at_each_w():
     import gc
     import weakref
 
-    import torch.distributed as dist
-
     from tessera.models import get_preset
     from tessera.parallel import materialize
-    from tessera.parallel.loss import CrossEntropySum
-    from tessera.parallel.pipeline import PipelineRunner
     from tessera.parallel.schedule import Action
 
     cfg = get_preset("debug", n_layers=2)
@@ -359,16 +356,7 @@ def _module_outputs_alive_at_each_w():
         if name.endswith((".wo", ".w2")):
             module.register_forward_hook(lambda m, args, out: outputs.append(weakref.ref(out)))
     schedule = [[Action(op, mb, 0) for op, mb in (("F", 0), ("F", 1), ("B", 0), ("B", 1), ("W", 0), ("W", 1))]]
-    runner = PipelineRunner(
-        {0: part},
-        schedule,
-        dist.group.WORLD,
-        2,
-        1,
-        CrossEntropySum(cfg.vocab_size),
-        lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
-        torch.device("cpu"),
-    )
+    runner = _cpu_runner(cfg, {0: part}, schedule, 2, 1)
     alive_at_w = []
     run_w = runner._W
 
@@ -407,8 +395,6 @@ def _this_ranks_runner(cfg, kind: str, pp: int, virtual: int, microbatches: int)
     import torch.distributed as dist
 
     from tessera.parallel import materialize
-    from tessera.parallel.loss import CrossEntropySum
-    from tessera.parallel.pipeline import PipelineRunner
     from tessera.topology.schedule import placement_of
 
     n_stages = pp * virtual
@@ -417,16 +403,7 @@ def _this_ranks_runner(cfg, kind: str, pp: int, virtual: int, microbatches: int)
         s: materialize(build_stage(cfg, s, n_stages, split_layers(cfg.n_layers, n_stages)[s]), "cpu", seed=0)
         for s in mine
     }
-    runner = PipelineRunner(
-        stages,
-        kind,
-        dist.group.WORLD,
-        microbatches,
-        virtual,
-        CrossEntropySum(cfg.vocab_size),
-        lambda rows, seq: ((rows, seq, cfg.dim), torch.float32),
-        torch.device("cpu"),
-    )
+    runner = _cpu_runner(cfg, stages, kind, microbatches, virtual)
     return stages, runner
 
 
