@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from tessera.models.spec import spec_of
 from tessera.topology.shapes import CHUNK_ELEMENTS, chunk_tokens
@@ -133,7 +134,9 @@ class CrossEntropySum:
         installed one (--loss chunked: no full logits), else this loss on the logits it returns."""
         if has_loss_head(model):
             return model(inputs, positions, targets=targets)
-        return self(model(inputs, positions), targets)
+        logits = model(inputs, positions)
+        with record_function("tessera: loss"):  # named in profiles (runtime/step_profile.py)
+            return self(logits, targets)
 
 
 def count_valid(targets: Tensor, ignore_index: int = IGNORE_INDEX) -> int:
@@ -304,17 +307,18 @@ class LinearCrossEntropyHead(nn.Module):
         w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         if targets is None:
             return F.linear(h, w)
-        return linear_cross_entropy_sum(
-            h,
-            w,
-            targets,
-            self.vocab_start,
-            self.group,
-            self.ignore_index,
-            self.chunk_elements,
-            self.vocab_rows,
-            self.reuse_backward,
-        )
+        with record_function("tessera: loss"):  # named in profiles (runtime/step_profile.py)
+            return linear_cross_entropy_sum(
+                h,
+                w,
+                targets,
+                self.vocab_start,
+                self.group,
+                self.ignore_index,
+                self.chunk_elements,
+                self.vocab_rows,
+                self.reuse_backward,
+            )
 
     def extra_repr(self) -> str:
         return f"vocab={self.weight.shape[0]}, chunk_elements={self.chunk_elements}, tp_vocab_start={self.vocab_start}"

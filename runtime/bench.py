@@ -402,7 +402,9 @@ def _row(
     on_gpu: bool,
     calibration: dict | None = None,
 ) -> dict:
-    timed = history[warmup:]
+    # a step profiled with --profile-summary ran under torch.profiler: its figures go in "profile", not the times
+    timed = [m for m in history[warmup:] if "profile" not in m]
+    profiled = next((m for m in history if "profile" in m), None)
     step = statistics.median(m["step_time_s"] for m in timed)
     waits = {
         axis: statistics.median(m["collective_wait_s"].get(axis, 0.0) for m in timed)
@@ -469,6 +471,7 @@ def _row(
         "losses": [m["loss"] for m in history],
         # a dense model's rows have no "moe" key at all (not zeros): there is no expert load to report
         **({"moe": moe} if moe is not None else {}),
+        **({"profile": {"step": profiled["step"], **profiled["profile"]}} if profiled is not None else {}),
     }
 
 

@@ -277,6 +277,13 @@ class RuntimeSection:
     profile_shapes: bool = opt(
         False, "with --profile: record each op's input shapes too (larger traces; the table groups ops by shape)"
     )
+    profile_summary: int | None = opt(
+        None,
+        "profile step N (torch.profiler and the allocator; N >= 2, after the warm-up step) into its metrics "
+        "record's 'profile': the step's time by kind (matmul, attention, norms, loss, optimizer, casts, "
+        "communication, device idle), the top 25 kernels, and the memory peak by what held it",
+        metavar="N",
+    )
 
     @property
     def skip_limit(self) -> int:

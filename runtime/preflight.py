@@ -24,7 +24,7 @@ from tessera.parallel import checkpoint
 from tessera.parallel.plan import find_modules
 
 from .paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
-from .profiling import check_profile
+from .profiling import check_profile, check_profile_summary, profile_window
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.check), not the other way round
     from .config import Config
@@ -379,6 +379,9 @@ def _check_profile(config: Config) -> None:
     if r.profile_shapes and r.profile is None:
         raise ValueError("--profile-shapes applies to --profile DIR; add --profile DIR (or drop --profile-shapes)")
     done = 0
-    if r.profile is not None and config.checkpoint.resume is not None:
+    if (r.profile is not None or r.profile_summary is not None) and config.checkpoint.resume is not None:
         done = int(checkpoint.read_manifest(resolve_checkpoint(config.resume_path)[0])["step"])
     check_profile(r.profile, r.profile_steps, r.steps, done)
+    check_profile_summary(
+        r.profile_summary, r.steps, done, profile_window(r.profile_steps, r.steps, done) if r.profile else None
+    )

@@ -69,6 +69,34 @@ def check_profile(profile: str | None, profile_steps: str | None, steps: int, do
     check_writable_dir("--profile", profile)
 
 
+def check_profile_summary(step: int | None, steps: int, done: int = 0, window: tuple[int, int] | None = None) -> None:
+    """--profile-summary N names a steady-state step this run takes, outside --profile's window (torch
+    runs one profiler at a time); ValueError naming the value and the fix."""
+    if step is None:
+        return
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"--profile-summary {step!r} must be a step number, e.g. --profile-summary {min(3, steps)}")
+    first = max(2, done + 1)  # step 1 warms up the allocator, the kernels and compiled graphs
+    if steps < first:
+        raise ValueError(
+            f"--profile-summary {step}: this run takes no step after its warm-up step (--steps {steps}"
+            + (f", resumed after step {done}" if done else "")
+            + f"); raise --steps to at least {first}"
+        )
+    if not first <= step <= steps:
+        raise ValueError(
+            f"--profile-summary {step} must be a step this run takes after its warm-up step, {first} to {steps} "
+            f"(--steps {steps}"
+            + (f", resumed after step {done}" if done else "")
+            + f"); e.g. --profile-summary {steps}"
+        )
+    if window is not None and window[0] <= step <= window[1]:
+        raise ValueError(
+            f"--profile-summary {step} falls in --profile's steps {window[0]}:{window[1]} (one torch.profiler at "
+            f"a time); summarize a step outside them, or drop one of the two"
+        )
+
+
 class StepProfiler:
     """torch.profiler over the training loop: `start()` before the first step, `step()` after each,
     `stop()` at the end (also on an early stop or an error: a window cut short is still written).

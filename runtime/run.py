@@ -40,6 +40,7 @@ from .config import Config
 from .preflight import resolve_checkpoint
 from .profiling import StepProfiler
 from .results import strict_json
+from .step_profile import describe as describe_profile
 from .straggler import Straggler
 from .trainer import Trainer
 
@@ -336,6 +337,9 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             if not header_written:  # nothing left to train (resumed at the last step), or step 1 failed
                 out.write(strict_json({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
             out.close()
+    for m in history if rank == 0 and not quiet else ():
+        if "profile" in m:
+            print(describe_profile(m["profile"], m["step"]), flush=True)
     summary = profiler.summary()
     if summary and rank == 0:  # asked for with --profile: printed even with --quiet
         print(summary, flush=True)

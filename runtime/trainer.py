@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from tessera.models.data import TokenStream
 from tessera.models.init import one_process_name
@@ -44,8 +45,13 @@ from .memtrack import LiveTensorBytes
 from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
 from .parts import build_parts
 from .runners import LocalRunner, forward_only, split_microbatches
+from .step_profile import CLIP_RANGE, OPTIMIZER_RANGE, ProfiledStep
 from .straggler import Straggler, StragglerWatch
 from tessera.topology.errors import NonFiniteError  # named by step, rank and parameter
+
+
+def _no_mark(phase: str) -> None:
+    """Trainer._mark outside a profiled step: the phases are measured only under --profile-summary."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -112,6 +118,7 @@ class StepResult:
     moe: dict[str, Any] | None = None  # MoE models: expert load and auxiliary loss (parallel/expert.py's load_report)
     # --pack-documents: the global batch's documents (pieces of documents in its rows) and targets left out
     documents: dict[str, Any] | None = None
+    profile: dict[str, Any] | None = None  # --profile-summary, on its step: time by kind, top kernels, memory
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -135,6 +142,7 @@ class StepResult:
             **({"moe": self.moe} if self.moe is not None else {}),
             **({"documents": self.documents} if self.documents is not None else {}),
             **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
+            **({"profile": self.profile} if self.profile is not None else {}),
             "straggler": None
             if self.straggler is None
             else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s, "steps": self.straggler.steps},
@@ -147,6 +155,7 @@ class Trainer:
     def __init__(self, config: Config, device: torch.device | None = None, data: Any | None = None):
         self.config = config
         self.device = device or current_device()
+        self._mark: Callable[[str], None] = _no_mark  # a phase of the step ends (--profile-summary's memory)
         self.layout = config.layout
         self.meshes = Meshes(self.layout, self.device.type, timeout=config.runtime.timeout)
         self.rank = dist.get_rank()
@@ -296,9 +305,10 @@ class Trainer:
         runtime = self.config.runtime
         counting = runtime.comm_stats == "every" or (runtime.comm_stats == "first" and step == 1)
         tracking = runtime.track_memory and step == 2
+        profiling = runtime.profile_summary == step
         report = self.dtype_report
         probing = report is None  # this process's first step: what the matmuls ran in
-        if report is not None and not (counting or tracking):
+        if report is not None and not (counting or tracking or profiling):
             result = self._train_step(on_grads)
             result.compute_dtype = report["compute_dtype"]
             return result
@@ -311,7 +321,13 @@ class Trainer:
             if counting:
                 data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
                 counter = modes.enter_context(CommCounter(data_layout, self.rank))
-            result = self._train_step(on_grads)
+            if profiling:  # innermost: the other modes' own work stays out of its figures
+                profiled = modes.enter_context(ProfiledStep(self.device, self.parts, self.optimizer.optimizers))
+                self._mark = profiled.mark
+            try:
+                result = self._train_step(on_grads)
+            finally:
+                self._mark = _no_mark
         if report is None:
             report = self.dtype_report = probe.report()
         if self.config.parallel.compile:
@@ -325,6 +341,8 @@ class Trainer:
             result.peak_tensor_bytes = tracker.peak
         if counting:
             result.comm = {**counter.report(), "analytic_bytes_by_axis": self.analytic_comm()}
+        if profiling:
+            result.profile = profiled.summary()
         return result
 
     def analytic_comm(self) -> dict[str, float]:
@@ -370,14 +388,17 @@ class Trainer:
             reset_counters(part)  # the MoE blocks' load counters: this step's only
         loss_sum = self.runner.forward_backward(step.microbatches, valid)
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
+        self._mark("backward")
         if on_grads is not None:
             on_grads(self.parts)
-        grad_norm = clip_grad_norm_(
-            self.norm_parameters(),
-            self.config.optimizer.max_grad_norm,
-            Meshes.group(self.meshes.pp),
-            scale_also=self.parameters(),
-        )
+        with record_function(CLIP_RANGE):
+            grad_norm = clip_grad_norm_(
+                self.norm_parameters(),
+                self.config.optimizer.max_grad_norm,
+                Meshes.group(self.meshes.pp),
+                scale_also=self.parameters(),
+            )
+        self._mark("clip")
         if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
             with collective("all_reduce (loss)", "pp", self.meshes.pp.get_group()):
                 dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
@@ -411,9 +432,11 @@ class Trainer:
         load = self._expert_load()
         if not skipped:
             self.progress.skipped_in_a_row = 0
-            self.optimizer.step()
+            with record_function(OPTIMIZER_RANGE):
+                self.optimizer.step()
             if load is not None and self.spec.moe:  # the auxiliary-loss-free bias follows the step it was measured in
                 update_biases(self.parts, self.spec.moe, load[0])
+        self._mark("optimizer")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         straggler = self.straggler_watch.observe(time.perf_counter() - started)
