@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import device_slug, write_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -435,7 +435,6 @@ def main(argv: list[str] | None = None) -> int:
         results["grouped_mm_probe"]["cuda_bfloat16"] = grouped_mm_probe("cuda", torch.bfloat16)
         _say_gemm("cuda", gpu)
     results["seconds"] = time.perf_counter() - started
-    from gpu_suite import device_slug
 
     device = "cpu" if not torch.cuda.is_available() else device_slug(torch.cuda.get_device_name(0))
     path = write_results(f"moe_{device}" + ("_quick" if quick else ""), dict(vars(args)), results, args.out)

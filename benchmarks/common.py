@@ -17,6 +17,14 @@ def write_results(name: str, config: dict[str, Any], results: Any, out: str | No
     return _write(name, config, results, out or RESULTS)
 
 
+def device_slug(name: str) -> str:
+    """A short file-name part for a device: h100, h200, ... or the name's letters and digits."""
+    for key in ("H200", "H100", "A100", "B200", "L40S"):
+        if key in name:
+            return key.lower()
+    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")[:40]
+
+
 def timed(fn: Callable[[], Any], steps: int, warmup: int, device) -> list[float]:
     """Seconds of each of `steps` calls of `fn` after `warmup` untimed ones; under torch.distributed the ranks
     start together and a call ends with the slowest rank (CUDA work is waited for on either side)."""

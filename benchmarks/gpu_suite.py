@@ -1,470 +1,264 @@
-"""The whole GPU suite, one command: about 20 minutes on one H100 (every part has a time budget and says
-where it is as it goes). Writes benchmarks/results/gpu_suite_<device>.json and three PNGs beside it
-(gpu_suite_h100.json, gpu_suite_h100-attention.png, -train.png, -planner.png on an H100).
+"""The GPU suite in one command, sized for one device lease: at most 7 minutes on one H100, Python start-up,
+model builds and compiles included (--budget-s, default 420), results written after every part.
 
-    python benchmarks/gpu_suite.py                # on a GPU machine
-    python benchmarks/gpu_suite.py --smoke        # every part at tiny sizes on CPU: the plumbing (< 1 min)
+    python benchmarks/gpu_suite.py --out $OUT/gpu           # on a GPU machine (give the command 540 s)
+    python benchmarks/gpu_suite.py --smoke --out /tmp/suite # every part at tiny sizes on CPU: the plumbing
 
-Parts, in the order they run (budget on one H100):
-  calibrate (1 min)    this GPU's rates at the 1b preset's shapes (tessera plan --calibrate's measurement):
-                       the planner's step-time model uses them for every training row
-  kernels   (4 min)    tessera's Triton attention forward and forward + backward, bf16, head dim 128, causal,
-                       sequence 4096 / 8192 / 16384 (16,384 tokens a call), against SDPA's flash and cuDNN
-                       backends, TFLOP/s and the ratios; RMSNorm GB/s as a share of the HBM peak, against
-                       torch.compile and eager torch (benchmarks/bench_kernels.py's functions)
-  moe       (1 min)    one MoE block's experts, forward and forward + backward, bf16, at Qwen3-30B-A3B's
-                       shapes (128 experts, dim 2048, ffn 768, top-8 routing of 4096 tokens): torch._grouped_mm
-                       against the per-expert loop (models/moe.py's two paths), TFLOP/s and grouped / loop
-                       (benchmarks/bench_moe.py's grouped_vs_loop)
-  eager     (5 min)    the 1b preset at seq 2048 through tessera's training job (one GPU, bf16), batch 1, 2,
-  compiled  (10 min)   4, ... until the first out-of-memory (recorded, the sweep stops), eager then --compile:
-                       tokens/s, per device, MFU (attention FLOPs included), the allocator's peak, the dtype
-                       the matmuls ran in (from the step records), the planner's step time and memory beside
-                       each with measured / predicted
-  baseline  (3 min)    the plain-torch baseline (tessera.baseline: same weights and data, FSDP2 on one rank
-                       with bf16 parameters and fp32 reduction, SDPA, torch.compile per block, fused AdamW)
-                       at the largest batch eager tessera fit (halved until it fits), and tessera / baseline
-                       step time for the eager and compiled rows at that batch
-  planner   (-)        predicted vs measured for every training row, summarized (median and worst ratio)
+Parts, in the order of what they tell a user (--parts a,b,... runs a subset, in this order):
+  triton    (15 s)   every Triton kernel compiled on this machine's triton and checked against a float64
+                     definition, before anything else (a version break shows here, not mid-run)
+  eager     (90 s)   the 1b preset at seq 2048, eager, at the largest batch that fits: the first try is the
+                     largest power of two the planner's memory estimate fits on this GPU, halved on
+                     out-of-memory (doubled while the measured peak leaves room); every attempt recorded.
+                     Tokens/s, MFU, the dtype the matmuls ran in, and the profile of its last step: the top
+                     25 kernels, the step's time by kind and the GPU's idle time, the allocator's peak by
+                     what held it (runtime/step_profile.py)
+  baseline  (35 s)   the plain-torch baseline (tessera.baseline: FSDP2 on one rank, SDPA, fused AdamW), eager,
+                     at that batch (halved on out-of-memory); tessera / baseline step time
+  compiled  (150 s)  the same row with --compile (60% of the part), then the baseline compiled per block at
+                     that batch; compiled / baseline
+  kernels   (40 s)   tessera's attention fwd+bwd, bf16, head dim 128, causal, seq 4096 and 16384, against
+                     SDPA's flash and cuDNN backends; RMSNorm's bandwidth as a share of HBM
+  moe       (15 s)   one MoE block's experts: torch._grouped_mm against the per-expert loop
+  planner   (35 s)   this GPU's rates at the 1b shapes (tessera plan --calibrate's measurement), then the
+                     planner's step time and memory against every training row measured
 
-Without a GPU it stops at once with one line. A part that runs past its budget stops its sweep and says
-so in the JSON; an unexpected error in a training run is recorded and ends that sweep only.
+The seconds are each part's cap; with the 30 s of start-up they sum to 410. A part that would not finish
+within what is left of the budget is skipped and named in the JSON
+("skipped"). After every part the JSON is rewritten whole (a temporary file renamed over the last one), so
+a run killed at any moment leaves a valid file holding every part finished so far. The output folder stays
+flat: gpu_suite_<device>.json and at most three PNGs (-train, -attention, -planner) beside it.
+Without a GPU it stops at once with one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-
+PARTS = ("triton", "eager", "baseline", "compiled", "kernels", "moe", "planner")
 FULL = dict(
     model="1b",
     seq_len=2048,
-    batches=[1, 2, 4, 8, 16, 32, 64],
-    steps=5,
+    steps=7,  # steps 1-2 warm up, 3-6 are timed, 7 is profiled
     warmup=2,
+    max_batch=256,
+    grow=True,
     calibrate_batch=4,
     kernels=dict(
-        seq_lens=[4096, 8192, 16384],
+        seq_lens=[4096, 16384],
         head_dims=[128],
         hidden=2048,
         tokens=16384,
         norm_shapes=[(16384, 4096), (32768, 8192)],
-        warmup=25,
-        reps=100,
+        warmup=10,
+        reps=40,
         masks=(True,),
     ),
-    moe=dict(n_experts=128, dim=2048, ffn=768, tokens=4096, top_k=8, warmup=5, reps=20),
-    budgets=dict(calibrate=60, kernels=240, moe=60, eager=300, compiled=600, baseline=180),
+    moe=dict(n_experts=128, dim=2048, ffn=768, tokens=4096, top_k=8, warmup=3, reps=10),
+    # with gpu_suite_parts.STARTUP_S (30 s) these sum to 410 s, under the 420 of --budget-s's default
+    budgets=dict(triton=15, eager=90, baseline=35, compiled=150, kernels=40, moe=15, planner=35),
 )
 SMOKE = dict(
     model="debug",
     seq_len=32,
-    batches=[1, 2],
-    steps=3,
+    steps=4,
     warmup=2,
+    max_batch=8,
+    grow=False,
     calibrate_batch=2,
+    smoke_batch=2,  # no device memory to size against on CPU: the search starts here
     kernels=dict(
         seq_lens=[32], head_dims=[16], hidden=32, tokens=32, norm_shapes=[(8, 64)], warmup=1, reps=1, masks=(True,)
     ),
     moe=dict(n_experts=4, dim=16, ffn=16, tokens=16, top_k=2, warmup=1, reps=1),
-    budgets=dict(calibrate=20, kernels=30, moe=10, eager=40, compiled=60, baseline=30),
+    budgets=dict(triton=60, eager=60, baseline=40, compiled=90, kernels=30, moe=20, planner=40),
 )
-
-
-class Clock:
-    """Elapsed time since the suite started, and a progress line per event."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.started
-
-    def say(self, part: str, text: str) -> None:
-        m, s = divmod(int(self.now()), 60)
-        print(f"[{m:02d}:{s:02d}] {part}: {text}", flush=True)
-
-
-def is_oom(error: BaseException) -> bool:
-    text = str(error)
-    return "OutOfMemoryError" in text or "out of memory" in text.lower()
-
-
-def sweep(
-    run_one: Callable[[int], dict], batches: list[int], budget_s: float, clock: Callable[[], float] = time.perf_counter
-) -> tuple[list[dict], dict | None]:
-    """Run `run_one(batch)` for each batch in order until one runs out of memory (recorded, the sweep stops),
-    raises anything else (recorded, stops), or the next would likely end past the budget (a run takes about
-    1.6x the last one as the batch doubles). Returns (rows, why it stopped or None)."""
-    start = clock()
-    last = 0.0
-    rows: list[dict] = []
-    for batch in batches:
-        spent = clock() - start
-        if rows and spent + 1.6 * last > budget_s:
-            return rows, {
-                "batch": batch,
-                "reason": "budget",
-                "detail": f"{spent:.0f} s of {budget_s:.0f} s spent; the next run would take about {1.6 * last:.0f} s",
-            }
-        began = clock()
-        try:
-            rows.append(run_one(batch))
-        except Exception as e:  # noqa: BLE001 - recorded in the results, the suite goes on
-            first = next(
-                (ln for ln in str(e).splitlines() if "Error" in ln),
-                str(e).splitlines()[0] if str(e) else type(e).__name__,
-            )
-            return rows, {"batch": batch, "reason": "out of memory" if is_oom(e) else "error", "detail": first[:400]}
-        last = clock() - began
-    return rows, None
-
-
-def device_slug(name: str) -> str:
-    for key in ("H200", "H100", "A100", "B200", "L40S"):
-        if key in name:
-            return key.lower()
-    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")[:40]
-
-
-def train_config(sizes: dict, batch: int, compile: bool, smoke: bool):
-    from tessera.config import Config
-
-    config = Config.create(
-        model=sizes["model"],
-        seq_len=sizes["seq_len"],
-        global_batch=batch,
-        steps=sizes["steps"],
-        quiet=True,
-        device="cpu" if smoke else "cuda",
-        compile=compile,
-        track_memory=smoke,
-    )  # on a GPU the allocator's peak is the measure
-    config.check()
-    return config
-
-
-def train_row(
-    sizes: dict, batch: int, compile: bool, smoke: bool, peak: float | None, calibration: dict | None
-) -> dict:
-    from tessera.bench import _row
-    from tessera.run import train
-
-    config = train_config(sizes, batch, compile, smoke)
-    started = time.perf_counter()
-    history = train(config)
-    row = _row(
-        f"{'compiled' if compile else 'eager'} b{batch}", config, history, sizes["warmup"], peak, not smoke, calibration
-    )
-    row["run_seconds"] = time.perf_counter() - started
-    return row
-
-
-def planner_check(rows: list[dict]) -> dict:
-    """Predicted against measured for every training row: the ratios (measured / predicted), as the rows
-    hold them, recomputed here from the figures beside them."""
-    out = []
-    for r in rows:
-        step, predicted = r["step_time_s"], r["predicted"]["step_time_s"]
-        mem = r["measured_over_predicted"]["memory"]
-        out.append(
-            {
-                "row": r["layout"],
-                "measured_step_s": step,
-                "predicted_step_s": predicted,
-                "step_ratio": step / predicted,
-                "predicted_parts_s": r["predicted"]["compute_parts_s"],
-                "memory_ratio": mem,
-                "predicted_memory_bytes": r["predicted"]["memory_bytes"]["total"],
-            }
-        )
-    ratios = [x["step_ratio"] for x in out]
-    return {
-        "rows": out,
-        "median_step_ratio": statistics.median(ratios) if ratios else None,
-        "worst_step_error": max((abs(x - 1) for x in ratios), default=None),
-        "within_10_percent": sum(abs(x - 1) <= 0.10 for x in ratios),
-        "of": len(ratios),
-    }
-
-
-def plots(results: dict, stem: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: JSON only, no plots", file=sys.stderr)
-        return []
-    paths = []
-    attention = results["kernels"].get("attention", [])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for impl in sorted({r["impl"] for r in attention}):
-        pts = sorted((r["seq_len"], r["fwd_bwd_tflops"]) for r in attention if r["impl"] == impl and "error" not in r)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=impl)
-    ax.set(
-        xscale="log",
-        xlabel="sequence",
-        ylabel="TFLOP/s (fwd+bwd, causal)",
-        title="attention, head dim " + ",".join(str(d) for d in sorted({r["head_dim"] for r in attention})),
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(stem.with_name(stem.name + "-attention.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("eager", "compiled"):
-        pts = [(r["global_batch"], r["tokens_per_s"]) for r in results["train"][mode]["rows"]]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"tessera {mode}")
-        stop = results["train"][mode]["stopped"]
-        if stop and stop["reason"] == "out of memory" and pts:
-            ax.annotate("OOM", (stop["batch"], pts[-1][1]), fontsize=8, color="red")
-    base = results.get("baseline", {}).get("row")
-    if base:
-        ax.scatter(
-            [base["global_batch"]],
-            [base["tokens_per_s"]],
-            marker="s",
-            color="black",
-            label="plain torch baseline",
-            zorder=3,
-        )
-    batches = sorted({r["global_batch"] for mode in ("eager", "compiled") for r in results["train"][mode]["rows"]})
-    ax.set_xscale("log", base=2)
-    if batches:
-        ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set(
-        xlabel="global batch (sequences)",
-        ylabel="tokens/s",
-        title=f"{results['sizes']['model']} at seq {results['sizes']['seq_len']}: eager, compiled, baseline",
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(stem.with_name(stem.name + "-train.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    check = results["planner"]["rows"]
-    if check:
-        xs = [c["predicted_step_s"] for c in check]
-        ys = [c["measured_step_s"] for c in check]
-        a1.scatter(xs, ys)
-        for c in check:
-            a1.annotate(c["row"], (c["predicted_step_s"], c["measured_step_s"]), fontsize=7)
-        lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.2
-        a1.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
-        a2.bar(range(len(check)), [c["memory_ratio"] or 0 for c in check])
-        a2.set_xticks(range(len(check)), [c["row"] for c in check], rotation=30, ha="right", fontsize=7)
-    a1.set(xlabel="predicted step (s)", ylabel="measured step (s)", title="planner: step time")
-    a2.axhline(1.0, color="grey", lw=0.8)
-    a2.set(ylabel="measured / predicted", title="planner: peak memory")
-    fig.tight_layout()
-    paths.append(stem.with_name(stem.name + "-planner.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+USABLE_MEMORY = 0.9
+# the least time a part needs to finish: with less left, it is skipped (named in the JSON), never begun
+NEEDS = dict(triton=5, eager=45, baseline=20, compiled=60, kernels=15, moe=8, planner=20)
 
 
 def run(args: argparse.Namespace) -> int:
+    from common import device_slug
+    from gpu_suite_parts import (
+        Suite,
+        first_error_line,
+        part_baseline,
+        part_compiled,
+        part_eager,
+        part_kernels,
+        part_moe,
+        part_planner,
+        part_triton,
+        planner_batch,
+        ratio_to,
+    )
+    from gpu_suite_plots import plots
+
+    from tessera.bench import MFU_FORMULA
+    from tessera.results import BF16_PEAK, device_info, finite_or_null, versions
+
     sizes = SMOKE if args.smoke else FULL
-    clock = Clock()
-    budgets = dict(sizes["budgets"])
-    on_gpu = not args.smoke
-    sys.path.insert(0, str(HERE))
-    import bench_kernels
-    from common import write_results
-
-    from tessera.bench import MFU_FORMULA, _baseline_row, _one_rank, baseline_rank, calibrate_rank
-    from tessera.calibrate import describe
-    from tessera.results import BF16_PEAK, device_info
-
+    parts = [p for p in PARTS if p in args.parts]
     info = device_info()
-    peak = next((v for k, v in BF16_PEAK.items() if k in info["device"]), None) if on_gpu else None
-    results: dict[str, Any] = {
-        "sizes": {k: v for k, v in sizes.items() if k != "kernels"},
-        "kernel_sizes": sizes["kernels"],
-        "budgets_s": budgets,
-        "mfu_peak_flops_per_device": peak,
-        "mfu_formula": MFU_FORMULA + ("the GPU's dense bf16 datasheet figure" if on_gpu else "none on CPU"),
-    }
-    clock.say(
-        "suite",
-        f"{'smoke (CPU, tiny sizes)' if args.smoke else info['device']}: calibrate, kernels, moe, eager and "
-        f"compiled {sizes['model']} sweeps, baseline, planner check; budget {sum(budgets.values()) / 60:.0f} min",
-    )
-
-    # 1. calibration: the planner's rates for this device at the model's shapes
-    clock.say("calibrate", f"{sizes['model']} shapes, batch {sizes['calibrate_batch']} x {sizes['seq_len']} ...")
-    t0 = clock.now()
-    calibration = _one_rank(
-        calibrate_rank, train_config(sizes, sizes["calibrate_batch"], False, args.smoke), args.smoke
-    )
-    results["calibration"] = calibration
-    clock.say("calibrate", f"{describe(calibration)} ({clock.now() - t0:.0f} s)")
-
-    # 2. kernels
-    clock.say("kernels", "attention " + ", ".join(map(str, sizes["kernels"]["seq_lens"])) + " and RMSNorm ...")
-    t0 = clock.now()
-    kargs = argparse.Namespace(**sizes["kernels"])
-    kdevice, kdtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
-    attention = bench_kernels.bench_attention(kargs, kdevice, kdtype)
-    norms = bench_kernels.bench_rms_norm(kargs, kdevice, kdtype)
-    results["kernels"] = {
-        "attention": attention,
-        "rms_norm": norms,
-        "ratios": bench_kernels.ratios(attention, norms),
-        "seconds": clock.now() - t0,
-    }
-    if on_gpu:  # the training runs below are other processes: hand this one's cached blocks back
-        torch.cuda.empty_cache()
-    clock.say("kernels", f"done ({clock.now() - t0:.0f} s)")
-
-    # 2b. MoE experts: torch._grouped_mm against the per-expert loop, forward and forward + backward
-    m = sizes["moe"]
-    clock.say(
-        "moe",
-        f"{m['n_experts']} experts, dim {m['dim']}, ffn {m['ffn']}, top-{m['top_k']} of {m['tokens']} tokens, "
-        f"{str(kdtype).replace('torch.', '')}: grouped GEMM vs the per-expert loop ...",
-    )
-    t0 = clock.now()
-    import bench_moe
-
-    try:
-        moe = bench_moe.grouped_vs_loop(**m, device=kdevice, dtype=kdtype)
-    except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
-        moe = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"}
-    moe["seconds"] = clock.now() - t0
-    results["moe"] = moe
-    if on_gpu:
-        torch.cuda.empty_cache()
-    moe_rows = moe.get("rows", {})
-    clock.say(
-        "moe",
-        moe["error"]
-        if "error" in moe
-        else "; ".join(
-            f"{impl}: {r['error'][:160]}"
-            if "error" in r
-            else f"{impl} {r['forward_backward_s'] * 1e3:.2f} ms fwd+bwd ({r['forward_backward_tflops']:.3g} TFLOP/s)"
-            + (f", {r['forward_backward_vs_loop']:.2f}x the loop" if "forward_backward_vs_loop" in r else "")
-            for impl, r in moe_rows.items()
-        )
-        + f" ({moe['seconds']:.0f} s)",
-    )
-
-    # 3. training sweeps, eager then compiled
-    results["train"] = {}
-    for mode, compile in (("eager", False), ("compiled", True)):
-        t0 = clock.now()
-
-        def one(batch: int, compile=compile, mode=mode) -> dict:
-            clock.say(mode, f"{sizes['model']} seq {sizes['seq_len']} batch {batch} ...")
-            row = train_row(sizes, batch, compile, args.smoke, peak, calibration)
-            clock.say(
-                mode,
-                f"batch {batch}: {row['tokens_per_s']:,.0f} tok/s, MFU {row['mfu']:.1%}"
-                if row["mfu"] is not None
-                else f"batch {batch}: {row['tokens_per_s']:,.0f} tok/s",
-            )
-            clock.say(
-                mode,
-                f"batch {batch}: step {row['step_time_s'] * 1e3:.1f} ms, predicted "
-                f"{row['predicted']['step_time_s'] * 1e3:.1f} ms ({row['measured_over_predicted']['step_time']:.2f}x), "
-                f"peak {row['peak_memory_bytes_rank0'] / 2**30:.2f} GiB, {row['compute_dtype']}",
-            )
-            return row
-
-        rows, stopped = sweep(one, sizes["batches"], budgets[mode])
-        results["train"][mode] = {
-            "rows": rows,
-            "stopped": stopped,
-            "largest_batch": max((r["global_batch"] for r in rows), default=None),
-            "seconds": clock.now() - t0,
-        }
-        clock.say(
-            mode,
-            f"largest batch {results['train'][mode]['largest_batch']}"
-            + (
-                f"; stopped at batch {stopped['batch']}: {stopped['reason']} ({stopped['detail'][:160]})"
-                if stopped
-                else ""
-            ),
-        )
-
-    # 4. the plain-torch baseline at the largest batch eager tessera fit (halved until it fits)
-    t0 = clock.now()
-    batch = results["train"]["eager"]["largest_batch"]
-    base: dict[str, Any] = {"row": None, "attempts": []}
-    while batch:
-        clock.say("baseline", f"plain torch{'' if args.smoke else ' (compiled blocks)'} at batch {batch} ...")
-        config = train_config(sizes, batch, False, args.smoke)
-        try:
-            records = _one_rank(baseline_rank, config, on_gpu, sizes["steps"])
-        except Exception as e:  # noqa: BLE001
-            base["attempts"].append(
-                {"batch": batch, "error": str(e).splitlines()[-1][:300] if str(e) else type(e).__name__}
-            )
-            if not is_oom(e) or clock.now() - t0 > budgets["baseline"]:
-                break
-            batch //= 2
-            continue
-        base["row"] = _baseline_row(config, records, sizes["warmup"], peak, on_gpu)
-        for mode in ("eager", "compiled"):
-            same = next((r for r in results["train"][mode]["rows"] if r["global_batch"] == batch), None)
-            if same is not None:
-                same["step_time_vs_baseline"] = same["step_time_s"] / base["row"]["step_time_s"]
-                base[f"tessera_{mode}_over_baseline"] = same["step_time_vs_baseline"]
-        break
-    base["seconds"] = clock.now() - t0
-    results["baseline"] = base
-    if base["row"]:
-        clock.say(
-            "baseline",
-            f"{base['row']['tokens_per_s']:,.0f} tok/s; tessera / baseline step time: eager "
-            f"{base.get('tessera_eager_over_baseline', float('nan')):.3f}, compiled "
-            f"{base.get('tessera_compiled_over_baseline', float('nan')):.3f}",
-        )
-
-    # 5. the planner's predictions against the measurements
-    results["planner"] = planner_check(results["train"]["eager"]["rows"] + results["train"]["compiled"]["rows"])
-    p = results["planner"]
-    if p["of"]:
-        clock.say(
-            "planner",
-            f"measured / predicted step time: median {p['median_step_ratio']:.3f}, worst error "
-            f"{p['worst_step_error']:.1%}, {p['within_10_percent']} of {p['of']} within 10%",
-        )
-    results["seconds"] = clock.now()
-    name = "gpu_suite_smoke_cpu" if args.smoke else f"gpu_suite_{device_slug(info['device'])}"
+    peak = None if args.smoke else next((v for k, v in BF16_PEAK.items() if k in info["device"]), None)
     out = Path(args.out) if args.out else HERE / "results"
-    path = write_results(name, {"smoke": args.smoke}, results, str(out))
-    pngs = plots(results, path.with_suffix(""))
-    clock.say("suite", f"wrote {path}" + "".join(f", {p.name}" for p in pngs))
+    out.mkdir(parents=True, exist_ok=True)
+    name = "gpu_suite_smoke_cpu" if args.smoke else f"gpu_suite_{device_slug(info['device'])}"
+    suite = Suite(args.budget_s, out / f"{name}.json", sizes, args.smoke)
+    # what the planner may fill: the CUDA context and the allocator's rounding take the rest
+    capacity = None if args.smoke else int(USABLE_MEMORY * torch.cuda.get_device_properties(0).total_memory)
+    r = suite.results
+    r.update(
+        sizes={k: v for k, v in sizes.items() if k not in ("kernels", "moe")},
+        kernel_sizes=sizes["kernels"],
+        moe_sizes=sizes["moe"],
+        part_budgets_s=sizes["budgets"],
+        parts_asked=parts,
+        mfu_peak_flops_per_device=peak,
+        mfu_formula=MFU_FORMULA + ("the GPU's dense bf16 datasheet figure" if peak else "none on CPU"),
+    )
+    payload = {
+        "benchmark": name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": info,
+        "versions": versions(),
+        "config": {"smoke": args.smoke, "budget_s": args.budget_s, "parts": parts},
+        "results": r,
+    }
+    suite.say(
+        "suite",
+        f"{'smoke (CPU, tiny sizes)' if args.smoke else info['device']}: {', '.join(parts)}; "
+        f"budget {args.budget_s:.0f} s -> {suite.path}",
+    )
+    suite.save(finite_or_null(payload))
+    batch = None
+    for part in parts:
+        left = suite.left()
+        if left < NEEDS[part]:
+            r["skipped"].append(
+                {"part": part, "why": f"{left:.0f} s of the budget left; it needs about {NEEDS[part]} s"}
+            )
+            suite.say(part, f"skipped: {r['skipped'][-1]['why']}")
+            suite.save(finite_or_null(payload))
+            continue
+        cap, began = min(sizes["budgets"][part], left), time.perf_counter()
+        suite.say(part, f"up to {cap:.0f} s ...")
+        try:
+            if part == "triton":
+                result = part_triton(suite, cap)
+            elif part == "eager":
+                result = part_eager(suite, cap, peak, capacity)
+            elif part in ("baseline", "compiled"):
+                eager_row = (r.get("eager") or {}).get("row")
+                batch = batch or (eager_row["global_batch"] if eager_row else planner_batch(sizes, capacity)[0])
+                if part == "baseline":
+                    result = part_baseline(suite, cap, peak, False, batch)
+                    result["tessera_over_baseline"] = ratio_to(eager_row, result["row"])
+                else:
+                    result = part_compiled(suite, cap, peak, batch)
+            elif part == "kernels":
+                result = part_kernels(suite, cap)
+            elif part == "moe":
+                result = part_moe(suite, cap)
+            else:
+                result = part_planner(suite, cap)
+        except Exception as e:  # noqa: BLE001 - recorded, the suite goes on to the next part
+            result = {"error": f"{type(e).__name__}: {first_error_line(e)}"}
+        result["seconds"] = time.perf_counter() - began
+        r[part] = result
+        r["parts_done"].append(part)
+        r["seconds"] = suite.elapsed()
+        for png in plots(r, suite.path.with_suffix(""), part):
+            r.setdefault("plots", [])
+            if png.name not in r["plots"]:
+                r["plots"].append(png.name)
+        suite.save(finite_or_null(payload))
+        suite.say(part, summary_line(part, result))
+    suite.say(
+        "suite",
+        f"done in {suite.elapsed():.0f} s: {', '.join(r['parts_done'])}"
+        + (f"; skipped {', '.join(s['part'] for s in r['skipped'])}" if r["skipped"] else ""),
+    )
     return 0
+
+
+def summary_line(part: str, result: dict) -> str:
+    if "error" in result:
+        return f"error: {result['error'][:300]} ({result['seconds']:.0f} s)"
+    if part == "triton":
+        return (
+            f"triton {result['triton']}: "
+            + (
+                "every kernel compiled and checked"
+                if result["all_ok"]
+                else "FAILED: "
+                + "; ".join(
+                    f"{c['kernel']} {c.get('error', (c.get('forward_rel_error'), c.get('backward_rel_error')))}"
+                    for c in result["checks"]
+                    if not c["ok"]
+                )
+            )
+            + f" ({result['seconds']:.0f} s)"
+        )
+    if part in ("eager", "compiled", "baseline"):
+        row = result.get("row")
+        tried = ", ".join(f"{a['batch']} {a['outcome']}" for a in result["attempts"])
+        ratio = result.get("tessera_over_baseline")
+        text = f"tried {tried}" + (
+            f"; {row['tokens_per_s']:,.0f} tok/s at batch {row['global_batch']}" if row else "; nothing ran"
+        )
+        return (
+            text
+            + (f"; tessera / baseline step time {ratio:.3f}" if ratio is not None else "")
+            + f" ({result['seconds']:.0f} s)"
+        )
+    if part == "kernels":
+        return (
+            f"{len(result['attention'])} attention rows, {len(result['rms_norm'])} RMSNorm rows; "
+            f"ratios {json.dumps(result['ratios'])} ({result['seconds']:.0f} s)"
+        )
+    if part == "planner" and result["of"]:
+        return (
+            f"measured / predicted step time: median {result['median_step_ratio']:.3f}, worst error "
+            f"{result['worst_step_error']:.1%}, {result['within_10_percent']} of {result['of']} within 10% "
+            f"({result['seconds']:.0f} s)"
+        )
+    return f"done ({result['seconds']:.0f} s)"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--smoke", action="store_true", help="every part at tiny sizes on CPU (checks the plumbing, < 1 min)"
-    )
+    p.add_argument("--smoke", action="store_true", help="every part at tiny sizes on CPU (checks the plumbing)")
     p.add_argument("--out", default=None, help="directory for the JSON and PNGs (default benchmarks/results/)")
+    p.add_argument(
+        "--budget-s", type=float, default=420.0, help="seconds for the whole run, start-up included (default 420)"
+    )
+    p.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)} (run in that order)")
     args = p.parse_args(argv)
+    asked = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = [x for x in asked if x not in PARTS]
+    if unknown or not asked:
+        print(
+            f"gpu_suite: --parts {args.parts!r}: unknown part(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {','.join(PARTS)}",
+            file=sys.stderr,
+        )
+        return 2
+    args.parts = asked
+    if args.budget_s <= 0:
+        print(
+            f"gpu_suite: --budget-s {args.budget_s:g} must be a positive number of seconds, e.g. 420", file=sys.stderr
+        )
+        return 2
     if not args.smoke and not torch.cuda.is_available():
         print(
             f"gpu_suite: needs a CUDA GPU: torch {torch.__version__} sees none on this machine; run it on the GPU "
@@ -475,6 +269,7 @@ def main(argv=None) -> int:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU, before tessera.kernels loads them
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(HERE))
     return run(args)
 
 
