@@ -18,19 +18,17 @@ corrupt shard fails naming the file instead of loading partially.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
-import socket
 import time
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +44,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from tessera.models.init import one_process_name
 from tessera.models.spec import build_model
 
+from .locks import directory_lock, pinned_steps  # noqa: F401 (directory_lock: part of this module's API)
 from .safe_io import (  # re-exported: CheckpointError and the safetensors functions are part of this module's API
     CheckpointError,
     SafeFileSystemReader,
@@ -151,55 +150,6 @@ def _sha256(file: Path) -> str:
 
 def _my_share(files: list[Path], rank: int, world: int) -> list[Path]:
     return [f for i, f in enumerate(files) if i % world == rank]
-
-
-# ----------------------------------------------------------------------------- one writer per directory
-@contextlib.contextmanager
-def directory_lock(root: str | os.PathLike) -> Iterator[None]:
-    """Hold `root/.lock` while a run writes checkpoints there; a second live run is refused. A lock left
-    by a process that no longer runs on this host is taken over."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    lock, host = root / ".lock", socket.gethostname()
-    mine = json.dumps({"pid": os.getpid(), "host": host, "since": time.time()})
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            try:
-                holder = json.loads(lock.read_text())
-            except (OSError, json.JSONDecodeError):
-                holder = {}
-            if holder.get("host") == host and _alive(int(holder.get("pid", -1))):
-                raise CheckpointError(
-                    f"checkpoint_dir={root} is in use by another run (pid {holder['pid']} on {host}); "
-                    f"use another directory, or wait for that run to end"
-                ) from None
-            if holder.get("host") not in (None, host):
-                raise CheckpointError(
-                    f"checkpoint_dir={root} is locked by a run on host {holder['host']} (pid "
-                    f"{holder.get('pid')}); if it has ended, remove {lock}"
-                ) from None
-            lock.unlink(missing_ok=True)  # stale: its process is gone
-    with os.fdopen(fd, "w") as f:
-        f.write(mine)
-    try:
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -371,8 +321,10 @@ class CheckpointManager:
             pointer = root / "latest.tmp"
             pointer.write_text(p.final.name)
             os.replace(pointer, root / "latest")
+            pinned = pinned_steps(root)  # steps a live reader resumes from stay until it ends
             for old in sorted(root.glob("step_*"))[: -self.keep] if self.keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+                if old.name not in pinned:
+                    shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
 
     def load(

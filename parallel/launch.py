@@ -95,7 +95,25 @@ class _RankSpec:
     env: dict[str, str]
 
 
-def _rank_main(fn: Callable[..., Any], spec: _RankSpec, conn: Any, args: tuple, kwargs: dict) -> None:
+def _die_with_launcher(lifeline: Connection) -> None:
+    """Kill this rank as soon as the launcher's end of `lifeline` closes: the launcher ended, however it
+    ended (SIGKILL too). The forkserver that forked the ranks outlives the launcher while they run, so its
+    death is no signal of the launcher's; the pipe's end of file is."""
+
+    def watch() -> None:
+        try:
+            lifeline.recv_bytes()  # the launcher never writes: this returns only at end of file
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="tessera-lifeline", daemon=True).start()
+
+
+def _rank_main(
+    fn: Callable[..., Any], spec: _RankSpec, conn: Any, lifeline: Connection, args: tuple, kwargs: dict
+) -> None:
+    _die_with_launcher(lifeline)
     os.environ.update(spec.env)
     os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank))
     torch.set_num_threads(spec.threads)
@@ -166,6 +184,7 @@ def run_ranks(
     threads: int = 1,
     env: dict[str, str] | None = None,
     forward_sigterm: bool = False,
+    on_start: Callable[[list[int]], None] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks (process group initialized, RANK/WORLD_SIZE set);
@@ -176,7 +195,9 @@ def run_ranks(
     `collective_timeout` bounds any one collective (gloo raises, naming the operation); by default it
     stays 30 s behind `timeout`, so the deadline reports first, with every stalled rank's stack.
     SIGTERM to this process kills the ranks and raises Interrupted; with `forward_sigterm` the ranks get
-    it first (to save and stop), and Interrupted follows once they have returned.
+    it first (to save and stop), and Interrupted follows once they have returned. The ranks die with this
+    process however it ends, SIGKILL included (a pipe whose end they watch). `on_start(pids)` is called
+    with the ranks' process ids once they run (a lock that names every writer).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
@@ -184,6 +205,7 @@ def run_ranks(
     workdir = tempfile.mkdtemp(prefix="tessera-ranks-")
     procs: list[BaseProcess] = []
     conns: dict[Connection, int] = {}
+    lifeline, keep_alive = ctx.Pipe(duplex=False)  # the ranks hold the reading end; this process the other
     try:
         forwarded: list[int] = []
         with _stop_ranks_on_sigterm(procs, forward_sigterm, forwarded):
@@ -201,11 +223,15 @@ def run_ranks(
                 backend,
                 threads,
                 env,
+                lifeline,
+                on_start,
             )
         if forwarded:
             raise Interrupted(f"stopped by {signal.Signals(forwarded[0]).name}; the ranks saved a checkpoint first")
         return results
     finally:
+        keep_alive.close()
+        lifeline.close()
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -215,7 +241,21 @@ def run_ranks(
 
 
 def _start_and_collect(
-    fn, world_size, args, kwargs, ctx, workdir, procs, conns, timeout, collective_timeout, backend, threads, env
+    fn,
+    world_size,
+    args,
+    kwargs,
+    ctx,
+    workdir,
+    procs,
+    conns,
+    timeout,
+    collective_timeout,
+    backend,
+    threads,
+    env,
+    lifeline,
+    on_start,
 ) -> list[Any]:
     """Start one process per rank (appended to `procs`, so the caller can kill them) and collect results."""
     for rank in range(world_size):
@@ -231,11 +271,13 @@ def _start_and_collect(
             env=dict(env or {}),
         )
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, args=(fn, spec, send, args, kwargs), name=f"tessera-rank{rank}")
+        p = ctx.Process(target=_rank_main, args=(fn, spec, send, lifeline, args, kwargs), name=f"tessera-rank{rank}")
         p.start()
         send.close()
         procs.append(p)
         conns[recv] = rank
+    if on_start is not None:
+        on_start([int(p.pid) for p in procs if p.pid is not None])
     return _collect(procs, conns, world_size, timeout, workdir)
 
 

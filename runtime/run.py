@@ -30,7 +30,7 @@ from tessera import __version__
 from tessera.kernels import set_default_backend
 from tessera.models.hf import load_hf_weights
 from tessera.parallel import checkpoint
-from tessera.parallel.checkpoint import directory_lock
+from tessera.parallel.locks import RunLock, directory_lock, metrics_lock, pinned
 from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
 from tessera.parallel.pipeline import split_layers
 from tessera.parallel.schedule import simulate
@@ -226,16 +226,20 @@ def _announce(messages: list[str]) -> None:
 
 
 def _keep_metrics_through(path: str, step: int) -> None:
-    """After a restart: drop the step records past `step` (the restored checkpoint's), which the run is
-    about to repeat, so the file holds every step once. Headers stay (each marks a start)."""
+    """After a restart or a --resume: drop the step records past `step` (the restored checkpoint's), which
+    the run is about to repeat, so the file holds every step once. Headers stay (each marks a start); a line
+    cut short by a killed writer goes."""
     p = Path(path)
     if not p.exists():
         return
-    kept = [
-        line
-        for line in p.read_text().splitlines()
-        if line.strip() and (json.loads(line).get("type") == "header" or json.loads(line).get("step", 0) <= step)
-    ]
+    kept = []
+    for line in p.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn: its writer died mid-line
+        if record.get("type") == "header" or record.get("step", 0) <= step:
+            kept.append(line)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, p)
@@ -283,8 +287,8 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     manager = checkpoint.CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
     history: list[dict[str, Any]] = []
     stop = _StopOnSignal() if config.checkpoint.on_signal else None
-    if attempt and config.runtime.metrics and rank == 0:
-        _keep_metrics_through(config.runtime.metrics, trainer.step)
+    if (attempt or config.checkpoint.resume is not None) and config.runtime.metrics and rank == 0:
+        _keep_metrics_through(config.runtime.metrics, trainer.step)  # a restart and a --resume alike
     out = open(config.runtime.metrics, "a") if (config.runtime.metrics and rank == 0) else None
 
     profiler = StepProfiler(config, rank, trainer.device, trainer.step)  # --profile (else it does nothing)
@@ -360,12 +364,12 @@ def train(config: Config) -> list[dict[str, Any]] | None:
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(config.checkpoint.dir or ".") / "nccl_trace_rank_"))
-    # the checkpoint directory this process writes into (rank 0 of a run that saves), locked while it runs
-    writes = config.checkpoint.dir if config.checkpoint.every and int(os.environ.get("RANK", "0")) == 0 else None
     if under_torchrun():
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts restarted us
         config = _resuming_after_failure(config) if attempt else config
-        with directory_lock(writes) if writes and not attempt else contextlib.nullcontext():
+        with contextlib.ExitStack() as held:
+            if not attempt and int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the metrics and the latest
+                _lock_what_this_run_writes(config, held)
             _join_torchrun_job(_backend(config), config.runtime.timeout, attempt)
             try:
                 return run_rank(config, attempt)
@@ -373,7 +377,9 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                 dist.destroy_process_group()
 
     world = config.layout.world_size
-    with directory_lock(writes) if writes else contextlib.nullcontext():  # one writer per directory
+    with contextlib.ExitStack() as held:  # one writer per directory and metrics file; a resumed step pinned
+        locks = _lock_what_this_run_writes(config, held)
+        config = _pin_resumed_checkpoint(config, held)
         attempt = 0
         while True:
             try:
@@ -386,6 +392,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                     collective_timeout=config.runtime.timeout,
                     backend=_backend(config),
                     forward_sigterm=config.checkpoint.on_signal,
+                    on_start=lambda pids: [lock.add_pids(pids) for lock in locks],  # the ranks write too
                 )[0]
             except (RankFailure, RankTimeout) as e:
                 if attempt >= config.runtime.max_restarts or _deterministic(e):
@@ -404,6 +411,34 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                     file=sys.stderr,
                     flush=True,
                 )
+
+
+def _lock_what_this_run_writes(config: Config, held: contextlib.ExitStack) -> list[RunLock]:
+    """Lock the checkpoint directory (when the run saves) and the metrics file for the run's length: a second
+    live run writing either is refused in one line."""
+    locks = []
+    if config.checkpoint.dir and config.checkpoint.every:
+        locks.append(held.enter_context(directory_lock(config.checkpoint.dir)))
+    if config.runtime.metrics:
+        locks.append(held.enter_context(metrics_lock(config.runtime.metrics)))
+    return locks
+
+
+def _pin_resumed_checkpoint(config: Config, held: contextlib.ExitStack) -> Config:
+    """The config resuming from the exact checkpoint resolved now, pinned for the run's length: a live run
+    writing the same directory rotates its old checkpoints away, and one this run reads stays until it ends.
+    The ranks then read that step, not whatever `latest` names by the time they start."""
+    if config.checkpoint.resume is None:
+        return config
+    for _ in range(3):  # resolved, then removed by the writer before the pin landed: resolve again
+        step, _ = resolve_checkpoint(config.resume_path)
+        held.enter_context(pinned(step))
+        if checkpoint.structural_problem(step) is None:
+            return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=str(step)))
+    raise checkpoint.CheckpointError(
+        f"resume={config.resume_path}: the checkpoint it names was removed three times before it could be pinned "
+        f"(a live run rotates that directory); resume from a fixed step with --resume DIR/step_N"
+    )
 
 
 def _deterministic(error: Exception) -> bool:

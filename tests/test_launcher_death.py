@@ -1,0 +1,157 @@
+"""Nothing outlives its launcher and nothing writes twice: a SIGKILLed `tessera train` takes its ranks with
+it (an async save in flight too), its lock names the ranks as writers, a resume started at once continues
+with every step recorded once; a run reading a live run's directory reads the step it pinned. The lock and
+pin rules themselves on plain files."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tessera.parallel.locks import directory_lock, metrics_lock, pinned, pinned_steps
+from tessera.topology.errors import CheckpointError
+
+TINY = ["--model", "debug", "--seq-len", "16", "--global-batch", "2", "--quiet"]
+
+
+def _train(cwd, *args, **popen):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tessera.cli", "train", *TINY, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def _steps(metrics: Path) -> list[int]:
+    out = []
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+        if "step" in record and record.get("type") != "header":
+            out.append(record["step"])
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has stopped; only its parent has yet to reap it
+
+
+def _wait_for(condition, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_after_step", [6, 7])  # 6: its async save has just begun; 7: between saves
+def test_a_sigkilled_launcher_takes_its_ranks_and_a_resume_at_once_records_every_step_once(tmp_path, kill_after_step):
+    saving = ["--dp", "2", "--checkpoint-dir", "ck", "--checkpoint-every", "2", "--checkpoint-async"]
+    metrics = tmp_path / "m.jsonl"
+    first = _train(tmp_path, *saving, "--steps", "30", "--metrics", "m.jsonl")
+    try:
+        lock = tmp_path / "ck" / ".lock"
+        holder = _wait_for(lambda: lock.exists() and json.loads(lock.read_text() or "{}").get("pids"), 120, "the ranks")
+        ranks = json.loads(lock.read_text())["pids"]
+        assert json.loads(lock.read_text())["pid"] == first.pid and len(holder) == 2  # the ranks hold it too
+        _wait_for(lambda: kill_after_step in _steps(metrics), 120, f"step {kill_after_step}")
+        assert (tmp_path / "ck" / "latest").exists()  # an earlier save completed: there is a step to resume
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        _wait_for(lambda: not any(_running(pid) for pid in ranks), 5, "the ranks to die with their launcher")
+    finally:
+        if first.poll() is None:
+            first.kill()
+    written = metrics.read_text()
+    time.sleep(1.0)
+    assert metrics.read_text() == written  # nobody writes on
+    resumed = _train(tmp_path, *saving, "--steps", "30", "--resume", "--metrics", "m.jsonl")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert _steps(metrics) == list(range(1, 31))  # each step once: the repeats trimmed
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_00000030"
+    assert not (tmp_path / "ck" / ".lock").exists() and not (tmp_path / ".m.jsonl.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_run_reading_a_live_runs_directory_reads_the_step_it_pinned(tmp_path):
+    writer = _train(
+        tmp_path, "--steps", "100000", "--checkpoint-dir", "ck", "--checkpoint-every", "1", "--keep-checkpoints", "1"
+    )
+    try:
+        _wait_for(lambda: (tmp_path / "ck" / "latest").exists(), 120, "the writer's first checkpoint")
+        reader = _train(tmp_path, "--steps", "100000", "--resume", "ck", "--metrics", "reader.jsonl")
+        try:
+            # while the reader's ranks start and load, the writer saves and rotates many steps
+            first = _wait_for(lambda: _steps(tmp_path / "reader.jsonl"), 120, "the reader's first step")
+            pins = list((tmp_path / "ck" / ".pins").iterdir())
+            assert len(pins) == 1 and pins[0].name.startswith(f"step_{first[0] - 1:08d}@")
+            assert (tmp_path / "ck" / f"step_{first[0] - 1:08d}").is_dir()  # kept past keep-checkpoints 1
+            assert reader.poll() is None and writer.poll() is None  # both train on
+        finally:
+            reader.send_signal(signal.SIGKILL)
+            reader.wait(timeout=10)
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=10)
+
+
+def test_a_lock_stays_live_while_any_process_it_names_runs(tmp_path):
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = tmp_path / "ck" / ".lock"
+        with directory_lock(tmp_path / "ck") as held:
+            held.add_pids([rank.pid])
+            record = json.loads(lock.read_text())
+        lock.write_text(json.dumps({**record, "pid": 2**22 + 7}))  # the launcher gone, a rank it named alive
+        with pytest.raises(CheckpointError, match=rf"checkpoint_dir={tmp_path / 'ck'} is in use by another run"):
+            with directory_lock(tmp_path / "ck"):
+                pass
+    finally:
+        rank.kill()
+        rank.wait()
+    with directory_lock(tmp_path / "ck"):  # all gone: stale, taken over
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not lock.exists()
+
+
+def test_one_metrics_file_has_one_writer(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    with metrics_lock(metrics):
+        with pytest.raises(
+            CheckpointError, match=r"metrics=.*m\.jsonl is in use by another run .*another metrics file"
+        ):
+            with metrics_lock(metrics):
+                pass
+    assert not (tmp_path / ".m.jsonl.lock").exists()
+
+
+def test_pins_keep_a_step_while_their_reader_lives(tmp_path):
+    for step in (1, 2, 3):
+        (tmp_path / f"step_{step:08d}").mkdir()
+    with pinned(tmp_path / "step_00000001"):
+        assert pinned_steps(tmp_path) == {"step_00000001"}
+    assert pinned_steps(tmp_path) == set()
+    (tmp_path / ".pins" / "step_00000002@elsewhere@123").write_text("")  # another host's: kept, unseen from here
+    import socket
+
+    dead = tmp_path / ".pins" / f"step_00000003@{socket.gethostname()}@{2**22 + 7}"
+    dead.write_text("")
+    assert pinned_steps(tmp_path) == {"step_00000002"} and not dead.exists()  # a dead reader's pin is dropped
