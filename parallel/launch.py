@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from tessera.topology.errors import RankFailure, RankTimeout, TesseraError, is_restartable
 
+from .host_memory import oom_kills
+
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others may take to report their own errors
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 _CTX: Any = None
@@ -278,11 +280,29 @@ def _start_and_collect(
         conns[recv] = rank
     if on_start is not None:
         on_start([int(p.pid) for p in procs if p.pid is not None])
-    return _collect(procs, conns, world_size, timeout, workdir)
+    return _collect(procs, conns, world_size, timeout, workdir, oom_kills())
+
+
+def died_message(rank: int, world_size: int, code: int | None, oom_before: int | None, oom_now: int | None) -> str:
+    """A rank that exited without a result, in one line: its exit code (a signal: -N), and out of memory
+    where the kernel's out-of-memory killer ended processes of this cgroup while the ranks ran."""
+    text = f"rank {rank} of {world_size} died without a result (exit code {code})"
+    if code == -signal.SIGKILL and oom_before is not None and oom_now is not None and oom_now > oom_before:
+        killed = oom_now - oom_before
+        text += (
+            f"; out of memory: the kernel's out-of-memory killer ended {killed} process{'es' if killed > 1 else ''} "
+            f"of this machine's memory group while the ranks ran"
+        )
+    return text
 
 
 def _collect(
-    procs: list[BaseProcess], conns: dict[Connection, int], world_size: int, timeout: float | None, workdir: str
+    procs: list[BaseProcess],
+    conns: dict[Connection, int],
+    world_size: int,
+    timeout: float | None,
+    workdir: str,
+    oom_before: int | None = None,
 ) -> list[Any]:
     results: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -304,7 +324,7 @@ def _collect(
             except EOFError:
                 procs[rank].join(timeout=5)  # reaped: its exit code (a signal: -N) is known, not None
                 code = procs[rank].exitcode
-                error = RankFailure(f"rank {rank} of {world_size} died without a result (exit code {code})")
+                error = RankFailure(died_message(rank, world_size, code, oom_before, oom_kills()))
                 # first of all: a rank dies without a result by a signal or a crash of its own, never from a
                 # peer's error (that it would catch and report)
                 failures.append((float("-inf"), rank, error))

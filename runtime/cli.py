@@ -470,7 +470,7 @@ def _train(args: argparse.Namespace) -> int:
     # lazy: these import torch, which stays out of `tessera --help` and the torch-free commands
     from tessera.parallel.checkpoint import CheckpointError
     from tessera.parallel.launch import Interrupted, RankFailure
-    from .run import done_line, error_exit, stopped_message, train, under_torchrun
+    from .run import done_line, error_exit, failed_message, stopped_message, train, under_torchrun
 
     try:
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
@@ -498,7 +498,10 @@ def _train(args: argparse.Namespace) -> int:
         if e.cause is not None and e.cause["tessera"]:
             error_exit("train", with_flags(e.cause["message"], args.flags))
             return e.cause["exit_code"]
-        raise
+        if e.cause is None or e.cause["type"] == "OutOfMemoryError":  # killed, or out of GPU memory: no bug
+            error_exit("train", failed_message(e, config))
+            return 1
+        raise  # an unexpected exception in a rank: its traceback is the report
     if history and not config.runtime.quiet:
         print(done_line(history, config))
     if history and config.runtime.check_drift:

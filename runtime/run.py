@@ -199,6 +199,21 @@ def stopped_message(why: str, config: Config) -> str:
     return f"{why}; every rank was stopped (no --checkpoint-dir was given: this run saved nothing to resume from)"
 
 
+def failed_message(error: Exception, config: Config) -> str:
+    """The one line of a run whose rank died (a signal, the out-of-memory killer) or ran out of GPU memory,
+    without restarts left: what happened, and where to resume from."""
+    cause = failure_cause(error)
+    if "OutOfMemoryError" in cause:
+        cause += " (lower --global-batch, raise --microbatches, or add --ac; tessera memory estimates a layout)"
+    root = config.checkpoint.dir
+    if root and (Path(root) / "latest").exists():
+        return f"{cause}; resume from the last checkpoint in {root} with --resume"
+    restarts = " (--max-restarts N restarts the ranks from the latest checkpoint by itself)"
+    if root:
+        return f"{cause}; no checkpoint was saved in {root} yet: nothing to resume from{restarts}"
+    return f"{cause}; no --checkpoint-dir was given: this run saved nothing to resume from{restarts}"
+
+
 def failure_cause(error: Exception) -> str:
     """A rank's failure in one line: the exception a rank raised ('rank 1 of 4 raised RuntimeError: ...'),
     or a death by a signal named ('rank 1 of 4 died without a result (killed by SIGKILL, exit code -9)')."""

@@ -155,3 +155,50 @@ def test_pins_keep_a_step_while_their_reader_lives(tmp_path):
     dead = tmp_path / ".pins" / f"step_00000003@{socket.gethostname()}@{2**22 + 7}"
     dead.write_text("")
     assert pinned_steps(tmp_path) == {"step_00000002"} and not dead.exists()  # a dead reader's pin is dropped
+
+
+@pytest.mark.slow
+def test_a_killed_rank_without_restarts_ends_in_one_line_with_where_to_resume(tmp_path):
+    run = _train(tmp_path, "--dp", "2", "--steps", "100000", "--checkpoint-dir", "ck", "--checkpoint-every", "2")
+    try:
+        lock = tmp_path / "ck" / ".lock"
+        _wait_for(lambda: (tmp_path / "ck" / "latest").exists(), 120, "the first checkpoint")
+        os.kill(json.loads(lock.read_text())["pids"][1], signal.SIGKILL)  # rank 1
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    lines = err.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(
+        "tessera train: error: rank 1 of 2 died without a result (killed by SIGKILL, exit code -9)"
+    )
+    assert lines[0].endswith("; resume from the last checkpoint in ck with --resume")
+
+
+def test_a_rank_killed_while_the_oom_killer_struck_is_named_out_of_memory(tmp_path):
+    from tessera.parallel.host_memory import available_bytes, oom_kills
+    from tessera.parallel.launch import died_message
+
+    assert died_message(1, 2, -9, 3, 3) == "rank 1 of 2 died without a result (exit code -9)"
+    assert died_message(1, 2, -9, 3, 4).endswith(
+        "; out of memory: the kernel's out-of-memory killer ended 1 process of this machine's memory group while "
+        "the ranks ran"
+    )
+    assert died_message(1, 2, -15, 3, 4) == "rank 1 of 2 died without a result (exit code -15)"  # not the killer's
+    assert died_message(0, 1, -9, None, None) == "rank 0 of 1 died without a result (exit code -9)"  # unknown here
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v2).mkdir()
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\n")
+    (v2 / "memory.max").write_text("8589934592\n")
+    (v2 / "memory.current").write_text("2147483648\n")
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("1000\n")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684096 kB\nMemAvailable:   21844124 kB\n")
+    assert oom_kills(v2) == 2 and oom_kills(v1) == 5 and oom_kills(tmp_path / "none") is None
+    assert available_bytes(v2, meminfo) == 6 * 2**30  # the cgroup's limit less its usage, under MemAvailable
+    assert available_bytes(v1, meminfo) == 21844124 * 1024  # no cgroup limit: MemAvailable
+    assert available_bytes(tmp_path / "none", tmp_path / "no-meminfo") is None
