@@ -102,6 +102,7 @@ def train_config(sizes: dict, batch: int, compile: bool, smoke: bool):
         device="cpu" if smoke else "cuda",
         compile=compile,
         profile_summary=sizes["steps"],  # the last step: its kernels, time by kind, and memory
+        force=True,  # the suite sizes the batch itself: from the planner's estimate, then by what runs
     )
     config.check()
     return config

@@ -41,10 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tessera.topology.planner import Candidate, Hardware, estimate, model_flops_per_token
+from tessera.topology.planner import model_flops_per_token
 from tessera.topology.step_time import Calibration
 
 from .config import Config, said
+from .estimate import planner_estimate  # noqa: F401 (re-exported: the benchmarks and tests call it from here)
 from .layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
 from .plan_command import model_shape
 
@@ -176,39 +177,6 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"tessera bench: error: {said(e, args)}", file=sys.stderr)
         return 2
     return _sweep(args, configs, out)
-
-
-def planner_estimate(config, calibration=None):
-    """The planner's Estimate for the layout a training config runs: its strategy (NO_SHARD as FSDP2 runs
-    it, every dp rank on dp_replicate; HYBRID_SHARD is FULL_SHARD on that 2-D mesh), checkpointing,
-    schedule, microbatches, virtual stages and sequence parallel, at its dtype (fp32 on CPU: fp32 Adam);
-    its step time at a calibration's measured rates when one is given (topology/step_time.py)."""
-    from tessera.parallel.data import PRECISIONS, layout_for_strategy  # lazy: tessera.parallel imports torch
-
-    p = config.parallel_config()
-    layout = layout_for_strategy(config.layout, p.data.strategy)
-    strategy = "SHARD_GRAD_OP" if p.data.strategy == "SHARD_GRAD_OP" else "FULL_SHARD"
-    cand = Candidate(
-        layout,
-        strategy,
-        p.data.activation_checkpointing,
-        p.pipeline.schedule,
-        config.data.microbatches,
-        p.pipeline.virtual,
-        p.sequence_parallel,
-    )
-    element = PRECISIONS[p.data.mixed_precision].itemsize
-    ranks = layout.world_size
-    hw = Hardware(
-        gpus=ranks,
-        gpu_memory_gb=1e6,
-        gpus_per_node=max(8, ranks),
-        dtype_bytes=element,
-        recipe="mixed_adam" if element == 2 else "fp32_adam",
-        calibration=calibration,
-    )
-
-    return estimate(model_shape(config.model_config), cand, hw, config.data.seq_len, config.data.global_batch)
 
 
 def calibrate_rank(config, quick: bool = True) -> dict:

@@ -277,6 +277,11 @@ class RuntimeSection:
     profile_shapes: bool = opt(
         False, "with --profile: record each op's input shapes too (larger traces; the table groups ops by shape)"
     )
+    force: bool = opt(
+        False,
+        "run even when the planner's memory estimate exceeds this machine's memory (host RAM shared by the "
+        "local CPU ranks, or a GPU's): by default such a run is refused before any rank starts",
+    )
     profile_summary: int | None = opt(
         None,
         "profile step N (torch.profiler and the allocator; N >= 2, after the warm-up step) into its metrics "

@@ -23,6 +23,9 @@ from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
 from tessera.parallel.plan import find_modules
 
+from tessera.parallel.host_memory import available_bytes
+
+from .estimate import fit_problem, local_ranks
 from .paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 from .profiling import check_profile, check_profile_summary, profile_window
 
@@ -38,6 +41,7 @@ def check(config: Config) -> None:
     _check_pipeline_flags(config)  # and --cp-method without --cp
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
+    _check_fits(config, layout.world_size)
     _check_paths(config, model)
     _check_profile(config)
     if config.runtime.comm_stats not in (None, "every", "first"):
@@ -301,6 +305,22 @@ def _check_device(config: Config, world: int) -> None:
                 f"--device cuda with {local} local ranks needs {local} GPUs (one per rank); this machine has "
                 f"{torch.cuda.device_count()}: use --device cpu, a smaller layout, or torchrun across nodes"
             )
+
+
+def _check_fits(config: Config, world: int) -> None:
+    """The run fits this machine's memory by the planner's estimate (--force skips it): a run that would
+    grow until the kernel kills it, or fork more ranks than the host can hold, is refused before it starts."""
+    if config.runtime.force:
+        return
+    local = local_ranks(world)
+    per_device = None
+    if config.device_type() == "cuda":
+        per_device = min(
+            torch.cuda.get_device_properties(i).total_memory for i in range(min(local, torch.cuda.device_count()))
+        )
+    problem = fit_problem(config, None if per_device else available_bytes(), local, per_device)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _check_writable_file(flag: str, path: str) -> None:

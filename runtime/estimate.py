@@ -1,0 +1,96 @@
+"""The planner's estimate of the run a training config describes: its layout, strategy, checkpointing,
+schedule, microbatches and dtype as the config runs them (topology/planner.py's `estimate`). The bench puts
+it beside its measurements; the pre-run checks refuse a run whose estimated memory this machine lacks."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tessera.models.spec import shape_of
+from tessera.topology.memory import GB
+from tessera.topology.planner import Candidate, Hardware, Estimate, estimate
+
+# the torch runtime of one CPU rank beside its tensors: a debug rank of two layers peaks at 330 MiB of RSS
+# (measured here: `tessera train --model debug`), nearly all of it torch, gloo and Python
+CPU_RANK_RUNTIME_BYTES = 300 * 2**20
+
+
+def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
+    """The planner's Estimate for the layout a training config runs: its strategy (NO_SHARD as FSDP2 runs
+    it, every dp rank on dp_replicate; HYBRID_SHARD is FULL_SHARD on that 2-D mesh), checkpointing,
+    schedule, microbatches, virtual stages and sequence parallel, at its dtype (fp32 on CPU: fp32 Adam);
+    its step time at a calibration's measured rates when one is given (topology/step_time.py)."""
+    from tessera.parallel.data import PRECISIONS, layout_for_strategy  # lazy: tessera.parallel imports torch
+
+    p = config.parallel_config()
+    layout = layout_for_strategy(config.layout, p.data.strategy)
+    strategy = "SHARD_GRAD_OP" if p.data.strategy == "SHARD_GRAD_OP" else "FULL_SHARD"
+    cand = Candidate(
+        layout,
+        strategy,
+        p.data.activation_checkpointing,
+        # a schedule file: the planner knows schedules by name; (interleaved) 1F1B's held activations stand in
+        p.pipeline.schedule
+        if isinstance(p.pipeline.schedule, str)
+        else "interleaved-1f1b"
+        if p.pipeline.virtual > 1
+        else "1f1b",
+        config.data.microbatches,
+        p.pipeline.virtual,
+        p.sequence_parallel,
+    )
+    element = PRECISIONS[p.data.mixed_precision].itemsize
+    ranks = layout.world_size
+    hw = Hardware(
+        gpus=ranks,
+        gpu_memory_gb=1e6,
+        gpus_per_node=max(8, ranks),
+        dtype_bytes=element,
+        recipe="mixed_adam" if element == 2 else "fp32_adam",
+        calibration=calibration,
+    )
+
+    return estimate(shape_of(config.model_config), cand, hw, config.data.seq_len, config.data.global_batch)
+
+
+def fit_problem(config: Any, available: int | None, local_ranks: int, per_device: int | None) -> str | None:
+    """Why this machine cannot hold the run, by the planner's estimate, or None. CPU ranks share the host's
+    `available` bytes (each also needs CPU_RANK_RUNTIME_BYTES of runtime); a GPU rank has its device's
+    `per_device` bytes. Unknown capacities pass."""
+    need = planner_estimate(config).memory
+    per_rank = need["total"]
+    parts = ", ".join(f"{k} {v / GB:,.2f}" for k, v in need.items() if k != "total" and v >= 0.01 * GB)
+    what = (
+        f"the planner estimates {per_rank / GB:,.2f} GB per rank ({parts or 'all parts under 0.01 GB'}) for "
+        f"{config.layout} at seq_len={config.data.seq_len}, global_batch={config.data.global_batch}, "
+        f"microbatches={config.data.microbatches}"
+    )
+    fix = (
+        "lower `global_batch`, raise `microbatches`, add activation checkpointing, spread the model over more "
+        "ranks, or pass `force` to run anyway"
+    )
+    if per_device is not None:
+        if per_rank > per_device:
+            return f"{what}, more than a GPU's {per_device / GB:,.2f} GB; {fix}"
+        return None
+    if available is None:
+        return None
+    total = local_ranks * (per_rank + CPU_RANK_RUNTIME_BYTES)
+    if total <= available:
+        return None
+    holds = int(available // (per_rank + CPU_RANK_RUNTIME_BYTES))
+    if local_ranks * CPU_RANK_RUNTIME_BYTES > available / 2:  # the rank count itself, not the tensors
+        fix = (
+            f"this machine holds about {holds} such rank(s): use a smaller layout, torchrun across machines, or "
+            f"pass `force` to run anyway"
+        )
+    return (
+        f"{what}; {local_ranks} local CPU rank(s) with their runtime ({CPU_RANK_RUNTIME_BYTES / 2**20:.0f} MiB "
+        f"each) need {total / GB:,.2f} GB, more than the {available / GB:,.2f} GB this machine has available; {fix}"
+    )
+
+
+def local_ranks(world: int) -> int:
+    """The ranks this machine runs: torchrun's LOCAL_WORLD_SIZE, else the whole layout (the local launcher)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
