@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -26,9 +27,9 @@ from tessera.topology.planner import (
     PlanError,
     candidates_of_layout,
     estimate,
+    gain_text,
     plan,
     why_not_runnable,
-    wins_by,
 )
 from tessera.topology.errors import with_flags
 from tessera.topology.step_time import Calibration, find_entry
@@ -102,14 +103,17 @@ def add_plan_parser(sub) -> None:
     p.add_argument(
         "--peak-tflops",
         type=float,
-        default=H100_BF16_TFLOPS,
-        help=f"dense bf16 peak per GPU (default {H100_BF16_TFLOPS:g}: H100 SXM)",
+        default=None,
+        metavar="TFLOPS",
+        help=f"dense bf16 peak per GPU, which MFU is measured against (default {H100_BF16_TFLOPS:g}: H100 SXM; "
+        f"with --device-kind none, and no MFU is shown unless it is given)",
     )
     p.add_argument(
         "--efficiency",
         type=float,
         default=DEFAULT_EFFICIENCY,
-        help=f"share of the peak a step's matmuls reach (default {DEFAULT_EFFICIENCY})",
+        metavar="SHARE",
+        help=f"share of the peak a step's matmuls reach, in (0, 1] (default {DEFAULT_EFFICIENCY})",
     )
     p.add_argument(
         "--intra-node-gbps",
@@ -179,7 +183,24 @@ def add_plan_parser(sub) -> None:
 
 def _row(rank: int, x: Estimate) -> str:
     mem = "".join(f"{sum(x.memory[k] for k in keys) / GB:>10.2f}" for _, keys in MEMORY_COLUMNS)
-    return f"{rank:>3}  {x.candidate.describe():<76}{mem}{x.time['step']:>9.3f}{x.tokens_per_s:>12,.0f}{x.mfu:>7.1%}"
+    mfu = "-" if x.mfu is None else f"{x.mfu:.1%}"  # no peak to measure it against (a calibration alone)
+    return f"{rank:>3}  {x.candidate.describe():<76}{mem}{x.time['step']:>9.3f}{x.tokens_per_s:>12,.0f}{mfu:>7}"
+
+
+def train_command(model: str, seq_len: int, global_batch: int, x: Estimate, hw: Hardware) -> str:
+    """The `tessera train` command that runs a planned layout as planned: the model, sequence and batch, the
+    layout's flags, and where the plan's precision or device is not train's default for it (a calibration's
+    dtype, a CPU calibration's ranks), those too. Pasted as printed, it trains what the plan ranked."""
+    words = ["tessera", "train", "--model", model, "--seq-len", str(seq_len), "--global-batch", str(global_batch)]
+    words += x.candidate.flags().split()
+    cal = hw.calibration
+    if cal is not None:
+        if cal.device_type == "cpu":
+            words += ["--device", "cpu"]
+        default = "bfloat16" if cal.device_type == "cuda" else "float32"  # train's default on that device
+        if cal.dtype != default:
+            words += ["--mixed-precision", {"bfloat16": "bf16", "float32": "fp32"}[cal.dtype]]
+    return shlex.join(words)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -197,7 +218,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"--gpus {args.gpus:,} is more than the planner enumerates (at most {MAX_GPUS:,}); plan a smaller job"
             )
         calibration, dtype_bytes = _calibration(args)
-        hw = Hardware(
+        hw = Hardware(  # its ValueErrors name its parameters (efficiency=5): said() writes the flags
             gpus=args.gpus,
             gpu_memory_gb=args.gpu_memory,
             gpus_per_node=args.gpus_per_node,
@@ -214,7 +235,11 @@ def run_plan(args: argparse.Namespace) -> int:
         shape = model_shape(args.model)
         named = parse_named_layout(args.layout, args.gpus) if args.layout else None
         result = plan(shape, hw, args.seq_len, args.global_batch, top=None, name=args.model)
-        scored = score_layout(shape, hw, args.seq_len, args.global_batch, result, *named) if named else None
+        scored = (
+            score_layout(shape, hw, args.seq_len, args.global_batch, result, named[0], named[1], model=args.model)
+            if named
+            else None
+        )
         if scored is not None:  # the planner's reasons name its parameters (seq_len=1023): say the flags
             scored["verdict"] = with_flags(scored["verdict"], getattr(args, "flags", {}))
         result.ranked = result.ranked[: args.top]
@@ -223,15 +248,23 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     best = result.ranked[0]
     dry = _dry_run(args.model, best) if args.dry_run else None
+
+    def command(x: Estimate) -> str:
+        return train_command(args.model, args.seq_len, args.global_batch, x, hw)
+
     if args.json:
-        best_ep = None if result.best_ep is None else {"rank": result.best_ep[0], **result.best_ep[1].as_dict()}
+        best_ep = (
+            None
+            if result.best_ep is None
+            else {"rank": result.best_ep[0], **result.best_ep[1].as_dict(), "command": command(result.best_ep[1])}
+        )
         print(
             json.dumps(
                 {
                     "request": result.request,
                     "considered": result.considered,
                     "why": result.why,
-                    "ranked": [x.as_dict() for x in result.ranked],
+                    "ranked": [{**x.as_dict(), "command": command(x)} for x in result.ranked],
                     "best_ep": best_ep,
                     "dry_run": dry,
                     **({"layout": scored} if scored is not None else {}),
@@ -241,8 +274,7 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         return 0
     print(
-        f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GB ({args.gpus_per_node} per node), "
-        f"seq {args.seq_len}, "
+        f"{args.model} on {hw.describe()}, seq {args.seq_len}, "
         f"global batch {args.global_batch}: {len(result.ranked)} of {result.considered} layouts shown "
         f"(ranked by estimated step time; GB per rank)"
     )
@@ -256,16 +288,19 @@ def run_plan(args: argparse.Namespace) -> int:
     if result.best_ep is not None and result.best_ep[0] > len(result.ranked):  # an MoE model's best with ep
         place, x = result.best_ep
         print(_row(place, x))
-        print(f"best with expert parallel (ranked {place}): tessera train {x.candidate.flags()}")
-    print(f"best: tessera train {best.candidate.flags()}".rstrip())
+        print(f"best with expert parallel (ranked {place}): {command(x)}")
+    print(f"best: {command(best)}")
     print(f"why: {result.why}")
     if scored is not None:
         print(f"--layout {args.layout}: {scored['verdict']}")
-    compute = (
-        f"{args.efficiency:.0%} of {args.peak_tflops:g} TFLOP/s"
-        if hw.calibration is None
-        else f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})"
-    )
+    if hw.calibration is None:
+        compute = f"{hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s (MFU against that peak)"
+    else:
+        compute = f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})" + (
+            " (no MFU: a calibration measures rates, not a peak; --peak-tflops gives one)"
+            if hw.peak_tflops is None
+            else f" (MFU against --peak-tflops {hw.peak_tflops:g})"
+        )
     precision = (
         "bf16 compute, fp32 master weights and Adam (16 B/parameter)"
         if hw.dtype_bytes == 2
@@ -298,8 +333,8 @@ def parse_named_layout(text: str, gpus: int):
     """(Layout, fixed settings) of --layout's name (tessera bench's grammar); PlanError naming what is wrong."""
     try:
         flags = parse_layout(text)
-    except ValueError as e:
-        raise PlanError(f"--layout {e}") from None
+    except ValueError as e:  # "layout 'xx': ..."
+        raise PlanError(f"--{e}") from None
     if flags.pop("compile", False):
         raise PlanError(
             f"--layout {text}: +compile is not part of the planner's model (it estimates eager steps); drop it"
@@ -320,10 +355,13 @@ def parse_named_layout(text: str, gpus: int):
     return lay, flags  # flags left: sequence_parallel, ac, fsdp
 
 
-def score_layout(shape, hw: Hardware, seq_len: int, global_batch: int, result, lay, fixed: dict) -> dict:
+def score_layout(
+    shape, hw: Hardware, seq_len: int, global_batch: int, result, lay, fixed: dict, model: str | None = None
+) -> dict:
     """Where a layout the user names stands: its best settings' rank among every fitting layout and what the
-    best gains over it; or why it does not fit (its least-memory settings' shortfall); or why tessera would
-    not run it."""
+    best gains over it (with the `tessera train` command that runs it: the whole command given the `model`'s
+    name, else its layout flags); or why it does not fit (its least-memory settings' shortfall); or why
+    tessera would not run it."""
 
     def keep(c) -> bool:
         return (
@@ -375,11 +413,18 @@ def score_layout(shape, hw: Hardware, seq_len: int, global_batch: int, result, l
     if place == 1:
         verdict = f"ranked 1 of {len(result.ranked)}: it is the best layout ({ours.candidate.describe()})"
     else:
-        label, seconds = wins_by(best, ours)
+        run = (
+            train_command(model, seq_len, global_batch, ours, hw)
+            if model is not None
+            else f"tessera train {ours.candidate.flags()}"
+        )
+        if ours.time["step"] <= best.time["step"] * 1.001:  # why_best's tie: no gain worth naming
+            gain = "ties with it within 0.1% on time; the layouts ranked above it hold less memory"
+        else:
+            gain = f"which wins by {gain_text(best, ours)}"
         verdict = (
             f"ranked {place} of {len(result.ranked)} at best ({ours.candidate.describe()}): "
-            f"{ours.time['step']:.3f} s/step against {best.time['step']:.3f} s for the best, which wins by "
-            f"{label} ({seconds:.3f} s/step); run it with: tessera train {ours.candidate.flags()}"
+            f"{ours.time['step']:.3f} s/step against {best.time['step']:.3f} s for the best, {gain}; run it with: {run}"
         )
     return {"fits": True, "rank": place, "estimate": ours.as_dict(), "verdict": verdict}
 

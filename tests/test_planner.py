@@ -33,6 +33,7 @@ from tessera.topology.planner import (
     rank_params_of,
     why_best,
     why_not_runnable,
+    wins_by,
 )
 from tessera.topology.shapes import ModelShape, as_shape, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 
@@ -238,7 +239,7 @@ def test_plan_cli_json():
     [
         ("dp4xtp2", r"--layout dp4xtp2 is 8 ranks and --gpus is 16: name a layout of 16 ranks"),
         ("dp16+compile", r"\+compile is not part of the planner's model"),
-        ("dq16", r"--layout layout 'dq16': 'dq16' is not <axis><degree>"),
+        ("dq16", r"--layout 'dq16': 'dq16' is not <axis><degree>"),
     ],
 )
 def test_a_named_layout_that_cannot_be_scored_is_refused(name, message):
@@ -284,6 +285,12 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
     assert got["fits"] and got["rank"] == mine[0] > 1
     assert got["estimate"]["time_s"]["step"] == pytest.approx(ranked[mine[0] - 1].time["step"])
     assert "which wins by" in got["verdict"] and "tessera train --pp 2 --tp 2 --dp 4" in got["verdict"]
+    # the CLI names the model: its verdict's command is the whole one (the model, the sequence, the batch)
+    got = score_layout(shape, hw, 4096, 32, result, *parse_named_layout("pp2xdp4xtp2", 16), model="8b")
+    assert (
+        "run it with: tessera train --model 8b --seq-len 4096 --global-batch 32 --pp 2 --tp 2 --dp 4"
+        in (got["verdict"])
+    )
     assert re.fullmatch(
         r"does not fit: its least-memory settings \(dp_replicate16, no FSDP, ac full, mb 1\) need "
         r"\d+\.\d GB per rank against 36\.0 GB usable, short by \d+\.\d GB",
@@ -336,6 +343,15 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
             ["--model", "8b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "64", "--peak-tflops", "inf"],
             r"--peak-tflops inf must be a positive, finite number",
         ),
+        # issue 40: --efficiency 5 planned at "500% of 989 TFLOP/s" with an MFU of 451%
+        *(
+            (
+                ["--model", "8b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "64", "--efficiency", share],
+                rf"^tessera plan: error: --efficiency {said} must be in \(0, 1\]: the share of --peak-tflops a step's "
+                rf"matmuls reach; use e\.g\. --efficiency 0\.4$",
+            )
+            for share, said in (("5", "5"), ("0", "0"), ("-0.3", "-0.3"), ("nan", "nan"), ("1.5", "1.5"))
+        ),
     ],
 )
 def test_plan_cli_refuses_with_one_line(args, message):
@@ -344,6 +360,115 @@ def test_plan_cli_refuses_with_one_line(args, message):
     out = cli_here("plan", *args)
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
+
+
+def test_an_efficiency_of_one_plans_and_the_library_names_its_parameter():
+    request = ["--model", "debug", "--gpus", "2", "--seq-len", "64", "--global-batch", "4"]
+    assert cli_here("plan", *request, "--efficiency", "1").returncode == 0
+    with pytest.raises(PlanError, match=r"^efficiency=5 must be in \(0, 1\]: the share of `peak_tflops`"):
+        Hardware(gpus=8, efficiency=5)
+
+
+def _train_config(command: str):
+    """The Config `tessera train` builds from a printed command line (its words after `tessera train`)."""
+    import shlex
+
+    from tessera.cli import build_parser
+    from tessera.config import config_from_args
+
+    words = shlex.split(command)
+    assert words[:2] == ["tessera", "train"], command
+    args = build_parser().parse_args(words[1:])
+    return config_from_args(args)
+
+
+def test_the_best_line_is_a_train_command_that_reproduces_the_plan():
+    """Issue 40: `best:` printed the layout flags alone, so pasting it trained the debug model at the default
+    sequence and batch. Every command the plan prints (the best line, and each ranked layout's in --json)
+    parses back through `tessera train`'s parser into the planned model, sequence, batch and layout."""
+    request = ["--model", "small", "--gpus", "8", "--seq-len", "256", "--global-batch", "16", "--top", "40"]
+    text = cli_here("plan", *request).stdout
+    best = next(ln for ln in text.splitlines() if ln.startswith("best: ")).removeprefix("best: ")
+    ranked = json.loads(cli_here("plan", *request, "--json").stdout)["ranked"]
+    assert best == ranked[0]["command"]
+    assert any(r["layout"]["pp"] > 1 and r["virtual"] > 1 for r in ranked)  # schedules and virtual stages too
+    for row in ranked:
+        config = _train_config(row["command"])
+        assert (config.model.preset, config.data.seq_len, config.data.global_batch) == ("small", 256, 16)
+        lay = config.layout
+        assert {k: getattr(lay, k) for k in row["layout"]} == row["layout"], row["command"]
+        assert config.microbatches == row["microbatches"] and config.virtual == row["virtual"], row["command"]
+        assert (config.parallel.schedule or "1f1b") == row["schedule"] or lay.pp == 1, row["command"]
+        assert config.parallel.ac == row["ac"] and config.parallel.sequence_parallel == row["sequence_parallel"]
+        assert config.parallel.fsdp == row["strategy"] or lay.dp_shard * lay.cp == 1, row["command"]
+
+
+CPU_CALIBRATION = dict(
+    device_kind="cpu: Test CPU, 1 thread",
+    dtype="float32",
+    matmul_flops_per_s=1e11,
+    attention_flops_per_s=2e10,
+    memory_bytes_per_s=4e10,
+    op_overhead_s=4e-6,
+    device_type="cpu",
+)
+
+
+@pytest.fixture
+def cpu_calibration(tmp_path):
+    from tessera.topology.step_time import SCHEMA
+
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"schema": SCHEMA, "entries": {"cpu: Test CPU | float32": CPU_CALIBRATION}}))
+    return path
+
+
+@pytest.mark.parametrize("gpus, ranks", [("1", "1 CPU rank of 80 GB"), ("2", "2 CPU ranks of 80 GB")])
+def test_a_cpu_calibrated_plan_says_what_it_planned_and_shows_no_false_mfu(cpu_calibration, gpus, ranks):
+    """Issue 40: with a CPU calibration the header said "1 GPUs of 80 GB", every MFU read 0.0% (against an
+    H100's peak), and "why" said "less recomputation" of two layouts that recompute nothing."""
+    request = ["--model", "small", "--gpus", gpus, "--seq-len", "128", "--global-batch", "8"]
+    out = cli_here("plan", *request, "--device-kind", "cpu", "--calibration", str(cpu_calibration), "--top", "3")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"small on {ranks} (8 per node; the CPU calibration 'cpu: Test CPU, 1 thread')")
+    assert "GPU" not in lines[0]
+    rows = [ln for ln in lines if ln[:3].strip().isdigit()]
+    assert rows and all(ln.split()[-1] == "-" for ln in rows)  # no MFU without a peak
+    assert "no MFU: a calibration measures rates, not a peak" in lines[-1]
+    why = next(ln for ln in lines if ln.startswith("why: "))
+    assert "recomputation" not in why or "ac none against ac op" in why, why  # recomputation only where it differs
+    if gpus == "1":  # ac none, mb 1 against ac none, mb 2: the second microbatch's operators
+        assert (
+            why.startswith("why: it wins by fewer operators for the host to dispatch (") and "mb 1 against mb 2" in why
+        )
+    best = next(ln for ln in lines if ln.startswith("best: ")).removeprefix("best: ")
+    assert _train_config(best).runtime.device == "cpu"  # the plan's ranks are CPU ranks
+    # a peak given: MFU against it
+    out = cli_here(
+        "plan", *request, "--device-kind", "cpu", "--calibration", str(cpu_calibration), "--peak-tflops", "0.1"
+    )
+    rows = [ln for ln in out.stdout.splitlines() if ln[:3].strip().isdigit()]
+    assert all(ln.split()[-1].endswith("%") and ln.split()[-1] != "0.0%" for ln in rows), out.stdout
+    assert "(MFU against --peak-tflops 0.1)" in out.stdout
+
+
+def test_the_reason_a_layout_wins_names_what_differs_in_it():
+    """ "less recomputation" only where the faster layout's checkpointing recomputes less; every reason names
+    the settings that differ (calibrated and not)."""
+    from tessera.topology.planner import RECOMPUTE, gain_text
+    from tessera.topology.step_time import Calibration
+
+    shape = model_shape("small")
+    for hw in (Hardware(gpus=2), Hardware(gpus=2, calibration=Calibration(**CPU_CALIBRATION))):
+        ranked = plan(shape, hw, 128, 8).ranked
+        best = ranked[0]
+        for other in ranked[1:]:
+            label, seconds = wins_by(best, other)
+            if "recomputation" in label:
+                assert RECOMPUTE[best.candidate.ac] < RECOMPUTE[other.candidate.ac], (label, other.candidate)
+            text = gain_text(best, other)
+            assert text.startswith(f"{label} ({seconds:.3f} s/step; ") and " against " in text, text
 
 
 # ----------------------------------------------------------------------------- model shapes

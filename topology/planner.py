@@ -116,7 +116,10 @@ class Hardware:
     gpus: int
     gpu_memory_gb: float = 80.0
     gpus_per_node: int = 8
-    peak_tflops: float = H100_BF16_TFLOPS
+    # the dense peak per GPU: with `efficiency`, the uncalibrated compute rate; and what MFU is measured
+    # against. None: H100's without a calibration; with one, unknown (a calibration measures rates, not a
+    # peak), and no MFU is computed
+    peak_tflops: float | None = None
     efficiency: float = DEFAULT_EFFICIENCY
     intra_node_gbps: float = DEFAULT_INTRA_GBPS
     inter_node_gbps: float = DEFAULT_INTER_GBPS
@@ -132,10 +135,17 @@ class Hardware:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"{name}={v!r} must be a positive integer")
-        for name in ("gpu_memory_gb", "peak_tflops", "efficiency", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
+        if self.peak_tflops is None and self.calibration is None:
+            object.__setattr__(self, "peak_tflops", H100_BF16_TFLOPS)
+        for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
             v = getattr(self, name)
-            if not (v > 0 and math.isfinite(v)):  # inf would make every step take no time
+            if v is not None and not (v > 0 and math.isfinite(v)):  # inf would make every step take no time
                 raise PlanError(f"{name}={v!r} must be a positive, finite number")
+        if not 0 < self.efficiency <= 1:  # a share of the peak (5 printed "500% of 989 TFLOP/s", MFU 451%)
+            raise PlanError(
+                f"efficiency={self.efficiency:g} must be in (0, 1]: the share of `peak_tflops` a step's matmuls "
+                f"reach; use e.g. efficiency={DEFAULT_EFFICIENCY:g}"
+            )
         if not 0 <= self.headroom < 1:
             raise PlanError(f"headroom={self.headroom!r} must be in [0, 1)")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
@@ -148,6 +158,27 @@ class Hardware:
     @property
     def usable_bytes(self) -> float:
         return self.gpu_memory_gb * GB * (1 - self.headroom)
+
+    @property
+    def peak_flops_per_s(self) -> float:
+        """peak_tflops in FLOP/s; only without a calibration (where __post_init__ fills in H100's) or when given."""
+        if self.peak_tflops is None:
+            raise ValueError("peak_tflops is unknown: this Hardware has a calibration and no peak_tflops")
+        return self.peak_tflops * 1e12
+
+    def describe(self) -> str:
+        """What the ranks are, for a plan's header: '8 GPUs of 80 GB (8 per node)'; with a calibration its
+        device kind too, and a CPU's ranks called CPU ranks: "1 CPU rank of 80 GB (8 per node; the CPU
+        calibration 'cpu: ..., 1 thread')"."""
+        cal = self.calibration
+        ranks = plural(self.gpus, "CPU rank" if cal is not None and cal.device_type == "cpu" else "GPU")
+        where = "" if cal is None else f"; the {cal.device_type.upper()} calibration {cal.device_kind!r}"
+        return f"{ranks} of {self.gpu_memory_gb:g} GB ({self.gpus_per_node} per node{where})"
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 GPU', '8 GPUs'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 @dataclass(frozen=True)
@@ -204,7 +235,7 @@ class Estimate:
     time: dict[str, float]  # seconds per step by component, "step" included
     comm_bytes: dict[str, float]  # bytes each rank sends per step, by axis (ring-algorithm volumes)
     tokens_per_s: float
-    mfu: float
+    mfu: float | None  # None: no peak to measure it against (a calibration without peak_tflops)
     fits: bool
     bubble: float
     compute_parts: dict[str, float] = field(default_factory=dict)  # calibrated: the compute's components
@@ -411,7 +442,7 @@ def expert_weight_seconds(
         6.0 * cfg.top_k * per_expert * cfg.n_layers * global_batch * seq_len * (1 + recompute) / lay.world_size
     )
     if cal is None:
-        flops_s = expert_flops / (hw.peak_tflops * 1e12 * hw.efficiency)
+        flops_s = expert_flops / (hw.peak_flops_per_s * hw.efficiency)
         memory_s = weight_bytes / (hw.hbm_gbps * GB)
     else:
         flops_s, memory_s = expert_flops / cal.matmul_flops_per_s, weight_bytes / cal.memory_bytes_per_s
@@ -449,7 +480,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         parts = calibrated_compute(cfg, cand, hw, seq_len, global_batch, recompute)
         compute = parts["step"]
     else:
-        compute = flops * (1 + recompute) / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
+        compute = flops * (1 + recompute) / (hw.gpus * hw.peak_flops_per_s * hw.efficiency)
     compute += expert_weight_seconds(cfg, cand, hw, seq_len, global_batch, recompute)
     compute_stretched = compute / (1 - bubble)
     comm = comm_bytes_per_step(
@@ -481,7 +512,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
     }
     time["step"] = sum(time.values())
     tokens_per_s = tokens / time["step"]
-    mfu = flops / (time["step"] * hw.gpus * hw.peak_tflops * 1e12)
+    mfu = None if hw.peak_tflops is None else flops / (time["step"] * hw.gpus * hw.peak_flops_per_s)
     return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble, parts)
 
 
@@ -767,7 +798,7 @@ def plan(
     }
     if not cands:
         raise PlanError(
-            f"no layout of {hw.gpus} GPUs runs {model} with seq_len={seq_len} global_batch="
+            f"no layout of {plural(hw.gpus, 'GPU')} runs {model} with seq_len={seq_len} global_batch="
             f"{global_batch}: the global batch must split over dp (try a multiple of {hw.gpus}) and "
             f"tp must divide the {cfg.n_heads} heads"
         )
@@ -784,7 +815,7 @@ def plan(
     if not fitting:
         floor = min_gpus(cfg.num_params(), hw.gpu_memory_gb, hw.recipe)
         raise PlanError(
-            f"{model} does not fit on {hw.gpus} GPUs of {hw.gpu_memory_gb:g} GB at seq_len={seq_len} "
+            f"{model} does not fit on {plural(hw.gpus, 'GPU')} of {hw.gpu_memory_gb:g} GB at seq_len={seq_len} "
             f"global_batch={global_batch}: the closest of {len(cands)} layouts ({closest.candidate.describe()}) "
             f"needs {closest.memory['total'] / GB:.1f} GB per rank against {hw.usable_bytes / GB:.1f} GB usable "
             f"({hw.headroom:.0%} headroom), short by {(closest.memory['total'] - hw.usable_bytes) / GB:.1f} GB; "
@@ -796,18 +827,72 @@ def plan(
 
 def wins_by(faster: Estimate, slower: Estimate) -> tuple[str, float]:
     """(what `faster` gains most by, seconds per step) against `slower`: the part of the step time that
-    differs most (compute, bubble, each exposed accounting name (tp, pp, ep), the overlapped excess)."""
+    differs most (compute, bubble, each exposed accounting name (tp, pp, ep), the overlapped excess), the
+    compute named by what differs in it (`_compute_gain`). `gain_text` adds the settings that differ."""
+    label, seconds, _ = _gain(faster, slower)
+    return label, seconds
+
+
+def gain_text(faster: Estimate, slower: Estimate) -> str:
+    """`wins_by` in words, with the settings that differ: 'a smaller pipeline bubble (0.150 s/step;
+    interleaved-1f1b v2 against 1f1b)'."""
+    label, seconds, detail = _gain(faster, slower)
+    return f"{label} ({seconds:.3f} s/step; {detail})"
+
+
+def _gain(faster: Estimate, slower: Estimate) -> tuple[str, float, str]:
+    """(label, seconds per step, detail: the settings that differ) of what `faster` gains most by."""
     diffs = {k: slower.time[k] - faster.time[k] for k in faster.time if k != "step"}
     key = max(diffs, key=lambda k: diffs[k])
+    settings = _setting_differences(faster.candidate, slower.candidate)
+    if key == "compute":
+        label, detail = _compute_gain(faster, slower)
+        return label, diffs[key], f"{detail}{settings}"
     label = {
-        "compute": "less recomputation",
         "bubble": "a smaller pipeline bubble",
         "tp": "less tensor-parallel traffic",
         "pp": "less pipeline traffic",
         "ep": "less expert-parallel all-to-all traffic",
         "exposed_overlapped_comm": "less data/context traffic left exposed",
     }.get(key, f"less {key} traffic")
-    return label, diffs[key]
+    return label, diffs[key], settings
+
+
+def _setting_differences(a: Candidate, b: Candidate) -> str:
+    """The settings in which two candidates differ, as their descriptions write them: 'mb 1 against mb 2'."""
+
+    def settings(c: Candidate) -> list[str]:
+        schedule = c.schedule + (f" v{c.virtual}" if c.virtual > 1 else "") if c.layout.pp > 1 else "no pipeline"
+        fsdp = c.strategy if fsdp_degree(c.layout) > 1 else "no FSDP"
+        return [str(c.layout), schedule, fsdp, f"ac {c.ac}", f"mb {c.microbatches}"]
+
+    return ", ".join(f"{x} against {y}" for x, y in zip(settings(a), settings(b)) if x != y) or "the same settings"
+
+
+def _compute_gain(faster: Estimate, slower: Estimate) -> tuple[str, str]:
+    """(label, the detail before the settings) of what makes `faster`'s compute shorter: less recomputation
+    only where its checkpointing recomputes less; with a calibration, the part of the compute (host dispatch,
+    memory traffic, matmuls, attention) that differs most; else the MoE experts' weight streaming
+    (`expert_weight_seconds`), the rest of the compute that settings change."""
+    if RECOMPUTE[faster.candidate.ac] < RECOMPUTE[slower.candidate.ac]:
+        return "less recomputation", ""
+    mine, theirs = faster.compute_parts, slower.compute_parts
+    if mine and theirs:
+        parts = {k: theirs[k] - mine[k] for k in ("host", "memory", "matmul", "attention")}
+        key = max(parts, key=lambda k: parts[k])
+        if parts[key] > 0:
+            if key == "host":
+                return "fewer operators for the host to dispatch", (
+                    f"{mine['operators']:,.0f} against {theirs['operators']:,.0f} per step: "
+                )
+            return {
+                "memory": "less memory traffic per rank",
+                "matmul": "fewer matmul FLOPs per rank",
+                "attention": "fewer attention FLOPs per rank",
+            }[key], ""
+    if theirs.get("step", 0.0) - mine.get("step", 0.0) < slower.time["compute"] - faster.time["compute"]:
+        return "less expert weight streaming", ""
+    return "less compute per rank", ""
 
 
 def why_best(result: PlanResult) -> str:
@@ -824,9 +909,8 @@ def why_best(result: PlanResult) -> str:
     other = next((x for x in result.ranked[1:] if x.time["step"] > best.time["step"] * 1.001), None)
     if other is None:
         return f"all {len(result.ranked)} layouts shown tie within 0.1% on time; it holds the least memory per rank."
-    label, seconds = wins_by(best, other)
     return (
-        f"it wins by {label} ({seconds:.3f} s/step): an estimated {best.time['step']:.3f} s/step against "
+        f"it wins by {gain_text(best, other)}: an estimated {best.time['step']:.3f} s/step against "
         f"{other.time['step']:.3f} s for the next slower layout ({other.candidate.describe()}), at "
         f"{best.memory['total'] / GB:.1f} GB per rank against {other.memory['total'] / GB:.1f} GB.{tie_note}"
     )
