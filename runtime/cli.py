@@ -39,11 +39,40 @@ def _memory_degrees(args: argparse.Namespace) -> dict[str, int]:
 
 
 DRY_RUN_MAX_RANKS = 1 << 16  # memory --dry-run: the fake world's mesh is built in full (65,536 ranks: about 15 s)
+# memory's degrees and their product: 1,048,576 ranks is beyond any job (--dp 1000000000000 printed 0.00 GB)
+MAX_DEGREE = 1 << 20
+
+
+def _degree(text: str) -> int | str:
+    """A degree flag's value of `tessera memory`: an int, else its text as given, which `_memory_checks` refuses
+    in one line naming it (argparse's own refusal is a usage block)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _memory_degree_flags(args: argparse.Namespace) -> None:
+    """Each degree flag of `tessera memory` is a whole number of ranks: ValueError naming the flag, the value
+    and the fix for a float (1e12) or other text, a count that is not positive, or more ranks than MAX_DEGREE."""
+    for flag in (a.flag for a in TABLE if hasattr(args, a.flag)):  # the axes memory has a flag for
+        value = getattr(args, flag)
+        option = "--" + flag.replace("_", "-")
+        if not isinstance(value, int):
+            raise ValueError(f"{option} {value} must be a whole number of ranks, e.g. {option} 8")
+        if value < 1:
+            raise ValueError(f"{option} {value} must be a positive integer; use {option} 1 or more")
+        if value > MAX_DEGREE:
+            raise ValueError(
+                f"{option} {value:,} is more ranks than any job has (at most {MAX_DEGREE:,}, 2**20, on one axis); "
+                f"give the job's own degree, e.g. {option} 256"
+            )
 
 
 def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
     """Every input of `tessera memory`, before anything is printed: ValueError naming the flag and the fix.
     Sets args.params from --model; returns the degrees of the axes."""
+    _memory_degree_flags(args)
     if args.params is not None and args.model is not None:
         raise ValueError(
             f"give --params N or --model PRESET, not both (--model {args.model} has its own parameter count): drop one"
@@ -64,6 +93,17 @@ def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
         )
     degrees = _memory_degrees(args)
     world = math.prod(d for name, d in degrees.items() if not AXIS[name].borrows)  # ep borrows its ranks
+    if world > MAX_DEGREE:
+        counted = {n for b in TABLE for n in b.counts if n != b.name}  # dp_replicate: --dp counts it
+        given = " x ".join(
+            f"{a.option} {getattr(args, a.flag)}"
+            for a in TABLE
+            if getattr(args, a.flag, 1) > 1 and a.name not in counted and not a.borrows
+        )
+        raise ValueError(
+            f"{given} is {world:,} ranks, more than any job has (at most {MAX_DEGREE:,}, 2**20); give the job's "
+            f"own degrees"
+        )
     if args.dry_run and world > DRY_RUN_MAX_RANKS:
         raise ValueError(
             f"--dry-run builds the mesh of every fake rank, and {world:,} ranks are too many for one process "
@@ -390,18 +430,27 @@ def build_parser() -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="per-rank model-state memory under ZeRO stages 0-3")
     mem.add_argument("--params", type=_float, default=None, help="parameter count, e.g. 70e9")
     mem.add_argument("--model", default=None, help="a model preset (its parameter count, and --dry-run)")
-    mem.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (splits the model)")
+    # the degrees: _degree keeps a value that is no int as its text, which _memory_checks refuses in one line
+    mem.add_argument("--tp", type=_degree, default=1, metavar="N", help="tensor-parallel degree (splits the model)")
     mem.add_argument(
-        "--pp", type=int, default=1, help="pipeline stages (split the model; --dry-run: per-stage figures)"
+        "--pp",
+        type=_degree,
+        default=1,
+        metavar="N",
+        help="pipeline stages (split the model; --dry-run: per-stage figures)",
     )
-    mem.add_argument("--cp", type=int, default=1, help="context-parallel degree (FSDP shards over dp_shard x cp)")
-    mem.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas: --dp = dp_replicate x dp_shard")
+    mem.add_argument(
+        "--cp", type=_degree, default=1, metavar="N", help="context-parallel degree (FSDP shards over dp_shard x cp)"
+    )
+    mem.add_argument(
+        "--dp-replicate", type=_degree, default=1, metavar="N", help="HSDP replicas: --dp = dp_replicate x dp_shard"
+    )
     mem.add_argument(
         "--dry-run",
         action="store_true",
         help="also build the preset on the fake backend and count the shards each rank holds",
     )
-    mem.add_argument("--dp", type=int, default=1, help="data-parallel ranks sharing the model states")
+    mem.add_argument("--dp", type=_degree, default=1, metavar="N", help="data-parallel ranks sharing the model states")
     mem.add_argument("--recipe", default="mixed_adam", help="mixed_adam (2+2+12 B), fp32_adam (4+4+8 B), ...")
     mem.add_argument("--gpu-memory", type=_float, default=None, help="GB per GPU: also print the raw GPU floor")
     mem.add_argument("--json", action="store_true", help="print bytes as JSON instead of the table")

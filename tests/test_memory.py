@@ -76,6 +76,40 @@ def test_cli_prints_the_reference_table():
     assert bad.returncode == 2 and "--dp 0 must be a positive integer; use --dp 1 or more" in bad.stderr
 
 
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        # issue 40: --dp 1000000000000 printed a table of 0.00 GB; 1e12 was argparse's usage block
+        (["--dp", "1e12"], "--dp 1e12 must be a whole number of ranks, e.g. --dp 8"),
+        (["--tp", "2.5"], "--tp 2.5 must be a whole number of ranks, e.g. --tp 8"),
+        (["--dp-replicate", "two"], "--dp-replicate two must be a whole number of ranks, e.g. --dp-replicate 8"),
+        (
+            ["--dp", "1000000000000"],
+            "--dp 1,000,000,000,000 is more ranks than any job has (at most 1,048,576, 2**20, on one axis); give "
+            "the job's own degree, e.g. --dp 256",
+        ),
+        (
+            ["--dp", "1048576", "--tp", "8", "--dp-replicate", "2"],
+            "--dp 1048576 x --tp 8 is 8,388,608 ranks, more than any job has (at most 1,048,576, 2**20); give the "
+            "job's own degrees",
+        ),
+        (["--cp", "-2"], "--cp -2 must be a positive integer; use --cp 1 or more"),
+    ],
+)
+def test_memory_refuses_a_degree_that_is_no_count_of_ranks_in_one_line(argv, want):
+    from helpers import cli_here
+
+    out = cli_here("memory", "--params", "70e9", *argv)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"tessera memory: error: {want}\n")
+
+
+def test_memory_takes_the_largest_degree_it_allows():
+    from helpers import cli_here
+
+    out = cli_here("memory", "--params", "70e9", "--dp", str(1 << 20))
+    assert out.returncode == 0 and "dp=1048576" in out.stdout
+
+
 def test_dry_run_70b_on_256_fake_ranks_matches_the_reference():
     from tessera.models import get_preset
     from tessera.parallel.parallelize import dry_run_model_states
