@@ -25,11 +25,26 @@ def _unsafe(file, error: Exception) -> CheckpointError:
 def write_safetensors(
     tensors: dict[str, torch.Tensor], file: str | os.PathLike, metadata: dict[str, str] | None = None
 ) -> None:
-    """Write `tensors` (any dtype safetensors supports) to `file` atomically (a temporary file, renamed)."""
+    """Write `tensors` (any dtype safetensors supports) to `file` atomically (a temporary file, renamed), with
+    the permissions any file the process creates gets (0o666 less its umask: -rw-r--r-- under 0022, as the
+    config.json beside it), not the owner-only -rw------- safetensors' own writer gives its file."""
     contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     tmp = Path(f"{file}.tmp")
+    mode = _created_mode(tmp)
     save_file(contiguous, str(tmp), metadata=metadata or {})
+    os.chmod(tmp, mode)
     os.replace(tmp, file)
+
+
+def _created_mode(path: Path) -> int:
+    """The permission bits a file created now gets (0o666 less the process umask), read by creating `path`
+    (os.umask would have to change the umask to read it: a race with the process's other threads)."""
+    path.unlink(missing_ok=True)  # a temporary file left by an interrupted write keeps its own mode
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
 
 
 def read_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:

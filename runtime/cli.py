@@ -296,9 +296,12 @@ def _export(args: argparse.Namespace) -> int:
                 "the checkpoint '' is an empty path; name a checkpoint directory (or a --checkpoint-dir)"
             )
         if args.out is not None:
-            manifest = export_checkpoint(args.checkpoint, args.out)
+            manifest, written = export_checkpoint(args.checkpoint, args.out), ""
         else:
-            manifest = _export_hf(args.checkpoint, args.to_hf)
+            manifest, architecture = _export_hf(args.checkpoint, args.to_hf)
+            written = (
+                f" (a Hugging Face {architecture} directory: transformers' {architecture}.from_pretrained loads it)"
+            )
     except (CheckpointError, ValueError) as e:
         print(f"tessera export: error: {said(e, args)}", file=sys.stderr)
         return 2
@@ -309,10 +312,7 @@ def _export(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    print(
-        f"wrote {target}: model {manifest['model']['preset']} at step {manifest['step']}"
-        + (" (a Hugging Face Llama directory: LlamaForCausalLM.from_pretrained loads it)" if args.to_hf else "")
-    )
+    print(f"wrote {target}: model {manifest['model']['preset']} at step {manifest['step']}{written}")
     return 0
 
 
@@ -344,16 +344,21 @@ def _check_out_path(flag: str, target: str, directory: bool = False) -> None:
         ) from None
 
 
-def _export_hf(checkpoint_path: str, directory: str) -> dict:
+def _export_hf(checkpoint_path: str, directory: str) -> tuple[dict, str]:
+    """Write the checkpoint's model as a Hugging Face directory of its family; (its manifest, the architecture
+    class its config.json names: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, ...)."""
     # lazy: tessera.models and tessera.parallel import torch, which stays out of the torch-free commands
     from tessera.models.hf import config_from_manifest, save_hf
+    from tessera.models.spec import spec_of
     from tessera.parallel.checkpoint import export_checkpoint, read_safetensors
 
     with tempfile.TemporaryDirectory() as tmp:
         manifest = export_checkpoint(checkpoint_path, os.path.join(tmp, "full.safetensors"))
         state = read_safetensors(os.path.join(tmp, "full.safetensors"))
-    save_hf(state, config_from_manifest(manifest["model"]), directory)  # the family's HF adapter
-    return manifest
+    cfg = config_from_manifest(manifest["model"])
+    save_hf(state, cfg, directory)  # the family's HF adapter (a family without one: its ValueError)
+    hf = spec_of(cfg).hf
+    return manifest, hf.architecture if hf is not None else "transformers"
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -466,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--to-hf",
         default=None,
         metavar="DIR",
-        help="write a Hugging Face Llama directory (config.json, model.safetensors) instead",
+        help="write a Hugging Face directory of the checkpoint's model family instead (config.json naming its "
+        "architecture, e.g. LlamaForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM; model.safetensors)",
     )
     exp.set_defaults(func=_export)
 

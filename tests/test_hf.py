@@ -259,3 +259,85 @@ def test_the_readme_fine_tuning_commands_run_as_written(hf_dir, tmp_path):
         out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
         assert out.returncode == 0, (line, out.stderr[-2000:])
     assert (tmp_path / "finetuned" / "config.json").exists()
+
+
+@pytest.fixture
+def umask_022():
+    import os
+
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+@pytest.mark.parametrize(
+    "preset, architecture",
+    [("qwen3-moe-debug", "Qwen3MoeForCausalLM"), ("qwen3-debug", "Qwen3ForCausalLM"), ("debug", "LlamaForCausalLM")],
+)
+def test_export_to_hf_names_the_familys_architecture_and_writes_readable_files(
+    tmp_path, monkeypatch, umask_022, preset, architecture
+):
+    """Issue 40: `export --to-hf` of a Qwen3-MoE checkpoint said it wrote "a Hugging Face Llama directory:
+    LlamaForCausalLM.from_pretrained loads it", and its model.safetensors was -rw------- beside a -rw-r--r--
+    config.json. The checkpoint's sharded read (DCP, tested in test_checkpoint.py) is stood in for by the full
+    state dict it gives, so that the command runs in process."""
+    import tessera.parallel.checkpoint as checkpoint
+    from helpers import cli_here
+    from tessera.models import get_preset
+    from tessera.models.safetensors_io import write_safetensors
+    from tessera.models.spec import spec_of
+
+    cfg = get_preset(preset)
+    # (cloned: a tied head shares its embedding's storage, which safetensors refuses; DCP reads them apart)
+    state = {k: v.clone() for k, v in spec_of(cfg).build_model(cfg, "cpu", 0).state_dict().items()}
+    family = spec_of(cfg).name
+
+    def exported(path, out):
+        write_safetensors(state, out, {"preset": preset, "step": "3"})
+        return {"model": {"preset": preset, "family": family, "config": cfg.as_dict()}, "step": 3}
+
+    monkeypatch.setattr(checkpoint, "export_checkpoint", exported)
+    out = cli_here("export", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (
+        f"wrote {tmp_path / 'hf'}: model {preset} at step 3 (a Hugging Face {architecture} directory: "
+        f"transformers' {architecture}.from_pretrained loads it)\n"
+    )
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "hf" / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_export_help_names_no_one_family():
+    from helpers import cli_here
+
+    text = " ".join(cli_here("export", "--help").stdout.split())
+    assert "a Hugging Face directory of the checkpoint's model family" in text
+    assert "Hugging Face Llama directory" not in text
+
+
+def test_safetensors_files_get_the_permissions_of_any_file_the_process_creates(tmp_path):
+    """0o666 less the umask (safetensors' own writer makes its file owner-only), a stale temporary file's mode
+    not inherited; what `tessera export --out` and `tessera convert` write."""
+    import os
+
+    from tessera.models.safetensors_io import read_safetensors, write_safetensors
+
+    file = tmp_path / "t.safetensors"
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        (tmp_path / "t.safetensors.tmp").touch(mode=0o600)  # left by an interrupted write
+        old = os.umask(umask)
+        try:
+            write_safetensors({"w": torch.ones(2)}, file)
+        finally:
+            os.umask(old)
+        assert file.stat().st_mode & 0o777 == mode, (oct(umask), oct(file.stat().st_mode))
+        assert torch.equal(read_safetensors(file)["w"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors"]
+
+
+def test_convert_writes_a_file_others_can_read_under_umask_022(hf_dir, tmp_path, umask_022):
+    from tessera.cli import main
+
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "t.safetensors")]) == 0
+    assert (tmp_path / "t.safetensors").stat().st_mode & 0o777 == 0o644
