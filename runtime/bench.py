@@ -105,10 +105,16 @@ def add_bench_parser(sub) -> None:
         "--series", choices=("weak", "strong"), default=None, help="a data-parallel scaling series instead of --layouts"
     )
     p.add_argument("--max-ranks", type=int, default=4, help="the series' largest rank count (a power of two)")
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64, metavar="N", help="tokens per sequence (default 64)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step (--series weak: per rank)")
     p.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x pp with pp, else 1)")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=6,
+        metavar="N",
+        help="optimizer steps per layout, --warmup of them left out of the medians (default 6)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (the first also counts bytes)")
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: CUDA when there is a GPU for every rank)")
     p.add_argument(
@@ -150,6 +156,11 @@ def run_bench(args: argparse.Namespace) -> int:
             if args.series
             else [(name, args.global_batch) for name in args.layouts.split(",")]
         )
+        if any(not name.strip() for name, _ in runs):  # 'dp2,,tp2' or '': name the list as given
+            raise ValueError(
+                f"--layouts {args.layouts!r} has an empty layout name; give comma-separated layouts, e.g. "
+                f"--layouts one,dp2,tp2"
+            )
         configs = []
         for name, batch in runs:
             kw = parse_layout(name)

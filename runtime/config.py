@@ -30,7 +30,7 @@ def opt(default: Any, doc: str, flag: str | None = None, **argparse_kw: Any) -> 
 def degree_opt(name: str) -> Any:
     """The degree field of the axis whose flag is `name`: default 1, its help from topology/axes.py's table."""
     axis = next(a for a in _axes.TABLE if a.flag == name)
-    return opt(1, axis.help)
+    return opt(1, axis.help, metavar="N")
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,10 @@ class ModelSection:
         "qwen3-235b-a22b); or hf:DIR (a Hugging Face "
         "config.json, the family from its model_type)",
         flag="--model",
+        metavar="PRESET",
     )
-    n_layers: int | None = opt(None, "override the preset's number of transformer blocks")
-    vocab_size: int | None = opt(None, "override the preset's vocabulary (e.g. a tokenizer's for --data)")
+    n_layers: int | None = opt(None, "override the preset's number of transformer blocks", metavar="N")
+    vocab_size: int | None = opt(None, "override the preset's vocabulary (e.g. a tokenizer's for --data)", metavar="V")
     moe_aux_loss: float | None = opt(
         None,
         "MoE models: the sequence-level auxiliary loss's weight (0: off; default: the preset's, 0.001 for Qwen3-MoE)",
@@ -67,14 +68,19 @@ class ParallelSection:
     tp: int = degree_opt("tp")
     ep: int = degree_opt("ep")
     sequence_parallel: bool = opt(False, "shard the norms and the residual stream over tp")
-    fsdp: str = opt("FULL_SHARD", "FSDP strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
+    fsdp: str = opt(
+        "FULL_SHARD", "FSDP strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD", metavar="STRATEGY"
+    )
     ac: str = opt(
         "none",
         "activation checkpointing: none, full, selective (every other block) or op (keep matmul and "
         "attention outputs, recompute the rest)",
+        metavar="MODE",
     )
-    mixed_precision: str | None = opt(None, "parameter compute dtype, bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
-    prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)")
+    mixed_precision: str | None = opt(
+        None, "parameter compute dtype, bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)", metavar="bf16|fp32"
+    )
+    prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)", metavar="N")
     compile: bool = opt(
         False,
         "torch.compile each transformer block (after tp, cp and checkpointing, before FSDP2; the "
@@ -84,6 +90,7 @@ class ParallelSection:
         None,
         "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zb, zbv or "
         "dualpipev (default with --pp > 1: 1f1b)",
+        metavar="KIND",
     )
     schedule_file: str | None = opt(
         None,
@@ -98,6 +105,7 @@ class ParallelSection:
         None,
         "virtual pipeline stages per pp rank (interleaved-1f1b, looped-bfs, interleaved-zb: stage s on rank s % pp; "
         "default 1, and 2 for zbv and dualpipev, which run two per rank on a V)",
+        metavar="V",
     )
     pp_layers: str | None = opt(
         None, "transformer blocks per stage, e.g. 3,3,2 (default: an even split)", metavar="N,N,..."
@@ -106,6 +114,7 @@ class ParallelSection:
         None,
         "context-parallel attention: ring (K/V pass the ring, overlapped) or allgather (K/V gathered once per layer); "
         "default with --cp > 1: ring",
+        metavar="ring|allgather",
     )
     loss: str = opt(
         "chunked",
@@ -128,28 +137,36 @@ class ParallelSection:
     @property
     def layout(self) -> Layout:
         """The mesh shape these degrees ask for (NO_SHARD puts every dp rank on dp_replicate)."""
+        return self.layout_for()
+
+    def layout_for(self, global_batch: int | None = None) -> Layout:
+        """`layout`; given the `global_batch`, degrees that do not make one are answered with a fix that also
+        splits it (--dp 4 --dp-replicate 3 suggested --dp 3, which the batch of 8 then refused)."""
         from tessera.parallel.data import layout_for_strategy  # lazy: torch stays out of `tessera --help`
 
-        layout = Layout(**_axes.degrees_from_flags({name: getattr(self, name) for name in DEGREE_FLAGS}))
+        flags = {name: getattr(self, name) for name in DEGREE_FLAGS}
+        layout = Layout(**_axes.degrees_from_flags(flags, global_batch=global_batch))
         return layout_for_strategy(layout, self.fsdp.upper())
 
 
 @dataclass(frozen=True)
 class OptimizerSection:
-    lr: float = opt(3e-3, "peak learning rate of AdamW")
-    warmup: int = opt(5, "linear warm-up steps before the cosine decay")
-    min_lr_ratio: float = opt(0.1, "the cosine decays to this fraction of the peak learning rate")
-    weight_decay: float = opt(0.1, "AdamW decoupled weight decay")
-    beta1: float = opt(0.9, "AdamW first-moment decay")
-    beta2: float = opt(0.95, "AdamW second-moment decay")
-    eps: float = opt(1e-8, "AdamW epsilon")
-    max_grad_norm: float = opt(1.0, "clip the global gradient norm (over every axis) to this; 'inf' disables clipping")
+    lr: float = opt(3e-3, "peak learning rate of AdamW", metavar="RATE")
+    warmup: int = opt(5, "linear warm-up steps before the cosine decay", metavar="STEPS")
+    min_lr_ratio: float = opt(0.1, "the cosine decays to this fraction of the peak learning rate", metavar="RATIO")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay", metavar="COEF")
+    beta1: float = opt(0.9, "AdamW first-moment decay", metavar="BETA")
+    beta2: float = opt(0.95, "AdamW second-moment decay", metavar="BETA")
+    eps: float = opt(1e-8, "AdamW epsilon", metavar="EPS")
+    max_grad_norm: float = opt(
+        1.0, "clip the global gradient norm (over every axis) to this; 'inf' disables clipping", metavar="NORM"
+    )
 
 
 @dataclass(frozen=True)
 class DataSection:
-    seq_len: int = opt(64, "tokens per sequence")
-    global_batch: int = opt(8, "sequences per optimizer step, over all data-parallel ranks")
+    seq_len: int = opt(64, "tokens per sequence", metavar="N")
+    global_batch: int = opt(8, "sequences per optimizer step, over all data-parallel ranks", metavar="N")
     microbatches: int | None = opt(
         None,
         "split each dp rank's rows into M microbatches (gradient accumulation; "
@@ -159,13 +176,16 @@ class DataSection:
         metavar="M",
     )
     eval_data: str | None = opt(None, "held-out token files for --eval-every (same format as --data)", metavar="PATH")
-    eval_every: int = opt(0, "every N steps, the mean loss on --eval-batches global batches of --eval-data (0: never)")
-    eval_batches: int = opt(1, "global batches of --eval-data per evaluation (the same ones each time)")
+    eval_every: int = opt(
+        0, "every N steps, the mean loss on --eval-batches global batches of --eval-data (0: never)", metavar="N"
+    )
+    eval_batches: int = opt(1, "global batches of --eval-data per evaluation (the same ones each time)", metavar="K")
     path: str | None = opt(
         None,
         "token files (a .bin shard with its .json, or a directory of them) from `tessera "
         "tokenize`; default: the text shipped with tessera, byte-tokenized",
         flag="--data",
+        metavar="PATH",
     )
     pack_documents: bool = opt(
         False,
@@ -179,9 +199,11 @@ class DataSection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    dir: str | None = opt(None, "where checkpoints go (step_N/ and a latest pointer)", flag="--checkpoint-dir")
-    every: int = opt(0, "save every N steps (0: never)", flag="--checkpoint-every")
-    keep: int = opt(3, "keep the newest K checkpoints", flag="--keep-checkpoints")
+    dir: str | None = opt(
+        None, "where checkpoints go (step_N/ and a latest pointer)", flag="--checkpoint-dir", metavar="DIR"
+    )
+    every: int = opt(0, "save every N steps (0: never)", flag="--checkpoint-every", metavar="N")
+    keep: int = opt(3, "keep the newest K checkpoints (0: keep all)", flag="--keep-checkpoints", metavar="K")
     resume: str | None = opt(
         None,
         "resume from a checkpoint (default: the latest in --checkpoint-dir), on any layout",
@@ -192,7 +214,8 @@ class CheckpointSection:
     init_from: str | None = opt(None, "start from the weights of a full safetensors state dict", metavar="FILE")
     init_from_hf: str | None = opt(
         None,
-        "start from a Hugging Face Llama directory (config.json + safetensors); the model is read from its config.json",
+        "start from a Hugging Face directory (config.json + safetensors) of a supported family (Llama, Qwen3, "
+        "Qwen3-MoE: by its model_type); the model is read from its config.json",
         metavar="DIR",
         flag="--init-from-hf",
     )
@@ -214,13 +237,19 @@ MAX_SKIPPED_STEPS = 5  # --max-skipped-steps when not given
 
 @dataclass(frozen=True)
 class RuntimeSection:
-    steps: int = opt(50, "optimizer steps to train (the total, counted from step 0 when resuming)")
-    seed: int = opt(0, "seed of the initialization")
+    steps: int = opt(50, "optimizer steps to train (the total, counted from step 0 when resuming)", metavar="N")
+    seed: int = opt(0, "seed of the initialization", metavar="N")
     metrics: str | None = opt(None, "append a header record, then one JSON line per step, to this file", metavar="FILE")
-    timeout: float = opt(600.0, "seconds any collective may stall before the run fails, naming the rank and axis")
-    device: str = opt("auto", "cpu or cuda (auto: one GPU per rank when this machine has enough, else CPU)")
+    timeout: float = opt(
+        600.0, "seconds any collective may stall before the run fails, naming the rank and axis", metavar="SECONDS"
+    )
+    device: str = opt(
+        "auto", "cpu or cuda (auto: one GPU per rank when this machine has enough, else CPU)", metavar="auto|cpu|cuda"
+    )
     kernels: str = opt(
-        "auto", "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton"
+        "auto",
+        "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton",
+        metavar="auto|torch|triton",
     )
     quiet: bool = opt(False, "no start-up or progress lines")
     check_drift: bool = opt(
@@ -250,10 +279,12 @@ class RuntimeSection:
         0,
         "when a rank fails, restart every rank from the latest checkpoint up to N times "
         "(under torchrun: its --max-restarts)",
+        metavar="N",
     )
     on_nonfinite: str = opt(
         "stop",
         "a NaN or inf loss or gradient: stop (name it, apply and save nothing) or skip (drop that step's update)",
+        metavar="stop|skip",
     )
     max_skipped_steps: int | None = opt(
         None,
@@ -378,7 +409,7 @@ class Config:
     # ------------------------------------------------------------------ derived values
     @property
     def layout(self) -> Layout:
-        return self.parallel.layout
+        return self.parallel.layout_for(self.data.global_batch)
 
     @property
     def virtual(self) -> int:
@@ -581,9 +612,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 continue
             if section == "parallel" and f.name in DEGREE_FLAGS:
                 default = None
-            group.add_argument(
-                flag_of(f), dest=dest, type=_parse_type(f, f.default), default=default, help=help_, **extra
-            )
+            kind = _parse_type(f, f.default)
+            # a plain metavar (N, RATE, ...), never argparse's own from the dotted dest (PARALLEL.PP, OPTIMIZER.LR)
+            extra.setdefault("metavar", {int: "N", float: "X"}.get(kind, "VALUE"))
+            group.add_argument(flag_of(f), dest=dest, type=kind, default=default, help=help_, **extra)
 
 
 def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> Config:

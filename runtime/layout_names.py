@@ -24,10 +24,11 @@ def parse_layout(name: str) -> dict[str, Any]:
     if degrees != "one":
         for term in degrees.split("x"):
             m = re.fullmatch(r"(pp|dpr|dp|cp|tp|ep)(\d+)", term)
-            if m is None:
+            if m is None:  # an empty term (xx, dp2x) is named by the layout as given, not as ''
+                what = f"{term!r} is not" if term else "its degrees are not each"
                 raise ValueError(
-                    f"layout {name!r}: {term!r} is not <axis><degree> with axis pp, dpr, dp, cp, tp or ep "
-                    f"(e.g. dp2xtp2, dpr2xdp2, pp2xdp2xcp2xtp2+sp, dp4xep2)"
+                    f"layout {name!r}: {what} <axis><degree> with axis pp, dpr, dp, cp, tp or ep, joined by x "
+                    f"(e.g. one, dp2xtp2, dpr2xdp2, pp2xdp2xcp2xtp2+sp, dp4xep2)"
                 )
             axis, degree = AXIS_OF[m.group(1)], int(m.group(2))
             if axis == "dp_shard":

@@ -4,6 +4,7 @@ and `tessera memory`'s checks, which all come before any output. And every subco
 
 import json
 import os
+import re
 
 import pytest
 
@@ -391,3 +392,66 @@ def test_every_subcommand_has_a_help_test():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(sub.choices) == set(SUBCOMMANDS)  # a new subcommand joins SUBCOMMANDS (and the fuzz)
+
+
+# ----------------------------------------------------------------------------- 5. issue 40's wording
+def _subparser(name):
+    import argparse
+
+    from tessera.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_train_help_gives_every_option_a_plain_metavar(capsys):
+    """Issue 40: the metavars read PARALLEL.PP and OPTIMIZER.LR (argparse's from the dotted dests)."""
+    taking = [a for a in _subparser("train")._actions if a.option_strings and a.nargs != 0]
+    assert len(taking) > 40
+    for a in taking:
+        dotted = re.fullmatch(r"[A-Z_]+\.[A-Z_]+", a.metavar or "")  # SECTION.FIELD
+        assert a.metavar and not dotted and a.metavar != a.dest.upper(), (a.option_strings, a.metavar)
+    code, out, _ = run(capsys, "train", "--help")
+    assert code == 0 and "PARALLEL." not in out and "OPTIMIZER." not in out and "[--lr RATE]" in out
+    assert "[--pp N]" in out and "[--timeout SECONDS]" in out
+
+
+def test_keep_checkpoints_help_says_zero_keeps_all(capsys):
+    code, out, _ = run(capsys, "train", "--help")
+    assert "keep the newest K checkpoints (0: keep all)" in " ".join(out.split())
+
+
+def test_bench_help_explains_seq_len_and_steps():
+    helps = {a.option_strings[0]: a.help for a in _subparser("bench")._actions if a.option_strings}
+    assert helps["--seq-len"] and "tokens per sequence" in helps["--seq-len"]
+    assert helps["--steps"] and "--warmup" in helps["--steps"]
+    assert all(helps[o] for o in helps), [o for o in helps if not helps[o]]
+
+
+@pytest.mark.parametrize("layouts", ["xx", "dp2x", "dp2xxtp2"])
+def test_bench_names_a_malformed_layout_as_given(capsys, tmp_path, layouts):
+    """Issue 40: `--layouts xx` said "'' is not <axis><degree>" (the empty terms between the x's)."""
+    message = one_error(capsys, "bench", "--layouts", layouts, "--out", str(tmp_path / "b"))
+    assert message.startswith(f"layout '{layouts}': its degrees are not each <axis><degree> with axis pp, dpr, dp")
+    assert "''" not in message
+    assert one_error(capsys, "bench", "--layouts", "dp2,,tp2", "--out", str(tmp_path / "b")) == (
+        "--layouts 'dp2,,tp2' has an empty layout name; give comma-separated layouts, e.g. --layouts one,dp2,tp2"
+    )
+
+
+def test_pp_layers_with_an_empty_stage_says_so(capsys):
+    """Issue 40: `--pp-layers 0,2` said "summing to --n-layers 2 (they sum to 2)"."""
+    assert one_error(capsys, "train", "--pp", "2", "--n-layers", "2", "--pp-layers", "0,2") == (
+        "--pp-layers 0,2 leaves stage 0 without a layer (0); each stage needs at least one (e.g. --pp-layers 1,1)"
+    )
+
+
+def test_a_dp_the_replicas_do_not_divide_gets_a_fix_the_batch_takes(capsys):
+    """Issue 40: `--dp 4 --dp-replicate 3` suggested --dp 3, which the default global batch of 8 then refused."""
+    assert one_error(capsys, "train", "--dp", "4", "--dp-replicate", "3") == (
+        "--dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard); no multiple of 3 splits --global-batch 8 "
+        "either: use --dp-replicate 2 or 4 (dividing --dp 4), or --dp 3 with --global-batch 9"
+    )
+    assert one_error(capsys, "train", "--dp", "6", "--dp-replicate", "4") == (
+        "--dp-replicate 4 must divide --dp 6 (dp = dp_replicate x dp_shard); use --dp 4"
+    )

@@ -35,6 +35,16 @@ from tessera.config import Config, add_arguments, config_from_args
             "--pp-layers 3,2 must be positive counts summing to --n-layers 4",
         ),
         (dict(pp=2, n_layers=4, microbatches=2, pp_layers="1,1,2"), "--pp-layers 1,1,2 lists 3 stages; the run has 2"),
+        # issue 40: 0,2 said "summing to --n-layers 2 (they sum to 2)"
+        (
+            dict(pp=2, n_layers=2, microbatches=2, pp_layers="0,2"),
+            "--pp-layers 0,2 leaves stage 0 without a layer (0); each stage needs at least one (e.g. --pp-layers 1,1)",
+        ),
+        (
+            dict(pp=3, n_layers=2, microbatches=3, global_batch=3, pp_layers="2,0,0"),
+            "--pp-layers 2,0,0 leaves stages 1 and 2 without a layer (0, 0); each stage needs at least one, and 3 "
+            "stages need --n-layers 3 or more",
+        ),
         (
             dict(pp=2, n_layers=4, microbatches=2, pp_layers="2,x"),
             "--pp-layers '2,x' must be comma-separated layer counts",
@@ -81,6 +91,35 @@ def test_bad_input_is_one_clear_line(overrides, message):
     with pytest.raises(ValueError) as e:
         small_config(**overrides).check()
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "batch, fix",
+    [
+        # issue 40: "use --dp 3", which the batch of 8 then refused
+        (
+            8,
+            "no multiple of 3 splits --global-batch 8 either: use --dp-replicate 2 or 4 (dividing --dp 4), or --dp 3 "
+            "with --global-batch 9",
+        ),
+        (12, "use --dp 3"),
+        (24, "use --dp 3"),
+        (18, "use --dp 3"),
+    ],
+)
+def test_a_dp_the_replicas_do_not_divide_is_answered_with_a_fix_that_passes(batch, fix):
+    """--dp 4 --dp-replicate 3: the --dp suggested also splits the global batch, or the line names both rules;
+    and the command the fix gives passes every check."""
+    with pytest.raises(ValueError) as e:
+        small_config(dp=4, dp_replicate=3, global_batch=batch).check()
+    assert str(e.value) == f"--dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard); {fix}"
+    if fix.startswith("no multiple"):
+        fixed = [dict(dp=4, dp_replicate=2, global_batch=batch), dict(dp=4, dp_replicate=4, global_batch=batch)]
+        fixed.append(dict(dp=3, dp_replicate=3, global_batch=9))
+    else:
+        fixed = [dict(dp=int(fix.split()[-1]), dp_replicate=3, global_batch=batch)]
+    for kw in fixed:
+        small_config(**kw, device="cpu").check()
 
 
 def test_triton_kernels_on_cpu_ranks_are_refused_without_the_interpreter(monkeypatch):

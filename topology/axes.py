@@ -355,9 +355,10 @@ def problems(degrees: Mapping[str, int], shape: Any = None, **values: Any) -> li
     return [f"{a.name}={full[a.name]}: {p}" for a in TABLE for p in a.problems(full, given)]
 
 
-def degrees_from_flags(flags: Mapping[str, int]) -> dict[str, int]:
+def degrees_from_flags(flags: Mapping[str, int], global_batch: int | None = None) -> dict[str, int]:
     """The degrees the command line's fields ask for (an axis whose flag counts several axes, --dp, gets the
-    quotient): ValueError naming the flag and the fix."""
+    quotient): ValueError naming the flag and the fix. With the `global_batch`, the fix a refused --dp is given
+    also splits it (the batch's own check would refuse the next try), or the message names both constraints."""
     for a in TABLE:
         value = flags.get(a.flag, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -374,10 +375,31 @@ def degrees_from_flags(flags: Mapping[str, int]) -> dict[str, int]:
                 names = " x ".join(a.counts)
                 raise ValueError(
                     f"{' x '.join(f'{o.option} {out[o.name]}' for o in others)} must divide {a.option} {value} "
-                    f"({a.flag} = {names}); use {a.option} {per * max(1, value // per)}"
+                    f"({a.flag} = {names}); {_product_fix(a, others, value, per, global_batch)}"
                 )
             out[a.name] = value // per
     return {a.name: out[a.name] for a in TABLE}
+
+
+def _product_fix(a: Axis, others: list[Axis], value: int, per: int, global_batch: int | None) -> str:
+    """The fix of a product flag (--dp) that the others' degrees (--dp-replicate) do not divide: the multiple of
+    them nearest `value` that also splits `global_batch` (when known); when none does, the others' degrees
+    that divide `value` and a batch that the nearest multiple splits."""
+    nearest = per * max(1, value // per)
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        return f"use {a.option} {nearest}"
+    splitting = [m for m in range(per, global_batch + 1, per) if global_batch % m == 0]
+    if splitting:
+        return f"use {a.option} {min(splitting, key=lambda m: (abs(m - value), m))}"
+    fixes = []
+    if len(others) == 1 and global_batch % value == 0:  # keep the product, change the other degree
+        (other,) = others
+        degrees = [d for d in range(2, value + 1) if value % d == 0]
+        if degrees:
+            listed = ", ".join(map(str, degrees[:-1])) + " or " if len(degrees) > 1 else ""
+            fixes.append(f"{other.option} {listed}{degrees[-1]} (dividing {a.option} {value})")
+    fixes.append(f"{a.option} {nearest} with global_batch={-(-global_batch // nearest) * nearest}")
+    return f"no multiple of {per} splits global_batch={global_batch} either: use {', or '.join(fixes)}"
 
 
 def planner_degrees(axis: str | Axis, ranks: int, shape: Any = None, gpus_per_node: int | None = None) -> list[int]:

@@ -139,6 +139,12 @@ def _read_shape(cfg) -> ModelShape:
 
 
 # ----------------------------------------------------------------------------- the pipeline's stage split
+def split_layer_counts(n_layers: int, n_stages: int) -> list[int]:
+    """The even split's blocks per stage: the remainder on the first stages (4 over 3: 2,1,1)."""
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (s < extra) for s in range(n_stages)]
+
+
 def split_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[range]:
     """The block indices of each pipeline stage: `layers_per_stage` (e.g. 3,3,2), or an even split with the
     remainder on the first stages. The one rule: the stage builds, the planner and the communication model
@@ -150,7 +156,21 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[ra
                 f"layers_per_stage={','.join(map(str, counts))} lists {len(counts)} stages; the run has "
                 f"{n_stages} (pp x virtual): give one count per stage"
             )
-        if any(c < 1 for c in counts) or sum(counts) != n_layers:
+        empty = [s for s, c in enumerate(counts) if c < 1]
+        if empty:  # said first: a sum that matches (0,2 of 2 layers) is not what is wrong
+            stages = " and ".join(
+                [", ".join(map(str, empty[:-1])), str(empty[-1])] if len(empty) > 1 else [str(empty[0])]
+            )
+            raise ValueError(
+                f"layers_per_stage={','.join(map(str, counts))} leaves stage{'s' if len(empty) > 1 else ''} {stages} "
+                f"without a layer ({', '.join(str(counts[s]) for s in empty)}); each stage needs at least one"
+                + (
+                    f" (e.g. layers_per_stage={','.join(map(str, split_layer_counts(n_layers, n_stages)))})"
+                    if n_layers >= n_stages
+                    else f", and {n_stages} stages need n_layers={n_stages} or more"
+                )
+            )
+        if sum(counts) != n_layers:
             raise ValueError(
                 f"layers_per_stage={','.join(map(str, counts))} must be positive counts summing to "
                 f"n_layers={n_layers} (they sum to {sum(counts)})"
@@ -161,8 +181,7 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage=None) -> list[ra
                 f"{n_stages} pipeline stages (pp x virtual) but only {n_layers} layers: every stage "
                 f"needs a layer; lower `pp`/`virtual` or use n_layers={n_stages} or more"
             )
-        base, extra = divmod(n_layers, n_stages)
-        counts = [base + (s < extra) for s in range(n_stages)]
+        counts = split_layer_counts(n_layers, n_stages)
     starts = [sum(counts[:s]) for s in range(n_stages)]
     return [range(start, start + c) for start, c in zip(starts, counts)]
 
