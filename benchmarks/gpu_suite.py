@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
                 r["plots"].append(png.name)
         suite.save(finite_or_null(payload))
         suite.say(part, summary_line(part, result))
+    compile_workers = sys.modules.get("torch._inductor.async_compile")
+    if compile_workers is not None:  # a pool the kernels' torch.compile started here: shut it down, not leaked
+        compile_workers.shutdown_compile_workers()
     suite.say(
         "suite",
         f"done in {suite.elapsed():.0f} s: {', '.join(r['parts_done'])}"

@@ -50,11 +50,12 @@ def _train(plt, results: dict[str, Any]):
         rows.insert(1 if rows else 0, ("plain torch, eager", base))
     if not rows:
         return None
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{label}\nbatch {r['global_batch']}" for label, r in rows]
-    a1.bar(range(len(rows)), [r["tokens_per_s"] for _, r in rows], color="tab:blue")
-    a1.set_xticks(range(len(rows)), labels, fontsize=7)
-    a1.set(ylabel="tokens/s", title=f"{results['sizes']['model']} at seq {results['sizes']['seq_len']}")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    labels = [f"{label}, batch {r['global_batch']}" for label, r in rows]  # one line each, on the y axis
+    a1.barh(range(len(rows)), [r["tokens_per_s"] for _, r in rows], color="tab:blue")
+    a1.set_yticks(range(len(rows)), labels, fontsize=8)
+    a1.invert_yaxis()
+    a1.set(xlabel="tokens/s", title=f"{results['sizes']['model']} at seq {results['sizes']['seq_len']}")
     eager = (results.get("eager") or {}).get("row")
     profile = (eager or {}).get("profile")
     if profile:  # where the eager step's time went: what to fix next
@@ -90,17 +91,17 @@ def _planner(plt, results: dict[str, Any]):
     check = (results.get("planner") or {}).get("rows") or []
     if not check:
         return None
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     xs = [c["predicted_step_s"] for c in check]
     ys = [c["measured_step_s"] for c in check]
-    a1.scatter(xs, ys)
-    for c in check:
-        a1.annotate(c["row"], (c["predicted_step_s"], c["measured_step_s"]), fontsize=7)
+    for i, c in enumerate(check):  # a legend, not labels beside the points: rows that measure alike overlap
+        a1.scatter(c["predicted_step_s"], c["measured_step_s"], color=f"C{i}", marker="osD^v"[i % 5], label=c["row"])
+    a1.legend(fontsize=8)
     lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.2
     a1.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
     a1.set(xlabel="predicted step (s)", ylabel="measured step (s)", title="planner: step time")
-    a2.bar(range(len(check)), [c["memory_ratio"] or 0 for c in check])
-    a2.set_xticks(range(len(check)), [c["row"] for c in check], rotation=30, ha="right", fontsize=7)
+    a2.bar(range(len(check)), [c["memory_ratio"] or 0 for c in check], color=[f"C{i}" for i in range(len(check))])
+    a2.set_xticks(range(len(check)), [c["row"] for c in check], fontsize=8)
     a2.axhline(1.0, color="grey", lw=0.8)
     a2.set(ylabel="measured / predicted", title="planner: peak memory")
     return fig

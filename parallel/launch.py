@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import multiprocessing as mp
+from multiprocessing import util as mp_util
 import os
 import pickle
 import re
@@ -40,6 +41,7 @@ from tessera.topology.errors import RankFailure, RankTimeout, TesseraError, is_r
 from .host_memory import oom_kills
 
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others may take to report their own errors
+EXIT_GRACE_S = 10.0  # after every rank returned, how long they may take to exit before they are killed
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 _CTX: Any = None
 
@@ -152,6 +154,14 @@ def _rank_main(
                 dist.destroy_process_group()  # without this gloo ranks can abort at exit
         finally:
             conn.close()
+            # torch.compile's worker pool, and what the rank made through multiprocessing: os._exit skips
+            # their shutdown and the finalizers that unlink their semaphores, which a resource tracker then
+            # reports as leaked when the run ends
+            compile_workers = sys.modules.get("torch._inductor.async_compile")
+            with contextlib.suppress(Exception):
+                if compile_workers is not None:
+                    compile_workers.shutdown_compile_workers()
+                mp_util._run_finalizers()  # type: ignore[attr-defined]  # private, stable since Python 3.4
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
@@ -208,6 +218,7 @@ def run_ranks(
     procs: list[BaseProcess] = []
     conns: dict[Connection, int] = {}
     lifeline, keep_alive = ctx.Pipe(duplex=False)  # the ranks hold the reading end; this process the other
+    finished = False  # every rank returned its result: let them finish their own exit before any kill
     try:
         forwarded: list[int] = []
         with _stop_ranks_on_sigterm(procs, forward_sigterm, forwarded):
@@ -228,10 +239,15 @@ def run_ranks(
                 lifeline,
                 on_start,
             )
+        finished = True
         if forwarded:
             raise Interrupted(f"stopped by {signal.Signals(forwarded[0]).name}; the ranks saved a checkpoint first")
         return results
     finally:
+        if finished:  # a rank that has sent its result still tears down (its process group, compile workers)
+            ends = time.monotonic() + EXIT_GRACE_S
+            for p in procs:
+                p.join(timeout=max(0.0, ends - time.monotonic()))
         keep_alive.close()
         lifeline.close()
         for p in procs:

@@ -34,6 +34,10 @@ if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.che
 
 
 def check(config: Config) -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # a job already launched (the quick start under torchrun): the wrong process count is the first error,
+        # in one line, before a mesh of the wrong shape fails deep inside torch on every rank
+        config.layout.check_world_size(torch.distributed.get_world_size())
     _check_numbers(config)
     _check_drift_flag(config)
     model = _check_model(config)

@@ -9,14 +9,33 @@ up the allocator, the kernels and any compiled graphs.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .paths import check_writable_dir
 
 DEFAULT_TABLE_ROWS = 15
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Kineto announces the profiler's start and stop on the process's stderr from C++ (`... profiler_start`):
+    hold file descriptor 2 on /dev/null for those calls only, so the lines do not break into the run's own.
+    A Python exception raised inside still propagates; only native writes to fd 2 in between are dropped."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -138,19 +157,22 @@ class StepProfiler:
 
     def start(self) -> None:
         if self.prof is not None:
-            self.prof.start()
+            with quiet_native_stderr():
+                self.prof.start()
             self._label()
 
     def step(self) -> None:
         if self.prof is not None:
             self._unlabel()
-            self.prof.step()
+            with quiet_native_stderr():  # the schedule starts and stops the profiler inside a step() call
+                self.prof.step()
             self._label()
 
     def stop(self) -> None:
         if self.prof is not None:
             self._unlabel()
-            self.prof.stop()
+            with quiet_native_stderr():
+                self.prof.stop()
             self.prof, self.finished = None, self.prof
 
     def _label(self) -> None:

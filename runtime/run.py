@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -77,6 +78,14 @@ def header_record(config: Config, trainer: Any, run_id: str) -> dict[str, Any]:
     }
 
 
+def run_label(config: Config, layout: Layout | None = None) -> str:
+    """The layout as a run's lines name it: its degrees ("one process" for a single rank), with sequence
+    parallel when it is on (it changes what each rank holds and sends, so the label says it)."""
+    layout = layout or config.layout
+    text = "one process" if layout.world_size == 1 else str(layout)
+    return text + (" + sequence parallel" if config.parallel.sequence_parallel and layout.tp > 1 else "")
+
+
 def startup_line(config: Config, trainer: Any) -> str:
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.parameters())
     total = trainer.model_config.num_params()
@@ -89,7 +98,8 @@ def startup_line(config: Config, trainer: Any) -> str:
     fewest = config.microbatches_chosen and config.layout.pp > 1
     return (
         f"tessera: {config.model_name} ({_human(total)} params, {trainer.model_config.n_layers} layers) on "
-        f"{trainer.layout} = {trainer.layout.world_size} {trainer.device.type} rank(s); "
+        f"{run_label(config, trainer.layout)} = {trainer.layout.world_size} {trainer.device.type.upper()} "
+        f"rank{'s' if trainer.layout.world_size > 1 else ''}; "
         f"{_human(local)} params on rank 0; "
         f"{compute_dtype_summary(trainer.dtype_report)}; "
         f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
@@ -156,7 +166,7 @@ def progress_line(m: dict[str, Any], config: Config, elapsed: float, done_here: 
         f"step {m['step']:>4}/{config.runtime.steps} | {skipped}loss {m['loss']:.4f} | "
         f"grad_norm {m['grad_norm']:.3f} | "
         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB | "
-        f"eta {_duration(eta)} | {Layout(**m['layout'])}"
+        f"eta {_duration(eta)} | {run_label(config, Layout(**m['layout']))}"
         + (f" | moe aux {m['moe']['aux_loss']:.2e} imbalance {m['moe']['max_imbalance']:.2f}" if m.get("moe") else "")
         + (
             f" | {m['documents']['documents']} docs, mean {m['documents']['mean_length']:.0f} tokens"
@@ -183,7 +193,7 @@ def done_line(history: list[dict[str, Any]], config: Config) -> str:
     resumed = f" ({first['step']}-{last['step']}, resumed after step {first['step'] - 1})" if first["step"] > 1 else ""
     return (
         f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {took} step{'s' if took != 1 else ''}"
-        f"{resumed} on {config.layout}"
+        f"{resumed} on {run_label(config)}"
     )
 
 
@@ -407,7 +417,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                     collective_timeout=config.runtime.timeout,
                     backend=_backend(config),
                     forward_sigterm=config.checkpoint.on_signal,
-                    on_start=lambda pids: [lock.add_pids(pids) for lock in locks],  # the ranks write too
+                    on_start=functools.partial(_name_writers, locks),  # the ranks write too
                 )[0]
             except (RankFailure, RankTimeout) as e:
                 if attempt >= config.runtime.max_restarts or _deterministic(e):
@@ -426,6 +436,11 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                     file=sys.stderr,
                     flush=True,
                 )
+
+
+def _name_writers(locks: list[RunLock], pids: list[int]) -> None:
+    for lock in locks:
+        lock.add_pids(pids)
 
 
 def _lock_what_this_run_writes(config: Config, held: contextlib.ExitStack) -> list[RunLock]:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from .memtrack import LiveTensorBytes
+from .profiling import quiet_native_stderr
 
 TOP_KERNELS = 25
 KINDS = (
@@ -281,10 +282,18 @@ class ProfiledStep:
             for module in part.modules():
                 if getattr(module, "takes_targets", False):  # a loss head (parallel/loss.py)
                     self.stack.enter_context(_hooked(module, self._before_loss, self._after_loss))
-        self.prof = self.stack.enter_context(torch.profiler.profile(activities=activities))
+        self.prof = torch.profiler.profile(activities=activities)
+        with quiet_native_stderr():  # its start line would break into the run's own lines
+            self.prof.__enter__()
+        self.stack.callback(self._stop_profiler)
         self.stack.enter_context(torch.profiler.record_function(STEP_RANGE))
         self.started = time.perf_counter()
         return self
+
+    def _stop_profiler(self) -> None:
+        assert self.prof is not None
+        with quiet_native_stderr():
+            self.prof.__exit__(None, None, None)
 
     def _before_loss(self, *_: Any) -> None:
         self.meter.mark("forward")

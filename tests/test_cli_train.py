@@ -51,7 +51,7 @@ def test_tessera_train_writes_a_header_and_metrics_and_the_loss_falls(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     lines = out.stdout.splitlines()
     assert (
-        lines[0].startswith("tessera: debug (131.6K params, 2 layers) on tp2 = 2 cpu rank(s)")
+        lines[0].startswith("tessera: debug (131.6K params, 2 layers) on tp2 + sequence parallel = 2 CPU ranks")
         and "metrics ->" in lines[0]
     )
     assert "step   20/20" in out.stdout and "eta " in out.stdout and "done: loss" in out.stdout

@@ -72,6 +72,7 @@ def test_smoke_runs_every_part_and_writes_the_json_and_pngs(smoke):
     out, out_dir = smoke
     for part in PARTS:
         assert any(f"] {part}: " in ln for ln in out.stdout.splitlines()), part  # progress lines, with elapsed time
+    assert "leaked semaphore" not in out.stderr and "profiler_start" not in out.stdout + out.stderr
     files = sorted(p.name for p in out_dir.iterdir())
     assert len(files) <= 8 and all((out_dir / f).is_file() for f in files)  # flat, nothing left half-written
     assert files == [f"gpu_suite_smoke_cpu{s}" for s in ("-attention.png", "-planner.png", "-train.png", ".json")]

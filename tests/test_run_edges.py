@@ -346,3 +346,30 @@ def test_the_restart_message_names_the_cause():
         "RuntimeError: connection reset by peer\n"
     )
     assert failure_cause(raised) == "rank 2 of 4 raised RuntimeError: connection reset by peer"
+
+
+def _check_a_sixteen_rank_layout():
+    from tessera.config import Config
+
+    config = Config.create(model="debug", n_layers=4, pp=2, dp=2, cp=2, tp=2, seq_len=64, global_batch=8)
+    try:
+        config.check()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_job_launched_with_the_wrong_process_count_is_named_first_in_one_line():
+    """The quick start under `torchrun --nproc_per_node 2`: Config.check names the process count before any mesh."""
+    messages = run_ranks(_check_a_sixteen_rank_layout, 2, timeout=120)
+    assert messages[0] == messages[1] and messages[0] is not None and "\n" not in messages[0]
+    assert "uses 16 ranks but WORLD_SIZE is 2; launch 16 ranks" in messages[0]
+
+
+def test_the_run_label_says_one_process_and_sequence_parallel():
+    from tessera.config import Config
+    from tessera.run import run_label
+
+    assert run_label(Config.create(model="debug")) == "one process"
+    assert run_label(Config.create(model="debug", tp=2, sequence_parallel=True)) == "tp2 + sequence parallel"
+    assert run_label(Config.create(model="debug", dp=2)) == "dp_shard2"

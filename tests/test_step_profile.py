@@ -139,6 +139,7 @@ def test_the_readme_command_profiles_its_step_and_prints_one_line(tmp_path):
     step = int(argv[argv.index("--profile-summary") + 1])
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"profile of step {step}: "))
     assert "matmul" in line and "memory peak" in line
+    assert "profiler_start" not in out.stdout + out.stderr  # kineto's own lines kept out of the run's
     records = _records(tmp_path / argv[argv.index("--metrics") + 1])
     assert [("profile" in r) for r in records] == [r["step"] == step for r in records]
     profile = records[step - 1]["profile"]
