@@ -203,3 +203,20 @@ def test_the_memory_command_agrees_with_the_planner():
         est.memory["parameters"] + est.memory["gradients"] + est.memory["optimizer"], rel=1e-4
     )
     assert exact["total"] > _json.loads(out.stdout)["zero3"]["total"]  # the even split misses the replicated K/V
+
+
+def test_the_readme_memory_example_quotes_what_its_command_prints():
+    import re
+    from pathlib import Path
+
+    from helpers import cli_here
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    command = "tessera memory --model 70b --tp 8 --pp 2 --dp 8 --dp-replicate 2 --cp 2"
+    quoted = re.search(re.escape(command) + r"\n(.*?)\ntessera ", readme, re.S).group(1)
+    params, states = re.search(
+        r"here: ([\d.]+B) parameters per rank, ([\d.]+ GB) of model states at ZeRO-3", quoted
+    ).groups()
+    out = cli_here(*command.split()[1:]).stdout
+    assert f"model states per rank: {params} parameters" in out
+    assert re.search(rf"^total .* {re.escape(states)}$", out, re.M), out

@@ -112,3 +112,22 @@ def test_compile_still_compiles_after_the_probed_first_step():
     from tessera.parallel.launch import run_ranks
 
     assert run_ranks(_graphs_compiled_in_two_steps, 1, small_config(compile=True), timeout=300)[0] > 0
+
+
+@pytest.mark.slow
+def test_the_readme_quotes_the_start_up_lines_matmul_shares():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quoted = re.search(
+        r"\(`(matmuls in bfloat16 \([^`]*\))`\s+for `tessera train --model debug --mixed-precision bf16`", readme
+    ).group(1)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "train", "--model", "debug", "--mixed-precision", "bf16", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert quoted in out.stdout.splitlines()[0], (quoted, out.stdout.splitlines()[0])
