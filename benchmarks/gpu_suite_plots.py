@@ -83,6 +83,9 @@ def _attention(plt, results: dict[str, Any]):
         ylabel="TFLOP/s (fwd+bwd, causal)",
         title="attention, head dim " + ",".join(str(d) for d in sorted({r["head_dim"] for r in attention})),
     )
+    seqs = sorted({r["seq_len"] for r in attention})
+    ax.set_xticks(seqs, [str(x) for x in seqs])  # the sequences measured, as numbers: not 10^1, 10^2
+    ax.minorticks_off()
     ax.legend(fontsize=8)
     return fig
 
