@@ -488,6 +488,19 @@ class Config:
         return "cuda" if torch.cuda.device_count() >= local else "cpu"
 
     def parallel_config(self):
+        """The ParallelConfig this config runs, built once per config (a schedule file is read once) and kept
+        on it; `dataclasses.replace` makes a new config, which builds its own."""
+        built = self.__dict__.get("_parallel_config")
+        if built is None:
+            built = self._build_parallel_config()
+            object.__setattr__(self, "_parallel_config", built)  # a cache, not a field: frozen stays frozen
+        return built
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the ranks receive the fields only and build the view again (a schedule file is read on every rank)
+        return {k: v for k, v in self.__dict__.items() if k != "_parallel_config"}
+
+    def _build_parallel_config(self):
         # lazy: tessera.parallel imports torch, which stays out of `tessera --help`
         from tessera.parallel import ParallelConfig
         from tessera.parallel.data import DataParallelConfig

@@ -255,3 +255,18 @@ def test_the_cli_exits_2_with_one_line_and_runs_nothing(tmp_path):
         timeout=60,
     )
     assert missing.returncode == 2 and "does not exist; create it first" in missing.stderr
+
+
+def test_the_parallel_config_is_built_once_per_config_and_not_shipped_to_the_ranks():
+    import dataclasses
+    import pickle
+
+    from tessera.config import Config
+
+    config = Config.create(model="debug", dp=2, tp=2)
+    view = config.parallel_config()
+    assert config.parallel_config() is view  # built once, kept on the config
+    shipped = pickle.loads(pickle.dumps(config))
+    assert shipped == config and "_parallel_config" not in vars(shipped)  # the ranks build their own
+    changed = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, sequence_parallel=True))
+    assert changed.parallel_config() is not view and changed.parallel_config().sequence_parallel
