@@ -1,0 +1,196 @@
+"""The model families as checkpoints and the parallel plans see them, held to what they were before the families
+were composed from shared blocks (issue 39 item 3): every preset's state-dict keys, shapes and dtypes (the full
+list for the debug presets, a digest for the rest), each debug model's module names and the tp style each gets,
+the spec's seams, and a forward + backward on each debug preset, logits and gradients bitwise.
+
+tests/data/model_families.json holds what was captured; `python tests/test_model_families.py --write` captures
+it again, which only a deliberate change of a family's checkpoints or numerics should do. Bitwise equality holds
+on the torch version and CPU it was captured on; elsewhere (another torch, another ISA: other kernels may sum in
+another order) each tensor's float64 norm and its dot with a fixed random vector must agree to 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.models.spec import families, get_preset
+from tessera.parallel.plan import matches
+
+DATA = Path(__file__).resolve().parent / "data" / "model_families.json"
+LLAMA3_ROPE = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 64}
+# forward + backward cases: each family's debug presets, plus the RoPE and head variants they leave out
+NUMERICS = {
+    "debug": ("debug", {}),
+    "debug-llama3-rope": ("debug", {"rope_scaling": LLAMA3_ROPE}),
+    "qwen3-debug": ("qwen3-debug", {}),
+    "qwen3-debug-untied": ("qwen3-debug", {"tie_word_embeddings": False}),
+    "qwen3-moe-debug": ("qwen3-moe-debug", {}),
+    "qwen3-moe-shared-debug": ("qwen3-moe-shared-debug", {}),
+}
+
+
+def _debug_presets() -> list[str]:
+    return [p for spec in families().values() for p in spec.presets if p.endswith("debug")]
+
+
+def _all_presets() -> list[str]:
+    return [p for spec in families().values() for p in spec.presets]
+
+
+def _spec_of_preset(preset: str):
+    return next(spec for spec in families().values() if preset in spec.presets)
+
+
+def state_dict_entries(preset: str) -> list[list]:
+    """[key, shape, dtype] of the preset's model (built on meta), in state_dict() order."""
+    model = _spec_of_preset(preset).build_model(get_preset(preset), device="meta")
+    return [[k, list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in model.state_dict().items()]
+
+
+def _digest(entries: list) -> str:
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
+def module_styles(preset: str) -> list[list]:
+    """[module name, the tp style the spec's plan gives it (first match), or None] for every module."""
+    spec = _spec_of_preset(preset)
+    model = spec.build_model(get_preset(preset), device="meta")
+    style = {n: next((s for p, s in spec.tp_plan if matches(p, n)), None) for n, _ in model.named_modules() if n}
+    return [[n, s] for n, s in style.items()]
+
+
+def spec_seams() -> dict[str, dict]:
+    """What parallel/ reads of each spec besides the plan: blocks, pipeline split, attention slots, head, moe."""
+    return {
+        s.name: {
+            "blocks": s.blocks,
+            "pipeline": [list(s.pipeline.first), s.pipeline.blocks, list(s.pipeline.last)],
+            "attention": s.attention,
+            "head": s.head,
+            "moe": s.moe,
+        }
+        for s in families().values()
+    }
+
+
+def environment() -> dict[str, str]:
+    return {
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+    }
+
+
+def forward_backward(case: str) -> dict[str, torch.Tensor]:
+    """Logits and every gradient of a seeded model's cross-entropy on fixed tokens, on one CPU thread."""
+    preset, overrides = NUMERICS[case]
+    cfg = get_preset(preset, **overrides)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one summation order, whatever the machine's core count
+    try:
+        model = _spec_of_preset(preset).build_model(cfg, seed=0)
+        g = torch.Generator().manual_seed(1)
+        tokens, targets = (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2))
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    finally:
+        torch.set_num_threads(threads)
+    return {"logits": logits.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+
+
+def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Each tensor's float64 norm and dot with a fixed N(0, 1) vector: what other kernels keep to ~1e-6."""
+    out = {}
+    for name, t in tensors.items():
+        x = t.double().flatten()
+        w = torch.randn(x.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        out[name] = [x.norm().item(), (x @ w).item()]
+    return out
+
+
+def sha256(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name, t in tensors.items():
+        h.update(name.encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def capture() -> dict:
+    numerics = {}
+    for case in NUMERICS:
+        tensors = forward_backward(case)
+        numerics[case] = {"sha256": sha256(tensors), "fingerprints": fingerprints(tensors)}
+    return {
+        "environment": environment(),
+        "state_dicts": {p: state_dict_entries(p) for p in _debug_presets()},
+        "state_dict_digests": {p: _digest(state_dict_entries(p)) for p in _all_presets()},
+        "module_styles": {p: module_styles(p) for p in _debug_presets()},
+        "spec_seams": spec_seams(),
+        "numerics": numerics,
+    }
+
+
+def dump(obj, indent: str = "") -> str:
+    """JSON with one line per state-dict entry, module or fingerprint: a list that holds a scalar on one line."""
+    flat = isinstance(obj, list) and any(not isinstance(x, (dict, list)) for x in obj)
+    if not isinstance(obj, (dict, list)) or flat:
+        return json.dumps(obj)
+    inner = indent + " "
+    items = obj.items() if isinstance(obj, dict) else ((None, x) for x in obj)
+    body = ",\n".join(inner + (f"{json.dumps(k)}: " if k is not None else "") + dump(v, inner) for k, v in items)
+    brackets = "{}" if isinstance(obj, dict) else "[]"
+    return f"{brackets[0]}\n{body}\n{indent}{brackets[1]}"
+
+
+@pytest.fixture(scope="module")
+def captured() -> dict:
+    return json.loads(DATA.read_text())
+
+
+def test_every_debug_preset_has_the_state_dict_keys_shapes_and_dtypes_captured(captured):
+    assert sorted(captured["state_dicts"]) == sorted(_debug_presets())
+    for preset, want in captured["state_dicts"].items():
+        assert state_dict_entries(preset) == want, preset
+
+
+def test_every_preset_has_the_state_dict_captured(captured):
+    assert sorted(captured["state_dict_digests"]) == sorted(_all_presets())
+    for preset, want in captured["state_dict_digests"].items():
+        assert _digest(state_dict_entries(preset)) == want, preset
+
+
+def test_the_parallel_plans_see_the_same_modules_and_styles(captured):
+    for preset, want in captured["module_styles"].items():
+        assert module_styles(preset) == want, preset
+    assert spec_seams() == captured["spec_seams"]
+
+
+@pytest.mark.parametrize("case", list(NUMERICS))
+def test_forward_and_backward_are_bitwise_what_they_were(captured, case):
+    want = captured["numerics"][case]
+    tensors = forward_backward(case)
+    assert sorted(tensors) == sorted(want["fingerprints"])
+    if environment() == captured["environment"]:
+        assert sha256(tensors) == want["sha256"], "logits or gradients moved"
+        return
+    for name, (norm, dot) in fingerprints(tensors).items():
+        want_norm, want_dot = want["fingerprints"][name]
+        assert abs(norm - want_norm) <= 1e-5 * want_norm, name
+        assert abs(dot - want_dot) <= 1e-5 * want_norm, name
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_model_families.py --write   (captures tests/data/model_families.json)")
+    DATA.parent.mkdir(exist_ok=True)
+    DATA.write_text(dump(capture()) + "\n")
+    print(f"wrote {DATA}")
