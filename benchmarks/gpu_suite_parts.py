@@ -202,6 +202,8 @@ def part_triton(suite: Suite, cap: float) -> dict:
             entry.update(ok=False, error=f"{type(e).__name__}: {first_error_line(e)}")
         entry["seconds"] = time.perf_counter() - began
         checks.append(entry)
+    if not suite.smoke:  # the training parts run in other processes: hand this one's cached blocks back
+        torch.cuda.empty_cache()
     import triton  # lazy: the kernels above imported it already
 
     return {"triton": triton.__version__, "checks": checks, "all_ok": all(c["ok"] for c in checks)}

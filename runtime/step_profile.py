@@ -184,7 +184,10 @@ def summarize_events(events: Sequence[Any], device_type: str) -> dict[str, Any]:
     spans = [i for *_, i in items]
     if device_type == "cuda":
         busy = busy_seconds(spans, start, end) * 1e-6
-        idle_what = "no kernel running on the GPU within the step (the host ahead of or behind it)"
+        idle_what = (
+            "no kernel running on the GPU within the step (the host ahead of or behind it); the kinds add "
+            "kernel time, so kernels overlapping on several streams (communication beside compute) count in each"
+        )
     else:
         busy = min(wall, sum(by_kind.values()))
         idle_what = "host time outside any operator (Python, the launcher, waiting)"
