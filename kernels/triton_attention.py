@@ -14,7 +14,6 @@ dry runs see shapes without running a kernel. On CPU tensors they run under TRIT
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -22,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .checks import check_attention_inputs, check_documents
+from .triton_compat import INTERPRET  # importing it also fixes triton < 3.8's interpreter
 
 MAX_HEAD_DIM = 256  # any head dim up to this, powers of two or not (80, 96, 192: a padded, masked tile)
 
@@ -31,7 +31,6 @@ def _block_d(head_dim: int) -> int:
 
 
 LOG2E = 1.4426950408889634
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs(kind: str) -> list[triton.Config]:

@@ -9,16 +9,14 @@ the local shard of a sequence-parallel activation. Custom ops with fake implemen
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from .checks import check_rms_norm_inputs
+from .triton_compat import INTERPRET  # importing it also fixes triton < 3.8's interpreter
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_FUSED_WIDTH = 65536  # one row must fit one program's registers/shared memory
 
 

@@ -1,0 +1,56 @@
+"""What differs between the supported stacks: the GPU machines' torch 2.11 + triton 3.6 and CI's torch 2.13 +
+triton 3.9 (.ci/run runs the fast tier and the fp32 and bf16 contracts on both). Triton's CPU interpreter before
+3.8 cannot read a runtime loop bound beside numpy >= 2.4; tessera.kernels.triton_compat applies triton's own fix."""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")  # module-level: the interpreter patches what a kernel's globals name
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under TRITON_INTERPRET=1"
+)
+
+
+def test_triton_versions_are_read_as_major_minor():
+    from tessera.kernels.triton_compat import _version
+
+    assert _version("3.6.0") == (3, 6)
+    assert _version("3.9.0+git1a2b3c4") == (3, 9)
+    assert _version("3.10.1") == (3, 10)
+
+
+@interpreted
+def test_importing_the_kernels_patches_the_interpreter_exactly_on_triton_before_3_8():
+    from triton.runtime import interpreter
+
+    import tessera.kernels.triton_rmsnorm  # noqa: F401  (applies the patch where it is needed)
+    from tessera.kernels.triton_compat import _version
+
+    patched = getattr(interpreter._patch_lang_tensor, "_tessera_squeezed", False)
+    assert patched == (_version(triton.__version__) < (3, 8))
+
+
+@interpreted
+def test_a_loop_over_runtime_bounds_runs_in_the_interpreter():
+    """The kernels' loop shapes: range(program_id, runtime M, num_programs) and range(0, runtime min(...), BLOCK),
+    whose bounds the interpreter reads through __index__ (numpy >= 2.4 refused it on triton < 3.8)."""
+    import tessera.kernels.triton_rmsnorm  # noqa: F401
+
+    @triton.jit
+    def row_sums(X, OUT, M, N, BLOCK: tl.constexpr):
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        for row in range(pid, M, programs):
+            acc = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, tl.minimum(N, N + row), BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                acc += tl.load(X + row * N + cols, mask=cols < N, other=0.0)
+            tl.store(OUT + row, tl.sum(acc, 0))
+
+    x = torch.randn(7, 37, dtype=torch.float32)
+    out = torch.empty(7, dtype=torch.float32)
+    row_sums[(3,)](x, out, 7, 37, BLOCK=16)
+    torch.testing.assert_close(out.double(), x.double().sum(1), rtol=1e-6, atol=1e-6)
