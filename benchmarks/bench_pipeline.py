@@ -98,12 +98,26 @@ def _tessera(cfg, kind, pp, virtual, microbatches, device):
     return stages, runner
 
 
+def _no_warmup_to_self(stage) -> None:
+    """torch < 2.13 warms up a stage's neighbours with a send and a receive each way before its first step, to
+    its own rank where a V schedule (zbv, dualpipev) puts two adjacent stages on one rank; gloo has no pair to
+    its own rank and raises "Pair is not connected (... <--> [none])". Those two stages pass activations in
+    memory in the steps, so the self-addressed warm-up ops are dropped (torch 2.13 warms up without them)."""
+    ops_of = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if ops_of is not None:
+        rank = dist.get_rank()
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in ops_of() if op.peer != rank]
+
+
 def _torch(cfg, kind, pp, virtual, microbatches, device):
     import torch.distributed.pipelining as pipelining
 
     stages = _stages(cfg, kind, pp, virtual, device)
     n_stages = pp * virtual
     wrapped = [pipelining.PipelineStage(m, s, n_stages, device, group=dist.group.WORLD) for s, m in stages.items()]
+    if dist.get_backend() == "gloo":
+        for stage in wrapped:
+            _no_warmup_to_self(stage)
 
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
