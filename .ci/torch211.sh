@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU machines' stack beside the main suite's (torch 2.13 + triton 3.9): torch 2.11 + triton 3.6 in a venv
+# of their own, tessera with its test extra, then the fast tier and the fp32 and bf16 contracts (not the whole
+# slow tier: 20 minutes more). PyPI's torch 2.11 is the CUDA build (no CPU wheel of it reaches this machine):
+# its CUDA packages (~3 GB) come along and it runs on the CPU. Measured on 2 cores: install ~1.5 min, tests ~9.
+set -euxo pipefail
+cd "$(dirname "$0")/.."
+venv=build/venv-torch211 # build/ is git-ignored, so ruff and git pass it by
+python3 -m venv --clear "$venv"
+. "$venv/bin/activate"
+# one resolve with the pins, so that the test extra cannot move torch or triton; --no-compile: byte-compiling all of
+# torch costs ~25 s of CPU, the tests compile only what they import
+pip install -q --no-compile torch==2.11.0 triton==3.6.0 -e ".[test]"
+python - <<'PY'
+import torch, triton
+
+assert torch.__version__.split("+")[0] == "2.11.0" and triton.__version__ == "3.6.0", (torch.__version__, triton.__version__)
+PY
+python -m pytest -q -p no:cacheprovider -m "not slow"
+python -m pytest -q -p no:cacheprovider tests/test_contract.py tests/test_contract_bf16.py
