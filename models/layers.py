@@ -1,5 +1,7 @@
-"""Building blocks that model families share: RMSNorm, rotary positions (looked up by absolute position, so
-context-parallel shards rotate at their true positions) and the attention slot.
+"""The primitives that model families and parallel/ share: RMSNorm, rotary positions (looked up by absolute
+position, so context-parallel shards rotate at their true positions; plain or with a scaling of the
+frequencies, `ROPE_SCALINGS`) and the attention slot. The blocks built from them are in attention.py, mlp.py,
+moe.py and decoder.py.
 
 Nothing here knows a family's module names or any parallelism. `CausalAttention` is the module a family puts
 in its attention slot (the spec's `attention` pattern): context parallel swaps it for ring or all-gather
@@ -43,16 +45,27 @@ def llama3_scaled(
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
+# RoPE's frequency scalings by config.json's rope_type: (inv_freq, **the scaling's parameters) -> inv_freq.
+# A family's variant (YaRN for DeepSeek-V3 and gpt-oss) is one entry here, and Rotary takes it by name.
+ROPE_SCALINGS = {"llama3": llama3_scaled}
+
+
 class Rotary(nn.Module):
-    """RoPE tables; looked up by absolute position so sharded sequences rotate at their true positions."""
+    """RoPE tables; looked up by absolute position so sharded sequences rotate at their true positions.
+    `scaling`: the parameters of the frequency scaling `ROPE_SCALINGS[rope_type]` (None: plain RoPE)."""
 
     cos: Tensor  # (max_seq_len, head_dim / 2) fp32 buffers, not persistent (`reset_tables` computes them)
     sin: Tensor
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: tuple | None = None):
+    def __init__(
+        self, head_dim: int, max_seq_len: int, theta: float, scaling: tuple | None = None, rope_type: str = "llama3"
+    ):
         super().__init__()
+        if scaling and rope_type not in ROPE_SCALINGS:
+            raise ValueError(f"rope_type {rope_type!r}: tessera scales RoPE as {', '.join(ROPE_SCALINGS)}")
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
         self.scaling = dict(scaling) if scaling else None
+        self.rope_type = rope_type
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_tables()
@@ -63,7 +76,7 @@ class Rotary(nn.Module):
             self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim)
         )
         if self.scaling:
-            inv_freq = llama3_scaled(inv_freq, **self.scaling)
+            inv_freq = ROPE_SCALINGS[self.rope_type](inv_freq, **self.scaling)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=device), inv_freq)
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
 

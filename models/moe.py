@@ -35,6 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
+from .mlp import SwiGLU, swiglu_tp_plan
+from .spec import TPPlan, prefixed
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -131,19 +134,8 @@ class _ScaleGrad(Function):
         return grad * ctx.scale, None
 
 
-class SharedExpert(nn.Module):
-    """A dense SwiGLU MLP every token passes through beside its routed experts (DeepSeek's shared expert)."""
-
-    def __init__(self, dim: int, ffn_dim: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, ffn_dim, bias=False)
-        self.up_proj = nn.Linear(dim, ffn_dim, bias=False)
-        self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
-        self.input_comm: nn.Module = nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.input_comm(x)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+# DeepSeek's shared expert: a dense SwiGLU MLP every token passes through beside its routed experts
+SharedExpert = SwiGLU
 
 
 class _AttachAuxLoss(Function):
@@ -259,6 +251,12 @@ class MoE(nn.Module):
         self.aux_loss_sum.add_(share.detach(), alpha=0.0 if recomputing else 1.0)
         weight = self.aux_weight if self.aux_weight is not None else 1.0 / rows
         return _AttachAuxLoss.apply(out, share, weight)
+
+
+def moe_tp_plan() -> TPPlan:
+    """The block's tensor-parallel plan, relative to it: its tokens and routing copied (or gathered) once, the
+    router replicated, each expert's ffn split, one reduce of the outputs; the shared expert as any SwiGLU."""
+    return (("", "moe"), ("gate", "replicated"), ("experts", "experts"), *prefixed("shared_expert", swiglu_tp_plan()))
 
 
 class _Pass(nn.Module):

@@ -55,6 +55,14 @@ TP_STYLES = {
 }
 
 
+TPPlan = tuple[tuple[str, str], ...]  # (module-name pattern, TP_STYLES key), first match wins
+
+
+def prefixed(prefix: str, plan: TPPlan) -> TPPlan:
+    """A block's own plan (names relative to it, "" the block itself) under the block's pattern in the model."""
+    return tuple((f"{prefix}.{name}" if name else prefix, style) for name, style in plan)
+
+
 @dataclass(frozen=True)
 class PipelineSplit:
     """How a model is cut into pipeline stages: the first stage runs `first`, every stage some of the
@@ -89,7 +97,7 @@ class ModelSpec:
     build: Callable[[Any], nn.Module]  # config -> the one-process model, on the current torch.device
     init_std: Callable[[str, Any], Init]  # (one-process parameter name, config) -> std, ONES or ZEROS
     shape: Callable[[Any], ModelShape]  # config -> sizes as plain numbers (memory model, planner, MFU)
-    tp_plan: tuple[tuple[str, str], ...]  # (module-name pattern, TP_STYLES key), first match wins
+    tp_plan: TPPlan
     blocks: str  # the pattern of one repeated block: FSDP2 units, activation checkpointing, compile
     pipeline: PipelineSplit
     attention: str  # the pattern of the attention slots (context parallel, kernels)
