@@ -1,6 +1,9 @@
 """Model families, each one file with its spec (models/spec.py), registered by name: Llama, Qwen3 and Qwen3-MoE.
 
-Adding a family is one file that builds and registers a `ModelSpec`, and its import line below.
+A family composes the blocks that live once here: the decoder (decoder.py), attention variants (attention.py),
+MLPs (mlp.py), the mixture-of-experts block (moe.py), norms and RoPE (layers.py). Adding a family is one file
+that subclasses `decoder.DecoderLM` with its blocks and names, builds and registers a `ModelSpec`
+(`decoder.decoder_spec`), and its import line below.
 """
 
 from . import llama  # noqa: F401  (registers the family)

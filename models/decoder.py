@@ -25,7 +25,8 @@ from .spec import HFAdapter, ModelSpec, PipelineSplit, TPPlan, prefixed
 
 
 class DecoderNames(NamedTuple):
-    """A family's module names (Hugging Face's by default); the repeated blocks are always `layers`."""
+    """A family's module names (Hugging Face's by default); the repeated blocks are always `layers`. A norm's
+    name ends in "norm" (`depth_scaled_init` draws it as ones)."""
 
     embedding: str = "embed_tokens"
     norm: str = "norm"
@@ -173,9 +174,9 @@ def decoder_tp_plan(names: DecoderNames, attention: TPPlan, mlp: TPPlan) -> TPPl
 
 
 def depth_scaled_init(out_projections: tuple[str, ...]) -> Callable[[str, Any], Init]:
-    """A spec's init_std: norms ONES; the output projections (the modules, or stacked parameters, named in
-    `out_projections`) cfg.init_std / sqrt(2 * n_layers), as they add to the residual stream once per layer;
-    every other parameter cfg.init_std."""
+    """A spec's init_std: norms ONES (their modules' names end in "norm"); the output projections (the modules,
+    or stacked parameters, named in `out_projections`) cfg.init_std / sqrt(2 * n_layers), as they add to the
+    residual stream once per layer; every other parameter cfg.init_std."""
 
     def init_std(name: str, cfg: Any) -> Init:
         if name.endswith("norm.weight"):

@@ -7,11 +7,17 @@ tests/data/model_families.json holds what was captured; `python tests/test_model
 it again, which only a deliberate change of a family's checkpoints or numerics should do. Bitwise equality holds
 on the torch version and CPU it was captured on; elsewhere (another torch, another ISA: other kernels may sum in
 another order) each tensor's float64 norm and its dot with a fixed random vector must agree to 1e-5 relative.
+
+The last test keeps the families composed from the shared blocks (models/decoder.py, attention.py, mlp.py,
+moe.py): no run of six or more identical lines (whitespace stripped, blank lines skipped) between two family
+files, the measure of issue 39 item 3 (`duplicates --repo models` shows them, and runs alike but for names too).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
+import itertools
 import json
 import platform
 import sys
@@ -186,6 +192,86 @@ def test_forward_and_backward_are_bitwise_what_they_were(captured, case):
         want_norm, want_dot = want["fingerprints"][name]
         assert abs(norm - want_norm) <= 1e-5 * want_norm, name
         assert abs(dot - want_dot) <= 1e-5 * want_norm, name
+
+
+def test_a_family_is_its_names_and_blocks():
+    """A new family written on the shared blocks: its names alone place its parameters, and its spec's pipeline
+    split, attention slots and tp plan follow them (what DeepSeek-V3 and gpt-oss will be written as)."""
+    from torch import nn
+
+    from tessera.models.attention import AttentionNames, GroupedQueryAttention, attention_tp_plan
+    from tessera.models.decoder import DecoderLM, DecoderNames, decoder_shape, decoder_spec, decoder_tp_plan
+    from tessera.models.decoder import depth_scaled_init
+    from tessera.models.layers import Rotary
+    from tessera.models.mlp import MLPNames, SwiGLU, swiglu_tp_plan
+
+    cfg = get_preset("qwen3-debug", n_layers=1)
+    attention, mlp = AttentionNames("q", "k", "v", "proj"), MLPNames("fc_gate", "fc_in", "fc_out")
+
+    class Toy(DecoderLM):
+        names = DecoderNames("wte", "final_norm", "head", "pre_attn_norm", "attn", "pre_ffn_norm", "ffn")
+
+        def __init__(self, cfg):
+            super().__init__(cfg, Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta))
+
+        def build_attention(self, cfg, layer: int) -> nn.Module:
+            return GroupedQueryAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, attention)
+
+        def build_mlp(self, cfg, layer: int) -> nn.Module:
+            return SwiGLU(cfg.dim, cfg.ffn_dim, mlp)
+
+    plan = decoder_tp_plan(Toy.names, attention_tp_plan(attention), swiglu_tp_plan(mlp))
+    spec = decoder_spec("toy", type(cfg), Toy, plan, depth_scaled_init(("proj", "fc_out")), decoder_shape, {})
+    model = spec.build_model(cfg, seed=0)
+    assert [n for n, _ in model.named_parameters()] == [
+        "wte.weight",
+        *(f"layers.0.{n}.weight" for n in ("pre_attn_norm", "attn.q", "attn.k", "attn.v", "attn.proj", "pre_ffn_norm")),
+        *(f"layers.0.ffn.{n}.weight" for n in ("fc_gate", "fc_in", "fc_out")),
+        "final_norm.weight",
+        "head.weight",
+    ]
+    assert spec.pipeline.first == ("wte",) and spec.pipeline.last == ("final_norm", "head")
+    assert spec.attention == "layers.*.attn.core"
+    styles = {n: next((s for p, s in plan if matches(p, n)), None) for n, _ in model.named_modules()}
+    assert [styles[n] for n in ("layers.0.attn.k", "layers.0.ffn.fc_out", "head")] == [
+        "kv",
+        "rowwise",
+        "colwise_gather",
+    ]
+    scaled = cfg.init_std / 2**0.5  # 1/sqrt(2 * n_layers) on the output projections
+    names = ("attn.proj", "ffn.fc_out", "attn.q", "pre_attn_norm")
+    assert [spec.init_std(f"layers.0.{n}.weight", cfg) for n in names] == [scaled, scaled, cfg.init_std, "ones"]
+    assert model(torch.randint(0, cfg.vocab_size, (1, 8))).shape == (1, 8, cfg.vocab_size)
+
+
+# ----------------------------------------------------------------------------- the families stay composed
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    lines = ((n, line.strip()) for n, line in enumerate(path.read_text().splitlines(), 1))
+    return [(n, s) for n, s in lines if s]
+
+
+def repeated_runs(a: Path, b: Path, min_lines: int = 6) -> list[str]:
+    """The maximal runs of `min_lines` or more identical lines (stripped, blank lines skipped) in both files."""
+    A, B = _code_lines(a), _code_lines(b)
+    runs, prev = [], {}
+    for i in range(len(A) + 1):
+        cur = {j: prev.get(j - 1, 0) + 1 for j in range(len(B)) if i < len(A) and A[i][1] == B[j][1]}
+        for j, n in prev.items():
+            if n >= min_lines and not cur.get(j + 1):
+                runs.append(f"{a.name}:{A[i - n][0]}-{A[i - 1][0]} ~ {b.name}:{B[j - n + 1][0]}-{B[j][0]}")
+        prev = cur
+    return runs
+
+
+def family_files() -> list[Path]:
+    return sorted({Path(inspect.getfile(spec.build)) for spec in families().values()})
+
+
+def test_no_family_file_repeats_six_lines_of_another():
+    files = family_files()
+    assert len(files) >= 3, files
+    runs = [r for a, b in itertools.combinations(files, 2) for r in repeated_runs(a, b)]
+    assert not runs, "family files repeat each other (compose the shared blocks instead):\n" + "\n".join(runs)
 
 
 if __name__ == "__main__":
