@@ -63,7 +63,7 @@ def test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_li
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for ln in block.splitlines()]
     args = next(ln for ln in lines if ln.startswith("python -m tessera.baseline")).split()[3:]  # the README's command
     code = (

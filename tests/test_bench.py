@@ -140,7 +140,7 @@ def test_bench_rows_carry_dtype_predictions_and_the_baseline_as_the_readme_runs_
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for ln in block.splitlines()]
     command = next(ln for ln in lines if ln.startswith("tessera bench ") and "--baseline" in ln)
     args = command.split()[1:]

@@ -217,7 +217,7 @@ def test_plan_without_gpus_asks_for_them_in_one_line():
 
 def readme_commands(prefix: str) -> list[str]:
     """The README's command lines (in its bash blocks) that start with `prefix`."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "layouts.md").read_text(), re.S)
     return [ln.split(" #")[0].strip() for b in blocks for ln in b.splitlines() if ln.startswith(prefix)]
 
 

@@ -29,7 +29,7 @@ def test_the_readme_qwen3_command_trains_on_pp2_tp2(tmp_path):
     import json
 
     cmd = "tessera train --model qwen3-debug --pp 2 --tp 2 --sequence-parallel --microbatches 2 --steps 4"
-    readme = (EXAMPLES.parent / "README.md").read_text()
+    readme = (EXAMPLES.parent / "docs" / "models.md").read_text()
     assert cmd in readme
     metrics = tmp_path / "run.jsonl"
     out = subprocess.run(

@@ -32,7 +32,7 @@ def _suite(*args, timeout=300):
 
 def _readme_suite_commands() -> list[list[str]]:
     """The arguments of each README command line that runs the suite (up to a pipe or redirection)."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "benchmarks.md").read_text(), re.S)
     found = re.findall(r"python benchmarks/gpu_suite\.py([^|&\n]*)", "\n".join(blocks))
     return [args.replace("2>", "").split() for args in found]
 

@@ -222,8 +222,8 @@ def test_the_readme_fine_tuning_commands_run_as_written(hf_dir, tmp_path):
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = re.search(r"## Fine-tuning a Hugging Face Llama on your data.*?```\n(.*?)```", readme, re.S).group(1)
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    block = re.search(r"## Fine-tuning a Hugging Face Llama on your data.*?```bash\n(.*?)```", readme, re.S).group(1)
     lines = [line for line in block.splitlines() if line.strip()]
     assert len(lines) == 4
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))

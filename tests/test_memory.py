@@ -211,7 +211,7 @@ def test_the_readme_memory_example_quotes_what_its_command_prints():
 
     from helpers import cli_here
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "layouts.md").read_text()
     command = "tessera memory --model 70b --tp 8 --pp 2 --dp 8 --dp-replicate 2 --cp 2"
     quoted = re.search(re.escape(command) + r"\n(.*?)\ntessera ", readme, re.S).group(1)
     params, states = re.search(

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _readme_moe_command() -> list[str]:
-    section = (ROOT / "README.md").read_text().split("### Mixture of experts and expert parallelism", 1)[1]
+    section = (ROOT / "docs" / "moe.md").read_text().split("# Mixture of experts and expert parallelism", 1)[1]
     line = re.search(r"```bash\n(tessera train [^\n]*)\n```", section).group(1)
     return line.split()[1:]
 

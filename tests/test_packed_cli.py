@@ -21,7 +21,7 @@ SEPARATOR = 1
 
 
 def _readme_command() -> list[str]:
-    section = (ROOT / "README.md").read_text().split("## Packed documents", 1)[1]
+    section = (ROOT / "docs" / "context-parallel.md").read_text().split("## Packed documents", 1)[1]
     return re.search(r"```bash\n(tessera train [^\n]*)\n```", section).group(1).split()[1:]
 
 

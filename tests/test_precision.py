@@ -119,7 +119,7 @@ def test_the_readme_quotes_the_start_up_lines_matmul_shares():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "precision.md").read_text()
     quoted = re.search(
         r"\(`(matmuls in bfloat16 \([^`]*\))`\s+for `tessera train --model debug --mixed-precision bf16`", readme
     ).group(1)

@@ -129,7 +129,7 @@ def _records(path):
 
 @pytest.mark.slow
 def test_the_readme_command_profiles_its_step_and_prints_one_line(tmp_path):
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "training.md").read_text()
     command = re.search(r"^tessera train .*--profile-summary .*$", readme, re.M).group(0)
     argv = command.split()[1:]
     out = subprocess.run(
