@@ -12,6 +12,7 @@ swaps modules by the spec's patterns, and a pipeline stage is this model with mo
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import torch
@@ -26,7 +27,7 @@ from .spec import HFAdapter, ModelSpec, PipelineSplit, TPPlan, prefixed
 
 class DecoderNames(NamedTuple):
     """A family's module names (Hugging Face's by default); the repeated blocks are always `layers`. A norm's
-    name ends in "norm" (`depth_scaled_init` draws it as ones)."""
+    name ends in "norm" (`DepthScaledInit` draws it as ones)."""
 
     embedding: str = "embed_tokens"
     norm: str = "norm"
@@ -173,18 +174,20 @@ def decoder_tp_plan(names: DecoderNames, attention: TPPlan, mlp: TPPlan) -> TPPl
     )
 
 
-def depth_scaled_init(out_projections: tuple[str, ...]) -> Callable[[str, Any], Init]:
+@dataclass(frozen=True)
+class DepthScaledInit:
     """A spec's init_std: norms ONES (their modules' names end in "norm"); the output projections (the modules,
     or stacked parameters, named in `out_projections`) cfg.init_std / sqrt(2 * n_layers), as they add to the
-    residual stream once per layer; every other parameter cfg.init_std."""
+    residual stream once per layer; every other parameter cfg.init_std. A class, not a closure: specs travel to
+    the ranks by pickle."""
 
-    def init_std(name: str, cfg: Any) -> Init:
+    out_projections: tuple[str, ...]
+
+    def __call__(self, name: str, cfg: Any) -> Init:
         if name.endswith("norm.weight"):
             return ONES
-        scaled = name.removesuffix(".weight").rpartition(".")[2] in out_projections
+        scaled = name.removesuffix(".weight").rpartition(".")[2] in self.out_projections
         return cfg.init_std * (1.0 / math.sqrt(2 * cfg.n_layers) if scaled else 1.0)
-
-    return init_std
 
 
 def decoder_shape(cfg: DecoderSizes, **fields: Any) -> ModelShape:

@@ -7,7 +7,8 @@ checkpoints themselves; this module is what a family file builds its adapter fro
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 
 def check_architecture(c: dict, path: str, family: str, model_type: str, architecture: str) -> None:
@@ -91,26 +92,30 @@ def decoder_entries(cfg: Any, architecture: str, model_type: str, dtype: str, ti
     }
 
 
-def names_under_model(ours: re.Pattern, family: str) -> tuple[Callable[[str], str], Callable[[str], str | None]]:
-    """(to_hf, from_hf) of a family whose parameter names are Hugging Face's without the "model." level
-    (lm_head.weight as it is), `ours` matching every name the family has (ValueError for any other)."""
+@dataclass(frozen=True)
+class NamesUnderModel:
+    """The parameter names of a family whose modules are Hugging Face's own, without the "model." level
+    (lm_head.weight as it is); `ours` matches every name the family has (ValueError for any other). Its methods
+    are the family's HFAdapter.to_hf and from_hf (a class, not closures: specs travel to the ranks by pickle)."""
 
-    def to_hf(name: str) -> str:
+    ours: re.Pattern
+    family: str
+
+    def to_hf(self, name: str) -> str:
         """embed_tokens.weight -> model.embed_tokens.weight, ...; lm_head.weight stays."""
-        if not ours.fullmatch(name):
-            raise ValueError(f"parameter {name!r} has no Hugging Face {family} name")
+        if not self.ours.fullmatch(name):
+            raise ValueError(f"parameter {name!r} has no Hugging Face {self.family} name")
         return name if name == "lm_head.weight" else f"model.{name}"
 
-    def from_hf(name: str) -> str | None:
+    def from_hf(self, name: str) -> str | None:
         if name.endswith("rotary_emb.inv_freq"):
             return None
         if name == "lm_head.weight":
             return name
         inner = name[len("model.") :]
-        if not name.startswith("model.") or inner == "lm_head.weight" or not ours.fullmatch(inner):
+        if not name.startswith("model.") or inner == "lm_head.weight" or not self.ours.fullmatch(inner):
             raise ValueError(
-                f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a {family} weight tessera knows)"
+                f"unexpected parameter {name!r} in the Hugging Face checkpoint (not a {self.family} weight tessera "
+                f"knows)"
             )
         return inner
-
-    return to_hf, from_hf

@@ -23,7 +23,7 @@ from tessera.topology.shapes import ModelShape
 
 from .attention import AttentionNames, GroupedQueryAttention, attention_tp_plan, check_heads
 from .data import BYTE_VOCAB  # noqa: F401  (the debug presets' vocabulary; imported from here too)
-from .decoder import DecoderLM, DecoderNames, decoder_shape, decoder_spec, decoder_tp_plan, depth_scaled_init
+from .decoder import DecoderLM, DecoderNames, DepthScaledInit, decoder_shape, decoder_spec, decoder_tp_plan
 from .hf_adapter import check_architecture, decoder_entries, off, refuse, rope_theta, scaled_rope, silu_only
 from .layers import Rotary
 from .mlp import MLPNames, SwiGLU, swiglu_tp_plan
@@ -125,7 +125,7 @@ class Transformer(DecoderLM):
 
 
 # Norms ONES; the output projections (wo, w2) scaled by 1/sqrt(2 * n_layers)
-param_init_std = depth_scaled_init((ATTENTION.o, MLP.down))
+param_init_std = DepthScaledInit((ATTENTION.o, MLP.down))
 
 
 def model_shape(cfg: ModelConfig) -> ModelShape:

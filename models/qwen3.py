@@ -26,9 +26,9 @@ from tessera.topology.shapes import ModelShape
 
 from .attention import AttentionNames, GroupedQueryAttention, attention_tp_plan, check_heads
 from .data import BYTE_VOCAB
-from .decoder import DecoderLM, DecoderNames, DecoderSizes, decoder_shape, decoder_spec, decoder_tp_plan
-from .decoder import depth_scaled_init
-from .hf_adapter import check_architecture, decoder_entries, names_under_model, off, plain_rope_only, refuse
+from .decoder import DecoderLM, DecoderNames, DecoderSizes, DepthScaledInit, decoder_shape, decoder_spec
+from .decoder import decoder_tp_plan
+from .hf_adapter import NamesUnderModel, check_architecture, decoder_entries, off, plain_rope_only, refuse
 from .hf_adapter import require, rope_theta, silu_only
 from .layers import Rotary
 from .mlp import MLPNames, SwiGLU, swiglu_tp_plan
@@ -125,7 +125,7 @@ class Qwen3(DecoderLM):
 
 # Norms ONES (q_norm and k_norm included); the output projections (o_proj, down_proj: a dense MLP's, an MoE
 # block's experts' and shared expert's) scaled by 1/sqrt(2 * n_layers)
-param_init_std = depth_scaled_init((AttentionNames().o, MLPNames().down))
+param_init_std = DepthScaledInit((AttentionNames().o, MLPNames().down))
 
 
 def model_shape(cfg: Qwen3Config) -> ModelShape:
@@ -141,7 +141,8 @@ _OURS = re.compile(
     r"(embed_tokens|norm|lm_head)\.weight"
     rf"|layers\.\d+\.({HF_ATTENTION_AND_NORMS}|mlp\.(gate_proj|up_proj|down_proj))\.weight"
 )
-tessera_to_hf_name, hf_to_tessera_name = names_under_model(_OURS, "Qwen3")
+_NAMES = NamesUnderModel(_OURS, "Qwen3")
+tessera_to_hf_name, hf_to_tessera_name = _NAMES.to_hf, _NAMES.from_hf
 
 
 def read_hf_sizes(c: dict, path: str, kv_heads: int, head_dim: int | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from tessera.topology.shapes import ModelShape
 
 from .attention import attention_tp_plan
 from .decoder import decoder_shape, decoder_spec, decoder_tp_plan
-from .hf_adapter import check_architecture, names_under_model, refuse, require, silu_only
+from .hf_adapter import NamesUnderModel, check_architecture, refuse, require, silu_only
 from .moe import MoE, moe_tp_plan
 from .qwen3 import (
     DEBUG_SIZES,
@@ -127,7 +127,7 @@ def model_shape(cfg: Qwen3MoeConfig) -> ModelShape:
 _OURS = re.compile(rf"(embed_tokens|norm|lm_head)\.weight|layers\.\d+\.({HF_ATTENTION_AND_NORMS}|mlp\.gate)\.weight")
 _EXPERTS = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 _HF_EXPERT = re.compile(r"model\.(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_to_hf, _from_hf = names_under_model(_OURS, "Qwen3-MoE")
+_NAMES = NamesUnderModel(_OURS, "Qwen3-MoE")
 
 
 def tessera_to_hf_name(name: str) -> str:
@@ -136,7 +136,7 @@ def tessera_to_hf_name(name: str) -> str:
     if _EXPERTS.fullmatch(name):
         stem, _, proj = name.rpartition(".")
         return f"model.{stem}.{{}}.{proj}.weight"
-    return _to_hf(name)
+    return _NAMES.to_hf(name)
 
 
 def hf_to_tessera_name(name: str) -> str | tuple[str, int] | None:
@@ -144,7 +144,7 @@ def hf_to_tessera_name(name: str) -> str | tuple[str, int] | None:
     expert = _HF_EXPERT.fullmatch(name)
     if expert:
         return f"{expert.group(1)}.{expert.group(3)}", int(expert.group(2))
-    return _from_hf(name)
+    return _NAMES.from_hf(name)
 
 
 def read_hf_config(c: dict, path: str) -> Qwen3MoeConfig:

@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import pickle
 import platform
 import sys
 from pathlib import Path
@@ -194,14 +195,24 @@ def test_forward_and_backward_are_bitwise_what_they_were(captured, case):
         assert abs(dot - want_dot) <= 1e-5 * want_norm, name
 
 
+def test_every_spec_travels_to_the_ranks_by_pickle():
+    """The multi-rank harness ships specs to the ranks pickled: no closure or lambda in one."""
+    for spec in families().values():
+        copy = pickle.loads(pickle.dumps(spec))
+        cfg = get_preset(next(iter(spec.presets)))
+        name = next(n for n, _ in spec.build_model(cfg, device="meta").named_parameters() if "layers.0" in n)
+        assert copy.init_std(name, cfg) == spec.init_std(name, cfg)
+        assert spec.hf is None or copy.hf.from_hf(copy.hf.to_hf(name)) == spec.hf.from_hf(spec.hf.to_hf(name))
+
+
 def test_a_family_is_its_names_and_blocks():
     """A new family written on the shared blocks: its names alone place its parameters, and its spec's pipeline
     split, attention slots and tp plan follow them (what DeepSeek-V3 and gpt-oss will be written as)."""
     from torch import nn
 
     from tessera.models.attention import AttentionNames, GroupedQueryAttention, attention_tp_plan
-    from tessera.models.decoder import DecoderLM, DecoderNames, decoder_shape, decoder_spec, decoder_tp_plan
-    from tessera.models.decoder import depth_scaled_init
+    from tessera.models.decoder import DecoderLM, DecoderNames, DepthScaledInit, decoder_shape, decoder_spec
+    from tessera.models.decoder import decoder_tp_plan
     from tessera.models.layers import Rotary
     from tessera.models.mlp import MLPNames, SwiGLU, swiglu_tp_plan
 
@@ -221,7 +232,7 @@ def test_a_family_is_its_names_and_blocks():
             return SwiGLU(cfg.dim, cfg.ffn_dim, mlp)
 
     plan = decoder_tp_plan(Toy.names, attention_tp_plan(attention), swiglu_tp_plan(mlp))
-    spec = decoder_spec("toy", type(cfg), Toy, plan, depth_scaled_init(("proj", "fc_out")), decoder_shape, {})
+    spec = decoder_spec("toy", type(cfg), Toy, plan, DepthScaledInit(("proj", "fc_out")), decoder_shape, {})
     model = spec.build_model(cfg, seed=0)
     assert [n for n, _ in model.named_parameters()] == [
         "wte.weight",
