@@ -303,7 +303,7 @@ def _check_device(config: Config, world: int) -> None:
             raise ValueError(
                 "--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is False); use --device cpu"
             )
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = local_ranks(world)
         if torch.cuda.device_count() < local:
             raise ValueError(
                 f"--device cuda with {local} local ranks needs {local} GPUs (one per rank); this machine has "

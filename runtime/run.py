@@ -197,16 +197,21 @@ def done_line(history: list[dict[str, Any]], config: Config) -> str:
     )
 
 
+def _where_to_resume(config: Config) -> str:
+    """Where a stopped or failed run resumes from: its last checkpoint, or why there is none."""
+    root = config.checkpoint.dir
+    if root and (Path(root) / "latest").exists():
+        return f"resume from the last checkpoint in {root} with --resume"
+    if root:
+        return f"no checkpoint was saved in {root} yet: nothing to resume from"
+    return "no --checkpoint-dir was given: this run saved nothing to resume from"
+
+
 def stopped_message(why: str, config: Config) -> str:
     """The one line of a run stopped by SIGTERM or SIGINT: suggest --resume only where a checkpoint can be."""
     if "saved a checkpoint" in why:  # --checkpoint-on-signal
         return f"{why} (resume with --resume)"
-    root = config.checkpoint.dir
-    if root and (Path(root) / "latest").exists():
-        return f"{why}; every rank was stopped (resume from the last checkpoint in {root} with --resume)"
-    if root:
-        return f"{why}; every rank was stopped (no checkpoint was saved in {root} yet: nothing to resume from)"
-    return f"{why}; every rank was stopped (no --checkpoint-dir was given: this run saved nothing to resume from)"
+    return f"{why}; every rank was stopped ({_where_to_resume(config)})"
 
 
 def failed_message(error: Exception, config: Config) -> str:
@@ -215,13 +220,10 @@ def failed_message(error: Exception, config: Config) -> str:
     cause = failure_cause(error)
     if "OutOfMemoryError" in cause:
         cause += " (lower --global-batch, raise --microbatches, or add --ac; tessera memory estimates a layout)"
-    root = config.checkpoint.dir
-    if root and (Path(root) / "latest").exists():
-        return f"{cause}; resume from the last checkpoint in {root} with --resume"
-    restarts = " (--max-restarts N restarts the ranks from the latest checkpoint by itself)"
-    if root:
-        return f"{cause}; no checkpoint was saved in {root} yet: nothing to resume from{restarts}"
-    return f"{cause}; no --checkpoint-dir was given: this run saved nothing to resume from{restarts}"
+    where = _where_to_resume(config)
+    if where.startswith("resume"):
+        return f"{cause}; {where}"
+    return f"{cause}; {where} (--max-restarts N restarts the ranks from the latest checkpoint by itself)"
 
 
 def failure_cause(error: Exception) -> str:

@@ -123,7 +123,7 @@ def _linked(event: Any) -> int:
 
 
 def _annotation(event: Any) -> bool:
-    """A range drawn on the GPU's timeline (record_function's mirror there), not a kernel."""
+    """A range (record_function's, or its mirror on the GPU's timeline), not an operator or a kernel."""
     return (
         bool(getattr(event, "is_user_annotation", False))
         or "annotation" in str(getattr(event, "activity_type", "") or "").lower()
@@ -161,11 +161,7 @@ def summarize_events(events: Sequence[Any], device_type: str) -> dict[str, Any]:
     meter_us = 0.0  # the CPU memory meter's own dispatch (LiveTensorBytes): left out of the step's figures
     if device_type != "cuda":  # the operators' self time, on the threads the step ran on (forward and autograd)
         for e in events:
-            if (
-                e.device_type != DeviceType.CPU
-                or e.is_user_annotation
-                or e.name.startswith(("tessera: ", "ProfilerStep"))
-            ):
+            if e.device_type != DeviceType.CPU or _annotation(e):
                 continue
             self_us = e.self_cpu_time_total
             if e.name in METER_EVENTS:
@@ -214,17 +210,12 @@ def summarize_events(events: Sequence[Any], device_type: str) -> dict[str, Any]:
 
 
 def _tensor_bytes(tensors: Iterable[Any]) -> int:
-    seen, total = set(), 0
+    """Bytes of the distinct storages behind `tensors` (a DTensor's local shard; shared storages once)."""
+    meter = LiveTensorBytes()  # its storage accounting, without entering it as a dispatch mode
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        if storage.data_ptr() in seen or local.device.type == "meta":
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+        meter.track(t)
+    meter.measure()
+    return meter.now
 
 
 class MemoryMeter:
