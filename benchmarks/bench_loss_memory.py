@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_results  # noqa: E402
 
-from tessera.memtrack import LiveTensorBytes  # noqa: E402
+from tessera.metrics.memtrack import LiveTensorBytes  # noqa: E402
 from tessera.parallel.loss import (  # noqa: E402
     CHUNK_ELEMENTS,
     LinearCrossEntropyHead,

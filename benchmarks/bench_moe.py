@@ -114,7 +114,7 @@ def ep_config(model_dir: str, ranks: int, ep: int, args: argparse.Namespace, cou
 
 def bench_ep(cfg: Qwen3MoeConfig, args: argparse.Namespace) -> dict[str, Any]:
     """Each ep layout once per round, --repeats rounds, the order rotated each round; rank 0's records."""
-    from tessera.run import train
+    from tessera.training.run import train
 
     eps = [int(e) for e in args.eps.split(",")]
     if eps[0] != 1:

@@ -70,8 +70,8 @@ def check_one(
     warmup: int,
     mixed_precision: str | None,
 ) -> dict:
-    from tessera.bench import planner_estimate
-    from tessera.calibrate import measure
+    from tessera.commands.bench import planner_estimate
+    from tessera.commands.calibrate import measure
     from tessera.config import Config
     from tessera.topology.step_time import Calibration
     from tessera.trainer import Trainer

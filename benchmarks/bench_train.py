@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 from tessera.config import Config  # noqa: E402
-from tessera.run import train  # noqa: E402
+from tessera.training.run import train  # noqa: E402
 
 LAYOUTS = {
     "one": {},

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tessera.results import HBM_BANDWIDTH, cpu_name, device_info, versions  # noqa: F401 (re-exported)
-from tessera.results import write_results as _write
+from tessera.metrics.results import HBM_BANDWIDTH, cpu_name, device_info, versions  # noqa: F401 (re-exported)
+from tessera.metrics.results import write_results as _write
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -12,8 +12,8 @@ Parts, in the order of what they tell a user (--parts a,b,... runs a subset, in 
                      out-of-memory (doubled while the measured peak leaves room); every attempt recorded.
                      Tokens/s, MFU, the dtype the matmuls ran in, and the profile of its last step: the top
                      25 kernels, the step's time by kind and the GPU's idle time, the allocator's peak by
-                     what held it (runtime/step_profile.py)
-  baseline  (35 s)   the plain-torch baseline (tessera.baseline: FSDP2 on one rank, SDPA, fused AdamW), eager,
+                     what held it (runtime/metrics/step_profile.py)
+  baseline  (35 s)   the plain-torch baseline (tessera.commands.baseline: FSDP2 on one rank, SDPA, fused AdamW), eager,
                      at that batch (halved on out-of-memory); tessera / baseline step time
   compiled  (150 s)  the same row with --compile (60% of the part), then the baseline compiled per block at
                      that batch; compiled / baseline
@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     )
     from gpu_suite_plots import plots
 
-    from tessera.bench import MFU_FORMULA
-    from tessera.results import BF16_PEAK, device_info, finite_or_null, versions
+    from tessera.commands.bench import MFU_FORMULA
+    from tessera.metrics.results import BF16_PEAK, device_info, finite_or_null, versions
 
     sizes = SMOKE if args.smoke else FULL
     parts = [p for p in PARTS if p in args.parts]

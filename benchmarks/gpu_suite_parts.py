@@ -111,7 +111,7 @@ def train_config(sizes: dict, batch: int, compile: bool, smoke: bool):
 def planner_batch(sizes: dict, capacity: int | None) -> tuple[int, list[dict]]:
     """The largest power of two whose planner memory estimate fits `capacity` bytes (the GPU's memory), with
     the estimates tried; the smoke run (no device memory on CPU) starts at its fixed batch."""
-    from tessera.bench import planner_estimate
+    from tessera.commands.bench import planner_estimate
 
     if capacity is None:
         return sizes["smoke_batch"], []
@@ -127,9 +127,9 @@ def planner_batch(sizes: dict, capacity: int | None) -> tuple[int, list[dict]]:
 
 
 def train_row(sizes: dict, batch: int, compile: bool, smoke: bool, peak: float | None, timeout: float) -> dict:
-    from tessera.bench import _row
+    from tessera.commands.bench import _row
     from tessera.parallel.launch import run_ranks
-    from tessera.run import run_rank
+    from tessera.training.run import run_rank
 
     config = train_config(sizes, batch, compile, smoke)
     started = time.perf_counter()
@@ -142,7 +142,7 @@ def train_row(sizes: dict, batch: int, compile: bool, smoke: bool, peak: float |
 
 
 def baseline_row(sizes: dict, batch: int, compile: bool, smoke: bool, peak: float | None, timeout: float) -> dict:
-    from tessera.bench import _baseline_row, baseline_rank
+    from tessera.commands.bench import _baseline_row, baseline_rank
     from tessera.parallel.launch import run_ranks
 
     config = train_config(sizes, batch, False, smoke)
@@ -327,8 +327,8 @@ def part_moe(suite: Suite, cap: float) -> dict:
 def part_planner(suite: Suite, cap: float) -> dict:
     """This device's rates at the model's shapes, then the planner (at those rates) against every training
     row measured: step time and memory, measured / predicted."""
-    from tessera.bench import calibrate_rank, planner_estimate
-    from tessera.calibrate import describe
+    from tessera.commands.bench import calibrate_rank, planner_estimate
+    from tessera.commands.calibrate import describe
     from tessera.parallel.launch import run_ranks
     from tessera.topology.step_time import Calibration
 

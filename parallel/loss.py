@@ -135,7 +135,7 @@ class CrossEntropySum:
         if has_loss_head(model):
             return model(inputs, positions, targets=targets)
         logits = model(inputs, positions)
-        with record_function("tessera: loss"):  # named in profiles (runtime/step_profile.py)
+        with record_function("tessera: loss"):  # named in profiles (runtime/metrics/step_profile.py)
             return self(logits, targets)
 
 
@@ -307,7 +307,7 @@ class LinearCrossEntropyHead(nn.Module):
         w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         if targets is None:
             return F.linear(h, w)
-        with record_function("tessera: loss"):  # named in profiles (runtime/step_profile.py)
+        with record_function("tessera: loss"):  # named in profiles (runtime/metrics/step_profile.py)
             return linear_cross_entropy_sum(
                 h,
                 w,

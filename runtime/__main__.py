@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from tessera.commands.cli import main
 
 sys.exit(main())

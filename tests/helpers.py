@@ -152,7 +152,7 @@ def comm_of_first_step(config: Config):
 
 def peak_tensor_bytes(config: Config) -> float:
     """This rank's peak tensor storage during its second training step (the optimizer state exists by then)."""
-    from tessera.memtrack import LiveTensorBytes
+    from tessera.metrics.memtrack import LiveTensorBytes
 
     trainer = Trainer(config)
     trainer.train_step()

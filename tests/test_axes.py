@@ -255,7 +255,7 @@ def test_a_candidates_flags_give_back_its_layout():
     command's fields read them back to the same layout."""
     import shlex
 
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
     from tessera.topology.planner import Hardware, candidates
 
     for cand in candidates(model_shape("8b"), Hardware(gpus=16), 4096, 64)[::17]:
@@ -271,7 +271,7 @@ def test_a_candidates_flags_give_back_its_layout():
 def test_the_accounting_names_are_the_tables():
     """comm_model gives bytes under every accounting name of the table (one volume each) and the planner
     times each over its group's links, overlapping the ones the table says overlap compute."""
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
     from tessera.topology import comm_model
     from tessera.topology.planner import Candidate, Hardware, estimate
 

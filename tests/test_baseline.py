@@ -1,4 +1,4 @@
-"""The plain-torch baseline (tessera.baseline): a real Llama training step, self-contained (no tessera
+"""The plain-torch baseline (tessera.commands.baseline): a real Llama training step, self-contained (no tessera
 parallel layers), that starts from tessera's weights and batch and so gives tessera's first-step loss."""
 
 import subprocess
@@ -65,9 +65,11 @@ def test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_li
 
     readme = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for ln in block.splitlines()]
-    args = next(ln for ln in lines if ln.startswith("python -m tessera.baseline")).split()[3:]  # the README's command
+    args = next(ln for ln in lines if ln.startswith("python -m tessera.commands.baseline")).split()[
+        3:
+    ]  # the README's command
     code = (
-        f"import sys, tessera.baseline as b; b.main({args!r}); "
+        f"import sys, tessera.commands.baseline as b; b.main({args!r}); "
         "bad = [m for m in sys.modules if m.startswith(('tessera.parallel', 'tessera.trainer'))]; assert not bad, bad"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)

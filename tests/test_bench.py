@@ -10,7 +10,7 @@ from helpers import cli_here
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessera.bench import parse_layout, series_layouts
+from tessera.commands.bench import parse_layout, series_layouts
 
 
 def _tessera(*args, cwd=None):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.bench import moe_load, parse_layout
+from tessera.commands.bench import moe_load, parse_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tessera.models import get_preset
-from tessera.plan_command import model_shape
+from tessera.commands.plan import model_shape
 from tessera.topology import Layout
 from tessera.topology.planner import Candidate, Hardware, estimate
 from tessera.topology.step_time import (
@@ -109,7 +109,7 @@ def test_the_step_time_model_reads_the_shape():
     traffic; a GELU MLP moves less than SwiGLU's; the calibration's matmul shapes follow the MLP."""
     from dataclasses import replace
 
-    from tessera.calibrate import linear_shapes
+    from tessera.commands.calibrate import linear_shapes
     from tessera.topology.step_time import attention_flops_per_token
 
     qwen = model_shape("qwen3-0.6b")
@@ -274,7 +274,7 @@ def test_the_optimizer_bytes_the_step_time_model_states_hold_for_tesseras_clip_a
     import torch
 
     from tessera.models import build_model
-    from tessera.optim import build_adamw
+    from tessera.training.optim import build_adamw
     from tessera.parallel.clip import clip_grad_norm_
     from tessera.topology.step_time import OPTIMIZER_BYTES_PER_PARAM
 

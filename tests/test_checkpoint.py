@@ -12,7 +12,7 @@ import torch
 from helpers import cli_here, first_loss, small_config
 from tessera.parallel import checkpoint
 from tessera.parallel.launch import run_ranks
-from tessera.run import train
+from tessera.training.run import train
 
 
 def _cli(*args):

@@ -11,7 +11,7 @@ import torch
 
 from helpers import small_config
 from tessera.parallel.launch import RankFailure, run_ranks
-from tessera.run import train
+from tessera.training.run import train
 
 BASE = dict(steps=4, checkpoint_every=2)
 

@@ -271,22 +271,22 @@ def cheap_cli(workspace):
 
     import importlib
 
-    import tessera.bench
-    import tessera.calibrate
-    import tessera.plan_command
-    import tessera.run
+    import tessera.commands.bench
+    import tessera.commands.calibrate
+    import tessera.commands.plan
+    import tessera.training.run
 
     parallelize = importlib.import_module("tessera.parallel.parallelize")  # the package's attribute is the function
 
     if tessera.run.under_torchrun():
         pytest.skip("under torchrun: `tessera train` would join the job")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tessera.run, "train", _stop)
-        mp.setattr(tessera.bench, "_sweep", _stop)
-        mp.setattr(tessera.calibrate, "measure", _stop)
-        mp.setattr(tessera.calibrate, "save", _stop)
+        mp.setattr(tessera.training.run, "train", _stop)
+        mp.setattr(tessera.commands.bench, "_sweep", _stop)
+        mp.setattr(tessera.commands.calibrate, "measure", _stop)
+        mp.setattr(tessera.commands.calibrate, "save", _stop)
         mp.setattr(parallelize, "dry_run_model_states", _stop)
-        mp.setattr(tessera.plan_command, "_dry_run", _stop)
+        mp.setattr(tessera.commands.plan, "_dry_run", _stop)
         mp.setenv("TESSERA_CALIBRATION", str(workspace / "calibration.json"))
         mp.chdir(workspace)
         threads = torch.get_num_threads()

@@ -52,14 +52,14 @@ def tokenizer_file(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def no_training(monkeypatch):
     """No test here may start ranks: reaching the run itself is a failure."""
-    import tessera.bench
-    import tessera.run
+    import tessera.commands.bench
+    import tessera.training.run
 
     def refuse(*args, **kwargs):
         raise AssertionError("the command went past its checks")
 
-    monkeypatch.setattr(tessera.run, "train", refuse)
-    monkeypatch.setattr(tessera.bench, "_sweep", refuse)
+    monkeypatch.setattr(tessera.training.run, "train", refuse)
+    monkeypatch.setattr(tessera.commands.bench, "_sweep", refuse)
 
 
 # ----------------------------------------------------------------------------- 1. tokenize, token files, --out
@@ -339,10 +339,10 @@ def test_memory_columns_never_merge(capsys, params):
 
 # ----------------------------------------------------------------------------- what the fuzz found (test_cli_fuzz.py)
 def test_plan_names_a_calibration_path_that_is_a_directory_and_refuses_absurd_counts(tmp_path, capsys, monkeypatch):
-    import tessera.calibrate
+    import tessera.commands.calibrate
 
     monkeypatch.setattr(
-        tessera.calibrate, "measure", lambda *a, **k: pytest.fail("measured despite a bad --calibration")
+        tessera.commands.calibrate, "measure", lambda *a, **k: pytest.fail("measured despite a bad --calibration")
     )
     common = ["--model", "8b", "--gpus", "16", "--seq-len", "1024", "--global-batch", "8"]
     want = f"--calibration {tmp_path} is a directory; name the calibration file (e.g. {tmp_path}/calibration.json)"

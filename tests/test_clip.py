@@ -1,4 +1,4 @@
-"""The global grad norm and clipping (parallel/clip.py), and the optimizer's kernels (runtime/optim.py).
+"""The global grad norm and clipping (parallel/clip.py), and the optimizer's kernels (runtime/training/optim.py).
 
 Norms are compared with a naive float64 definition over the full gradients; the collectives are counted:
 one all-reduce per distinct process group the gradients are sharded over (plus pp), whatever the number
@@ -124,7 +124,7 @@ def _trainer_norm_and_calls(config):
     from tessera.parallel.clip import _sharded_groups
     from tessera.parallel.loss import count_valid
     from tessera.parallel.tensor import full_tensor
-    from tessera.runners import split_microbatches
+    from tessera.training.runners import split_microbatches
     from tessera.topology import Meshes
     from tessera.trainer import Trainer
 
@@ -175,7 +175,7 @@ def test_adamw_runs_its_multi_tensor_kernels_one_group_per_mesh(layout):
 
 
 def test_a_plain_tensor_beside_dtensors_gets_its_own_group():
-    from tessera.optim import build_adamw, groups_by_mesh
+    from tessera.training.optim import build_adamw, groups_by_mesh
 
     plain = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
     assert groups_by_mesh(plain) == [plain]

@@ -270,3 +270,17 @@ def test_the_parallel_config_is_built_once_per_config_and_not_shipped_to_the_ran
     assert shipped == config and "_parallel_config" not in vars(shipped)  # the ranks build their own
     changed = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, sequence_parallel=True))
     assert changed.parallel_config() is not view and changed.parallel_config().sequence_parallel
+
+
+def test_the_layout_is_computed_once_per_config():
+    import dataclasses
+    import pickle
+
+    from tessera.config import Config
+
+    config = Config.create(model="debug", dp=2, tp=2)
+    layout = config.layout
+    assert config.layout is layout and (layout.dp_shard, layout.tp) == (2, 2)
+    assert "_layout" not in vars(pickle.loads(pickle.dumps(config)))
+    changed = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=1, dp=4))
+    assert (changed.layout.dp_shard, changed.layout.tp) == (4, 1)

@@ -136,7 +136,7 @@ def test_context_attention_equals_full_attention_sharded(method, size, causal, u
 
 def test_cli_trains_with_context_parallel(tmp_path):
     from helpers import small_config
-    from tessera.run import train
+    from tessera.training.run import train
 
     reference = [m["loss"] for m in train(small_config(steps=2))]
     metrics = tmp_path / "cp.jsonl"

@@ -178,7 +178,7 @@ def test_packing_is_refused_for_a_model_that_does_not_pass_positions_to_attentio
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import custom_model
 
-    from tessera.preflight import check_document_masking
+    from tessera.training.preflight import check_document_masking
 
     with pytest.raises(
         ValueError,

@@ -3,7 +3,7 @@ the global batch's sums are ordered (microbatch counts), and a layout's distance
 against it rather than a fixed tolerance."""
 
 from helpers import small_config
-from tessera.run import train
+from tessera.training.run import train
 from tessera.testing import drift_envelope, judge_drift
 
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import cli_here
 
 from tessera.config import Config
-from tessera.estimate import CPU_RANK_RUNTIME_BYTES, fit_problem, planner_estimate
+from tessera.training.estimate import CPU_RANK_RUNTIME_BYTES, fit_problem, planner_estimate
 
 GB = 10**9
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import PIPELINE_BASE
 from helpers import small_config, train_losses_and_grads_saving
 from tessera.parallel.launch import run_ranks
-from tessera.run import train
+from tessera.training.run import train
 from test_contract import assert_trains_like_one_process
 
 LAYOUTS = {

@@ -251,7 +251,7 @@ def test_an_unknown_loss_is_one_clear_line():
 
 
 def _peak_above_inputs(kind: str, n: int, dim: int, vocab: int, chunk_elements: int) -> int:
-    from tessera.memtrack import LiveTensorBytes
+    from tessera.metrics.memtrack import LiveTensorBytes
 
     h, w, targets = _problem(n, dim, vocab)
     h.requires_grad_()

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_suite import FULL, NEEDS, PARTS, SMOKE  # noqa: E402
 from gpu_suite_parts import STARTUP_S, search_batch  # noqa: E402
 
-from tessera.step_profile import KINDS, TOP_KERNELS  # noqa: E402
+from tessera.metrics.step_profile import KINDS, TOP_KERNELS  # noqa: E402
 
 SUITE = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py")]
 

@@ -128,7 +128,7 @@ def test_train_from_hf_then_export_to_hf_loads_back_into_transformers(hf_dir, tm
     from transformers import LlamaForCausalLM
 
     from tessera.cli import main
-    from tessera.run import train
+    from tessera.training.run import train
 
     from tessera.models.tokens import write_shard
 

@@ -164,7 +164,7 @@ def test_the_memory_command_agrees_with_the_planner():
     parameters the rank holding the most really has (tp beyond the kv heads keeps whole K/V weights)."""
     import json as _json
 
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
     from tessera.topology import Layout
     from tessera.topology.planner import Candidate, Hardware, estimate
 

@@ -111,7 +111,7 @@ def test_an_moe_step_moves_the_analytic_bytes_on_every_axis(case):
 def test_the_planner_uses_the_balanced_routing_volume():
     """The planner's ep bytes are comm_model's with routed_fraction None, which is (ep-1)/ep; the exact
     volume of another routing scales the dispatch and combine rows by it (the counts all-to-all does not)."""
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
     from tessera.topology.planner import Candidate, Hardware, estimate
 
     shape = model_shape("qwen3-moe-debug")
@@ -236,7 +236,7 @@ def test_moe_presets_count_what_their_modules_hold():
     import dataclasses
 
     from tessera.models import build_model, get_preset
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
 
     configs = [get_preset(n) for n in ("qwen3-moe-debug", "qwen3-moe-shared-debug", "qwen3-30b-a3b")]
     configs.append(dataclasses.replace(configs[0], shared_ffn_dim=24, tie_word_embeddings=True))
@@ -289,7 +289,7 @@ def test_the_dry_runs_expert_count_is_fully_shards():
 # ----------------------------------------------------------------------------- the planner
 @pytest.fixture(scope="module")
 def moe_plan():
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
     from tessera.topology.planner import Hardware, plan
 
     return plan(model_shape("qwen3-30b-a3b"), Hardware(gpus=64), 4096, 256)
@@ -314,7 +314,7 @@ def test_the_planner_offers_expert_parallel_for_an_moe_model(moe_plan):
         }
         assert Layout(**axes.degrees_from_flags(given)) == lay and f"--ep {lay.ep}" in x.candidate.flags()
     # MFU counts the active parameters (3B of 30B): 6 per token and parameter, plus causal attention
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
 
     cfg, request, best = model_shape("qwen3-30b-a3b"), moe_plan.request, ranked[0]
     assert request["matmul_params"] == cfg.matmul_params() < request["params"] / 5
@@ -353,7 +353,7 @@ def test_tessera_plan_prints_the_best_expert_parallel_layout_and_its_flags():
 
 
 def test_the_planner_never_offers_expert_parallel_for_a_dense_model():
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
     from tessera.topology.planner import Candidate, Hardware, candidates, why_not_runnable
 
     for model in ("8b", "qwen3-0.6b"):
@@ -367,7 +367,7 @@ def test_the_planner_never_offers_expert_parallel_for_a_dense_model():
 
 
 def test_expert_parallel_shrinks_a_ranks_parameters_and_the_memory_model_agrees():
-    from tessera.plan_command import model_shape
+    from tessera.commands.plan import model_shape
     from tessera.topology.memory import model_state_bytes
     from tessera.topology.planner import rank_params
 

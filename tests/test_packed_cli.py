@@ -55,7 +55,7 @@ def packed_data(tmp_path_factory):
 
 
 def _history(**kw):
-    from tessera.run import train
+    from tessera.training.run import train
 
     return train(small_config(vocab_size=100, seq_len=32, global_batch=4, steps=3, **kw))
 

@@ -13,7 +13,7 @@ from conftest import PIPELINE_BASE
 from helpers import small_config, train_losses_and_grads
 from tessera.parallel.launch import run_ranks
 from tessera.parallel.pipeline import build_stage, split_layers, stages_of_rank
-from tessera.run import train
+from tessera.training.run import train
 
 NO_CLIP = dict(PIPELINE_BASE, microbatches=4, max_grad_norm=float("inf"))
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera.models import get_preset
-from tessera.plan_command import model_shape
+from tessera.commands.plan import model_shape
 from tessera.topology import Layout
 from tessera.topology.comm_model import stage_layer_counts
 from tessera.topology.memory import GB, min_gpus, model_state_bytes
@@ -243,7 +243,7 @@ def test_plan_cli_json():
     ],
 )
 def test_a_named_layout_that_cannot_be_scored_is_refused(name, message):
-    from tessera.plan_command import parse_named_layout
+    from tessera.commands.plan import parse_named_layout
     from tessera.topology.errors import PlanError
 
     with pytest.raises(PlanError, match=message):
@@ -254,7 +254,7 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
     """--layout: the best layout named is ranked 1; another is placed where the full ranking puts its best
     settings, with what the best gains over it; one that cannot fit says its shortfall; one tessera would not
     run says why. One plan (8b on 16 GPUs of 40 GB), scored in process; the CLI prints the same verdict."""
-    from tessera.plan_command import parse_named_layout, score_layout
+    from tessera.commands.plan import parse_named_layout, score_layout
     from tessera.topology.planner import plan
 
     shape, hw = model_shape("8b"), Hardware(gpus=16, gpu_memory_gb=40)

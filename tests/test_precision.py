@@ -1,5 +1,5 @@
 """One precision policy on every layout, and records that say what ran: the dtype of the matmuls is read
-from the tensors during step 1 (runtime/dtype_probe.py), never from the config."""
+from the tensors during step 1 (runtime/metrics/dtype_probe.py), never from the config."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tessera.dtype_probe import MatmulDtypes
+from tessera.metrics.dtype_probe import MatmulDtypes
 
 
 def _tessera(*args, timeout=300):

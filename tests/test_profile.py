@@ -10,7 +10,7 @@ import pytest
 from helpers import cli_here
 
 from tessera.config import Config
-from tessera.profiling import StepProfiler, check_profile, parse_steps, profile_window
+from tessera.metrics.profiling import StepProfiler, check_profile, parse_steps, profile_window
 
 TINY = ["--model", "debug", "--seq-len", "16", "--global-batch", "2", "--quiet"]
 

@@ -10,7 +10,7 @@ import torch
 
 from helpers import resumed_full_parameters, small_config
 from tessera.parallel.launch import run_ranks
-from tessera.run import train
+from tessera.training.run import train
 
 BASE = dict(model="qwen3-debug", n_layers=4, global_batch=8, steps=6)
 

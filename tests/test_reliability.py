@@ -60,7 +60,7 @@ class _Boom:
 
 @pytest.fixture(scope="module")
 def one_checkpoint(tmp_path_factory):
-    from tessera.run import train
+    from tessera.training.run import train
 
     root = tmp_path_factory.mktemp("safe")
     train(small_config(steps=2, checkpoint_dir=str(root), checkpoint_every=2))
@@ -207,7 +207,7 @@ def test_a_second_run_writing_to_the_same_checkpoint_directory_is_refused(tmp_pa
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
-    from tessera.run import train
+    from tessera.training.run import train
 
     root = tmp_path_factory.mktemp("fallback")
     history = train(small_config(steps=6, checkpoint_dir=str(root), checkpoint_every=2, keep_checkpoints=3))
@@ -215,7 +215,7 @@ def two_checkpoints(tmp_path_factory):
 
 
 def test_a_damaged_latest_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_path, capsys, recwarn):
-    from tessera.run import train
+    from tessera.training.run import train
 
     root, history = two_checkpoints
     copy = tmp_path / "root"
@@ -339,7 +339,7 @@ def _train_reference(tmp_path, common):
     import argparse
 
     from tessera.config import add_arguments, config_from_args
-    from tessera.run import train
+    from tessera.training.run import train
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -481,7 +481,7 @@ def test_a_crash_during_a_save_leaves_latest_loadable(tmp_path, where):
     path = checkpoint.resolve(root)
     assert path.name == "step_00000001" and checkpoint.structural_problem(path) is None
     checkpoint.verify_files(path, checkpoint.read_manifest(path))  # every checksum holds
-    from tessera.run import train
+    from tessera.training.run import train
 
     resumed = train(small_config(steps=4, resume=str(root)))  # and the run goes on from it
     assert [m["step"] for m in resumed] == [2, 3, 4]
@@ -561,7 +561,7 @@ def _rank_one_straggles(config):
 
 
 def test_a_straggler_is_named_after_three_slow_steps_in_the_progress_line():
-    from tessera.run import progress_line
+    from tessera.training.run import progress_line
 
     named = run_ranks(_rank_one_straggles, 2, small_config(dp=2), timeout=120)
     assert named[0] == named[1] == [(1, None), (2, None), (3, (1, 3)), (4, (1, 4)), (5, (1, 5))]

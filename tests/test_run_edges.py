@@ -176,7 +176,7 @@ def test_a_diverging_run_under_skip_stops_after_five_skipped_steps_with_one_line
 
 
 def test_metrics_records_are_strict_json():
-    from tessera.results import strict_json
+    from tessera.metrics.results import strict_json
 
     record = {
         "loss": float("nan"),
@@ -199,7 +199,7 @@ def test_metrics_records_are_strict_json():
 
 
 def test_the_progress_line_marks_a_skipped_step():
-    from tessera.run import progress_line
+    from tessera.training.run import progress_line
 
     config = small_config(steps=8, on_nonfinite="skip")
     m = {
@@ -269,7 +269,7 @@ def test_the_cli_refuses_sequence_parallel_without_tp_with_one_line():
 @pytest.fixture(scope="module")
 def damaged_checkpoints(tmp_path_factory):
     """dp2 checkpoints at steps 2 and 4 of a 6-step run; step 4's shard truncated, so a resume falls back to 2."""
-    from tessera.run import train
+    from tessera.training.run import train
 
     root = tmp_path_factory.mktemp("edges") / "ckpt"
     train(small_config(dp=2, steps=6, checkpoint_dir=str(root), checkpoint_every=2, keep_checkpoints=3))
@@ -297,7 +297,7 @@ def test_the_checkpoint_fallback_warning_is_one_line_printed_once(damaged_checkp
 
 
 def test_the_done_line_counts_the_steps_this_run_took():
-    from tessera.run import done_line
+    from tessera.training.run import done_line
 
     config = small_config(dp=2, steps=6)
     fresh = [{"step": s, "loss": 5.0 - s} for s in range(1, 7)]
@@ -311,7 +311,7 @@ def test_the_done_line_counts_the_steps_this_run_took():
 
 
 def test_the_stop_message_suggests_resume_only_where_a_checkpoint_is_saved(tmp_path):
-    from tessera.run import stopped_message
+    from tessera.training.run import stopped_message
 
     plain = stopped_message("stopped by SIGTERM", small_config())
     assert plain == (
@@ -334,7 +334,7 @@ def test_the_stop_message_suggests_resume_only_where_a_checkpoint_is_saved(tmp_p
 
 def test_the_restart_message_names_the_cause():
     from tessera.parallel.launch import RankFailure
-    from tessera.run import failure_cause
+    from tessera.training.run import failure_cause
 
     assert (
         failure_cause(RankFailure("rank 1 of 4 died without a result (exit code -9)"))
@@ -368,7 +368,7 @@ def test_a_job_launched_with_the_wrong_process_count_is_named_first_in_one_line(
 
 def test_the_run_label_says_one_process_and_sequence_parallel():
     from tessera.config import Config
-    from tessera.run import run_label
+    from tessera.training.run import run_label
 
     assert run_label(Config.create(model="debug")) == "one process"
     assert run_label(Config.create(model="debug", tp=2, sequence_parallel=True)) == "tp2 + sequence parallel"

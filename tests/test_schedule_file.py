@@ -187,7 +187,7 @@ def test_a_bad_schedule_file_is_one_line_naming_it_before_any_rank_starts(tmp_pa
 
 
 def test_the_file_gives_the_microbatches_when_none_are_given(tmp_path):
-    from tessera.run import pipeline_summary
+    from tessera.training.run import pipeline_summary
 
     path = tmp_path / "gpipe.csv"
     path.write_text(_gpipe(2, 4))
@@ -214,7 +214,7 @@ def test_an_interleaved_schedule_file_runs_with_its_virtual_stages(tmp_path):
 
 # ----------------------------------------------------------------------------- training from a file
 def test_1f1b_read_from_a_file_trains_exactly_like_schedule_1f1b(tmp_path):
-    from tessera.run import pipeline_summary, train
+    from tessera.training.run import pipeline_summary, train
 
     path = tmp_path / "1f1b.csv"
     write_schedule_file(build_schedule("1f1b", 2, 2), path)

@@ -1,4 +1,4 @@
-"""`tessera train --profile-summary N` (runtime/step_profile.py): the step's time by kind, its top kernels and
+"""`tessera train --profile-summary N` (runtime/metrics/step_profile.py): the step's time by kind, its top kernels and
 its memory by what held it. The pure parts (interval unions, idle gaps, kinds) against brute-force
 definitions; the CUDA path on synthetic events; the refusals; runs on one and two ranks that keep the losses
 of an unprofiled run."""
@@ -17,7 +17,7 @@ from torch.autograd import DeviceType
 
 from helpers import cli_here
 
-from tessera.step_profile import KINDS, STEP_RANGE, busy_seconds, idle_gaps, kind_of, summarize_events
+from tessera.metrics.step_profile import KINDS, STEP_RANGE, busy_seconds, idle_gaps, kind_of, summarize_events
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "debug", "--seq-len", "16", "--global-batch", "2"]

@@ -78,7 +78,7 @@ def test_a_dp_rank_reads_only_its_rows_and_they_tile_the_global_batch(data_dir):
 
 
 def _losses(config, checksums=None):
-    from tessera.run import train
+    from tessera.training.run import train
 
     history = train(config)
     if checksums is not None:
@@ -191,7 +191,7 @@ def test_tokenize_refuses_bad_input_with_one_line(tmp_path, tokenizer_file, caps
 
 
 def test_eval_every_reports_the_held_out_loss_equally_on_every_layout(data_dir, tmp_path):
-    from tessera.run import train
+    from tessera.training.run import train
 
     common = dict(
         data=str(data_dir),

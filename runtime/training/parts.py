@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch import Tensor, nn
-
 from tessera.models.moe import set_aux_weight
 from tessera.parallel import materialize, parallelize
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank
 from tessera.parallel.tied import TiedGradients, no_tied_gradients, pipeline_tied_group, shared_parameters
 from tessera.topology import Meshes
+from torch import Tensor, nn
 
 from .runners import LocalRunner, Runner
 

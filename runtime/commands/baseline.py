@@ -12,7 +12,7 @@ careful user would write it without tessera.
 It imports torch only: never tessera's parallel layers, kernels or trainer. Its command line takes the
 initial weights and the token stream from tessera.models, so "same weights, same data" holds:
 
-    python -m tessera.baseline --model debug --seq-len 64 --global-batch 4 --steps 4
+    python -m tessera.commands.baseline --model debug --seq-len 64 --global-batch 4 --steps 4
 """
 
 from __future__ import annotations
@@ -308,7 +308,9 @@ def tessera_state(cfg: Any, seed: int, device: torch.device | str = "cpu") -> di
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m tessera.baseline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tessera.commands.baseline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="debug")
     p.add_argument("--n-layers", type=int, default=None)

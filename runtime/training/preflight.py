@@ -15,19 +15,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-
+from tessera.metrics.profiling import check_profile, check_profile_summary, profile_window
 from tessera.models.data import BOS, EOS
 from tessera.models.hf import check_hf_weights
 from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
-from tessera.parallel.plan import find_modules
-
 from tessera.parallel.host_memory import available_bytes
+from tessera.parallel.plan import find_modules
+from tessera.paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 
 from .estimate import fit_problem, local_ranks
-from .paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
-from .profiling import check_profile, check_profile_summary, profile_window
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.check), not the other way round
     from .config import Config

@@ -9,7 +9,7 @@ Step N runs under torch.profiler (CPU, and CUDA on a GPU) and a memory meter; it
   device). On CPU the "kernels" are the operators' self times and the idle time is host time outside any
   operator (Python, the launcher, waiting); the memory meter's own time is left out of the step's.
 - "top_kernels": the 25 kernels (CPU: operators) with the most time, their calls, share and kind.
-- "memory": the allocator's peak of the step (CUDA; on CPU the live tensor storage, tessera.memtrack)
+- "memory": the allocator's peak of the step (CUDA; on CPU the live tensor storage, tessera.metrics.memtrack)
   and what held it: parameters, gradients and optimizer state (summed from the tensors themselves), the
   activations the forward keeps for the backward (memory held when the forward reaches the loss head,
   less what the step started with), the loss head's own peak above that, and the remainder at the peak

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tessera.models.tokens import write_shard
-
-from .paths import check_writable_dir
+from tessera.paths import check_writable_dir
 
 SEPARATORS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 from tessera.parallel.comm import collective
 
 

@@ -24,16 +24,15 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from tessera.kernels import flash_attention
+from tessera.metrics.results import cpu_name, versions
+from tessera.models.spec import shape_of as model_shape
+from tessera.paths import calibration_path as default_path
+from tessera.paths import read_calibration as load  # noqa: F401  (tessera.calibrate.load, as before)
+from tessera.topology.step_time import SCHEMA, Calibration, attention_flops_per_token, entry_key
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tessera.kernels import flash_attention
-from tessera.models.spec import shape_of as model_shape
-from tessera.topology.step_time import SCHEMA, Calibration, attention_flops_per_token, entry_key
-
 from .baseline import Block, Shape
-from .paths import calibration_path as default_path
-from .paths import read_calibration as load  # noqa: F401  (tessera.calibrate.load, as before)
-from .results import cpu_name, versions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # the most FLOPs one measured matmul shape may take (forward + backward): the calibration stays quick
@@ -215,7 +214,7 @@ def bandwidths(cfg, tokens: int, device: torch.device, dt: torch.dtype, reps: in
 
 
 def op_overhead(device: torch.device, reps: int = 5) -> float:
-    """Seconds of host time per dispatched operator: a plain-torch Llama block (tessera.baseline's) at a tiny
+    """Seconds of host time per dispatched operator: a plain-torch Llama block (tessera.commands.baseline's) at a tiny
     size (dim 64, 8 tokens), forward and backward, whose kernels take next to nothing, over the operators
     the dispatcher saw (views included, as the step's count is)."""
     shape = Shape(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=192)

@@ -9,7 +9,7 @@ from typing import Any
 
 from tessera.models.spec import shape_of
 from tessera.topology.memory import GB
-from tessera.topology.planner import Candidate, Hardware, Estimate, estimate
+from tessera.topology.planner import Candidate, Estimate, Hardware, estimate
 
 # the torch runtime of one CPU rank beside its tensors: a debug rank of two layers peaks at 330 MiB of RSS
 # (measured here: `tessera train --model debug`), nearly all of it torch, gloo and Python

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-
-from .paths import check_writable_dir
+from tessera.paths import check_writable_dir
 
 DEFAULT_TABLE_ROWS = 15
 

@@ -25,23 +25,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-
 from tessera import __version__
 from tessera.kernels import set_default_backend
+from tessera.metrics.profiling import StepProfiler
+from tessera.metrics.results import strict_json
+from tessera.metrics.step_profile import describe as describe_profile
 from tessera.models.hf import load_hf_weights
 from tessera.parallel import checkpoint
-from tessera.parallel.locks import RunLock, directory_lock, metrics_lock, pinned
 from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
+from tessera.parallel.locks import RunLock, directory_lock, metrics_lock, pinned
 from tessera.parallel.pipeline import split_layers
 from tessera.parallel.schedule import simulate
 from tessera.topology import Layout
+from torch.distributed.tensor import DTensor
 
 from .config import Config
 from .preflight import resolve_checkpoint
-from .profiling import StepProfiler
-from .results import strict_json
-from .step_profile import describe as describe_profile
 from .straggler import Straggler
 from .trainer import Trainer
 

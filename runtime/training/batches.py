@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
 from tessera.models.data import IGNORE_INDEX, pack_documents
 from tessera.parallel.comm import collective
 from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.loss import count_valid
 from tessera.topology import Layout, Meshes
+from torch import Tensor
 
 from .runners import Microbatch, split_microbatches
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import Callable, Protocol, Sequence
 
 import torch
+from tessera.parallel.loss import model_loss
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-
-from tessera.parallel.loss import model_loss
 
 # (inputs, targets) of shape (rows, seq), or (inputs, targets, positions) with packed documents' per-row
 # positions (rows, seq), which the model's attention masks each document by

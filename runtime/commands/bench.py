@@ -26,7 +26,7 @@ imbalance, the auxiliary loss) with per-layer medians, and <name>-moe_load.png s
 step's counts as a layers x experts heatmap, each layer's imbalance beside it. A dense model has neither
 (the JSON's config.moe_load says so).
 
---baseline adds a plain-torch row (tessera.baseline: the same weights, data, sequence and batch on one
+--baseline adds a plain-torch row (tessera.commands.baseline: the same weights, data, sequence and batch on one
 device, FSDP2 on a one-rank mesh with the same mixed precision, SDPA, torch.compile per block on CUDA,
 fused AdamW on CUDA / foreach on CPU) and each layout's step time over the baseline's.
 """
@@ -43,11 +43,11 @@ from typing import Any
 
 from tessera.topology.planner import model_flops_per_token
 from tessera.topology.step_time import Calibration
+from tessera.training.config import Config, said
+from tessera.training.estimate import planner_estimate  # noqa: F401 (re-exported: the benchmarks and tests call it from here)
+from tessera.training.layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
 
-from .config import Config, said
-from .estimate import planner_estimate  # noqa: F401 (re-exported: the benchmarks and tests call it from here)
-from .layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
-from .plan_command import model_shape
+from .plan import model_shape
 
 MFU_FORMULA = (
     "(6 x matmul parameters + 6 x n_layers x dim x seq_len) x tokens per step / (step time x devices x peak); "
@@ -126,7 +126,7 @@ def add_bench_parser(sub) -> None:
         const="auto",
         choices=("auto", "eager", "compile"),
         default=None,
-        help="also run the plain-torch baseline (tessera.baseline) at the first layout's batch; compiled per "
+        help="also run the plain-torch baseline (tessera.commands.baseline) at the first layout's batch; compiled per "
         "block or not (auto: compiled on CUDA, eager on CPU)",
     )
     p.add_argument(
@@ -181,7 +181,7 @@ def run_bench(args: argparse.Namespace) -> int:
             )
             config.check(flags={})  # a layout is a name here, not --tp/--pp flags
             configs.append((name, config))
-        from .tokenize_files import check_out_dir  # lazy: it imports torch (tessera.models.tokens)
+        from .tokenize import check_out_dir  # lazy: it imports torch (tessera.models.tokens)
 
         out = check_out_dir("--out", args.out)  # ValueError naming --out and the fix, never a bare [Errno]
     except (ValueError, OSError) as e:
@@ -195,8 +195,9 @@ def calibrate_rank(config, quick: bool = True) -> dict:
     dp rank's microbatch (tessera.calibrate.measure)."""
     # lazy: torch, and these modules that import it, stay out of `tessera --help`
     import torch
+    from tessera.training.trainer import current_device
+
     from .calibrate import measure
-    from .trainer import current_device
 
     rows = max(1, config.data.global_batch // config.layout.dp // config.data.microbatches)
     device = current_device() if config.device_type() == "cuda" else torch.device("cpu")
@@ -206,12 +207,13 @@ def calibrate_rank(config, quick: bool = True) -> dict:
 
 
 def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
-    """On a one-rank job: the plain-torch baseline (tessera.baseline) at the config's model, seed, data,
+    """On a one-rank job: the plain-torch baseline (tessera.commands.baseline) at the config's model, seed, data,
     sequence, global batch, mixed precision and optimizer; its step records."""
     # lazy: torch, and these modules that import it, stay out of `tessera --help`
     import torch
+    from tessera.training.trainer import current_device
+
     from . import baseline
-    from .trainer import current_device
 
     device = current_device() if config.device_type() == "cuda" else torch.device("cpu")
     cfg, o = config.model_config, config.optimizer
@@ -242,8 +244,8 @@ def _one_rank(fn, config, *args):
 
 def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
     # lazy: these import torch, which stays out of `tessera --help`
-    from .results import BF16_PEAK, device_info, write_results
-    from .run import train
+    from tessera.metrics.results import BF16_PEAK, device_info, write_results
+    from tessera.training.run import train
 
     info = device_info()
     on_gpu = configs[0][1].device_type() == "cuda"
@@ -254,7 +256,7 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
     if args.calibrate:
         print(f"bench: calibrating this device at {configs[0][0]}'s shapes ...", flush=True)
         calibration = _one_rank(calibrate_rank, configs[0][1])
-        from .calibrate import describe  # lazy: tessera.calibrate imports torch
+        from .calibrate import describe  # lazy: tessera.commands.calibrate imports torch
 
         print(f"bench: {describe(calibration)} ({calibration['seconds']:.1f} s)", flush=True)
     rows = []
@@ -353,7 +355,7 @@ def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, 
     devices = 1
     return {
         "layout": "baseline",
-        "implementation": "tessera.baseline (plain torch: FSDP2 on a one-rank mesh, SDPA, fused/foreach AdamW)",
+        "implementation": "tessera.commands.baseline (plain torch: FSDP2 on one rank, SDPA, fused/foreach AdamW)",
         "compile": compile,
         "mixed_precision": config.mixed_precision,
         "ranks": 1,

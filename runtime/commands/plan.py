@@ -13,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+from tessera.paths import calibration_path, read_calibration
 from tessera.topology import Layout
+from tessera.topology.errors import with_flags
 from tessera.topology.memory import GB
 from tessera.topology.planner import (
     DEFAULT_EFFICIENCY,
@@ -31,12 +33,9 @@ from tessera.topology.planner import (
     plan,
     why_not_runnable,
 )
-from tessera.topology.errors import with_flags
 from tessera.topology.step_time import Calibration, find_entry
-
-from .config import said
-from .layout_names import parse_layout
-from .paths import calibration_path, read_calibration
+from tessera.training.config import said
+from tessera.training.layout_names import parse_layout
 
 
 def model_shape(model):
@@ -485,7 +484,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         dtype = args.mixed_precision or ("bf16" if device.type == "cuda" else "fp32")
         if device.type == "cpu":
             torch.set_num_threads(args.threads)
-        from tessera.calibrate import describe, measure, save  # lazy: tessera.calibrate imports torch
+        from tessera.commands.calibrate import describe, measure, save  # lazy: tessera.commands.calibrate imports torch
 
         entry = measure(cfg, seq_len, rows, device, dtype, quick=args.quick)
         try:

@@ -22,9 +22,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
-
 from tessera.models.init import one_process_name
 from tessera.parallel import ParallelConfig, parallelize
 from tessera.parallel.data import DataParallelConfig, check_data_parallel
@@ -32,12 +29,13 @@ from tessera.parallel.launch import run_ranks
 from tessera.parallel.loss import CrossEntropySum, count_valid
 from tessera.parallel.pipeline import PipelineConfig
 from tessera.topology import Layout, Meshes
-
-from .batches import StepData
-from .parts import build_parts
-from .preflight import check_document_masking
-from .run import train
-from .runners import split_microbatches
+from tessera.training.batches import StepData
+from tessera.training.parts import build_parts
+from tessera.training.preflight import check_document_masking
+from tessera.training.run import train
+from tessera.training.runners import split_microbatches
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 
 class LayoutsDiverge(AssertionError):
@@ -108,7 +106,7 @@ def train_on_layout(spec: RunSpec) -> dict[str, Any] | None:
 
 def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
     """One rank of a spec'd model's run on any layout (pp and cp included), through the parts and runners
-    tessera's trainer uses (runtime/parts.py): the loss is the cross-entropy mean over the batch's valid
+    tessera's trainer uses (runtime/training/parts.py): the loss is the cross-entropy mean over the batch's valid
     targets (-100 ignored), summed per rank and divided by the global count, as on every layout."""
     layout, rank = spec.layout, dist.get_rank()
     with torch.device("meta"):

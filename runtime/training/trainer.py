@@ -1,0 +1,542 @@
+"""The Trainer: this rank's model part(s), optimizer, scheduler, data and step counter, and one step.
+
+    global batch (host) -> this dp rank's rows -> microbatches -> runner.forward_backward
+    -> global grad-norm clip (every axis, pp included) -> AdamW -> LR schedule
+
+Each piece is Stateful (state_dict / load_state_dict), so the checkpoint manager saves and restores
+them without knowing the trainer. The model is always built on the meta device, parallelized, then
+materialized: a rank allocates and initializes only its own shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from tessera.metrics.dtype_probe import MatmulDtypes
+from tessera.metrics.memtrack import LiveTensorBytes
+from tessera.metrics.step_profile import CLIP_RANGE, OPTIMIZER_RANGE, ProfiledStep
+from tessera.models.data import TokenStream
+from tessera.models.init import one_process_name
+from tessera.models.moe import reset_counters
+from tessera.models.spec import shape_of, spec_of
+from tessera.models.tokens import TokenFileStream
+from tessera.parallel import checkpoint
+from tessera.parallel.clip import clip_grad_norm_
+from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
+from tessera.parallel.comm_stats import CommCounter
+from tessera.parallel.data import PRECISIONS, layout_for_strategy
+from tessera.parallel.expert import expert_load, load_report, update_biases
+from tessera.parallel.loss import CrossEntropySum
+from tessera.parallel.pipeline import PipelineRunner
+from tessera.topology import Meshes, comm_model
+from tessera.topology.errors import NonFiniteError  # named by step, rank and parameter
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+
+from .batches import StepData
+from .config import Config
+from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
+from .parts import build_parts
+from .runners import LocalRunner, forward_only, split_microbatches
+from .straggler import Straggler, StragglerWatch
+
+
+def _no_mark(phase: str) -> None:
+    """Trainer._mark outside a profiled step: the phases are measured only under --profile-summary."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # process peak RSS on CPU
+
+
+def current_device() -> torch.device:
+    """cuda:LOCAL_RANK under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+@dataclass
+class Progress:
+    """Steps taken, tokens consumed, steps skipped for non-finite values (Stateful)."""
+
+    step: int = 0
+    consumed_tokens: int = 0
+    skipped_steps: int = 0
+    skipped_in_a_row: int = 0  # the latest steps, all skipped (--max-skipped-steps bounds it)
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "step": self.step,
+            "consumed_tokens": self.consumed_tokens,
+            "skipped_steps": self.skipped_steps,
+            "skipped_in_a_row": self.skipped_in_a_row,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.consumed_tokens = int(state["step"]), int(state["consumed_tokens"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+
+
+@dataclass
+class StepResult:
+    """One step's figures, as tensors until `record()` reads them (one host sync, at logging time)."""
+
+    step: int
+    loss: Tensor
+    grad_norm: Tensor
+    lr: float
+    tokens: int
+    started: float
+    layout: dict[str, int]
+    device: torch.device = field(repr=False, default=torch.device("cpu"))
+    skipped: bool = False  # the update was dropped (a non-finite value, --on-nonfinite skip)
+    skipped_steps: int = 0  # such steps so far in the run
+    skip_report: str | None = None  # a skipped step's one line: which values were non-finite (not in the record)
+    straggler: Straggler | None = None  # a rank the others have waited for, several steps in a row
+    tokens_checksum: int | None = None  # of the global batch's tokens (token files only)
+    comm: dict[str, Any] | None = None  # --comm-stats: bytes sent by axis and collective, beside the analytic ones
+    collective_wait_s: dict[str, float] = field(default_factory=dict)  # time inside tessera's collectives, by axis
+    peak_tensor_bytes: int | None = None  # --track-memory, on step 2: live tensor storage at its peak
+    # the dtype that carried most matmul FLOPs, read from the tensors during this process's first step
+    compute_dtype: str | None = None
+    matmul_flops_by_dtype: dict[str, int] | None = None  # that first step's breakdown (its record only)
+    moe: dict[str, Any] | None = None  # MoE models: expert load and auxiliary loss (parallel/expert.py's load_report)
+    # --pack-documents: the global batch's documents (pieces of documents in its rows) and targets left out
+    documents: dict[str, Any] | None = None
+    profile: dict[str, Any] | None = None  # --profile-summary, on its step: time by kind, top kernels, memory
+
+    def record(self) -> dict[str, Any]:
+        loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
+        elapsed = time.perf_counter() - self.started
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": self.lr,
+            "tokens_per_s": self.tokens / elapsed,
+            "step_time_s": elapsed,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "layout": self.layout,
+            "compute_dtype": self.compute_dtype,
+            **({"matmul_flops_by_dtype": self.matmul_flops_by_dtype} if self.matmul_flops_by_dtype is not None else {}),
+            "skipped": self.skipped,
+            "skipped_steps": self.skipped_steps,
+            **({"tokens_checksum": self.tokens_checksum} if self.tokens_checksum is not None else {}),
+            **({"comm": self.comm} if self.comm is not None else {}),
+            "collective_wait_s": self.collective_wait_s,
+            **({"moe": self.moe} if self.moe is not None else {}),
+            **({"documents": self.documents} if self.documents is not None else {}),
+            **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
+            **({"profile": self.profile} if self.profile is not None else {}),
+            "straggler": None
+            if self.straggler is None
+            else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s, "steps": self.straggler.steps},
+        }
+
+
+class Trainer:
+    """Everything one rank trains with. Construct inside an initialized process group."""
+
+    def __init__(self, config: Config, device: torch.device | None = None, data: Any | None = None):
+        self.config = config
+        self.device = device or current_device()
+        self._mark: Callable[[str], None] = _no_mark  # a phase of the step ends (--profile-summary's memory)
+        self.layout = config.layout
+        self.meshes = Meshes(self.layout, self.device.type, timeout=config.runtime.timeout)
+        self.rank = dist.get_rank()
+        self.model_config = config.model_config
+        self.spec = spec_of(self.model_config)
+        self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
+        d = config.data
+        self.batches = StepData(
+            self.layout,
+            self.meshes,
+            self.rank,
+            self.device,
+            d.seq_len,
+            d.global_batch,
+            config.microbatches,
+            d.pack_documents,
+        )
+        built = build_parts(
+            self.spec,
+            self.model_config,
+            self.meshes,
+            config.parallel_config(),
+            self.device,
+            config.runtime.seed,
+            config.microbatches,
+            self.loss_fn,
+            self.batches.positions_of,
+            timeout=config.runtime.timeout,
+            global_rows=config.data.global_batch,
+        )
+        self.parts, self.runner, self.tied = built.parts, built.runner, built.tied
+        o = config.optimizer
+        self.optimizer = PartOptimizers(
+            [
+                build_adamw(
+                    part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+                )
+                for part in self.parts
+            ]
+        )
+        self.scheduler = PartSchedulers(
+            [
+                torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup, config.runtime.steps, o.min_lr_ratio))
+                for opt in self.optimizer.optimizers
+            ]
+        )
+        if data is None and config.data.path:
+            data = TokenFileStream(
+                config.data.path, config.data.seq_len, config.data.global_batch, self.model_config.vocab_size
+            )
+        self.data = (
+            data
+            if data is not None
+            else TokenStream(config.data.seq_len, config.data.global_batch, documents=config.data.pack_documents)
+        )
+        self.progress = Progress()
+        self.straggler_watch = StragglerWatch(self.device)
+        # measured during this process's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}
+        self.dtype_report: dict[str, Any] | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The model of a run without pipeline stages (a pipeline rank holds `parts`)."""
+        if len(self.parts) != 1 or self.layout.pp > 1:
+            raise AttributeError(
+                f"a pipeline rank (pp={self.layout.pp}) holds stage parts, not the model: use trainer.parts"
+            )
+        return self.parts[0]
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """The parameters the global grad norm counts: every one once (a tied weight's copy on the last
+        pipeline stage is left out, as one process holds the tensor once)."""
+        return self.tied.for_norm(self.parameters())
+
+    def local_batch(self, *batch: Tensor) -> tuple[Tensor, ...]:
+        """This rank's part of a global batch, on its device (runtime/training/batches.py)."""
+        return self.batches.of_global_batch(*batch)
+
+    def evaluate(self) -> float:
+        """The mean loss over --eval-batches global batches of --eval-data, read from their start each time
+        (every rank its own rows; the sums are added over the ranks that read different tokens)."""
+        d = self.config.data
+        if d.eval_data is None:
+            raise ValueError("evaluate() reads --eval-data PATH (held-out token files); none was given")
+        held_out = TokenFileStream(
+            d.eval_data, d.seq_len, d.global_batch, self.model_config.vocab_size, name="eval_data"
+        )
+        totals = torch.zeros(2, dtype=torch.float32, device=self.device)
+        was_training = self.parts[0].training
+        for part in self.parts:
+            part.eval()
+        try:
+            for _ in range(d.eval_batches):
+                rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
+                local = self.batches.local(rows_in, rows_tg, held_out)
+                if isinstance(self.runner, PipelineRunner):  # pp > 1: forward only, through the stages
+                    # (every pp rank gets the sums)
+                    loss_sum, count = self.runner.forward_only(
+                        split_microbatches(local[0], local[1], self.config.microbatches, *local[2:])
+                    )
+                else:
+                    assert isinstance(self.runner, LocalRunner)  # pp == 1 (build_parts)
+                    loss_sum, count = forward_only(self.parts[0], self.loss_fn, [local], self.runner.positions)
+                totals += torch.stack([loss_sum, count])
+        finally:
+            for part in self.parts:
+                part.train(was_training)
+        if self.meshes.loss is not None:
+            with collective("all_reduce (eval loss)", "dp_cp", self.meshes.loss.get_group()):
+                dist.all_reduce(totals, group=self.meshes.loss.get_group())
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def train_step(self, on_grads: Callable[[list[nn.Module]], None] | None = None) -> StepResult:
+        """One optimizer step. `on_grads(parts)` runs after backward, before clipping (tests read grads).
+        A collective that runs past --timeout raises CollectiveTimeout naming this rank and the step (and,
+        for tessera's own collectives, the axis and the operation)."""
+        step = self.progress.step + 1
+        try:
+            return self._measured_step(step, on_grads)
+        except CollectiveTimeout as e:
+            named = str(e).replace(
+                f"rank {self.rank} stalled in", f"rank {self.rank} stalled at training step {step} in", 1
+            )
+            raise CollectiveTimeout(named) from e
+        except RuntimeError as e:
+            if not is_timeout(e):
+                raise
+            where = stalled_collective(e, self.layout, self.rank) or (
+                "a collective that torch issued (an FSDP2 all-gather or reduce-scatter over the data axes, or a "
+                "DTensor redistribution)"
+            )
+            raise CollectiveTimeout(
+                f"rank {self.rank} stalled at training step {step} in {where}: a peer never joined; "
+                f"look for a rank that raised, exited or froze. Underlying error: {e}"
+            ) from e
+
+    def _measured_step(self, step: int, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
+        """`_train_step`, inside the measuring modes this step asks for: --comm-stats (every step, or the
+        first) and --track-memory (step 2, once the optimizer state exists). Both can run together."""
+        runtime = self.config.runtime
+        counting = runtime.comm_stats == "every" or (runtime.comm_stats == "first" and step == 1)
+        tracking = runtime.track_memory and step == 2
+        profiling = runtime.profile_summary == step
+        report = self.dtype_report
+        probing = report is None  # this process's first step: what the matmuls ran in
+        if report is not None and not (counting or tracking or profiling):
+            result = self._train_step(on_grads)
+            result.compute_dtype = report["compute_dtype"]
+            return result
+        with contextlib.ExitStack() as modes:
+            if probing:
+                probe = modes.enter_context(MatmulDtypes())
+            if tracking:
+                tracker = modes.enter_context(LiveTensorBytes())
+                tracker.track_existing(self.parts, self.optimizer.optimizers)
+            if counting:
+                data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
+                counter = modes.enter_context(CommCounter(data_layout, self.rank))
+            if profiling:  # innermost: the other modes' own work stays out of its figures
+                profiled = modes.enter_context(ProfiledStep(self.device, self.parts, self.optimizer.optimizers))
+                self._mark = profiled.mark
+            try:
+                result = self._train_step(on_grads)
+            finally:
+                self._mark = _no_mark
+        if report is None:
+            report = self.dtype_report = probe.report()
+        if self.config.parallel.compile:
+            # dynamo skips (and marks skipped for good) a frame first seen under a dispatch mode: forget
+            # that, so the blocks compile from the next step on
+            torch._dynamo.reset()
+        if probing:
+            result.matmul_flops_by_dtype = report["matmul_flops_by_dtype"]
+        result.compute_dtype = report["compute_dtype"]
+        if tracking:
+            result.peak_tensor_bytes = tracker.peak
+        if counting:
+            result.comm = {**counter.report(), "analytic_bytes_by_axis": self.analytic_comm()}
+        if profiling:
+            result.profile = profiled.summary()
+        return result
+
+    def analytic_comm(self) -> dict[str, float]:
+        """This rank's bytes per step by axis as topology.comm_model predicts them for this run."""
+        c, p = self.config, self.config.parallel_config()
+        act = PRECISIONS[p.data.mixed_precision].itemsize
+        return comm_model.comm_bytes_per_step(
+            shape_of(self.model_config),
+            self.layout,
+            c.data.seq_len,
+            c.data.global_batch,
+            c.microbatches,
+            p.sequence_parallel,
+            p.data.strategy,
+            p.pipeline.virtual,
+            p.data.activation_checkpointing,
+            p.cp_method,
+            self.rank,
+            p.pipeline.layers_per_stage,
+            act_bytes=act,
+            param_bytes=act,
+            reduce_bytes=4,
+            placement=p.pipeline.placement,
+            documents=c.data.pack_documents,
+        )
+
+    def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
+        waits: dict[str, float] = {}
+        token = WAIT_SECONDS.set(waits)
+        try:
+            result = self._train_step_inner(on_grads)
+        finally:
+            WAIT_SECONDS.reset(token)
+        result.collective_wait_s = waits
+        return result
+
+    def _train_step_inner(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
+        started = time.perf_counter()
+        step = self.batches.next_step(self.data)
+        valid, global_tokens = step.valid, self.config.data.global_batch * self.config.data.seq_len
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        for part in self.parts if self.spec.moe else ():
+            reset_counters(part)  # the MoE blocks' load counters: this step's only
+        loss_sum = self.runner.forward_backward(step.microbatches, valid)
+        self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
+        self._mark("backward")
+        if on_grads is not None:
+            on_grads(self.parts)
+        with record_function(CLIP_RANGE):
+            grad_norm = clip_grad_norm_(
+                self.norm_parameters(),
+                self.config.optimizer.max_grad_norm,
+                Meshes.group(self.meshes.pp),
+                scale_also=self.parameters(),
+            )
+        self._mark("clip")
+        if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
+            with collective("all_reduce (loss)", "pp", self.meshes.pp.get_group()):
+                dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
+        if self.meshes.loss is not None:  # ranks reading different tokens add their sums
+            with collective("all_reduce (loss)", "dp_cp", self.meshes.loss.get_group()):
+                dist.all_reduce(loss_sum, group=self.meshes.loss.get_group())
+        # one host sync: the loss and the norm are reduced over every rank, so all ranks decide alike
+        skipped = not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        skip_report = None
+        if skipped:
+            report = self._nonfinite_report(self.progress.step + 1, loss_sum / max(1, valid), grad_norm)
+            runtime = self.config.runtime
+            if runtime.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    report + "; stopped before the update (nothing poisoned was applied or saved); "
+                    "--on-nonfinite skip drops such steps instead"
+                )
+            limit = runtime.skip_limit
+            if self.progress.skipped_in_a_row >= limit:  # the run is not recovering: stop as `stop` does
+                raise NonFiniteError(
+                    f"{report}; stopped before the update after {self.progress.skipped_in_a_row} skipped steps in a "
+                    f"row (--max-skipped-steps {limit}): nothing poisoned was applied or saved; lower --lr, or allow "
+                    f"more with --max-skipped-steps N"
+                )
+            self.progress.skipped_steps += 1
+            self.progress.skipped_in_a_row += 1
+            skip_report = (
+                f"{report}; the step's update was skipped (--on-nonfinite skip: {self.progress.skipped_in_a_row} "
+                f"of at most {limit} in a row)"
+            )
+        load = self._expert_load()
+        if not skipped:
+            self.progress.skipped_in_a_row = 0
+            with record_function(OPTIMIZER_RANGE):
+                self.optimizer.step()
+            if load is not None and self.spec.moe:  # the auxiliary-loss-free bias follows the step it was measured in
+                update_biases(self.parts, self.spec.moe, load[0])
+        self._mark("optimizer")
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        straggler = self.straggler_watch.observe(time.perf_counter() - started)
+        self.progress.step += 1
+        self.progress.consumed_tokens += global_tokens
+        return StepResult(
+            self.progress.step,
+            loss_sum / max(1, valid),
+            grad_norm,
+            lr,
+            global_tokens,
+            started,
+            self.layout.as_dict(),
+            self.device,
+            skipped=skipped,
+            skipped_steps=self.progress.skipped_steps,
+            skip_report=skip_report,
+            straggler=straggler,
+            tokens_checksum=step.tokens_checksum,
+            moe=None if load is None else load_report(*load, self.config.data.global_batch),
+            documents=step.documents,
+        )
+
+    def _expert_load(self) -> tuple[Tensor, Tensor] | None:
+        """The step's expert token counts and auxiliary loss, summed over every rank (MoE models only)."""
+        if not self.spec.moe:
+            return None
+        return expert_load(
+            self.parts,
+            self.spec.moe,
+            self.model_config.n_layers,
+            self.layout.index("tp", self.rank),
+            self.config.parallel.sequence_parallel,
+        )
+
+    def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
+        """Which parameters hold a NaN or inf gradient, on which rank and shard (collective)."""
+        mine = []
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if p.grad is None:
+                    continue
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                if not bool(torch.isfinite(local).all()):
+                    where = ""
+                    if isinstance(p.grad, DTensor):
+                        mesh = p.grad.device_mesh
+                        where = (
+                            " (shard "
+                            + ", ".join(
+                                f"{n}={mesh.get_local_rank(i)}" for i, n in enumerate(mesh.mesh_dim_names or ())
+                            )
+                            + ")"
+                        )
+                    mine.append(f"rank {self.rank}: {one_process_name(name)}{where}")
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        found = [entry for entries in everyone for entry in entries]
+        shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+        return (
+            f"non-finite values at step {step}: loss {loss.item()}, grad norm {grad_norm.item()}; "
+            f"gradients: {shown or 'all finite (the loss itself)'}"
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_pieces(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(sharded, small) Stateful pieces for the checkpoint manager."""
+        sharded = {checkpoint.SHARDED_KEY: checkpoint.ModelOptimizerState(self.parts, self.optimizer)}
+        small = {"scheduler": self.scheduler, "data": self.data, "progress": self.progress}
+        return sharded, small
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "consumed_sequences": self.progress.consumed_tokens // c.data.seq_len,
+            "consumed_tokens": self.progress.consumed_tokens,
+            "steps": c.runtime.steps,
+            "model": {"preset": c.model_name, "family": self.spec.name, "config": self.model_config.as_dict()},
+            "seed": c.runtime.seed,
+            "layout": self.layout.as_dict(),
+            "sharding_strategy": c.parallel.fsdp.upper(),
+            "sequence_parallel": c.parallel.sequence_parallel,
+            "mixed_precision": c.mixed_precision,
+            "gradient_scaler_state": None,  # bf16/fp32 training uses no loss scaler
+            "config": c.to_dict(),
+        }
+
+    def save(self, manager: checkpoint.CheckpointManager) -> str:
+        sharded, small = self.checkpoint_pieces()
+        return str(
+            manager.save(
+                self.step, sharded, small, self.checkpoint_info(), asynchronous=self.config.checkpoint.asynchronous
+            )
+        )
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore every piece from a checkpoint saved on any layout; collective. Returns the manifest."""
+        c = self.config
+
+        def check(resolved, manifest):
+            checkpoint.check_compatible(resolved, manifest, c.model_name, self.model_config.as_dict(), c.data.seq_len)
+
+        sharded, small = self.checkpoint_pieces()
+        return checkpoint.CheckpointManager(None).load(path, sharded, small, check)

@@ -1,0 +1,64 @@
+"""The names users import survive milestone 4's split of the runtime into folders (tessera.training,
+.metrics, .commands, .testing): tessera.config, tessera.trainer, tessera.cli and tessera.testing are
+modules of their own; every other module's old name (tessera.run, tessera.bench, ...) imports the module
+where it lives now, the same object, so a monkeypatch through the old name patches what runs."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import tessera
+
+
+@pytest.mark.parametrize("old, new", sorted(tessera.MOVED.items()))
+def test_an_old_module_name_is_the_module_where_it_lives_now(old, new):
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert module.__name__ == new and sys.modules[old] is module
+
+
+def test_the_public_names_are_the_objects_that_run():
+    from tessera.cli import build_parser, main
+    from tessera.commands import cli
+    from tessera.config import Config
+    from tessera.testing import assert_layouts_equivalent
+    from tessera.testing import equivalence
+    from tessera.trainer import Trainer
+    from tessera.training import config, trainer
+
+    assert Config is config.Config and Trainer is trainer.Trainer
+    assert main is cli.main and build_parser is cli.build_parser
+    assert assert_layouts_equivalent is equivalence.assert_layouts_equivalent
+
+
+def test_a_monkeypatch_through_an_old_name_reaches_the_new_module(monkeypatch):
+    import tessera.run
+    import tessera.training.run
+
+    monkeypatch.setattr(tessera.run, "under_torchrun", lambda: "patched")
+    assert tessera.training.run.under_torchrun() == "patched"
+
+
+def test_an_unknown_name_is_still_an_import_error():
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("tessera.no_such_module")
+
+
+def test_the_pytest_plugin_loads_no_torch():
+    # pytest loads the plugin in every session of a machine where tessera is installed
+    code = "import sys, tessera.testing.pytest_plugin, tessera.pytest_plugin; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_python_m_tessera_cli_is_the_command():
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert tessera.__version__ in out.stdout
