@@ -3,7 +3,7 @@
 One forward + backward of the output projection and the loss over N tokens, on one process:
     logits    logits = h @ W^T (fp32, N x V), then cross_entropy_sum (tessera.parallel.loss)
     chunked   LinearCrossEntropyHead(h, targets): chunk logits only, gradients in the forward (Liger style)
-Memory is the peak storage of live tensors (tessera.memtrack.LiveTensorBytes, re-read around every
+Memory is the peak storage of live tensors (tessera.metrics.memtrack.LiveTensorBytes, re-read around every
 operator), with h and W registered before the pass: `peak_bytes` counts them, `peak_above_inputs_bytes`
 is what the loss adds on top (logits, softmax, gradients of h and W). Times are medians (and minima) over
 repeats without the tracker, the two kinds alternating. Losses and gradients of both paths are compared
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "threads": args.threads,
         "dtype": "float32",
-        "tracker": "tessera.memtrack.LiveTensorBytes (live tensor storage, h and W registered first)",
+        "tracker": "tessera.metrics.memtrack.LiveTensorBytes (live tensor storage, h and W registered first)",
     }
     print(write_results("loss_memory_cpu", config, rows, args.out))
     return 0

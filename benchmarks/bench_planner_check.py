@@ -2,7 +2,7 @@
 
 For each model size and batch: build tessera's Trainer in this process (one rank, the device's compute
 dtype), warm it up, then repeat ROUNDS times, back to back: calibrate this device at the model's shapes
-(tessera.calibrate.measure, what `tessera plan --calibrate --quick` measures), predict the step with the
+(tessera.commands.calibrate.measure, what `tessera plan --calibrate --quick` measures), predict the step with the
 planner (topology/planner.py estimate with that calibration: topology/step_time.py), and time STEPS real
 training steps. Reported per configuration: the medians of the predicted and the measured step and of
 their per-round ratio (measured / predicted), with the predicted components. Calibrating in every round,

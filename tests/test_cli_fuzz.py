@@ -278,7 +278,7 @@ def cheap_cli(workspace):
 
     parallelize = importlib.import_module("tessera.parallel.parallelize")  # the package's attribute is the function
 
-    if tessera.run.under_torchrun():
+    if tessera.training.run.under_torchrun():
         pytest.skip("under torchrun: `tessera train` would join the job")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tessera.training.run, "train", _stop)

@@ -2,7 +2,7 @@
 
 "Measured" is every live tensor storage (parameters, gradients, optimizer state, activations, FSDP2's
 gathered copies, communication and temporary buffers), re-read around each operator of a training step
-(tessera.memtrack.LiveTensorBytes, the same as `tessera train --track-memory`; torch's MemTracker gives
+(tessera.metrics.memtrack.LiveTensorBytes, the same as `tessera train --track-memory`; torch's MemTracker gives
 the same figures where it runs, but refuses modules called once per microbatch). The planner must be
 within 10% on every layout here (tessera bench adds more on each run: ac full, pp2 x dp2), including
 SHARD_GRAD_OP (sharded and gathered copies together) and tp beyond the kv heads (replicated K/V weights).

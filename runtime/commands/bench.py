@@ -192,7 +192,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def calibrate_rank(config, quick: bool = True) -> dict:
     """On a one-rank job (the threads and device of a rank): this device's rates at the config's shapes, a
-    dp rank's microbatch (tessera.calibrate.measure)."""
+    dp rank's microbatch (tessera.commands.calibrate.measure)."""
     # lazy: torch, and these modules that import it, stay out of `tessera --help`
     import torch
     from tessera.training.trainer import current_device

@@ -28,7 +28,7 @@ from tessera.kernels import flash_attention
 from tessera.metrics.results import cpu_name, versions
 from tessera.models.spec import shape_of as model_shape
 from tessera.paths import calibration_path as default_path
-from tessera.paths import read_calibration as load  # noqa: F401  (tessera.calibrate.load, as before)
+from tessera.paths import read_calibration as load  # noqa: F401  (tessera.commands.calibrate.load, as before)
 from tessera.topology.step_time import SCHEMA, Calibration, attention_flops_per_token, entry_key
 from torch.utils._python_dispatch import TorchDispatchMode
 

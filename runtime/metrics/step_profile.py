@@ -341,7 +341,7 @@ class ProfiledStep:
             "step_start_bytes": self.start_held,
             "measured_as": "CUDA caching allocator (memory_allocated / max_memory_allocated)"
             if self.device.type == "cuda"
-            else "live tensor storage (tessera.memtrack.LiveTensorBytes)",
+            else "live tensor storage (tessera.metrics.memtrack.LiveTensorBytes)",
             "definitions": "activations: held when the forward reaches the loss head, less the step's start; loss: "
             "the loss head's peak above that; other: the peak less what is named as held at it (gathered "
             "parameters, temporaries)",
