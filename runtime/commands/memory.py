@@ -1,0 +1,303 @@
+"""`tessera memory`: per-rank model-state memory under ZeRO stages 0-3 and FSDP2 strategies, from a parameter
+count or a preset; --dry-run builds the preset on the fake backend and counts the shards each rank holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from tessera.topology import Layout, memory
+from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_from_flags, values_of
+from tessera.topology.memory import GB, get_recipe
+from tessera.topology.planner import rank_params
+from tessera.training.config import said
+
+from .plan import model_shape
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 70e9)") from None
+
+
+def _memory_degrees(args: argparse.Namespace) -> dict[str, int]:
+    """The degree of every axis of topology/axes.py's table from the memory command's flags (an axis it has
+    no flag for is 1), by the table's one rule for flags (`degrees_from_flags`, as `tessera train` reads them)."""
+    return degrees_from_flags({a.flag: getattr(args, a.flag, 1) for a in TABLE})
+
+
+DRY_RUN_MAX_RANKS = 1 << 16  # memory --dry-run: the fake world's mesh is built in full (65,536 ranks: about 15 s)
+# memory's degrees and their product: 1,048,576 ranks is beyond any job (--dp 1000000000000 printed 0.00 GB)
+MAX_DEGREE = 1 << 20
+
+
+def _degree(text: str) -> int | str:
+    """A degree flag's value of `tessera memory`: an int, else its text as given, which `_memory_checks` refuses
+    in one line naming it (argparse's own refusal is a usage block)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _memory_degree_flags(args: argparse.Namespace) -> None:
+    """Each degree flag of `tessera memory` is a whole number of ranks: ValueError naming the flag, the value
+    and the fix for a float (1e12) or other text, a count that is not positive, or more ranks than MAX_DEGREE."""
+    for flag in (a.flag for a in TABLE if hasattr(args, a.flag)):  # the axes memory has a flag for
+        value = getattr(args, flag)
+        option = "--" + flag.replace("_", "-")
+        if not isinstance(value, int):
+            raise ValueError(f"{option} {value} must be a whole number of ranks, e.g. {option} 8")
+        if value < 1:
+            raise ValueError(f"{option} {value} must be a positive integer; use {option} 1 or more")
+        if value > MAX_DEGREE:
+            raise ValueError(
+                f"{option} {value:,} is more ranks than any job has (at most {MAX_DEGREE:,}, 2**20, on one axis); "
+                f"give the job's own degree, e.g. {option} 256"
+            )
+
+
+def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
+    """Every input of `tessera memory`, before anything is printed: ValueError naming the flag and the fix.
+    Sets args.params from --model; returns the degrees of the axes."""
+    _memory_degree_flags(args)
+    if args.params is not None and args.model is not None:
+        raise ValueError(
+            f"give --params N or --model PRESET, not both (--model {args.model} has its own parameter count): drop one"
+        )
+    if args.params is None and args.model is None:
+        raise ValueError("give --params N or --model PRESET")
+    if args.params is not None and not (math.isfinite(args.params) and args.params > 0):
+        raise ValueError(f"--params {args.params:g} must be a positive parameter count, e.g. --params 70e9")
+    if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
+        raise ValueError(
+            f"--gpu-memory {args.gpu_memory:g} must be a positive number of GB per GPU, e.g. --gpu-memory 80"
+        )
+    recipe = memory.get_recipe(args.recipe)  # its ValueError names the recipes
+    if args.dry_run and args.model is None:
+        raise ValueError(
+            "--dry-run needs --model PRESET (it builds that model on the meta device); drop --dry-run "
+            "or give --model instead of --params"
+        )
+    degrees = _memory_degrees(args)
+    world = math.prod(d for name, d in degrees.items() if not AXIS[name].borrows)  # ep borrows its ranks
+    if world > MAX_DEGREE:
+        counted = {n for b in TABLE for n in b.counts if n != b.name}  # dp_replicate: --dp counts it
+        given = " x ".join(
+            f"{a.option} {getattr(args, a.flag)}"
+            for a in TABLE
+            if getattr(args, a.flag, 1) > 1 and a.name not in counted and not a.borrows
+        )
+        raise ValueError(
+            f"{given} is {world:,} ranks, more than any job has (at most {MAX_DEGREE:,}, 2**20); give the job's "
+            f"own degrees"
+        )
+    if args.dry_run and world > DRY_RUN_MAX_RANKS:
+        raise ValueError(
+            f"--dry-run builds the mesh of every fake rank, and {world:,} ranks are too many for one process "
+            f"(at most {DRY_RUN_MAX_RANKS:,}); drop --dry-run for the analytic table"
+        )
+    if args.model is not None:
+        shape = model_shape(args.model)  # an unknown preset: its ValueError names the presets
+        _memory_shape_checks(args.model, shape, degrees)
+        from tessera.models import get_preset  # lazy: torch stays out of `tessera memory --params`
+
+        args.params = float(get_preset(args.model).num_params())
+    total = args.params * recipe.bytes_per_param
+    if not math.isfinite(total):
+        raise ValueError(f"--params {args.params:g} is too large: its model states overflow a float; give a real count")
+    if args.gpu_memory is not None and not math.isfinite(total / (args.gpu_memory * memory.GB)):
+        raise ValueError(f"--gpu-memory {args.gpu_memory:g} is too small to count GPUs with; give GB per GPU, e.g. 80")
+    return degrees
+
+
+def _memory_shape_checks(model: str, shape, degrees: dict[str, int]) -> None:
+    """The rules of topology/axes.py's table that the preset's shape decides (tp divides the heads, pp at most
+    the layers, ...): ValueError naming the flag, the preset's value and the degrees that work."""
+    values = values_of(shape)
+    for a in TABLE:
+        broken = a.problems(degrees, values)
+        if not broken:
+            continue
+        limit = min(max([v for v in values.values() if isinstance(v, int) and not isinstance(v, bool)] + [1]), 1 << 16)
+        good = [d for d in range(1, limit + 1) if not a.problems({**degrees, a.name: d}, values)]
+        if good and good == list(range(1, good[-1] + 1)) and len(good) > 8:
+            use = f"{a.option} 1 to {good[-1]}"
+        elif good:
+            use = f"{a.option} " + (", ".join(map(str, good[:-1])) + " or " if len(good) > 1 else "") + str(good[-1])
+        else:
+            use = f"another {a.option}"
+        rule, _, given = broken[0].partition("; ")
+        raise ValueError(
+            f"{a.option} {degrees[a.name]} does not fit the {model} preset ({given.replace(';', ',')}): "
+            f"{rule}; use {use}"
+        )
+
+
+def _gb(nbytes: float) -> str:
+    """Decimal GB with two decimals; scientific notation from 10 million GB on, so a cell stays short."""
+    return f"{nbytes / GB:.2f} GB" if nbytes / GB < 1e7 else f"{nbytes / GB:.3e} GB"
+
+
+def _memory_table(num_params: float, dp: int, recipe: str) -> str:
+    """topology.memory.memory_table's ZeRO table (its title line, its rows), with columns as wide as their
+    widest cell: a figure of any size never runs into its neighbour."""
+    stages = [memory.model_state_bytes(num_params, dp=dp, zero_stage=s, recipe=recipe) for s in range(4)]
+    rows = {"": [f"ZeRO-{s}" for s in range(4)], "FSDP": ["NO_SHARD", "-", "SHARD_GRAD_OP", "FULL_SHARD"]}
+    rows.update({c: [_gb(st[c]) for st in stages] for c in ("parameters", "gradients", "optimizer", "total")})
+    width = max(15, 2 + max(len(cell) for cells in rows.values() for cell in cells))
+    title = memory.memory_table(num_params, dp, recipe).splitlines()[0]
+    return "\n".join(
+        [title] + [f"{name:<12}" + "".join(f"{cell:>{width}}" for cell in cells) for name, cells in rows.items()]
+    )
+
+
+def _memory(args: argparse.Namespace) -> int:
+    try:
+        degrees = _memory_checks(args)  # every input, before any output
+        # tp and pp split the model (evenly, in this analytic view; --dry-run counts exactly); FSDP / ZeRO
+        # shards what a rank holds over dp_shard x cp; dp_replicate holds copies
+        sharding = FLATTENED_BY_PURPOSE["fsdp"].axes  # dp_shard x cp
+        splitting = [
+            a.name
+            for a in reversed(TABLE)  # tp, pp: the axes of their own ranks that split the model
+            if not a.borrows and a.name not in sharding and {"layers", "parameters"} & set(a.shards)
+        ]
+        split = math.prod(degrees[n] for n in splitting)
+        shard_group = math.prod(degrees[n] for n in sharding)
+        per_rank_params = args.params / split
+        exact = _planner_model_states(args, shard_group) if args.model is not None else None
+        floor = None
+        if args.gpu_memory is not None:
+            floor = math.ceil(
+                args.params * memory.get_recipe(args.recipe).bytes_per_param / (args.gpu_memory * memory.GB) - 1e-9
+            )
+        if args.json:
+            rows = {
+                f"zero{s}": memory.model_state_bytes(per_rank_params, dp=shard_group, zero_stage=s, recipe=args.recipe)
+                for s in range(4)
+            }
+            rows["layout"] = {**degrees, "params_per_model_shard": per_rank_params, "shard_group": shard_group}
+            if floor is not None:
+                rows["min_gpus"] = floor
+            if exact is not None:
+                rows["planner_zero3"] = exact
+            print(json.dumps(rows))
+        else:
+            if split > 1 or shard_group != args.dp:
+                print(
+                    f"layout {' x '.join(f'{n}{d}' for n, d in degrees.items())}: {' x '.join(splitting)} split the "
+                    f"model {split} ways ({per_rank_params / 1e9:g}B parameters each, evenly: --dry-run counts "
+                    f"exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks"
+                )
+            print(_memory_table(per_rank_params, shard_group, args.recipe))
+            if floor is not None:
+                total = args.params * memory.get_recipe(args.recipe).bytes_per_param
+                gpus = floor if floor < 10**12 else f"{floor:.3e}"
+                print(
+                    f"raw floor: {gpus} GPUs of {args.gpu_memory:g} GB hold the {_gb(total)} of model states "
+                    f"(fully sharded, before activations and buffers)"
+                )
+            if exact is not None:
+                print(
+                    f"the planner's count (tessera plan), FULL_SHARD, the rank holding the most (embedding or head, "
+                    f"K/V replicated beyond the kv heads): {exact['parameters_on_rank']:,} parameters, "
+                    f"{exact['total'] / 1e9:.2f} GB of model states"
+                )
+        if args.dry_run:
+            _memory_dry_run(args)
+    except ValueError as e:
+        print(f"tessera memory: error: {said(e, args)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
+    """ZeRO-3 model states per rank as the planner counts them: exact per-rank parameters of the rank that
+    holds the most, the same recipe (topology.memory) as the table."""
+    cfg = model_shape(args.model)
+    if args.pp > cfg.n_layers:
+        raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {cfg.n_layers} layers")
+    _, sharded, _ = rank_params(cfg, args.tp, args.pp, 1, shard_group, _memory_degrees(args).get("ep", 1))
+    r = get_recipe(args.recipe)
+    out = {c: float(sharded * getattr(r, c)) for c in ("parameters", "gradients", "optimizer")}
+    return {**out, "total": sum(out.values()), "parameters_on_rank": sharded}
+
+
+def _memory_dry_run(args: argparse.Namespace) -> None:
+    from tessera.parallel.parallelize import dry_run_model_states  # lazy: torch, for --dry-run only
+
+    if args.model is None:
+        raise ValueError("--dry-run needs --model PRESET (it builds that model on the meta device)")
+    layout = Layout(**_memory_degrees(args))
+    if args.pp > 1:
+        from tessera.models import get_preset  # lazy: torch, for --dry-run only
+
+        if args.pp > get_preset(args.model).n_layers:
+            raise ValueError(
+                f"--pp {args.pp} exceeds the {args.model} preset's {get_preset(args.model).n_layers} layers"
+            )
+        _memory_per_stage(args, layout)
+        return
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
+        m = dry_run_model_states(args.model, layout, args.recipe, strategy)
+        print(
+            f"dry run, {args.model} on {layout.world_size} fake ranks ({layout}), {strategy:<13}: "
+            f"{m['local_params'] / 1e6:,.1f}M parameters on rank 0; model states "
+            + " + ".join(f"{m[c] / 1e9:.2f}" for c in ("parameters", "gradients", "optimizer"))
+            + f" = {m['total'] / 1e9:.2f} GB per rank"
+        )
+
+
+def _memory_per_stage(args: argparse.Namespace, layout) -> None:
+    """One line per pipeline stage: its layers, its parameters, and a rank's model states (FULL_SHARD)."""
+    from tessera.parallel.parallelize import dry_run_model_states  # lazy: torch, for --dry-run only
+
+    print(f"dry run, {args.model} on {layout.world_size} fake ranks ({layout}), FULL_SHARD, per pipeline stage:")
+    for stage in range(args.pp):
+        rank = layout.rank_of({"pp": stage})
+        m = dry_run_model_states(args.model, layout, args.recipe, "FULL_SHARD", rank=rank)
+        first, last = m["layers"][0]
+        extras = (["embedding"] if stage == 0 else []) + (["norm + head"] if stage == args.pp - 1 else [])
+        print(
+            f"  stage {stage}: layers {first}-{last - 1}{' + ' + ', '.join(extras) if extras else ''}, "
+            f"{m['stage_params'] / 1e9:.2f}B parameters; {m['local_params'] / 1e6:,.1f}M on each of its ranks; "
+            f"model states "
+            + " + ".join(f"{m[c] / 1e9:.2f}" for c in ("parameters", "gradients", "optimizer"))
+            + f" = {m['total'] / 1e9:.2f} GB per rank"
+        )
+
+
+def add_memory_parser(sub: argparse._SubParsersAction) -> None:
+    mem = sub.add_parser("memory", help="per-rank model-state memory under ZeRO stages 0-3")
+    mem.add_argument("--params", type=_float, default=None, help="parameter count, e.g. 70e9")
+    mem.add_argument("--model", default=None, help="a model preset (its parameter count, and --dry-run)")
+    # the degrees: _degree keeps a value that is no int as its text, which _memory_checks refuses in one line
+    mem.add_argument("--tp", type=_degree, default=1, metavar="N", help="tensor-parallel degree (splits the model)")
+    mem.add_argument(
+        "--pp",
+        type=_degree,
+        default=1,
+        metavar="N",
+        help="pipeline stages (split the model; --dry-run: per-stage figures)",
+    )
+    mem.add_argument(
+        "--cp", type=_degree, default=1, metavar="N", help="context-parallel degree (FSDP shards over dp_shard x cp)"
+    )
+    mem.add_argument(
+        "--dp-replicate", type=_degree, default=1, metavar="N", help="HSDP replicas: --dp = dp_replicate x dp_shard"
+    )
+    mem.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="also build the preset on the fake backend and count the shards each rank holds",
+    )
+    mem.add_argument("--dp", type=_degree, default=1, metavar="N", help="data-parallel ranks sharing the model states")
+    mem.add_argument("--recipe", default="mixed_adam", help="mixed_adam (2+2+12 B), fp32_adam (4+4+8 B), ...")
+    mem.add_argument("--gpu-memory", type=_float, default=None, help="GB per GPU: also print the raw GPU floor")
+    mem.add_argument("--json", action="store_true", help="print bytes as JSON instead of the table")
+    mem.set_defaults(func=_memory)
