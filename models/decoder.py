@@ -22,7 +22,7 @@ from tessera.topology.shapes import ModelShape
 
 from .init import ONES, Init
 from .layers import RMSNorm, Rotary
-from .spec import HFAdapter, ModelSpec, PipelineSplit, TPPlan, prefixed
+from .spec import HFAdapter, ModelSpec, PipelineSplit, TPPlan, matrix_patterns, prefixed
 
 
 class DecoderNames(NamedTuple):
@@ -235,4 +235,5 @@ def decoder_spec(
         moe=f"layers.*.{n.mlp}" if moe else None,
         presets=presets,
         hf=hf,
+        matrices=matrix_patterns(tp_plan),
     )

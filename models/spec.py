@@ -28,6 +28,7 @@ The contract a spec'd model keeps (tessera's families do, and a user's model mus
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -56,6 +57,15 @@ TP_STYLES = {
 
 
 TPPlan = tuple[tuple[str, str], ...]  # (module-name pattern, TP_STYLES key), first match wins
+
+# The tp styles of a block's hidden weight matrices (attention projections, MLP and expert weights): Muon
+# orthogonalizes their updates; the embedding, the head, norms and routers stay on AdamW (as Moonlight does)
+MATRIX_STYLES = ("colwise", "rowwise", "kv", "experts")
+
+
+def matrix_patterns(plan: TPPlan) -> tuple[str, ...]:
+    """The `matrices` rule a plan implies: every parameter of a module whose style is a MATRIX_STYLES one."""
+    return tuple(f"{pattern}.*" for pattern, style in plan if style in MATRIX_STYLES)
 
 
 def prefixed(prefix: str, plan: TPPlan) -> TPPlan:
@@ -105,6 +115,14 @@ class ModelSpec:
     moe: str | None = None  # the pattern of the mixture-of-experts blocks (models/moe.py's MoE): expert parallel
     presets: Mapping[str, Any] = field(default_factory=dict)
     hf: HFAdapter | None = None
+    # patterns (fnmatch) of the one-process parameter names that are hidden weight matrices, the ones
+    # `--optimizer muon` orthogonalizes (of them, those of 2 dims, or 3: a stack of matrices on dim 0, such
+    # as experts); empty: none, and Muon is refused. decoder families: matrix_patterns(tp_plan)
+    matrices: tuple[str, ...] = ()
+
+    def is_matrix(self, name: str, ndim: int) -> bool:
+        """Whether the parameter of one-process name `name` (of `ndim` dims) is one of the spec's matrices."""
+        return ndim in (2, 3) and any(fnmatch.fnmatchcase(name, pattern) for pattern in self.matrices)
 
     def __post_init__(self) -> None:
         unknown = [(p, s) for p, s in self.tp_plan if s not in TP_STYLES]

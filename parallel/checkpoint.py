@@ -163,7 +163,10 @@ class ModelOptimizerState:
 
     def __init__(self, parts: list[torch.nn.Module], optimizers: Any):
         self.parts = parts
-        self.optimizers = list(getattr(optimizers, "optimizers", [optimizers]))
+        # one optimizer per part, or a list per part (Muon beside AdamW: DCP takes several)
+        self.optimizers = (
+            optimizers if isinstance(optimizers, list) else list(getattr(optimizers, "optimizers", [optimizers]))
+        )
         if len(self.optimizers) != len(parts):
             raise ValueError(f"{len(parts)} model parts need one optimizer each, got {len(self.optimizers)}")
 

@@ -151,6 +151,13 @@ class ParallelSection:
 
 @dataclass(frozen=True)
 class OptimizerSection:
+    optimizer: str = opt(
+        "adamw",
+        "adamw, or muon: Muon on the model spec's hidden weight matrices (attention, MLP, experts), AdamW on the "
+        "rest (embeddings, head, norms, routers); docs/optimizers.md",
+        choices=("adamw", "muon"),
+        metavar="NAME",
+    )
     lr: float = opt(3e-3, "peak learning rate of AdamW", metavar="RATE")
     warmup: int = opt(5, "linear warm-up steps before the cosine decay", metavar="STEPS")
     min_lr_ratio: float = opt(0.1, "the cosine decays to this fraction of the peak learning rate", metavar="RATIO")
@@ -161,6 +168,31 @@ class OptimizerSection:
     max_grad_norm: float = opt(
         1.0, "clip the global gradient norm (over every axis) to this; 'inf' disables clipping", metavar="NORM"
     )
+    muon_lr: float = opt(0.02, "--optimizer muon: peak learning rate of Muon's matrices", metavar="RATE")
+    muon_momentum: float = opt(0.95, "--optimizer muon: momentum", metavar="MU")
+    muon_nesterov: bool = opt(True, "--optimizer muon: Nesterov momentum (--no-muon-nesterov: plain)")
+    muon_ns_steps: int = opt(5, "--optimizer muon: Newton-Schulz iterations (1-99)", metavar="N")
+    muon_ns_coefficients: str = opt(
+        "3.4445,-4.7750,2.0315", "--optimizer muon: the Newton-Schulz quintic's coefficients a,b,c", metavar="A,B,C"
+    )
+    muon_weight_decay: float = opt(0.1, "--optimizer muon: decoupled weight decay of the matrices", metavar="COEF")
+    muon_update_scale: str = opt(
+        "original",
+        "--optimizer muon: the update's scale, as torch.optim.Muon's adjust_lr_fn: original (sqrt(max(1, rows/cols))) "
+        "or match_rms_adamw (0.2 sqrt(max(rows, cols)))",
+        metavar="NAME",
+    )
+
+    def ns_coefficients(self) -> tuple[float, float, float]:
+        """--muon-ns-coefficients as three floats (ValueError naming the flag otherwise)."""
+        try:
+            a, b, c = (float(x) for x in self.muon_ns_coefficients.split(","))
+        except ValueError:
+            raise ValueError(
+                f"muon_ns_coefficients={self.muon_ns_coefficients!r} is not three numbers a,b,c; e.g. "
+                "muon_ns_coefficients=3.4445,-4.7750,2.0315"
+            ) from None
+        return a, b, c
 
 
 @dataclass(frozen=True)
@@ -625,8 +657,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help_ = f.metadata["doc"] + ("" if default in (None, False) else f" (default: {default})")
             help_ = help_.replace("%", "%%")  # argparse %-formats help texts ("rank s % pp" broke --help)
             dest = f"{section}.{f.name}"
-            if isinstance(default, bool):
-                group.add_argument(flag_of(f), dest=dest, action="store_true", help=help_)
+            if isinstance(default, bool):  # on by default: --no-NAME turns it off
+                action = argparse.BooleanOptionalAction if default else "store_true"
+                group.add_argument(flag_of(f), dest=dest, action=action, default=default, help=help_)
                 continue
             if section == "parallel" and f.name in DEGREE_FLAGS:
                 default = None

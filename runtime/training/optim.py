@@ -1,4 +1,5 @@
-"""The optimizer side of a step: one AdamW per model part, its LR schedule, and their Stateful wrappers.
+"""The optimizer side of a step: one AdamW per model part (or, under --optimizer muon, Muon on the spec's
+matrices beside AdamW on the rest), its LR schedule, and their Stateful wrappers.
 
 AdamW runs its multi-tensor kernels (fused on CUDA: one kernel launch per group for the whole update;
 foreach on CPU), never the per-parameter loop. Those kernels refuse plain tensors beside DTensors in one
@@ -14,6 +15,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
+from tessera.models.init import one_process_name
+from tessera.parallel.muon import Muon
 from torch.distributed.tensor import DTensor
 
 
@@ -76,12 +79,54 @@ def _keep_kernels(optimizer: torch.optim.Optimizer, options: dict[str, bool]) ->
                     state["step"] = state["step"].to(dtype=torch.float32, device=p.device)
 
 
-class PartOptimizers:
-    """One AdamW per model part (a pipeline rank may hold several stages), stepped together. Per part,
-    so that checkpoints key each part's optimizer state by its parameters' one-process names."""
+def split_matrices(
+    part: nn.Module, is_matrix: Callable[[str, int], bool]
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(matrices, the rest) of a part's parameters, by the spec's rule on their one-process names."""
+    matrices: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
+    for name, p in part.named_parameters():
+        (matrices if is_matrix(one_process_name(name), p.ndim) else rest).append(p)
+    return matrices, rest
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
+
+def build_muon(
+    part: nn.Module, is_matrix: Callable[[str, int], bool], o: Any, ns_dtype: torch.dtype
+) -> list[torch.optim.Optimizer]:
+    """[AdamW on the part's other parameters, Muon on its matrices] from the config's optimizer section `o`
+    (either list may be empty on a pipeline stage: the optimizer is left out then)."""
+    matrices, rest = split_matrices(part, is_matrix)
+    out: list[torch.optim.Optimizer] = []
+    if rest:
+        out.append(build_adamw(rest, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay))
+    if matrices:
+        out.append(
+            Muon(
+                matrices,
+                lr=o.muon_lr,
+                weight_decay=o.muon_weight_decay,
+                momentum=o.muon_momentum,
+                nesterov=o.muon_nesterov,
+                ns_coefficients=o.ns_coefficients(),
+                ns_steps=o.muon_ns_steps,
+                adjust_lr=o.muon_update_scale,
+                ns_dtype=ns_dtype,
+            )
+        )
+    return out
+
+
+class PartOptimizers:
+    """One optimizer per model part (a pipeline rank may hold several stages), or a few (Muon beside
+    AdamW), stepped together. Per part, so that checkpoints key each part's optimizer state by its
+    parameters' one-process names. `optimizers` is every one, flat; `per_part` them by part."""
+
+    def __init__(self, optimizers: list[Any]):
+        self.per_part: list[list[torch.optim.Optimizer]] = [o if isinstance(o, list) else [o] for o in optimizers]
+        self.optimizers = [o for part in self.per_part for o in part]
+
+    def muon(self) -> list[Muon]:
+        return [o for o in self.optimizers if isinstance(o, Muon)]
 
     def step(self) -> None:
         for o in self.optimizers:
@@ -118,7 +163,12 @@ class PartSchedulers:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for s in self.schedulers:
+            base_lrs = list(s.base_lrs)
             s.load_state_dict(_fit_groups(state, len(s.optimizer.param_groups)))
+            if base_lrs != list(s.base_lrs):  # Muon's beside AdamW's: its own peak rates, the saved position
+                lambdas = getattr(s, "lr_lambdas", None) or [lambda _: 1.0]
+                s.base_lrs = base_lrs
+                s._last_lr = [base * lambdas[0](s.last_epoch) for base in base_lrs]  # type: ignore[attr-defined]
 
 
 def _fit_groups(state: dict[str, Any], groups: int) -> dict[str, Any]:

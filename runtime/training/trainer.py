@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from .batches import StepData
 from .config import Config
-from .optim import PartOptimizers, PartSchedulers, build_adamw, lr_lambda
+from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
 from .parts import build_parts
 from .runners import LocalRunner, forward_only, split_microbatches
 from .straggler import Straggler, StragglerWatch
@@ -189,7 +189,9 @@ class Trainer:
         o = config.optimizer
         self.optimizer = PartOptimizers(
             [
-                build_adamw(
+                build_muon(part, self.spec.is_matrix, o, PRECISIONS[config.mixed_precision])
+                if o.optimizer == "muon"
+                else build_adamw(
                     part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
                 )
                 for part in self.parts
@@ -503,7 +505,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_pieces(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(sharded, small) Stateful pieces for the checkpoint manager."""
-        sharded = {checkpoint.SHARDED_KEY: checkpoint.ModelOptimizerState(self.parts, self.optimizer)}
+        sharded = {checkpoint.SHARDED_KEY: checkpoint.ModelOptimizerState(self.parts, self.optimizer.per_part)}
         small = {"scheduler": self.scheduler, "data": self.data, "progress": self.progress}
         return sharded, small
 

@@ -1,0 +1,33 @@
+"""Rank functions of the Muon tests (module level, so the rank launcher can pickle them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from helpers import gather_by_name, named_full_parameters, small_config
+from tessera.parallel import muon
+from tessera.trainer import Trainer
+
+
+def muon_run(kw: dict, shard_alone: bool = False):
+    """(losses, grad norms, every full parameter after the steps, each rank's Newton-Schulz FLOPs) of a
+    --optimizer muon run of small_config(**kw), on rank 0 (None elsewhere). `shard_alone` plants the bug
+    of orthogonalizing each rank's shard alone."""
+    muon.SHARD_ALONE = shard_alone
+    try:
+        trainer = Trainer(small_config(optimizer="muon", **kw), torch.device("cpu"))
+        records = [trainer.train_step().record() for _ in range(trainer.config.runtime.steps)]
+    finally:
+        muon.SHARD_ALONE = False
+    params = gather_by_name(named_full_parameters(trainer))
+    flops: list = [None] * dist.get_world_size()
+    dist.all_gather_object(flops, sum(o.owned_flops() for o in trainer.optimizer.muon()))
+    if trainer.rank != 0:
+        return None
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], params, flops
+
+
+def muon_runs(cases: list[tuple[dict, bool]]) -> list:
+    """muon_run of several configs of this world size, one after the other in one spawn."""
+    return [muon_run(kw, shard_alone) for kw, shard_alone in cases]
