@@ -413,6 +413,18 @@ def verify_files(path: Path, manifest: dict[str, Any]) -> None:
         raise CheckpointError(first)
 
 
+def check_optimizer(path: Path, manifest: dict[str, Any], optimizer: str) -> None:
+    """Raise CheckpointError unless the checkpoint was trained with `optimizer` (adamw or muon): the other's
+    state (two AdamW moments, or one Muon momentum) is not there to resume from."""
+    saved = manifest.get("config", {}).get("optimizer", {}).get("optimizer", "adamw")
+    if saved != optimizer:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with optimizer={saved}, this run asks for optimizer={optimizer}: its "
+            f"optimizer state does not carry over; resume with optimizer={saved} (or start a new run from its "
+            "weights with init_from=FILE after `tessera export`)"
+        )
+
+
 def check_compatible(
     path: Path,
     manifest: dict[str, Any],

@@ -13,6 +13,8 @@ predicts them):
     all-to-all: exactly the rows this rank sends to the other ranks (the input less the chunk it keeps, by
                 the input split sizes; equal splits when none are given), the (n-1)/n of balanced routing
                 being only its expectation
+    gather / scatter (Muon's): what this rank sends, a gather's non-root its input, a scatter's root its
+                input less its own piece
 
 Received bytes are the senders' and are not counted twice. The names bytes are accounted under are the
 axes table's (topology/axes.py: each axis's `comm`, FSDP's traffic under its flattened mesh), the same names
@@ -50,6 +52,8 @@ _C10D = {
     "broadcast_": ("broadcast", 0),
     "alltoall_base_": ("all_to_all", 1),
     "send": ("send", 0),
+    "gather_": ("gather", 1),  # Muon: a matrix's shards to its owner
+    "scatter_": ("scatter", 1),  # Muon: the orthogonalized matrix back to its shards
 }
 _FUNCTIONAL = {
     "all_reduce": "all_reduce",
@@ -135,6 +139,14 @@ class CommCounter(TorchDispatchMode):
                 pg = dist.ProcessGroup.unbox(group)
                 if op == "all_to_all":  # (output, input, group, output_split_sizes, input_split_sizes, ...)
                     self._count(op, 0, pg, sent=_sent_to_others(args[1], list(args[4]), pg.size(), pg.rank()))
+                elif op in ("gather", "scatter"):  # (outputs, inputs, group, root): only the senders send, the
+                    # root nothing to itself: a gather's non-roots their input, a scatter's root all but its piece
+                    root, inputs = pg.rank() == args[3], _nbytes(args[1])
+                    if op == "gather":
+                        sent = 0 if root else inputs
+                    else:
+                        sent = inputs - inputs // max(1, pg.size()) if root else 0
+                    self._count(op, 0, pg, sent=sent)
                 else:
                     self._count(op, _nbytes(args[where]), pg)
         elif ns == "_c10d_functional" and name in _FUNCTIONAL:

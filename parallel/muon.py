@@ -80,6 +80,7 @@ class _Plan:
     """Where one matrix's shards live and who orthogonalizes it."""
 
     group: dist.ProcessGroup | None  # None: this rank holds the whole matrix
+    size: int  # the ranks that hold its shards
     owner: int  # the owner's global rank
     is_owner: bool
     local_numel: int
@@ -138,7 +139,7 @@ def _plans(params: Sequence[Tensor], ns_steps: int) -> dict[Tensor, _Plan]:
 def _plan(p: Tensor, group: dist.ProcessGroup | None, owner_in_group: int, flops: float) -> _Plan:
     if group is None:
         n = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-        return _Plan(None, dist.get_rank() if dist.is_initialized() else 0, True, n, n, None, flops)
+        return _Plan(None, 1, dist.get_rank() if dist.is_initialized() else 0, True, n, n, None, flops)
     assert isinstance(p, DTensor)
     mine = _local_indices(p)
     size, me = dist.get_world_size(group), dist.get_rank(group)
@@ -151,7 +152,7 @@ def _plan(p: Tensor, group: dist.ProcessGroup | None, owner_in_group: int, flops
     gathered = [torch.empty_like(padded) for _ in range(size)] if me == owner_in_group else None
     dist.gather(padded, gathered, dst=owner, group=group)
     indices = [g[: int(n)] for g, n in zip(gathered, sizes)] if gathered is not None else None
-    return _Plan(group, owner, me == owner_in_group, mine.numel(), width, indices, flops)
+    return _Plan(group, size, owner, me == owner_in_group, mine.numel(), width, indices, flops)
 
 
 class Muon(torch.optim.Optimizer):
@@ -228,7 +229,7 @@ class Muon(torch.optim.Optimizer):
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
         if plan.group is None or SHARD_ALONE:
             return _ns_stack(update.view(-1, *update.shape[-2:]) if update.ndim == 3 else update, ns)
-        width, size = plan.width, dist.get_world_size(plan.group)
+        width, size = plan.width, plan.size
         piece = torch.zeros(width, dtype=update.dtype, device=update.device)
         piece[: plan.local_numel] = update.reshape(-1)
         pieces = [torch.empty_like(piece) for _ in range(size)] if plan.is_owner else None

@@ -31,3 +31,32 @@ def muon_run(kw: dict, shard_alone: bool = False):
 def muon_runs(cases: list[tuple[dict, bool]]) -> list:
     """muon_run of several configs of this world size, one after the other in one spawn."""
     return [muon_run(kw, shard_alone) for kw, shard_alone in cases]
+
+
+def resume_bitwise(root: str):
+    """(every parameter after step 3 of a run, the same after resuming its step-2 checkpoint) on rank 0:
+    dp2 Muon, saved and resumed on the same layout."""
+    from tessera.parallel.checkpoint import CheckpointManager
+
+    config = small_config(optimizer="muon", dp=2, checkpoint_dir=root)
+    trainer = Trainer(config, torch.device("cpu"))
+    manager = CheckpointManager(root)
+    path = None
+    for step in range(3):
+        trainer.train_step()
+        if step == 1:
+            path = trainer.save(manager)
+    manager.finish()
+    straight = gather_by_name(named_full_parameters(trainer))
+    resumed_trainer = Trainer(small_config(optimizer="muon", dp=2, resume=path), torch.device("cpu"))
+    resumed_trainer.load(str(path))
+    resumed_trainer.train_step()
+    resumed = gather_by_name(named_full_parameters(resumed_trainer))
+    return (straight, resumed, path) if trainer.rank == 0 else None
+
+
+def muon_comm(kw: dict):
+    """This rank's bytes counted under "muon" in one --comm-stats step, and the analytic mean per rank."""
+    trainer = Trainer(small_config(optimizer="muon", comm_stats="first", **kw), torch.device("cpu"))
+    comm = trainer.train_step().comm
+    return comm["bytes_by_axis"].get("muon", 0.0), comm["analytic_bytes_by_axis"]["muon"]

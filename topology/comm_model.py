@@ -404,3 +404,12 @@ if set(VOLUMES) != set(COMM_AXES):
         f"topology/comm_model.py's volumes {sorted(VOLUMES)} differ from topology/axes.py's accounting "
         f"names {sorted(COMM_AXES)}: give each name of COMM_AXES a @volume(name) function"
     )
+
+
+def muon_bytes(matrices: list[tuple[int, int]], elem_bytes: int = 4) -> float:
+    """Bytes a rank sends per step, on average over its data group, for Muon's orthogonalization (accounted
+    as "muon"): for each matrix of `numel` elements sharded over `n` ranks (numel, n), the n - 1 other ranks
+    gather their numel / n to the owner and the owner scatters n - 1 pieces back: 2 (n - 1) numel / n
+    elements over the group, 2 (n - 1) numel / n^2 per rank (the owner sends the scatter, the others the
+    gather; which rank owns what is parallel/muon.py's greedy choice). A matrix whole on one rank moves nothing."""
+    return sum(2 * (n - 1) * numel / n**2 * elem_bytes for numel, n in matrices if n > 1)

@@ -39,7 +39,18 @@ RECIPES: dict[str, Recipe] = {
     "fp32_adam": Recipe(4, 4, 8, "fp32 params + fp32 grads + fp32 Adam moments"),
     # bf16 params and grads with an fp32 master, fp32 Adam moments, and fp32 gradient accumulation buffer
     "mixed_adam_fp32_grads": Recipe(2, 4, 12, "bf16 params + fp32 grads + fp32 master and Adam moments"),
+    # --optimizer muon: one fp32 momentum buffer instead of Adam's two moments, counted on every parameter
+    # (the embeddings, head and norms that stay on AdamW hold 4 B more each: an under-count of their share)
+    "mixed_muon": Recipe(2, 2, 8, "bf16 params + bf16 grads + fp32 master and Muon momentum"),
+    "fp32_muon": Recipe(4, 4, 4, "fp32 params + fp32 grads + fp32 Muon momentum"),
 }
+
+
+def muon_gather_bytes(largest_matrix_numel: int, elem_bytes: int = 4) -> int:
+    """The transient bytes a Muon owner holds while orthogonalizing its largest matrix whole: the gathered
+    update, its Newton-Schulz iterate and the scattered pieces (about three copies), on top of the model states."""
+    return 3 * largest_matrix_numel * elem_bytes
+
 
 # which components each ZeRO stage shards
 SHARDED_BY_STAGE: dict[int, frozenset[str]] = {

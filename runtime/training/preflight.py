@@ -22,6 +22,7 @@ from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
 from tessera.parallel.host_memory import available_bytes
+from tessera.parallel.muon import ADJUST_LR
 from tessera.parallel.plan import find_modules
 from tessera.paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 
@@ -39,6 +40,7 @@ def check(config: Config) -> None:
     _check_numbers(config)
     _check_drift_flag(config)
     model = _check_model(config)
+    check_optimizer(config, model)
     layout = config.layout  # degrees, dp_replicate vs dp
     _check_pipeline_flags(config)  # and --cp-method without --cp
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
@@ -265,6 +267,37 @@ def _check_pipeline_flags(config: Config) -> None:
             )
 
 
+def check_optimizer(config: Config, model) -> None:
+    """--optimizer and Muon's options: a known update scale, 1-99 Newton-Schulz steps, three coefficients, and
+    a model whose spec marks the matrices Muon takes (its `matrices` rule, matching a parameter)."""
+    o = config.optimizer
+    if o.optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer={o.optimizer!r} is not one of adamw, muon")
+    if o.optimizer != "muon":
+        return
+    if o.muon_update_scale not in ADJUST_LR:
+        raise ValueError(
+            f"muon_update_scale={o.muon_update_scale!r} is not one of {', '.join(ADJUST_LR)} (torch.optim.Muon's "
+            "adjust_lr_fn names); use muon_update_scale=original"
+        )
+    if not 1 <= o.muon_ns_steps <= 99:
+        raise ValueError(f"muon_ns_steps={o.muon_ns_steps} must be within 1-99; use muon_ns_steps=5 (the usual)")
+    o.ns_coefficients()  # three numbers, or a ValueError naming the flag
+    if o.muon_lr < 0 or o.muon_momentum < 0 or o.muon_weight_decay < 0:
+        raise ValueError(
+            f"muon_lr={o.muon_lr}, muon_momentum={o.muon_momentum} and muon_weight_decay={o.muon_weight_decay} "
+            "must be >= 0"
+        )
+    spec = spec_of(model)
+    with torch.device("meta"):
+        built = spec.build(model)
+    if not any(spec.is_matrix(name, p.ndim) for name, p in built.named_parameters()):
+        raise ValueError(
+            f"optimizer=muon: the {spec.name!r} model's spec marks no matrix (its `matrices` rule "
+            f"{spec.matrices} matches no 2-D or 3-D parameter); set ModelSpec.matrices, or use optimizer=adamw"
+        )
+
+
 def _check_model(config: Config):
     if config.model.n_layers is not None and config.model.n_layers < 1:
         raise ValueError(f"--n-layers {config.model.n_layers} must be at least 1")
@@ -383,6 +416,7 @@ def _check_paths(config: Config, model) -> None:
             config.data.global_batch,
             config.runtime.steps,
         )
+        checkpoint.check_optimizer(path, manifest, config.optimizer.optimizer)
     if c.init_from is not None:
         checkpoint.check_full_state_dict_file(c.init_from, model)
     if c.init_from_hf is not None:

@@ -341,7 +341,12 @@ class Trainer:
         if tracking:
             result.peak_tensor_bytes = tracker.peak
         if counting:
-            result.comm = {**counter.report(), "analytic_bytes_by_axis": self.analytic_comm()}
+            analytic = self.analytic_comm()
+            if self.optimizer.muon():  # Muon's gathers and scatters, by the matrices it plans
+                analytic["muon"] = comm_model.muon_bytes(
+                    [(p.numel(), plan.size) for o in self.optimizer.muon() for p, plan in o.plans.items()]
+                )
+            result.comm = {**counter.report(), "analytic_bytes_by_axis": analytic}
         if profiling:
             result.profile = profiled.summary()
         return result
@@ -539,6 +544,7 @@ class Trainer:
 
         def check(resolved, manifest):
             checkpoint.check_compatible(resolved, manifest, c.model_name, self.model_config.as_dict(), c.data.seq_len)
+            checkpoint.check_optimizer(resolved, manifest, c.optimizer.optimizer)
 
         sharded, small = self.checkpoint_pieces()
         return checkpoint.CheckpointManager(None).load(path, sharded, small, check)
