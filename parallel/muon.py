@@ -228,7 +228,7 @@ class Muon(torch.optim.Optimizer):
         plan = self.plans[p]
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
         if plan.group is None or SHARD_ALONE:
-            return _ns_stack(update.view(-1, *update.shape[-2:]) if update.ndim == 3 else update, ns)
+            return _ns_stack(update, ns)
         width, size = plan.width, plan.size
         piece = torch.zeros(width, dtype=update.dtype, device=update.device)
         piece[: plan.local_numel] = update.reshape(-1)
