@@ -46,6 +46,8 @@ SLOW_MODULES = {
     "test_drift",
     "test_packed_documents",
     "test_packed_cli",
+    "test_launcher_death",
+    "test_muon_contract",
 }
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
@@ -58,6 +60,15 @@ SLOW_TESTS = {
     "test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_line",
     "test_pp_alone_trains_and_says_what_it_chose",
     "test_a_v_schedule_needs_only_its_name",
+    # a CLI or multi-rank run of several seconds each (the fast tier's slowest, moved here to keep it in 2 minutes)
+    "test_profiling_a_step_on_two_ranks_changes_no_loss",
+    "test_the_readme_command_profiles_its_step_and_prints_one_line",
+    "test_bf16_runs_in_bf16_on_one_process_and_says_so_from_what_ran",
+    "test_the_readme_quotes_the_start_up_lines_matmul_shares",
+    "test_plan_cli_ranks_layouts_and_dry_runs_the_best",
+    "test_the_cli_exits_2_with_one_line_and_runs_nothing",
+    "test_the_block_runs_as_written",
+    "test_tessera_plan_prints_the_best_expert_parallel_layout_and_its_flags",
 }
 
 

@@ -84,7 +84,7 @@ KNOWN = {
         "hf:missing",
         "nope",
     ],
-    "recipe": ["mixed_adam", "fp32_adam", "mixed_adam_fp32_grads", "adam8"],
+    "recipe": ["mixed_adam", "fp32_adam", "mixed_adam_fp32_grads", "mixed_muon", "adam8"],
     "separator": ["</s>", "[UNK]", "<nope>"],
     "field": ["text", "body"],
     "device_kind": ["cpu", "H100", "tpu"],
@@ -114,6 +114,10 @@ KNOWN = {
     "on_nonfinite": ["stop", "skip", "ignore"],
     "profile_steps": ["2:3", "1:1", "3:2", "0:5", "a:b", "5", "2:"],
     "comm_stats": ["every", "first"],
+    "muon_update_scale": ["original", "match_rms_adamw", "adam"],
+    "muon_ns_coefficients": ["3.4445,-4.7750,2.0315", "1,2,3", "1,2", "a,b,c"],
+    # a W&B project name (offline without a network; the run's files go under the run's own directory)
+    "wandb": ["tessera-test", ""],
 }
 READS = {
     "checkpoint",
@@ -128,7 +132,7 @@ READS = {
     "init_from",
     "init_from_hf",
 }
-WRITES = {"out", "to_hf", "checkpoint_dir", "metrics", "profile"}
+WRITES = {"out", "to_hf", "checkpoint_dir", "metrics", "profile", "tensorboard"}
 
 # each value is sane or wild, about half and half, so that examples get past the first check as well
 INTS = st.sampled_from(["1", "2", "4", "8", "16", "64", "256", "1024"]) | st.sampled_from(

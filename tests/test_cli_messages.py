@@ -301,7 +301,7 @@ def test_memory_takes_params_or_a_model_not_both(capsys):
         ),
         (
             ["--recipe", "adam8"],
-            "unknown memory recipe 'adam8'; choose one of mixed_adam, fp32_adam, mixed_adam_fp32_grads",
+            "unknown memory recipe 'adam8'; choose one of mixed_adam, fp32_adam, mixed_adam_fp32_grads, mixed_muon, fp32_muon",
         ),
     ],
 )
