@@ -11,9 +11,10 @@ from tessera.trainer import Trainer
 
 
 def muon_run(kw: dict, shard_alone: bool = False):
-    """(losses, grad norms, every full parameter after the steps, each rank's Newton-Schulz FLOPs) of a
-    --optimizer muon run of small_config(**kw), on rank 0 (None elsewhere). `shard_alone` plants the bug
-    of orthogonalizing each rank's shard alone."""
+    """(losses, grad norms, every full parameter after the steps, each rank's Newton-Schulz FLOPs, the
+    matmul dtype each step's record says, step 1's matmul FLOPs by dtype) of a --optimizer muon run of
+    small_config(**kw), on rank 0 (None elsewhere). `shard_alone` plants the bug of orthogonalizing each
+    rank's shard alone."""
     muon.SHARD_ALONE = shard_alone
     try:
         trainer = Trainer(small_config(optimizer="muon", **kw), torch.device("cpu"))
@@ -25,7 +26,8 @@ def muon_run(kw: dict, shard_alone: bool = False):
     dist.all_gather_object(flops, sum(o.owned_flops() for o in trainer.optimizer.muon()))
     if trainer.rank != 0:
         return None
-    return [r["loss"] for r in records], [r["grad_norm"] for r in records], params, flops
+    losses, norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+    return losses, norms, params, flops, [r["compute_dtype"] for r in records], records[0]["matmul_flops_by_dtype"]
 
 
 def muon_runs(cases: list[tuple[dict, bool]]) -> list:
