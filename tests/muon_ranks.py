@@ -10,15 +10,26 @@ from tessera.parallel import muon
 from tessera.trainer import Trainer
 
 
-def muon_run(kw: dict, shard_alone: bool = False):
+def muon_run(kw: dict, shard_alone: bool = False, save_after: int | None = None):
     """(losses, grad norms, every full parameter after the steps, each rank's Newton-Schulz FLOPs, the
     matmul dtype each step's record says, step 1's matmul FLOPs by dtype) of a --optimizer muon run of
     small_config(**kw), on rank 0 (None elsewhere). `shard_alone` plants the bug of orthogonalizing each
-    rank's shard alone."""
+    rank's shard alone. With kw's checkpoint_dir, a checkpoint is saved after step `save_after`; with kw's
+    resume, the run starts from that checkpoint (saved on any layout) and takes the steps left."""
+    from tessera.parallel.checkpoint import CheckpointManager  # lazy: only the checkpoint rows save
+
     muon.SHARD_ALONE = shard_alone
     try:
         trainer = Trainer(small_config(optimizer="muon", **kw), torch.device("cpu"))
-        records = [trainer.train_step().record() for _ in range(trainer.config.runtime.steps)]
+        manager = CheckpointManager(kw["checkpoint_dir"]) if save_after else None
+        first = trainer.load(kw["resume"])["step"] if kw.get("resume") else 0
+        records = []
+        for step in range(first + 1, trainer.config.runtime.steps + 1):
+            records.append(trainer.train_step().record())
+            if manager is not None and step == save_after:
+                trainer.save(manager)
+        if manager is not None:
+            manager.finish()
     finally:
         muon.SHARD_ALONE = False
     params = gather_by_name(named_full_parameters(trainer))
@@ -30,9 +41,10 @@ def muon_run(kw: dict, shard_alone: bool = False):
     return losses, norms, params, flops, [r["compute_dtype"] for r in records], records[0]["matmul_flops_by_dtype"]
 
 
-def muon_runs(cases: list[tuple[dict, bool]]) -> list:
-    """muon_run of several configs of this world size, one after the other in one spawn."""
-    return [muon_run(kw, shard_alone) for kw, shard_alone in cases]
+def muon_runs(cases: list[tuple]) -> list:
+    """muon_run of several configs of this world size (its arguments, each a tuple), one after the other in
+    one spawn (a checkpoint saved by one case may be resumed by a later one)."""
+    return [muon_run(*case) for case in cases]
 
 
 def resume_bitwise(root: str):

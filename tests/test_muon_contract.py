@@ -49,6 +49,7 @@ ROWS = {
         "ep2-qwen3-moe": dict(dp=2, ep=2, **MOE),
     },
     4: {
+        "dp4": dict(dp=4),
         "hsdp2x2": dict(dp=4, dp_replicate=2),
         "hybrid_shard2x2": dict(dp=4, dp_replicate=2, fsdp="HYBRID_SHARD"),
         "tp4": dict(tp=4),
@@ -64,6 +65,9 @@ BF16_ROWS = {
         (16, ROWS[16], ("pp2xdp2xcp2xtp2",)),
     )
 }
+# Checkpoints moving between layouts: (saved by the row, resumed on) -> (world size, the resuming layout).
+# Each saves after step 2 of its row and takes step 3 on the other layout.
+RESUMES = {("dp4", "dp2xtp2"): (4, dict(dp=2, tp=2)), ("pp2-1f1b", "one-process"): (1, {})}
 REROUNDED = ("", "2", "4")  # the one-process bf16 runs E is measured on: 1, 2 and 4 microbatches
 PLANTED = "dp2xtp2"  # the bug planted on a layout whose matrices are sharded over both dp and tp
 
@@ -71,7 +75,7 @@ PLANTED = "dp2xtp2"  # the bug planted on a layout whose matrices are sharded ov
 def assert_like_one_process(case: str, run, reference) -> None:
     losses, norms, params = run[:3]
     ref_losses, ref_norms, ref_params = reference[:3]
-    assert run[4] == ["float32"] * 3, f"{case}: the records say the matmuls ran in {run[4]}"
+    assert run[4] == ["float32"] * len(losses), f"{case}: the records say the matmuls ran in {run[4]}"
     for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"{case} step {step}: loss {a} vs one-process {b}"
     for step, (a, b) in enumerate(zip(norms, ref_norms), 1):
@@ -114,18 +118,27 @@ def assert_like_one_process_in_bf16(case: str, run, bf16s: list, fp32) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """Every row's run, and the one-process references (debug and Qwen3-MoE debug, fp32 and bf16), by name."""
+def runs(tmp_path_factory):
+    """Every row's run, and the one-process references (debug and Qwen3-MoE debug, fp32 and bf16), by name.
+    The rows of RESUMES save their step-2 checkpoints, resumed in later spawns (or later in the same one)."""
+    root = tmp_path_factory.mktemp("muon-checkpoints")
     singles = {"one-process": {}, "one-process-moe": MOE}
     for kind, kw in (("one-process", {}), ("one-process-moe", MOE)):
         singles |= {f"{kind}-bf16{mb}": kw | BF16 | dict(microbatches=int(mb or 1)) for mb in REROUNDED}
-    references = run_ranks(muon_runs, 1, [(kw, False) for kw in singles.values()], timeout=120)[0]
-    out = dict(zip(singles, references))
-    for world, rows in ROWS.items():
-        rows = {**rows, **BF16_ROWS.get(world, {})}
-        planted = [(ROWS[4][PLANTED], True), (ROWS[4][PLANTED] | BF16, True)] if world == 4 else []
-        results = run_ranks(muon_runs, world, [(kw, False) for kw in rows.values()] + planted, timeout=300)[0]
-        out.update(zip(rows, results))
+    out = {}
+    for world in (2, 1, 4, 16):  # pp2's checkpoint first: one process resumes it
+        rows = singles if world == 1 else {**ROWS[world], **BF16_ROWS.get(world, {})}
+        saves = {src for src, _ in RESUMES}
+        cases = [
+            (kw | dict(checkpoint_dir=str(root / name)), False, 2) if name in saves else (kw, False)
+            for name, kw in rows.items()
+        ]
+        resumed = [(src, dst) for (src, dst), (at, _) in RESUMES.items() if at == world]
+        for src, dst in resumed:  # after the rows: dp4 saves in this very spawn
+            cases.append((RESUMES[src, dst][1] | dict(resume=str(root / src / "step_00000002")), False))
+        cases += [(ROWS[4][PLANTED], True), (ROWS[4][PLANTED] | BF16, True)] if world == 4 else []
+        results = run_ranks(muon_runs, world, cases, timeout=300)[0]
+        out.update(zip([*rows, *(f"{src}->{dst}" for src, dst in resumed)], results))
         if world == 4:
             out["planted"], out["planted-bf16"] = results[-2:]
     return out
@@ -135,6 +148,16 @@ def runs():
 def test_muon_layout_trains_like_one_process(runs, case):
     reference = runs["one-process-moe" if "moe" in case else "one-process"]
     assert_like_one_process(case, runs[case], reference)
+
+
+@pytest.mark.parametrize("case", [f"{src}->{dst}" for src, dst in RESUMES])
+def test_a_muon_checkpoint_resumes_on_another_layout_like_one_process(runs, case):
+    """Saved after step 2 on one layout, step 3 taken on another: its loss, grad norm and every parameter
+    after it within the fp32 contract of the uninterrupted one-process run (momentum resharded)."""
+    steps = len(runs[case][0])
+    assert steps == 1, f"{case}: resumed at step {4 - steps}, not 3"
+    ref = runs["one-process"]
+    assert_like_one_process(case, runs[case], (ref[0][2:], ref[1][2:], *ref[2:]))
 
 
 def test_bf16_muon_differs_from_fp32_on_one_process(runs):
