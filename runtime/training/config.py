@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
+from tessera.metrics.loggers import check_loggers
 from tessera.topology import Layout
 from tessera.topology import axes as _axes
 from tessera.topology.errors import TesseraError, with_flags
@@ -272,6 +273,18 @@ class RuntimeSection:
     steps: int = opt(50, "optimizer steps to train (the total, counted from step 0 when resuming)", metavar="N")
     seed: int = opt(0, "seed of the initialization", metavar="N")
     metrics: str | None = opt(None, "append a header record, then one JSON line per step, to this file", metavar="FILE")
+    tensorboard: str | None = opt(
+        None,
+        "also write each step's scalars (loss, grad norm, lr, tokens/s, memory, eval loss, bytes per axis, ...) as "
+        "TensorBoard event files in this directory, from rank 0, flushed every step (needs the tensorboard extra)",
+        metavar="DIR",
+    )
+    wandb: str | None = opt(
+        None,
+        "also log each step's scalars to this Weights & Biases project, from rank 0 (needs the wandb extra; "
+        "offline with WANDB_MODE=offline or when online fails; a --resume continues the run)",
+        metavar="PROJECT",
+    )
     timeout: float = opt(
         600.0, "seconds any collective may stall before the run fails, naming the rank and axis", metavar="SECONDS"
     )
@@ -581,6 +594,7 @@ class Config:
         from . import preflight  # lazy: preflight imports torch, which stays out of `tessera --help`
 
         try:
+            check_loggers(self.runtime.tensorboard, self.runtime.wandb)  # a library missing: before anything slow
             preflight.check(self)
         except ValueError as e:  # ConfigError, CheckpointError, and the plain ValueErrors of the library's checks
             message = with_flags(str(e), flag_names() if flags is None else flags)

@@ -27,16 +27,19 @@ import torch
 import torch.distributed as dist
 from tessera import __version__
 from tessera.kernels import set_default_backend
+from tessera.metrics.loggers import Loggers, mfu_per_token, open_loggers
 from tessera.metrics.profiling import StepProfiler
 from tessera.metrics.results import strict_json
 from tessera.metrics.step_profile import describe as describe_profile
 from tessera.models.hf import load_hf_weights
+from tessera.models.spec import shape_of
 from tessera.parallel import checkpoint
 from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
 from tessera.parallel.locks import RunLock, directory_lock, metrics_lock, pinned
 from tessera.parallel.pipeline import split_layers
 from tessera.parallel.schedule import simulate
 from tessera.topology import Layout
+from tessera.topology.planner import model_flops_per_token
 from torch.distributed.tensor import DTensor
 
 from .config import Config
@@ -316,6 +319,8 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     if (attempt or config.checkpoint.resume is not None) and config.runtime.metrics and rank == 0:
         _keep_metrics_through(config.runtime.metrics, trainer.step)  # a restart and a --resume alike
     out = open(config.runtime.metrics, "a") if (config.runtime.metrics and rank == 0) else None
+    loggers = _open_loggers(config, trainer) if rank == 0 else Loggers([])
+    mfu_scale = None
 
     profiler = StepProfiler(config, rank, trainer.device, trainer.step)  # --profile (else it does nothing)
     header_written = False
@@ -332,14 +337,18 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
                         strict_json({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n"
                     )
                     header_written = True
+                mfu_scale = _mfu_scale(config, trainer)
             if result.skip_report and rank == 0:  # one line per skipped step, with --quiet too
                 print(f"tessera: {result.skip_report}", flush=True)
             if config.data.eval_every and trainer.step % config.data.eval_every == 0:
                 m["eval_loss"] = trainer.evaluate()
+            if mfu_scale is not None:  # measured tokens/s over the device's datasheet peak (GPU, bf16 only)
+                m["mfu"] = m["tokens_per_s"] * mfu_scale
             history.append(m)
             if out:  # before the checkpoint: a crash in between repeats the step (and its line is cut), never skips it
                 out.write(strict_json(m) + "\n")
                 out.flush()
+            loggers.log(m)  # --tensorboard, --wandb: rank 0's, flushed
             completed = manager.poll()  # an async save whose files every rank has written becomes latest
             if completed is not None:
                 say(f"saved checkpoint {completed} (written in the background)")
@@ -363,6 +372,7 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             say(f"saved checkpoint {completed} (written in the background)")
     finally:
         profiler.stop()  # a window cut short (SIGTERM, an error) is still written
+        loggers.close()
         if out:
             if not header_written:  # nothing left to train (resumed at the last step), or step 1 failed
                 out.write(strict_json({**header_record(config, trainer, uuid.uuid4().hex), "restart": attempt}) + "\n")
@@ -374,6 +384,30 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     if summary and rank == 0:  # asked for with --profile: printed even with --quiet
         print(summary, flush=True)
     return history if rank == 0 else None
+
+
+def _open_loggers(config: Config, trainer: Any) -> Loggers:
+    """--tensorboard and --wandb on rank 0, continuing a resumed run's curves from its next step."""
+    resumed = config.checkpoint.resume is not None
+    return open_loggers(
+        config.runtime.tensorboard,
+        config.runtime.wandb,
+        first_step=trainer.step + 1,
+        name=f"{config.model_name} {run_label(config, trainer.layout)}",
+        config=config.to_dict(),
+        checkpoint_dir=config.checkpoint.dir,
+        resumed_root=resolve_checkpoint(config.resume_path)[0].parent if resumed else None,
+    )
+
+
+def _mfu_scale(config: Config, trainer: Any) -> float | None:
+    """MFU per token/s on this run's devices (None on CPU, or where no bf16 peak is known)."""
+    if trainer.device.type != "cuda":
+        return None
+    flops = model_flops_per_token(shape_of(trainer.model_config), config.data.seq_len)
+    name = torch.cuda.get_device_name(trainer.device)
+    compute = (trainer.dtype_report or {}).get("compute_dtype")
+    return mfu_per_token(name, compute, flops, trainer.layout.world_size)
 
 
 def _backend(config: Config) -> str:
