@@ -42,7 +42,10 @@ from .host_memory import oom_kills
 
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others may take to report their own errors
 EXIT_GRACE_S = 10.0  # after every rank returned, how long they may take to exit before they are killed
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
+# what the forkserver imports once, so that each rank starts with torch and tessera loaded (`tessera train`
+# starts it with the same list before its own imports: tessera.training.rank_server.PRELOAD)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
+PRELOAD += ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"]
 _CTX: Any = None
 
 
@@ -50,9 +53,7 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(
-            _PRELOAD + ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"]
-        )
+        ctx.set_forkserver_preload(PRELOAD)
         _CTX = ctx
     return _CTX
 

@@ -62,3 +62,17 @@ def test_python_m_tessera_cli_is_the_command():
     )
     assert out.returncode == 0, out.stderr
     assert tessera.__version__ in out.stdout
+
+
+def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_torch_of_its_own():
+    from tessera.parallel import launch
+    from tessera.training import rank_server
+
+    assert rank_server.PRELOAD == launch.PRELOAD
+    code = (
+        "import sys, multiprocessing.forkserver as fs; from tessera.training.rank_server import start_rank_server; "
+        "start_rank_server(); print('torch' in sys.modules, fs._forkserver._forkserver_pid is not None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]  # the server runs; this process has not imported torch

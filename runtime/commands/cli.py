@@ -9,6 +9,7 @@ import sys
 from tessera import __version__
 from tessera.topology.errors import with_flags
 from tessera.training.config import add_arguments, config_from_args, flag_names, parser_flags, said
+from tessera.training.rank_server import start_rank_server, under_torchrun
 
 from .bench import add_bench_parser
 from .export import add_export_parsers
@@ -76,10 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if not under_torchrun():
+        start_rank_server()  # the ranks' server imports torch and tessera beside the imports below
     # lazy: these import torch, which stays out of `tessera --help` and the torch-free commands
     from tessera.parallel.checkpoint import CheckpointError
     from tessera.parallel.launch import Interrupted, RankFailure
-    from tessera.training.run import done_line, error_exit, failed_message, stopped_message, train, under_torchrun
+    from tessera.training.run import done_line, error_exit, failed_message, stopped_message, train
 
     try:
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
@@ -143,10 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     code = int(args.func(args) or 0)
     if args.command == "train" and code == 0:
-        from tessera.training.run import (
-            under_torchrun,  # lazy: tessera.training.run imports torch (loaded by now: a train ran)
-        )
-
         if under_torchrun():
             # a torchrun worker that finished its job ends the way the local launcher's ranks do
             # (multiprocessing leaves them with os._exit): the interpreter's teardown, after the process group
