@@ -144,6 +144,14 @@ GPT_SPEC = ModelSpec(
     pipeline=PipelineSplit(first=("wte", "wpe"), blocks="blocks", last=("ln_f", "head")),
     attention="blocks.*.attn.core",
     head="head",
+    # the hidden weight matrices `--optimizer muon` orthogonalizes (one-process names, fnmatch); the
+    # embeddings, the head, the LayerNorms and the biases stay on AdamW. Without it Muon is refused.
+    matrices=(
+        "blocks.*.attn.[qkv].weight",
+        "blocks.*.attn.proj.weight",
+        "blocks.*.mlp.up.weight",
+        "blocks.*.mlp.down.weight",
+    ),
 )
 
 

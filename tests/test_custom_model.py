@@ -2,6 +2,7 @@
 every axis through its spec: the example runs as a user runs it, pp2 x cp2 x tp2 on 8 CPU ranks against one
 process, and a planted bug in its spec is caught by the same runner."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,57 @@ def test_pp_and_cp_without_a_spec_are_refused_by_name():
 
     with pytest.raises(ValueError, match="pass spec=ModelSpec"):
         assert_layouts_equivalent(custom_model.build_gpt, [Layout(pp=2)], batch=custom_model.batch())
+
+
+def test_the_custom_models_spec_marks_its_matrices_and_muon_steps_them_as_torch_does():
+    """--optimizer muon on a user's model: its spec's `matrices` picks the hidden weights (not the
+    embeddings, head, norms or biases), and tessera's optimizer pair (Muon on those, AdamW on the rest)
+    steps them as torch.optim.Muon does on one process."""
+    import torch
+
+    from tessera.config import Config
+    from tessera.models.spec import matrix_patterns
+    from tessera.training.optim import build_muon, split_matrices
+
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip(f"torch {torch.__version__} has no torch.optim.Muon (added in 2.9): nothing to compare with")
+    spec = custom_model.GPT_SPEC
+    torch.manual_seed(0)
+    model = custom_model.build_gpt()
+    matrices, rest = split_matrices(model, spec.is_matrix)
+    names = {id(p): n for n, p in model.named_parameters()}
+    marked = sorted(names[id(p)] for p in matrices)
+    assert marked == sorted(
+        n for n, p in model.named_parameters() if p.ndim == 2 and any(k in n for k in (".attn.", ".mlp."))
+    )
+    assert {names[id(p)].split(".")[0] for p in rest} == {"wte", "wpe", "blocks", "ln_f", "head"}
+    assert all(p.ndim == 1 for p in rest if names[id(p)].startswith("blocks"))  # biases and LayerNorms
+    # the explicit rule says what the tp plan implies for these 2-D weights
+    implied = dataclasses.replace(spec, matrices=matrix_patterns(spec.tp_plan))
+    assert marked == sorted(n for n, p in model.named_parameters() if implied.is_matrix(n, p.ndim))
+
+    options = Config.create(model="debug", optimizer="muon").optimizer
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in matrices]
+    reference = torch.optim.Muon(
+        theirs,
+        lr=options.muon_lr,
+        weight_decay=options.muon_weight_decay,
+        momentum=options.muon_momentum,
+        nesterov=options.muon_nesterov,
+        ns_steps=options.muon_ns_steps,
+        adjust_lr_fn=options.muon_update_scale,
+    )
+    optimizers = build_muon(model, spec.is_matrix, options, torch.bfloat16)  # torch's Newton-Schulz dtype
+    assert [type(o).__name__ for o in optimizers] == ["AdamW", "Muon"]
+    inputs, targets = custom_model.batch(rows=2, seq=16)
+    for _ in range(2):
+        for o in optimizers:
+            o.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        for p, q in zip(matrices, theirs):
+            q.grad = p.grad.clone()
+        for o in optimizers:
+            o.step()
+        reference.step()
+        for p, q in zip(matrices, theirs):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
