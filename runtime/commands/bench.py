@@ -46,6 +46,7 @@ from tessera.topology.step_time import Calibration
 from tessera.training.config import Config, said
 from tessera.training.estimate import planner_estimate  # noqa: F401 (re-exported: the benchmarks and tests call it from here)
 from tessera.training.layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
+from tessera.training.rank_server import start_rank_server
 
 from .plan import model_shape
 
@@ -151,6 +152,7 @@ def run_bench(args: argparse.Namespace) -> int:
             )
         if args.steps <= args.warmup:
             raise ValueError(f"--steps {args.steps} must exceed --warmup {args.warmup} (the timed steps come after it)")
+        start_rank_server()  # the ranks' server imports torch and tessera beside this command's own imports
         runs = (
             series_layouts(args.series, args.max_ranks, args.global_batch)
             if args.series
