@@ -15,6 +15,7 @@ from .bench import add_bench_parser
 from .export import add_export_parsers
 from .memory import add_memory_parser
 from .plan import add_plan_parser
+from .plot import add_plot_parser
 
 
 def _tokenize(args: argparse.Namespace) -> int:
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     add_bench_parser(sub)
+    add_plot_parser(sub)
 
     tr = sub.add_parser(
         "train",

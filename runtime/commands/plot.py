@@ -1,0 +1,153 @@
+"""`tessera plot RUN.jsonl [RUN2.jsonl ...] --out FILE.png`: the loss and throughput curves of one or several
+runs' metrics files (`tessera train --metrics`), each run labelled by the layout its header records, so that two
+layouts (or two optimizers) compare in one figure. Torch-free: it reads JSON and draws with matplotlib (the
+bench extra)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tessera.topology import Layout
+
+
+@dataclass
+class Run:
+    """One metrics file: its label and, by step, the last record written for that step."""
+
+    path: Path
+    label: str
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    eval_loss: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _number(value: Any) -> float:
+    """A record's number; null (a non-finite value, a skipped step's loss) as NaN: a gap in the curve."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def layout_label(header: dict[str, Any]) -> str:
+    """The layout a header records, as the run's lines name it ('one process', 'pp2xdp_shard2', with sequence
+    parallel and a non-default optimizer said)."""
+    layout = Layout(**header["layout"])
+    config = header.get("config") or {}
+    text = "one process" if layout.world_size == 1 else str(layout)
+    if (config.get("parallel") or {}).get("sequence_parallel") and layout.tp > 1:
+        text += " + sequence parallel"
+    optimizer = (config.get("optimizer") or {}).get("optimizer")
+    return text + (f", {optimizer}" if optimizer and optimizer != "adamw" else "")
+
+
+def read_run(path: Path) -> Run:
+    """A metrics file's curves; ValueError in one line when it is missing or not a tessera metrics file."""
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist (or is not a file); give a metrics file of tessera train --metrics")
+    headers: list[dict[str, Any]] = []
+    by_step: dict[int, dict[str, Any]] = {}
+    lines = path.read_text(errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines) and headers:  # a last line cut short by a killed writer
+                break
+            raise ValueError(
+                f"{path} line {number} is not JSON: not a tessera metrics file (tessera train --metrics writes one)"
+            ) from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} line {number} is not a JSON object: not a tessera metrics file")
+        if record.get("type") == "header" and isinstance(record.get("layout"), dict):
+            headers.append(record)
+        elif isinstance(record.get("step"), int) and "loss" in record:
+            by_step[record["step"]] = record  # a restart repeats steps: the last one written counts
+        else:
+            raise ValueError(f"{path} line {number} is neither a header nor a step record of tessera train --metrics")
+    if not headers:
+        raise ValueError(f"{path} has no header record: not a tessera metrics file (tessera train --metrics FILE)")
+    if not by_step:
+        raise ValueError(f"{path} has no step records (the run stopped before its first step)")
+    try:
+        labels = list(dict.fromkeys(layout_label(h) for h in headers))  # a resume on another layout: both
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: its header's layout is not one tessera records ({e})") from None
+    run = Run(path, " -> ".join(labels))
+    for step in sorted(by_step):
+        record = by_step[step]
+        run.steps.append(step)
+        run.loss.append(_number(record.get("loss")))
+        run.tokens_per_s.append(_number(record.get("tokens_per_s")))
+        if record.get("eval_loss") is not None:
+            run.eval_loss.append((step, _number(record["eval_loss"])))
+    return run
+
+
+def plot(runs: list[Run], out: Path) -> Path:
+    """Loss (and eval loss, dashed) and tokens/s by step, one colour per run; ImportError without matplotlib."""
+    import matplotlib  # lazy: matplotlib is optional (the bench extra)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: (as above) after choosing the Agg backend
+
+    labels = [r.label for r in runs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    for i, run in enumerate(runs):
+        # two runs of one layout are told apart by their files
+        label = run.label if labels.count(run.label) == 1 else f"{run.label} ({run.path.name})"
+        color = f"C{i % 10}"
+        ax1.plot(run.steps, run.loss, color=color, label=label)
+        if run.eval_loss:
+            ax1.plot(*zip(*run.eval_loss), color=color, ls="--", marker="o", ms=3, label=f"{label}: eval")
+        ax2.plot(run.steps, run.tokens_per_s, color=color, label=label)
+    ax1.set(xlabel="step", ylabel="loss", title="loss")
+    ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _plot(args: argparse.Namespace) -> int:
+    def error(message: str) -> int:
+        print(f"tessera plot: error: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        runs = [read_run(Path(p)) for p in args.runs]
+    except ValueError as e:
+        return error(str(e))
+    out = Path(args.out) if args.out else Path(args.runs[0]).with_suffix(".png")
+    try:
+        plot(runs, out)
+    except ImportError:
+        return error(
+            "tessera plot draws with matplotlib, which is not installed: pip install matplotlib "
+            "(or pip install 'tessera-4d[bench]')"
+        )
+    except OSError as e:
+        return error(f"--out {out} cannot be written ({e.strerror or e}); choose a writable path")
+    print(f"wrote {out}: loss and tokens/s of {len(runs)} run{'s' if len(runs) > 1 else ''} by step")
+    return 0
+
+
+def add_plot_parser(sub) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="loss and throughput curves of one or several runs' metrics files (needs matplotlib)",
+        description="Draw the loss and tokens/s of each run by step from the metrics files tessera train --metrics "
+        "writes, one colour per run, each labelled by the layout its header records, so that layouts or optimizers "
+        "compare in one figure.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="metrics files of tessera train --metrics")
+    p.add_argument("--out", default=None, metavar="FILE.png", help="the figure (default: the first RUN with .png)")
+    p.set_defaults(func=_plot)
