@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import small_config
+from helpers import measured_model_states, small_config
 from muon_ranks import muon_comm, resume_bitwise
 from tessera.models.spec import get_spec
 from tessera.parallel.launch import run_ranks
@@ -113,3 +113,22 @@ def test_comm_stats_count_muons_bytes_as_the_model_predicts():
     predicted = counted[0][1]
     assert predicted > 0 and all(p == predicted for _, p in counted)
     assert sum(c for c, _ in counted) == pytest.approx(4 * predicted, rel=1e-12)
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2), dict(dp=2, tp=2), dict(model="qwen3-moe-debug", dp=2, ep=2)], ids=str)
+def test_the_planner_counts_muons_state_and_the_owners_gathered_matrix(kw):
+    """--optimizer muon in the planner (`tessera train`'s memory check, the bench's estimate): one momentum on
+    the matrices and AdamW's two moments on the rest, as a rank measures after a step, and the whole largest
+    matrix its owner gathers during the step."""
+    from tessera.models.spec import shape_of
+    from tessera.topology.memory import muon_gather_bytes
+    from tessera.topology.muon_memory import largest_matrix_numel
+    from tessera.training.estimate import planner_estimate
+
+    config = small_config(optimizer="muon", **kw)
+    predicted, adamw = planner_estimate(config).memory, planner_estimate(small_config(**kw)).memory
+    measured = max(m["optimizer"] for m in run_ranks(measured_model_states, config.layout.world_size, config))
+    assert predicted["optimizer"] == pytest.approx(measured, rel=0.01), (predicted["optimizer"], measured)
+    assert predicted["optimizer"] < adamw["optimizer"]
+    whole = muon_gather_bytes(largest_matrix_numel(shape_of(config.model_config)))
+    assert predicted["muon_gathered"] == whole > 0 and "muon_gathered" not in adamw

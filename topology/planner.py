@@ -75,7 +75,8 @@ from .shapes import (
     stage_param_shapes,
 )
 from .memory import AC_MODES as MEMORY_AC_MODES
-from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
+from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus, muon_gather_bytes
+from .muon_memory import MUON_RECIPES, adamw_params_of, largest_matrix_numel
 from .step_time import Calibration, step_parts
 from .errors import PlanError  # no layout fits, or a request it cannot plan
 
@@ -629,8 +630,32 @@ def _rank_memory(
         m["activations"] + max(m["logits"], m["backward_transient"]) + m["unsharded_grads"] + m["gathered_params"]
     )
     optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
+    if hw.recipe in MUON_RECIPES:  # Muon's own accounting (topology/muon_memory.py)
+        optimizer_step += _muon_memory(m, cfg, cand, hw, pp_rank, fsdp, stage, n_blocks=sum(layers[s] for s in stages))
     m["total"] = m["parameters"] + m["optimizer"] + m["buffers"] + max(backward_start, optimizer_step)
     return m
+
+
+def _muon_memory(
+    m: dict[str, float],
+    cfg: ModelShape,
+    cand: Candidate,
+    hw: Hardware,
+    pp_rank: int,
+    fsdp: int,
+    stage: int,
+    n_blocks: int,
+) -> float:
+    """Under a Muon recipe: add the second Adam moment of the parameters AdamW keeps to m["optimizer"], and
+    return the step's transient (m["muon_gathered"]): the whole largest matrix its owner orthogonalizes."""
+    lay = cand.layout
+    adam, muon = get_recipe(MUON_RECIPES[hw.recipe]), get_recipe(hw.recipe)
+    rest, rest_sharded = adamw_params_of(
+        cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank, lay.ep, placement_of(cand.schedule)
+    )
+    m["optimizer"] += (rest_sharded if stage >= 1 else rest) * (adam.optimizer - muon.optimizer)
+    m["muon_gathered"] = float(muon_gather_bytes(largest_matrix_numel(cfg))) if n_blocks else 0.0
+    return m["muon_gathered"]
 
 
 # ----------------------------------------------------------------------------- enumeration

@@ -19,7 +19,8 @@ CPU_RANK_RUNTIME_BYTES = 300 * 2**20
 def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
     """The planner's Estimate for the layout a training config runs: its strategy (NO_SHARD as FSDP2 runs
     it, every dp rank on dp_replicate; HYBRID_SHARD is FULL_SHARD on that 2-D mesh), checkpointing,
-    schedule, microbatches, virtual stages and sequence parallel, at its dtype (fp32 on CPU: fp32 Adam);
+    schedule, microbatches, virtual stages and sequence parallel, at its dtype and optimizer (fp32 on CPU: fp32
+    Adam; under --optimizer muon the Muon recipe: one momentum on the matrices, the owner's gathered matrix);
     its step time at a calibration's measured rates when one is given (topology/step_time.py)."""
     from tessera.parallel.data import PRECISIONS, layout_for_strategy  # lazy: tessera.parallel imports torch
 
@@ -47,7 +48,7 @@ def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
         gpu_memory_gb=1e6,
         gpus_per_node=max(8, ranks),
         dtype_bytes=element,
-        recipe="mixed_adam" if element == 2 else "fp32_adam",
+        recipe=f"{'mixed' if element == 2 else 'fp32'}_{'muon' if config.optimizer.optimizer == 'muon' else 'adam'}",
         calibration=calibration,
     )
 
