@@ -132,3 +132,33 @@ def test_the_planner_counts_muons_state_and_the_owners_gathered_matrix(kw):
     assert predicted["optimizer"] < adamw["optimizer"]
     whole = muon_gather_bytes(largest_matrix_numel(shape_of(config.model_config)))
     assert predicted["muon_gathered"] == whole > 0 and "muon_gathered" not in adamw
+
+
+def test_bench_muon_writes_its_json(tmp_path):
+    """benchmarks/bench_muon.py on a tiny setting: its JSON names the device and versions, and holds each
+    layout's optimizer-step time, Muon's counted bytes beside the prediction, and the FLOPs' balance."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_muon.py"
+    tiny = ["--model", "debug", "--seq-len", "32", "--global-batch", "4", "--steps", "1", "--warmup", "0"]
+    out = subprocess.run(
+        [sys.executable, str(script), *tiny, "--layouts", "one,dp2xtp2", "--out", str(tmp_path / "m.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert data["device"]["device"] and data["versions"]["torch"] and data["config"]["model"] == "debug"
+    rows = {(r["layout"], r["optimizer"]): r for r in data["results"]["rows"]}
+    assert sorted(rows) == [("dp2xtp2", "adamw"), ("dp2xtp2", "muon"), ("one", "adamw"), ("one", "muon")]
+    assert all(r["optimizer_step_s"] > 0 and r["train_step_s"] > 0 for r in rows.values())
+    muon = rows["dp2xtp2", "muon"]
+    assert muon["muon_bytes_counted_mean_per_rank"] == muon["muon_bytes_predicted_mean_per_rank"] > 0
+    assert (
+        rows["one", "muon"]["muon_bytes_counted_mean_per_rank"] == 0 == rows["dp2xtp2", "adamw"]["ns_flops_per_rank"][0]
+    )
+    assert len(muon["ns_flops_per_rank"]) == 4 and 1 <= muon["ns_flops_max_over_mean"] <= 1.25
