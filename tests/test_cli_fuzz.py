@@ -131,6 +131,7 @@ READS = {
     "resume",
     "init_from",
     "init_from_hf",
+    "runs",  # tessera plot's metrics files
 }
 WRITES = {"out", "to_hf", "checkpoint_dir", "metrics", "profile", "tensorboard"}
 
@@ -163,6 +164,7 @@ USUAL = {
     "model": {"memory"},
     "out": {"export"},
     "files": {"tokenize"},
+    "runs": {"plot"},
 }
 
 

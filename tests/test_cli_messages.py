@@ -10,7 +10,7 @@ import pytest
 
 from tessera.cli import main
 
-SUBCOMMANDS = ("train", "memory", "plan", "bench", "export", "convert", "tokenize")
+SUBCOMMANDS = ("train", "memory", "plan", "bench", "export", "convert", "tokenize", "plot")
 
 
 def run(capsys, *argv):
@@ -301,7 +301,8 @@ def test_memory_takes_params_or_a_model_not_both(capsys):
         ),
         (
             ["--recipe", "adam8"],
-            "unknown memory recipe 'adam8'; choose one of mixed_adam, fp32_adam, mixed_adam_fp32_grads, mixed_muon, fp32_muon",
+            "unknown memory recipe 'adam8'; choose one of mixed_adam, fp32_adam, mixed_adam_fp32_grads, "
+            "mixed_muon, fp32_muon",
         ),
     ],
 )
