@@ -9,6 +9,11 @@ beside topology/comm_model.py's prediction. The whole training step's median is 
 
     python benchmarks/bench_muon.py                    # small preset: benchmarks/results/muon-small-cpu.json and .png
     python benchmarks/bench_muon.py --model debug --steps 2 --warmup 1 --out /tmp   # seconds
+
+--convergence instead trains the model on the shipped text for --steps steps (200 by default there) with
+each optimizer at its documented learning rates (--lr 3e-3 for AdamW, and for Muon's matrices --muon-lr
+0.02 with AdamW's 3e-3 on the rest) on one process, and plots both loss curves in one figure: what the plot
+shows, no claim beyond it. `muon-convergence-<model>-cpu.json` and `.png`.
 """
 
 from __future__ import annotations
@@ -86,12 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=8, help="timed steps (after --warmup)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after --warmup (8); --convergence: 200")
+    p.add_argument("--convergence", action="store_true", help="loss curves of both optimizers instead")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     p.add_argument("--threads", type=int, default=1, help="threads per rank (default 1)")
     p.add_argument("--out", default=None, help="a .json file or a directory (default benchmarks/results/)")
     args = p.parse_args(argv)
+    if args.convergence:
+        args.steps = args.steps or 200
+        return convergence(args)
+    args.steps = args.steps or 8
     rows = []
     for name in args.layouts.split(","):
         for optimizer in OPTIMIZERS:
@@ -125,6 +135,60 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         plot(rows, RESULTS / f"muon-{args.model}-cpu.png")
     return 0
+
+
+def convergence(args: argparse.Namespace) -> int:
+    """Both optimizers for args.steps steps on one process, their losses in one JSON and one plot."""
+    from tessera.training.run import train  # lazy: the timing mode spawns its own ranks
+
+    curves = {}
+    for optimizer in OPTIMIZERS:
+        config = Config.create(
+            model=args.model,
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            steps=args.steps,
+            optimizer=optimizer,
+            mixed_precision="fp32",
+            quiet=True,
+            device="cpu",
+        )
+        started = time.perf_counter()
+        history = train(config) or []
+        curves[optimizer] = [m["loss"] for m in history]
+        print(
+            f"{optimizer}: loss {curves[optimizer][0]:.3f} -> {curves[optimizer][-1]:.3f} in {args.steps} steps "
+            f"({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+    o = config.optimizer
+    rates = {"adamw_lr": o.lr, "muon_lr": o.muon_lr, "lr_warmup": o.warmup, "schedule": "linear warm-up, cosine"}
+    name = f"muon-convergence-{args.model}-cpu"
+    path = write_results(name, {**vars(args), **rates}, {"losses": curves}, args.out)
+    print(f"wrote {path}")
+    plot_convergence(curves, f"{args.model}: Muon (lr {o.muon_lr:g}) vs AdamW (lr {o.lr:g})", path.with_suffix(".png"))
+    return 0
+
+
+def plot_convergence(curves: dict[str, list[float]], title: str, png: Path) -> None:
+    """Both optimizers' training losses in one figure (skipped without matplotlib)."""
+    try:
+        import matplotlib  # lazy: optional (the bench extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # lazy: after choosing the backend
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for optimizer, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=optimizer, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (shipped text, one process)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print(f"wrote {png}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
