@@ -8,8 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from tessera.config import Config
+from tessera.models.spec import matrix_patterns
 from tessera.topology import Layout
+from tessera.training.optim import build_muon, split_matrices
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -75,12 +79,6 @@ def test_the_custom_models_spec_marks_its_matrices_and_muon_steps_them_as_torch_
     """--optimizer muon on a user's model: its spec's `matrices` picks the hidden weights (not the
     embeddings, head, norms or biases), and tessera's optimizer pair (Muon on those, AdamW on the rest)
     steps them as torch.optim.Muon does on one process."""
-    import torch
-
-    from tessera.config import Config
-    from tessera.models.spec import matrix_patterns
-    from tessera.training.optim import build_muon, split_matrices
-
     if not hasattr(torch.optim, "Muon"):
         pytest.skip(f"torch {torch.__version__} has no torch.optim.Muon (added in 2.9): nothing to compare with")
     spec = custom_model.GPT_SPEC

@@ -1,17 +1,25 @@
 """--optimizer muon: one process equals torch.optim.Muon, the spec's matrices rule, the checks before any rank
-starts, checkpoints (bitwise resume, no optimizer switch) and the bytes --comm-stats counts against the model.
-The layouts' numerics contract is tests/test_muon_contract.py."""
+starts, checkpoints (bitwise resume, no optimizer switch), the bytes --comm-stats counts against the model,
+the planner's count of Muon's memory, and benchmarks/bench_muon.py's JSON. The layouts' numerics contract
+(and checkpoints moving between layouts) is tests/test_muon_contract.py."""
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import measured_model_states, small_config
 from muon_ranks import muon_comm, resume_bitwise
-from tessera.models.spec import get_spec
+from tessera.models.spec import get_spec, shape_of
 from tessera.parallel.launch import run_ranks
 from tessera.parallel.muon import Muon, ns_flops
+from tessera.topology.memory import muon_gather_bytes
+from tessera.topology.muon_memory import largest_matrix_numel
+from tessera.training.estimate import planner_estimate
 
 CASES = {
     "defaults": dict(lr=0.02),
@@ -120,11 +128,6 @@ def test_the_planner_counts_muons_state_and_the_owners_gathered_matrix(kw):
     """--optimizer muon in the planner (`tessera train`'s memory check, the bench's estimate): one momentum on
     the matrices and AdamW's two moments on the rest, as a rank measures after a step, and the whole largest
     matrix its owner gathers during the step."""
-    from tessera.models.spec import shape_of
-    from tessera.topology.memory import muon_gather_bytes
-    from tessera.topology.muon_memory import largest_matrix_numel
-    from tessera.training.estimate import planner_estimate
-
     config = small_config(optimizer="muon", **kw)
     predicted, adamw = planner_estimate(config).memory, planner_estimate(small_config(**kw)).memory
     measured = max(m["optimizer"] for m in run_ranks(measured_model_states, config.layout.world_size, config))
@@ -137,11 +140,6 @@ def test_the_planner_counts_muons_state_and_the_owners_gathered_matrix(kw):
 def test_bench_muon_writes_its_json(tmp_path):
     """benchmarks/bench_muon.py on a tiny setting: its JSON names the device and versions, and holds each
     layout's optimizer-step time, Muon's counted bytes beside the prediction, and the FLOPs' balance."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_muon.py"
     tiny = ["--model", "debug", "--seq-len", "32", "--global-batch", "4", "--steps", "1", "--warmup", "0"]
     out = subprocess.run(
