@@ -19,6 +19,10 @@ column/row shards, FSDP x tp's _StridedShard, expert parallel's expert-dim shard
 element sits in the whole matrix is read once, at construction, from the parameter's own placements
 (a DTensor of flat indices redistributed from Replicate like the parameter: no layout rule written here).
 
+A stack of matrices sharded on its dim 0 alone (experts over ep, or FSDP's Shard(0) of the stack) needs
+no gather: each rank holds whole experts and orthogonalizes its own. Cut inside its matrices (tp), it
+is gathered whole like any matrix.
+
 Owners: the matrices that share one group of ranks are assigned greedily by Newton-Schulz FLOPs (the
 largest first, each to the least loaded rank), so the work is spread over the group; ranks that hold
 replicas (HSDP's dp_replicate, a pipeline stage's own parameters) each compute their own group's.
@@ -93,7 +97,13 @@ class _Plan:
 
 
 def _sharded_dims(p: DTensor) -> list[int]:
-    return [i for i, pl in enumerate(p.placements) if not pl.is_replicate() and p.device_mesh.size(i) > 1]
+    """The mesh dims whose shards Muon must gather: every sharded one, but for a stack of matrices (3-D) only
+    those that cut inside the matrices; a stack cut on its dim 0 alone (experts over ep, FSDP's Shard(0))
+    holds whole matrices on each rank, each orthogonalized where it lies."""
+    dims = [i for i, pl in enumerate(p.placements) if not pl.is_replicate() and p.device_mesh.size(i) > 1]
+    if p.ndim == 3 and all(getattr(p.placements[i], "dim", None) == 0 for i in dims):
+        return []
+    return dims
 
 
 def _group_of(p: DTensor, dims: list[int], cache: dict[tuple, dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -132,7 +142,7 @@ def _plans(params: Sequence[Tensor], ns_steps: int) -> dict[Tensor, _Plan]:
         load = [0.0] * size
         order = sorted(members, key=lambda m: -ns_flops(tuple(m[0].shape), ns_steps))  # stable: ties by order
         for p, _ in order:
-            flops = ns_flops(tuple(p.shape), ns_steps)
+            flops = ns_flops(tuple(_local(p).shape if group is None else p.shape), ns_steps)  # what this rank runs
             owner = min(range(size), key=lambda r: (load[r], r))
             load[owner] += flops
             plans[p] = _plan(p, group, owner, flops)
@@ -282,9 +292,11 @@ class Muon(torch.optim.Optimizer):
 
 
 def _ns_stack(u: Tensor, ns: tuple) -> Tensor:
-    """Newton-Schulz on a matrix, or on each matrix of a stack (dim 0)."""
+    """Newton-Schulz on a matrix, or on each matrix of a stack (dim 0; a rank's share may hold none)."""
     if u.ndim == 2:
         return newton_schulz(u, *ns)
+    if u.shape[0] == 0:
+        return u
     return torch.stack([newton_schulz(m, *ns) for m in u])
 
 

@@ -133,7 +133,7 @@ def test_the_planner_counts_muons_state_and_the_owners_gathered_matrix(kw):
     measured = max(m["optimizer"] for m in run_ranks(measured_model_states, config.layout.world_size, config))
     assert predicted["optimizer"] == pytest.approx(measured, rel=0.01), (predicted["optimizer"], measured)
     assert predicted["optimizer"] < adamw["optimizer"]
-    whole = muon_gather_bytes(largest_matrix_numel(shape_of(config.model_config)))
+    whole = muon_gather_bytes(largest_matrix_numel(shape_of(config.model_config), config.layout.tp))
     assert predicted["muon_gathered"] == whole > 0 and "muon_gathered" not in adamw
 
 

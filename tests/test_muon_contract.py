@@ -54,6 +54,8 @@ ROWS = {
         "hybrid_shard2x2": dict(dp=4, dp_replicate=2, fsdp="HYBRID_SHARD"),
         "tp4": dict(tp=4),
         "dp2xtp2": dict(dp=2, tp=2),
+        "dp4xep2-qwen3-moe": dict(dp=4, ep=2, **MOE),  # 2 whole experts a rank: no gather
+        "dp2xtp2xep2-qwen3-moe": dict(dp=2, tp=2, ep=2, **MOE),  # experts cut by tp: gathered whole
     },
     16: {"pp2xdp2xcp2xtp2": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, **PP)},
 }

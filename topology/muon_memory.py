@@ -4,8 +4,8 @@ Muon (parallel/muon.py) keeps one momentum buffer per hidden weight matrix (the 
 fp32_muon count that on every parameter), but the parameters that stay on AdamW (embeddings, learned
 positions, the head, norms, biases, MoE routers) keep Adam's two moments: `adamw_params_of` counts them, so
 the planner adds their second moment back. And during the step the owner of a matrix gathers it whole, runs
-Newton-Schulz on it and scatters it back: `largest_matrix_numel` is the whole matrix (or stack of experts,
-gathered whole as parallel/muon.py does) whose transient topology.memory.muon_gather_bytes counts.
+Newton-Schulz on it and scatters it back: `largest_matrix_numel` is the whole matrix (or, under tp, stack of
+experts, gathered whole as parallel/muon.py does) whose transient topology.memory.muon_gather_bytes counts.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def adamw_params_of(
     return numel, sharded + sum(fsdp_shard_numel(r, c, fsdp) for r, c in extra)
 
 
-def largest_matrix_numel(shape) -> int:
+def largest_matrix_numel(shape, tp: int = 1) -> int:
     """The largest parameter Muon orthogonalizes, whole (over every tp, FSDP and ep shard): an attention
-    projection, a dense MLP matrix, a shared expert's, or one MoE block's stack of routed experts."""
+    projection, a dense MLP matrix, a shared expert's, or under tp one MoE block's stack of routed experts
+    (cut inside its matrices, it is gathered whole; without tp each rank orthogonalizes its own experts)."""
     cfg = as_shape(shape)
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    mlp = cfg.n_experts * cfg.ffn_dim if cfg.n_experts else cfg.ffn_dim
+    mlp = cfg.n_experts * cfg.ffn_dim if cfg.n_experts and tp > 1 else cfg.ffn_dim
     return cfg.dim * max(q, kv, mlp, cfg.shared_ffn_dim)

@@ -654,7 +654,7 @@ def _muon_memory(
         cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank, lay.ep, placement_of(cand.schedule)
     )
     m["optimizer"] += (rest_sharded if stage >= 1 else rest) * (adam.optimizer - muon.optimizer)
-    m["muon_gathered"] = float(muon_gather_bytes(largest_matrix_numel(cfg))) if n_blocks else 0.0
+    m["muon_gathered"] = float(muon_gather_bytes(largest_matrix_numel(cfg, lay.tp))) if n_blocks else 0.0
     return m["muon_gathered"]
 
 
