@@ -48,6 +48,7 @@ SLOW_MODULES = {
     "test_packed_cli",
     "test_launcher_death",
     "test_muon_contract",
+    "test_loggers",
 }
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
@@ -69,6 +70,7 @@ SLOW_TESTS = {
     "test_the_cli_exits_2_with_one_line_and_runs_nothing",
     "test_the_block_runs_as_written",
     "test_tessera_plan_prints_the_best_expert_parallel_layout_and_its_flags",
+    "test_bench_muon_writes_its_json",
 }
 
 
