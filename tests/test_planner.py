@@ -667,3 +667,19 @@ def test_plan_takes_a_shape_not_a_name():
         plan("8b", Hardware(gpus=8), 4096, 8)
     result = plan(model_shape("qwen3-0.6b"), Hardware(gpus=8), 4096, 16, top=2, name="qwen3-0.6b")
     assert result.request["model"] == "qwen3-0.6b" and result.request["params"] == get_preset("qwen3-0.6b").num_params()
+
+
+def test_plan_counts_muons_state_when_asked_and_trains_with_it():
+    """`tessera plan --optimizer muon`: less optimizer state per rank than AdamW's (one momentum on the
+    matrices), said in the assumptions, and the printed train command runs Muon."""
+    args = ["--model", "8b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "16", "--top", "1"]
+    adam, muon = _tessera("plan", *args, "--json"), _tessera("plan", *args, "--json", "--optimizer", "muon")
+    assert adam.returncode == 0 and muon.returncode == 0, adam.stderr + muon.stderr
+    best = [json.loads(out.stdout)["ranked"][0] for out in (adam, muon)]
+    assert best[1]["memory_bytes"]["optimizer"] < best[0]["memory_bytes"]["optimizer"]
+    assert best[1]["command"].endswith("--optimizer muon") and "--optimizer" not in best[0]["command"]
+    text = _tessera("plan", *args, "--optimizer", "muon")
+    assert "best: tessera train" in text.stdout and text.stdout.split("best: ")[1].split("\n")[0].endswith(
+        "--optimizer muon"
+    )
+    assert "Muon's momentum on the matrices" in text.stdout

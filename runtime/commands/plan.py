@@ -75,6 +75,13 @@ def add_plan_parser(sub) -> None:
     )
     p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (required unless --calibrate)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="the optimizer whose state is counted (muon: one momentum on the matrices, AdamW's two moments on "
+        "the rest, and the matrix an owner gathers whole at the step); the printed train commands use it",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside one (default 8)")
     p.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sequence (required unless --calibrate: default 1024)"
@@ -192,6 +199,8 @@ def train_command(model: str, seq_len: int, global_batch: int, x: Estimate, hw: 
     dtype, a CPU calibration's ranks), those too. Pasted as printed, it trains what the plan ranked."""
     words = ["tessera", "train", "--model", model, "--seq-len", str(seq_len), "--global-batch", str(global_batch)]
     words += x.candidate.flags().split()
+    if hw.recipe.endswith("_muon"):  # the plan counted Muon's state: train with it
+        words += ["--optimizer", "muon"]
     cal = hw.calibration
     if cal is not None:
         if cal.device_type == "cpu":
@@ -229,7 +238,7 @@ def run_plan(args: argparse.Namespace) -> int:
             headroom=args.headroom,
             calibration=calibration,
             dtype_bytes=dtype_bytes,
-            recipe="mixed_adam" if dtype_bytes == 2 else "fp32_adam",
+            recipe=f"{'mixed' if dtype_bytes == 2 else 'fp32'}_{'muon' if args.optimizer == 'muon' else 'adam'}",
         )
         shape = model_shape(args.model)
         named = parse_named_layout(args.layout, args.gpus) if args.layout else None
@@ -300,11 +309,19 @@ def run_plan(args: argparse.Namespace) -> int:
             if hw.peak_tflops is None
             else f" (MFU against --peak-tflops {hw.peak_tflops:g})"
         )
-    precision = (
-        "bf16 compute, fp32 master weights and Adam (16 B/parameter)"
-        if hw.dtype_bytes == 2
-        else "fp32 compute and Adam"
-    )
+    if hw.recipe.endswith("_muon"):
+        precision = (
+            "bf16 compute, fp32 master weights, Muon's momentum on the matrices (12 B/parameter) and Adam's two "
+            "moments on the rest (16 B), an owner's gathered matrix at the step"
+            if hw.dtype_bytes == 2
+            else "fp32 compute, Muon on the matrices and Adam on the rest"
+        )
+    else:
+        precision = (
+            "bf16 compute, fp32 master weights and Adam (16 B/parameter)"
+            if hw.dtype_bytes == 2
+            else "fp32 compute and Adam"
+        )
     print(
         f"assumptions: {compute}, {args.intra_node_gbps:g} GB/s in a node, "
         f"{args.inter_node_gbps:g} GB/s across nodes, "
