@@ -1,10 +1,10 @@
+import json
 import subprocess
 import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from tessera.topology.memory import RECIPES, min_gpus, model_state_bytes
 
 GB = 1e9
@@ -220,3 +220,31 @@ def test_the_readme_memory_example_quotes_what_its_command_prints():
     out = cli_here(*command.split()[1:]).stdout
     assert f"model states per rank: {params} parameters" in out
     assert re.search(rf"^total .* {re.escape(states)}$", out, re.M), out
+
+
+def test_a_muon_recipe_says_what_its_table_leaves_out_and_the_planners_line_counts_it():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tessera.cli",
+            "memory",
+            "--model",
+            "8b",
+            "--dp",
+            "8",
+            "--recipe",
+            "mixed_muon",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert "AdamW keeps" in rows["note"]
+    exact, table = rows["planner_zero3"], rows["zero3"]
+    # the parameters AdamW keeps hold Adam's second moment beyond Muon's one momentum; the owner's gathered matrix
+    assert exact["optimizer"] > table["optimizer"] and exact["muon_gathered"] > 0
+    assert exact["total"] == exact["parameters"] + exact["gradients"] + exact["optimizer"] + exact["muon_gathered"]

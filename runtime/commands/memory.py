@@ -10,8 +10,9 @@ import sys
 
 from tessera.topology import Layout, memory
 from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_from_flags, values_of
-from tessera.topology.memory import GB, get_recipe
-from tessera.topology.planner import rank_params
+from tessera.topology.memory import GB, get_recipe, muon_gather_bytes
+from tessera.topology.muon_memory import MUON_RECIPES, adamw_params_of, largest_matrix_numel
+from tessera.topology.planner import rank_params_of
 from tessera.training.config import said
 
 from .plan import model_shape
@@ -156,6 +157,14 @@ def _memory_table(num_params: float, dp: int, recipe: str) -> str:
     )
 
 
+# the table's recipes count every parameter alike; under Muon they are not (topology/muon_memory.py)
+MUON_NOTE = (
+    "Muon recipe: every parameter above counts Muon's one momentum; the parameters AdamW keeps (embeddings, head, "
+    "norms, routers) hold Adam's two moments, and a matrix's owner gathers it whole at the step: with --model the "
+    "planner's line counts both, as tessera plan --optimizer muon does"
+)
+
+
 def _memory(args: argparse.Namespace) -> int:
     try:
         degrees = _memory_checks(args)  # every input, before any output
@@ -186,6 +195,8 @@ def _memory(args: argparse.Namespace) -> int:
                 rows["min_gpus"] = floor
             if exact is not None:
                 rows["planner_zero3"] = exact
+            if args.recipe.endswith("_muon"):
+                rows["note"] = MUON_NOTE
             print(json.dumps(rows))
         else:
             if split > 1 or shard_group != args.dp:
@@ -195,6 +206,8 @@ def _memory(args: argparse.Namespace) -> int:
                     f"exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks"
                 )
             print(_memory_table(per_rank_params, shard_group, args.recipe))
+            if args.recipe.endswith("_muon"):
+                print(MUON_NOTE)
             if floor is not None:
                 total = args.params * memory.get_recipe(args.recipe).bytes_per_param
                 gpus = floor if floor < 10**12 else f"{floor:.3e}"
@@ -207,6 +220,12 @@ def _memory(args: argparse.Namespace) -> int:
                     f"the planner's count (tessera plan), FULL_SHARD, the rank holding the most (embedding or head, "
                     f"K/V replicated beyond the kv heads): {exact['parameters_on_rank']:,} parameters, "
                     f"{exact['total'] / 1e9:.2f} GB of model states"
+                    + (
+                        f" (Muon: Adam's moments on the parameters AdamW keeps, and {exact['muon_gathered'] / 1e9:.2f} "
+                        f"GB of the largest matrix gathered whole at the step)"
+                        if "muon_gathered" in exact
+                        else ""
+                    )
                 )
         if args.dry_run:
             _memory_dry_run(args)
@@ -222,9 +241,17 @@ def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
     cfg = model_shape(args.model)
     if args.pp > cfg.n_layers:
         raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {cfg.n_layers} layers")
-    _, sharded, _ = rank_params(cfg, args.tp, args.pp, 1, shard_group, _memory_degrees(args).get("ep", 1))
+    ep = _memory_degrees(args).get("ep", 1)
+    pp_rank = max(
+        sorted({0, args.pp - 1}), key=lambda p: rank_params_of(cfg, args.tp, args.pp, 1, shard_group, p, ep)[0]
+    )
+    _, sharded, _ = rank_params_of(cfg, args.tp, args.pp, 1, shard_group, pp_rank, ep)
     r = get_recipe(args.recipe)
     out = {c: float(sharded * getattr(r, c)) for c in ("parameters", "gradients", "optimizer")}
+    if args.recipe in MUON_RECIPES:  # AdamW's parameters keep Adam's second moment; an owner's gathered matrix
+        _, adamw_sharded = adamw_params_of(cfg, args.tp, args.pp, 1, shard_group, pp_rank, ep)
+        out["optimizer"] += adamw_sharded * (get_recipe(MUON_RECIPES[args.recipe]).optimizer - r.optimizer)
+        out["muon_gathered"] = float(muon_gather_bytes(largest_matrix_numel(cfg, args.tp)))
     return {**out, "total": sum(out.values()), "parameters_on_rank": sharded}
 
 
