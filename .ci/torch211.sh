@@ -17,4 +17,4 @@ import torch, triton
 assert torch.__version__.split("+")[0] == "2.11.0" and triton.__version__ == "3.6.0", (torch.__version__, triton.__version__)
 PY
 python -m pytest -q -p no:cacheprovider -m "not slow"
-python -m pytest -q -p no:cacheprovider tests/test_contract.py tests/test_contract_bf16.py
+python -m pytest -q -p no:cacheprovider tests/test_contract.py tests/test_contract_bf16.py tests/test_muon_contract.py
