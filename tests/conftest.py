@@ -71,6 +71,23 @@ SLOW_TESTS = {
     "test_the_block_runs_as_written",
     "test_tessera_plan_prints_the_best_expert_parallel_layout_and_its_flags",
     "test_bench_muon_writes_its_json",
+    # the CLI's own runs in a fresh interpreter, 3-10 s each (plan, memory, python -m tessera.cli)
+    "test_plan_counts_muons_state_when_asked_and_trains_with_it",
+    "test_cli_prints_the_reference_table",
+    "test_the_memory_command_honours_every_axis_it_is_given",
+    "test_a_muon_recipe_says_what_its_table_leaves_out_and_the_planners_line_counts_it",
+    "test_the_memory_command_agrees_with_the_planner",
+    "test_plan_scores_a_named_layout_beside_the_ranking",
+    "test_plan_cli_json",
+    "test_plan_without_gpus_asks_for_them_in_one_line",
+    "test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_torch_of_its_own",
+    "test_python_m_tessera_cli_is_the_command",
+    # multi-rank runs of a few seconds: the harness's deadlines waited out, users' models trained on layouts
+    "test_a_hung_rank_fails_within_the_timeout_naming_rank_and_collective",
+    "test_a_stalled_model_collective_names_rank_axis_and_operation",
+    "test_a_user_model_trains_equivalently_on_tp2_dp2_and_dp2xtp2",
+    "test_a_checkpoint_moves_between_layouts_bitwise_and_a_dropped_shard_is_named",
+    "test_every_ranked_layout_is_runnable_and_fits",
 }
 
 
