@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Any
 
 from tessera.topology import Layout, memory
 from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_from_flags, values_of
@@ -186,7 +187,7 @@ def _memory(args: argparse.Namespace) -> int:
                 args.params * memory.get_recipe(args.recipe).bytes_per_param / (args.gpu_memory * memory.GB) - 1e-9
             )
         if args.json:
-            rows = {
+            rows: dict[str, Any] = {
                 f"zero{s}": memory.model_state_bytes(per_rank_params, dp=shard_group, zero_stage=s, recipe=args.recipe)
                 for s in range(4)
             }
