@@ -11,6 +11,7 @@ experts, gathered whole as parallel/muon.py does) whose transient topology.memor
 from __future__ import annotations
 
 from .comm_model import stage_layer_counts
+from .memory import get_recipe, muon_gather_bytes
 from .schedule import stages_on_rank
 from .shapes import as_shape, fsdp_shard_numel, layer_shard_groups, stage_param_shapes
 
@@ -47,3 +48,28 @@ def largest_matrix_numel(shape, tp: int = 1) -> int:
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     mlp = cfg.n_experts * cfg.ffn_dim if cfg.n_experts and tp > 1 else cfg.ffn_dim
     return cfg.dim * max(q, kv, mlp, cfg.shared_ffn_dim)
+
+
+def recipe_for(element_bytes: int, optimizer: str) -> str:
+    """The memory recipe of a run: mixed (bf16 elements) or fp32, Adam or Muon (`--optimizer adamw|muon`)."""
+    return f"{'mixed' if element_bytes == 2 else 'fp32'}_{'muon' if optimizer == 'muon' else 'adam'}"
+
+
+def muon_extra_bytes(
+    shape,
+    recipe: str,
+    tp: int,
+    pp: int,
+    virtual: int,
+    fsdp: int,
+    pp_rank: int,
+    ep: int = 1,
+    placement: str = "loop",
+    sharded: bool = True,
+) -> tuple[float, float]:
+    """What a Muon recipe's per-parameter count leaves out on pipeline rank `pp_rank`: (the second Adam moment
+    of the parameters AdamW keeps, FSDP-sharded or not; the largest matrix an owner gathers whole at the step)."""
+    adam, muon = get_recipe(MUON_RECIPES[recipe]), get_recipe(recipe)
+    rest, rest_sharded = adamw_params_of(shape, tp, pp, virtual, fsdp, pp_rank, ep, placement)
+    moment = (rest_sharded if sharded else rest) * (adam.optimizer - muon.optimizer)
+    return float(moment), float(muon_gather_bytes(largest_matrix_numel(shape, tp)))

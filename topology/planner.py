@@ -75,8 +75,8 @@ from .shapes import (
     stage_param_shapes,
 )
 from .memory import AC_MODES as MEMORY_AC_MODES
-from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus, muon_gather_bytes
-from .muon_memory import MUON_RECIPES, adamw_params_of, largest_matrix_numel
+from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
+from .muon_memory import MUON_RECIPES, muon_extra_bytes
 from .step_time import Calibration, step_parts
 from .errors import PlanError  # no layout fits, or a request it cannot plan
 
@@ -649,12 +649,11 @@ def _muon_memory(
     """Under a Muon recipe: add the second Adam moment of the parameters AdamW keeps to m["optimizer"], and
     return the step's transient (m["muon_gathered"]): the whole largest matrix its owner orthogonalizes."""
     lay = cand.layout
-    adam, muon = get_recipe(MUON_RECIPES[hw.recipe]), get_recipe(hw.recipe)
-    rest, rest_sharded = adamw_params_of(
-        cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank, lay.ep, placement_of(cand.schedule)
+    moment, gathered = muon_extra_bytes(
+        cfg, hw.recipe, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank, lay.ep, placement_of(cand.schedule), stage >= 1
     )
-    m["optimizer"] += (rest_sharded if stage >= 1 else rest) * (adam.optimizer - muon.optimizer)
-    m["muon_gathered"] = float(muon_gather_bytes(largest_matrix_numel(cfg, lay.tp))) if n_blocks else 0.0
+    m["optimizer"] += moment
+    m["muon_gathered"] = gathered if n_blocks else 0.0
     return m["muon_gathered"]
 
 

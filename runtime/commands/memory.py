@@ -11,8 +11,8 @@ from typing import Any
 
 from tessera.topology import Layout, memory
 from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_from_flags, values_of
-from tessera.topology.memory import GB, get_recipe, muon_gather_bytes
-from tessera.topology.muon_memory import MUON_RECIPES, adamw_params_of, largest_matrix_numel
+from tessera.topology.memory import GB, get_recipe
+from tessera.topology.muon_memory import MUON_RECIPES, muon_extra_bytes
 from tessera.topology.planner import rank_params_of
 from tessera.training.config import said
 
@@ -196,7 +196,7 @@ def _memory(args: argparse.Namespace) -> int:
                 rows["min_gpus"] = floor
             if exact is not None:
                 rows["planner_zero3"] = exact
-            if args.recipe.endswith("_muon"):
+            if args.recipe in MUON_RECIPES:
                 rows["note"] = MUON_NOTE
             print(json.dumps(rows))
         else:
@@ -207,7 +207,7 @@ def _memory(args: argparse.Namespace) -> int:
                     f"exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks"
                 )
             print(_memory_table(per_rank_params, shard_group, args.recipe))
-            if args.recipe.endswith("_muon"):
+            if args.recipe in MUON_RECIPES:
                 print(MUON_NOTE)
             if floor is not None:
                 total = args.params * memory.get_recipe(args.recipe).bytes_per_param
@@ -243,16 +243,15 @@ def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
     if args.pp > cfg.n_layers:
         raise ValueError(f"--pp {args.pp} exceeds the {args.model} preset's {cfg.n_layers} layers")
     ep = _memory_degrees(args).get("ep", 1)
-    pp_rank = max(
-        sorted({0, args.pp - 1}), key=lambda p: rank_params_of(cfg, args.tp, args.pp, 1, shard_group, p, ep)[0]
-    )
-    _, sharded, _ = rank_params_of(cfg, args.tp, args.pp, 1, shard_group, pp_rank, ep)
+    # the pp rank holding the most (the embedding's or the head's), as planner.rank_params picks it
+    by_rank = {p: rank_params_of(cfg, args.tp, args.pp, 1, shard_group, p, ep) for p in sorted({0, args.pp - 1})}
+    pp_rank = max(by_rank, key=lambda p: by_rank[p][0])
+    sharded = by_rank[pp_rank][1]
     r = get_recipe(args.recipe)
     out = {c: float(sharded * getattr(r, c)) for c in ("parameters", "gradients", "optimizer")}
     if args.recipe in MUON_RECIPES:  # AdamW's parameters keep Adam's second moment; an owner's gathered matrix
-        _, adamw_sharded = adamw_params_of(cfg, args.tp, args.pp, 1, shard_group, pp_rank, ep)
-        out["optimizer"] += adamw_sharded * (get_recipe(MUON_RECIPES[args.recipe]).optimizer - r.optimizer)
-        out["muon_gathered"] = float(muon_gather_bytes(largest_matrix_numel(cfg, args.tp)))
+        moment, out["muon_gathered"] = muon_extra_bytes(cfg, args.recipe, args.tp, args.pp, 1, shard_group, pp_rank, ep)
+        out["optimizer"] += moment
     return {**out, "total": sum(out.values()), "parameters_on_rank": sharded}
 
 

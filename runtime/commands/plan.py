@@ -17,6 +17,7 @@ from tessera.paths import calibration_path, read_calibration
 from tessera.topology import Layout
 from tessera.topology.errors import with_flags
 from tessera.topology.memory import GB
+from tessera.topology.muon_memory import MUON_RECIPES, recipe_for
 from tessera.topology.planner import (
     DEFAULT_EFFICIENCY,
     DEFAULT_HBM_GBPS,
@@ -199,7 +200,7 @@ def train_command(model: str, seq_len: int, global_batch: int, x: Estimate, hw: 
     dtype, a CPU calibration's ranks), those too. Pasted as printed, it trains what the plan ranked."""
     words = ["tessera", "train", "--model", model, "--seq-len", str(seq_len), "--global-batch", str(global_batch)]
     words += x.candidate.flags().split()
-    if hw.recipe.endswith("_muon"):  # the plan counted Muon's state: train with it
+    if hw.recipe in MUON_RECIPES:  # the plan counted Muon's state: train with it
         words += ["--optimizer", "muon"]
     cal = hw.calibration
     if cal is not None:
@@ -238,7 +239,7 @@ def run_plan(args: argparse.Namespace) -> int:
             headroom=args.headroom,
             calibration=calibration,
             dtype_bytes=dtype_bytes,
-            recipe=f"{'mixed' if dtype_bytes == 2 else 'fp32'}_{'muon' if args.optimizer == 'muon' else 'adam'}",
+            recipe=recipe_for(dtype_bytes, args.optimizer),
         )
         shape = model_shape(args.model)
         named = parse_named_layout(args.layout, args.gpus) if args.layout else None
@@ -309,7 +310,7 @@ def run_plan(args: argparse.Namespace) -> int:
             if hw.peak_tflops is None
             else f" (MFU against --peak-tflops {hw.peak_tflops:g})"
         )
-    if hw.recipe.endswith("_muon"):
+    if hw.recipe in MUON_RECIPES:
         precision = (
             "bf16 compute, fp32 master weights, Muon's momentum on the matrices (12 B/parameter) and Adam's two "
             "moments on the rest (16 B), an owner's gathered matrix at the step"

@@ -9,6 +9,7 @@ from typing import Any
 
 from tessera.models.spec import shape_of
 from tessera.topology.memory import GB
+from tessera.topology.muon_memory import recipe_for
 from tessera.topology.planner import Candidate, Estimate, Hardware, estimate
 
 # the torch runtime of one CPU rank beside its tensors: a debug rank of two layers peaks at 330 MiB of RSS
@@ -48,7 +49,7 @@ def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
         gpu_memory_gb=1e6,
         gpus_per_node=max(8, ranks),
         dtype_bytes=element,
-        recipe=f"{'mixed' if element == 2 else 'fp32'}_{'muon' if config.optimizer.optimizer == 'muon' else 'adam'}",
+        recipe=recipe_for(element, config.optimizer.optimizer),
         calibration=calibration,
     )
 
