@@ -41,15 +41,19 @@ def corpus_tokens(documents: bool = False) -> Tensor:
 IGNORE_INDEX = -100  # a target the loss skips (tessera.parallel.loss uses the same value)
 
 
-def pack_documents(inputs: Tensor, targets: Tensor, separator: int) -> tuple[Tensor, Tensor]:
+def pack_documents(
+    inputs: Tensor, targets: Tensor, separator: int, ends: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Sequences of packed documents, each ended by the `separator` token: (targets, positions).
+    `ends` (B, S), when the stream knows where its documents end (an hf: stream), marks them instead of
+    the separator token (a chat template may use that token inside an example).
 
     A document runs from a row's start or the token after a separator to the next separator (included) or
     the row's end, so a document longer than a row is cut, and each piece is a document of its row.
     positions (B, S) restart at 0 at each document (RoPE, and the attention mask: a token sees only its
     own document, tessera.kernels.document_ids). The target of a separator is the next document's first
     token: it is set to IGNORE_INDEX, out of the loss."""
-    ends = inputs == separator
+    ends = inputs == separator if ends is None else ends
     B, S = inputs.shape
     index = torch.arange(S, device=inputs.device).expand(B, S)
     starts = torch.zeros_like(ends)

@@ -54,6 +54,8 @@ SLOW_MODULES = {
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
 SLOW_TESTS = {
     "test_token_files_train_equally_on_dp2xtp2_and_one_process_and_resume_on_another_layout",
+    "test_resume_dp2_to_dp4_to_one_process_equals_the_uninterrupted_run",
+    "test_a_data_set_larger_than_the_run_is_read_only_as_far_as_needed",
     "test_eval_every_reports_the_held_out_loss_equally_on_every_layout",
     "test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads",
     "test_the_readme_calibration_commands_run_as_written",

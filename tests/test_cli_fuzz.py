@@ -87,6 +87,7 @@ KNOWN = {
     "recipe": ["mixed_adam", "fp32_adam", "mixed_adam_fp32_grads", "mixed_muon", "adam8"],
     "separator": ["</s>", "[UNK]", "<nope>"],
     "field": ["text", "body"],
+    "text_field": ["text", "body"],
     "device_kind": ["cpu", "H100", "tpu"],
     "layout": ["dp8", "pp2xdp4", "tp2xdp4+sp", "dpr2xdp4+ac_op", "dp8+compile", "dp0", "xx", "tp8+nope"],
     "layouts": [

@@ -45,6 +45,15 @@ class StepBatch:
     valid: int  # valid targets over the whole global batch: every rank's loss denominator
     tokens_checksum: int | None  # token files only (tessera's own text is read whole by every rank)
     documents: dict[str, Any] | None  # --pack-documents: what the record reports
+    loss_targets: dict[str, int] | None = None  # --sft: the global batch's targets kept and masked
+
+
+def whole_batch_checksum(inputs: Tensor, targets: Tensor) -> int:
+    """StepData.tokens_checksum of a global batch every rank holds whole (no reduction needed)."""
+    rows, seq = inputs.shape
+    tokens = torch.cat([inputs, targets[:, -1:].clamp(min=0)], dim=1).long()
+    weights = (torch.arange(rows).view(-1, 1) + 1) * (torch.arange(seq + 1).view(1, -1) + 1)
+    return int((tokens * weights).sum())
 
 
 class StepData:
@@ -72,12 +81,13 @@ class StepData:
             return None
         return zigzag_indices(inputs.shape[1] * self.layout.cp, self.cp_index, self.layout.cp, inputs.device)
 
-    def packed(self, inputs: Tensor, targets: Tensor, data: Any) -> tuple[Tensor, ...]:
+    def packed(self, inputs: Tensor, targets: Tensor, data: Any, ends: Tensor | None = None) -> tuple[Tensor, ...]:
         """With --pack-documents: (inputs, targets with each separator's target masked, per-document
-        positions) of whole rows, before any sequence sharding; else (inputs, targets)."""
+        positions) of whole rows, before any sequence sharding; else (inputs, targets). `ends`: the
+        documents' last tokens where the stream gives them (an hf: stream's)."""
         if not self.pack:
             return inputs, targets
-        targets, positions = pack_documents(inputs, targets, data.separator)
+        targets, positions = pack_documents(inputs, targets, data.separator, ends)
         return inputs, targets, positions
 
     def to_rank(self, *rows: Tensor) -> tuple[Tensor, ...]:
@@ -97,7 +107,8 @@ class StepData:
 
     def next_step(self, data: Any) -> StepBatch:
         """The step's microbatches from `data` (advancing it) and the counts over the global batch."""
-        documents = None
+        documents = loss_targets = None
+        checksum: int | None
         if hasattr(data, "next_local_batch"):  # token files: a rank reads only its rows
             rows_in, rows_tg, valid = data.next_local_batch(self.meshes.batch_index, self.layout.dp)
             checksum = self.tokens_checksum(rows_in, rows_tg)
@@ -107,15 +118,22 @@ class StepData:
                 documents, valid = self.documents(*counts), valid - counts[1]
             local = self.to_rank(*rows)
         else:
-            checksum = None
-            inputs, targets = data.next_global_batch()
-            batch = self.packed(inputs, targets, data)
+            inputs, targets, *ends = data.next_global_batch()  # an hf: stream adds its documents' ends
+            checksum = whole_batch_checksum(inputs, targets) if ends else None
+            if getattr(data, "sft", False):  # the targets the conversations keep and mask, before packing
+                kept = count_valid(targets)
+                loss_targets = {"kept": kept, "masked": targets.numel() - kept}
+            batch = self.packed(inputs, targets, data, *ends)
             valid = count_valid(batch[1])  # over the whole global batch: the denominator on every rank
             if self.pack:
                 documents = self.documents(int((batch[2] == 0).sum()), int((batch[1] == IGNORE_INDEX).sum()))
             local = self.of_global_batch(*batch)
         return StepBatch(
-            split_microbatches(local[0], local[1], self.microbatches, *local[2:]), valid, checksum, documents
+            split_microbatches(local[0], local[1], self.microbatches, *local[2:]),
+            valid,
+            checksum,
+            documents,
+            loss_targets,
         )
 
     def global_counts(self, mine: list[int]) -> list[int]:

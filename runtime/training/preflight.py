@@ -18,6 +18,7 @@ import torch
 from tessera.metrics.profiling import check_profile, check_profile_summary, profile_window
 from tessera.models.data import BOS, EOS
 from tessera.models.hf import check_hf_weights
+from tessera.models.hf_data import is_hf
 from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
@@ -27,6 +28,7 @@ from tessera.parallel.plan import find_modules
 from tessera.paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 
 from .estimate import fit_problem, local_ranks
+from .data_sources import check_hf_data
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.check), not the other way round
     from .config import Config
@@ -59,7 +61,8 @@ def check(config: Config) -> None:
         raise ValueError(f"--eval-every {d.eval_every} needs --eval-data PATH (held-out token files)")
     if d.eval_data and not d.eval_every:
         raise ValueError(f"--eval-data {d.eval_data} is read only with --eval-every N; add it (or drop --eval-data)")
-    if d.eval_data:
+    check_hf_data(config, model.vocab_size)  # hf: data sets: their flags, split, fields and tokenizer
+    if d.eval_data and not is_hf(d.eval_data):
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch, name="eval_data")
         if held_out.vocab_size > model.vocab_size:
             raise ValueError(
@@ -70,7 +73,7 @@ def check(config: Config) -> None:
         check_document_masking(model)
     if not config.data.path:  # the built-in text, byte-tokenized: ids up to EOS must be rows of the embedding
         _check_builtin_data_vocab(config, model)
-    if config.data.path:  # the files open, sizes match their sidecars, the vocabulary fits the model
+    if config.data.path and not is_hf(config.data.path):  # the files open, sizes match, the vocabulary fits
         data = TokenFileStream(config.data.path, config.data.seq_len, config.data.global_batch)
         if data.vocab_size > model.vocab_size:
             raise ValueError(

@@ -200,7 +200,9 @@ class DataSection:
         "own count)",
         metavar="M",
     )
-    eval_data: str | None = opt(None, "held-out token files for --eval-every (same format as --data)", metavar="PATH")
+    eval_data: str | None = opt(
+        None, "held-out data for --eval-every: token files or hf:PATH[:split] (same forms as --data)", metavar="PATH"
+    )
     eval_every: int = opt(
         0, "every N steps, the mean loss on --eval-batches global batches of --eval-data (0: never)", metavar="N"
     )
@@ -208,7 +210,9 @@ class DataSection:
     path: str | None = opt(
         None,
         "token files (a .bin shard with its .json, or a directory of them) from `tessera "
-        "tokenize`; default: the text shipped with tessera, byte-tokenized",
+        "tokenize`, or hf:PATH[:split]: a data set the datasets library reads from local JSONL, Parquet, Arrow "
+        "or save_to_disk files, streamed and tokenized with --tokenizer; default: the text shipped with tessera, "
+        "byte-tokenized",
         flag="--data",
         metavar="PATH",
     )
@@ -218,6 +222,18 @@ class DataSection:
         "(positions restart at each), and the target after a document's separator "
         "is left out of the loss; documents end at --data's separator token (the "
         "shipped text: each paragraph is one)",
+    tokenizer: str | None = opt(
+        None,
+        "hf: data: a tokenizer.json, or a Hugging Face model folder holding one (its chat template is --sft's)",
+        metavar="PATH",
+    )
+    text_field: str = opt("text", "hf: data: the records' field holding each document's text", metavar="NAME")
+    sft: bool = opt(
+        False,
+        "hf: data: supervised fine-tuning on records with 'messages' (role and content) or 'prompt' and "
+        "'response', rendered with the tokenizer's chat template (else a plain one, docs/data.md); the loss "
+        "counts the assistant's tokens only",
+    )
         flag="--pack-documents",
     )
 

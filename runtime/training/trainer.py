@@ -26,7 +26,6 @@ from tessera.models.data import TokenStream
 from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
 from tessera.models.spec import shape_of, spec_of
-from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
 from tessera.parallel.clip import clip_grad_norm_
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
@@ -43,6 +42,7 @@ from torch.profiler import record_function
 
 from .batches import StepData
 from .config import Config
+from .data_sources import open_data
 from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
 from .parts import build_parts
 from .runners import LocalRunner, forward_only, split_microbatches
@@ -117,6 +117,7 @@ class StepResult:
     moe: dict[str, Any] | None = None  # MoE models: expert load and auxiliary loss (parallel/expert.py's load_report)
     # --pack-documents: the global batch's documents (pieces of documents in its rows) and targets left out
     documents: dict[str, Any] | None = None
+    loss_targets: dict[str, int] | None = None  # --sft: the global batch's targets kept and masked
     profile: dict[str, Any] | None = None  # --profile-summary, on its step: time by kind, top kernels, memory
 
     def record(self) -> dict[str, Any]:
@@ -140,6 +141,7 @@ class StepResult:
             "collective_wait_s": self.collective_wait_s,
             **({"moe": self.moe} if self.moe is not None else {}),
             **({"documents": self.documents} if self.documents is not None else {}),
+            **({"loss_targets": self.loss_targets} if self.loss_targets is not None else {}),
             **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
             **({"profile": self.profile} if self.profile is not None else {}),
             "straggler": None
@@ -204,9 +206,7 @@ class Trainer:
             ]
         )
         if data is None and config.data.path:
-            data = TokenFileStream(
-                config.data.path, config.data.seq_len, config.data.global_batch, self.model_config.vocab_size
-            )
+            data = open_data(config, "path", self.model_config.vocab_size)  # token files or an hf: data set
         self.data = (
             data
             if data is not None
@@ -248,17 +248,19 @@ class Trainer:
         d = self.config.data
         if d.eval_data is None:
             raise ValueError("evaluate() reads --eval-data PATH (held-out token files); none was given")
-        held_out = TokenFileStream(
-            d.eval_data, d.seq_len, d.global_batch, self.model_config.vocab_size, name="eval_data"
-        )
+        held_out = open_data(self.config, "eval_data", self.model_config.vocab_size)
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
         was_training = self.parts[0].training
         for part in self.parts:
             part.eval()
         try:
             for _ in range(d.eval_batches):
-                rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
-                local = self.batches.local(rows_in, rows_tg, held_out)
+                if hasattr(held_out, "next_local_batch"):  # token files: this rank's rows only
+                    rows_in, rows_tg, _ = held_out.next_local_batch(self.meshes.batch_index, self.layout.dp)
+                    local = self.batches.local(rows_in, rows_tg, held_out)
+                else:  # an hf: stream: the whole global batch, this rank's part of it
+                    inputs, targets, ends = held_out.next_global_batch()
+                    local = self.batches.of_global_batch(*self.batches.packed(inputs, targets, held_out, ends))
                 if isinstance(self.runner, PipelineRunner):  # pp > 1: forward only, through the stages
                     # (every pp rank gets the sums)
                     loss_sum, count = self.runner.forward_only(
@@ -464,6 +466,7 @@ class Trainer:
             tokens_checksum=step.tokens_checksum,
             moe=None if load is None else load_report(*load, self.config.data.global_batch),
             documents=step.documents,
+            loss_targets=step.loss_targets,
         )
 
     def _expert_load(self) -> tuple[Tensor, Tensor] | None:
