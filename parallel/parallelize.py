@@ -33,6 +33,7 @@ from .data import (
     check_data_parallel,
     layout_for_strategy,
 )
+from .fp8 import FP8_RECIPES, apply_fp8
 from .expert import apply_ep, apply_sequence_sum, check_expert_parallel
 from .loss import apply_loss_head, check_loss
 from .pipeline import PipelineConfig, build_stage, check_pipeline, split_layers, stages_of_rank
@@ -58,6 +59,7 @@ class ParallelConfig:
     timeout: float | None = None  # seconds a ring step may wait (None: the process group's timeout)
     compile: bool = False  # torch.compile each block (the plan's checkpoint_blocks)
     loss: str = "chunked"  # "chunked": the fused head, never the full logits (parallel/loss.py); "logits"
+    fp8: str | None = None  # torchao float8 matmuls on the spec's linear layers: "tensorwise" or "rowwise"
 
     def check(
         self,
@@ -74,6 +76,8 @@ class ParallelConfig:
         microbatches = microbatches or self.pipeline.microbatches
         check_context(seq_len, layout.cp, self.cp_method, layout.tp, self.sequence_parallel)
         check_loss(self.loss)
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"unknown --fp8 recipe {self.fp8!r}; use one of {', '.join(FP8_RECIPES)}")
         check_tensor_parallel(
             model_config, layout.tp, self.sequence_parallel, None if seq_len is None else seq_len // layout.cp
         )
@@ -121,6 +125,8 @@ def parallelize(
     that is not registered; every axis reads only the spec. A `plan` alone (no spec) parallelizes a model
     by module-name rules over tp and FSDP2 only: pp and cp need a spec's stages and attention slots."""
     if plan is not None and spec is None:
+        if config.fp8:
+            raise ValueError("fp8 needs the model's spec (its linear layers by style): pass parallelize(..., spec=...)")
         _check_user_plan(model, config, plan)
         head, attention = None, None
     else:
@@ -137,6 +143,9 @@ def parallelize(
         apply_plan(model, meshes.tp, plan, config.sequence_parallel)
     if meshes.ep is not None:  # beside tp: the experts split over ep (and tp), tokens by all-to-all
         apply_ep(model, meshes.ep, meshes.tp)
+    if config.fp8:  # after tp, which builds the layers FP8 configures (torchtitan converts before its tp styles wrap)
+        report = apply_fp8(model, config.fp8, spec, meshes.tp, emulate=meshes.device_type != "cuda")
+        setattr(model, "fp8_report", report)  # what it converted and kept: the start-up line names them
     if meshes.cp is not None:
         apply_cp(model, meshes.cp, config.cp_method, config.timeout, slots=attention)
         apply_sequence_sum(model, meshes.cp)

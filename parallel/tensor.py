@@ -20,6 +20,8 @@ which lets checkpoints move between tp degrees.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -183,9 +185,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight = _shard_param(weight, tp_mesh, Shard(0))
         self.input_comm = input_comm if input_comm is not None else nn.Identity()
+        self.matmul: Callable[[Tensor, Tensor], Tensor] = F.linear  # the local matmul (FP8: parallel/fp8.py)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(self.input_comm(x), self.weight.to_local())
+        return self.matmul(self.input_comm(x), self.weight.to_local())
 
 
 class RowParallelLinear(nn.Module):
@@ -196,9 +199,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = _shard_param(weight, tp_mesh, Shard(1))
         self.group, self.sequence_parallel = tp_mesh.get_group(), sequence_parallel
+        self.matmul: Callable[[Tensor, Tensor], Tensor] = F.linear  # the local matmul (FP8: parallel/fp8.py)
 
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight.to_local())
+        partial = self.matmul(x, self.weight.to_local())
         return scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
 
 

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 # modules whose tests start ranks or the CLI (seconds each): the slow tier; `-m 'not slow'` is the fast one
 SLOW_MODULES = {
     "test_contract",
+    "test_fp8_contract",
     "test_contract_bf16",
     "test_contract_qwen3",
     "test_custom_model",

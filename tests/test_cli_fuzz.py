@@ -107,6 +107,7 @@ KNOWN = {
     "fsdp": ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ZERO4"],
     "ac": ["none", "full", "selective", "op", "some"],
     "mixed_precision": ["bf16", "fp32", "fp8"],
+    "fp8": ["tensorwise", "rowwise", "blockwise"],
     "schedule": ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"],
     "pp_layers": ["1,1", "2,2", "3,1", "1,x", "4", "0,2", "-1,3"],
     "cp_method": ["ring", "allgather", "ulysses"],

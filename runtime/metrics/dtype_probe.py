@@ -23,6 +23,8 @@ _DTYPE_NAMES = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
     torch.float64: "float64",
+    # FP8 matmuls (torch._scaled_mm's operands) by their kind, e4m3 and e5m2 alike
+    **{getattr(torch, n): "float8" for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")},
 }
 
 
@@ -32,6 +34,16 @@ def _name(dtype: torch.dtype) -> str:
 
 def _local(t: Any) -> Any:
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    """An operand's dtype; torchao's Float8TrainingTensor (whose dtype is its original one) by the FP8 data it
+    holds: "float8", or "float8_emulated" when torchao emulates the matmul (fp32 of the dequantized values)."""
+    data = getattr(t, "_data", None)
+    if isinstance(data, torch.Tensor) and _DTYPE_NAMES.get(data.dtype) == "float8":
+        config = getattr(t, "_linear_mm_config", None)
+        return "float8_emulated" if config is not None and config.output.emulate else "float8"
+    return _name(t.dtype)
 
 
 def _mm_flops(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -72,6 +84,7 @@ _MATMULS = {
     "aten::baddbmm": 1,
     "aten::baddbmm_": 1,
     "aten::_grouped_mm": 0,
+    "aten::_scaled_mm": 0,
 }
 
 
@@ -84,9 +97,9 @@ class MatmulDtypes(TorchDispatchMode):
         self.flops: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def _count(self, dtype: torch.dtype, flops: int) -> None:
-        self.flops[_name(dtype)] += int(flops)
-        self.calls[_name(dtype)] += 1
+    def _count(self, dtype: str, flops: int) -> None:
+        self.flops[dtype] += int(flops)
+        self.calls[dtype] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -96,13 +109,13 @@ class MatmulDtypes(TorchDispatchMode):
                 i = _MATMULS[name]
                 a, b = _local(args[i]), _local(args[i + 1])
                 if name == "aten::_grouped_mm":  # (tokens, k) x (groups, k, n): each token meets one group
-                    self._count(a.dtype, 2 * a.shape[-2 if a.dim() > 1 else 0] * a.shape[-1] * b.shape[-1])
+                    self._count(_dtype_name(a), 2 * a.shape[-2 if a.dim() > 1 else 0] * a.shape[-1] * b.shape[-1])
                 else:
-                    self._count(a.dtype, _mm_flops(a, b))
+                    self._count(_dtype_name(a), _mm_flops(a, b))
             elif name in _ATTENTION:
                 backward = _ATTENTION[name]  # a backward's first argument is the output gradient
                 q, k = _local(args[1 if backward else 0]), _local(args[2 if backward else 1])
-                self._count(q.dtype, _attention_flops(q, k, backward))
+                self._count(_name(q.dtype), _attention_flops(q, k, backward))
         except (IndexError, AttributeError, TypeError):  # an overload with other arguments: count the call only
             pass
         return func(*args, **kwargs)

@@ -233,6 +233,7 @@ class Config:
             timeout=self.runtime.timeout,
             compile=p.compile,
             loss=p.loss,
+            fp8=p.fp8,
         )
 
     @property

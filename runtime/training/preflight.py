@@ -22,6 +22,7 @@ from tessera.models.hf_data import is_hf
 from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
+from tessera.parallel.fp8 import check_fp8
 from tessera.parallel.host_memory import available_bytes
 from tessera.parallel.muon import ADJUST_LR
 from tessera.parallel.plan import find_modules
@@ -47,6 +48,7 @@ def check(config: Config) -> None:
     _check_pipeline_flags(config)  # and --cp-method without --cp
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
+    check_fp8(config.parallel.fp8, model, spec_of(model), layout.tp, config.device_type())
     _check_fits(config, layout.world_size)
     _check_paths(config, model)
     _check_profile(config)

@@ -76,11 +76,25 @@ def startup_line(config: Config, trainer: Any) -> str:
         f"rank{'s' if trainer.layout.world_size > 1 else ''}; "
         f"{_human(local)} params on rank 0; "
         f"{compute_dtype_summary(trainer.dtype_report)}; "
+        f"{fp8_summary(config, trainer)}"
         f"{config.runtime.steps} steps of {config.data.global_batch} x {config.data.seq_len} tokens"
         f"{' (packed documents, each attending only to itself)' if config.data.pack_documents else ''}"
         f"{f' in {config.microbatches} microbatches' if config.microbatches > 1 else ''}"
         f"{' (the fewest the schedule runs; --microbatches M to choose)' if fewest else ''}; " + "; ".join(where)
     )
+
+
+def fp8_summary(config: Config, trainer: Any) -> str:
+    """'FP8 tensorwise (torchao, emulated in fp32 on CPU): 12 linear layers in FP8; high precision: ...; ' of
+    rank 0's part(s), as parallelize converted them ('' without --fp8)."""
+    reports = [r for part in trainer.parts if (r := getattr(part, "fp8_report", None)) is not None]
+    if not config.parallel.fp8 or not reports:
+        return ""
+    converted = sum(len(r.converted) for r in reports)
+    kept = {name: why for r in reports for name, why in r.kept.items()}
+    how = "emulated in fp32 on CPU" if trainer.device.type != "cuda" else "torch._scaled_mm"
+    rest = "; high precision: " + ", ".join(f"{n} ({w})" for n, w in sorted(kept.items())) if kept else ""
+    return f"FP8 {config.parallel.fp8} (torchao, {how}): {converted} linear layers on rank 0{rest}; "
 
 
 def compute_dtype_summary(report: dict[str, Any] | None) -> str:

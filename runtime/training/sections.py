@@ -73,6 +73,12 @@ class ParallelSection:
     mixed_precision: str | None = opt(
         None, "parameter compute dtype, bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)", metavar="bf16|fp32"
     )
+    fp8: str | None = opt(
+        None,
+        "FP8 matmuls (torchao float8) on the linear layers: tensorwise or rowwise scaling; the head, router, "
+        "experts and layers whose dims are not multiples of 16 stay in --mixed-precision; emulated on CPU",
+        metavar="tensorwise|rowwise",
+    )
     prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)", metavar="N")
     compile: bool = opt(
         False,

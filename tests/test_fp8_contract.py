@@ -1,0 +1,150 @@
+"""The numerics contract in FP8 (--fp8, torchao's float8 emulated on CPU): every layout kind trains like the
+one-process FP8 run, its records say FP8, and tp computes the scales one process computes.
+
+The tolerance is derived as the bf16 contract's is (tests/test_contract_bf16.py): an FP8 run is the exact
+(fp32) trajectory plus FP8 rounding error, and a layout rounds the same quantities in FP8 at other points
+(tp: the same scales, partial sums added elsewhere; dp and cp: each rank's tokens scaled as their own
+batch, parallel/fp8.py's decision), so its distance to one-process FP8 is at most about twice one
+process's own E = |fp8 - fp32|. Losses and grad norms: within 2 x the largest E over the 3 steps; step 1's
+gradients by name: ||g - g_ref|| <= 2 ||g_fp8 - g_fp32|| of one process, per tensor. The records must
+say float8_emulated (what the probe read from the matmuls' operands).
+
+Scales: tp2 + SP must compute, for every FP8 layer, the scales one process computes (the design: over the
+whole logical tensor across tp), compared scale by scale on step 1. A planted bug (each tp rank scaling
+its own shard) must fail that comparison by name.
+
+Rows of one world size share one spawn (tests/fp8_ranks.py), as tests/test_muon_contract.py does.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8")
+
+from fp8_ranks import fp8_runs  # noqa: E402
+from tessera.parallel.launch import run_ranks  # noqa: E402
+
+TW, RW = dict(fp8="tensorwise"), dict(fp8="rowwise")
+MOE = dict(model="qwen3-moe-debug")
+ROWS = {
+    2: {
+        "tp2+sp": dict(tp=2, sequence_parallel=True, **TW),
+        "tp2+sp-rowwise": dict(tp=2, sequence_parallel=True, **RW),
+        "dp2": dict(dp=2, **TW),
+        "dp2-rowwise": dict(dp=2, **RW),
+        "pp2-1f1b": dict(pp=2, schedule="1f1b", microbatches=2, **TW),
+        "pp2-zb-h1": dict(pp=2, schedule="zb-h1", microbatches=2, **TW),
+        "cp2": dict(cp=2, **TW),
+        "ep2-qwen3-moe": dict(dp=2, ep=2, **MOE, **TW),
+    },
+    4: {
+        "hsdp2x2": dict(dp=4, dp_replicate=2, **TW),
+        "dp2xtp2": dict(dp=2, tp=2, **TW),
+    },
+    16: {"pp2xdp2xcp2xtp2": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2, **TW)},
+}
+SINGLES = {
+    "one-process": dict(TW),
+    "one-process-rowwise": dict(RW),
+    "one-process-fp32": {},
+    "one-process-moe": dict(**MOE, **TW),
+    "one-process-moe-fp32": dict(MOE),
+}
+SCALED = ("one-process", "one-process-rowwise", "tp2+sp", "tp2+sp-rowwise")  # rows whose step-1 scales are recorded
+PLANTED = "tp2+sp"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for world, rows in ((1, SINGLES), *ROWS.items()):
+        cases = [(kw, False, name in SCALED) for name, kw in rows.items()]
+        if world == 2:
+            cases.append((ROWS[2][PLANTED], True, True))
+        results = run_ranks(fp8_runs, world, cases, timeout=600)[0]
+        out.update(zip(rows, results))
+        if world == 2:
+            out["planted"] = results[-1]
+    return out
+
+
+def references(runs, case: str) -> tuple:
+    """(one-process FP8 run of the row's recipe and model, one-process fp32 run of its model)."""
+    moe = "moe" in case
+    fp8 = "one-process-moe" if moe else "one-process-rowwise" if "rowwise" in case else "one-process"
+    return runs[fp8], runs["one-process-moe-fp32" if moe else "one-process-fp32"]
+
+
+def assert_trains_like_one_process_in_fp8(case: str, run, fp8, fp32) -> None:
+    losses, norms, grads, dtypes, flops, _ = run
+    assert dtypes == ["float8_emulated"] * 3 or ("moe" in case and flops.get("float8_emulated", 0) > 0), (
+        f"{case}: the records say the matmuls ran in {dtypes} ({flops})"
+    )
+    for what, i in (("loss", 0), ("grad norm", 1)):
+        tol = 2 * max(abs(a - b) for a, b in zip(fp8[i], fp32[i]))
+        for step, (a, b) in enumerate(zip(run[i], fp8[i]), 1):
+            assert abs(a - b) <= tol, f"{case} step {step}: {what} {a} vs one-process FP8 {b} (tolerance {tol:.2e})"
+    assert sorted(grads) == sorted(fp8[2])
+    apart = {}
+    for name, g in grads.items():
+        tol, err = 2 * (fp8[2][name] - fp32[2][name]).norm(), (g - fp8[2][name]).norm()
+        if err > tol:
+            apart[name] = f"{err:.3e} > {tol:.3e}"
+    assert not apart, f"{case}: ||g - g_fp8|| > 2 ||g_fp8 - g_fp32|| on step 1: {apart}"
+
+
+def assert_scales_like_one_process(case: str, scales: dict, reference: dict) -> None:
+    """Every FP8 layer's step-1 scales on every tp rank equal one process's (a rowwise scale of an unsplit
+    axis: the rank's slice of one process's, put back together over the ranks)."""
+    assert sorted(scales) == sorted(reference), case
+    apart = []
+    for name, per_rank in scales.items():
+        (ref,) = reference[name]
+        for i, (gemm, operand, want) in enumerate(ref):
+            got = [lst[i][2] for lst in per_rank]
+            assert all(lst[i][:2] == (gemm, operand) for lst in per_rank), f"{case} {name}: casts out of order"
+            if got[0].shape != want.shape:  # split along the scaled-per-row dim: one slice per rank
+                dim = next(d for d in range(want.dim()) if got[0].shape[d] != want.shape[d])
+                got = [torch.cat(got, dim)]
+            if not all(torch.allclose(g, want, rtol=1e-5, atol=0) for g in got):
+                apart.append(f"{name} {gemm}/{operand}")
+    assert not apart, f"{case}: scales unlike one process's: {apart}"
+
+
+def test_fp8_differs_from_fp32_on_one_process(runs):
+    fp8, fp32 = runs["one-process"], runs["one-process-fp32"]
+    assert fp8[3] == ["float8_emulated"] * 3 and fp32[3] == ["float32"] * 3
+    assert all(a != b for a, b in zip(fp8[0], fp32[0]))
+
+
+@pytest.mark.parametrize("case", [name for rows in ROWS.values() for name in rows])
+def test_layout_trains_like_one_process_in_fp8(runs, case):
+    assert_trains_like_one_process_in_fp8(case, runs[case], *references(runs, case))
+
+
+@pytest.mark.parametrize("case", ["tp2+sp", "tp2+sp-rowwise"])
+def test_tp_computes_one_process_scales(runs, case):
+    reference = runs["one-process-rowwise" if "rowwise" in case else "one-process"][5]
+    assert_scales_like_one_process(case, runs[case][5], reference)
+
+
+def assert_exactly_one_process(case: str, run, reference) -> None:
+    """The fp32 contract's 1e-5 on losses and grad norms: tp with one process's scales rounds the same FP8."""
+    for what, i in (("loss", 0), ("grad norm", 1)):
+        for step, (a, b) in enumerate(zip(run[i], reference[i]), 1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{case} step {step}: {what} {a} vs one-process FP8 {b}"
+
+
+@pytest.mark.parametrize("case", ["tp2+sp", "tp2+sp-rowwise"])
+def test_tp_alone_trains_as_one_process_fp8_within_the_fp32_contract(runs, case):
+    """tp changes no scale (the design), so a tp-only layout is one-process FP8 up to fp32 summation order
+    (rows with dp or cp scale each rank's tokens apart and are held to the derived tolerance instead)."""
+    assert_exactly_one_process(case, runs[case], references(runs, case)[0])
+
+
+def test_scales_per_shard_are_caught(runs):
+    """The planted bug (each tp rank scales its own shard of a split operand) fails the scales comparison."""
+    with pytest.raises(AssertionError, match=r"planted: scales unlike one process's: .*weight"):
+        assert_scales_like_one_process("planted", runs["planted"][5], runs["one-process"][5])
+    with pytest.raises(AssertionError, match=r"planted step \d: loss"):
+        assert_exactly_one_process("planted", runs["planted"], runs["one-process"])
