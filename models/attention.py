@@ -1,9 +1,11 @@
 """Attention blocks the model families share, each with the tensor-parallel plan of its own modules.
 
 A block takes the normalized hidden states and the model's rotary tables, (x, rope, positions) -> output, and has
-two slots that parallel/ fills (the identity and the plain op on one process):
+two slots that parallel/ fills (the identity and the plain op on one process), and one that generation fills:
     input_comm   the hidden states every column-parallel projection reads: copied to / gathered over tp
     core         the attention op (layers.CausalAttention): ring or all-gather attention under cp
+    kv_cache     None, or while generating a models/kv_cache.py KVCache: the new tokens' rotated keys and
+                 values appended to the prefix's, the queries attending to all of them (causal, bottom-right)
 Head counts come from the tensors' shapes (a tensor-parallel rank holds n_heads / tp of them), never from
 attributes set from outside. The projections are named by the family (`AttentionNames`: Hugging Face's by
 default), so a family's checkpoints and plans keep their parameter names. DeepSeek-V3's latent attention and
@@ -63,6 +65,7 @@ class GroupedQueryAttention(nn.Module):
         # identity on one process; copy-to-tp or sequence all-gather once the block is tensor parallel
         self.input_comm: nn.Module = nn.Identity()
         self.core: nn.Module = CausalAttention()
+        self.kv_cache: nn.Module | None = None  # a KVCache while generating (models/kv_cache.py)
 
     def forward(self, x: Tensor, rope: Rotary, positions: Tensor) -> Tensor:
         x = self.input_comm(x)
@@ -75,6 +78,8 @@ class GroupedQueryAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = rope(q, positions), rope(k, positions)
+        if self.kv_cache is not None:  # incremental decoding: the prefix's keys and values, then these
+            k, v = self.kv_cache(k, v)
         o = self.core(q, k, v, positions)
         return getattr(self, n.o)(o.transpose(1, 2).reshape(B, S, -1))
 

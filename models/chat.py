@@ -44,7 +44,7 @@ def compile_template(source: str, where: str) -> Any:
 
 def messages_of(record: dict[str, Any], where: str) -> list[dict[str, str]]:
     """The record's conversation: its `messages`, or `prompt` and `response` as a user and an assistant turn."""
-    if "messages" in record:
+    if record.get("messages") is not None:  # (datasets gives a record its data set's every field: None if absent)
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
             raise ConfigError(f"{where}: 'messages' is {type(messages).__name__}, not a list of turns")
@@ -60,7 +60,7 @@ def messages_of(record: dict[str, Any], where: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     raise ConfigError(
         f"{where}: --sft reads records with 'messages' (a list of role and content) or 'prompt' and 'response' "
-        f"strings; this one has {sorted(record)}"
+        f"strings; this one has {sorted(k for k, v in record.items() if v is not None)}"
     )
 
 

@@ -118,6 +118,10 @@ KNOWN = {
     "comm_stats": ["every", "first"],
     "muon_update_scale": ["original", "match_rms_adamw", "adam"],
     "muon_ns_coefficients": ["3.4445,-4.7750,2.0315", "1,2,3", "1,2", "a,b,c"],
+    # tessera generate's prompt: text, or token ids (the debug presets' byte vocabulary), and its stop ids
+    "prompt": ["The ", "hello world", "\u00e9"],
+    "prompt_ids": ["256,84,104", "1", "1,x", "-1", "99999", "1,,2"],
+    "stop_ids": ["257", "1,2", "x", "-3"],
     # a W&B project name (offline without a network; the run's files go under the run's own directory)
     "wandb": ["tessera-test", ""],
 }
@@ -167,6 +171,7 @@ USUAL = {
     "out": {"export"},
     "files": {"tokenize"},
     "runs": {"plot"},
+    "prompt_ids": {"generate"},
 }
 
 
@@ -281,6 +286,7 @@ def cheap_cli(workspace):
 
     import tessera.commands.bench
     import tessera.commands.calibrate
+    import tessera.commands.generate
     import tessera.commands.plan
     import tessera.training.run
 
@@ -293,6 +299,7 @@ def cheap_cli(workspace):
         mp.setattr(tessera.commands.bench, "_sweep", _stop)
         mp.setattr(tessera.commands.calibrate, "measure", _stop)
         mp.setattr(tessera.commands.calibrate, "save", _stop)
+        mp.setattr(tessera.commands.generate, "generate_job", _stop)
         mp.setattr(parallelize, "dry_run_model_states", _stop)
         mp.setattr(tessera.commands.plan, "_dry_run", _stop)
         mp.setenv("TESSERA_CALIBRATION", str(workspace / "calibration.json"))

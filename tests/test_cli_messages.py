@@ -10,7 +10,7 @@ import pytest
 
 from tessera.cli import main
 
-SUBCOMMANDS = ("train", "memory", "plan", "bench", "export", "convert", "tokenize", "plot")
+SUBCOMMANDS = ("train", "memory", "plan", "bench", "export", "convert", "tokenize", "plot", "generate")
 
 
 def run(capsys, *argv):
@@ -53,6 +53,7 @@ def tokenizer_file(tmp_path_factory):
 def no_training(monkeypatch):
     """No test here may start ranks: reaching the run itself is a failure."""
     import tessera.commands.bench
+    import tessera.commands.generate
     import tessera.training.run
 
     def refuse(*args, **kwargs):
@@ -60,6 +61,7 @@ def no_training(monkeypatch):
 
     monkeypatch.setattr(tessera.training.run, "train", refuse)
     monkeypatch.setattr(tessera.commands.bench, "_sweep", refuse)
+    monkeypatch.setattr(tessera.commands.generate, "generate_job", refuse)
 
 
 # ----------------------------------------------------------------------------- 1. tokenize, token files, --out
@@ -374,6 +376,49 @@ def test_export_with_an_empty_out_is_refused_not_a_traceback(capsys):
     assert (
         one_error(capsys, "export", "ckpt", "--out", "")
         == "--out '' is an empty path; name the .safetensors file to write"
+    )
+
+
+@pytest.fixture(scope="module")
+def small_hf(tmp_path_factory):
+    """A Hugging Face folder of a debug Llama with a context of 8 tokens and a vocabulary of 96 (not bytes)."""
+    from tessera.models import build_model, get_preset
+    from tessera.models.hf import save_hf
+
+    cfg = get_preset("debug", max_seq_len=8, vocab_size=96)
+    path = tmp_path_factory.mktemp("hf")
+    save_hf(build_model(cfg).state_dict(), cfg, path)
+    return path
+
+
+def test_generate_refuses_bad_input_in_one_line_before_any_rank(capsys, tmp_path, small_hf):
+    hf = f"hf:{small_hf}"
+    assert one_error(capsys, "generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1") == (
+        f"no manifest.json (and no 'latest' pointer) in {tmp_path}: not a tessera checkpoint, or an interrupted save"
+    )
+    assert one_error(capsys, "generate", "--checkpoint", f"hf:{tmp_path}", "--prompt-ids", "1") == (
+        f"--checkpoint hf:{tmp_path}: no config.json in it (a Hugging Face model directory)"
+    )
+    assert one_error(capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1,2,3,4,5,6,7,8,9") == (
+        "the prompt is 9 tokens, longer than the model's context of 8 tokens (max_seq_len) with room for one "
+        "more; shorten it to at most 7 tokens"
+    )
+    assert one_error(capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1,2,3", "--max-new-tokens", "6") == (
+        "--max-new-tokens 6 after a prompt of 3 tokens passes the model's context of 8 tokens; use "
+        "--max-new-tokens 5 or fewer"
+    )
+    assert one_error(capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1", "--tp", "3") == (
+        "--tp 3 does not divide the 4 attention heads; use a tp that divides 4"
+    )
+    for top_p in ("0", "1.5", "-1"):
+        message = one_error(capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1", "--top-p", top_p)
+        assert message == f"--top-p {float(top_p)} is outside (0, 1]; use e.g. 0.9 (1 keeps every token)"
+    assert one_error(capsys, "generate", "--checkpoint", hf, "--prompt", "hello") == (
+        "--prompt needs a tokenizer for this model's vocabulary of 96: give --tokenizer tokenizer.json (or a "
+        "Hugging Face model folder), or the ids with --prompt-ids 1,2,3"
+    )
+    assert one_error(capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1,96") == (
+        "the prompt holds token id 96, outside the model's vocabulary of 96 (a tokenizer of another model?)"
     )
 
 

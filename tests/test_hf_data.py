@@ -228,3 +228,16 @@ def test_loading_scripts_are_refused_by_name(data, tokenizer_file, tmp_path, ref
     assert "scripted.py is a data set loading script, which runs code (trust_remote_code)" in line
     assert "loading script" in refused("--data", f"hf:{folder}/scripted.py", *tok)
     assert not (tmp_path / "pwned").exists() and not os.path.exists("pwned")
+
+
+def test_without_the_datasets_library_the_line_names_the_extra(data, tokenizer_file, monkeypatch):
+    import sys
+
+    from tessera.topology.errors import ConfigError
+
+    root, _, _ = data
+    monkeypatch.setitem(sys.modules, "datasets", None)  # an import of it raises ImportError
+    with pytest.raises(
+        ConfigError, match=r'--data hf:\.\.\. needs the datasets library: pip install "tessera-4d\[data\]"'
+    ):
+        stream(f"hf:{root}/docs.jsonl", tokenizer_file)

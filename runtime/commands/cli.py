@@ -1,4 +1,4 @@
-"""The `tessera` command: train, memory, plan, bench, export, convert, tokenize (and --version)."""
+"""The `tessera` command: train, memory, plan, bench, export, convert, tokenize, generate (and --version)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tessera.training.rank_server import start_rank_server, under_torchrun
 
 from .bench import add_bench_parser
 from .export import add_export_parsers
+from .generate import add_generate_parser
 from .memory import add_memory_parser
 from .plan import add_plan_parser
 from .plot import add_plot_parser
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_bench_parser(sub)
     add_plot_parser(sub)
+    add_generate_parser(sub)
 
     tr = sub.add_parser(
         "train",

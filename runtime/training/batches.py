@@ -120,11 +120,10 @@ class StepData:
         else:
             inputs, targets, *ends = data.next_global_batch()  # an hf: stream adds its documents' ends
             checksum = whole_batch_checksum(inputs, targets) if ends else None
-            if getattr(data, "sft", False):  # the targets the conversations keep and mask, before packing
-                kept = count_valid(targets)
-                loss_targets = {"kept": kept, "masked": targets.numel() - kept}
             batch = self.packed(inputs, targets, data, *ends)
             valid = count_valid(batch[1])  # over the whole global batch: the denominator on every rank
+            if getattr(data, "sft", False):  # the targets the loss counts (the assistants'), and the rest
+                loss_targets = {"kept": valid, "masked": batch[1].numel() - valid}
             if self.pack:
                 documents = self.documents(int((batch[2] == 0).sum()), int((batch[1] == IGNORE_INDEX).sum()))
             local = self.of_global_batch(*batch)

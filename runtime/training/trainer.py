@@ -117,7 +117,7 @@ class StepResult:
     moe: dict[str, Any] | None = None  # MoE models: expert load and auxiliary loss (parallel/expert.py's load_report)
     # --pack-documents: the global batch's documents (pieces of documents in its rows) and targets left out
     documents: dict[str, Any] | None = None
-    loss_targets: dict[str, int] | None = None  # --sft: the global batch's targets kept and masked
+    loss_targets: dict[str, int] | None = None  # --sft: the global batch's targets the loss kept and masked
     profile: dict[str, Any] | None = None  # --profile-summary, on its step: time by kind, top kernels, memory
 
     def record(self) -> dict[str, Any]:
