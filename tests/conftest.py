@@ -54,12 +54,11 @@ SLOW_MODULES = {
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
 SLOW_TESTS = {
-    "test_token_files_train_equally_on_dp2xtp2_and_one_process_and_resume_on_another_layout",
     "test_resume_dp2_to_dp4_to_one_process_equals_the_uninterrupted_run",
+    "test_a_data_set_larger_than_the_run_is_read_only_as_far_as_needed",
     "test_a_packed_sft_batch_equals_each_example_alone_on_dp2xtp2_and_cp2",
     "test_sft_training_records_the_targets_kept_and_masked",
     "test_token_files_train_equally_on_dp2xtp2_and_one_process_and_resume_on_another_layout",
-    "test_a_data_set_larger_than_the_run_is_read_only_as_far_as_needed",
     "test_eval_every_reports_the_held_out_loss_equally_on_every_layout",
     "test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads",
     "test_the_readme_calibration_commands_run_as_written",
@@ -94,10 +93,10 @@ SLOW_TESTS = {
     "test_a_user_model_trains_equivalently_on_tp2_dp2_and_dp2xtp2",
     "test_a_checkpoint_moves_between_layouts_bitwise_and_a_dropped_shard_is_named",
     "test_every_ranked_layout_is_runnable_and_fits",
-}
-
     "test_greedy_tokens_equal_transformers_on_tp2_ranks_for_every_family",  # tessera generate on tp2 ranks
     "test_a_trained_checkpoint_generates_the_same_text_on_one_process_and_tp2_ranks",  # train, then the CLI
+}
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
