@@ -100,6 +100,43 @@ class _RankSpec:
     env: dict[str, str]
 
 
+class _LauncherFd:
+    """One of the launcher's file descriptors (its stdout or stderr as it is when the ranks start), handed
+    to a rank through the forkserver the way multiprocessing hands a Connection's: duplicated at pickling.
+    Forked from the forkserver, a rank would otherwise write where the forkserver's stdio pointed when it
+    started, not where the launcher's points now (a log it redirected to, a test's capture)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction  # lazy: DupFd works only while a process is being started
+
+        return (_detach_fd, (reduction.DupFd(self.fd),))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _detach_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+def _write_to_launchers_stdio(stdio: tuple[Any, Any]) -> None:
+    """Point this rank's fds 1 and 2 where the launcher's pointed when it started the rank."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, target in zip((1, 2), stdio):
+        if isinstance(target, int) and target != fd:
+            os.dup2(target, fd)
+            os.close(target)
+
+
 def _die_with_launcher(lifeline: Connection) -> None:
     """Kill this rank as soon as the launcher's end of `lifeline` closes: the launcher ended, however it
     ended (SIGKILL too). The forkserver that forked the ranks outlives the launcher while they run, so its
@@ -116,8 +153,15 @@ def _die_with_launcher(lifeline: Connection) -> None:
 
 
 def _rank_main(
-    fn: Callable[..., Any], spec: _RankSpec, conn: Any, lifeline: Connection, args: tuple, kwargs: dict
+    fn: Callable[..., Any],
+    spec: _RankSpec,
+    conn: Any,
+    lifeline: Connection,
+    stdio: tuple[Any, Any],
+    args: tuple,
+    kwargs: dict,
 ) -> None:
+    _write_to_launchers_stdio(stdio)
     _die_with_launcher(lifeline)
     os.environ.update(spec.env)
     os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank))
@@ -290,7 +334,10 @@ def _start_and_collect(
             env=dict(env or {}),
         )
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, args=(fn, spec, send, lifeline, args, kwargs), name=f"tessera-rank{rank}")
+        stdio = tuple(_LauncherFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        p = ctx.Process(
+            target=_rank_main, args=(fn, spec, send, lifeline, stdio, args, kwargs), name=f"tessera-rank{rank}"
+        )
         p.start()
         send.close()
         procs.append(p)

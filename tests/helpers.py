@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import io
+import os
 import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -209,18 +211,40 @@ def train_with_records(config: Config):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads, records
 
 
-def cli_here(*argv: str) -> subprocess.CompletedProcess:
+def cli_here(*argv: str, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """`tessera ARGV` through the command line's own main() in this process, captured as a subprocess run
-    would be (exit code, stdout, stderr). For refusals, which end before any rank starts: a fresh interpreter
-    costs ~3 s of imports per call; every command keeps tests that run it as a user does (`python -m tessera`)."""
+    would be (exit code, stdout, stderr), in `cwd` if given. The ranks a run starts write to this process's
+    fds 1 and 2 (tessera.parallel.launch hands them over), which point at the captured files meanwhile.
+    A fresh interpreter costs ~5 s a call here (its imports, then the forkserver's); the tests that are
+    about the interpreter (`python -m tessera`, the console script, torchrun, signals) still start one."""
     from tessera.cli import main  # lazy: the rank functions above are pickled without the CLI
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out_file.fileno(), 1)
+        os.dup2(err_file.fileno(), 2)
+        out = open(1, "w", buffering=1, closefd=False)
+        err = open(2, "w", buffering=1, closefd=False)
         try:
-            code = main(list(argv))
-        except SystemExit as e:  # argparse's usage errors (2), --help (0)
-            if isinstance(e.code, str):
-                print(e.code, file=err)
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    return subprocess.CompletedProcess(["tessera", *argv], code, out.getvalue(), err.getvalue())
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+                    try:
+                        code = main(list(map(str, argv)))
+                    except SystemExit as e:  # argparse's usage errors (2), --help (0)
+                        if isinstance(e.code, str):
+                            print(e.code, file=err)
+                        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        finally:
+            out.flush()
+            err.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        texts = []
+        for f in (out_file, err_file):
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(["tessera", *map(str, argv)], code, texts[0], texts[1])

@@ -1,8 +1,6 @@
 """`tessera bench`: layouts through the real training job, JSON with the figures and predictions, PNG plots."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,9 +12,7 @@ from tessera.commands.bench import parse_layout, series_layouts
 
 
 def _tessera(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=600, cwd=cwd
-    )
+    return cli_here(*args, cwd=cwd)
 
 
 @given(

@@ -2,8 +2,6 @@
 clear errors for bad checkpoints, and full state dicts."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from tessera.training.run import train
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=300)
+    return cli_here(*args)
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cli_here
 
-def _tessera(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+def _tessera(*args):
+    return cli_here(*args)
 
 
 def _records(path):

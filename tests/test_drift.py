@@ -2,7 +2,7 @@
 the global batch's sums are ordered (microbatch counts), and a layout's distance from one process measured
 against it rather than a fixed tolerance."""
 
-from helpers import small_config
+from helpers import small_config, cli_here
 from tessera.training.run import train
 from tessera.testing import drift_envelope, judge_drift
 
@@ -20,13 +20,9 @@ def test_a_layout_stays_within_one_process_envelope_and_a_planted_drift_does_not
 
 
 def test_train_check_drift_judges_the_run_against_one_process_and_refuses_what_it_cannot_check(tmp_path):
-    import subprocess
-    import sys
 
     def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "tessera", "train", *args], capture_output=True, text=True, timeout=600, cwd=tmp_path
-        )
+        return cli_here("train", *args, cwd=tmp_path)
 
     out = run("--dp", "2", "--tp", "2", "--steps", "3", "--check-drift", "--quiet")
     assert out.returncode == 0, out.stderr[-2000:]

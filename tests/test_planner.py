@@ -39,7 +39,7 @@ from tessera.topology.shapes import ModelShape, as_shape, fsdp_shard_numel, laye
 
 
 def _tessera(*args):
-    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=300)
+    return cli_here(*args)
 
 
 def test_the_reference_chapter_figures():

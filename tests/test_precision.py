@@ -8,11 +8,12 @@ import sys
 import pytest
 import torch
 
+from helpers import cli_here
 from tessera.metrics.dtype_probe import MatmulDtypes
 
 
-def _tessera(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=timeout)
+def _tessera(*args):
+    return cli_here(*args)
 
 
 def test_the_probe_counts_matmul_flops_by_the_dtype_they_ran_in():

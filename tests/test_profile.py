@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -15,8 +13,8 @@ from tessera.metrics.profiling import StepProfiler, check_profile, parse_steps, 
 TINY = ["--model", "debug", "--seq-len", "16", "--global-batch", "2", "--quiet"]
 
 
-def _tessera(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=timeout)
+def _tessera(*args):
+    return cli_here(*args)
 
 
 def _trace_names(path) -> set[str]:
@@ -92,7 +90,7 @@ def test_bad_values_get_one_line_before_any_rank_starts(tmp_path, args, message)
 
 
 def test_train_help_renders_the_profile_flags():
-    out = _tessera("train", "--help", timeout=60)
+    out = _tessera("train", "--help")
     assert out.returncode == 0 and "--profile DIR" in out.stdout and "--profile-steps A:B" in out.stdout
 
 

@@ -5,8 +5,6 @@ metrics, one fallback warning, the steps a resumed run took)."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,8 +15,8 @@ from tessera.parallel.launch import run_ranks
 FAST = ["--seq-len", "32", "--global-batch", "4"]
 
 
-def _tessera(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=timeout)
+def _tessera(*args):
+    return cli_here(*args)
 
 
 def _one_error_line(out, expected_start: str) -> str:
