@@ -501,3 +501,26 @@ def test_a_dp_the_replicas_do_not_divide_gets_a_fix_the_batch_takes(capsys):
     assert one_error(capsys, "train", "--dp", "6", "--dp-replicate", "4") == (
         "--dp-replicate 4 must divide --dp 6 (dp = dp_replicate x dp_shard); use --dp 4"
     )
+
+
+def test_fp8_refusals_come_in_one_line_before_any_rank(capsys, monkeypatch):
+    """--fp8: an unknown recipe, torchao missing (naming the extra), a GPU without FP8 matmuls."""
+    import sys
+
+    import torch
+
+    assert one_error(capsys, "train", "--fp8", "blockwise") == (
+        "unknown --fp8 recipe 'blockwise'; use one of tensorwise, rowwise"
+    )
+    with monkeypatch.context() as mp:
+        mp.setitem(sys.modules, "torchao.float8", None)  # import fails as it does where torchao is not installed
+        assert "install tessera's fp8 extra: pip install -e '.[fp8]'" in one_error(
+            capsys, "train", "--fp8", "tensorwise"
+        )
+    for name, value in (("is_available", True), ("device_count", 1), ("get_device_capability", (8, 0))):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert one_error(capsys, "train", "--fp8", "rowwise", "--device", "cuda") == (
+        "--fp8 rowwise on a GPU of compute capability 8.0 (NVIDIA A100-SXM4-80GB): FP8 matmuls need 8.9 or newer "
+        "(Ada, Hopper, Blackwell); drop --fp8"
+    )
