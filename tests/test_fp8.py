@@ -20,6 +20,7 @@ from tessera.parallel.fp8 import (  # noqa: E402
     Float8Linear,
     Float8Matmul,
     apply_fp8,
+    check_fp8,
     float8_config,
     qualifies,
     to_float8,
@@ -96,3 +97,13 @@ def test_layers_whose_dims_are_not_multiples_of_16_stay_and_are_named():
     report = apply_fp8(spec.build_model(cfg, device="meta"), "rowwise", spec, emulate=True)
     assert len(report.converted) == 8
     assert "not multiples of 16" in report.kept["layers.*.feed_forward.w1"], report.kept
+
+
+def test_a_model_with_no_qualifying_layer_is_refused_naming_why():
+    cfg = dataclasses.replace(get_preset("debug"), dim=40, ffn_dim=200)
+    with pytest.raises(ValueError, match=r"^--fp8 tensorwise: no linear layer of this model qualifies .*drop --fp8$"):
+        check_fp8("tensorwise", cfg, spec_of(cfg), 1, "cpu")
+    check_fp8("tensorwise", get_preset("debug"), spec_of(get_preset("debug")), 2, "cpu")  # qualifies on tp2
+    cfg = dataclasses.replace(get_preset("debug"), dim=16, n_heads=1, n_kv_heads=1, ffn_dim=16)
+    with pytest.raises(ValueError, match=r"tp-local with --tp 2"):  # 16 rows split over tp2: 8 each
+        check_fp8("rowwise", cfg, spec_of(cfg), 2, "cpu")
