@@ -58,6 +58,8 @@ SLOW_TESTS = {
     "test_a_data_set_larger_than_the_run_is_read_only_as_far_as_needed",
     "test_a_packed_sft_batch_equals_each_example_alone_on_dp2xtp2_and_cp2",
     "test_sft_training_records_the_targets_kept_and_masked",
+    "test_held_out_hf_data_gives_the_same_eval_loss_on_dp2_as_on_one_process",
+    "test_the_benchmark_runs_on_a_tiny_setting",
     "test_token_files_train_equally_on_dp2xtp2_and_one_process_and_resume_on_another_layout",
     "test_eval_every_reports_the_held_out_loss_equally_on_every_layout",
     "test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads",

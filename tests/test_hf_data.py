@@ -241,3 +241,35 @@ def test_without_the_datasets_library_the_line_names_the_extra(data, tokenizer_f
         ConfigError, match=r'--data hf:\.\.\. needs the datasets library: pip install "tessera-4d\[data\]"'
     ):
         stream(f"hf:{root}/docs.jsonl", tokenizer_file)
+
+
+def test_held_out_hf_data_gives_the_same_eval_loss_on_dp2_as_on_one_process(data, tokenizer_file):
+    root, _, _ = data
+    common = dict(data=f"hf:{root}/docs.jsonl", tokenizer=str(tokenizer_file), vocab_size=100, seq_len=16)
+    common.update(global_batch=4, steps=2, n_layers=2, eval_data=f"hf:{root}/saved:test", eval_every=2)
+    from tessera.training.run import train
+
+    one, two = (train(small_config(**common, **kw))[-1]["eval_loss"] for kw in ({}, {"dp": 2}))
+    assert abs(one - two) <= 1e-5 * one
+
+
+def test_the_benchmark_runs_on_a_tiny_setting(tmp_path):
+    """benchmarks/bench_hf_data.py on a tiny setting: both rows, each with its data and step times."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_data.py"
+    tiny = ["--model", "debug", "--seq-len", "16", "--global-batch", "4", "--steps", "1", "--warmup", "1"]
+    out = subprocess.run(
+        [sys.executable, str(script), *tiny, "--records", "50", "--vocab", "300", "--out", str(tmp_path / "h.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "h.json").read_text())
+    assert data["versions"]["torch"] and data["config"]["model"] == "debug"
+    rows = data["results"]["rows"]
+    assert [r["data"] for r in rows] == ["shipped text", "hf: streamed"]
+    assert all(0 < r["data_s"] < r["step_s"] for r in rows)
