@@ -170,6 +170,13 @@ def test_greedy_tokens_equal_transformers_generate_on_the_exported_model(capsys,
     assert got["compute_dtype"] == "float32" and got["new_tokens"] == NEW and got["tokens_per_s"] > 0
 
 
+def test_bfloat16_weights_run_bfloat16_matmuls_as_measured(capsys, hf_dirs):
+    got = _generate_json(
+        capsys, "--checkpoint", f"hf:{hf_dirs['qwen3']}", "--prompt-ids", _ids(), "--dtype", "bfloat16"
+    )
+    assert got["compute_dtype"] == "bfloat16" and got["weights_dtype"] == "bfloat16" and len(got["tokens"]) == 32
+
+
 def _on_tp_ranks(jobs):
     """Rank function: every job on this tp mesh, rank 0's results."""
     import torch.distributed as dist

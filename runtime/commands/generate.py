@@ -371,7 +371,7 @@ def _generate(args: argparse.Namespace) -> int:
             "weights_dtype": job.dtype,
             "sampling": {"temperature": job.temperature, "top_p": job.top_p, "seed": job.seed},
         }
-        print(json.dumps(record, allow_nan=False, default=lambda v: None if isinstance(v, float) else str(v)))
+        print(json.dumps(record, allow_nan=False))
     else:
         print(text if text is not None else " ".join(map(str, result["tokens"])))
     return 0
@@ -400,7 +400,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         help="a checkpoint directory (or a --checkpoint-dir with a latest pointer), or hf:DIR for a Hugging Face "
         "model folder (config.json, safetensors)",
     )
-    gen.add_argument("--prompt", default=None, help="the text to continue (tokenized with --tokenizer)")
+    gen.add_argument("--prompt", default=None, metavar="TEXT", help="the text to continue (tokenized with --tokenizer)")
     gen.add_argument(
         "--prompt-ids", default=None, metavar="IDS", help="the prompt as token ids, e.g. 1,2,3 (no tokenizer needed)"
     )
@@ -411,21 +411,31 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         help="a tokenizer.json or a Hugging Face model folder holding one (default: hf:DIR's own; the debug "
         "presets' byte vocabulary needs none)",
     )
-    gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
     gen.add_argument(
-        "--temperature", type=_finite, default=0.0, help="0: greedy (default); above 0: sample at this temperature"
+        "--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate at most (default: 32)"
     )
     gen.add_argument(
-        "--top-p", type=_finite, default=1.0, help="sample from the most likely tokens of this mass, in (0, 1]"
+        "--temperature",
+        type=_finite,
+        default=0.0,
+        metavar="T",
+        help="0: greedy (default); above 0: sample at this temperature",
     )
-    gen.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default: 0)")
+    gen.add_argument(
+        "--top-p",
+        type=_finite,
+        default=1.0,
+        metavar="P",
+        help="sample from the most likely tokens of this mass, in (0, 1]",
+    )
+    gen.add_argument("--seed", type=int, default=0, metavar="N", help="the sampling generator's seed (default: 0)")
     gen.add_argument(
         "--stop-ids",
         default=None,
         metavar="IDS",
         help="token ids that end the text, e.g. 257 (default: hf:DIR's eos_token_id, as transformers stops)",
     )
-    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to generate on (default: 1)")
+    gen.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks to generate on (default: 1)")
     gen.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype (default: float32)"
     )
