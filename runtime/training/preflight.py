@@ -28,8 +28,8 @@ from tessera.parallel.muon import ADJUST_LR
 from tessera.parallel.plan import find_modules
 from tessera.paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 
-from .estimate import fit_problem, local_ranks
 from .data_sources import check_hf_data
+from .estimate import fit_problem, local_ranks
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.check), not the other way round
     from .config import Config

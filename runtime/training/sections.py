@@ -222,12 +222,6 @@ class DataSection:
         flag="--data",
         metavar="PATH",
     )
-    pack_documents: bool = opt(
-        False,
-        "train on packed documents: each token attends only to its own document "
-        "(positions restart at each), and the target after a document's separator "
-        "is left out of the loss; documents end at --data's separator token (the "
-        "shipped text: each paragraph is one)",
     tokenizer: str | None = opt(
         None,
         "hf: data: a tokenizer.json, or a Hugging Face model folder holding one (its chat template is --sft's)",
@@ -240,6 +234,12 @@ class DataSection:
         "'response', rendered with the tokenizer's chat template (else a plain one, docs/data.md); the loss "
         "counts the assistant's tokens only",
     )
+    pack_documents: bool = opt(
+        False,
+        "train on packed documents: each token attends only to its own document "
+        "(positions restart at each), and the target after a document's separator "
+        "is left out of the loss; documents end at --data's separator token (the "
+        "shipped text: each paragraph is one)",
         flag="--pack-documents",
     )
 
