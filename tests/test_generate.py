@@ -74,16 +74,17 @@ def test_a_top_p_outside_zero_to_one_is_refused_by_name(top_p):
 
 
 # ----------------------------------------------------------------------------- the cache
-@pytest.mark.parametrize("family", FAMILIES)
-def test_decoding_with_the_kv_cache_equals_recomputing_the_whole_prefix(family):
-    model = _decisive(get_preset(FAMILIES[family]))
+# every family's debug preset, and Qwen3-MoE's other recipe (sigmoid scores, a shared expert, the routing bias)
+@pytest.mark.parametrize("preset", [*FAMILIES.values(), "qwen3-moe-shared-debug"])
+def test_decoding_with_the_kv_cache_equals_recomputing_the_whole_prefix(preset):
+    model = _decisive(get_preset(preset))
     prompt = torch.tensor([PROMPT, tuple(reversed(PROMPT))])  # two rows: the cache keeps them apart
     cached = generate(model, prompt, NEW, keep_logits=True)
     full = generate(model, prompt, NEW, use_cache=False, keep_logits=True)
     assert cached.tokens == full.tokens and len(cached.logits) == NEW
     for step, (a, b) in enumerate(zip(cached.logits, full.logits)):
         err = (a - b).abs().max().item()
-        assert err <= 1e-5 * max(1.0, b.abs().max().item()), (family, step, err)
+        assert err <= 1e-5 * max(1.0, b.abs().max().item()), (preset, step, err)
     assert len(set(cached.tokens[0])) > 1  # not one token repeated: the positions matter here
     sampling = Sampling(temperature=0.9, top_p=0.8, seed=5)
     assert generate(model, prompt, NEW, sampling).tokens == generate(model, prompt, NEW, sampling, False).tokens
@@ -168,6 +169,36 @@ def test_greedy_tokens_equal_transformers_generate_on_the_exported_model(capsys,
     )
     assert got["tokens"] == want and len(set(want)) > 1, (family, got["tokens"], want)
     assert got["compute_dtype"] == "float32" and got["new_tokens"] == NEW and got["tokens_per_s"] > 0
+
+
+def test_the_folders_tokenizer_and_eos_are_used_as_transformers_uses_them(capsys, hf_dirs, tmp_path):
+    """hf:DIR with a tokenizer.json and a generation_config.json: the prompt text is the tokenizer's ids, and
+    generation stops at the folder's eos_token_id (included), as transformers' generate does."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder = tmp_path / "llama"
+    shutil.copytree(hf_dirs["llama"], folder)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainers.BpeTrainer(vocab_size=60))
+    tok.save(str(folder / "tokenizer.json"))
+    prompt = tok.encode("the quick brown fox").ids
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        free = theirs.generate(torch.tensor([prompt]), eos_token_id=None, **kwargs)[0, len(prompt) :].tolist()
+        eos = free[4]  # a token it reaches: generation ends there
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 10_000]}))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        want = theirs.generate(torch.tensor([prompt]), **kwargs)[0, len(prompt) :].tolist()
+    got = _generate_json(
+        capsys, "--checkpoint", f"hf:{folder}", "--prompt", "the quick brown fox", "--max-new-tokens", "12"
+    )
+    assert got["prompt_ids"] == prompt and got["tokens"] == want == free[: free.index(eos) + 1] and got["stopped"]
+    assert got["text"] == tok.decode(want, skip_special_tokens=True)
 
 
 def test_bfloat16_weights_run_bfloat16_matmuls_as_measured(capsys, hf_dirs):
