@@ -3,8 +3,6 @@ attention against full attention (multi-rank, forward and backward, against a fl
 the fp32 kernel), and the CLI. The training contract rows live in tests/test_contract.py."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from tessera.parallel.context import (
     zigzag_unshard,
 )
 from tessera.parallel.launch import run_ranks
+from helpers import cli_here
 
 
 @settings(max_examples=200, deadline=None)
@@ -164,7 +163,7 @@ def test_cli_trains_with_context_parallel(tmp_path):
         "--device",
         "cpu",
     ]
-    out = subprocess.run([sys.executable, "-m", "tessera", "train", *args], capture_output=True, text=True, timeout=300)
+    out = cli_here("train", *args)
     assert out.returncode == 0, out.stderr
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()[1:]]
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, reference, strict=True))

@@ -19,6 +19,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import custom_model  # noqa: E402
+from helpers import cli_here
 
 
 def test_the_custom_model_example_trains_like_one_process_on_pp2_cp2_tp2():
@@ -37,12 +38,7 @@ def test_the_readme_qwen3_command_trains_on_pp2_tp2(tmp_path):
     readme = (EXAMPLES.parent / "docs" / "models.md").read_text()
     assert cmd in readme
     metrics = tmp_path / "run.jsonl"
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", *cmd.split()[1:], "--metrics", str(metrics)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = cli_here(*cmd.split()[1:], "--metrics", str(metrics))
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in records if "step" in r]

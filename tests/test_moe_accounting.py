@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import small_config
+from helpers import small_config, cli_here
 from tessera.parallel.launch import run_ranks
 from tessera.topology import Layout, axes, comm_model
 from tessera.topology.comm_model import balanced_routed_fraction, comm_bytes_per_step, routed_fraction_of
@@ -323,29 +323,9 @@ def test_the_planner_offers_expert_parallel_for_an_moe_model(moe_plan):
 
 
 def test_tessera_plan_prints_the_best_expert_parallel_layout_and_its_flags():
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tessera",
-            "plan",
-            "--model",
-            "qwen3-30b-a3b",
-            "--gpus",
-            "64",
-            "--seq-len",
-            "4096",
-            "--global-batch",
-            "256",
-            "--top",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = cli_here(
+        "plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "256", "--top", "3"
     )
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("best with expert parallel (ranked "))

@@ -3,13 +3,10 @@ holding half of every block's experts, and the auxiliary-loss-free bias moving e
 one process and on pp2 x ep2 with the same losses and grad norms; a run without the bias exports to a Hugging
 Face directory that transformers loads with the trained experts."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import resumed_full_parameters, small_config
+from helpers import resumed_full_parameters, small_config, cli_here
 from tessera.parallel.launch import run_ranks
 from tessera.training.run import train
 
@@ -54,12 +51,7 @@ def _biases(config):
 
 def test_a_biased_run_is_refused_on_export_by_name(ep_run, tmp_path):
     root, _ = ep_run
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", "export", str(root / "step_00000006"), "--to-hf", str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = cli_here("export", str(root / "step_00000006"), "--to-hf", str(tmp_path / "hf"))
     assert out.returncode != 0 and "bias_rate=0.01 has no Hugging Face Qwen3-MoE form" in out.stderr
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
@@ -68,20 +60,7 @@ def test_an_ep2_checkpoint_exports_to_a_directory_transformers_loads(tmp_path):
     transformers = pytest.importorskip("transformers")
     base = dict(BASE, steps=2, moe_bias_rate=None)
     train(small_config(**base, dp=2, ep=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tessera",
-            "export",
-            str(tmp_path / "ckpt" / "step_00000002"),
-            "--to-hf",
-            str(tmp_path / "hf"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = cli_here("export", str(tmp_path / "ckpt" / "step_00000002"), "--to-hf", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr[-2000:]
     trained = run_ranks(
         resumed_full_parameters, 1, small_config(**base, resume=str(tmp_path / "ckpt" / "step_00000002")), timeout=120

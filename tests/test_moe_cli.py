@@ -3,8 +3,6 @@ flags that cannot work (one line each, before any rank starts)."""
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,13 +20,7 @@ def _readme_moe_command() -> list[str]:
 
 def test_the_readme_moe_command_trains_and_shows_the_load(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", *_readme_moe_command(), "--metrics", str(metrics)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
+    out = cli_here(*_readme_moe_command(), "--metrics", str(metrics), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step")]
     assert len(lines) == 4 and all(re.search(r"moe aux \d\.\d\de-0\d imbalance \d+\.\d\d", ln) for ln in lines), (

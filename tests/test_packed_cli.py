@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import small_config
+from helpers import small_config, cli_here
 from tessera.models.tokens import TokenFileStream, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,13 +27,7 @@ def _readme_command() -> list[str]:
 
 def test_the_readme_packing_command_trains_and_reports_its_documents(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", *_readme_command(), "--metrics", str(metrics)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
+    out = cli_here(*_readme_command(), "--metrics", str(metrics), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(packed documents, each attending only to itself)" in out.stdout
     steps = [ln for ln in out.stdout.splitlines() if ln.startswith("step")]

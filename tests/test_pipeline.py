@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import PIPELINE_BASE
-from helpers import small_config, train_losses_and_grads
+from helpers import small_config, train_losses_and_grads, cli_here
 from tessera.parallel.launch import run_ranks
 from tessera.parallel.pipeline import build_stage, split_layers, stages_of_rank
 from tessera.training.run import train
@@ -141,7 +141,7 @@ def test_cli_trains_a_pipeline_and_reports_the_true_loss(tmp_path, deep_referenc
         "--device",
         "cpu",
     ]
-    out = subprocess.run([sys.executable, "-m", "tessera", "train", *args], capture_output=True, text=True, timeout=300)
+    out = cli_here("train", *args)
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
     losses = [r["loss"] for r in records]
@@ -152,26 +152,7 @@ def test_cli_trains_a_pipeline_and_reports_the_true_loss(tmp_path, deep_referenc
 
 
 def test_memory_dry_run_reports_each_stage():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tessera",
-            "memory",
-            "--model",
-            "70b",
-            "--pp",
-            "8",
-            "--tp",
-            "8",
-            "--dp",
-            "4",
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = cli_here("memory", "--model", "70b", "--pp", "8", "--tp", "8", "--dp", "4", "--dry-run")
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.strip().startswith("stage ")]
     assert len(lines) == 8

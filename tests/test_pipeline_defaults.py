@@ -47,13 +47,7 @@ def test_microbatches_default_to_the_fewest_the_pipeline_runs(flags, chosen):
 
 
 def test_pp_alone_trains_and_says_what_it_chose(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", "train", "--pp", "2", "--steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    out = cli_here("train", "--pp", "2", "--steps", "2", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "in 2 microbatches (the fewest the schedule runs; --microbatches M to choose)" in out.stdout
     assert "done: loss" in out.stdout

@@ -2,13 +2,10 @@
 tensor (pp2 x tp2), resumed on layouts where one rank holds it (dp2, one process) with the same losses, and
 exported as a Hugging Face directory that transformers loads with the trained weights."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import resumed_full_parameters, small_config
+from helpers import resumed_full_parameters, small_config, cli_here
 from tessera.parallel.launch import run_ranks
 from tessera.training.run import train
 
@@ -35,12 +32,7 @@ def test_a_tied_checkpoint_from_pp2xtp2_resumes_on_another_layout(pp_run, layout
 def test_the_tied_checkpoint_exports_to_a_directory_transformers_loads(pp_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     root, _ = pp_run
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", "export", str(root / "step_00000006"), "--to-hf", str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = cli_here("export", str(root / "step_00000006"), "--to-hf", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr[-2000:]
     config = small_config(**BASE, resume=str(root / "step_00000006"))
     trained = run_ranks(resumed_full_parameters, 1, config, timeout=120)[0]
