@@ -201,6 +201,19 @@ def test_the_folders_tokenizer_and_eos_are_used_as_transformers_uses_them(capsys
     assert got["text"] == tok.decode(want, skip_special_tokens=True)
 
 
+def test_a_checkpoint_names_the_tokenizer_its_run_used():
+    from tessera.commands.generate import training_tokenizer
+
+    def manifest(tokenizer=None, init_from_hf=None, preset="debug"):
+        config = {"data": {"tokenizer": tokenizer}, "checkpoint": {"init_from_hf": init_from_hf}}
+        return {"config": config, "model": {"preset": preset}}
+
+    assert training_tokenizer(manifest("tok.json", "llama/")) == "tok.json"
+    assert training_tokenizer(manifest(None, "llama/")) == "llama/"
+    assert training_tokenizer(manifest(preset="hf:qwen/")) == "qwen/"
+    assert training_tokenizer(manifest()) is None and training_tokenizer({}) is None
+
+
 def test_bfloat16_weights_run_bfloat16_matmuls_as_measured(capsys, hf_dirs):
     got = _generate_json(
         capsys, "--checkpoint", f"hf:{hf_dirs['qwen3']}", "--prompt-ids", _ids(), "--dtype", "bfloat16"

@@ -59,9 +59,10 @@ def _ids(text: str, flag: str) -> tuple[int, ...]:
     return ids
 
 
-def _model_source(checkpoint: str) -> tuple[str, bool, Any]:
-    """(the weights' path, whether it is a Hugging Face folder, the model's config); ValueError (a
-    CheckpointError) naming the folder when it is neither a tessera checkpoint nor an HF model folder."""
+def _model_source(checkpoint: str) -> tuple[str, bool, Any, str | None]:
+    """(the weights' path, whether it is a Hugging Face folder, the model's config, where its tokenizer may be);
+    ValueError (a CheckpointError) naming the folder when it is neither a tessera checkpoint nor an HF model
+    folder."""
     # lazy: tessera.models and tessera.parallel import torch, which stays out of `tessera --help`
     from tessera.models.hf import config_from_manifest, read_hf_config, weight_files
     from tessera.parallel.checkpoint import read_manifest, resolve
@@ -70,19 +71,33 @@ def _model_source(checkpoint: str) -> tuple[str, bool, Any]:
         folder = checkpoint[len(HF_PREFIX) :]
         cfg = read_hf_config(folder, flag="checkpoint=hf:")
         weight_files(folder, flag="checkpoint=hf:")  # safetensors only: a pickle is refused by name
-        return folder, True, cfg
+        return folder, True, cfg, folder
     if not checkpoint:
         raise ValueError("checkpoint='' is an empty path; name a checkpoint directory (or hf:DIR)")
     path = resolve(checkpoint)
-    return str(path), False, config_from_manifest(read_manifest(path)["model"])
+    manifest = read_manifest(path)
+    return str(path), False, config_from_manifest(manifest["model"]), training_tokenizer(manifest)
 
 
-def _tokenizer(args: argparse.Namespace, folder: str | None) -> Any:
-    """The `tokenizers` Tokenizer of --tokenizer (a tokenizer.json, or a folder holding one), else of the hf:DIR
-    folder when it has one; None when neither names one."""
+def training_tokenizer(manifest: dict[str, Any]) -> str | None:
+    """The tokenizer the checkpoint's run read its data with (`--tokenizer`), else the Hugging Face folder it
+    started from (`--init-from-hf`, or a model named hf:DIR), as its manifest records them; None if neither."""
+    config = manifest.get("config") or {}
+    data, start = config.get("data") or {}, config.get("checkpoint") or {}
+    preset = str((manifest.get("model") or {}).get("preset", ""))
+    for hint in (data.get("tokenizer"), start.get("init_from_hf"), preset[3:] if preset.startswith("hf:") else None):
+        if isinstance(hint, str) and hint:
+            return hint
+    return None
+
+
+def _tokenizer(args: argparse.Namespace, hint: str | None) -> Any:
+    """The `tokenizers` Tokenizer of --tokenizer (a tokenizer.json, or a folder holding one), else of `hint` (the
+    hf:DIR folder, or the tokenizer the checkpoint's run used) when that still holds one; None when none is."""
     path = args.tokenizer
-    if path is None and folder is not None and (Path(folder) / "tokenizer.json").is_file():
-        path = folder
+    if path is None and hint is not None:
+        found = Path(hint) / "tokenizer.json" if Path(hint).is_dir() else Path(hint)
+        path = hint if found.is_file() else None
     if path is None:
         return None
     file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
@@ -159,10 +174,10 @@ def preflight(args: argparse.Namespace) -> tuple[Job, Any]:
     if args.tp < 1:
         raise ValueError(f"tp={args.tp} must be at least 1")
     Sampling(args.temperature, args.top_p, args.seed)  # --top-p outside (0, 1], a negative temperature
-    path, hf, cfg = _model_source(args.checkpoint)
+    path, hf, cfg, hint = _model_source(args.checkpoint)
     check_tensor_parallel(spec_of(cfg).shape(cfg), args.tp)
     folder = path if hf else None
-    tokenizer = _tokenizer(args, folder)
+    tokenizer = _tokenizer(args, hint)
     prompt = _prompt_ids(args, tokenizer, cfg.vocab_size)
     context = cfg.max_seq_len
     if len(prompt) >= context:
@@ -408,8 +423,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         "--tokenizer",
         default=None,
         metavar="PATH",
-        help="a tokenizer.json or a Hugging Face model folder holding one (default: hf:DIR's own; the debug "
-        "presets' byte vocabulary needs none)",
+        help="a tokenizer.json or a Hugging Face model folder holding one (default: hf:DIR's own, or the one "
+        "the checkpoint's run used: its --tokenizer or --init-from-hf folder; the debug presets' byte vocabulary "
+        "needs none)",
     )
     gen.add_argument(
         "--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate at most (default: 32)"
