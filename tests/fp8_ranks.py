@@ -62,5 +62,57 @@ def fp8_run(kw: dict, per_shard: bool = False, scales: bool = False):
 
 
 def fp8_runs(cases: list[tuple]) -> list:
-    """fp8_run of several configs of this world size (its arguments, each a tuple), one after the other in one spawn."""
-    return [fp8_run(*case) for case in cases]
+    """fp8_run of several configs of this world size (its arguments, each a tuple), one after the other in one
+    spawn; a case ("checkpoints", root, kw) runs `checkpoints` instead."""
+    return [checkpoints(*case[1:]) if case[0] == "checkpoints" else fp8_run(*case) for case in cases]
+
+
+def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return gather_by_name(
+        {clean_name(n): full_tensor(p).detach().clone() for part in trainer.parts for n, p in part.named_parameters()}
+    )
+
+
+def checkpoints(root: str, kw: dict):
+    """An FP8 run of small_config(**kw) saves after step 2 of 3; on rank 0: {"straight": every parameter after
+    step 3, "resumed": the same after resuming its step-2 checkpoint with --fp8, "saved": the parameters at
+    step 2, "without_fp8": (parameters as loaded, step 3's loss) resuming it without --fp8, "bf16_with_fp8": the
+    same for a bf16 run's step-2 checkpoint resumed with --fp8, "path": the FP8 checkpoint}."""
+    from tessera.parallel.checkpoint import CheckpointManager  # lazy: only this case saves
+
+    def run(config_kw: dict, directory: str):
+        trainer = Trainer(small_config(**config_kw, checkpoint_dir=directory), torch.device("cpu"))
+        manager, path, saved = CheckpointManager(directory), None, None
+        for step in range(1, 4):
+            trainer.train_step()
+            if step == 2:
+                path, saved = trainer.save(manager), named_params(trainer)
+        manager.finish()
+        return trainer, str(path), saved
+
+    def resume(config_kw: dict, path: str):
+        trainer = Trainer(small_config(**config_kw, resume=path), torch.device("cpu"))
+        trainer.load(path)
+        loaded = named_params(trainer)
+        loss = trainer.train_step().record()["loss"]
+        return trainer, loaded, loss
+
+    fp8_trainer, path, saved = run(kw, f"{root}/fp8")
+    straight = named_params(fp8_trainer)
+    resumed = named_params(resume(kw, path)[0])
+    plain = {k: v for k, v in kw.items() if k != "fp8"}
+    _, loaded, loss = resume(plain, path)
+    bf16 = plain | dict(mixed_precision="bf16")
+    _, bf16_path, bf16_saved = run(bf16, f"{root}/bf16")
+    _, bf16_loaded, bf16_loss = resume(bf16 | dict(fp8=kw["fp8"]), bf16_path)
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "saved": saved,
+        "without_fp8": (loaded, loss),
+        "bf16_saved": bf16_saved,
+        "bf16_with_fp8": (bf16_loaded, bf16_loss),
+        "path": path,
+    }

@@ -16,6 +16,8 @@ its own shard) must fail that comparison by name.
 Rows of one world size share one spawn (tests/fp8_ranks.py), as tests/test_muon_contract.py does.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -55,16 +57,17 @@ PLANTED = "tp2+sp"
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     out = {}
+    root = tmp_path_factory.mktemp("fp8-checkpoints")
     for world, rows in ((1, SINGLES), *ROWS.items()):
-        cases = [(kw, False, name in SCALED) for name, kw in rows.items()]
+        cases: list[tuple] = [(kw, False, name in SCALED) for name, kw in rows.items()]
         if world == 2:
-            cases.append((ROWS[2][PLANTED], True, True))
+            cases += [(ROWS[2][PLANTED], True, True), ("checkpoints", str(root), dict(dp=2, **TW))]
         results = run_ranks(fp8_runs, world, cases, timeout=600)[0]
         out.update(zip(rows, results))
         if world == 2:
-            out["planted"] = results[-1]
+            out["planted"], out["checkpoints"] = results[-2:]
     return out
 
 
@@ -148,3 +151,35 @@ def test_scales_per_shard_are_caught(runs):
         assert_scales_like_one_process("planted", runs["planted"][5], runs["one-process"][5])
     with pytest.raises(AssertionError, match=r"planted step \d: loss"):
         assert_exactly_one_process("planted", runs["planted"], runs["one-process"])
+
+
+def test_an_fp8_checkpoint_holds_fp32_master_weights_and_resumes_bitwise(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ck = runs["checkpoints"]
+    metadata = FileSystemReader(f"{ck['path']}/state").read_metadata().state_dict_metadata
+    dtypes = {getattr(m, "properties", None) and m.properties.dtype for m in metadata.values()} - {None}
+    assert dtypes == {torch.float32}, dtypes  # weights and AdamW's moments: fp32, no FP8 anywhere
+    assert sorted(ck["resumed"]) == sorted(ck["straight"])
+    apart = [n for n, p in ck["resumed"].items() if not torch.equal(p, ck["straight"][n])]
+    assert not apart, f"resumed FP8 run differs bitwise from the uninterrupted one: {apart}"
+
+
+def test_fp8_and_bf16_checkpoints_resume_across_the_flag(runs):
+    """An FP8 checkpoint resumes without --fp8 and a bf16 one with it: the same weights load, and train."""
+    ck = runs["checkpoints"]
+    for (loaded, loss), saved in ((ck["without_fp8"], ck["saved"]), (ck["bf16_with_fp8"], ck["bf16_saved"])):
+        assert all(torch.equal(p, saved[n]) for n, p in loaded.items()) and sorted(loaded) == sorted(saved)
+        assert math.isfinite(loss) and loss < 6
+
+
+def test_export_of_an_fp8_checkpoint_writes_ordinary_weights(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from tessera.cli import main
+
+    assert main(["export", runs["checkpoints"]["path"], "--to-hf", str(tmp_path / "hf")]) == 0
+    (weights,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(str(weights))
+    assert len(tensors) == len(runs["checkpoints"]["saved"])
+    assert {t.dtype for t in tensors.values()} <= {torch.float32, torch.bfloat16}
