@@ -10,7 +10,6 @@ and anchor resolves, and docs/cli.md is what docs/gen_cli.py renders from the co
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shlex
 import subprocess
@@ -18,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import cli_here
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -152,17 +153,17 @@ def test_the_cli_reference_is_what_the_command_prints_now():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", _to_run(), ids=lambda b: b.name)
-def test_the_block_runs_as_written(block, tmp_path):
-    env = {**os.environ, "TESSERA_CALIBRATION": str(tmp_path / "calibration.json")}
+def test_the_block_runs_as_written(block, tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CALIBRATION", str(tmp_path / "calibration.json"))
     if block.lang == "python":
         script = tmp_path / "block.py"
         script.write_text(block.code)
-        runs = [[sys.executable, str(script)]]
-    else:
-        runs = [[sys.executable, "-m", "tessera", *shlex.split(ln)[1:]] for ln in block.code.splitlines() if ln.strip()]
-    for argv in runs:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
-        assert out.returncode == 0, (block.name, argv[3:], out.stderr[-3000:])
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        assert out.returncode == 0, (block.name, out.stderr[-3000:])
+    # a `tessera ...` line: the command's own main() in this process (tests/helpers.py: cli_here)
+    for line in [ln for ln in block.code.splitlines() if ln.strip()] if block.lang != "python" else []:
+        out = cli_here(*shlex.split(line)[1:], cwd=tmp_path)
+        assert out.returncode == 0, (block.name, line, out.stderr[-3000:])
     if block.output:
         printed = [ln.rstrip() for ln in out.stdout.splitlines()]
         missing = [ln for ln in block.output if ln not in printed]
