@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import small_config
+from helpers import small_config, cli_here
 from tessera.parallel.launch import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -251,12 +251,13 @@ def test_the_readme_fine_tuning_commands_run_as_written(hf_dir, tmp_path):
         for a, b in sizes.items():
             line = line.replace(a, b)
         argv = shlex.split(line)
-        if argv[0] == "tessera":
-            argv = [sys.executable, "-m", "tessera", *argv[1:]]
         if argv[0] == "python":
             argv[0] = sys.executable
         argv = [str(tmp_path / "docs" / "a.jsonl") if a == "docs/*.jsonl" else a for a in argv]
-        out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        if argv[0] == "tessera":  # the command's own main() in this process (tests/helpers.py)
+            out = cli_here(*argv[1:], cwd=tmp_path)
+        else:
+            out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
         assert out.returncode == 0, (line, out.stderr[-2000:])
     assert (tmp_path / "finetuned" / "config.json").exists()
 
@@ -282,7 +283,6 @@ def test_export_to_hf_names_the_familys_architecture_and_writes_readable_files(
     config.json. The checkpoint's sharded read (DCP, tested in test_checkpoint.py) is stood in for by the full
     state dict it gives, so that the command runs in process."""
     import tessera.parallel.checkpoint as checkpoint
-    from helpers import cli_here
     from tessera.models import get_preset
     from tessera.models.safetensors_io import write_safetensors
     from tessera.models.spec import spec_of
@@ -309,8 +309,6 @@ def test_export_to_hf_names_the_familys_architecture_and_writes_readable_files(
 
 
 def test_export_help_names_no_one_family():
-    from helpers import cli_here
-
     text = " ".join(cli_here("export", "--help").stdout.split())
     assert "a Hugging Face directory of the checkpoint's model family" in text
     assert "Hugging Face Llama directory" not in text
