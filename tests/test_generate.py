@@ -219,6 +219,12 @@ def test_bfloat16_weights_run_bfloat16_matmuls_as_measured(capsys, hf_dirs):
         capsys, "--checkpoint", f"hf:{hf_dirs['qwen3']}", "--prompt-ids", _ids(), "--dtype", "bfloat16"
     )
     assert got["compute_dtype"] == "bfloat16" and got["weights_dtype"] == "bfloat16" and len(got["tokens"]) == 32
+    from tessera.commands.generate import _cast_parameters
+
+    model = _cast_parameters(_decisive(get_preset("qwen3-moe-shared-debug")), torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # RoPE's tables and the routing bias stay float32, as training's mixed precision keeps them
+    assert {b.dtype for b in model.buffers()} == {torch.float32} and model.rope.cos.dtype == torch.float32
 
 
 def _on_tp_ranks(jobs):

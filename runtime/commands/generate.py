@@ -253,7 +253,19 @@ def load_model(job: Job, meshes: Any = None) -> Any:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({SHARDED_KEY: {"model": state}}, storage_reader=reader, planner=SafeLoadPlanner())
         set_model_state_dict(model, state)
-    return model.to(getattr(torch, job.dtype)).eval()
+    return _cast_parameters(model, getattr(torch, job.dtype)).eval()
+
+
+def _cast_parameters(model: Any, dtype: Any) -> Any:
+    """The parameters in `dtype`; the buffers (RoPE's tables, an MoE's routing bias) keep their dtype, as
+    training's mixed precision keeps them (it casts parameters only)."""
+    kept = {name: b.dtype for name, b in model.named_buffers()}
+    model.to(dtype)
+    for name, buffer_dtype in kept.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        setattr(module, attr, getattr(module, attr).to(buffer_dtype))
+    return model
 
 
 def _gather_vocab(group: Any, vocab_size: int) -> Any:
@@ -303,6 +315,8 @@ def run(job: Job, meshes: Any = None, rank: int = 0) -> dict[str, Any]:
         prefill_context=probe,
     )
     tokens = out.tokens[0]
+    if job.progress and rank == 0 and len(tokens) < n:  # a stop token ended it before its last progress line
+        print(f"generate: stopped at token {len(tokens)} of {n} (stop id {tokens[-1]})", file=sys.stderr)
     decoded = len(tokens) - 1  # tokens after the first, which the prefill gives
     return {
         "tokens": tokens,
