@@ -127,7 +127,7 @@ def _train(config, sums=None):
 
 def test_resume_dp2_to_dp4_to_one_process_equals_the_uninterrupted_run(data, tokenizer_file, tmp_path):
     root, _, _ = data
-    common = dict(data=f"hf:{root}/docs.jsonl", tokenizer=str(tokenizer_file), vocab_size=100, seq_len=16)
+    common = dict(data=f"hf:{root}/docs.jsonl", tokenizer=str(tokenizer_file), vocab_size=258, seq_len=16)
     common.update(global_batch=4, steps=6, n_layers=2)
     straight_sums: list[int] = []
     straight = _train(small_config(**common), straight_sums)
@@ -140,6 +140,16 @@ def test_resume_dp2_to_dp4_to_one_process_equals_the_uninterrupted_run(data, tok
     )
     third = _train(small_config(**common, resume=str(b / "step_00000004")), sums[2])
     assert sums[0][:2] + sums[1][:2] + sums[2] == straight_sums  # the same tokens, step for step
+    # resuming it on other data is refused before any rank starts, naming what it was trained on
+    step2 = str(a / "step_00000002")
+    with pytest.raises(ValueError, match=r"was trained on hf:\S+docs.jsonl, and this run reads the shipped text"):
+        small_config(**dict(common, data=None, tokenizer=None), resume=step2).check()
+    other = tmp_path / "other"  # the same tokenizer, another separator (its eos_token)
+    other.mkdir()
+    (other / "tokenizer.json").write_text(tokenizer_file.read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[UNK]"}))
+    with pytest.raises(ValueError, match=r"with separator=1 \(this run: separator=0\); resume with the same data"):
+        small_config(**dict(common, tokenizer=str(other)), resume=step2).check()
     resumed = first[:2] + second[:2] + third
     assert len(resumed) == 6
     for got, want in zip(resumed, straight):

@@ -3,10 +3,12 @@ before any rank starts."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from tessera.models.hf_data import HFStream, is_hf
 from tessera.models.tokens import TokenFileStream
+from tessera.parallel import checkpoint
 
 if TYPE_CHECKING:  # annotations only
     from .config import Config
@@ -36,8 +38,31 @@ def check_hf_data(config: Config, model_vocab: int) -> None:
         ]
         if given:
             raise ValueError(f"{given[0]} applies to hf: data (--data hf:PATH[:split]); add it, or drop {given[0]}")
-        return
     if d.sft and not is_hf(d.path):
         raise ValueError(f"--sft reads conversations from hf: data; --data {d.path or '(the shipped text)'} is not")
     for field in hf:
         open_data(config, field, model_vocab).next_global_batch()
+    check_resumed_data(config, model_vocab)
+
+
+def check_resumed_data(config: Config, model_vocab: int) -> None:
+    """A resume reads the data its checkpoint was trained on: an hf: checkpoint resumes on hf: data whose
+    position it restores here (the same text field, --sft, tokenizer and separator), and only there."""
+    if config.checkpoint.resume is None:
+        return
+    with warnings.catch_warnings():  # a fallback to an older checkpoint is announced by run.train
+        warnings.simplefilter("ignore")
+        path = checkpoint.resolve(config.resume_path)
+    state = checkpoint.read_manifest(path).get("data") or {}
+    saved = state.get("data")
+    was_hf = isinstance(saved, dict) and saved.get("kind") == "hf"
+    if was_hf != is_hf(config.data.path):
+        if was_hf and isinstance(saved, dict):
+            raise ValueError(
+                f"checkpoint {path} was trained on {saved['path']}, and this run reads "
+                f"{config.data.path or 'the shipped text'}: resume with --data {saved['path']}"
+            )
+        trained = f"token files ({saved.get('path')})" if isinstance(saved, dict) else "the shipped text"
+        raise ValueError(f"checkpoint {path} was trained on {trained}, not on hf: data: resume with that data")
+    if was_hf:
+        open_data(config, "path", model_vocab).load_state_dict(state)  # the same data set, at its position
