@@ -284,3 +284,18 @@ def test_a_trained_checkpoint_generates_the_same_text_on_one_process_and_tp2_ran
     assert proc.stdout == one["text"] + "\n"
     progress = [line for line in proc.stderr.splitlines() if line.startswith("generate: ")]
     assert [p.split(" tokens")[0] for p in progress] == ["generate: 16/20", "generate: 20/20"], proc.stderr
+    # a damaged shard is named in one line, before a token is generated
+    import shutil
+
+    bad = trained.parent / "damaged"
+    shutil.copytree(trained / (trained / "latest").read_text().strip(), bad)
+    shard = sorted((bad / "state").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["generate", "--checkpoint", str(bad), "--prompt", "The "]) == 2
+    out, err = capsys.readouterr()
+    assert (
+        out == ""
+        and err == f"tessera generate: error: corrupt checkpoint file {shard}: sha256 differs from the manifest\n"
+    )
