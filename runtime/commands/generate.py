@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.training.config import said
+from tessera.training.rank_server import start_rank_server
 
 HF_PREFIX = "hf:"
 PROGRESS_EVERY = 16  # tokens per progress line (stderr)
@@ -369,6 +370,8 @@ def _text(tokenizer: Any, ids: list[int], vocab_size: int) -> str | None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.tp > 1:  # the ranks' forkserver imports torch beside this process's own imports, as train's does
+        start_rank_server()
     # lazy: these import torch
     from tessera.parallel.launch import RankFailure
 
