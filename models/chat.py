@@ -59,7 +59,7 @@ def messages_of(record: dict[str, Any], where: str) -> list[dict[str, str]]:
     if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     raise ConfigError(
-        f"{where}: --sft reads records with 'messages' (a list of role and content) or 'prompt' and 'response' "
+        f"{where}: `sft` reads records with 'messages' (a list of role and content) or 'prompt' and 'response' "
         f"strings; this one has {sorted(k for k, v in record.items() if v is not None)}"
     )
 

@@ -50,43 +50,43 @@ def parse_spec(spec: str) -> tuple[Path, str | None]:
     return Path(rest), None
 
 
-def _datasets(flag: str) -> Any:
+def _datasets(name: str) -> Any:
     try:
         import datasets  # lazy: the data extra, and slow to import: only runs that read hf: data pay for it
     except ImportError:
-        raise ConfigError(f"{flag} hf:... needs the datasets library: {EXTRA}") from None
+        raise ConfigError(f"{name}=hf:... needs the datasets library: {EXTRA}") from None
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     return datasets
 
 
-def refuse_scripts(path: Path, flag: str) -> None:
+def refuse_scripts(path: Path, name: str) -> None:
     """A data set loading script runs code: refused by name, never handed to `datasets`."""
     scripts = [path] if path.suffix == ".py" else sorted(path.rglob("*.py")) if path.is_dir() else []
     if scripts:
         raise ConfigError(
-            f"{flag} hf:{path}: {scripts[0]} is a data set loading script, which runs code (trust_remote_code); "
+            f"{name}=hf:{path}: {scripts[0]} is a data set loading script, which runs code (trust_remote_code); "
             f"tessera reads data files only: convert it to JSONL, Parquet or Arrow files"
         )
 
 
-def open_records(path: Path, split: str | None, flag: str) -> Any:
+def open_records(path: Path, split: str | None, name: str) -> Any:
     """The data set's records as a `datasets` IterableDataset (streamed: read as iterated)."""
     if not path.exists():
         raise ConfigError(
-            f"{flag} hf:{path}: no such file or directory (tessera reads local data sets only; nothing is downloaded)"
+            f"{name}=hf:{path}: no such file or directory (tessera reads local data sets only; nothing is downloaded)"
         )
-    refuse_scripts(path, flag)
-    datasets = _datasets(flag)
-    where = f"{flag} hf:{path}"
+    refuse_scripts(path, name)
+    datasets = _datasets(name)
+    where = f"{name}=hf:{path}"
     try:
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
             saved = datasets.load_from_disk(str(path))  # memory-mapped Arrow: iterating reads as it goes
             if isinstance(saved, datasets.DatasetDict):
-                name = split or "train"
-                if name not in saved:
-                    raise ConfigError(f"{where}: no split {name!r}; its splits: {', '.join(saved)}")
-                saved = saved[name]
+                wanted = split or "train"
+                if wanted not in saved:
+                    raise ConfigError(f"{where}: no split {wanted!r}; its splits: {', '.join(saved)}")
+                saved = saved[wanted]
             elif split is not None and split != str(saved.split or "train"):
                 raise ConfigError(f"{where}: no split {split!r}; its split: {saved.split or 'train'}")
             return saved.to_iterable_dataset()
@@ -114,32 +114,32 @@ def _special(value: Any) -> str | None:
 class HFTokenizer:
     """A tokenizer.json (or a model folder's), its chat template and special tokens, and the separator."""
 
-    def __init__(self, spec: str | None, flag: str = "--tokenizer"):
+    def __init__(self, spec: str | None, name: str = "path"):
         if not spec:
-            raise ConfigError("--data hf:... needs --tokenizer (a tokenizer.json or a Hugging Face model folder)")
+            raise ConfigError(f"{name}=hf:... needs `tokenizer` (a tokenizer.json or a Hugging Face model folder)")
         try:
             from tokenizers import Tokenizer  # lazy: the data extra
         except ImportError:
-            raise ConfigError(f"{flag} needs the tokenizers library: {EXTRA}") from None
+            raise ConfigError(f"{name}=hf:... needs the tokenizers library: {EXTRA}") from None
         path = Path(spec)
         folder = path if path.is_dir() else None
         file = path / "tokenizer.json" if folder else path
         if not file.is_file():
             raise ConfigError(
-                f"{flag} {spec}: {'no tokenizer.json in the folder' if folder else 'no such file'}; name a "
+                f"tokenizer={spec}: {'no tokenizer.json in the folder' if folder else 'no such file'}; name a "
                 f"tokenizer.json or a model folder holding one"
             )
         try:
             self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # the library raises its own Exception types for malformed files
-            raise ConfigError(f"{flag} {spec} is not a tokenizer.json ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"tokenizer={spec} is not a tokenizer.json ({str(e).splitlines()[0]})") from None
         self.path, self.vocab_size = str(file), self.tokenizer.get_vocab_size(with_added_tokens=True)
         config: dict[str, Any] = {}
         if folder and (folder / "tokenizer_config.json").is_file():
             try:
                 config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{flag} {folder}/tokenizer_config.json: not JSON ({e})") from None
+                raise ConfigError(f"tokenizer={folder}: its tokenizer_config.json is not JSON ({e})") from None
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
@@ -151,7 +151,7 @@ class HFTokenizer:
         self.separator_token = next((t for t in candidates if t and self.tokenizer.token_to_id(t) is not None), None)
         if self.separator_token is None:
             raise ConfigError(
-                f"{flag} {spec} has none of {', '.join(SEPARATORS)} (nor an eos_token in tokenizer_config.json) "
+                f"tokenizer={spec} has none of {', '.join(SEPARATORS)} (nor an eos_token in tokenizer_config.json) "
                 f"to end each document; add one to the tokenizer"
             )
         separator = self.tokenizer.token_to_id(self.separator_token)
@@ -171,19 +171,21 @@ class HFStream:
         text_field: str = "text",
         sft: bool = False,
         model_vocab: int | None = None,
-        name: str = "--data",
+        name: str = "path",
     ):
         self.spec, self.name, self.text_field, self.sft = spec, name, text_field, sft
         self.path, self.split = parse_spec(spec)
-        self.tok = HFTokenizer(tokenizer)
+        self.tok = HFTokenizer(tokenizer, name)
         self.vocab_size, self.separator = self.tok.vocab_size, self.tok.separator
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ConfigError(
-                f"--tokenizer {tokenizer}: its vocabulary of {self.vocab_size} exceeds the model's {model_vocab}; "
-                f"add --vocab-size {self.vocab_size} (or use the model the tokenizer belongs to)"
+                f"tokenizer={tokenizer}: its vocabulary of {self.vocab_size} exceeds the model's {model_vocab}; "
+                f"add vocab_size={self.vocab_size} (or use the model the tokenizer belongs to)"
             )
         self.renderer = (
-            ChatRenderer(self.tok.tokenizer, self.tok.chat_template, self.tok.specials, spec) if sft else None
+            ChatRenderer(self.tok.tokenizer, self.tok.chat_template, self.tok.specials, f"{name}={spec}")
+            if sft
+            else None
         )
         self.records = open_records(self.path, self.split, name)
         self.seq_len, self.global_batch = seq_len, global_batch
@@ -208,7 +210,7 @@ class HFStream:
             return next(self._iterator)
         except StopIteration:
             if self.next_doc[1] == 0:
-                raise ConfigError(f"{self.name} {self.spec} holds no records") from None
+                raise ConfigError(f"{self.name}={self.spec} holds no records") from None
             self.next_doc = (self.next_doc[0] + 1, 0)  # the next epoch, from the first record
             self._iterator = self._iterate()
             return next(self._iterator)
@@ -222,7 +224,7 @@ class HFStream:
             if not isinstance(text, str):
                 fields = ", ".join(sorted(record)) or "none"
                 raise ConfigError(
-                    f"{where}: no text field {self.text_field!r} (its fields: {fields}); name it with --text-field"
+                    f"{where}: no text field {self.text_field!r} (its fields: {fields}); name it with `text_field`"
                     if text is None
                     else f"{where}: field {self.text_field!r} is {type(text).__name__}, not text"
                 )
@@ -234,7 +236,7 @@ class HFStream:
     def _pull(self) -> None:
         record = self._record()
         epoch, index = self.next_doc
-        where = f"{self.name} {self.spec} record {index}"
+        where = f"{self.name}={self.spec} record {index}"
         if not isinstance(record, dict):
             raise ConfigError(f"{where}: not a record of fields")
         ids, keep = self.encode(record, where)
@@ -307,11 +309,11 @@ class HFStream:
         mine = self.fingerprint()
         if not isinstance(saved, dict) or saved.get("kind") != "hf":
             where = "the text shipped with tessera" if saved is None else f"token files ({saved.get('path')})"
-            raise ConfigError(f"the checkpoint was trained on {where}, not on {self.name} {self.spec}: resume with it")
+            raise ConfigError(f"the checkpoint was trained on {where}, not on {self.name}={self.spec}: resume with it")
         differ = [k for k in mine if k != "path" and saved.get(k) != mine[k]]
         if differ:
             raise ConfigError(
-                f"{self.name} {self.spec}: the checkpoint was trained on {saved.get('path')} with "
+                f"{self.name}={self.spec}: the checkpoint was trained on {saved.get('path')} with "
                 + ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
                 + f" (this run: {', '.join(f'{k}={mine[k]!r}' for k in differ)}); resume with the same data"
             )

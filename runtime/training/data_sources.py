@@ -13,7 +13,7 @@ from tessera.parallel import checkpoint
 if TYPE_CHECKING:  # annotations only
     from .config import Config
 
-FLAGS = {"path": "--data", "eval_data": "--eval-data"}
+FIELDS = ("path", "eval_data")  # the config fields that may name hf: data
 
 
 def open_data(config: Config, field: str, model_vocab: int | None = None) -> Any:
@@ -21,7 +21,7 @@ def open_data(config: Config, field: str, model_vocab: int | None = None) -> Any
     d = config.data
     path = getattr(d, field)
     if is_hf(path):
-        return HFStream(path, d.tokenizer, d.seq_len, d.global_batch, d.text_field, d.sft, model_vocab, FLAGS[field])
+        return HFStream(path, d.tokenizer, d.seq_len, d.global_batch, d.text_field, d.sft, model_vocab, field)
     return TokenFileStream(path, d.seq_len, d.global_batch, model_vocab, name=field)
 
 
@@ -29,7 +29,7 @@ def check_hf_data(config: Config, model_vocab: int) -> None:
     """The hf: flags go together, and each hf: data set opens and yields a first global batch: its split
     exists, its records hold the text field (or, with --sft, a conversation), its tokenizer fits the model."""
     d = config.data
-    hf = [field for field in FLAGS if is_hf(getattr(d, field))]
+    hf = [field for field in FIELDS if is_hf(getattr(d, field))]
     if not hf:
         given = [
             f
