@@ -14,8 +14,10 @@ rounds. A rowwise (axiswise) scale is reduced only when its axis is the split on
 layer's output gemm, a column-parallel layer's grad-input gemm). Across dp and cp each rank's tokens
 are its own batch, as torchao and torchtitan do (one process's scale over all tokens would need an
 all-reduce per activation cast per layer over the data axes); the FP8 contract's derived tolerance
-covers that difference. FSDP2's float8 all-gather computes each weight's scale over the whole tensor too
-(`precompute_scales`, torchao's precompute_float8_dynamic_scale_for_fsdp).
+covers that difference. FSDP2's float8 all-gather (tensorwise, FSDP2 without tp: torchao's
+enable_fsdp_float8_all_gather) casts each weight shard with the amax all-reduced over the FSDP mesh: one
+process's scale too. Under tp the weights all-gather in the compute dtype (tessera's tp layers read their
+DTensor's local shard, which torchao's weight subclass does not wrap).
 
 Left in high precision, as the anchors leave them: the output head, the MoE router, the experts' grouped
 GEMMs (torchao's float8 grouped GEMM is a CUDA-only prototype), the K/V projections replicated over tp
@@ -175,10 +177,19 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8={self.matmul.config.cast_config_weight.short_str()}"
 
 
-def to_float8(linear: nn.Linear, matmul: Float8Matmul) -> Float8Linear:
+def to_float8(linear: nn.Linear, matmul: Float8Matmul, float8_all_gather: bool = False) -> Float8Linear:
+    """`linear` as a Float8Linear (the same parameters). `float8_all_gather`: its weight becomes torchao's
+    WeightWithDynamicFloat8CastTensor, which FSDP2 all-gathers in FP8 (cast once per shard, the amax
+    all-reduced over the FSDP mesh: one process's scale) instead of in the compute dtype."""
     with torch.device("meta"):
         new = Float8Linear(linear.in_features, linear.out_features, bias=False)
     new.weight, new.bias, new.matmul = linear.weight, linear.bias, matmul
+    if float8_all_gather:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # lazy: optional dependency
+
+        target = matmul.config.cast_config_weight.target_dtype
+        wrapped = WeightWithDynamicFloat8CastTensor(linear.weight.detach(), matmul.mm_config, target)
+        new.weight = nn.Parameter(wrapped, requires_grad=linear.weight.requires_grad)
     return new
 
 
@@ -188,6 +199,7 @@ class Fp8Report:
 
     converted: list[str] = field(default_factory=list)
     split: dict[str, int] = field(default_factory=dict)  # the weight dim tp splits of each converted layer
+    float8_all_gather: int = 0  # layers whose weights FSDP2 all-gathers in FP8
     kept: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
@@ -195,9 +207,17 @@ class Fp8Report:
         return f"{len(self.converted)} linear layers in FP8" + (f"; high precision: {kept}" if kept else "")
 
 
-def apply_fp8(model: nn.Module, recipe: str, spec: Any, tp_mesh: Any = None, emulate: bool = False) -> Fp8Report:
+def apply_fp8(
+    model: nn.Module,
+    recipe: str,
+    spec: Any,
+    tp_mesh: Any = None,
+    emulate: bool = False,
+    float8_all_gather: bool = False,
+) -> Fp8Report:
     """Put the spec's qualifying linear layers of `model` (a whole model or a pipeline stage, after tp)
-    in FP8, in place; parameters and their names unchanged. Returns what it converted and kept."""
+    in FP8, in place; parameters and their names unchanged. Returns what it converted and kept.
+    `float8_all_gather` (tensorwise, FSDP2 without tp): their weights all-gather in FP8."""
     from tessera.models.moe import moe_blocks  # lazy: keeps this module's import light for preflight
 
     from .plan import find_modules, replace_module
@@ -223,7 +243,8 @@ def apply_fp8(model: nn.Module, recipe: str, spec: Any, tp_mesh: Any = None, emu
                 report.kept[pattern] = f"dims {out_f}x{in_f} (tp-local {local[0]}x{local[1]}) not multiples of 16"
                 continue
             if isinstance(module, nn.Linear):
-                replace_module(model, name, to_float8(module, Float8Matmul(config)))
+                replace_module(model, name, to_float8(module, Float8Matmul(config), float8_all_gather))
+                report.float8_all_gather += float8_all_gather
             else:
                 split = "col" if isinstance(module, ColumnParallelLinear) else "row"
                 module.matmul = Float8Matmul(config, group, split)

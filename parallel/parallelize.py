@@ -144,7 +144,11 @@ def parallelize(
     if meshes.ep is not None:  # beside tp: the experts split over ep (and tp), tokens by all-to-all
         apply_ep(model, meshes.ep, meshes.tp)
     if config.fp8:  # after tp, which builds the layers FP8 configures (torchtitan converts before its tp styles wrap)
-        report = apply_fp8(model, config.fp8, spec, meshes.tp, emulate=meshes.device_type != "cuda")
+        # FSDP2 all-gathers the FP8 weights (torchao's enable_fsdp_float8_all_gather) where it shards them and
+        # no tp splits them: tessera's tp layers read their DTensor's local shard, which torchao's weight
+        # subclass does not wrap; under tp the weights gather in the compute dtype
+        fp8_gather = config.fp8 == "tensorwise" and meshes.fsdp is not None and meshes.tp is None
+        report = apply_fp8(model, config.fp8, spec, meshes.tp, meshes.device_type != "cuda", fp8_gather)
         setattr(model, "fp8_report", report)  # what it converted and kept: the start-up line names them
     if meshes.cp is not None:
         apply_cp(model, meshes.cp, config.cp_method, config.timeout, slots=attention)

@@ -63,8 +63,16 @@ def fp8_run(kw: dict, per_shard: bool = False, scales: bool = False):
 
 def fp8_runs(cases: list[tuple]) -> list:
     """fp8_run of several configs of this world size (its arguments, each a tuple), one after the other in one
-    spawn; a case ("checkpoints", root, kw) runs `checkpoints` instead."""
-    return [checkpoints(*case[1:]) if case[0] == "checkpoints" else fp8_run(*case) for case in cases]
+    spawn; a case ("checkpoints", root, kw) runs `checkpoints` instead, ("comm", kw) `comm_bytes`."""
+    special = {"checkpoints": checkpoints, "comm": comm_bytes}
+    return [special[case[0]](*case[1:]) if isinstance(case[0], str) else fp8_run(*case) for case in cases]
+
+
+def comm_bytes(kw: dict):
+    """(step 1's bytes by axis as --comm-stats counts them on this rank, the FP8 report) of small_config(**kw)."""
+    trainer = Trainer(small_config(comm_stats="first", **kw), torch.device("cpu"))
+    comm = trainer.train_step().comm
+    return comm["bytes_by_axis"], getattr(trainer.parts[0], "fp8_report", None)
 
 
 def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -64,10 +64,11 @@ def runs(tmp_path_factory):
         cases: list[tuple] = [(kw, False, name in SCALED) for name, kw in rows.items()]
         if world == 2:
             cases += [(ROWS[2][PLANTED], True, True), ("checkpoints", str(root), dict(dp=2, **TW))]
+            cases += [("comm", dict(dp=2, **TW)), ("comm", dict(dp=2))]
         results = run_ranks(fp8_runs, world, cases, timeout=600)[0]
         out.update(zip(rows, results))
         if world == 2:
-            out["planted"], out["checkpoints"] = results[-2:]
+            out["planted"], out["checkpoints"], out["comm-fp8"], out["comm-fp32"] = results[-4:]
     return out
 
 
@@ -183,3 +184,18 @@ def test_export_of_an_fp8_checkpoint_writes_ordinary_weights(runs, tmp_path):
     tensors = load_file(str(weights))
     assert len(tensors) == len(runs["checkpoints"]["saved"])
     assert {t.dtype for t in tensors.values()} <= {torch.float32, torch.bfloat16}
+
+
+def test_fsdp_all_gathers_the_fp8_weights_in_fp8_as_comm_stats_counts(runs):
+    """dp2 FULL_SHARD, tensorwise: each FP8 layer's weight is all-gathered in FP8 (1 byte an element instead
+    of fp32's 4) twice a step (forward, and backward after resharding); each gather adds torchao's amax
+    all-reduce over the FSDP mesh (one fp32 scalar: 2 (n - 1) / n x 4 = 4 bytes on the wire). Counted by
+    --comm-stats on rank 0, against the same run without --fp8."""
+    fp8, report = runs["comm-fp8"]
+    fp32, _ = runs["comm-fp32"]
+    assert report.float8_all_gather == len(report.converted) == 14
+    numel = 2 * 64 * (64 + 32 + 32 + 64 + 3 * 192)  # q, k, v, o, w1, w3, w2 of the debug preset's 2 layers
+    gathers, n = 2, 2
+    saved = gathers * numel * (n - 1) / n * (4 - 1)
+    amax = gathers * len(report.converted) * 2 * (n - 1) / n * 4
+    assert fp32["dp_shard_cp"] - fp8["dp_shard_cp"] == saved - amax

@@ -91,10 +91,12 @@ def fp8_summary(config: Config, trainer: Any) -> str:
     if not config.parallel.fp8 or not reports:
         return ""
     converted = sum(len(r.converted) for r in reports)
+    gathered = sum(r.float8_all_gather for r in reports)
     kept = {name: why for r in reports for name, why in r.kept.items()}
     how = "emulated in fp32 on CPU" if trainer.device.type != "cuda" else "torch._scaled_mm"
     rest = "; high precision: " + ", ".join(f"{n} ({w})" for n, w in sorted(kept.items())) if kept else ""
-    return f"FP8 {config.parallel.fp8} (torchao, {how}): {converted} linear layers on rank 0{rest}; "
+    gather = f" (FSDP2 all-gathers {gathered} of their weights in FP8)" if gathered else ""
+    return f"FP8 {config.parallel.fp8} (torchao, {how}): {converted} linear layers on rank 0{gather}{rest}; "
 
 
 def compute_dtype_summary(report: dict[str, Any] | None) -> str:
