@@ -224,7 +224,8 @@ def test_bad_input_is_one_line_before_any_rank(data, tokenizer_file, tmp_path, r
     assert "no such file or directory" in refused("--data", f"hf:{tmp_path}/none.jsonl", *tok)
     assert "--sft reads records with 'messages'" in refused("--data", jsonl, "--sft", *tok)
     (tmp_path / "notckpt").mkdir()
-    assert "notckpt" in refused("--data", jsonl, *tok, "--resume", str(tmp_path / "notckpt"))
+    line = refused("--data", jsonl, *tok, "--resume", str(tmp_path / "notckpt"))
+    assert "notckpt: not a tessera checkpoint" in line
 
 
 def test_loading_scripts_are_refused_by_name(data, tokenizer_file, tmp_path, refused):
