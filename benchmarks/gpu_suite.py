@@ -7,23 +7,27 @@ model builds and compiles included (--budget-s, default 420), results written af
 Parts, in the order of what they tell a user (--parts a,b,... runs a subset, in this order):
   triton    (15 s)   every Triton kernel compiled on this machine's triton and checked against a float64
                      definition, before anything else (a version break shows here, not mid-run)
-  eager     (90 s)   the 1b preset at seq 2048, eager, at the largest batch that fits: the first try is the
+  eager     (75 s)   the 1b preset at seq 2048, eager, at the largest batch that fits: the first try is the
                      largest power of two the planner's memory estimate fits on this GPU, halved on
                      out-of-memory (doubled while the measured peak leaves room); every attempt recorded.
                      Tokens/s, MFU, the dtype the matmuls ran in, and the profile of its last step: the top
                      25 kernels, the step's time by kind and the GPU's idle time, the allocator's peak by
                      what held it (runtime/metrics/step_profile.py)
-  baseline  (35 s)   the plain-torch baseline (tessera.commands.baseline: FSDP2 on one rank, SDPA, fused AdamW), eager,
+  baseline  (30 s)   the plain-torch baseline (tessera.commands.baseline: FSDP2 on one rank, SDPA, fused AdamW), eager,
                      at that batch (halved on out-of-memory); tessera / baseline step time
-  compiled  (150 s)  the same row with --compile (60% of the part), then the baseline compiled per block at
+  compiled  (130 s)  the same row with --compile (60% of the part), then the baseline compiled per block at
                      that batch; compiled / baseline
-  kernels   (40 s)   tessera's attention fwd+bwd, bf16, head dim 128, causal, seq 4096 and 16384, against
+  fp8       (60 s)   --fp8 tensorwise (torchao's float8; FSDP2's degree-1 mesh, no float8 all-gather to
+                     make) at that batch, eager, then compiled while time is left: tokens/s over the bf16
+                     eager and compiled rows above, and the dtype the records say the matmuls ran in (the
+                     smoke runs the eager row only, emulated: a CPU compile takes minutes)
+  kernels   (35 s)   tessera's attention fwd+bwd, bf16, head dim 128, causal, seq 4096 and 16384, against
                      SDPA's flash and cuDNN backends; RMSNorm's bandwidth as a share of HBM
   moe       (15 s)   one MoE block's experts: torch._grouped_mm against the per-expert loop
-  planner   (35 s)   this GPU's rates at the 1b shapes (tessera plan --calibrate's measurement), then the
+  planner   (30 s)   this GPU's rates at the 1b shapes (tessera plan --calibrate's measurement), then the
                      planner's step time and memory against every training row measured
 
-The seconds are each part's cap; with the 30 s of start-up they sum to 410. A part that would not finish
+The seconds are each part's cap; with the 30 s of start-up they sum to 420. A part that would not finish
 within what is left of the budget is skipped and named in the JSON
 ("skipped"). After every part the JSON is rewritten whole (a temporary file renamed over the last one), so
 a run killed at any moment leaves a valid file holding every part finished so far. The output folder stays
@@ -43,7 +47,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("triton", "eager", "baseline", "compiled", "kernels", "moe", "planner")
+PARTS = ("triton", "eager", "baseline", "compiled", "fp8", "kernels", "moe", "planner")
 FULL = dict(
     model="1b",
     seq_len=2048,
@@ -63,8 +67,8 @@ FULL = dict(
         masks=(True,),
     ),
     moe=dict(n_experts=128, dim=2048, ffn=768, tokens=4096, top_k=8, warmup=3, reps=10),
-    # with gpu_suite_parts.STARTUP_S (30 s) these sum to 410 s, under the 420 of --budget-s's default
-    budgets=dict(triton=15, eager=90, baseline=35, compiled=150, kernels=40, moe=15, planner=35),
+    # with gpu_suite_parts.STARTUP_S (30 s) these sum to 420 s, the --budget-s default
+    budgets=dict(triton=15, eager=75, baseline=30, compiled=130, fp8=60, kernels=35, moe=15, planner=30),
 )
 SMOKE = dict(
     model="debug",
@@ -79,11 +83,11 @@ SMOKE = dict(
         seq_lens=[32], head_dims=[16], hidden=32, tokens=32, norm_shapes=[(8, 64)], warmup=1, reps=1, masks=(True,)
     ),
     moe=dict(n_experts=4, dim=16, ffn=16, tokens=16, top_k=2, warmup=1, reps=1),
-    budgets=dict(triton=60, eager=60, baseline=40, compiled=90, kernels=30, moe=20, planner=40),
+    budgets=dict(triton=60, eager=60, baseline=40, compiled=90, fp8=40, kernels=30, moe=20, planner=40),
 )
 USABLE_MEMORY = 0.9
 # the least time a part needs to finish: with less left, it is skipped (named in the JSON), never begun
-NEEDS = dict(triton=5, eager=45, baseline=20, compiled=60, kernels=15, moe=8, planner=20)
+NEEDS = dict(triton=5, eager=45, baseline=20, compiled=60, fp8=25, kernels=15, moe=8, planner=20)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
                     result["tessera_over_baseline"] = ratio_to(eager_row, result["row"])
                 else:
                     result = part_compiled(suite, cap, peak, batch)
+            elif part == "fp8":
+                eager_row = (r.get("eager") or {}).get("row")
+                batch = batch or (eager_row["global_batch"] if eager_row else planner_batch(sizes, capacity)[0])
+                result = part_fp8(suite, cap, peak, batch, eager_row, (r.get("compiled") or {}).get("row"))
             elif part == "kernels":
                 result = part_kernels(suite, cap)
             elif part == "moe":
@@ -192,6 +200,31 @@ def run(args: argparse.Namespace) -> int:
         + (f"; skipped {', '.join(s['part'] for s in r['skipped'])}" if r["skipped"] else ""),
     )
     return 0
+
+
+def part_fp8(suite, cap: float, peak: float | None, batch: int, eager: dict | None, compiled: dict | None) -> dict:
+    """--fp8 tensorwise at the bf16 rows' batch: eager, then compiled (GPU only) while time is left; tokens/s
+    over the bf16 row of the same mode and batch (None where the batches differ)."""
+    from gpu_suite_parts import row_line, train_row
+
+    began = time.perf_counter()
+    out: dict = {"recipe": "tensorwise", "batch": batch}
+    for mode, base in (("eager", eager), ("compiled", compiled)):
+        left = cap - (time.perf_counter() - began)
+        if mode == "compiled" and (suite.smoke or left < 20):
+            out["compiled_skipped"] = "smoke: a CPU compile takes minutes" if suite.smoke else f"{left:.0f} s left"
+            break
+        suite.say("fp8", f"{suite.sizes['model']} seq {suite.sizes['seq_len']} batch {batch}, {mode} ...")
+        try:
+            row = train_row(suite.sizes, batch, mode == "compiled", suite.smoke, peak, left, fp8="tensorwise")
+        except Exception as e:  # noqa: BLE001 - recorded (an out-of-memory, a timeout); the part goes on
+            out[f"{mode}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            continue
+        suite.say("fp8", row_line(row))
+        out[mode] = row
+        same = base is not None and base["global_batch"] == row["global_batch"]
+        out[f"fp8_over_bf16_{mode}"] = row["tokens_per_s"] / base["tokens_per_s"] if same else None
+    return out
 
 
 def summary_line(part: str, result: dict) -> str:
@@ -224,6 +257,14 @@ def summary_line(part: str, result: dict) -> str:
             + (f"; tessera / baseline step time {ratio:.3f}" if ratio is not None else "")
             + f" ({result['seconds']:.0f} s)"
         )
+    if part == "fp8":
+        ratios = ", ".join(
+            f"{mode} {result[f'fp8_over_bf16_{mode}']:.3f}x bf16"
+            for mode in ("eager", "compiled")
+            if result.get(f"fp8_over_bf16_{mode}") is not None
+        )
+        dtypes = ", ".join(result[m]["compute_dtype"] or "?" for m in ("eager", "compiled") if result.get(m))
+        return f"fp8 tensorwise: {ratios or 'no ratio'}; matmuls in {dtypes or '-'} ({result['seconds']:.0f} s)"
     if part == "kernels":
         return (
             f"{len(result['attention'])} attention rows, {len(result['rms_norm'])} RMSNorm rows; "

@@ -90,7 +90,7 @@ def search_batch(
     return best, attempts
 
 
-def train_config(sizes: dict, batch: int, compile: bool, smoke: bool):
+def train_config(sizes: dict, batch: int, compile: bool, smoke: bool, fp8: str | None = None):
     from tessera.config import Config
 
     config = Config.create(
@@ -101,6 +101,7 @@ def train_config(sizes: dict, batch: int, compile: bool, smoke: bool):
         quiet=True,
         device="cpu" if smoke else "cuda",
         compile=compile,
+        fp8=fp8,
         profile_summary=sizes["steps"],  # the last step: its kernels, time by kind, and memory
         force=True,  # the suite sizes the batch itself: from the planner's estimate, then by what runs
     )
@@ -126,16 +127,19 @@ def planner_batch(sizes: dict, capacity: int | None) -> tuple[int, list[dict]]:
     return (max(fits) if fits else 1), tried
 
 
-def train_row(sizes: dict, batch: int, compile: bool, smoke: bool, peak: float | None, timeout: float) -> dict:
+def train_row(
+    sizes: dict, batch: int, compile: bool, smoke: bool, peak: float | None, timeout: float, fp8: str | None = None
+) -> dict:
     from tessera.commands.bench import _row
     from tessera.parallel.launch import run_ranks
     from tessera.training.run import run_rank
 
-    config = train_config(sizes, batch, compile, smoke)
+    config = train_config(sizes, batch, compile, smoke, fp8)
     started = time.perf_counter()
     backend = "gloo" if smoke else "nccl"
     history = run_ranks(run_rank, 1, config, 0, timeout=max(1.0, timeout), backend=backend)[0]
-    row = _row(f"{'compiled' if compile else 'eager'} b{batch}", config, history, sizes["warmup"], peak, not smoke)
+    label = f"{'compiled' if compile else 'eager'}{f' fp8 {fp8}' if fp8 else ''} b{batch}"
+    row = _row(label, config, history, sizes["warmup"], peak, not smoke)
     row["run_seconds"] = time.perf_counter() - started
     row["peak_bytes"] = row["profile"]["memory"]["peak_bytes"] if smoke else row["peak_memory_bytes_rank0"]
     return row

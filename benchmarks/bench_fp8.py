@@ -1,0 +1,135 @@
+"""FP8 against bf16: does --fp8 train like bf16? The loss curves of one process on the shipped text, bf16 and
+FP8 with each recipe (tensorwise, rowwise) over bf16, in one plot, and the largest gap between each FP8 curve
+and bf16's.
+
+On CPU torchao emulates FP8 (the operands are rounded to float8 with their scales, then multiplied in fp32):
+the numerics are FP8's, the speed is not; tokens/s on a GPU is benchmarks/gpu_suite.py's FP8 part.
+
+    python benchmarks/bench_fp8.py                                   # small preset, 300 steps
+    python benchmarks/bench_fp8.py --model debug --steps 5 --out /tmp   # seconds
+
+Writes benchmarks/results/fp8-convergence-<model>-cpu.json and .png. The gap is reported raw (per step) and on
+the curves smoothed over --window steps (a moving mean), as single steps' losses are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+from tessera.config import Config  # noqa: E402
+
+RUNS = {"bf16": None, "fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise"}
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """The moving mean over the last `window` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def gaps(curves: dict[str, list[float]], window: int) -> dict[str, dict[str, float]]:
+    """Each FP8 curve's largest |loss - bf16 loss|, per step and smoothed, with the step where it is largest."""
+    base, base_s = curves["bf16"], smooth(curves["bf16"], window)
+    out = {}
+    for name, losses in curves.items():
+        if name == "bf16":
+            continue
+        raw = [abs(a - b) for a, b in zip(losses, base)]
+        smoothed = [abs(a - b) for a, b in zip(smooth(losses, window), base_s)]
+        out[name] = {
+            "max_abs_gap": max(raw),
+            "max_abs_gap_step": raw.index(max(raw)) + 1,
+            "max_abs_gap_smoothed": max(smoothed),
+            "max_abs_gap_smoothed_step": smoothed.index(max(smoothed)) + 1,
+            "final_loss": losses[-1],
+            "final_loss_bf16": base[-1],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--window", type=int, default=20, help="steps of the moving mean the smoothed gap reads")
+    parser.add_argument("--out", default=None, help="a directory (default benchmarks/results/) or a .json path")
+    args = parser.parse_args(argv)
+    from tessera.training.run import train  # lazy: after the arguments (torch's import is slow)
+
+    curves: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
+    for name, recipe in RUNS.items():
+        config = Config.create(
+            model=args.model,
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            steps=args.steps,
+            mixed_precision="bf16",
+            fp8=recipe,
+            quiet=True,
+            device="cpu",
+        )
+        started = time.perf_counter()
+        history = train(config) or []
+        seconds[name] = time.perf_counter() - started
+        curves[name] = [m["loss"] for m in history]
+        dtype = history[0].get("compute_dtype") if history else None
+        print(
+            f"{name}: loss {curves[name][0]:.3f} -> {curves[name][-1]:.3f} in {args.steps} steps "
+            f"({seconds[name]:.0f} s; matmuls in {dtype})",
+            flush=True,
+        )
+    found = gaps(curves, args.window)
+    for name, g in found.items():
+        print(
+            f"{name} vs bf16: largest gap {g['max_abs_gap']:.4f} (step {g['max_abs_gap_step']}), "
+            f"{g['max_abs_gap_smoothed']:.4f} smoothed over {args.window} steps (step {g['max_abs_gap_smoothed_step']})"
+        )
+    name = f"fp8-convergence-{args.model}-cpu"
+    path = write_results(
+        name,
+        {**vars(args), "mixed_precision": "bf16", "fp8": "torchao float8, emulated on CPU"},
+        {"losses": curves, "gaps": found, "seconds": seconds},
+        args.out,
+    )
+    print(f"wrote {path}")
+    plot(curves, found, args, path.with_suffix(".png"))
+    return 0
+
+
+def plot(curves: dict[str, list[float]], found: dict, args: argparse.Namespace, png: Path) -> None:
+    """The three loss curves in one figure (skipped without matplotlib)."""
+    try:
+        import matplotlib  # lazy: optional (the bench extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # lazy: after choosing the backend
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+    worst = max(found.values(), key=lambda g: g["max_abs_gap"]) if found else None
+    gap = f"; largest gap to bf16 {worst['max_abs_gap']:.3f}" if worst else ""
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (shipped text, one process)")
+    ax.set_title(f"{args.model}: FP8 (emulated) vs bf16{gap}", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
