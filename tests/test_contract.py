@@ -3,14 +3,15 @@
 One table of layout cases that every axis adds to. Each case runs 3 AdamW steps on CPU ranks over gloo
 and is compared with the session's one-process run: per-step losses and grad norms within 1e-5
 relative (AdamW hides clipping errors from the losses, the grad norm does not), and every parameter's
-gradient of step 1 within 1e-4, by one-process parameter name.
+gradient of step 1 within 1e-4, by one-process parameter name. Cases of one world size train one after
+the other in one spawn (tests/shared_spawns.py), each with its own Trainer, each compared alone.
 """
 
 import pytest
 import torch
 
 from helpers import small_config, train_losses_and_grads
-from tessera.parallel.launch import run_ranks
+from shared_spawns import SharedSpawns, selected_keys
 
 LAYOUTS = {
     # tensor parallel (+ sequence parallel); tp4 > n_kv_heads=2 replicates kv heads
@@ -122,10 +123,26 @@ def assert_trains_like_one_process(case: str, run, reference) -> None:
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
 
 
+@pytest.fixture(scope="module")
+def runs(request) -> SharedSpawns:
+    """Every selected case of this file, trained in one spawn per world size on first request."""
+    from conftest import PIPELINE_BASE
+
+    rows = {}
+    for test, table, base, extra in (
+        ("test_layout_trains_like_one_process", LAYOUTS, {}, ()),
+        ("test_unevenly_masked_targets_train_like_one_process", MASKED_LAYOUTS, {}, (True,)),
+        ("test_pipeline_layout_trains_like_one_process", PIPELINE_LAYOUTS, PIPELINE_BASE, ()),
+    ):
+        for case, layout in table.items():
+            config = small_config(**base, **layout)
+            rows[(test, case)] = (config.layout.world_size, (config, *extra))
+    return SharedSpawns(train_losses_and_grads, rows, selected_keys(request))
+
+
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_layout_trains_like_one_process(reference, case):
-    config = small_config(**LAYOUTS[case])
-    run = run_ranks(train_losses_and_grads, config.layout.world_size, config, timeout=180)[0]
+def test_layout_trains_like_one_process(reference, runs, case):
+    run = runs.result(("test_layout_trains_like_one_process", case))
     assert_trains_like_one_process(case, run, reference)
 
 
@@ -135,17 +152,13 @@ def test_the_reference_learns(reference):
 
 
 @pytest.mark.parametrize("case", list(MASKED_LAYOUTS))
-def test_unevenly_masked_targets_train_like_one_process(masked_reference, reference, case):
-    config = small_config(**MASKED_LAYOUTS[case])
-    run = run_ranks(train_losses_and_grads, config.layout.world_size, config, True, timeout=180)[0]
+def test_unevenly_masked_targets_train_like_one_process(masked_reference, reference, runs, case):
+    run = runs.result(("test_unevenly_masked_targets_train_like_one_process", case))
     assert_trains_like_one_process(f"masked {case}", run, masked_reference)
     assert abs(masked_reference[0][0] - reference[0][0]) > 1e-3  # the mask really changed the objective
 
 
 @pytest.mark.parametrize("case", list(PIPELINE_LAYOUTS))
-def test_pipeline_layout_trains_like_one_process(deep_reference, case):
-    from conftest import PIPELINE_BASE
-
-    config = small_config(**PIPELINE_BASE, **PIPELINE_LAYOUTS[case])
-    run = run_ranks(train_losses_and_grads, config.layout.world_size, config, timeout=180)[0]
+def test_pipeline_layout_trains_like_one_process(deep_reference, runs, case):
+    run = runs.result(("test_pipeline_layout_trains_like_one_process", case))
     assert_trains_like_one_process(case, run, deep_reference)

@@ -1,0 +1,72 @@
+"""Contract rows of one world size trained one after the other in one spawn of ranks.
+
+A contract row alone is ~1 s of ranks' work here, and as much again of starting them: forking, the
+process group, the first step's one-time costs in every process (DTensor's sharding caches, the
+allocator). Rows that share a world size share those. Each row still builds its own Trainer (its own
+meshes and model) and is compared alone, by its own name.
+
+Only the rows the session selected run (`pytest -k` picks a row, not its whole group). If a shared spawn
+fails (a rank raised, a deadline passed), its rows fall back to a spawn each, so the failure is reported
+by the row that has it, with that rank's traceback, not by every row that happened to share its ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from tessera.parallel.launch import run_ranks
+from tessera.topology.errors import RankFailure, RankTimeout
+
+
+def each_in_turn(fn: Callable[..., Any], cases: list[tuple]) -> list[Any]:
+    """Rank function: fn(*case) for every case, in order, on this spawn's ranks (rank 0's results)."""
+    return [fn(*case) for case in cases]
+
+
+class SharedSpawns:
+    """The results of `fn(*args)` by row key, computed one world size at a time on first request.
+
+    `rows`: key -> (world size, args). `selected`: the keys this session runs (others are never trained).
+    """
+
+    def __init__(
+        self, fn: Callable[..., Any], rows: dict[Any, tuple[int, tuple]], selected: set, timeout_per_row: float = 60.0
+    ) -> None:
+        self.fn = fn
+        self.rows = rows
+        self.selected = selected
+        self.timeout_per_row = timeout_per_row
+        self.results: dict[Any, Any] = {}
+        self.ran_worlds: set[int] = set()
+
+    def result(self, key: Any) -> Any:
+        world, args = self.rows[key]
+        if world not in self.ran_worlds:
+            self.ran_worlds.add(world)
+            keys = [k for k, (w, _) in self.rows.items() if w == world and (k in self.selected or k == key)]
+            try:
+                outs = run_ranks(
+                    each_in_turn,
+                    world,
+                    self.fn,
+                    [self.rows[k][1] for k in keys],
+                    timeout=60.0 + self.timeout_per_row * len(keys),
+                )[0]
+                self.results.update(zip(keys, outs))
+            except (RankFailure, RankTimeout):
+                pass  # each row of this world size runs alone below, and fails by its own name
+        if key in self.results:
+            return self.results[key]
+        return run_ranks(self.fn, world, *args, timeout=180)[0]
+
+
+def selected_keys(request: pytest.FixtureRequest, param: str = "case") -> set:
+    """(test function name, parameter value) of every item this session runs from the requesting module."""
+    keys = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None and param in callspec.params:
+            keys.add((item.originalname, callspec.params[param]))
+    return keys
