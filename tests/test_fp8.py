@@ -14,6 +14,10 @@ import torch
 pytest.importorskip("torchao.float8")
 
 from tessera.models.spec import get_preset, spec_of  # noqa: E402
+from tessera.topology import Layout  # noqa: E402
+from tessera.topology.errors import PlanError  # noqa: E402
+from tessera.topology.fp8_model import cast_bytes_per_step, fp8_flop_share, fp8_params, fp8_summary  # noqa: E402
+from tessera.topology.planner import Candidate, Hardware, estimate  # noqa: E402
 from tessera.metrics.dtype_probe import MatmulDtypes  # noqa: E402
 from tessera.parallel.fp8 import (  # noqa: E402
     FP8_RECIPES,
@@ -107,3 +111,57 @@ def test_a_model_with_no_qualifying_layer_is_refused_naming_why():
     cfg = dataclasses.replace(get_preset("debug"), dim=16, n_heads=1, n_kv_heads=1, ffn_dim=16)
     with pytest.raises(ValueError, match=r"tp-local with --tp 2"):  # 16 rows split over tp2: 8 each
         check_fp8("rowwise", cfg, spec_of(cfg), 2, "cpu")
+
+
+@pytest.mark.parametrize("model", ["debug", "qwen3-moe-debug", "qwen3-moe-shared-debug", "1b"])
+def test_the_planners_fp8_layers_are_the_ones_parallelize_converts(model):
+    """topology/fp8_model.py's torch-free rule counts the layers parallel/fp8.py converts, parameter for parameter."""
+    cfg = get_preset(model)
+    spec = spec_of(cfg)
+    built = spec.build_model(cfg, device="meta") if model != "1b" else None
+    shape = spec.shape(cfg)
+    if built is not None:
+        report = apply_fp8(built, "tensorwise", spec, emulate=True)
+        assert fp8_params(shape) == sum(built.get_submodule(n).weight.numel() for n in report.converted)
+    assert 0 < fp8_params(shape) < shape.num_params()
+
+
+def test_the_planner_prices_fp8_matmuls_casts_and_the_float8_all_gather():
+    cfg = get_preset("1b")
+    shape = spec_of(cfg).shape(cfg)
+    seq, batch = 4096, 64
+
+    def plan(fp8, **layout):
+        return estimate(shape, Candidate(Layout(**layout)), Hardware(gpus=8, fp8=fp8), seq, batch)
+
+    bf16, tw, rw = plan(None, dp_shard=8), plan("tensorwise", dp_shard=8), plan("rowwise", dp_shard=8)
+    share = fp8_flop_share(shape, seq)
+    casts = cast_bytes_per_step(shape, seq * batch / 8, 1, 2, weight_casts=1 / 8) / (Hardware(gpus=8).hbm_gbps * 1e9)
+    assert tw.time["compute"] == pytest.approx(bf16.time["compute"] * (1 - share / 2) + casts)
+    assert 1.2 < tw.tokens_per_s / bf16.tokens_per_s < 2  # the datasheet's 2x on ~70% of the FLOPs, less the casts
+    # rowwise: the same rate; its weights all-gather in bf16 and are cast whole on every use
+    assert rw.time["compute"] == pytest.approx(tw.time["compute"] + casts_of_weights(shape, 7 / 8))
+    assert tw.comm_bytes["dp_shard_cp"] < rw.comm_bytes["dp_shard_cp"] == bf16.comm_bytes["dp_shard_cp"]
+    # under tp the weights all-gather in bf16 (parallelize's rule), so the bytes are bf16's
+    tp_bf16, tp_tw = plan(None, dp_shard=4, tp=2), plan("tensorwise", dp_shard=4, tp=2)
+    assert tp_tw.comm_bytes["dp_shard_cp"] == tp_bf16.comm_bytes["dp_shard_cp"]
+    with pytest.raises(PlanError, match="fp8='blockwise'"):
+        Hardware(gpus=8, fp8="blockwise")
+
+
+def casts_of_weights(shape, share: float) -> float:
+    """Seconds of `share` of one round of weight casts at the default HBM rate (one microbatch)."""
+    return share * cast_bytes_per_step(shape, 0.0, 1, 2) / (Hardware(gpus=8).hbm_gbps * 1e9)
+
+
+def test_tessera_memory_says_what_fp8_changes(capsys):
+    from tessera.cli import main
+
+    f = fp8_summary(spec_of(get_preset("8b")).shape(get_preset("8b")), "tensorwise", tp=1, fsdp=8)
+    assert f["all_gather_bytes_per_gather"] * 2 == f["all_gather_bytes_per_gather_without_fp8"]  # 1 byte, not 2
+    tp2 = fp8_summary(spec_of(get_preset("8b")).shape(get_preset("8b")), "tensorwise", tp=2, fsdp=4)
+    assert tp2["all_gather_bytes_per_gather"] == tp2["all_gather_bytes_per_gather_without_fp8"]  # bf16 under tp
+    assert main(["memory", "--model", "8b", "--dp", "8", "--fp8", "tensorwise"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("--fp8 tensorwise: 6.98B of 8.03B parameters in FP8 linear layers"), line
+    assert "FSDP2 all-gathers them in FP8: 6.11 GB a gather per rank against 12.21 GB in bf16" in line

@@ -133,7 +133,7 @@ class StepTraffic:
     strategy: str
     cp_method: str
     act_bytes: int
-    param_bytes: int
+    param_bytes: float
     reduce_bytes: int
     routed_fraction: float | None = None  # ep: share of assignments moved off-rank; None: balanced routing
     placement: str = "loop"  # where the stages live (topology/schedule.py's stage_rank)
@@ -176,7 +176,7 @@ def comm_bytes_per_step(
     rank: int = 0,
     layers_per_stage=None,
     act_bytes: int = 4,
-    param_bytes: int = 4,
+    param_bytes: float = 4,
     reduce_bytes: int = 4,
     routed_fraction: float | None = None,
     placement: str = "loop",

@@ -79,6 +79,14 @@ from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
 from .muon_memory import MUON_RECIPES, muon_extra_bytes
 from .step_time import Calibration, step_parts
 from .errors import PlanError  # no layout fits, or a request it cannot plan
+from .fp8_model import (
+    FP8_RECIPES,
+    cast_bytes_per_step,
+    fp8_flop_share,
+    fp8_params,
+    fp8_time_factor,
+    fsdp_param_bytes,
+)
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
 # InfiniBand per GPU, as algorithm bandwidths a well-tuned collective reaches.
@@ -130,6 +138,9 @@ class Hardware:
     recipe: str = "mixed_adam"
     # measured rates of the device kind (tessera plan --calibrate): they replace peak x efficiency
     calibration: Calibration | None = None
+    # --fp8's recipe (None: off): FP8 matmuls at FP8_MATMUL_SPEEDUP x the bf16 (or calibrated) rate, their
+    # casts' memory traffic, and FSDP2's float8 all-gather under tensorwise (topology/fp8_model.py)
+    fp8: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
@@ -155,6 +166,8 @@ class Hardware:
                 f"use a multiple of {self.gpus_per_node}"
             )
         get_recipe(self.recipe)
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise PlanError(f"fp8={self.fp8!r}: use one of {', '.join(FP8_RECIPES)} (or None)")
 
     @property
     def usable_bytes(self) -> float:
@@ -482,6 +495,21 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         compute = parts["step"]
     else:
         compute = flops * (1 + recompute) / (hw.gpus * hw.peak_flops_per_s * hw.efficiency)
+    if hw.fp8:  # the FP8 matmuls' share at their rate, and the casts' memory traffic (one pp rank: 1 / pp of it)
+        if hw.calibration is not None:  # the calibrated matmul time: its FP8 share at the speedup
+            saved = parts["matmul"] * (1 - fp8_time_factor(fp8_params(cfg, lay.tp) / cfg.matmul_params()))
+            parts = {**parts, "fp8_matmul_saved": saved}
+            compute -= saved
+        else:
+            compute *= fp8_time_factor(fp8_flop_share(cfg, seq_len, lay.tp))
+        tokens_seen = global_batch * seq_len / (lay.dp * lay.cp) * (1 + recompute)
+        fp8_gather = hw.fp8 == "tensorwise" and lay.tp == 1 and fsdp > 1  # each gather casts a shard
+        weight_casts = cand.microbatches * (1 + recompute) / (fsdp if fp8_gather else 1)
+        cast = cast_bytes_per_step(cfg, tokens_seen, lay.tp, e, weight_casts) / lay.pp
+        rate = hw.calibration.memory_bytes_per_s if hw.calibration is not None else hw.hbm_gbps * GB
+        compute += cast / rate
+        if parts:
+            parts["fp8_casts"] = cast / rate
     compute += expert_weight_seconds(cfg, cand, hw, seq_len, global_batch, recompute)
     compute_stretched = compute / (1 - bubble)
     comm = comm_bytes_per_step(
@@ -497,7 +525,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         "ring",
         rank=0,
         act_bytes=e,
-        param_bytes=e,
+        param_bytes=fsdp_param_bytes(cfg, e, hw.fp8, lay.tp),
         reduce_bytes=4,
         placement=placement_of(cand.schedule),
     )

@@ -11,6 +11,7 @@ from typing import Any
 
 from tessera.topology import Layout, memory
 from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_from_flags, values_of
+from tessera.topology.fp8_model import FP8_RECIPES, fp8_summary
 from tessera.topology.memory import GB, get_recipe
 from tessera.topology.muon_memory import MUON_RECIPES, muon_extra_bytes
 from tessera.topology.planner import rank_params_of
@@ -181,6 +182,7 @@ def _memory(args: argparse.Namespace) -> int:
         shard_group = math.prod(degrees[n] for n in sharding)
         per_rank_params = args.params / split
         exact = _planner_model_states(args, shard_group) if args.model is not None else None
+        fp8 = _fp8_summary(args, degrees["tp"], shard_group)
         floor = None
         if args.gpu_memory is not None:
             floor = math.ceil(
@@ -198,6 +200,8 @@ def _memory(args: argparse.Namespace) -> int:
                 rows["planner_zero3"] = exact
             if args.recipe in MUON_RECIPES:
                 rows["note"] = MUON_NOTE
+            if fp8 is not None:
+                rows["fp8"] = fp8
             print(json.dumps(rows))
         else:
             if split > 1 or shard_group != args.dp:
@@ -228,12 +232,40 @@ def _memory(args: argparse.Namespace) -> int:
                         else ""
                     )
                 )
+            if fp8 is not None:
+                print(_fp8_line(args.fp8, fp8))
         if args.dry_run:
             _memory_dry_run(args)
     except ValueError as e:
         print(f"tessera memory: error: {said(e, args)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _fp8_summary(args: argparse.Namespace, tp: int, shard_group: int) -> dict[str, float] | None:
+    """--fp8's figures for the preset (topology/fp8_model.py), None without --fp8; it needs --model's shape."""
+    if args.fp8 is None:
+        return None
+    if args.fp8 not in FP8_RECIPES:
+        raise ValueError(f"--fp8 {args.fp8!r}: use one of {', '.join(FP8_RECIPES)}")
+    if args.model is None:
+        raise ValueError("--fp8 needs --model PRESET (which linear layers run in FP8 is the model's shape)")
+    return fp8_summary(model_shape(args.model), args.fp8, tp, shard_group)
+
+
+def _fp8_line(recipe: str, f: dict[str, float]) -> str:
+    gather = (
+        f"FSDP2 all-gathers them in FP8: {_gb(f['all_gather_bytes_per_gather'])} a gather per rank against "
+        f"{_gb(f['all_gather_bytes_per_gather_without_fp8'])} in bf16"
+        if f["all_gather_bytes_per_gather"] < f["all_gather_bytes_per_gather_without_fp8"]
+        else "their all-gather stays bf16 (FP8 all-gather: tensorwise, FSDP2 without tp)"
+    )
+    return (
+        f"--fp8 {recipe}: {f['fp8_params'] / 1e9:.2f}B of {f['params'] / 1e9:.2f}B parameters in FP8 linear layers "
+        f"(their fp32 master weights, gradients and optimizer state as above); {gather}; the casts move "
+        f"{f['cast_bytes_per_token'] / 1e6:.2f} MB per token and {_gb(f['cast_bytes_of_weights_per_microbatch'])} "
+        f"of weights per microbatch through memory"
+    )
 
 
 def _planner_model_states(args: argparse.Namespace, shard_group: int) -> dict:
@@ -327,4 +359,10 @@ def add_memory_parser(sub: argparse._SubParsersAction) -> None:
     mem.add_argument("--recipe", default="mixed_adam", help="mixed_adam (2+2+12 B), fp32_adam (4+4+8 B), ...")
     mem.add_argument("--gpu-memory", type=_float, default=None, help="GB per GPU: also print the raw GPU floor")
     mem.add_argument("--json", action="store_true", help="print bytes as JSON instead of the table")
+    mem.add_argument(
+        "--fp8",
+        default=None,
+        metavar="tensorwise|rowwise",
+        help="with --model: the parameters --fp8 runs in FP8, the all-gather bytes it saves, its casts' traffic",
+    )
     mem.set_defaults(func=_memory)

@@ -142,6 +142,13 @@ def add_plan_parser(sub) -> None:
         f"H100 SXM's 3.35 TB/s at ~90%%)",
     )
     p.add_argument(
+        "--fp8",
+        default=None,
+        metavar="tensorwise|rowwise",
+        help="plan for tessera train --fp8: the linear layers' matmuls at 2x the bf16 rate (the datasheet's "
+        "ratio until a GPU calibrates FP8), their casts' memory traffic, tensorwise's float8 all-gather",
+    )
+    p.add_argument(
         "--headroom",
         type=float,
         default=0.10,
@@ -240,6 +247,7 @@ def run_plan(args: argparse.Namespace) -> int:
             calibration=calibration,
             dtype_bytes=dtype_bytes,
             recipe=recipe_for(dtype_bytes, args.optimizer),
+            fp8=args.fp8,
         )
         shape = model_shape(args.model)
         named = parse_named_layout(args.layout, args.gpus) if args.layout else None
@@ -259,7 +267,8 @@ def run_plan(args: argparse.Namespace) -> int:
     dry = _dry_run(args.model, best) if args.dry_run else None
 
     def command(x: Estimate) -> str:
-        return train_command(args.model, args.seq_len, args.global_batch, x, hw)
+        fp8 = f" --fp8 {args.fp8}" if args.fp8 else ""
+        return train_command(args.model, args.seq_len, args.global_batch, x, hw) + fp8
 
     if args.json:
         best_ep = (
@@ -329,7 +338,13 @@ def run_plan(args: argparse.Namespace) -> int:
         f"{f'experts streamed at {args.hbm_gbps:g} GB/s, ' if result.request['experts'] else ''}"
         f"{args.headroom:.0%} memory headroom, "
         f"{precision}, "
-        f"--ac op's recompute at 3% of the step"
+        + (
+            f"FP8 ({args.fp8}) matmuls on the linear layers at 2x the bf16 rate (the datasheet's ratio, "
+            f"uncalibrated) with their casts' memory traffic, "
+            if args.fp8
+            else ""
+        )
+        + "--ac op's recompute at 3% of the step"
     )
     if dry is not None:
         for r in dry["ranks"]:

@@ -51,6 +51,7 @@ def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
         dtype_bytes=element,
         recipe=recipe_for(element, config.optimizer.optimizer),
         calibration=calibration,
+        fp8=config.parallel.fp8,
     )
 
     return estimate(shape_of(config.model_config), cand, hw, config.data.seq_len, config.data.global_batch)
