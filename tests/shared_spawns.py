@@ -12,6 +12,7 @@ by the row that has it, with that rank's traceback, not by every row that happen
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, Callable
 
 import pytest
@@ -20,53 +21,56 @@ from tessera.parallel.launch import run_ranks
 from tessera.topology.errors import RankFailure, RankTimeout
 
 
-def each_in_turn(fn: Callable[..., Any], cases: list[tuple]) -> list[Any]:
-    """Rank function: fn(*case) for every case, in order, on this spawn's ranks (rank 0's results)."""
-    return [fn(*case) for case in cases]
+def each_in_turn(cases: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    """Rank function: fn(*args) for every (fn, args), in order, on this spawn's ranks (rank 0's results)."""
+    return [fn(*args) for fn, args in cases]
+
+
+Row = tuple[Callable[..., Any], int, tuple]  # (rank function, world size, its arguments)
 
 
 class SharedSpawns:
-    """The results of `fn(*args)` by row key, computed one world size at a time on first request.
+    """The results of each row's `fn(*args)` by row key, computed one world size at a time on first request.
 
-    `rows`: key -> (world size, args). `selected`: the keys this session runs (others are never trained).
+    `rows`: key -> (fn, world size, args). `selected`: the keys this session runs (others never run).
+    A result is rank 0's, or with `every_rank` the list of every rank's in rank order.
     """
 
     def __init__(
-        self, fn: Callable[..., Any], rows: dict[Any, tuple[int, tuple]], selected: set, timeout_per_row: float = 60.0
+        self, rows: dict[Any, Row], selected: set, timeout_per_row: float = 60.0, every_rank: bool = False
     ) -> None:
-        self.fn = fn
         self.rows = rows
+        self.every_rank = every_rank
         self.selected = selected
         self.timeout_per_row = timeout_per_row
         self.results: dict[Any, Any] = {}
         self.ran_worlds: set[int] = set()
 
     def result(self, key: Any) -> Any:
-        world, args = self.rows[key]
+        fn, world, args = self.rows[key]
         if world not in self.ran_worlds:
             self.ran_worlds.add(world)
-            keys = [k for k, (w, _) in self.rows.items() if w == world and (k in self.selected or k == key)]
+            keys = [k for k, (_, w, _) in self.rows.items() if w == world and (k in self.selected or k == key)]
+            cases = [(self.rows[k][0], self.rows[k][2]) for k in keys]
             try:
-                outs = run_ranks(
-                    each_in_turn,
-                    world,
-                    self.fn,
-                    [self.rows[k][1] for k in keys],
-                    timeout=60.0 + self.timeout_per_row * len(keys),
-                )[0]
+                by_rank = run_ranks(each_in_turn, world, cases, timeout=60.0 + self.timeout_per_row * len(keys))
+                outs = [list(per_case) for per_case in zip(*by_rank)] if self.every_rank else by_rank[0]
                 self.results.update(zip(keys, outs))
             except (RankFailure, RankTimeout):
                 pass  # each row of this world size runs alone below, and fails by its own name
         if key in self.results:
             return self.results[key]
-        return run_ranks(self.fn, world, *args, timeout=180)[0]
+        alone = run_ranks(fn, world, *args, timeout=180)
+        return alone if self.every_rank else alone[0]
 
 
 def selected_keys(request: pytest.FixtureRequest, param: str = "case") -> set:
-    """(test function name, parameter value) of every item this session runs from the requesting module."""
+    """(test function name, parameter value) of every item this session runs from the requesting module; a
+    value that cannot be a key (a dict of layout options) as its str()."""
     keys = set()
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
         if item.module is request.module and callspec is not None and param in callspec.params:
-            keys.add((item.originalname, callspec.params[param]))
+            value = callspec.params[param]
+            keys.add((item.originalname, value if isinstance(value, Hashable) else str(value)))
     return keys

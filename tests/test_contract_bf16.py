@@ -22,7 +22,7 @@ import pytest
 
 from conftest import PIPELINE_BASE
 from helpers import small_config, train_with_dtypes
-from tessera.parallel.launch import run_ranks
+from shared_spawns import SharedSpawns, selected_keys
 
 BF16 = dict(mixed_precision="bf16")
 
@@ -58,21 +58,35 @@ PIPELINE_LAYOUTS = {
 }
 
 
-def _one_process(**kw):
+@pytest.fixture(scope="module")
+def runs(request) -> SharedSpawns:
+    """This file's runs, one spawn per world size (tests/shared_spawns.py): the one-process bf16 and fp32
+    references (8 layers for the pipelines) and every selected layout."""
+    rows = {}
+    for name, base in (("one_process", {}), ("deep_one_process", PIPELINE_BASE)):
+        for precision in ("bf16", "fp32"):
+            config = small_config(**base, mixed_precision=precision)
+            rows[(name, precision)] = (train_with_dtypes, 1, (config,))
+    for test, table, base in (
+        ("test_layout_trains_like_one_process_in_bf16", LAYOUTS, {}),
+        ("test_pipeline_layout_trains_like_one_process_in_bf16", PIPELINE_LAYOUTS, PIPELINE_BASE),
+    ):
+        for case, layout in table.items():
+            config = small_config(**base, **layout, **BF16)
+            rows[(test, case)] = (train_with_dtypes, config.layout.world_size, (config,))
+    references = {(name, p) for name in ("one_process", "deep_one_process") for p in ("bf16", "fp32")}
+    return SharedSpawns(rows, selected_keys(request) | references)
+
+
+@pytest.fixture(scope="module")
+def one_process(runs):
     """(bf16 run, fp32 run) of one process."""
-    bf16 = run_ranks(train_with_dtypes, 1, small_config(**kw, **BF16), timeout=120)[0]
-    fp32 = run_ranks(train_with_dtypes, 1, small_config(**kw, mixed_precision="fp32"), timeout=120)[0]
-    return bf16, fp32
+    return runs.result(("one_process", "bf16")), runs.result(("one_process", "fp32"))
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    return _one_process()
-
-
-@pytest.fixture(scope="module")
-def deep_one_process():
-    return _one_process(**PIPELINE_BASE)
+def deep_one_process(runs):
+    return runs.result(("deep_one_process", "bf16")), runs.result(("deep_one_process", "fp32"))
 
 
 def assert_trains_like_one_process_in_bf16(case: str, run, one_process, bf16_share: float = 0.9) -> None:
@@ -106,14 +120,12 @@ def test_bf16_differs_from_fp32_on_one_process(one_process):
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_layout_trains_like_one_process_in_bf16(one_process, case):
-    config = small_config(**LAYOUTS[case], **BF16)
-    run = run_ranks(train_with_dtypes, config.layout.world_size, config, timeout=300)[0]
+def test_layout_trains_like_one_process_in_bf16(one_process, runs, case):
+    run = runs.result(("test_layout_trains_like_one_process_in_bf16", case))
     assert_trains_like_one_process_in_bf16(case, run, one_process)
 
 
 @pytest.mark.parametrize("case", list(PIPELINE_LAYOUTS))
-def test_pipeline_layout_trains_like_one_process_in_bf16(deep_one_process, case):
-    config = small_config(**PIPELINE_BASE, **PIPELINE_LAYOUTS[case], **BF16)
-    run = run_ranks(train_with_dtypes, config.layout.world_size, config, timeout=300)[0]
+def test_pipeline_layout_trains_like_one_process_in_bf16(deep_one_process, runs, case):
+    run = runs.result(("test_pipeline_layout_trains_like_one_process_in_bf16", case))
     assert_trains_like_one_process_in_bf16(case, run, deep_one_process)

@@ -11,7 +11,7 @@ token to the same experts as one process.
 import pytest
 
 from helpers import small_config, train_with_dtypes, train_with_records
-from tessera.parallel.launch import run_ranks
+from shared_spawns import SharedSpawns, selected_keys
 from test_contract import assert_trains_like_one_process
 from test_contract_bf16 import assert_trains_like_one_process_in_bf16
 
@@ -36,8 +36,39 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def moe_reference():
-    return run_ranks(train_with_records, 1, small_config(**BASE), timeout=120)[0]
+def runs(request) -> SharedSpawns:
+    """This file's runs, one spawn per world size (tests/shared_spawns.py): the one-process references
+    (softmax routing; sigmoid with a shared expert; bf16 and fp32 with their dtypes) and every selected layout."""
+    rows = {
+        ("reference", "softmax"): (train_with_records, 1, (small_config(**BASE),)),
+        ("reference", "shared"): (train_with_records, 1, (small_config(**SHARED),)),
+        ("reference", "bf16"): (train_with_dtypes, 1, (small_config(**BASE, mixed_precision="bf16"),)),
+        ("reference", "fp32"): (train_with_dtypes, 1, (small_config(**BASE, mixed_precision="fp32"),)),
+    }
+    for test, table, fn, base in (
+        ("test_moe_layout_trains_like_its_one_process_run", LAYOUTS, train_with_records, BASE),
+        (
+            "test_sigmoid_routing_with_a_shared_expert_trains_like_one_process",
+            SHARED_LAYOUTS,
+            train_with_records,
+            SHARED,
+        ),
+        (
+            "test_moe_layout_trains_like_one_process_in_bf16",
+            BF16_LAYOUTS,
+            train_with_dtypes,
+            dict(BASE, mixed_precision="bf16"),
+        ),
+    ):
+        for case, layout in table.items():
+            config = small_config(**base, **layout)
+            rows[(test, case)] = (fn, config.layout.world_size, (config,))
+    return SharedSpawns(rows, selected_keys(request) | {k for k in rows if k[0] == "reference"})
+
+
+@pytest.fixture(scope="module")
+def moe_reference(runs):
+    return runs.result(("reference", "softmax"))
 
 
 def test_the_moe_reference_learns_and_reports_its_load(moe_reference):
@@ -54,9 +85,8 @@ def test_the_moe_reference_learns_and_reports_its_load(moe_reference):
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_moe_layout_trains_like_its_one_process_run(moe_reference, case):
-    config = small_config(**BASE, **LAYOUTS[case])
-    losses, norms, grads, records = run_ranks(train_with_records, config.layout.world_size, config, timeout=300)[0]
+def test_moe_layout_trains_like_its_one_process_run(moe_reference, runs, case):
+    losses, norms, grads, records = runs.result(("test_moe_layout_trains_like_its_one_process_run", case))
     assert_trains_like_one_process(f"moe {case}", (losses, norms, grads), moe_reference[:3])
     for mine, ref in zip(records, moe_reference[3]):  # the same routing, the same auxiliary loss
         assert mine["moe"]["tokens_per_expert"] == ref["moe"]["tokens_per_expert"], case
@@ -73,14 +103,13 @@ SHARED_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def shared_reference():
-    return run_ranks(train_with_records, 1, small_config(**SHARED), timeout=120)[0]
+def shared_reference(runs):
+    return runs.result(("reference", "shared"))
 
 
 @pytest.mark.parametrize("case", list(SHARED_LAYOUTS))
-def test_sigmoid_routing_with_a_shared_expert_trains_like_one_process(shared_reference, case):
-    config = small_config(**SHARED, **SHARED_LAYOUTS[case])
-    losses, norms, grads, _ = run_ranks(train_with_records, config.layout.world_size, config, timeout=300)[0]
+def test_sigmoid_routing_with_a_shared_expert_trains_like_one_process(shared_reference, runs, case):
+    losses, norms, grads, _ = runs.result(("test_sigmoid_routing_with_a_shared_expert_trains_like_one_process", case))
     assert any(".shared_expert." in name for name in grads)
     assert_trains_like_one_process(f"moe shared {case}", (losses, norms, grads), shared_reference[:3])
 
@@ -99,17 +128,13 @@ BF16_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def moe_one_process_bf16_and_fp32():
-    return tuple(
-        run_ranks(train_with_dtypes, 1, small_config(**BASE, mixed_precision=p), timeout=120)[0]
-        for p in ("bf16", "fp32")
-    )
+def moe_one_process_bf16_and_fp32(runs):
+    return runs.result(("reference", "bf16")), runs.result(("reference", "fp32"))
 
 
 @pytest.mark.parametrize("case", list(BF16_LAYOUTS))
-def test_moe_layout_trains_like_one_process_in_bf16(moe_one_process_bf16_and_fp32, case):
-    config = small_config(**BASE, **BF16_LAYOUTS[case], mixed_precision="bf16")
-    run = run_ranks(train_with_dtypes, config.layout.world_size, config, timeout=300)[0]
+def test_moe_layout_trains_like_one_process_in_bf16(moe_one_process_bf16_and_fp32, runs, case):
+    run = runs.result(("test_moe_layout_trains_like_one_process_in_bf16", case))
     # the fp32 remainder is the CPU attention kernel's, as for the dense models, but beside this model's small
     # experts (top 2 of width 32) it is about 14% of the matmul FLOPs rather than under 10%
     assert_trains_like_one_process_in_bf16(f"moe {case}", run, moe_one_process_bf16_and_fp32, bf16_share=0.8)

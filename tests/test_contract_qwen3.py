@@ -9,7 +9,7 @@ one tensor held by two ranks, whose gradients are summed (parallel/tied.py) and 
 import pytest
 
 from helpers import small_config, train_losses_and_grads, train_with_dtypes
-from tessera.parallel.launch import run_ranks
+from shared_spawns import SharedSpawns, selected_keys
 from test_contract import assert_trains_like_one_process
 from test_contract_bf16 import assert_trains_like_one_process_in_bf16
 
@@ -49,22 +49,57 @@ LAYOUTS = {
 }
 
 
+MASKED_LAYOUTS = {"dp2": dict(dp=2), "dp2xtp2": dict(dp=2, tp=2), "pp2": dict(pp=2, microbatches=2)}
+
+
 @pytest.fixture(scope="module")
-def qwen3_masked_reference():
-    return run_ranks(train_losses_and_grads, 1, small_config(**BASE), True, timeout=120)[0]
+def runs(request) -> SharedSpawns:
+    """This file's runs, one spawn per world size (tests/shared_spawns.py): the one-process references
+    (fp32, masked fp32, bf16 and fp32 with their dtypes) and every selected layout."""
+    one = small_config(**BASE)
+    rows = {
+        ("reference", "fp32"): (train_losses_and_grads, 1, (one,)),
+        ("reference", "masked"): (train_losses_and_grads, 1, (one, True)),
+        ("reference", "bf16+dtypes"): (train_with_dtypes, 1, (small_config(**BASE, mixed_precision="bf16"),)),
+        ("reference", "fp32+dtypes"): (train_with_dtypes, 1, (small_config(**BASE, mixed_precision="fp32"),)),
+    }
+    for test, table, fn, precision, extra in (
+        (
+            "test_qwen3_unevenly_masked_targets_train_like_one_process",
+            MASKED_LAYOUTS,
+            train_losses_and_grads,
+            {},
+            (True,),
+        ),
+        ("test_qwen3_layout_trains_like_its_one_process_run", LAYOUTS, train_losses_and_grads, {}, ()),
+        (
+            "test_qwen3_layout_trains_like_its_one_process_run_in_bf16",
+            BF16_LAYOUTS,
+            train_with_dtypes,
+            dict(mixed_precision="bf16"),
+            (),
+        ),
+    ):
+        for case, layout in table.items():
+            config = small_config(**BASE, **layout, **precision)
+            rows[(test, case)] = (fn, config.layout.world_size, (config, *extra))
+    return SharedSpawns(rows, selected_keys(request) | {k for k in rows if k[0] == "reference"})
 
 
-@pytest.mark.parametrize("case", ["dp2", "dp2xtp2", "pp2"])
-def test_qwen3_unevenly_masked_targets_train_like_one_process(qwen3_masked_reference, case):
-    layout = {"dp2": dict(dp=2), "dp2xtp2": dict(dp=2, tp=2), "pp2": dict(pp=2, microbatches=2)}[case]
-    config = small_config(**BASE, **layout)
-    run = run_ranks(train_losses_and_grads, config.layout.world_size, config, True, timeout=240)[0]
+@pytest.fixture(scope="module")
+def qwen3_masked_reference(runs):
+    return runs.result(("reference", "masked"))
+
+
+@pytest.mark.parametrize("case", list(MASKED_LAYOUTS))
+def test_qwen3_unevenly_masked_targets_train_like_one_process(qwen3_masked_reference, runs, case):
+    run = runs.result(("test_qwen3_unevenly_masked_targets_train_like_one_process", case))
     assert_trains_like_one_process(f"qwen3 masked {case}", run, qwen3_masked_reference)
 
 
 @pytest.fixture(scope="module")
-def qwen3_reference():
-    return run_ranks(train_losses_and_grads, 1, small_config(**BASE), timeout=120)[0]
+def qwen3_reference(runs):
+    return runs.result(("reference", "fp32"))
 
 
 def test_the_qwen3_reference_learns_and_ties_its_head(qwen3_reference):
@@ -75,9 +110,8 @@ def test_the_qwen3_reference_learns_and_ties_its_head(qwen3_reference):
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_qwen3_layout_trains_like_its_one_process_run(qwen3_reference, case):
-    config = small_config(**BASE, **LAYOUTS[case])
-    run = run_ranks(train_losses_and_grads, config.layout.world_size, config, timeout=240)[0]
+def test_qwen3_layout_trains_like_its_one_process_run(qwen3_reference, runs, case):
+    run = runs.result(("test_qwen3_layout_trains_like_its_one_process_run", case))
     assert_trains_like_one_process(f"qwen3 {case}", run, qwen3_reference)
 
 
@@ -97,16 +131,13 @@ BF16_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def qwen3_one_process_bf16_and_fp32():
-    bf16 = run_ranks(train_with_dtypes, 1, small_config(**BASE, mixed_precision="bf16"), timeout=120)[0]
-    fp32 = run_ranks(train_with_dtypes, 1, small_config(**BASE, mixed_precision="fp32"), timeout=120)[0]
-    return bf16, fp32
+def qwen3_one_process_bf16_and_fp32(runs):
+    return runs.result(("reference", "bf16+dtypes")), runs.result(("reference", "fp32+dtypes"))
 
 
 @pytest.mark.parametrize("case", list(BF16_LAYOUTS))
-def test_qwen3_layout_trains_like_its_one_process_run_in_bf16(qwen3_one_process_bf16_and_fp32, case):
-    config = small_config(**BASE, **BF16_LAYOUTS[case], mixed_precision="bf16")
-    run = run_ranks(train_with_dtypes, config.layout.world_size, config, timeout=300)[0]
+def test_qwen3_layout_trains_like_its_one_process_run_in_bf16(qwen3_one_process_bf16_and_fp32, runs, case):
+    run = runs.result(("test_qwen3_layout_trains_like_its_one_process_run_in_bf16", case))
     # on CPU attention multiplies in fp32; qwen3-debug's attention is twice as wide as its dim (4 heads x 32),
     # so it carries 11% of the matmul FLOPs (Llama's debug: under 10%)
     assert_trains_like_one_process_in_bf16(f"qwen3 {case}", run, qwen3_one_process_bf16_and_fp32, bf16_share=0.85)
