@@ -28,6 +28,8 @@ from tessera.parallel.launch import run_ranks  # noqa: E402
 
 TW, RW = dict(fp8="tensorwise"), dict(fp8="rowwise")
 MOE = dict(model="qwen3-moe-debug")
+DEEP = dict(n_layers=4, microbatches=4)  # 4 stages of one layer for the schedules of 2 stages a pp rank
+VIRTUAL = {"interleaved-1f1b": dict(virtual=2), "looped-bfs": dict(virtual=2), "interleaved-zb": dict(virtual=2)}
 ROWS = {
     2: {
         "tp2+sp": dict(tp=2, sequence_parallel=True, **TW),
@@ -37,10 +39,18 @@ ROWS = {
         "pp2-1f1b": dict(pp=2, schedule="1f1b", microbatches=2, **TW),
         "pp2-zb-h1": dict(pp=2, schedule="zb-h1", microbatches=2, **TW),
         "cp2": dict(cp=2, **TW),
+        "cp2-allgather": dict(cp=2, cp_method="allgather", **TW),
         "ep2-qwen3-moe": dict(dp=2, ep=2, **MOE, **TW),
+        "dp2-shard_grad_op": dict(dp=2, fsdp="SHARD_GRAD_OP", **TW),
+        "dp2-no_shard": dict(dp=2, fsdp="NO_SHARD", **TW),
+        **{
+            f"pp2-{kind}-deep": dict(pp=2, schedule=kind, **VIRTUAL.get(kind, {}), **DEEP, **TW)
+            for kind in ("gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+        },
     },
     4: {
         "hsdp2x2": dict(dp=4, dp_replicate=2, **TW),
+        "hybrid_shard2x2": dict(dp=4, dp_replicate=2, fsdp="HYBRID_SHARD", **TW),
         "dp2xtp2": dict(dp=2, tp=2, **TW),
     },
     16: {"pp2xdp2xcp2xtp2": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2, **TW)},
@@ -51,6 +61,8 @@ SINGLES = {
     "one-process-fp32": {},
     "one-process-moe": dict(**MOE, **TW),
     "one-process-moe-fp32": dict(MOE),
+    "one-process-deep": dict(n_layers=4, **TW),
+    "one-process-deep-fp32": dict(n_layers=4),
 }
 SCALED = ("one-process", "one-process-rowwise", "tp2+sp", "tp2+sp-rowwise")  # rows whose step-1 scales are recorded
 PLANTED = "tp2+sp"
@@ -74,9 +86,9 @@ def runs(tmp_path_factory):
 
 def references(runs, case: str) -> tuple:
     """(one-process FP8 run of the row's recipe and model, one-process fp32 run of its model)."""
-    moe = "moe" in case
-    fp8 = "one-process-moe" if moe else "one-process-rowwise" if "rowwise" in case else "one-process"
-    return runs[fp8], runs["one-process-moe-fp32" if moe else "one-process-fp32"]
+    kind = "one-process-moe" if "moe" in case else "one-process-deep" if "deep" in case else "one-process"
+    fp8 = "one-process-rowwise" if "rowwise" in case else kind
+    return runs[fp8], runs[f"{kind}-fp32"]
 
 
 def assert_trains_like_one_process_in_fp8(case: str, run, fp8, fp32) -> None:
