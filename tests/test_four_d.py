@@ -7,6 +7,7 @@ import pytest
 
 from conftest import PIPELINE_BASE
 from helpers import small_config, train_losses_and_grads_saving
+from shared_spawns import each_in_turn
 from tessera.parallel.launch import run_ranks
 from tessera.training.run import train
 from test_contract import assert_trains_like_one_process
@@ -19,14 +20,15 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Each 16-rank layout's 3 steps (losses, grad norms, step-1 gradients) and its checkpoint of step 2."""
-    out = {}
-    for name, layout in LAYOUTS.items():
-        root = tmp_path_factory.mktemp("ckpt")
-        config = small_config(**PIPELINE_BASE, **layout, checkpoint_dir=str(root))
-        run = run_ranks(train_losses_and_grads_saving, 16, config, 2, timeout=300)[0]
-        out[name] = (root / "step_00000002", run)
-    return out
+    """Each 16-rank layout's 3 steps (losses, grad norms, step-1 gradients) and its checkpoint of step 2, the two
+    layouts one after the other in one spawn of 16 ranks."""
+    roots = {name: tmp_path_factory.mktemp("ckpt") for name in LAYOUTS}
+    cases = [
+        (train_losses_and_grads_saving, (small_config(**PIPELINE_BASE, **layout, checkpoint_dir=str(roots[name])), 2))
+        for name, layout in LAYOUTS.items()
+    ]
+    runs = run_ranks(each_in_turn, 16, cases, timeout=600)[0]
+    return {name: (roots[name] / "step_00000002", run) for name, run in zip(LAYOUTS, runs)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

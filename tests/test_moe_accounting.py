@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import small_config, cli_here
-from tessera.parallel.launch import run_ranks
+from shared_spawns import SharedSpawns, selected_keys
 from tessera.topology import Layout, axes, comm_model
 from tessera.topology.comm_model import balanced_routed_fraction, comm_bytes_per_step, routed_fraction_of
 from tessera.topology.shapes import (
@@ -83,11 +83,25 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def counted(request) -> SharedSpawns:
+    """Every rank's counted step of each selected layout, one spawn per world size (tests/shared_spawns.py)."""
+    rows = {}
+    for case, layout in LAYOUTS.items():
+        config = small_config(**{**MOE, **layout})
+        rows[("test_an_moe_step_moves_the_analytic_bytes_on_every_axis", case)] = (
+            counted_step_with_routing,
+            config.layout.world_size,
+            (config,),
+        )
+    return SharedSpawns(rows, selected_keys(request), every_rank=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_an_moe_step_moves_the_analytic_bytes_on_every_axis(case):
+def test_an_moe_step_moves_the_analytic_bytes_on_every_axis(counted, case):
     config = small_config(**{**MOE, **LAYOUTS[case]})
-    results = run_ranks(counted_step_with_routing, config.layout.world_size, config, timeout=240)
+    results = counted.result(("test_an_moe_step_moves_the_analytic_bytes_on_every_axis", case))
     for rank, (counted, balanced, exact, calls) in enumerate(results):
         total = sum(counted.values())
         assert len(calls) >= config.model_config.n_layers  # every MoE block dispatched by all-to-all
