@@ -1,8 +1,8 @@
 import json
-import subprocess
-import sys
 
 import pytest
+
+from helpers import cli_here
 from hypothesis import given
 from hypothesis import strategies as st
 from tessera.topology.memory import RECIPES, min_gpus, model_state_bytes
@@ -61,18 +61,11 @@ def test_bad_input(kwargs):
 
 
 def test_cli_prints_the_reference_table():
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "memory", "--params", "70e9", "--dp", "256", "--gpu-memory", "80"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = cli_here("memory", "--params", "70e9", "--dp", "256", "--gpu-memory", "80").stdout
     total = next(line for line in out.splitlines() if line.startswith("total"))
     assert total.split() == ["total", "1120.00", "GB", "283.28", "GB", "143.83", "GB", "4.38", "GB"]
     assert "raw floor: 14 GPUs of 80 GB" in out
-    bad = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "memory", "--params", "70e9", "--dp", "0"], capture_output=True, text=True
-    )
+    bad = cli_here("memory", "--params", "70e9", "--dp", "0")
     assert bad.returncode == 2 and "--dp 0 must be a positive integer; use --dp 1 or more" in bad.stderr
 
 
@@ -148,12 +141,7 @@ def test_the_memory_command_honours_every_axis_it_is_given():
     assert zero3("--dp", "4", "--cp", "2") == model_state_bytes(params, dp=8, zero_stage=3)["total"]
     assert zero3("--dp", "8", "--dp-replicate", "2") == zero3("--dp", "4")  # HSDP shards over dp_shard only
     assert zero3("--dp", "4", "--pp", "2") == model_state_bytes(params / 2, dp=4, zero_stage=3)["total"]
-    bad = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "memory", "--model", "70b", "--dp", "4", "--dp-replicate", "3"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = cli_here("memory", "--model", "70b", "--dp", "4", "--dp-replicate", "3")
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "tessera memory: error: --dp-replicate 3 must divide --dp 4 (dp = dp_replicate x dp_shard); use --dp 3"
     )
@@ -168,26 +156,7 @@ def test_the_memory_command_agrees_with_the_planner():
     from tessera.topology import Layout
     from tessera.topology.planner import Candidate, Hardware, estimate
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tessera.cli",
-            "memory",
-            "--model",
-            "8b",
-            "--json",
-            "--dp",
-            "4",
-            "--tp",
-            "16",
-            "--pp",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = cli_here("memory", "--model", "8b", "--json", "--dp", "4", "--tp", "16", "--pp", "2")
     assert out.returncode == 0, out.stderr
     exact = _json.loads(out.stdout)["planner_zero3"]
     est = estimate(
@@ -223,24 +192,7 @@ def test_the_readme_memory_example_quotes_what_its_command_prints():
 
 
 def test_a_muon_recipe_says_what_its_table_leaves_out_and_the_planners_line_counts_it():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tessera.cli",
-            "memory",
-            "--model",
-            "8b",
-            "--dp",
-            "8",
-            "--recipe",
-            "mixed_muon",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = cli_here("memory", "--model", "8b", "--dp", "8", "--recipe", "mixed_muon", "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert "AdamW keeps" in rows["note"]

@@ -5,8 +5,6 @@ of an unprofiled run."""
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,9 +130,7 @@ def test_the_readme_command_profiles_its_step_and_prints_one_line(tmp_path):
     readme = (ROOT / "docs" / "training.md").read_text()
     command = re.search(r"^tessera train .*--profile-summary .*$", readme, re.M).group(0)
     argv = command.split()[1:]
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
+    out = cli_here(*argv, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     step = int(argv[argv.index("--profile-summary") + 1])
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"profile of step {step}: "))
@@ -154,13 +150,7 @@ def test_profiling_a_step_on_two_ranks_changes_no_loss(tmp_path):
     runs = {}
     for name, extra in (("plain", []), ("profiled", ["--profile-summary", "2"])):
         metrics = tmp_path / f"{name}.jsonl"
-        out = subprocess.run(
-            [sys.executable, "-m", "tessera.cli", "train", *TINY, "--dp", "2", "--steps", "3", "--quiet"]
-            + ["--metrics", str(metrics), *extra],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        out = cli_here("train", *TINY, "--dp", "2", "--steps", "3", "--quiet", "--metrics", str(metrics), *extra)
         assert out.returncode == 0, out.stderr[-3000:]
         runs[name] = _records(metrics)
     assert [r["loss"] for r in runs["plain"]] == [r["loss"] for r in runs["profiled"]]
