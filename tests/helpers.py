@@ -211,10 +211,28 @@ def train_with_records(config: Config):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads, records
 
 
-def cli_here(*argv: str, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+@contextlib.contextmanager
+def _environ(added: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in added}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def cli_here(
+    *argv: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`tessera ARGV` through the command line's own main() in this process, captured as a subprocess run
-    would be (exit code, stdout, stderr), in `cwd` if given. The ranks a run starts write to this process's
-    fds 1 and 2 (tessera.parallel.launch hands them over), which point at the captured files meanwhile.
+    would be (exit code, stdout, stderr), in `cwd` if given, with `env` added to this process's environment
+    meanwhile (the command reads it; ranks forked from the running forkserver do not see it). The ranks a
+    run starts write to this process's fds 1 and 2 (tessera.parallel.launch hands them over), which point
+    at the captured files meanwhile.
     A fresh interpreter costs ~5 s a call here (its imports, then the forkserver's); the tests that are
     about the interpreter (`python -m tessera`, the console script, torchrun, signals) still start one."""
     from tessera.cli import main  # lazy: the rank functions above are pickled without the CLI
@@ -229,7 +247,7 @@ def cli_here(*argv: str, cwd: str | os.PathLike | None = None) -> subprocess.Com
         err = open(2, "w", buffering=1, closefd=False)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+                with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext(), _environ(env or {}):
                     try:
                         code = main(list(map(str, argv)))
                     except SystemExit as e:  # argparse's usage errors (2), --help (0)

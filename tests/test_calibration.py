@@ -3,13 +3,14 @@ rates (a fake one: arithmetic, not performance), `tessera plan --calibrate` on t
 step-time model states (recounted at the dispatcher). Figures are never asserted here, only plumbing."""
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import cli_here
 
 from tessera.models import get_preset
 from tessera.commands.plan import model_shape
@@ -38,13 +39,7 @@ FAKE = dict(
 
 
 def _tessera(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "tessera", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
+    return cli_here(*args, env=env)
 
 
 def test_calibration_entries_parse_and_are_found_by_device_kind():
