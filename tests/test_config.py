@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import small_config
+from helpers import small_config, cli_here
 from tessera.config import Config, add_arguments, config_from_args
 
 
@@ -244,16 +244,10 @@ def test_the_cli_exits_2_with_one_line_and_runs_nothing(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "tessera train: error: --tp 3 does not divide the 4 attention heads; use a tp that divides 4"
     ]
-    version = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "--version"], capture_output=True, text=True, timeout=60
-    )
+    # the same command's other paths in this process (a fresh interpreter costs ~3 s a call)
+    version = cli_here("--version")
     assert version.returncode == 0 and version.stdout.startswith("tessera ")
-    missing = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "export", str(tmp_path), "--out", str(tmp_path / "no" / "m.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    missing = cli_here("export", str(tmp_path), "--out", str(tmp_path / "no" / "m.safetensors"))
     assert missing.returncode == 2 and "does not exist; create it first" in missing.stderr
 
 
