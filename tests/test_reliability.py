@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from helpers import small_config
+from helpers import small_config, cli_here
 from tessera.parallel import checkpoint
 from tessera.parallel.launch import run_ranks
 
@@ -83,12 +83,7 @@ def test_a_crafted_dcp_metadata_pickle_is_refused_even_with_matching_checksums(o
     os.environ["TESSERA_PWNED"] = str(marker)
     try:
         forged = _forge(one_checkpoint, tmp_path / "forged", "state/.metadata", pickle.dumps(_Boom()))
-        out = subprocess.run(
-            [sys.executable, "-m", "tessera", "export", str(forged), "--out", str(tmp_path / "m.safetensors")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = cli_here("export", str(forged), "--out", str(tmp_path / "m.safetensors"))
         assert out.returncode == 2 and "refused" in out.stderr and "system" in out.stderr, out.stderr
         with pytest.raises(checkpoint.CheckpointError, match="refused"):
             checkpoint.SafeFileSystemReader(str(forged / "state")).read_metadata()
