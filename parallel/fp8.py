@@ -27,6 +27,7 @@ beyond the kv heads, and any layer whose (global or tp-local) dims are not multi
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,17 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # tp-style names of a spec's plan whose layers run in FP8 (the head, router and kv-beyond stay high precision)
 FP8_STYLES = ("colwise", "rowwise", "kv")
 PER_SHARD = False  # tests plant the bug of each tp rank scaling its own shard (the design says: global)
+
+
+class _NoCpuKernelNoise(logging.Filter):
+    """torchao's import warns once per process for each of its CUDA extensions it cannot load ("Failed to load
+    .../_C_cutlass_90a.abi3.so"); on a machine without CUDA nothing could use them, so the lines say nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return torch.cuda.is_available() or not record.getMessage().startswith("Failed to load")
+
+
+logging.getLogger("torchao").addFilter(_NoCpuKernelNoise())
 
 
 def torchao_missing() -> str | None:
