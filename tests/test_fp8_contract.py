@@ -48,6 +48,7 @@ ROWS = {
         "ep2-qwen3-moe": dict(dp=2, ep=2, **MOE, **TW),
         "dp2-shard_grad_op": dict(dp=2, fsdp="SHARD_GRAD_OP", **TW),
         "dp2-no_shard": dict(dp=2, fsdp="NO_SHARD", **TW),
+        "dp2-ac_full": dict(dp=2, ac="full", **TW),
         **{
             f"pp2-{kind}-deep": dict(pp=2, schedule=kind, **VIRTUAL.get(kind, {}), **DEEP, **TW)
             for kind in ("gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
@@ -57,6 +58,7 @@ ROWS = {
         "hsdp2x2": dict(dp=4, dp_replicate=2, **TW),
         "hybrid_shard2x2": dict(dp=4, dp_replicate=2, fsdp="HYBRID_SHARD", **TW),
         "dp2xtp2": dict(dp=2, tp=2, **TW),
+        "dp2xtp2+sp+ac_op-rowwise": dict(dp=2, tp=2, sequence_parallel=True, ac="op", **RW),
     },
     16: {"pp2xdp2xcp2xtp2": dict(pp=2, dp=2, cp=2, tp=2, sequence_parallel=True, microbatches=2, **TW)},
 }
