@@ -136,8 +136,8 @@ def runs(request) -> SharedSpawns:
     ):
         for case, layout in table.items():
             config = small_config(**base, **layout)
-            rows[(test, case)] = (config.layout.world_size, (config, *extra))
-    return SharedSpawns(train_losses_and_grads, rows, selected_keys(request))
+            rows[(test, case)] = (train_losses_and_grads, config.layout.world_size, (config, *extra))
+    return SharedSpawns(rows, selected_keys(request))
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
