@@ -49,6 +49,7 @@ ROWS = {
         "dp2-shard_grad_op": dict(dp=2, fsdp="SHARD_GRAD_OP", **TW),
         "dp2-no_shard": dict(dp=2, fsdp="NO_SHARD", **TW),
         "dp2-ac_full": dict(dp=2, ac="full", **TW),
+        "tp2+sp+compile": dict(tp=2, sequence_parallel=True, compile=True, **TW),
         **{
             f"pp2-{kind}-deep": dict(pp=2, schedule=kind, **VIRTUAL.get(kind, {}), **DEEP, **TW)
             for kind in ("gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
