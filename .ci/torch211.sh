@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machines' stack beside the main suite's (torch 2.13 + triton 3.9): torch 2.11 + triton 3.6 in a venv
-# of their own, tessera with its test extra, then the fast tier and the fp32 and bf16 contracts (not the whole
+# of their own, tessera with its test extra, then the fast tier and the fp32, bf16, Muon and FP8 contracts (not the whole
 # slow tier: 20 minutes more). PyPI's torch 2.11 is the CUDA build (no CPU wheel of it reaches this machine):
 # its CUDA packages (~3 GB) come along and it runs on the CPU. Measured on 2 cores: install ~1.5 min, tests ~9.
 set -euxo pipefail
@@ -17,4 +17,4 @@ import torch, triton
 assert torch.__version__.split("+")[0] == "2.11.0" and triton.__version__ == "3.6.0", (torch.__version__, triton.__version__)
 PY
 python -m pytest -q -p no:cacheprovider -m "not slow"
-python -m pytest -q -p no:cacheprovider tests/test_contract.py tests/test_contract_bf16.py tests/test_muon_contract.py
+python -m pytest -q -p no:cacheprovider tests/test_contract.py tests/test_contract_bf16.py tests/test_muon_contract.py tests/test_fp8_contract.py
