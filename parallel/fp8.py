@@ -58,9 +58,10 @@ logging.getLogger("torchao").addFilter(_NoCpuKernelNoise())
 def torchao_missing() -> str | None:
     """None when torchao's float8 training path imports, else the one line that says how to get it."""
     try:
-        import torchao.float8  # noqa: F401  lazy: optional dependency, checked before any rank starts
+        # lazy: optional dependency, checked before any rank starts
+        import torchao.float8  # noqa: F401
     except ImportError as e:
-        return f"--fp8 needs torchao (not importable here: {e}); install tessera's fp8 extra: pip install -e '.[fp8]'"
+        return f"`fp8` needs torchao (not importable here: {e}); install tessera's fp8 extra: pip install -e '.[fp8]'"
     return None
 
 
@@ -69,7 +70,7 @@ def float8_config(recipe: str, emulate: bool, fsdp_all_gather: bool = False) -> 
     from torchao.float8 import Float8LinearConfig  # lazy: optional dependency
 
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"unknown --fp8 recipe {recipe!r}; use one of {', '.join(FP8_RECIPES)}")
+        raise ValueError(f"unknown `fp8` recipe {recipe!r}; use one of {', '.join(FP8_RECIPES)}")
     config = Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(
         config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise"
@@ -232,8 +233,8 @@ def apply_fp8(
     `float8_all_gather` (tensorwise, FSDP2 without tp): their weights all-gather in FP8."""
     from tessera.models.moe import moe_blocks  # lazy: keeps this module's import light for preflight
 
-    from .plan import find_modules, replace_module
-    from .tensor import ColumnParallelLinear, ReplicatedHeadsLinear, RowParallelLinear
+    from .plan import find_modules, replace_module  # lazy: as above
+    from .tensor import ColumnParallelLinear, ReplicatedHeadsLinear, RowParallelLinear  # lazy: as above
 
     config = float8_config(recipe, emulate)
     group = tp_mesh.get_group() if tp_mesh is not None else None
@@ -285,7 +286,7 @@ def check_fp8(recipe: str | None, model_config: Any, spec: Any, tp: int, device_
     if recipe is None:
         return
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"unknown --fp8 recipe {recipe!r}; use one of {', '.join(FP8_RECIPES)}")
+        raise ValueError(f"unknown `fp8` recipe {recipe!r}; use one of {', '.join(FP8_RECIPES)}")
     missing = torchao_missing()
     if missing:
         raise ValueError(missing)
@@ -293,8 +294,8 @@ def check_fp8(recipe: str | None, model_config: Any, spec: Any, tp: int, device_
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < (8, 9):
             raise ValueError(
-                f"--fp8 {recipe} on a GPU of compute capability {major}.{minor} ({torch.cuda.get_device_name()}): "
-                f"FP8 matmuls need 8.9 or newer (Ada, Hopper, Blackwell); drop --fp8"
+                f"fp8={recipe} on a GPU of compute capability {major}.{minor} ({torch.cuda.get_device_name()}): "
+                f"FP8 matmuls need 8.9 or newer (Ada, Hopper, Blackwell); drop `fp8`"
             )
     built = spec.build_model(model_config, device="meta")
     report = apply_fp8(built, recipe, spec, emulate=True)
@@ -302,8 +303,8 @@ def check_fp8(recipe: str | None, model_config: Any, spec: Any, tp: int, device_
     if not local:
         kept = "; ".join(f"{n}: {why}" for n, why in sorted(report.kept.items()))
         raise ValueError(
-            f"--fp8 {recipe}: no linear layer of this model qualifies (both dims, tp-local with --tp {tp}, must be "
-            f"multiples of 16; {kept or 'no linear layers'}); drop --fp8"
+            f"fp8={recipe}: no linear layer of this model qualifies (both dims, tp-local with tp={tp}, must be "
+            f"multiples of 16; {kept or 'no linear layers'}); drop `fp8`"
         )
 
 

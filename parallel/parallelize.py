@@ -77,7 +77,7 @@ class ParallelConfig:
         check_context(seq_len, layout.cp, self.cp_method, layout.tp, self.sequence_parallel)
         check_loss(self.loss)
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise ValueError(f"unknown --fp8 recipe {self.fp8!r}; use one of {', '.join(FP8_RECIPES)}")
+            raise ValueError(f"unknown `fp8` recipe {self.fp8!r}; use one of {', '.join(FP8_RECIPES)}")
         check_tensor_parallel(
             model_config, layout.tp, self.sequence_parallel, None if seq_len is None else seq_len // layout.cp
         )

@@ -56,7 +56,7 @@ def test_float8_matmul_is_torchaos_float8_linear(recipe, dtype):
 
 
 def test_unknown_recipe_is_named():
-    with pytest.raises(ValueError, match=r"unknown --fp8 recipe 'blockwise'; use one of tensorwise, rowwise"):
+    with pytest.raises(ValueError, match=r"unknown `fp8` recipe 'blockwise'; use one of tensorwise, rowwise"):
         float8_config("blockwise", emulate=True)
 
 
@@ -105,11 +105,11 @@ def test_layers_whose_dims_are_not_multiples_of_16_stay_and_are_named():
 
 def test_a_model_with_no_qualifying_layer_is_refused_naming_why():
     cfg = dataclasses.replace(get_preset("debug"), dim=40, ffn_dim=200)
-    with pytest.raises(ValueError, match=r"^--fp8 tensorwise: no linear layer of this model qualifies .*drop --fp8$"):
+    with pytest.raises(ValueError, match=r"^fp8=tensorwise: no linear layer of this model qualifies .*drop `fp8`$"):
         check_fp8("tensorwise", cfg, spec_of(cfg), 1, "cpu")
     check_fp8("tensorwise", get_preset("debug"), spec_of(get_preset("debug")), 2, "cpu")  # qualifies on tp2
     cfg = dataclasses.replace(get_preset("debug"), dim=16, n_heads=1, n_kv_heads=1, ffn_dim=16)
-    with pytest.raises(ValueError, match=r"tp-local with --tp 2"):  # 16 rows split over tp2: 8 each
+    with pytest.raises(ValueError, match=r"tp-local with tp=2"):  # 16 rows split over tp2: 8 each
         check_fp8("rowwise", cfg, spec_of(cfg), 2, "cpu")
 
 
