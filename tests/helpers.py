@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 
@@ -211,20 +212,6 @@ def train_with_records(config: Config):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads, records
 
 
-@contextlib.contextmanager
-def _environ(added: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in added}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def cli_here(
     *argv: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
@@ -246,8 +233,9 @@ def cli_here(
         out = open(1, "w", buffering=1, closefd=False)
         err = open(2, "w", buffering=1, closefd=False)
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext(), _environ(env or {}):
+            place = contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), place:
+                with mock.patch.dict(os.environ, env or {}):
                     try:
                         code = main(list(map(str, argv)))
                     except SystemExit as e:  # argparse's usage errors (2), --help (0)
