@@ -140,3 +140,29 @@ def deep_reference():
     from tessera.parallel.launch import run_ranks
 
     return run_ranks(train_losses_and_grads, 1, small_config(**PIPELINE_BASE), timeout=120)[0]
+
+
+@pytest.fixture
+def refused(monkeypatch, capsys):
+    """`refused(*ARGS)`: the one error line of `tessera train ARGS`, which must fail before any rank starts
+    (tessera.training.run.train, where ranks would start, raises if reached)."""
+    import tessera.training.run
+
+    def never(*args, **kwargs):
+        raise AssertionError("the command went past its checks")
+
+    monkeypatch.setattr(tessera.training.run, "train", never)
+
+    def run(*argv):
+        from tessera.cli import main
+
+        try:
+            code = main(["train", "--quiet", *argv])
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert code == 2 and out == "" and len(lines) == 1, (code, out, err)
+        return lines[0]
+
+    return run

@@ -177,31 +177,6 @@ def test_a_data_set_larger_than_the_run_is_read_only_as_far_as_needed(tmp_path, 
     assert grown < 30_000_000, f"reading two batches grew the process by {grown / 1e6:.0f} MB for a 60 MB file"
 
 
-@pytest.fixture
-def refused(monkeypatch, capsys):
-    """The one error line of `tessera train ARGS`, which must fail before any rank starts."""
-    import tessera.training.run
-
-    def never(*args, **kwargs):
-        raise AssertionError("the command went past its checks")
-
-    monkeypatch.setattr(tessera.training.run, "train", never)
-
-    def run(*argv):
-        from tessera.cli import main
-
-        try:
-            code = main(["train", "--quiet", *argv])
-        except SystemExit as e:
-            code = e.code
-        out, err = capsys.readouterr()
-        lines = err.strip().splitlines()
-        assert code == 2 and out == "" and len(lines) == 1, (code, out, err)
-        return lines[0]
-
-    return run
-
-
 def test_bad_input_is_one_line_before_any_rank(data, tokenizer_file, tmp_path, refused):
     root, _, _ = data
     tok = ["--tokenizer", str(tokenizer_file), "--vocab-size", "100"]

@@ -144,30 +144,6 @@ def test_sft_training_records_the_targets_kept_and_masked(folders):
         assert record["documents"]["targets_left_out"] == S * G - kept
 
 
-@pytest.fixture
-def refused(monkeypatch, capsys):
-    import tessera.training.run
-
-    def never(*args, **kwargs):
-        raise AssertionError("the command went past its checks")
-
-    monkeypatch.setattr(tessera.training.run, "train", never)
-
-    def run(*argv):
-        from tessera.cli import main
-
-        try:
-            code = main(["train", "--quiet", *argv])
-        except SystemExit as e:
-            code = e.code
-        out, err = capsys.readouterr()
-        lines = err.strip().splitlines()
-        assert code == 2 and out == "" and len(lines) == 1, (code, out, err)
-        return lines[0]
-
-    return run
-
-
 def test_a_template_that_reaches_for_python_objects_is_refused(folders, tmp_path, refused):
     chat, _, records = folders
     evil = tmp_path / "evil"
