@@ -61,13 +61,6 @@ def fp8_run(kw: dict, per_shard: bool = False, scales: bool = False):
     )
 
 
-def fp8_runs(cases: list[tuple]) -> list:
-    """fp8_run of several configs of this world size (its arguments, each a tuple), one after the other in one
-    spawn; a case ("checkpoints", root, kw) runs `checkpoints` instead, ("comm", kw) `comm_bytes`."""
-    special = {"checkpoints": checkpoints, "comm": comm_bytes}
-    return [special[case[0]](*case[1:]) if isinstance(case[0], str) else fp8_run(*case) for case in cases]
-
-
 def comm_bytes(kw: dict):
     """(step 1's bytes by axis as --comm-stats counts them on this rank, the FP8 report) of small_config(**kw)."""
     trainer = Trainer(small_config(comm_stats="first", **kw), torch.device("cpu"))

@@ -41,12 +41,6 @@ def muon_run(kw: dict, shard_alone: bool = False, save_after: int | None = None)
     return losses, norms, params, flops, [r["compute_dtype"] for r in records], records[0]["matmul_flops_by_dtype"]
 
 
-def muon_runs(cases: list[tuple]) -> list:
-    """muon_run of several configs of this world size (its arguments, each a tuple), one after the other in
-    one spawn (a checkpoint saved by one case may be resumed by a later one)."""
-    return [muon_run(*case) for case in cases]
-
-
 def resume_bitwise(root: str):
     """(every parameter after step 3 of a run, the same after resuming its step-2 checkpoint) on rank 0:
     dp2 Muon, saved and resumed on the same layout."""

@@ -28,7 +28,8 @@ import torch
 
 pytest.importorskip("torchao.float8")
 
-from fp8_ranks import fp8_runs  # noqa: E402
+from fp8_ranks import checkpoints, comm_bytes, fp8_run  # noqa: E402
+from shared_spawns import each_in_turn  # noqa: E402
 from tessera.parallel.launch import run_ranks  # noqa: E402
 
 TW, RW = dict(fp8="tensorwise"), dict(fp8="rowwise")
@@ -90,11 +91,11 @@ def runs(tmp_path_factory):
     out = {}
     root = tmp_path_factory.mktemp("fp8-checkpoints")
     for world, rows in ((1, SINGLES), *ROWS.items()):
-        cases: list[tuple] = [(kw, False, name in SCALED) for name, kw in rows.items()]
+        cases: list[tuple] = [(fp8_run, (kw, False, name in SCALED)) for name, kw in rows.items()]
         if world == 2:
-            cases += [(ROWS[2][PLANTED], True, True), ("checkpoints", str(root), dict(dp=2, **TW))]
-            cases += [("comm", dict(dp=2, **TW)), ("comm", dict(dp=2))]
-        results = run_ranks(fp8_runs, world, cases, timeout=600)[0]
+            cases += [(fp8_run, (ROWS[2][PLANTED], True, True)), (checkpoints, (str(root), dict(dp=2, **TW)))]
+            cases += [(comm_bytes, (dict(dp=2, **TW),)), (comm_bytes, (dict(dp=2),))]
+        results = run_ranks(each_in_turn, world, cases, timeout=600)[0]
         out.update(zip(rows, results))
         if world == 2:
             out["planted"], out["checkpoints"], out["comm-fp8"], out["comm-fp32"] = results[-4:]

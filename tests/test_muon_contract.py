@@ -30,7 +30,8 @@ import math
 import pytest
 import torch
 
-from muon_ranks import muon_runs
+from muon_ranks import muon_run
+from shared_spawns import each_in_turn
 from tessera.models.spec import get_spec
 from tessera.parallel.launch import run_ranks
 
@@ -139,7 +140,7 @@ def runs(tmp_path_factory):
         for src, dst in resumed:  # after the rows: dp4 saves in this very spawn
             cases.append((RESUMES[src, dst][1] | dict(resume=str(root / src / "step_00000002")), False))
         cases += [(ROWS[4][PLANTED], True), (ROWS[4][PLANTED] | BF16, True)] if world == 4 else []
-        results = run_ranks(muon_runs, world, cases, timeout=300)[0]
+        results = run_ranks(each_in_turn, world, [(muon_run, case) for case in cases], timeout=300)[0]
         out.update(zip([*rows, *(f"{src}->{dst}" for src, dst in resumed)], results))
         if world == 4:
             out["planted"], out["planted-bf16"] = results[-2:]
