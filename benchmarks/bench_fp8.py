@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import plot_loss_curves, write_results  # noqa: E402
 
 from tessera.config import Config  # noqa: E402
 
@@ -109,26 +109,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(curves: dict[str, list[float]], found: dict, args: argparse.Namespace, png: Path) -> None:
-    """The three loss curves in one figure (skipped without matplotlib)."""
-    try:
-        import matplotlib  # lazy: optional (the bench extra)
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # lazy: after choosing the backend
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for name, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+    """The three loss curves in one figure, titled with the largest gap to bf16."""
     worst = max(found.values(), key=lambda g: g["max_abs_gap"]) if found else None
     gap = f"; largest gap to bf16 {worst['max_abs_gap']:.3f}" if worst else ""
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (shipped text, one process)")
-    ax.set_title(f"{args.model}: FP8 (emulated) vs bf16{gap}", fontsize=10)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    print(f"wrote {png}")
+    plot_loss_curves(curves, f"{args.model}: FP8 (emulated) vs bf16{gap}", png)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_results  # noqa: E402
+from common import RESULTS, plot_loss_curves, write_results  # noqa: E402
 
 from tessera.config import Config  # noqa: E402
 from tessera.parallel.launch import run_ranks  # noqa: E402
@@ -166,29 +166,8 @@ def convergence(args: argparse.Namespace) -> int:
     name = f"muon-convergence-{args.model}-cpu"
     path = write_results(name, {**vars(args), **rates}, {"losses": curves}, args.out)
     print(f"wrote {path}")
-    plot_convergence(curves, f"{args.model}: Muon (lr {o.muon_lr:g}) vs AdamW (lr {o.lr:g})", path.with_suffix(".png"))
+    plot_loss_curves(curves, f"{args.model}: Muon (lr {o.muon_lr:g}) vs AdamW (lr {o.lr:g})", path.with_suffix(".png"))
     return 0
-
-
-def plot_convergence(curves: dict[str, list[float]], title: str, png: Path) -> None:
-    """Both optimizers' training losses in one figure (skipped without matplotlib)."""
-    try:
-        import matplotlib  # lazy: optional (the bench extra)
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # lazy: after choosing the backend
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for optimizer, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=optimizer, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (shipped text, one process)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    print(f"wrote {png}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -47,3 +47,25 @@ def timed(fn: Callable[[], Any], steps: int, warmup: int, device) -> list[float]
         if i >= warmup:
             out.append(elapsed.item())
     return out
+
+
+def plot_loss_curves(curves: dict[str, list[float]], title: str, png: Path) -> None:
+    """Training-loss curves (name -> loss per step) in one figure, written to `png` (skipped without
+    matplotlib, the bench extra)."""
+    try:
+        import matplotlib  # lazy: optional (the bench extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # lazy: after choosing the backend
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (shipped text, one process)")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print(f"wrote {png}")
