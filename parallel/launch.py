@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import multiprocessing as mp
+from multiprocessing import reduction
 from multiprocessing import util as mp_util
 import os
 import pickle
@@ -110,9 +111,7 @@ class _LauncherFd:
         self.fd = fd
 
     def __reduce__(self) -> tuple:
-        from multiprocessing import reduction  # lazy: DupFd works only while a process is being started
-
-        return (_detach_fd, (reduction.DupFd(self.fd),))
+        return (_detach_fd, (reduction.DupFd(self.fd),))  # DupFd works only while a process is being started
 
 
 def _is_open(fd: int) -> bool:
