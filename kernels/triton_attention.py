@@ -58,7 +58,7 @@ def _ranges_meet(ids, valid, lo, hi):
 
 @triton.autotune(configs=_configs("fwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
-def _fwd_kernel(
+def _attention_fwd_kernel(
     Q,
     K,
     V,
@@ -149,7 +149,7 @@ def _fwd_kernel(
 
 @triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
-def _bwd_dkdv_kernel(
+def _attention_bwd_dkdv_kernel(
     Q,
     K,
     V,
@@ -246,7 +246,7 @@ def _bwd_dkdv_kernel(
 
 @triton.autotune(configs=_configs("bwd"), key=["Sq", "Sk", "HEAD_DIM", "CAUSAL", "DOCS"])
 @triton.jit
-def _bwd_dq_kernel(
+def _attention_bwd_dq_kernel(
     Q,
     K,
     V,
@@ -385,7 +385,7 @@ def flash_attention_fwd(
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     qd, kd, docs = _doc_args(q, k, q_docs, k_docs)
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
-    _fwd_kernel[grid](
+    _attention_fwd_kernel[grid](
         q,
         k,
         v,
@@ -421,7 +421,9 @@ def flash_attention_fwd(
 
 @flash_attention_fwd.register_fake
 def _(q, k, v, causal, scale, q_docs=None, k_docs=None):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # contiguous, as the kernel writes them: empty_like would copy a transposed q's strides, and inductor
+    # checks the real outputs' strides against these
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tessera::flash_attention_bwd", mutates_args=())
@@ -461,7 +463,7 @@ def flash_attention_bwd(
         do.stride(2),
     )
     prec = _precision(q.dtype)
-    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
+    _attention_bwd_dkdv_kernel[lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
         q,
         k,
         v,
@@ -486,7 +488,7 @@ def flash_attention_bwd(
         BLOCK_D=_block_d(D),
         PRECISION=prec,
     )
-    _bwd_dq_kernel[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)](
+    _attention_bwd_dq_kernel[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)](
         q,
         k,
         v,
@@ -514,7 +516,7 @@ def flash_attention_bwd(
 
 @flash_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale, q_docs=None, k_docs=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernels write
 
 
 def _setup_context(ctx, inputs, output):

@@ -21,7 +21,7 @@ MAX_FUSED_WIDTH = 65536  # one row must fit one program's registers/shared memor
 
 
 @triton.jit
-def _rms_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -33,7 +33,7 @@ def _rms_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constex
 
 
 @triton.jit
-def _rms_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, BLOCK: tl.constexpr):
+def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -78,7 +78,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]
     rstd = torch.empty(M, device=x.device, dtype=torch.float32)
     block = _block(N)
     if M:
-        _rms_fwd_kernel[(M,)](
+        _rms_norm_fwd_kernel[(M,)](
             x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK=block, num_warps=_warps(block)
         )
     return y.view(x.shape), rstd
@@ -86,7 +86,8 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]
 
 @rms_norm_fwd.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x), x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)
+    # contiguous, as the kernel writes y (empty_like would copy a non-contiguous x's strides)
+    return x.new_empty(x.shape), x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("tessera::rms_norm_bwd", mutates_args=())
@@ -101,7 +102,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[T
     partial = torch.zeros((programs, N), device=x.device, dtype=torch.float32)
     block = _block(N)
     if M:
-        _rms_bwd_kernel[(programs,)](
+        _rms_norm_bwd_kernel[(programs,)](
             dy2,
             x2,
             weight.contiguous(),
@@ -121,7 +122,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[T
 
 @rms_norm_bwd.register_fake
 def _(dy, x, weight, rstd):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)  # contiguous, as the kernel writes
 
 
 def _setup_context(ctx, inputs, output):

@@ -120,8 +120,20 @@ def test_cpu_attention_paths_match_the_definition(heads, sq, sk, d, causal, dtyp
 def test_attention_custom_ops_have_fake_and_autograd():
     from tessera.kernels.triton_attention import flash_attention_fwd
 
+    from tessera.kernels.triton_attention import flash_attention_bwd
+
     q, k, v, _, _ = _attention_case(1, 2, 1, 20, 20, 16, True)
     torch.library.opcheck(flash_attention_fwd, (q, k, v, True, 0.25))
+    # as the model calls it: [B, S, H, D] projections transposed to [B, H, S, D], not contiguous; the fake's
+    # strides must be the kernel's (compiled training failed on a GPU with "expected ... stride" when they were not)
+    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    assert not bshd[0].is_contiguous()
+    torch.library.opcheck(flash_attention_fwd, (*bshd, True, 0.25))
+    o, lse = flash_attention_fwd(*(t.detach() for t in bshd), True, 0.25)
+    do = torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2)
+    torch.library.opcheck(
+        flash_attention_bwd, (do, *(t.detach() for t in bshd), o, lse, torch.zeros_like(lse), True, 0.25)
+    )
     with torch.device("meta"):
         o, lse = torch.ops.tessera.flash_attention_fwd(
             torch.empty(2, 8, 4096, 128), torch.empty(2, 2, 4096, 128), torch.empty(2, 2, 4096, 128), True, 0.1
@@ -157,6 +169,8 @@ def test_rms_norm_custom_op_checks_and_meta():
     torch.library.opcheck(
         rms_norm_fwd, (torch.randn(6, 32, requires_grad=True), torch.randn(32, requires_grad=True), 1e-6)
     )
+    strided = torch.randn(32, 6).t().requires_grad_()  # a transposed input: the outputs are still contiguous
+    torch.library.opcheck(rms_norm_fwd, (strided, torch.randn(32, requires_grad=True), 1e-6))
     y, rstd = torch.ops.tessera.rms_norm_fwd(
         torch.empty(4, 1024, 8192, device="meta"), torch.empty(8192, device="meta"), 1e-5
     )
