@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from tessera.models.spec import spec_of
-from tessera.topology.shapes import CHUNK_ELEMENTS, chunk_tokens
+from tessera.topology.shapes import chunk_tokens
 
 from .tensor import ColumnParallelLinear, all_reduce_tp, shard_range
 
@@ -146,7 +146,7 @@ def count_valid(targets: Tensor, ignore_index: int = IGNORE_INDEX) -> int:
 
 # ----------------------------------------------------------------------------- the chunked (fused) loss
 LOSS_KINDS = ("chunked", "logits")
-# the chunk rule is plain data the planner also reads: topology/shapes.py (CHUNK_ELEMENTS, chunk_tokens)
+# the chunk rule is plain data the planner also reads: topology/shapes.py (default_chunk_elements, chunk_tokens)
 
 
 def check_loss(kind: str) -> str:
@@ -240,7 +240,7 @@ def linear_cross_entropy_sum(
     vocab_start: int = 0,
     group: dist.ProcessGroup | None = None,
     ignore_index: int = IGNORE_INDEX,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
     vocab_rows: int | None = None,
     reuse_backward: bool = False,
 ) -> tuple[Tensor, Tensor]:
@@ -249,12 +249,14 @@ def linear_cross_entropy_sum(
     h (..., D) in the compute dtype; weight (V_local, D) holds vocab rows [vocab_start, vocab_start +
     V_local) (all of them without tp); targets (...) global ids. With `group` (tp) the statistics are
     all-reduced over it and h's gradient is this rank's partial sum (the caller's input collective sums it).
-    `vocab_rows`: the rows that set the chunk size (default V_local; under tp ceil(V / tp) on every rank).
+    `chunk_elements`: fp32 logits per chunk (None: topology.shapes.default_chunk_elements, from the tokens and
+    D). `vocab_rows`: the rows that set the chunk size (default V_local; under tp ceil(V / tp) on every rank).
     The backward hands its stored gradients over once (scaled in place); `reuse_backward` keeps them for a
     second backward through the same graph (retain_graph; the zero-bubble pipeline's W pass)."""
     flat = targets.reshape(-1)
     h2 = h.reshape(flat.numel(), h.shape[-1])
-    chunk = chunk_tokens(flat.numel(), weight.shape[0] if vocab_rows is None else vocab_rows, chunk_elements)
+    rows = weight.shape[0] if vocab_rows is None else vocab_rows
+    chunk = chunk_tokens(flat.numel(), rows, chunk_elements, hidden=h2.shape[1])
     grads = torch.is_grad_enabled()  # evaluation (no_grad): the loss only, no gradient buffers
     total = _LinearCrossEntropy.apply(
         h2,
@@ -285,7 +287,7 @@ class LinearCrossEntropyHead(nn.Module):
         self,
         weight: Tensor,  # the replaced layer's Parameter: a plain one, or a tp DTensor Shard(0)
         input_comm: nn.Module | None = None,
-        chunk_elements: int = CHUNK_ELEMENTS,
+        chunk_elements: int | None = None,
         ignore_index: int = IGNORE_INDEX,
     ):
         super().__init__()
@@ -321,7 +323,8 @@ class LinearCrossEntropyHead(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return f"vocab={self.weight.shape[0]}, chunk_elements={self.chunk_elements}, tp_vocab_start={self.vocab_start}"
+        budget = self.chunk_elements or "default"
+        return f"vocab={self.weight.shape[0]}, chunk_elements={budget}, tp_vocab_start={self.vocab_start}"
 
 
 def _accepts_targets(model: nn.Module) -> bool:
@@ -331,7 +334,7 @@ def _accepts_targets(model: nn.Module) -> bool:
         return False
 
 
-def apply_loss_head(model: nn.Module, chunk_elements: int = CHUNK_ELEMENTS, head: str | None = None) -> nn.Module:
+def apply_loss_head(model: nn.Module, chunk_elements: int | None = None, head: str | None = None) -> nn.Module:
     """Swap the output head (the module named `head`: the spec's, or `output` for a model without one) for
     a LinearCrossEntropyHead, in place, after tp (+cp) and before activation checkpointing, compile and
     FSDP2. Only a bias-free nn.Linear or column-parallel layer is swapped, and only on a model whose forward

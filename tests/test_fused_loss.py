@@ -22,6 +22,7 @@ from tessera.parallel.loss import (
     vocab_parallel_cross_entropy_sum,
 )
 from tessera.parallel.tensor import copy_to_tp, shard_range
+from tessera.topology.shapes import default_chunk_elements
 
 
 def _problem(n: int, dim: int, vocab: int, seed: int = 0, dtype=torch.float32):
@@ -131,6 +132,29 @@ def test_the_chunk_rule():
     for n, v, b in [(1000, 333, 5000), (4097, 128256, 2**24), (3, 2, 1)]:
         c = chunk_tokens(n, v, b)
         assert c == 1 or c * v <= b + v  # within the budget, up to one row of rounding
+
+
+def test_the_default_chunk_rule_keeps_chunks_few_at_large_batches():
+    # the 1b preset on one GPU: 16 x 2048 tokens, dim 2048, vocab 128256. The 2^24 floor alone cut 251 chunks of
+    # 130 tokens, and their 251 weight-sized dW additions were 26% of the step on an H200
+    assert chunk_tokens(32768, 128256, 2**24) == 131
+    assert chunk_tokens(32768, 128256, hidden=2048) == 2048  # 16 chunks, 1 GiB of fp32 logits each
+    assert chunk_tokens(2048, 128256, hidden=512) == 128  # small batches keep the 2^24 floor (CPU sizes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 10**6), vocab=st.integers(1, 300_000), hidden=st.integers(1, 16384))
+def test_property_default_chunks(n, vocab, hidden):
+    """The default budget: within max(2^24, 4 n D) fp32 logits (up to a row), and never more chunks than the
+    floor alone cuts nor more than ceil(V / 4D) + 1 once the hidden states outweigh the floor."""
+    c = chunk_tokens(n, vocab, hidden=hidden)
+    budget = default_chunk_elements(n, hidden)
+    assert budget == max(2**24, 4 * n * hidden)
+    assert 1 <= c <= n and (c == 1 or c * vocab <= budget + vocab)
+    chunks = -(-n // c)
+    assert chunks <= -(-n // chunk_tokens(n, vocab, 2**24))
+    if 4 * n * hidden >= 2**24:
+        assert chunks <= -(-vocab // (4 * hidden)) + 1
 
 
 @settings(max_examples=40, deadline=None)

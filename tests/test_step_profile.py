@@ -46,6 +46,8 @@ def test_busy_time_is_the_length_of_the_union_and_the_gaps_are_the_rest(spans, a
         ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN", ["aten::addmm", "aten::linear"], "matmul"),
         ("Kernel2", ["aten::mm"], "matmul"),  # a generic name: the launching op says what it is
         ("_fwd_kernel", ["tessera::flash_attention_fwd"], "attention"),
+        ("_attention_bwd_dkdv_kernel", [], "attention"),  # tessera's kernels say what they are without a context
+        ("_rms_norm_fwd_kernel", [], "norms"),
         ("_rms_bwd_kernel", ["tessera::rms_norm_bwd"], "norms"),
         ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", [], "norms"),
         ("flash_fwd_kernel", ["aten::_scaled_dot_product_flash_attention"], "attention"),
@@ -102,6 +104,26 @@ def test_the_cuda_summary_splits_the_kernels_time_by_kind_and_finds_the_idle_gap
     assert set(s["time_s"]) == set(KINDS) | {"idle"}
     with pytest.raises(ValueError, match="no 'tessera: profiled step' range"):
         summarize_events(events[1:], "cuda")
+
+
+def test_a_kernel_whose_id_names_no_operator_takes_the_operators_around_its_launch_call():
+    # torch 2.11 on an H200 linked no kernel by the operator's id: the launch call shares the kernel's
+    # correlation, and its parents (the op, the loss range) classify the kernel
+    step = _event(STEP_RANGE, 0, 1000)
+    loss = _event("tessera: loss", 100, 300, parent=step)
+    exp = _event("aten::exp", 110, 120, id=11, parent=loss)
+    events = [
+        step,
+        loss,
+        exp,
+        _event("cudaLaunchKernel", 111, 112, id=40, linked=21, parent=exp),
+        _event("vectorized_elementwise_kernel", 200, 260, DeviceType.CUDA, linked=21),
+        _event("vectorized_elementwise_kernel", 400, 410, DeviceType.CUDA, linked=99),  # launched by nothing seen
+    ]
+    s = summarize_events(events, "cuda")
+    assert s["time_s"]["loss"] == pytest.approx(60e-6)
+    assert s["time_s"]["other_elementwise"] == pytest.approx(10e-6)
+    assert s["kernels_linked"] == 1 and s["kernels_counted"] == 2
 
 
 @pytest.mark.parametrize(

@@ -383,7 +383,7 @@ def loss_activation_bytes(
     norm = rows * (2 * sp * cfg.dim * e + seq * cfg.dim * e)
     if loss == "logits":
         return float(norm + rows * seq * vocab * 4), float(rows * seq * vocab * (e + 2 * 4))
-    chunk = chunk_tokens(rows * seq, vocab)
+    chunk = chunk_tokens(rows * seq, vocab, hidden=cfg.dim)
     kept = norm + vocab * cfg.dim * 4  # (dh, the gathered output's size, is in `norm`)
     transient = chunk * vocab * (4 + 2 * e) + (vocab * cfg.dim * e if e < 4 else 0)
     return float(kept), float(transient)

@@ -350,18 +350,31 @@ def fsdp_shard_numel(rows: int, cols: int, shards: int, index: int = 0) -> int:
     return max(0, min(per, rows - index * per)) * cols
 
 
-# fp32 logits one chunk may hold: 2^24 elements (64 MiB), up to 130 tokens at a 128256 vocabulary. Large
-# enough that the chunk's matmuls, not re-reading dW once per chunk, dominate the time (and that MKL keeps
-# its blocked kernels: below ~32 rows its dh sums over the vocabulary measured ~5x less accurate); small
-# enough that the chunk is a few percent of the full logits at training sizes.
+# fp32 logits one chunk may hold, at least: 2^24 elements (64 MiB). Small enough that the chunk is a few
+# percent of the full logits at CPU sizes (and MKL keeps its blocked kernels: below ~32 rows its dh sums over
+# the vocabulary measured ~5x less accurate).
 CHUNK_ELEMENTS = 2**24
+# ... and by default at least this many fp32 logits per element of the hidden states h (N x D): every chunk
+# adds its dW (V x D, a weight-sized fp32 pass) once, so the chunk's tokens must outweigh that pass. At the
+# floor alone a 128256 vocabulary cut 32768 tokens into 251 chunks of 130, and those passes took 26% of the
+# 1b preset's step on an H200 (benchmarks/results/gpu_suite_h200.json); 4 x N x D makes ceil(V / 4D) chunks
+# (16 of 2048 tokens there: 1 GiB of fp32 logits beside ~54 GiB of activations).
+LOGITS_PER_HIDDEN_ELEMENT = 4
 
 
-def chunk_tokens(n_tokens: int, vocab_rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+def default_chunk_elements(n_tokens: int, hidden: int) -> int:
+    """The default budget of fp32 logits per chunk: max(CHUNK_ELEMENTS, 4 x n_tokens x hidden)."""
+    return max(CHUNK_ELEMENTS, LOGITS_PER_HIDDEN_ELEMENT * max(0, n_tokens) * max(0, hidden))
+
+
+def chunk_tokens(n_tokens: int, vocab_rows: int, chunk_elements: int | None = None, hidden: int = 0) -> int:
     """Tokens per chunk: the fewest chunks whose fp32 logits (tokens x vocab_rows) stay within
-    `chunk_elements`, k = ceil(N * V / budget), cut as evenly as they go, ceil(N / k) tokens each (at least
-    1: a vocabulary row wider than the budget still runs one token at a time). Under tp `vocab_rows` is the
-    padded shard ceil(V / tp), so every tp rank cuts the same chunks and their collectives pair up."""
+    `chunk_elements` (None: `default_chunk_elements(n_tokens, hidden)`), k = ceil(N * V / budget), cut as
+    evenly as they go, ceil(N / k) tokens each (at least 1: a vocabulary row wider than the budget still runs
+    one token at a time). Under tp `vocab_rows` is the padded shard ceil(V / tp), so every tp rank cuts the
+    same chunks and their collectives pair up."""
+    if chunk_elements is None:
+        chunk_elements = default_chunk_elements(n_tokens, hidden)
     if n_tokens <= 0:
         return 1
     chunks = max(1, math.ceil(n_tokens * max(1, vocab_rows) / max(1, chunk_elements)))

@@ -147,14 +147,22 @@ def summarize_events(events: Sequence[Any], device_type: str) -> dict[str, Any]:
         raise ValueError(f"no {STEP_RANGE!r} range among the profiled events: nothing to summarize")
     start, end = span.time_range.start, span.time_range.end  # microseconds
     items: list[tuple[str, float, list[str], tuple[float, float]]] = []  # (name, us, context, interval)
+    linked = 0  # GPU kernels whose launching operator was found (their context: ops and ranges)
     if device_type == "cuda":
         # the operators (not the runtime's launch calls, whose ids count CUPTI's correlations) by their id
         by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU and not _linked(e)}
+        # ... and the launch calls by the correlation they share with their kernel: a kernel whose id names
+        # no operator (the first H200 profile linked none: attention and the loss counted as elementwise)
+        # takes the operators around its launch call
+        launches = {_linked(e): e for e in events if e.device_type == DeviceType.CPU and _linked(e)}
         for e in events:
             if e.device_type != DeviceType.CUDA or _annotation(e):
                 continue
             launcher = by_id.get(_linked(e))
+            if launcher is None and _linked(e) in launches:
+                launcher = launches[_linked(e)].cpu_parent
             context = _context(launcher) if launcher is not None else []
+            linked += launcher is not None
             items.append(
                 (e.name, e.time_range.end - e.time_range.start, context, (e.time_range.start, e.time_range.end))
             )
@@ -202,6 +210,8 @@ def summarize_events(events: Sequence[Any], device_type: str) -> dict[str, Any]:
         else [],
         "top_kernels": top,
         "kernels_counted": len(items),
+        # GPU kernels whose launching operator the trace names (the rest are classified by their name alone)
+        "kernels_linked": linked if device_type == "cuda" else None,
         "memory_meter_s": meter_us * 1e-6,
         "measured_as": "CUDA kernel time (torch.profiler, CUPTI)"
         if device_type == "cuda"
