@@ -96,7 +96,15 @@ def fp8_summary(config: Config, trainer: Any) -> str:
     how = "emulated in fp32 on CPU" if trainer.device.type != "cuda" else "torch._scaled_mm"
     rest = "; high precision: " + ", ".join(f"{n} ({w})" for n, w in sorted(kept.items())) if kept else ""
     gather = f" (FSDP2 all-gathers {gathered} of their weights in FP8)" if gathered else ""
-    return f"FP8 {config.parallel.fp8} (torchao, {how}): {converted} linear layers on rank 0{gather}{rest}; "
+    # torchao's casts and scalings run as separate kernels without compile: on one H200 the 1b preset's eager
+    # FP8 step took 1.8x the bf16 one (benchmarks/results/gpu_suite_h200-rerun.json); compile fuses them
+    slow = (
+        " (without --compile torchao's casts run as separate kernels: slower than bf16, 0.55x its tokens/s on an "
+        "H200; add --compile)"
+        if trainer.device.type == "cuda" and not config.parallel.compile
+        else ""
+    )
+    return f"FP8 {config.parallel.fp8} (torchao, {how}){slow}: {converted} linear layers on rank 0{gather}{rest}; "
 
 
 def compute_dtype_summary(report: dict[str, Any] | None) -> str:
