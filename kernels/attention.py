@@ -1,10 +1,13 @@
 """Attention: `flash_attention(q, k, v, causal, scale, return_lse)` with a torch reference beside the kernel.
 
-Shapes: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hq a multiple of Hkv (grouped-query attention:
-query head h reads kv head h // (Hq // Hkv)). Causal masking is aligned bottom-right, as in
-FlashAttention-2: query i sees key j when j <= i + (Sk - Sq); with Sq == Sk that is the usual lower
-triangle. The log-sum-exp (natural log, float32 -- float64 for float64 inputs -- shape (B, Hq, Sq)) is
-what ring attention needs to merge partial results.
+Shapes: q (B, Hq, Sq, D), k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv) with Hq a multiple of Hkv (grouped-query
+attention: query head h reads kv head h // (Hq // Hkv)); the output is (B, Hq, Sq, Dv) (Dv may differ from
+D: DeepSeek-V3's MLA). Query row i sits at key position i + q_offset, q_offset = Sk - Sq by default (aligned
+bottom-right, as in FlashAttention-2). Causal: query i sees key j when j <= i + q_offset; with Sq == Sk that
+is the usual lower triangle. A sliding `window` W also hides keys W or more positions back:
+(i + q_offset) - j < W (transformers' `sliding_window_causal_mask_function`: kv_idx > q_idx - W). The
+log-sum-exp (natural log, float32 -- float64 for float64 inputs -- shape (B, Hq, Sq)) is what ring attention
+needs to merge partial results, and what `apply_sinks` merges a sink logit into.
 
 Three torch implementations live here; `tessera.kernels.dispatch` chooses between them and the Triton
 kernel, in one place:
@@ -35,6 +38,25 @@ def _same_document(q_docs: Tensor, k_docs: Tensor) -> Tensor:
     return (q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2))[:, None, None]
 
 
+def key_range(rows: tuple[int, int], Sk: int, causal: bool, window: int | None, q_offset: int) -> tuple[int, int]:
+    """[lo, hi): the keys any query row in [rows[0], rows[1]) may see (query i at key position i + q_offset);
+    the keys outside are skipped, not masked. lo >= hi: none."""
+    hi = min(Sk, rows[1] + q_offset) if causal else Sk
+    lo = 0 if window is None else max(0, rows[0] + q_offset - window + 1)
+    return lo, hi
+
+
+def _hidden(rows: Tensor, cols: Tensor, causal: bool, window: int | None) -> Tensor | None:
+    """True where query (absolute position `rows`, a column) may not see key `cols` (a row); None: all seen."""
+    hidden = None
+    if causal:
+        hidden = cols > rows
+    if window is not None:
+        far = rows - cols >= window
+        hidden = far if hidden is None else hidden | far
+    return hidden
+
+
 def attention_reference(
     q: Tensor,
     k: Tensor,
@@ -44,47 +66,57 @@ def attention_reference(
     block: int = REFERENCE_BLOCK,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
+    window: int | None = None,
+    q_offset: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Blockwise attention in torch; returns (out in q's dtype, lse float32). Differentiable in q, k, v.
-    With document ids (B, Sq) and (B, Sk) a query sees only keys of its own document."""
+    With document ids (B, Sq) and (B, Sk) a query sees only keys of its own document. With a `window` the
+    queries go by blocks too, each over only the key blocks its window reaches."""
     check_attention_inputs(q, k, v)
     docs = check_documents(q, k, q_docs, k_docs)
     B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = Hq // Hkv
+    offset = Sk - Sq if q_offset is None else q_offset
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     acc_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
     # (B, Hkv, group, Sq, D): the query heads that share a kv head sit together, so k/v broadcast
     qf = q.to(acc_dtype).reshape(B, Hkv, group, Sq, D) * scale
     kf, vf = k.to(acc_dtype).unsqueeze(2), v.to(acc_dtype).unsqueeze(2)
-    rows = torch.arange(Sq, device=q.device).view(Sq, 1) + (Sk - Sq)
-    m = torch.full((B, Hkv, group, Sq, 1), float("-inf"), device=q.device, dtype=acc_dtype)
-    l = torch.zeros((B, Hkv, group, Sq, 1), device=q.device, dtype=acc_dtype)
-    acc = torch.zeros((B, Hkv, group, Sq, D), device=q.device, dtype=acc_dtype)
-    for start in range(0, Sk, block):
-        stop = min(start + block, Sk)
-        if causal and start > Sq - 1 + (Sk - Sq):
-            break  # every later key is masked for every query
-        s = qf @ kf[..., start:stop, :].transpose(-1, -2)
-        if causal:
-            cols = torch.arange(start, stop, device=q.device).view(1, -1)
-            s = s.masked_fill(cols > rows, float("-inf"))
-        if docs is not None:
-            s = s.masked_fill(~_same_document(docs[0], docs[1][:, start:stop]), float("-inf"))
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        # rows with nothing visible yet keep m = -inf; shift by 0 there to avoid inf - inf
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe)
-        alpha = torch.exp(m - m_safe)
-        l = l * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + p @ vf[..., start:stop, :]
-        m = m_new
-    empty = l == 0  # queries that see no key at all (causal with Sk < Sq): output 0, lse -inf
-    out = torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, torch.ones_like(l), l))
-    lse = torch.where(
-        empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l))
-    )
-    return out.reshape(B, Hq, Sq, D).to(q.dtype), lse.reshape(B, Hq, Sq)
+    q_block = Sq if window is None else block  # without a window every query block reaches the same keys
+    outs, lses = [], []
+    for r0 in range(0, Sq, q_block):
+        r1 = min(r0 + q_block, Sq)
+        rows = torch.arange(r0, r1, device=q.device).view(-1, 1) + offset
+        m = torch.full((B, Hkv, group, r1 - r0, 1), float("-inf"), device=q.device, dtype=acc_dtype)
+        l = torch.zeros((B, Hkv, group, r1 - r0, 1), device=q.device, dtype=acc_dtype)
+        acc = torch.zeros((B, Hkv, group, r1 - r0, Dv), device=q.device, dtype=acc_dtype)
+        lo, hi = key_range((r0, r1), Sk, causal, window, offset)
+        for start in range(lo, hi, block):
+            stop = min(start + block, hi)
+            s = qf[..., r0:r1, :] @ kf[..., start:stop, :].transpose(-1, -2)
+            hidden = _hidden(rows, torch.arange(start, stop, device=q.device).view(1, -1), causal, window)
+            if hidden is not None:
+                s = s.masked_fill(hidden, float("-inf"))
+            if docs is not None:
+                s = s.masked_fill(~_same_document(docs[0][:, r0:r1], docs[1][:, start:stop]), float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            # rows with nothing visible yet keep m = -inf; shift by 0 there to avoid inf - inf
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe)
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + p.sum(dim=-1, keepdim=True)
+            acc = acc * alpha + p @ vf[..., start:stop, :]
+            m = m_new
+        empty = l == 0  # queries that see no key at all (causal with Sk < Sq): output 0, lse -inf
+        outs.append(torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, torch.ones_like(l), l)))
+        lses.append(
+            torch.where(
+                empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l))
+            )
+        )
+    out, lse = torch.cat(outs, dim=3), torch.cat(lses, dim=3)
+    return out.reshape(B, Hq, Sq, Dv).to(q.dtype), lse.reshape(B, Hq, Sq)
 
 
 def attention_backward_reference(
@@ -100,14 +132,18 @@ def attention_backward_reference(
     block: int = REFERENCE_BLOCK,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
+    window: int | None = None,
+    q_offset: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one attention block, given the output `o` and log-sum-exp `lse` of the softmax
     the block belongs to (FlashAttention-2's backward; ring attention passes the merged, global o and
-    lse, so each key block's share of the gradient comes out exactly). Blockwise over keys, fp32."""
+    lse, so each key block's share of the gradient comes out exactly). Blockwise over keys (and over
+    queries with a `window`, each query block over the keys its window reaches), fp32."""
     docs = check_documents(q, k, q_docs, k_docs)
     B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = Hq // Hkv
+    offset = Sk - Sq if q_offset is None else q_offset
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     acc = torch.promote_types(q.dtype, torch.float32)
 
@@ -121,24 +157,29 @@ def attention_backward_reference(
     visible_rows = ~torch.isneginf(lsef)  # a query that sees no key has no gradient
     lse_safe = torch.where(visible_rows, lsef, torch.zeros_like(lsef))
     kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
-    rows = torch.arange(Sq, device=q.device).view(Sq, 1) + (Sk - Sq)
     dq = torch.zeros_like(qf)
     dk = torch.zeros((B, Hkv, Sk, D), device=q.device, dtype=acc)
-    dv = torch.zeros_like(dk)
-    for start in range(0, Sk, block):
-        stop = min(start + block, Sk)
-        kb, vb = kf[..., start:stop, :], vf[..., start:stop, :]
-        s = (qf @ kb.transpose(-1, -2)) * scale
-        p = torch.exp(s - lse_safe) * visible_rows
-        if causal:
-            cols = torch.arange(start, stop, device=q.device).view(1, -1)
-            p = p.masked_fill(cols > rows, 0.0)
-        if docs is not None:
-            p = p.masked_fill(~_same_document(docs[0], docs[1][:, start:stop]), 0.0)
-        dv[..., start:stop, :] = (p.transpose(-1, -2) @ dof).sum(2)
-        ds = p * (dof @ vb.transpose(-1, -2) - delta)
-        dq += (ds @ kb) * scale
-        dk[..., start:stop, :] = (ds.transpose(-1, -2) @ qf).sum(2) * scale
+    dv = torch.zeros((B, Hkv, Sk, Dv), device=q.device, dtype=acc)
+    q_block = Sq if window is None else block
+    for r0 in range(0, Sq, q_block):
+        r1 = min(r0 + q_block, Sq)
+        rows = torch.arange(r0, r1, device=q.device).view(-1, 1) + offset
+        qr, dor, delta_r = qf[..., r0:r1, :], dof[..., r0:r1, :], delta[..., r0:r1, :]
+        lo, hi = key_range((r0, r1), Sk, causal, window, offset)
+        for start in range(lo, hi, block):
+            stop = min(start + block, hi)
+            kb, vb = kf[..., start:stop, :], vf[..., start:stop, :]
+            s = (qr @ kb.transpose(-1, -2)) * scale
+            p = torch.exp(s - lse_safe[..., r0:r1, :]) * visible_rows[..., r0:r1, :]
+            hidden = _hidden(rows, torch.arange(start, stop, device=q.device).view(1, -1), causal, window)
+            if hidden is not None:
+                p = p.masked_fill(hidden, 0.0)
+            if docs is not None:
+                p = p.masked_fill(~_same_document(docs[0][:, r0:r1], docs[1][:, start:stop]), 0.0)
+            dv[..., start:stop, :] += (p.transpose(-1, -2) @ dor).sum(2)
+            ds = p * (dor @ vb.transpose(-1, -2) - delta_r)
+            dq[..., r0:r1, :] += (ds @ kb) * scale
+            dk[..., start:stop, :] += (ds.transpose(-1, -2) @ qr).sum(2) * scale
     return dq.reshape(B, Hq, Sq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -175,10 +216,11 @@ def naive_attention(
     scale: float | None = None,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax(q k^T) v with every head materialized: the definition the other implementations are tested
     against. With document ids a query sees only its own document's keys; one that sees none gives 0 and
-    lse -inf."""
+    lse -inf. A `window` hides keys `window` or more positions before the query (bottom-right aligned)."""
     docs = check_documents(q, k, q_docs, k_docs)
     group = q.shape[1] // k.shape[1]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -190,6 +232,10 @@ def naive_attention(
         Sq, Sk = q.shape[2], k.shape[2]
         mask = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - Sq)
         s = s.masked_fill(~mask, float("-inf"))
+    if window is not None:
+        Sq, Sk = q.shape[2], k.shape[2]
+        far = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - Sq - window)
+        s = s.masked_fill(far, float("-inf"))
     if docs is not None:
         s = s.masked_fill(~(docs[0].unsqueeze(-1) == docs[1].unsqueeze(-2)).unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -197,13 +243,19 @@ def naive_attention(
     return (p @ v).to(q.dtype), lse
 
 
-def sdpa_supports(q: Tensor, k: Tensor, causal: bool) -> bool:
-    """torch's fused CPU attention aligns a causal mask top-left; ours is bottom-right, so it serves
-    causal calls only when Sq == Sk. It computes fp32 and fp64 on CPU."""
+def sdpa_supports(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None, q_offset: int | None = None
+) -> bool:
+    """torch's fused CPU attention aligns a causal mask top-left (q_offset 0); ours is where q_offset says
+    (bottom-right by default), so it serves causal calls only when that is 0. It computes fp32 and fp64 on
+    CPU, with one head dim for q, k and v and no window."""
+    offset = k.shape[2] - q.shape[2] if q_offset is None else q_offset
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64)
-        and (not causal or q.shape[2] == k.shape[2])
+        and v.shape[-1] == q.shape[-1]
+        and window is None
+        and (not causal or offset == 0)
     )
 
 
@@ -250,14 +302,6 @@ def document_segments(q_docs: Tensor, k_docs: Tensor) -> list[list[tuple[int, in
     return rows
 
 
-def _aligned(runs: list[list[tuple[int, int, int, int, bool]]], causal: bool, Sq: int, Sk: int) -> bool:
-    """Whether each document's block keeps the call's causal rule as its own bottom-right causal rule (always
-    so when queries and keys are the same tokens, as in every call tessera makes)."""
-    if not causal:
-        return True
-    return all((qs - ks) + (Sk - Sq) == (ke - ks) - (qe - qs) for row in runs for qs, qe, ks, ke, has in row if has)
-
-
 def document_attention(
     q: Tensor,
     k: Tensor,
@@ -267,30 +311,33 @@ def document_attention(
     causal: bool = True,
     scale: float | None = None,
     grad_lse: bool = False,
-) -> tuple[Tensor, Tensor] | None:
+    window: int | None = None,
+    q_offset: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """(out, lse) of document-masked attention computed one document at a time (varlen on CPU): each
     document's queries attend its keys through ATen's fused flash attention where it computes the same
-    thing (else the blockwise reference), so the work is the sum of the documents' squares and no
-    (S x S) mask exists. Differentiable in q, k, v through out (and lse when `grad_lse`, by the reference).
-    None when a causal call's documents do not keep its diagonal (the caller masks elementwise)."""
+    thing (else the blockwise reference, at the document's own q_offset), so the work is the sum of the
+    documents' squares and no (S x S) mask exists. Differentiable in q, k, v through out (and lse when
+    `grad_lse`, by the reference)."""
     B, Hq, Sq, D = q.shape
+    Sk, Dv = k.shape[2], v.shape[3]
+    offset = Sk - Sq if q_offset is None else q_offset
     runs = document_segments(q_docs, k_docs)
-    if not _aligned(runs, causal, Sq, k.shape[2]):
-        return None
     acc = torch.promote_types(q.dtype, torch.float32)
     outs, lses = [], []
     for b, row in enumerate(runs):
         pieces, piece_lse = [], []
         for qs, qe, ks, ke, has_keys in row:
             if not has_keys:  # queries whose document has no key here: nothing visible
-                pieces.append(q.new_zeros(1, Hq, qe - qs, D))
+                pieces.append(q.new_zeros(1, Hq, qe - qs, Dv))
                 piece_lse.append(torch.full((1, Hq, qe - qs), float("-inf"), dtype=acc, device=q.device))
                 continue
             qb, kb, vb = q[b : b + 1, :, qs:qe], k[b : b + 1, :, ks:ke], v[b : b + 1, :, ks:ke]
-            if not grad_lse and sdpa_supports(qb, kb, causal):
+            own = qs + offset - ks  # the document's query rows in its keys' positions
+            if not grad_lse and sdpa_supports(qb, kb, vb, causal, window, own):
                 o, lse = sdpa_attention(qb, kb, vb, causal, scale)
             else:
-                o, lse = attention_reference(qb, kb, vb, causal, scale)
+                o, lse = attention_reference(qb, kb, vb, causal, scale, window=window, q_offset=own)
             pieces.append(o)
             piece_lse.append(lse.to(acc))
         outs.append(torch.cat(pieces, dim=2))
@@ -310,13 +357,14 @@ def document_attention_backward(
     k_docs: Tensor,
     causal: bool = True,
     scale: float | None = None,
-) -> tuple[Tensor, Tensor, Tensor] | None:
+    window: int | None = None,
+    q_offset: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """attention_backward_reference with document masks, one document at a time (ATen's fused backward
-    where it applies); None when a causal call's documents do not keep its diagonal."""
+    where it applies)."""
     Sq, Sk = q.shape[2], k.shape[2]
+    offset = Sk - Sq if q_offset is None else q_offset
     runs = document_segments(q_docs, k_docs)
-    if not _aligned(runs, causal, Sq, Sk):
-        return None
     acc = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -327,13 +375,40 @@ def document_attention_backward(
                 continue
             rows, cols = (slice(b, b + 1), slice(None), slice(qs, qe)), (slice(b, b + 1), slice(None), slice(ks, ke))
             qb, kb, vb = q[rows], k[cols], v[cols]
-            if dlse is None and sdpa_supports(qb, kb, causal):
+            own = qs + offset - ks
+            if dlse is None and sdpa_supports(qb, kb, vb, causal, window, own):
                 g = sdpa_attention_backward(do[rows], qb, kb, vb, o[rows], lse[rows], causal, scale)
             else:
                 g = attention_backward_reference(
-                    do[rows], qb, kb, vb, o[rows], lse[rows], None if dlse is None else dlse[rows], causal, scale
+                    do[rows],
+                    qb,
+                    kb,
+                    vb,
+                    o[rows],
+                    lse[rows],
+                    None if dlse is None else dlse[rows],
+                    causal,
+                    scale,
+                    window=window,
+                    q_offset=own,
                 )
             dq[rows] += g[0].to(acc)
             dk[cols] += g[1].to(acc)
             dv[cols] += g[2].to(acc)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------- attention sinks
+def apply_sinks(o: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention sinks (gpt-oss): a learned logit s_h per query head in every softmax's denominator,
+    o_i = sum_j e^(x_ij) v_j / (e^(s_h) + sum_j e^(x_ij)). Merged by log-sum-exp as a block whose value is 0
+    and whose logit is s_h: lse' = logaddexp(lse, s_h), o' = o e^(lse - lse'). o (B, Hq, Sq, Dv), lse (B, Hq,
+    Sq), sinks (Hq,); differentiable in all three. A row that sees no key (lse -inf) gives 0, not NaN.
+    Apply it once to the whole softmax (after a ring's merge), never per block."""
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    lse = lse.to(acc)
+    new = torch.logaddexp(lse, sinks.to(acc).view(1, -1, 1))
+    nothing = torch.isneginf(new)  # only when a sink is -inf too
+    safe = torch.where(nothing, torch.zeros_like(new), new)
+    keep = torch.where(nothing, torch.zeros_like(new), torch.exp(lse - safe))
+    return (o.to(torch.promote_types(o.dtype, acc)) * keep.unsqueeze(-1)).to(o.dtype), new

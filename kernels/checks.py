@@ -13,8 +13,11 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"q, k, v must be 4-D (batch, heads, seq, head_dim); "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must have the same shape but for the head dim (batch, kv heads, seq); got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head_dim")
     if q.shape[1] % k.shape[1]:
@@ -25,6 +28,31 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def check_window(window: int | None, causal: bool) -> None:
+    """A sliding window: a positive number of tokens, over a causal mask (it looks back from each query)."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"window={window!r} must be a whole number of at least 1; use a positive number of tokens or None"
+        )
+    if not causal:
+        raise ValueError(f"window={window} needs causal=True (a sliding window looks back from each query)")
+
+
+def check_sinks(sinks: Tensor | None, q: Tensor) -> None:
+    """Attention sinks: one logit per query head, (Hq,) -- this rank's heads under tensor parallel."""
+    if sinks is None:
+        return
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+        raise ValueError(
+            f"sinks {tuple(sinks.shape)} must be one logit per query head, ({q.shape[1]},); under tensor "
+            f"parallel pass this rank's heads' sinks"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {q.device}; move them to one device")
 
 
 def check_documents(q: Tensor, k: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> tuple[Tensor, Tensor] | None:

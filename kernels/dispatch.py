@@ -13,6 +13,11 @@
     rms_norm          CUDA: the Triton kernel. CPU: torch's fused F.rms_norm for fp32/fp64, else the
                       reference (fp32 statistics for low-precision inputs).
 
+Every path takes a value head dim other than q/k's (v (B, Hkv, Sk, Dv); ATen's fused CPU op does not, so
+such calls take the reference), a sliding `window` (key blocks outside it skipped where the code is
+blockwise) and `q_offset` (where the queries sit among the keys); flash_attention also takes `sinks`,
+applied once to the whole softmax's (out, lse) by `apply_sinks`.
+
 backend="torch" forces the torch implementations, backend="triton" the kernels (on CPU only under
 TRITON_INTERPRET=1). The triton modules are imported only when used: CPU training never imports triton.
 """
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import (
+    apply_sinks,
     attention_backward_reference,
     attention_reference,
     document_attention,
@@ -35,7 +41,7 @@ from .attention import (
     sdpa_attention_backward,
     sdpa_supports,
 )
-from .checks import check_attention_inputs, check_documents, check_rms_norm_inputs
+from .checks import check_attention_inputs, check_documents, check_rms_norm_inputs, check_sinks, check_window
 from .rmsnorm import rms_norm_reference
 
 BACKENDS = ("torch", "triton")
@@ -83,6 +89,9 @@ def flash_attention(
     backend: str | None = ...,
     q_docs: Tensor | None = ...,
     k_docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
+    q_offset: int | None = ...,
 ) -> Tensor: ...
 @overload
 def flash_attention(
@@ -96,6 +105,9 @@ def flash_attention(
     backend: str | None = ...,
     q_docs: Tensor | None = ...,
     k_docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
+    q_offset: int | None = ...,
 ) -> tuple[Tensor, Tensor]: ...
 @overload
 def flash_attention(
@@ -108,6 +120,9 @@ def flash_attention(
     backend: str | None = ...,
     q_docs: Tensor | None = ...,
     k_docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
+    q_offset: int | None = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 def flash_attention(
     q: Tensor,
@@ -119,15 +134,45 @@ def flash_attention(
     backend: str | None = None,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+    q_offset: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention over q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), Hq % Hkv == 0; causal aligned bottom-right.
-    Returns out (q's dtype), and with return_lse the log-sum-exp (B, Hq, Sq), fp32 (fp64 for fp64 inputs),
-    natural log. Differentiable in q, k, v through out and lse.
+    """Attention over q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq % Hkv == 0; causal aligned
+    bottom-right. Returns out (B, Hq, Sq, Dv) in q's dtype, and with return_lse the log-sum-exp (B, Hq, Sq),
+    fp32 (fp64 for fp64 inputs), natural log. Differentiable in q, k, v (and sinks) through out and lse.
 
     Packed documents: `q_docs` (B, Sq) and `k_docs` (B, Sk) integer document ids, non-decreasing along each
     row (k_docs defaults to q_docs); a query then sees only keys of its own document. The Triton kernel
-    skips the tiles no query of which sees any key; on CPU each document runs on its own (the fused path)."""
+    skips the tiles no query of which sees any key; on CPU each document runs on its own (the fused path).
+
+    `window` (tokens, causal only): query i, at absolute position p_i = i + q_offset among the keys, sees
+    key j iff j <= p_i and p_i - j < window -- transformers' sliding window (gpt-oss, Mistral: kv_idx >
+    q_idx - sliding_window); window=1 is each token alone. Key blocks wholly outside every query's window
+    are skipped, not masked. `q_offset` (default Sk - Sq, bottom-right) places the queries among the keys:
+    context parallel passes each block's true offset. With documents the window applies within each one.
+
+    `sinks` (Hq,): gpt-oss's attention sinks, a learned logit per query head in the softmax's denominator
+    (`apply_sinks` on this call's (out, lse)); the returned lse includes them."""
     check_attention_inputs(q, k, v)
+    check_window(window, causal)
+    check_sinks(sinks, q)
+    if sinks is not None:
+        o, lse = flash_attention(
+            q,
+            k,
+            v,
+            causal,
+            scale,
+            return_lse=True,
+            backend=backend,
+            q_docs=q_docs,
+            k_docs=k_docs,
+            window=window,
+            q_offset=q_offset,
+        )
+        o, lse = apply_sinks(o, lse, sinks)
+        return (o, lse) if return_lse else o
     if q_docs is not None and k_docs is None:
         k_docs = q_docs
     docs = check_documents(q, k, q_docs, k_docs)
@@ -135,32 +180,41 @@ def flash_attention(
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention  # lazy: triton is optional (Linux only; CPU runs never load it)
 
-        refusal = triton_attention.kernel_refusal(q)
+        refusal = triton_attention.kernel_refusal(q, v)
         if refusal is None:
-            out, lse = triton_attention.attention(q, k, v, causal, scale, q_docs, k_docs)
+            out, lse = triton_attention.attention(q, k, v, causal, scale, q_docs, k_docs, window, q_offset)
             return (out, lse) if return_lse else out
         if backend == "triton":
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
+    bottom_right = q_offset is None or q_offset == k.shape[2] - q.shape[2]
     if docs is not None:
         grad_lse = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        found = None if backend == "torch" else document_attention(q, k, v, *docs, causal, scale, grad_lse)
-        out, lse = (
-            found if found is not None else attention_reference(q, k, v, causal, scale, q_docs=q_docs, k_docs=k_docs)
-        )
+        if backend == "torch":
+            out, lse = attention_reference(
+                q, k, v, causal, scale, q_docs=q_docs, k_docs=k_docs, window=window, q_offset=q_offset
+            )
+        else:
+            out, lse = document_attention(q, k, v, *docs, causal, scale, grad_lse, window, q_offset)
         return (out, lse) if return_lse else out
-    if backend == "torch" and q.is_cuda and not return_lse and (not causal or q.shape[2] == k.shape[2]):
+    if (
+        backend == "torch"
+        and q.is_cuda
+        and not return_lse
+        and window is None
+        and (not causal or (q.shape[2] == k.shape[2] and bottom_right))
+    ):
         # torch on CUDA: its fused SDPA (flash / cuDNN / efficient), whose causal mask is top-left (Sq == Sk here)
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )
-    elif backend is None and sdpa_supports(q, k, causal):
+    elif backend is None and sdpa_supports(q, k, v, causal, window, q_offset):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if not return_lse:
             return sdpa_attention(q, k, v, causal, scale)[0]
         if not needs_grad:  # its LSE has no autograd: fine when nothing will differentiate it (ring forward)
             return sdpa_attention(q, k, v, causal, scale)
-    out, lse = attention_reference(q, k, v, causal, scale)
+    out, lse = attention_reference(q, k, v, causal, scale, window=window, q_offset=q_offset)
     return (out, lse) if return_lse else out
 
 
@@ -177,11 +231,15 @@ def flash_attention_backward(
     backend: str | None = None,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
+    window: int | None = None,
+    q_offset: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention over this key block, given the output `o` and `lse` of the whole
-    softmax the block is part of (ring attention's backward). CUDA: the Triton backward kernels; CPU:
-    the blockwise torch reference. Document ids as in flash_attention."""
+    softmax the block is part of (ring attention's backward; with sinks, the o and lse after them: a sink
+    adds no value, so the block's gradient is the plain one at the sunk softmax). CUDA: the Triton backward
+    kernels; CPU: the blockwise torch reference. Document ids, window and q_offset as in flash_attention."""
     check_attention_inputs(q, k, v)
+    check_window(window, causal)
     if q_docs is not None and k_docs is None:
         k_docs = q_docs
     docs = check_documents(q, k, q_docs, k_docs)
@@ -190,25 +248,36 @@ def flash_attention_backward(
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention  # lazy: triton is optional (Linux only; CPU runs never load it)
 
-        refusal = triton_attention.kernel_refusal(q)
+        refusal = triton_attention.kernel_refusal(q, v)
         if refusal is None:
             dlse = torch.zeros_like(lse) if dlse is None else dlse
-            return triton_attention.attention_backward(do, q, k, v, o, lse, dlse, causal, scale, q_docs, k_docs)
+            return triton_attention.attention_backward(
+                do, q, k, v, o, lse, dlse, causal, scale, q_docs, k_docs, window, q_offset
+            )
         if backend == "triton":
             raise ValueError(f"{refusal}; use backend='torch'")
         _warn_once(refusal, f"{refusal}: falling back to torch's attention (slower) for these inputs")
     if docs is not None:
-        found = (
-            None if backend == "torch" else document_attention_backward(do, q, k, v, o, lse, dlse, *docs, causal, scale)
-        )
-        return (
-            found
-            if found is not None
-            else attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale, q_docs=q_docs, k_docs=k_docs)
-        )
-    if backend is None and dlse is None and sdpa_supports(q, k, causal):
+        if backend == "torch":
+            return attention_backward_reference(
+                do,
+                q,
+                k,
+                v,
+                o,
+                lse,
+                dlse,
+                causal,
+                scale,
+                q_docs=q_docs,
+                k_docs=k_docs,
+                window=window,
+                q_offset=q_offset,
+            )
+        return document_attention_backward(do, q, k, v, o, lse, dlse, *docs, causal, scale, window, q_offset)
+    if backend is None and dlse is None and sdpa_supports(q, k, v, causal, window, q_offset):
         return sdpa_attention_backward(do, q, k, v, o, lse, causal, scale)
-    return attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale)
+    return attention_backward_reference(do, q, k, v, o, lse, dlse, causal, scale, window=window, q_offset=q_offset)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, backend: str | None = None) -> Tensor:

@@ -338,8 +338,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs keep full precision (no TF32)
 
 
-def kernel_refusal(q: Tensor) -> str | None:
+def kernel_refusal(q: Tensor, v: Tensor | None = None) -> str | None:
     """Why the kernel cannot take these inputs (None: it can)."""
+    if v is not None and v.shape[-1] != q.shape[-1]:
+        return "a value head dim other than q's is not in the Triton attention kernel yet"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} is above the Triton attention kernel's {MAX_HEAD_DIM}"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -545,10 +547,14 @@ def attention(
     scale: float | None = None,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
+    window: int | None = None,
+    q_offset: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) from the Triton kernels; differentiable in q, k, v (through out and lse). Document ids
     (B, Sq) and (B, Sk), as in tessera.kernels.flash_attention, mask each query to its own document."""
     check_kernel_inputs(q, k, v)
+    if window is not None or q_offset is not None:
+        raise ValueError("window and q_offset are not in the Triton attention kernel yet; use backend='torch'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return flash_attention_fwd(q, k, v, causal, scale, q_docs, k_docs)
 
@@ -565,7 +571,11 @@ def attention_backward(
     scale: float,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
+    window: int | None = None,
+    q_offset: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one key block given the whole softmax's o and lse (ring attention's backward)."""
+    if window is not None or q_offset is not None:
+        raise ValueError("window and q_offset are not in the Triton attention kernel yet; use backend='torch'")
     dlse = torch.zeros_like(lse) if dlse is None else dlse
     return flash_attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, q_docs, k_docs)
