@@ -1,13 +1,15 @@
 """The dense feed-forward block the model families share, with the tensor-parallel plan of its modules: SwiGLU,
 down(silu(gate(x)) * up(x)). It is the MLP of Llama and Qwen3, and the shared expert of the MoE block
 (models/moe.py). Its `input_comm` slot is the identity on one process; parallel/ puts the copy to (or gather
-over) the tp ranks there, once for both column-parallel projections.
+over) the tp ranks there, once for both column-parallel projections. gpt-oss's clamped SwiGLU activation
+(`clamped_swiglu`) is here too; its experts (models/moe.py) use it.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -33,6 +35,13 @@ class SwiGLU(nn.Module):
         x = self.input_comm(x)
         n = self.names
         return getattr(self, n.down)(F.silu(getattr(self, n.gate)(x)) * getattr(self, n.up)(x))
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's SwiGLU (transformers' GptOssExperts): the gate clamped above at `limit`, up to [-limit, limit],
+    then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
 def swiglu_tp_plan(names: MLPNames = MLPNames()) -> tuple[tuple[str, str], ...]:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from .mlp import SwiGLU, swiglu_tp_plan
+from .mlp import SwiGLU, clamped_swiglu, swiglu_tp_plan
 from .spec import TPPlan, prefixed
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -87,14 +87,47 @@ class ExpertDispatch(nn.Module):
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU experts as stacked weights: gate_proj, up_proj (E, ffn, dim) and down_proj
     (E, dim, ffn) (nn.Linear's (out, in) per expert, as transformers stores them). Under expert parallelism
-    each rank holds E / ep of them (a DTensor sharded on dim 0); under tp each expert's ffn is split."""
+    each rank holds E / ep of them (a DTensor sharded on dim 0); under tp each expert's ffn is split.
 
-    def __init__(self, n_experts: int, dim: int, ffn_dim: int):
+    gpt-oss's options: `fused_gate_up`, the layout transformers' GptOssExperts stores: gate_up_proj
+    (E, dim, 2 ffn) with gate and up interleaved on the last dim (columns 2i and 2i+1 are unit i's, so a tp
+    split of contiguous columns keeps the pairs) and down_proj (E, ffn, dim), both (in, out); `bias`: a bias
+    (E, out features) beside each weight, `<weight>_bias`; `swiglu_clamp`: (alpha, limit) of
+    mlp.clamped_swiglu (None: silu(gate) * up)."""
+
+    def __init__(
+        self,
+        n_experts: int,
+        dim: int,
+        ffn_dim: int,
+        fused_gate_up: bool = False,
+        bias: bool = False,
+        swiglu_clamp: tuple[float, float] | None = None,
+    ):
         super().__init__()
-        self.n_experts = n_experts
-        self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
-        self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.n_experts, self.fused_gate_up, self.swiglu_clamp = n_experts, fused_gate_up, swiglu_clamp
+        # each stacked parameter -> its dim that holds ffn (split over tp); None: not split (the down bias)
+        self.ffn_dims: dict[str, int | None]
+        if fused_gate_up:
+            self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * ffn_dim))
+            self.down_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+            self.ffn_dims = {"gate_up_proj": 2, "down_proj": 1}
+        else:
+            self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+            self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+            self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+            self.ffn_dims = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+        if bias:
+            for name in list(self.ffn_dims):
+                down = name == "down_proj"
+                setattr(
+                    self,
+                    f"{name}_bias",
+                    nn.Parameter(torch.empty(n_experts, dim if down else ffn_dim * (1 + fused_gate_up))),
+                )
+                self.ffn_dims[f"{name}_bias"] = None if down else 1
+        # the down bias as each rank adds it: itself on one process; under tp its 1/tp share (parallel/plan.py)
+        self.down_bias_comm: nn.Module = nn.Identity()
         self.dispatch: nn.Module = ExpertDispatch()
         self.use_grouped_mm: bool | None = None  # None: torch._grouped_mm where supported (grouped_mm_supported)
         self.ran_grouped_mm = False  # what the last forward ran: grouped kernel or the per-expert loop
@@ -102,16 +135,30 @@ class GroupedExperts(nn.Module):
 
     def run_local(self, x: Tensor, counts: Tensor) -> Tensor:
         """This rank's experts on their tokens: x (M, dim) grouped by local expert, counts (local experts,)."""
-        gate, up, down = (
-            _local(w) if self.grad_scale == 1.0 else _ScaleGrad.apply(_local(w), self.grad_scale)
-            for w in (self.gate_proj, self.up_proj, self.down_proj)
-        )
-        use = self.use_grouped_mm if self.use_grouped_mm is not None else grouped_mm_supported(x, gate)
+        w = {
+            name: _local(p) if self.grad_scale == 1.0 else _ScaleGrad.apply(_local(p), self.grad_scale)
+            for name, p in ((n, getattr(self, n)) for n in self.ffn_dims)
+        }
+        first = w["gate_up_proj" if self.fused_gate_up else "gate_proj"]
+        use = self.use_grouped_mm if self.use_grouped_mm is not None else grouped_mm_supported(x, first)
         self.ran_grouped_mm = bool(use)
-        h = F.silu(grouped_mm(x, gate.transpose(-2, -1), counts, use)) * grouped_mm(
-            x, up.transpose(-2, -1), counts, use
-        )
-        return grouped_mm(h, down.transpose(-2, -1), counts, use)
+
+        def project(h: Tensor, name: str, transposed: bool) -> Tensor:
+            out = grouped_mm(h, w[name].transpose(-2, -1) if transposed else w[name], counts, use)
+            bias = w.get(f"{name}_bias")
+            if bias is None:
+                return out
+            if name == "down_proj":
+                bias = self.down_bias_comm(bias)
+            return out + torch.repeat_interleave(bias, counts, dim=0, output_size=h.shape[0]).to(out.dtype)
+
+        if self.fused_gate_up:
+            gate_up = project(x, "gate_up_proj", False)
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            gate, up = project(x, "gate_proj", True), project(x, "up_proj", True)
+        h = F.silu(gate) * up if self.swiglu_clamp is None else clamped_swiglu(gate, up, *self.swiglu_clamp)
+        return project(h, "down_proj", not self.fused_gate_up)
 
     # eager under torch.compile: the groups' sizes are data (host-read for the loop, all-to-all splits under
     # ep), and compiled blocks would re-trace them every step
@@ -153,19 +200,56 @@ class _AttachAuxLoss(Function):
 
 
 def route(
-    logits: Tensor, top_k: int, score_func: str = "softmax", norm_topk: bool = True, bias: Tensor | None = None
+    logits: Tensor,
+    top_k: int,
+    score_func: str = "softmax",
+    norm_topk: bool = True,
+    bias: Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(scores (N, E), expert ids (N, k), weights (N, k)) of router logits (N, E), in fp32 (or the logits'
     wider dtype). The bias only
-    steers which experts are chosen; the weights are the scores of the chosen ones."""
+    steers which experts are chosen; the weights are the scores of the chosen ones, times `scale`.
+
+    Group-limited routing (DeepSeek-V3, as transformers' DeepseekV3TopkRouter), with n_group > 1: the experts
+    split into n_group groups of consecutive ids, each group scored by the sum of its two best biased scores,
+    and only the topk_group best groups' experts eligible."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (fp64 stays)
     scores = torch.softmax(logits, dim=-1) if score_func == "softmax" else torch.sigmoid(logits)
     choose = scores if bias is None else scores + bias.to(scores.dtype)
+    if n_group > 1:
+        grouped = choose.view(*choose.shape[:-1], n_group, -1)
+        best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), topk_group, dim=-1).indices
+        eligible = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)
+        choose = grouped.masked_fill(~eligible.unsqueeze(-1), float("-inf")).view_as(choose)
     ids = torch.topk(choose, top_k, dim=-1, sorted=True).indices
     weights = scores.gather(-1, ids)
     if norm_topk:
         weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if score_func == "sigmoid" else 0.0))
-    return scores, ids, weights
+    return scores, ids, weights * scale if scale != 1.0 else weights
+
+
+def check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """ValueError naming the field for a group-limited routing that cannot choose top_k experts (a config's
+    and the block's check)."""
+    if n_group < 1 or n_experts % n_group:
+        raise ValueError(
+            f"n_group={n_group} must divide n_experts={n_experts}; use a divisor of {n_experts} (1: no groups)"
+        )
+    if n_group == 1:
+        return
+    per_group = n_experts // n_group
+    if per_group < 2:  # a group is scored by its two best experts
+        raise ValueError(f"n_group={n_group} leaves {per_group} expert per group; groups need 2 or more")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be between 1 and n_group={n_group}")
+    if top_k > topk_group * per_group:
+        raise ValueError(
+            f"top_k={top_k} is more than the topk_group={topk_group} groups of {per_group} experts hold; "
+            f"use top_k <= {topk_group * per_group} or a larger topk_group"
+        )
 
 
 class MoE(nn.Module):
@@ -182,7 +266,17 @@ class MoE(nn.Module):
         shared_ffn_dim: int = 0,
         aux_loss_coef: float = 0.0,
         bias_rate: float = 0.0,
+        bias: bool = False,
+        fused_gate_up: bool = False,
+        swiglu_clamp: tuple[float, float] | None = None,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
     ):
+        """`bias`, `fused_gate_up`, `swiglu_clamp`: gpt-oss's router and experts (a router with a bias, experts
+        with biases in transformers' fused gate_up layout and the clamped SwiGLU: GroupedExperts); the
+        defaults are Qwen3-MoE's and DeepSeek-V3's block. `n_group`, `topk_group`, `routed_scaling_factor`:
+        DeepSeek-V3's group-limited routing and the factor its routed weights are multiplied by (`route`)."""
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func={score_func!r}: use one of {', '.join(SCORE_FUNCS)}")
@@ -190,8 +284,10 @@ class MoE(nn.Module):
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         self.n_experts, self.top_k, self.score_func, self.norm_topk = n_experts, top_k, score_func, norm_topk
         self.aux_loss_coef, self.bias_rate = aux_loss_coef, bias_rate
-        self.gate = nn.Linear(dim, n_experts, bias=False)  # the router (transformers' name)
-        self.experts = GroupedExperts(n_experts, dim, ffn_dim)
+        check_groups(n_experts, top_k, n_group, topk_group)
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
+        self.gate = nn.Linear(dim, n_experts, bias=bias)  # the router (transformers' name)
+        self.experts = GroupedExperts(n_experts, dim, ffn_dim, fused_gate_up, bias, swiglu_clamp)
         self.shared_expert: nn.Module | None = SharedExpert(dim, shared_ffn_dim) if shared_ffn_dim else None
         # the aux-loss-free bias: a buffer (checkpointed, not trained by the optimizer)
         self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
@@ -213,7 +309,14 @@ class MoE(nn.Module):
         B, S, D = x.shape
         k, E = self.top_k, self.n_experts
         scores, ids, weights = route(
-            self.gate(x).reshape(B * S, E), k, self.score_func, self.norm_topk, self.expert_bias
+            self.gate(x).reshape(B * S, E),
+            k,
+            self.score_func,
+            self.norm_topk,
+            self.expert_bias,
+            self.n_group,
+            self.topk_group,
+            self.routed_scaling_factor,
         )
         weights, ids = self.routing_comm(weights.view(B, S, k), ids.view(B, S, k))
         h = self.input_comm(x)  # the tokens the experts see: (B, S', D), S' = S, or S x tp gathered

@@ -43,6 +43,8 @@ from .init import Init, init_parameters
 TP_STYLES = {
     "embedding": "nn.Embedding split over vocabulary rows; partial lookups summed (scattered under SP)",
     "block_input": "a block's input copied to (or gathered over) the tp ranks once, for every column layer inside",
+    "block_input_heads": "block_input, and the block's per-head parameters (its `head_params`: attention sinks) "
+    "split over tp with its query heads",
     "colwise": "nn.Linear split on output features; its input already prepared by a block_input above",
     "colwise_gather": "nn.Linear split on output features that prepares its own input (the output head)",
     "rowwise": "nn.Linear split on input features; partial outputs summed (scattered under SP)",

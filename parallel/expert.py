@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tessera.models.init import one_process_name
 from tessera.models.moe import MoE, moe_blocks, update_expert_bias
@@ -160,12 +160,14 @@ def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: Devic
     if not meshes:
         return experts
     mesh = meshes[0] if len(meshes) == 1 else DeviceMesh._concatenate(meshes)
-    for name, ffn_dim in EXPERT_WEIGHTS.items():
+    # the module's own stacked parameters (gpt-oss's fused layout and biases: GroupedExperts.ffn_dims)
+    for name, ffn_dim in getattr(experts, "ffn_dims", EXPERT_WEIGHTS).items():
         p = getattr(experts, name)
         full = p.full_tensor() if isinstance(p, DTensor) and p.device.type != "meta" else p
         if isinstance(full, DTensor):  # on meta: the global tensor's shape is all there is
             full = torch.empty(p.shape, dtype=p.dtype, device="meta")
-        placements = ([Shard(0)] if ep_mesh is not None else []) + ([Shard(ffn_dim)] if tp_mesh is not None else [])
+        split = Shard(ffn_dim) if ffn_dim is not None else Replicate()  # None: whole on every tp rank
+        placements = ([Shard(0)] if ep_mesh is not None else []) + ([split] if tp_mesh is not None else [])
         setattr(experts, name, nn.Parameter(distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)))
     return experts
 

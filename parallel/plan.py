@@ -27,6 +27,7 @@ Styles (all keep the parameter names of the one-process model, so checkpoints an
                       normalizes its own tokens and the weight gradients are all-reduced.
     PrepareInput      the sequence-parallel boundary in front of a block: its input is copied (or
                       gathered) once for every column-parallel layer inside.
+    PrepareInputHeads PrepareInput, and the block's per-head parameters (attention sinks) split over tp.
     ReplicatedHeads   a K/V projection when tp exceeds the kv heads: replicated, each rank uses its head.
     HeadNorm          a norm over head_dim on each rank's own heads (QK-norm): replicated weights whose
                       gradients are partial sums on every layout, so always all-reduced.
@@ -41,6 +42,7 @@ import fnmatch
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -217,17 +219,22 @@ class HeadNorm(Style):
 
 
 class ReplicatedLinear(nn.Module):
-    """nn.Linear (no bias) every tp rank holds whole, e.g. an MoE router; under sequence parallel each rank
-    reads its own tokens with it, so its gradient is all-reduced."""
+    """nn.Linear (with or without a bias) every tp rank holds whole, e.g. an MoE router; under sequence
+    parallel each rank reads its own tokens with it, so its gradients are all-reduced."""
 
-    def __init__(self, weight, tp_mesh: DeviceMesh, sequence_parallel: bool):
+    def __init__(self, weight, tp_mesh: DeviceMesh, sequence_parallel: bool, bias=None):
         super().__init__()
         self.weight = _shard_param(weight, tp_mesh, Replicate())
+        self.bias = None if bias is None else _shard_param(bias, tp_mesh, Replicate())
         self.group, self.sequence_parallel = tp_mesh.get_group(), sequence_parallel
 
+    def _read(self, p):
+        return copy_weight_to_tp(p.to_local(), self.group) if self.sequence_parallel else p.to_local()
+
     def forward(self, x):
-        w = self.weight.to_local()
-        return torch.nn.functional.linear(x, copy_weight_to_tp(w, self.group) if self.sequence_parallel else w)
+        return torch.nn.functional.linear(
+            x, self._read(self.weight), None if self.bias is None else self._read(self.bias)
+        )
 
 
 @dataclass(repr=False)
@@ -235,12 +242,7 @@ class Replicated(Style):
     takes = (nn.Linear,)
 
     def apply(self, module, tp_mesh, sequence_parallel):
-        return ReplicatedLinear(module.weight, tp_mesh, sequence_parallel)
-
-    def check(self, name, module, tp):
-        super().check(name, module, tp)
-        if module.bias is not None:
-            raise ValueError(f"plan: Replicated on {name!r} takes an nn.Linear without a bias")
+        return ReplicatedLinear(module.weight, tp_mesh, sequence_parallel, module.bias)
 
 
 @dataclass(repr=False)
@@ -261,6 +263,8 @@ class Experts(Style):
     """Grouped experts: each expert's ffn split (gate and up on their rows, down on its columns)."""
 
     def apply(self, module, tp_mesh, sequence_parallel):
+        if "down_proj_bias" in getattr(module, "ffn_dims", {}):  # added once: each rank its 1/tp share
+            module.down_bias_comm = BiasShare(tp_mesh.get_group())
         return shard_experts(module, None, tp_mesh)
 
     def check(self, name, module, tp):
@@ -268,6 +272,18 @@ class Experts(Style):
             raise ValueError(
                 f"plan: Experts on {name!r} needs a tessera.models.moe.GroupedExperts, got {type(module).__name__}"
             )
+
+
+class BiasShare(nn.Module):
+    """A bias added to partial outputs that tp sums (grouped experts' down bias): each rank adds 1/tp of it,
+    and its gradient (1/tp of the whole on each rank) is all-reduced."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, bias):
+        return copy_weight_to_tp(bias, self.group) / dist.get_world_size(self.group)
 
 
 @dataclass(repr=False)
@@ -285,10 +301,29 @@ class PrepareInput(Style):
 
 
 @dataclass(repr=False)
+class PrepareInputHeads(PrepareInput):
+    """PrepareInput, and the block's per-head parameters (its `head_params`, e.g. attention sinks: one value
+    per query head) split over tp with the query heads (Shard(0)): each rank reads its own heads' values."""
+
+    def apply(self, module, tp_mesh, sequence_parallel):
+        for name in getattr(module, "head_params", ()):
+            setattr(module, name, _shard_param(getattr(module, name), tp_mesh, Shard(0)))
+        return super().apply(module, tp_mesh, sequence_parallel)
+
+
+@dataclass(repr=False)
 class ReplicatedHeads(Style):
     n_kv_heads: int = 1
     head_dim: int = 1
     takes = (nn.Linear,)
+
+    def check(self, name, module, tp):
+        super().check(name, module, tp)
+        if module.bias is not None:  # each rank would need its head's rows of the bias too
+            raise ValueError(
+                f"plan: {name!r} has a bias, and tp={tp} exceeds its {self.n_kv_heads} kv heads (replicated "
+                f"K/V heads take no bias); use a tp that divides n_kv_heads={self.n_kv_heads}"
+            )
 
     def apply(self, module, tp_mesh, sequence_parallel):
         head = tp_mesh.get_local_rank() * self.n_kv_heads // tp_mesh.size()
@@ -370,6 +405,7 @@ def _style(kind: str, shape, tp: int) -> Style:
     return {
         "embedding": VocabEmbedding,
         "block_input": PrepareInput,
+        "block_input_heads": PrepareInputHeads,
         "rowwise": RowwiseParallel,
         "colwise": lambda: ColwiseParallel(gather_input=False),
         "colwise_gather": lambda: ColwiseParallel(gather_input=True),
