@@ -94,7 +94,9 @@ class DecoderLM(nn.Module):
         self.rope = rope
         self.layers = nn.ModuleDict(
             {
-                str(i): DecoderBlock(n, self.build_attention(cfg, i), self.build_mlp(cfg, i), cfg.dim, cfg.norm_eps)
+                str(i): DecoderBlock(
+                    self.layer_names(i), self.build_attention(cfg, i), self.build_mlp(cfg, i), cfg.dim, cfg.norm_eps
+                )
                 for i in range(cfg.n_layers)
             }
         )
@@ -102,6 +104,11 @@ class DecoderLM(nn.Module):
         self.add_module(n.head, nn.Linear(cfg.dim, cfg.vocab_size, bias=False))
         if tied:
             getattr(self, n.head).weight = getattr(self, n.embedding).weight
+
+    def layer_names(self, layer: int) -> DecoderNames:
+        """Layer `layer`'s module names: the family's `names` (DeepSeek-V3 names its dense layers' MLP apart
+        from its MoE blocks, so that a tp plan's pattern tells them apart)."""
+        return self.names
 
     def build_attention(self, cfg: Any, layer: int) -> nn.Module:
         """Layer `layer`'s attention block: (x, rope, positions) -> x."""

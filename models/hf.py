@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 from pathlib import Path
@@ -207,6 +208,7 @@ def _parameters(cfg: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[s
     the owner first). A tied parameter has two names; the owner is `named_parameters()`'s."""
     model = _spec(cfg).build_model(cfg, device="meta")
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    buffers = _hf_buffers(model, cfg)
     by_id: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(n)
@@ -215,7 +217,24 @@ def _parameters(cfg: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[s
         owner = next(n for n in names if n in shapes)
         group = (owner, *[n for n in names if n != owner])
         groups.update({n: group for n in names})
+    shapes.update(buffers)
+    groups.update({n: (n,) for n in buffers})
     return shapes, groups
+
+
+def _hf_buffers(model: nn.Module, cfg: Any) -> dict[str, tuple[int, ...]]:
+    """The persistent buffers a family's checkpoints hold (the adapter names them: DeepSeek-V3's routing bias,
+    transformers' e_score_correction_bias), read and written as its parameters are; name -> shape."""
+    persistent = set(model.state_dict())
+    out = {}
+    for n, b in model.named_buffers():
+        if n in persistent:
+            try:
+                tessera_to_hf_name(n, cfg)
+            except ValueError:  # tessera's own (Qwen3-MoE's routing bias): no Hugging Face form
+                continue
+            out[n] = tuple(b.shape)
+    return out
 
 
 def _open_each(files: dict[str, Path], stack: contextlib.ExitStack) -> dict[Path, Any]:
@@ -351,7 +370,8 @@ def load_hf_weights(part: nn.Module, directory: str | os.PathLike, config: Any |
     where = _weight_map(files, cfg, shapes, groups)
     with contextlib.ExitStack() as stack:
         handles = _open_each(files, stack)
-        for name, p in part.named_parameters():
+        buffers = ((n, b) for n, b in part.named_buffers() if one_process_name(n) in shapes)
+        for name, p in itertools.chain(part.named_parameters(), buffers):
             name = one_process_name(name)
             owner = groups.get(name, (name,))[0]
             missing = _lacks(name, tuple(p.shape), where.get(owner), cfg)  # p.shape: a DTensor's global shape
@@ -374,8 +394,9 @@ def save_hf(state: dict[str, torch.Tensor], cfg: Any, directory: str | os.PathLi
     """Write a Hugging Face directory (config.json, model.safetensors) of `cfg`'s family from a full
     tessera state dict. A tied parameter is written once, under its owner's HF name (transformers re-ties
     the other from config.json's tie_word_embeddings); a stacked one as one tensor per index. The model's
-    buffers (an MoE routing bias) are not written: HF checkpoints hold parameters, and the family's
-    config_dict refuses a config whose buffers would change the outputs."""
+    buffers are written only where the family's checkpoints hold them (DeepSeek-V3's routing bias); other
+    buffers (Qwen3-MoE's routing bias) are not, and the family's config_dict refuses a config whose buffers
+    would change the outputs."""
     want, groups = _parameters(cfg)
     buffers: set[str] | None = None
     by_owner: dict[str, torch.Tensor] = {}

@@ -11,11 +11,13 @@ attention, and the kernels dispatch inside it.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from tessera.kernels import document_ids, flash_attention, rms_norm
+from tessera.kernels.checks import check_window
 
 
 class RMSNorm(nn.Module):
@@ -45,9 +47,59 @@ def llama3_scaled(
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-# RoPE's frequency scalings by config.json's rope_type: (inv_freq, **the scaling's parameters) -> inv_freq.
-# A family's variant (YaRN for DeepSeek-V3 and gpt-oss) is one entry here, and Rotary takes it by name.
-ROPE_SCALINGS = {"llama3": llama3_scaled}
+def yarn_scaled(
+    inv_freq: Tensor,
+    theta: float,
+    factor: float,
+    original_max_position_embeddings: float,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
+    attention_factor: float | None = None,
+) -> tuple[Tensor, float]:
+    """YaRN (as transformers' `_compute_yarn_parameters`): frequencies that turn fewer than `beta_slow` times
+    over the original context divided by `factor`, more than `beta_fast` times kept, a linear ramp over the
+    dimensions between (`truncate`: the ramp's ends rounded outward to whole dimensions; gpt-oss has False).
+    The attention factor multiplies cos and sin: given, else mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set (DeepSeek-V3: 1.0), else 0.1 ln(factor) + 1."""
+    dim = 2 * inv_freq.shape[0]
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = beta_fast or 32.0, beta_slow or 1.0  # 0 means the default, as in transformers
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=inv_freq.dtype, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: the original frequency, 0: divided by factor
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention_factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 without scaling): the attention factor's parts,
+    and DeepSeek-V3's softmax scale multiplier (mscale_all_dim, squared)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _llama3(inv_freq: Tensor, theta: float, **scaling: float) -> tuple[Tensor, float]:
+    return llama3_scaled(inv_freq, **scaling), 1.0
+
+
+# RoPE's frequency scalings by config.json's rope_type: (float64 inv_freq, theta, **the scaling's parameters) ->
+# (inv_freq, the factor that multiplies cos and sin). A family's variant is one entry here (YaRN: DeepSeek-V3's
+# and gpt-oss's), and Rotary takes it by name.
+ROPE_SCALINGS: dict[str, Callable[..., tuple[Tensor, float]]] = {"llama3": _llama3, "yarn": yarn_scaled}
 
 
 class Rotary(nn.Module):
@@ -75,10 +127,11 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (
             self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim)
         )
+        factor = 1.0  # YaRN's attention factor multiplies cos and sin (transformers' attention_scaling)
         if self.scaling:
-            inv_freq = ROPE_SCALINGS[self.rope_type](inv_freq, **self.scaling)
+            inv_freq, factor = ROPE_SCALINGS[self.rope_type](inv_freq, self.theta, **self.scaling)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=device), inv_freq)
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()
+        self.cos, self.sin = (angles.cos() * factor).float(), (angles.sin() * factor).float()
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Called by init_parameters once the model is on its device (the tables are not parameters)."""
@@ -100,13 +153,27 @@ class Rotary(nn.Module):
 
 
 class CausalAttention(nn.Module):
-    """The attention op itself, (q, k, v, positions) -> o with q (B, Hq, S, D) and k, v (B, Hkv, S, D), behind
-    one module slot: context parallel swaps in ring attention here; everything around it (projections, RoPE)
-    stays the same. A family's spec names where these modules sit (`ModelSpec.attention`).
+    """The attention op itself, (q, k, v, positions) -> o with q (B, Hq, S, D), k (B, Hkv, S, D) and v (B, Hkv,
+    S, Dv), behind one module slot: context parallel swaps in ring attention here (keeping `window`);
+    everything around it (projections, RoPE) stays the same. A family's spec names where these modules sit
+    (`ModelSpec.attention`).
 
     `positions` as the model got them: (S,) is causal attention over the sequence; (B, S) positions that
-    restart at each packed document also mask each token to its own document (`document_ids`)."""
+    restart at each packed document also mask each token to its own document (`document_ids`).
+    `window`: a sliding window of that many tokens (a token sees itself and the window - 1 before it; None:
+    the whole causal past). `sinks` (Hq,): attention sinks, a learned logit per query head in the softmax's
+    denominator (the block owns the parameter and passes it; see tessera.kernels.apply_sinks)."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None) -> Tensor:
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        check_window(window, causal=True)
+        self.window = window
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None, sinks: Tensor | None = None
+    ) -> Tensor:
         docs = None if positions is None else document_ids(positions, torch.arange(q.shape[2]))
-        return flash_attention(q, k, v, causal=True, q_docs=docs)
+        return flash_attention(q, k, v, causal=True, q_docs=docs, window=self.window, sinks=sinks)
+
+    def extra_repr(self) -> str:
+        return "" if self.window is None else f"window={self.window}"

@@ -1,0 +1,230 @@
+"""The DeepSeek-V3 family on one process: YaRN RoPE (models/layers.py's ROPE_SCALINGS entry, which gpt-oss shares)
+against transformers' `_compute_yarn_parameters`, multi-head latent attention, group-limited sigmoid routing,
+and tessera's DeepseekV3 against transformers' DeepseekV3ForCausalLM with the same weights, through tessera's
+Hugging Face writer and reader; what the family cannot represent is refused by name."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tessera.models.layers import ROPE_SCALINGS, Rotary, yarn_scaled  # noqa: E402
+
+# (rope_parameters, theta): DeepSeek-V3's published YaRN (mscale = mscale_all_dim: attention factor 1), gpt-oss's
+# (truncate False, attention factor 0.1 ln 32 + 1), and mscale != mscale_all_dim
+YARNS = [
+    (
+        dict(
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        10000.0,
+    ),
+    (dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, truncate=False), 150000.0),
+    (dict(factor=4.0, original_max_position_embeddings=256, mscale=0.707, mscale_all_dim=1.0), 10000.0),
+]
+
+
+def _their_yarn(params, theta, head_dim=64):
+    from transformers import DeepseekV3Config as HFConfig
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    rope = {"rope_type": "yarn", "rope_theta": theta, **params}
+    max_pos = int(params["factor"] * params["original_max_position_embeddings"])
+    return _compute_yarn_parameters(
+        HFConfig(qk_rope_head_dim=head_dim, max_position_embeddings=max_pos, rope_parameters=rope)
+    )
+
+
+@pytest.mark.parametrize("params, theta", YARNS)
+def test_yarn_is_transformers_yarn(params, theta):
+    """tessera's float64 frequencies equal transformers' (float32) to its rounding; the attention factor exactly."""
+    want, want_factor = _their_yarn(params, theta)
+    plain = 1.0 / theta ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    got, factor = ROPE_SCALINGS["yarn"](plain, theta, **params)
+    assert got.dtype == torch.float64 and factor == want_factor
+    assert ((got - want.double()).abs() / want.double()).max().item() < 1e-6
+    # the fastest frequencies kept, the slowest divided by the factor
+    assert got[0] == plain[0] and torch.allclose(got[-1], plain[-1] / params["factor"], rtol=1e-12, atol=0)
+
+
+def test_truncate_rounds_the_ramp_outward():
+    plain = 1.0 / 150000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    params = dict(factor=32.0, original_max_position_embeddings=4096)
+    truncated, _ = yarn_scaled(plain, 150000.0, **params)
+    exact, _ = yarn_scaled(plain, 150000.0, **params, truncate=False)
+    assert not torch.equal(truncated, exact)
+
+
+@pytest.mark.parametrize("params, theta", YARNS)
+def test_rotary_tables_are_transformers_cos_and_sin_with_the_attention_factor(params, theta):
+    from transformers import DeepseekV3Config as HFConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    max_pos = int(params["factor"] * params["original_max_position_embeddings"])
+    rope = {"rope_type": "yarn", "rope_theta": theta, **params}
+    theirs = DeepseekV3RotaryEmbedding(
+        HFConfig(qk_rope_head_dim=64, max_position_embeddings=max_pos, rope_parameters=rope)
+    )
+    positions = torch.tensor([0, 1, 7, 100, 4095, 5000])
+    cos, sin = theirs(torch.zeros(1, dtype=torch.float32), positions[None])
+    ours = Rotary(64, 5001, theta, tuple(params.items()), rope_type="yarn")
+    # transformers' angles are fp32 products position x inv_freq: two fp32 roundings of an angle up to the position
+    bound = 2.4e-7 * (positions[:, None] + 1.0)
+    assert ((ours.cos[positions] - cos[0, :, :32]).abs() <= bound).all()
+    assert ((ours.sin[positions] - sin[0, :, :32]).abs() <= bound).all()
+    assert ours.cos[0, 0].item() == pytest.approx(_their_yarn(params, theta)[1], abs=1e-7)  # cos 0 = the factor
+
+
+# ----------------------------------------------------------------------------- the model against transformers
+from tessera.models.deepseek_v3 import DEEPSEEK_V3, DeepseekV3Config  # noqa: E402
+from tessera.models.hf import check_hf_weights, load_hf_weights, read_hf_config, save_hf, weight_files  # noqa: E402
+
+VOCAB = 128
+TOKENS = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+SMALL_YARN = dict(
+    factor=4.0, original_max_position_embeddings=512, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+)
+# one dense layer, then two MoE layers of 8 experts in 2 groups (1 eligible), top 2, one shared expert
+TINY = dict(
+    dim=64,
+    n_layers=3,
+    n_heads=4,
+    vocab_size=VOCAB,
+    dense_ffn_dim=128,
+    moe_ffn_dim=32,
+    n_experts=8,
+    top_k=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_seq_len=2048,
+)
+# (tessera's fields beyond TINY): query latent, YaRN and interleaved RoPE; no query latent, plain RoPE
+VARIANTS = {
+    "latent-q-yarn": dict(q_lora_rank=32, rope_scaling=tuple(sorted(SMALL_YARN.items()))),
+    "plain-q": dict(q_lora_rank=None, rope_interleave=False, norm_topk_prob=False, n_shared_experts=2, n_group=1),
+}
+
+
+def _close(got, want, tol=1e-5):
+    err = (got - want).abs().max().item()
+    assert err <= tol * max(1.0, want.abs().max().item()), err
+
+
+def _hf_config(cfg: DeepseekV3Config):
+    from transformers import DeepseekV3Config as HFConfig
+
+    yarn = dict(cfg.rope_scaling or ())
+    rope = {"rope_type": "yarn" if yarn else "default", "rope_theta": cfg.rope_theta, **yarn}
+    return HFConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.dense_ffn_dim,
+        moe_intermediate_size=cfg.moe_ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads,
+        n_shared_experts=cfg.n_shared_experts,
+        n_routed_experts=cfg.n_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        num_experts_per_tok=cfg.top_k,
+        first_k_dense_replace=cfg.first_k_dense_replace,
+        norm_topk_prob=cfg.norm_topk_prob,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_parameters=rope,
+        rope_interleave=cfg.rope_interleave,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+
+
+def _decisive(name, p, g):
+    """Norms other than ones, a router and routing bias that route decisively (transformers starts both at 0)."""
+    if name.endswith("norm.weight"):
+        p.uniform_(0.5, 1.5, generator=g)
+    elif name.endswith(("mlp.gate.weight",)):
+        p.normal_(0.0, 0.3, generator=g)
+    elif name.endswith(("e_score_correction_bias", "expert_bias")):
+        p.normal_(0.0, 0.1, generator=g)
+    elif ".experts." in name or "experts.gate_proj" in name:
+        p.normal_(0.0, 0.1, generator=g)
+
+
+def _hf_model(path, cfg):
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(_hf_config(cfg)).float().eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            _decisive(name, t, g)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def _ours(cfg, seed):
+    model = DEEPSEEK_V3.build_model(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            _decisive(name, t, g)
+    return model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_transformers_deepseek_v3_loads_into_tessera_with_its_logits(tmp_path, variant):
+    want_cfg = DeepseekV3Config(**{**TINY, **VARIANTS[variant]})
+    theirs = _hf_model(tmp_path, want_cfg)
+    cfg = read_hf_config(tmp_path)
+    assert cfg == want_cfg
+    check_hf_weights(tmp_path, cfg)
+    ours = DEEPSEEK_V3.build_model(cfg, seed=None)
+    with torch.no_grad():
+        for t in [*ours.parameters(), ours.layers["1"].mlp.expert_bias]:
+            t.fill_(float("nan"))  # every parameter, and the routing bias, must come from the files
+    load_hf_weights(ours, tmp_path)
+    assert all(torch.isfinite(p).all() for p in ours.parameters())
+    assert torch.equal(ours.layers["2"].mlp.expert_bias, theirs.model.layers[2].mlp.gate.e_score_correction_bias)
+    with torch.no_grad():
+        want = theirs(TOKENS).logits
+        _close(ours.eval()(TOKENS), want)
+        # the routing bias matters: without it other experts are chosen
+        ours.layers["1"].mlp.expert_bias.zero_()
+        assert (ours(TOKENS) - want).abs().max().item() > 1e-4
+    save_hf(ours.state_dict(), cfg, tmp_path / "again")  # tessera's export: transformers' own names
+    assert set(weight_files(tmp_path / "again")) == set(weight_files(tmp_path))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tesseras_export_loads_into_transformers_with_tesseras_logits(tmp_path, variant):
+    from transformers import DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(**{**TINY, **VARIANTS[variant]})
+    ours = _ours(cfg, seed=7).eval()
+    save_hf(ours.state_dict(), cfg, tmp_path)
+    theirs = DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert torch.equal(theirs.model.layers[1].mlp.gate.e_score_correction_bias, ours.layers["1"].mlp.expert_bias)
+    assert torch.equal(theirs.model.layers[0].mlp.down_proj.weight, ours.layers["0"].dense_mlp.down_proj.weight)
+    with torch.no_grad():
+        want = theirs(TOKENS).logits
+        _close(ours(TOKENS), want)
+        assert not torch.allclose(want, torch.zeros_like(want))
