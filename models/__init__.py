@@ -1,4 +1,5 @@
-"""Model families, each one file with its spec (models/spec.py), registered by name: Llama, Qwen3 and Qwen3-MoE.
+"""Model families, each one file with its spec (models/spec.py), registered by name: Llama, Qwen3, Qwen3-MoE,
+DeepSeek-V3 and gpt-oss.
 
 A family composes the blocks that live once here: the decoder (decoder.py), attention variants (attention.py),
 MLPs (mlp.py), the mixture-of-experts block (moe.py), norms and RoPE (layers.py). Adding a family is one file
@@ -9,6 +10,8 @@ that subclasses `decoder.DecoderLM` with its blocks and names, builds and regist
 from . import llama  # noqa: F401  (registers the family)
 from . import qwen3  # noqa: F401  (registers the family)
 from . import qwen3_moe  # noqa: F401  (registers the family)
+from . import deepseek_v3  # noqa: F401  (registers the family)
+from . import gpt_oss  # noqa: F401  (registers the family)
 from .init import init_parameters
 from .llama import PRESETS, ModelConfig, Transformer
 from .qwen3 import Qwen3, Qwen3Config
