@@ -235,3 +235,73 @@ def test_causal_attention_slot_passes_window_and_sinks():
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     got = CausalAttention()(q, k, v, torch.arange(12))
     torch.testing.assert_close(got.double(), definition(q, k, v, True)[0], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the Triton kernels (interpreted)
+@interpreted
+@settings(max_examples=12, deadline=None)
+@given(variant, st.integers(-8, 8), st.booleans())
+def test_triton_kernels_match_the_definition(c, shift, explicit_offset):
+    """Forward and both backward kernels (fp32, the interpreter's 16 x 16 tiles): windows shorter and longer
+    than a tile, Dv != D, sinks, GQA, documents, and q_offset away from bottom-right (ring blocks)."""
+    qkv, sinks, do, dlse, causal, window, docs = _draw(c)
+    q_offset = qkv[1].shape[2] - qkv[0].shape[2] + shift if explicit_offset else None
+    q_docs, k_docs = docs or (None, None)
+    kw = dict(q_docs=q_docs, k_docs=k_docs, window=window, q_offset=q_offset)
+    o, lse = flash_attention(*qkv, causal, return_lse=True, backend="triton", sinks=sinks, **kw)
+    tensors = [*qkv] + ([sinks] if sinks is not None else [])
+    got = [o.detach(), lse.detach(), *_grads(o, lse, do, dlse, tensors)]
+    want = _want(qkv, sinks, do, dlse, causal, window, docs, q_offset)
+    _close(got, want, 1e-4)
+    if sinks is None:  # the backward alone, given the definition's softmax (ring attention's call)
+        grads = flash_attention_backward(
+            do, *qkv, want[0].float(), want[1].float(), dlse, causal, backend="triton", **kw
+        )
+        _close(grads, want[2:], 1e-4, names=("dq", "dk", "dv"))
+
+
+@interpreted
+def test_triton_window_skips_the_key_blocks_outside_it(monkeypatch):
+    """The loops' bounds, not only the masks: with a window of one token and keys poisoned with NaN outside
+    every query tile's reach, nothing NaN is loaded (a masked load of a NaN block would still poison)."""
+    (q, k, v), _, do, _ = _case(1, 2, 1, 64, 64, 16, 16, torch.float32, 5)
+    q, k, v = (t.detach() for t in (q, k, v))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :32], v2[:, :, :32] = float("nan"), float("nan")  # queries 48..63 (the last tile) never reach them
+    o = flash_attention(q[:, :, 48:], k2, v2, causal=True, window=16, backend="triton")
+    want = definition(q[:, :, 48:], k, v, True, 16)[0]
+    torch.testing.assert_close(o.double(), want, rtol=1e-4, atol=1e-4)
+    # and backward: the dq kernel reads only keys 32..63, the dk/dv kernel of keys 0..31 no query row
+    o, lse = definition(q[:, :, 48:], k, v, True, 16)
+    dq, dk, dv = flash_attention_backward(
+        do[:, :, 48:], q[:, :, 48:], k2, v2, o.float(), lse.float(), causal=True, window=16, backend="triton"
+    )
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert not dk[:, :, :32].any() and not dv[:, :, :32].any()  # keys no query reaches: untouched, zero
+
+
+@interpreted
+def test_triton_custom_ops_with_window_offset_and_a_value_head_dim_of_its_own():
+    from tessera.kernels.triton_attention import flash_attention_bwd, flash_attention_fwd
+
+    (q, k, v), _, _, _ = _case(1, 4, 2, 20, 24, 16, 8, torch.float32, 2)
+    torch.library.opcheck(flash_attention_fwd, (q, k, v, True, 0.25, None, None, 5, 6))
+    # the model's layout: [B, S, H, D] projections transposed to [B, H, S, D], not contiguous
+    bshd = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    assert not bshd[2].is_contiguous()
+    torch.library.opcheck(flash_attention_fwd, (*bshd, True, 0.25, None, None, 7, None))
+    o, lse = flash_attention_fwd(*(t.detach() for t in bshd), True, 0.25, None, None, 7, None)
+    assert o.shape == (1, 4, 20, 8) and o.is_contiguous()
+    do = torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2)
+    args = (do, *(t.detach() for t in bshd), o, lse, torch.zeros_like(lse), True, 0.25, None, None, 7, None)
+    torch.library.opcheck(flash_attention_bwd, args)
+    with torch.device("meta"):
+        o, lse = torch.ops.tessera.flash_attention_fwd(
+            torch.empty(2, 8, 4096, 192), torch.empty(2, 2, 4096, 192), torch.empty(2, 2, 4096, 128), True, 0.1
+        )
+        grads = torch.ops.tessera.flash_attention_bwd(
+            torch.empty(2, 8, 4096, 128), torch.empty(2, 8, 4096, 192), torch.empty(2, 2, 4096, 192),
+            torch.empty(2, 2, 4096, 128), o, lse, lse, True, 0.1, None, None, 128, None,
+        )  # fmt: skip
+    assert o.shape == (2, 8, 4096, 128) and o.is_contiguous() and lse.shape == (2, 8, 4096)
+    assert [tuple(g.shape) for g in grads] == [(2, 8, 4096, 192), (2, 2, 4096, 192), (2, 2, 4096, 128)]
