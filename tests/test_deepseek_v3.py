@@ -228,3 +228,188 @@ def test_tesseras_export_loads_into_transformers_with_tesseras_logits(tmp_path, 
         want = theirs(TOKENS).logits
         _close(ours(TOKENS), want)
         assert not torch.allclose(want, torch.zeros_like(want))
+
+
+def test_generating_with_the_kv_cache_equals_recomputing_the_prefix():
+    """The kv_cache slot holds latent attention's expanded keys and values (v narrower than k)."""
+    from tessera.models.generation import generate
+
+    model = _ours(DeepseekV3Config(**{**TINY, **VARIANTS["latent-q-yarn"]}), seed=4).eval()
+    with torch.no_grad():
+        cached = generate(model, TOKENS[:, :5], 6, use_cache=True, keep_logits=True)
+        fresh = generate(model, TOKENS[:, :5], 6, use_cache=False, keep_logits=True)
+    assert cached.tokens == fresh.tokens
+    for a, b in zip(cached.logits, fresh.logits):
+        _close(a, b)
+
+
+# ----------------------------------------------------------------------------- group-limited routing
+def _naive_route(scores, bias, top_k, n_group, topk_group, norm, scale):
+    """transformers' DeepseekV3TopkRouter token by token in float64, from the sigmoid scores."""
+    per = scores.shape[-1] // n_group
+    ids, weights = [], []
+    for s in scores:
+        biased = s + bias
+        group_score = [sorted(biased[g * per : (g + 1) * per].tolist())[-2:] for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: -sum(group_score[g]))[:topk_group]
+        eligible = [e for e in range(len(s)) if e // per in groups]
+        chosen = sorted(eligible, key=lambda e: -biased[e].item())[:top_k]
+        w = s[chosen]
+        w = w / (w.sum() + 1e-20) if norm else w
+        ids.append(sorted(chosen))
+        weights.append(dict(zip(chosen, (w * scale).tolist())))
+    return ids, weights
+
+
+@pytest.mark.parametrize("n_group, topk_group, top_k, norm", [(4, 2, 3, True), (2, 1, 2, False), (8, 3, 4, True)])
+def test_group_limited_routing_is_transformers_router(n_group, topk_group, top_k, norm):
+    from tessera.models.moe import route
+
+    g = torch.Generator().manual_seed(n_group * 10 + top_k)
+    logits = torch.randn(50, 16, dtype=torch.float64, generator=g)
+    bias = torch.randn(16, dtype=torch.float64, generator=g) * 0.3
+    scores, ids, weights = route(logits, top_k, "sigmoid", norm, bias, n_group, topk_group, scale=2.5)
+    want_ids, want_weights = _naive_route(torch.sigmoid(logits), bias, top_k, n_group, topk_group, norm, 2.5)
+    for t in range(50):
+        assert sorted(ids[t].tolist()) == want_ids[t]
+        for e, w in zip(ids[t].tolist(), weights[t].tolist()):
+            assert w == pytest.approx(want_weights[t][e], rel=1e-12)
+    # the groups matter: with every group eligible another expert wins somewhere
+    assert not torch.equal(route(logits, top_k, "sigmoid", norm, bias)[1].sort(-1).values, ids.sort(-1).values)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(n_group=3), r"n_group=3 must divide n_experts=8; use a divisor of 8"),
+        (dict(n_group=2, topk_group=3), r"topk_group=3 must be between 1 and n_group=2"),
+        (dict(n_group=4, topk_group=1, top_k=3), r"top_k=3 is more than the topk_group=1 groups of 2 experts hold"),
+        (dict(n_group=8), r"n_group=8 leaves 1 expert per group; groups need 2 or more"),
+        (dict(first_k_dense_replace=4), r"first_k_dense_replace=4 must be between 0 and n_layers=3"),
+        (dict(rope_scaling={"factor": 4.0, "low_freq_factor": 1.0}), r"'low_freq_factor' is not a YaRN parameter"),
+    ],
+)
+def test_a_config_that_cannot_route_or_rotate_is_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DeepseekV3Config(**{**TINY, **fields})
+
+
+def test_an_ep_degree_the_experts_do_not_divide_is_refused():
+    from tessera.topology.errors import ConfigError
+    from tessera.topology.shapes import check_expert_parallel
+
+    with pytest.raises(ConfigError, match=r"ep=3 does not divide the 256 experts; use a divisor of 256"):
+        check_expert_parallel(DEEPSEEK_V3.shape(DEEPSEEK_V3.config("deepseek-v3-671b")).n_experts, 3, 3)
+
+
+# ----------------------------------------------------------------------------- config.json
+def test_another_familys_checkpoint_is_refused_in_one_line(tmp_path):
+    qwen3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64}
+    with pytest.raises(
+        ValueError,
+        match=r"^config.json: architecture 'Qwen3ForCausalLM' \(model_type 'qwen3'\) is not supported; tessera's "
+        r"deepseek_v3 family loads DeepseekV3ForCausalLM checkpoints$",
+    ):
+        DEEPSEEK_V3.hf.read_config(qwen3, "config.json")
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    with pytest.raises(ValueError, match=r"architecture 'LlamaForCausalLM' \(model_type 'llama'\) is not supported"):
+        DEEPSEEK_V3.hf.read_config(llama, "config.json")
+    with pytest.raises(ValueError, match=r"unexpected parameter 'model.layers.0.self_attn.k_proj.weight'"):
+        DEEPSEEK_V3.hf.from_hf("model.layers.0.self_attn.k_proj.weight")
+
+
+def _published(**overrides):
+    """deepseek-ai/DeepSeek-V3's config.json (its fields tessera reads), as transformers 4.x wrote it."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "vocab_size": 129280,
+        "attention_bias": False,
+        **overrides,
+    }
+
+
+def test_the_published_config_is_the_671b_preset():
+    got = DEEPSEEK_V3.hf.read_config(_published(), "config.json")
+    assert got == DEEPSEEK_V3.config("deepseek-v3-671b", aux_loss_coef=got.aux_loss_coef, bias_rate=got.bias_rate)
+    # the multi-token-prediction layer's own tensors are not the model's
+    assert DEEPSEEK_V3.hf.from_hf("model.layers.61.eh_proj.weight") is None
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("scoring_func", "softmax", "scores other than sigmoid"),
+        ("topk_method", "greedy", "routing 'greedy'"),
+        ("attention_bias", True, "biases in attention"),
+        ("hidden_act", "gelu", "activation 'gelu'"),
+        ("num_key_value_heads", 8, "8 key/value heads for 128 query heads"),
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope type 'linear'"),
+    ],
+)
+def test_what_deepseek_v3_cannot_represent_is_refused_by_field_name(field, value, message):
+    with pytest.raises(ValueError, match=f"config.json: {field}: {message}.* is not supported"):
+        DEEPSEEK_V3.hf.read_config(_published(**{field: value}), "config.json")
+
+
+# ----------------------------------------------------------------------------- parallel
+def build_latent_q():
+    """The tiny configs' models (the runner seeds them): module-level, so the ranks unpickle them."""
+    return DEEPSEEK_V3.build_model(DeepseekV3Config(**{**TINY, **VARIANTS["latent-q-yarn"]}), device="meta")
+
+
+def build_plain_q():
+    return DEEPSEEK_V3.build_model(DeepseekV3Config(**{**TINY, **VARIANTS["plain-q"]}), device="meta")
+
+
+@pytest.mark.parametrize(
+    "build, layout",
+    [(build_latent_q, dict(tp=2)), (build_plain_q, dict(tp=2)), (build_latent_q, dict(dp_shard=2, ep=2))],
+    ids=["tp2-latent-q", "tp2-plain-q", "dp2xep2"],
+)
+def test_tp2_and_ep2_train_like_one_process(build, layout):
+    """Latent attention's heads over tp (q_b_proj or q_proj and kv_b_proj split, o_proj reduced; the down
+    projections and latent norms replicated, their gradients whole on each rank), the dense layer's MLP and the
+    MoE blocks' experts over tp, the group-limited routing over ep: two SGD steps' losses and every gradient by
+    name equal one process's."""
+    from tessera.testing import assert_layouts_equivalent
+    from tessera.topology.layout import Layout
+
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(7))
+    assert_layouts_equivalent(build, [Layout(**layout)], batch=(tokens[:, :-1], tokens[:, 1:]), spec=DEEPSEEK_V3)
