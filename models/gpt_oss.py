@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import torch
@@ -68,7 +67,7 @@ PUBLISHED_YARN = (
 )
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GptOssConfig:
     family = "gpt_oss"  # the registered spec; a class attribute, not a field
     dim: int
@@ -124,7 +123,7 @@ class GptOssConfig:
         return self.moe_ffn_dim
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return dataclasses.asdict(self)
 
     def num_params(self) -> int:
         return model_shape(self).num_params()
@@ -194,7 +193,7 @@ class GptOss(DecoderLM):
         )
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GptOssInit:
     """Biases zero (as transformers initializes its linears' and experts'); the sinks and every weight
     cfg.init_std, the output projections (o_proj, the experts' down_proj) scaled by 1/sqrt(2 n_layers)."""
@@ -212,6 +211,9 @@ def model_shape(cfg: GptOssConfig) -> ModelShape:
         cfg,
         tied_embeddings=cfg.tie_word_embeddings,
         family="gpt_oss",
+        bias=True,  # q, k, v and o
+        moe_bias=True,  # the router and the experts
+        attention_sinks=True,
         n_experts=cfg.n_experts,
         top_k=cfg.top_k,
         moe_aux_loss=cfg.aux_loss_coef > 0,

@@ -127,7 +127,7 @@ class GroupedExperts(nn.Module):
                 )
                 self.ffn_dims[f"{name}_bias"] = None if down else 1
         # the down bias as each rank adds it: itself on one process; under tp its 1/tp share (parallel/plan.py)
-        self.down_bias_comm: nn.Module = nn.Identity()
+        self.down_bias_comm: nn.Module | None = nn.Identity() if bias else None
         self.dispatch: nn.Module = ExpertDispatch()
         self.use_grouped_mm: bool | None = None  # None: torch._grouped_mm where supported (grouped_mm_supported)
         self.ran_grouped_mm = False  # what the last forward ran: grouped kernel or the per-expert loop
@@ -148,7 +148,7 @@ class GroupedExperts(nn.Module):
             bias = w.get(f"{name}_bias")
             if bias is None:
                 return out
-            if name == "down_proj":
+            if name == "down_proj" and self.down_bias_comm is not None:
                 bias = self.down_bias_comm(bias)
             return out + torch.repeat_interleave(bias, counts, dim=0, output_size=h.shape[0]).to(out.dtype)
 

@@ -269,3 +269,38 @@ def test_tp2_and_ep2_train_like_one_process(layout):
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (2, 25), generator=g)  # 24 positions: beyond the window of 8
     assert_layouts_equivalent(build_tiny, [Layout(**layout)], batch=(tokens[:, :-1], tokens[:, 1:]), spec=GPT_OSS)
+
+
+# ----------------------------------------------------------------------------- sizes
+@pytest.mark.parametrize(
+    "preset, total, active", [("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)]
+)
+def test_the_presets_have_the_published_sizes(preset, total, active):
+    """OpenAI's model card: 20.91 B parameters, 3.61 B active per token (the unembedding counted, the
+    embedding not); 116.83 B and 5.13 B. The shape counts every parameter the model holds."""
+    cfg = GPT_OSS.config(preset)
+    shape = GPT_OSS.shape(cfg)
+    assert shape.num_params() == pytest.approx(total, rel=0.02)
+    assert shape.matmul_params() == pytest.approx(active, rel=0.02)
+    assert shape.num_params() == sum(p.numel() for p in GPT_OSS.build_model(cfg, device="meta").parameters())
+    assert cfg.layer_types[:2] == ("sliding_attention", "full_attention") and cfg.sliding_window == 128
+
+
+def test_a_ranks_parameter_shapes_add_up_to_the_block():
+    """The planner's per-rank shapes of a gpt-oss block (biases, sinks, the router's bias, the experts' biases)
+    on tp and ep: tp x ep ranks hold the block, plus what every tp rank holds whole."""
+    from tessera.topology.shapes import expert_param_shapes, layer_param_shapes
+
+    shape = GPT_OSS.shape(GptOssConfig(**TINY))
+    assert sum(r * c for r, c in layer_param_shapes(shape, 1)) == shape.block_params()
+    model = GPT_OSS.build_model(GptOssConfig(**TINY), device="meta")
+    assert shape.block_params() == sum(p.numel() for p in model.layers["0"].parameters())
+    tp, ep = 2, 4
+    one = sum(r * c for r, c in expert_param_shapes(shape, tp, ep))
+    experts = sum(p.numel() for p in model.layers["0"].mlp.experts.parameters())
+    down_bias = shape.n_experts * shape.dim  # whole on every tp rank
+    assert ep * tp * one == experts + (tp - 1) * down_bias
+    # tp: every tp rank holds the norms, o's bias, the router and its bias whole; the rest is split
+    whole = 2 * shape.dim + shape.dim + shape.n_experts * (shape.dim + 1)
+    block = sum(r * c for r, c in layer_param_shapes(shape, tp, ep, experts=False))
+    assert tp * block == shape.block_params() - experts + (tp - 1) * whole

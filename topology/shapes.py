@@ -22,7 +22,8 @@ class ModelShape:
     values), optionally a norm over head_dim on q and on k (qk_norm), a second norm, and the MLP: "swiglu"
     (gate, up, down: 3 matrices of dim x ffn_dim) or "gelu" (up, down: 2), or a mixture of experts
     (n_experts > 0: n_experts SwiGLU experts of ffn_dim, top_k of them per token, a router of n_experts x
-    dim and a shared expert of shared_ffn_dim; no biases). Around the blocks: the token
+    dim and a shared expert of shared_ffn_dim; with `moe_bias`, the router and each routed expert have biases,
+    as gpt-oss's). `attention_sinks`: a learned logit per query head (gpt-oss). Around the blocks: the token
     embedding, `learned_positions` rows of a position table (0: rotary), a final norm and the head (the
     embedding itself when tied)."""
 
@@ -51,6 +52,8 @@ class ModelShape:
     # MoE blocks add the sequence-level auxiliary loss (models/moe.py): its per-sequence counts are summed over
     # cp, and activation checkpointing's recompute runs on past the block's output reduce to rebuild it
     moe_aux_loss: bool = True
+    attention_sinks: bool = False  # one learned logit per query head in each block's attention (gpt-oss)
+    moe_bias: bool = False  # the router and every routed expert's matrices have biases (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.mlp not in ("swiglu", "gelu"):
@@ -79,14 +82,20 @@ class ModelShape:
         mlp = self.mlp_matrices * self.dim * self.ffn_dim + (
             (self.mlp_matrices - 1) * self.ffn_dim + self.dim if self.bias else 0
         )
-        if self.n_experts:  # routed experts, the router and the shared expert (none of them has biases)
-            mlp = (self.n_experts if experts is None else experts) * self.mlp_matrices * self.dim * self.ffn_dim
-            mlp += self.n_experts * self.dim + self.mlp_matrices * self.dim * self.shared_ffn_dim
-        return attn + mlp + 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)
+        if self.n_experts:  # routed experts, the router (their biases with `moe_bias`) and the shared expert
+            mlp = (self.n_experts if experts is None else experts) * self._expert_params()
+            mlp += self.n_experts * (self.dim + self.moe_bias) + self.mlp_matrices * self.dim * self.shared_ffn_dim
+        sinks = self.n_heads if self.attention_sinks else 0
+        return attn + mlp + 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0) + sinks
+
+    def _expert_params(self) -> int:
+        """One routed expert's parameters: its matrices, and with `moe_bias` a bias per matrix."""
+        bias = (self.mlp_matrices - 1) * self.ffn_dim + self.dim if self.moe_bias else 0
+        return self.mlp_matrices * self.dim * self.ffn_dim + bias
 
     def expert_params(self) -> int:
         """The routed experts' parameters over all blocks (what expert parallelism shards)."""
-        return self.n_layers * self.n_experts * self.mlp_matrices * self.dim * self.ffn_dim
+        return self.n_layers * self.n_experts * self._expert_params()
 
     def num_params(self) -> int:
         """Exact parameter count (unpadded vocabulary; a tied head counted once)."""
@@ -264,7 +273,8 @@ def expert_param_shapes(shape, tp: int, ep: int = 1) -> list[tuple[int, int]]:
         return []
     check_expert_parallel(s.n_experts, ep, ep)
     local, f = s.n_experts // ep, s.ffn_dim // tp
-    return [(local, f * s.dim)] * (s.mlp_matrices - 1) + [(local, s.dim * f)]
+    biases = [(local, f)] * (s.mlp_matrices - 1) + [(local, s.dim)] if s.moe_bias else []  # the down bias whole
+    return [(local, f * s.dim)] * (s.mlp_matrices - 1) + [(local, s.dim * f)] + biases
 
 
 def layer_param_shapes(shape, tp: int, ep: int = 1, experts: bool = True) -> list[tuple[int, int]]:
@@ -288,11 +298,15 @@ def layer_param_shapes(shape, tp: int, ep: int = 1, experts: bool = True) -> lis
     out.append((h, q))
     if s.bias:
         out.append((h, 1))
+    if s.attention_sinks:  # split with the query heads
+        out.append((q // hd, 1))
     out += norm
     ups = s.mlp_matrices - 1
     if s.n_experts:  # the router (replicated), the shared expert (colwise up, rowwise down), the experts
         sf = s.shared_ffn_dim // tp
         out.append((s.n_experts, h))
+        if s.moe_bias:
+            out.append((s.n_experts, 1))
         if sf:
             out += [(sf, h)] * ups + [(h, sf)]
         return out + (expert_param_shapes(s, tp, ep) if experts else [])
