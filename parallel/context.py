@@ -36,7 +36,8 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 
-from tessera.kernels import document_ids, flash_attention, flash_attention_backward
+from tessera.kernels import apply_sinks, document_ids, flash_attention, flash_attention_backward
+from tessera.kernels.checks import check_sinks, check_window
 from tessera.models.spec import spec_of
 
 from .comm import collective
@@ -162,40 +163,96 @@ def _documents_meet(q_docs: Tensor, k_docs: Tensor) -> Tensor:
     return torch.isin(q_docs + tag, k_docs + tag).any()
 
 
-def _ring_steps_to_run(docs: Tensor, all_docs: Tensor, rank: int, size: int, causal: bool) -> list[bool]:
-    """Per ring step, whether any of this rank's queries sees a key of that step's block: a block in which
-    every (query, key) pair lies in different documents is skipped (its K/V still pass on)."""
-    local, meets = docs.shape[1], []
+Block = tuple[slice, slice, bool, "int | None"]  # (query rows, key rows, causal, q_offset: None is bottom-right)
+
+
+def _window_blocks(step: int, rank: int, size: int, local: int, window: int) -> list[Block]:
+    """A sliding window's blocks at `step`: one per (query chunk, key chunk) pair of this rank's two zigzag
+    chunks and rank - step's, placed at their true positions (q_offset), and only those some query's window
+    reaches (the rest of the step is skipped, not masked)."""
+    chunk, src = local // 2, (rank - step) % size
+    starts = lambda r: (r * chunk, (2 * size - 1 - r) * chunk)  # noqa: E731  the two chunks' first positions
+    blocks = []
+    for qi, qa in enumerate(starts(rank)):
+        for ki, ka in enumerate(starts(src)):
+            if ka > qa or qa - (ka + chunk - 1) >= window:  # after the queries, or beyond every query's window
+                continue
+            rows, cols = slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk)
+            blocks.append((rows, cols, True, qa - ka))
+    return blocks
+
+
+def _ring_plan(
+    rank: int,
+    size: int,
+    causal: bool,
+    local: int,
+    window: int | None = None,
+    docs: Tensor | None = None,
+    all_docs: Tensor | None = None,
+) -> list[list[Block]]:
+    """Per ring step, the blocks this rank computes with the K/V of rank - step: the zigzag halves (see the
+    module docstring), or with a window its chunk pairs within reach. With packed documents a block in which
+    every (query, key) pair lies in different documents is dropped too. A step with no block is skipped
+    (its K/V still pass on)."""
+    plan: list[list[Block]] = []
     for step in range(size):
-        rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
-        if step == 0:
-            meets.append(torch.ones((), dtype=torch.bool, device=docs.device))  # every query sees itself
+        if window is None:
+            rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
+            plan.append([(rows, cols, block_causal, None)])
         else:
-            meets.append(_documents_meet(docs[:, rows], all_docs[(rank - step) % size][:, cols]))
-    return torch.stack(meets).tolist()  # one host sync for the whole layer
+            plan.append(_window_blocks(step, rank, size, local, window))
+    if docs is None or all_docs is None:
+        return plan
+    found = [
+        (step, i)
+        for step, blocks in enumerate(plan)
+        for i, (_, _, block_causal, q_offset) in enumerate(blocks)
+        if not (step == 0 and block_causal and not q_offset)  # a diagonal block: every query sees itself
+    ]
+    meets = torch.stack(
+        [
+            _documents_meet(docs[:, plan[step][i][0]], all_docs[(rank - step) % size][:, plan[step][i][1]])
+            for step, i in found
+        ]
+        or [torch.ones((), dtype=torch.bool)]
+    ).tolist()  # one host sync for the whole layer
+    dropped = {where for where, meet in zip(found, meets) if not meet}
+    return [[b for i, b in enumerate(blocks) if (step, i) not in dropped] for step, blocks in enumerate(plan)]
+
+
+def _pack(*tensors: Tensor) -> Tensor:
+    """One flat message of several tensors (K and V, whose head dims may differ)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(flat: Tensor, *shapes: torch.Size) -> list[Tensor]:
+    sizes = [math.prod(shape) for shape in shapes]
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, timeout, docs=None, all_docs=None, run=None):
+    def forward(ctx, q, k, v, group, scale, timeout, plan, window, docs=None, all_docs=None):
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None: the kernels' faster path
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        local = q.shape[SEQ_DIM]
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merges (fp64 stays fp64)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).contiguous()  # one message per step; kv heads, never repeated
+        kv = _pack(k, v)  # one message per step; kv heads, never repeated
         for step in range(size):
             ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
-            rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
-            if run is None or run[step]:
+            k_s, v_s = _unpack(kv, k.shape, v.shape)
+            for rows, cols, block_causal, q_offset in plan[step]:
                 o_b, lse_b = flash_attention(
                     q[:, :, rows],
-                    kv[0][:, :, cols],
-                    kv[1][:, :, cols],
+                    k_s[:, :, cols],
+                    v_s[:, :, cols],
                     causal=block_causal,
                     scale=scale,
                     return_lse=True,
+                    window=window,
+                    q_offset=q_offset,
                     **_block_docs(docs, all_docs, rows, cols, (rank - step) % size),
                 )
                 out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
@@ -203,52 +260,56 @@ class _RingAttention(Function):
                 kv = ring.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs, all_docs)
-        ctx.group, ctx.causal, ctx.scale, ctx.timeout, ctx.run = group, causal, scale, timeout, run
+        ctx.group, ctx.scale, ctx.timeout, ctx.plan, ctx.window = group, scale, timeout, plan, window
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, docs, all_docs = ctx.saved_tensors
-        group, causal, scale, timeout, run = ctx.group, ctx.causal, ctx.scale, ctx.timeout, ctx.run
+        group, scale, timeout, plan, window = ctx.group, ctx.scale, ctx.timeout, ctx.plan, ctx.window
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        local = q.shape[SEQ_DIM]
         dout = torch.zeros_like(out) if dout is None else dout
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv = _pack(k, v)
         dkv_pass: _RingPass | None = None
-        dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
         for step in range(size):
             ring = _RingPass(kv, group, "K/V (backward)", timeout) if step + 1 < size else None
-            rows, cols, block_causal = _half_blocks(step, rank, size, causal, local)
-            computed = run is None or run[step]
-            if computed:
+            k_s, v_s = _unpack(kv, k.shape, v.shape)
+            shares = []
+            for rows, cols, block_causal, q_offset in plan[step]:
                 dq_b, dk_b, dv_b = flash_attention_backward(
                     dout[:, :, rows],
                     q[:, :, rows],
-                    kv[0][:, :, cols],
-                    kv[1][:, :, cols],
+                    k_s[:, :, cols],
+                    v_s[:, :, cols],
                     out[:, :, rows],
                     lse[:, :, rows],
                     None if dlse is None else dlse[:, :, rows],
                     causal=block_causal,
                     scale=scale,
+                    window=window,
+                    q_offset=q_offset,
                     **_block_docs(docs, all_docs, rows, cols, (rank - step) % size),
                 )
                 dq[:, :, rows] += dq_b.to(acc)
+                shares.append((cols, dk_b, dv_b))
             # the dk/dv of the block held now: what the ranks before added, plus this rank's share
             if dkv_pass is not None:
                 dkv = dkv_pass.wait()
-            if computed:
-                dkv[0][:, :, cols] += dk_b.to(acc)
-                dkv[1][:, :, cols] += dv_b.to(acc)
+            dk_acc, dv_acc = _unpack(dkv, k.shape, v.shape)
+            for cols, dk_b, dv_b in shares:
+                dk_acc[:, :, cols] += dk_b.to(acc)
+                dv_acc[:, :, cols] += dv_b.to(acc)
             if size > 1:  # on to the next holder; home after `size` passes
                 dkv_pass = _RingPass(dkv, group, "dK/dV", timeout)
             if ring is not None:
                 kv = ring.wait()
         if dkv_pass is not None:
             dkv = dkv_pass.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        dk, dv = _unpack(dkv, k.shape, v.shape)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 def _block_docs(docs: Tensor | None, all_docs: Tensor | None, rows: slice, cols: slice, src: int) -> dict:
@@ -281,6 +342,8 @@ def ring_attention(
     timeout: float | None = ...,
     docs: Tensor | None = ...,
     stats: dict | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
 ) -> Tensor: ...
 @overload
 def ring_attention(
@@ -295,6 +358,8 @@ def ring_attention(
     timeout: float | None = ...,
     docs: Tensor | None = ...,
     stats: dict | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
 ) -> tuple[Tensor, Tensor]: ...
 @overload
 def ring_attention(
@@ -308,6 +373,8 @@ def ring_attention(
     timeout: float | None = ...,
     docs: Tensor | None = ...,
     stats: dict | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 def ring_attention(
     q: Tensor,
@@ -320,37 +387,54 @@ def ring_attention(
     timeout: float | None = None,
     docs: Tensor | None = None,
     stats: dict | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of this rank's zigzag queries over the whole sequence, whose K/V the cp ranks hold in
-    zigzag shards: equals zigzag_shard(flash_attention(q, k, v, causal), dim=2) of the full tensors,
-    forward and backward (lse included). q (B, Hq, S/cp, D); k, v (B, Hkv, S/cp, D).
+    zigzag shards: equals zigzag_shard(flash_attention(q, k, v, causal, window=window, sinks=sinks), dim=2) of
+    the full tensors, forward and backward (lse included). q (B, Hq, S/cp, D); k (B, Hkv, S/cp, D), v (B, Hkv,
+    S/cp, Dv).
 
     Packed documents: `docs` (B, S/cp) this rank's tokens' document ids (tessera.kernels.document_ids);
     each block is masked to its documents, and a step whose block no query sees is skipped, forward and
-    backward. `stats` (a dict) counts the steps computed and skipped ("ring_steps", "ring_steps_skipped")."""
-    all_docs = run = None
+    backward. A sliding `window` (tokens, causal): each step runs the pairs of query and key chunks within
+    reach, at their true positions, and a step with none is skipped (its K/V still pass on). `sinks` (Hq,)
+    join the merged softmax once, after the last step. `stats` (a dict) counts the steps computed and skipped
+    ("ring_steps", "ring_steps_skipped") when documents or a window can skip some."""
+    check_window(window, causal)
+    check_sinks(sinks, q)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    all_docs = None
     if docs is not None:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
         all_docs = _gather_documents(docs, group)
-        run = _ring_steps_to_run(docs, all_docs, rank, size, causal)
-        if stats is not None:
-            stats["ring_steps"] = stats.get("ring_steps", 0) + len(run)
-            stats["ring_steps_skipped"] = stats.get("ring_steps_skipped", 0) + run.count(False)
+    plan = _ring_plan(rank, size, causal, q.shape[SEQ_DIM], window, docs, all_docs)
+    if stats is not None and (docs is not None or window is not None):
+        stats["ring_steps"] = stats.get("ring_steps", 0) + len(plan)
+        stats["ring_steps_skipped"] = stats.get("ring_steps_skipped", 0) + sum(not blocks for blocks in plan)
     out, lse = _RingAttention.apply(
-        q, k, v, group, causal, scale, None if timeout is None else timedelta(seconds=timeout), docs, all_docs, run
+        q, k, v, group, scale, None if timeout is None else timedelta(seconds=timeout), plan, window, docs, all_docs
     )
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- all-gather attention
-def _allgather_blocks(rank: int, size: int, causal: bool, local: int, seq: int) -> list[tuple[slice, slice, bool]]:
+def _allgather_blocks(
+    rank: int, size: int, causal: bool, local: int, seq: int, window: int | None = None
+) -> list[tuple[slice, slice, bool]]:
     """(query rows, key positions, causal) blocks of a rank's queries over the gathered sequence: each
-    query chunk sees the keys before it (one unmasked block) and its own chunk (causal, on the diagonal)."""
+    query chunk sees the keys before it (one unmasked block) and its own chunk (causal, on the diagonal).
+    With a window, one causal block per query chunk over the keys from the first its window reaches to its
+    own last (bottom-right aligned, so the window applies as is; the keys before are never read)."""
     if not causal:
         return [(slice(0, local), slice(0, seq), False)]
     chunk, blocks = local // 2, []
     for half, index in ((0, rank), (1, 2 * size - 1 - rank)):
         rows = slice(half * chunk, (half + 1) * chunk)
+        if window is not None:
+            blocks.append((rows, slice(max(0, index * chunk - window + 1), (index + 1) * chunk), True))
+            continue
         if index > 0:
             blocks.append((rows, slice(0, index * chunk), False))
         blocks.append((rows, slice(index * chunk, (index + 1) * chunk), True))
@@ -359,18 +443,20 @@ def _allgather_blocks(rank: int, size: int, causal: bool, local: int, seq: int) 
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, docs=None, full_docs=None):
+    def forward(ctx, q, k, v, group, causal, scale, window=None, docs=None, full_docs=None):
         ctx.set_materialize_grads(False)
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        kv = torch.stack([k, v]).contiguous()
-        gathered = kv.new_empty((size * 2, *k.shape))
+        kv = _pack(k, v)
+        gathered = kv.new_empty((size * kv.numel(),))
         with collective("all_gather (K/V)", "cp", group):
             _all_gather_flat(gathered, kv, group=group)
-        full = zigzag_unshard(list(gathered.view(size, *kv.shape).unbind(0)), dim=SEQ_DIM + 1)  # sequence order
+        shards = [_unpack(part, k.shape, v.shape) for part in gathered.view(size, -1).unbind(0)]
+        full_k = zigzag_unshard([ks for ks, _ in shards], dim=SEQ_DIM)  # sequence order
+        full_v = zigzag_unshard([vs for _, vs in shards], dim=SEQ_DIM)
         acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full.shape[SEQ_DIM + 1])
+        blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full_k.shape[SEQ_DIM], window)
         if docs is not None:  # blocks whose queries share no document with their keys are skipped
             meets = torch.stack(
                 [_documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]
@@ -379,50 +465,63 @@ class _AllGatherAttention(Function):
         for rows, cols, block_causal in blocks:
             o_b, lse_b = flash_attention(
                 q[:, :, rows],
-                full[0][:, :, cols],
-                full[1][:, :, cols],
+                full_k[:, :, cols],
+                full_v[:, :, cols],
                 causal=block_causal,
                 scale=scale,
                 return_lse=True,
+                window=window,
                 **_gathered_docs(docs, full_docs, rows, cols),
             )
             out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, full, out, lse, docs, full_docs)
-        ctx.group, ctx.scale, ctx.blocks = group, scale, blocks
+        ctx.save_for_backward(q, full_k, full_v, out, lse, docs, full_docs)
+        ctx.group, ctx.scale, ctx.blocks, ctx.window = group, scale, blocks, window
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, full, out, lse, docs, full_docs = ctx.saved_tensors
+        q, full_k, full_v, out, lse, docs, full_docs = ctx.saved_tensors
         group, size = ctx.group, dist.get_world_size(ctx.group)
         dout = torch.zeros_like(out) if dout is None else dout
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dfull = torch.zeros(full.shape, dtype=acc, device=q.device)
+        dfull_k = torch.zeros(full_k.shape, dtype=acc, device=q.device)
+        dfull_v = torch.zeros(full_v.shape, dtype=acc, device=q.device)
         for rows, cols, block_causal in ctx.blocks:
             dq_b, dk_b, dv_b = flash_attention_backward(
                 dout[:, :, rows],
                 q[:, :, rows],
-                full[0][:, :, cols],
-                full[1][:, :, cols],
+                full_k[:, :, cols],
+                full_v[:, :, cols],
                 out[:, :, rows],
                 lse[:, :, rows],
                 None if dlse is None else dlse[:, :, rows],
                 causal=block_causal,
                 scale=ctx.scale,
+                window=ctx.window,
                 **_gathered_docs(docs, full_docs, rows, cols),
             )
             dq[:, :, rows] += dq_b.to(acc)
-            dfull[0][:, :, cols] += dk_b.to(acc)
-            dfull[1][:, :, cols] += dv_b.to(acc)
-        # every rank's zigzag share of dK/dV, summed over the ranks onto its owner
-        shares = torch.cat([zigzag_shard(dfull, SEQ_DIM + 1, r, size) for r in range(size)])  # summed in fp32
-        mine = shares.new_empty(shares.shape[0] // size, *shares.shape[1:])
+            dfull_k[:, :, cols] += dk_b.to(acc)
+            dfull_v[:, :, cols] += dv_b.to(acc)
+        # every rank's zigzag share of dK/dV, summed over the ranks onto its owner (in fp32)
+        shares = torch.cat(
+            [
+                _pack(zigzag_shard(dfull_k, SEQ_DIM, r, size), zigzag_shard(dfull_v, SEQ_DIM, r, size))
+                for r in range(size)
+            ]
+        )
+        mine = shares.new_empty(shares.shape[0] // size)
         with collective("reduce_scatter (dK/dV)", "cp", group):
             _reduce_scatter_flat(mine, shares, group=group)
-        mine = mine.to(full.dtype)
-        return dq.to(q.dtype), mine[0], mine[1], None, None, None, None, None
+        local = q.shape[SEQ_DIM]
+        dk, dv = _unpack(
+            mine,
+            torch.Size((*full_k.shape[:2], local, full_k.shape[3])),
+            torch.Size((*full_v.shape[:2], local, full_v.shape[3])),
+        )
+        return dq.to(q.dtype), dk.to(full_k.dtype), dv.to(full_v.dtype), None, None, None, None, None, None
 
 
 def _gathered_docs(docs: Tensor | None, full_docs: Tensor | None, rows: slice, cols: slice) -> dict:
@@ -443,6 +542,8 @@ def allgather_attention(
     scale: float | None = ...,
     return_lse: Literal[False] = ...,
     docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
 ) -> Tensor: ...
 @overload
 def allgather_attention(
@@ -455,6 +556,8 @@ def allgather_attention(
     *,
     return_lse: Literal[True],
     docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
 ) -> tuple[Tensor, Tensor]: ...
 @overload
 def allgather_attention(
@@ -466,6 +569,8 @@ def allgather_attention(
     scale: float | None = ...,
     return_lse: bool = ...,
     docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 def allgather_attention(
     q: Tensor,
@@ -476,29 +581,42 @@ def allgather_attention(
     scale: float | None = None,
     return_lse: bool = False,
     docs: Tensor | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """ring_attention's result with K/V gathered once per layer (one all-gather forward, one
     reduce-scatter of dK/dV backward): each query chunk attends the keys before it in one unmasked block
     and its own chunk causally, so no masked work beyond the diagonal. Packed documents (`docs`, as in
-    ring_attention): the ids are gathered with K/V, and blocks no query sees are skipped."""
+    ring_attention): the ids are gathered with K/V, and blocks no query sees are skipped. A sliding `window`:
+    each query chunk reads only the keys its window reaches. `sinks` (Hq,) join the merged softmax once."""
+    check_window(window, causal)
+    check_sinks(sinks, q)
     full_docs = None
     if docs is not None:
         gathered = _gather_documents(docs, group)
         full_docs = zigzag_unshard(list(gathered.unbind(0)), dim=1)  # sequence order
-    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale, docs, full_docs)
+    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale, window, docs, full_docs)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- the model seam
 class ContextParallelAttention(nn.Module):
-    """The attention `core` of a block under context parallel: (q, k, v) of this rank's zigzag tokens."""
+    """The attention `core` of a block under context parallel: (q, k, v) of this rank's zigzag tokens. It
+    keeps the replaced slot's sliding `window`; `sinks` come with each call, as to CausalAttention."""
 
-    def __init__(self, group: dist.ProcessGroup, method: str = "ring", timeout: float | None = None):
+    def __init__(
+        self, group: dist.ProcessGroup, method: str = "ring", timeout: float | None = None, window: int | None = None
+    ):
         super().__init__()
-        self.group, self.method, self.timeout = group, method, timeout
-        self.stats: dict[str, int] = {}  # packed documents: ring steps computed and skipped (ring_attention)
+        check_window(window, causal=True)
+        self.group, self.method, self.timeout, self.window = group, method, timeout, window
+        self.stats: dict[str, int] = {}  # documents or a window: ring steps computed and skipped (ring_attention)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None, sinks: Tensor | None = None
+    ) -> Tensor:
         """`positions` as the model got them (this rank's tokens'): (B, S/cp) per-document positions mask
         each token to its document (tessera.kernels.document_ids at the tokens' zigzag sequence indices)."""
         docs = None
@@ -506,11 +624,15 @@ class ContextParallelAttention(nn.Module):
             rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
             docs = document_ids(positions, zigzag_indices(q.shape[SEQ_DIM] * size, rank, size, positions.device))
         if self.method == "ring":
-            return ring_attention(q, k, v, self.group, causal=True, timeout=self.timeout, docs=docs, stats=self.stats)
-        return allgather_attention(q, k, v, self.group, causal=True, docs=docs)
+            return ring_attention(
+                q, k, v, self.group, causal=True, timeout=self.timeout, docs=docs, stats=self.stats,
+                window=self.window, sinks=sinks,
+            )  # fmt: skip
+        return allgather_attention(q, k, v, self.group, causal=True, docs=docs, window=self.window, sinks=sinks)
 
     def extra_repr(self) -> str:
-        return f"method={self.method}, cp={dist.get_world_size(self.group)}"
+        window = "" if self.window is None else f", window={self.window}"
+        return f"method={self.method}, cp={dist.get_world_size(self.group)}{window}"
 
 
 def apply_cp(
@@ -529,6 +651,6 @@ def apply_cp(
             f"context parallel: the attention pattern {slots!r} matches no module of "
             f"{type(model).__name__}; the spec's `attention` must name the (q, k, v) -> o slots"
         )
-    for name, _ in found:
-        replace_module(model, name, ContextParallelAttention(group, method, timeout))
+    for name, module in found:  # a sliding window is the slot's own (gpt-oss alternates them by layer)
+        replace_module(model, name, ContextParallelAttention(group, method, timeout, getattr(module, "window", None)))
     return model

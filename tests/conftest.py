@@ -50,6 +50,7 @@ SLOW_MODULES = {
     "test_launcher_death",
     "test_muon_contract",
     "test_loggers",
+    "test_context_variants",
 }
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
@@ -98,6 +99,9 @@ SLOW_TESTS = {
     "test_greedy_tokens_equal_transformers_on_tp2_ranks_for_every_family",  # tessera generate on tp2 ranks
     "test_a_trained_checkpoint_generates_the_same_text_on_one_process_and_tp2_ranks",  # train, then the CLI
     "test_tp2_and_ep2_train_like_one_process",  # gpt-oss, DeepSeek-V3 on 2 ranks against one process, 5-17 s each
+    # the attention variants' Triton kernels through the interpreter (10-30 s each)
+    "test_triton_kernels_match_the_definition",
+    "test_triton_custom_ops_with_window_offset_and_a_value_head_dim_of_its_own",
 }
 
 
