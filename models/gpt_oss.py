@@ -290,7 +290,9 @@ def read_hf_config(c: dict, path: str) -> GptOssConfig:
             layer_types=c.get("layer_types"),
             swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(c.get("swiglu_limit", 7.0)),
-            aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
+            # transformers adds its load-balancing loss only with output_router_logits (the published configs
+            # name a coefficient, 0.9, but leave it off): tessera's auxiliary loss likewise
+            aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)) if c.get("output_router_logits") else 0.0,
             norm_eps=float(c.get("rms_norm_eps", 1e-5)),
             # transformers 5.x writes it in rope_parameters, 4.x as rope_theta; gpt-oss's default 150000
             rope_theta=float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 150000.0))),
@@ -317,7 +319,7 @@ def hf_config_dict(cfg: GptOssConfig, dtype: str = "float32") -> dict[str, Any]:
         "swiglu_alpha": cfg.swiglu_alpha,
         "swiglu_limit": cfg.swiglu_limit,
         "router_aux_loss_coef": cfg.aux_loss_coef,
-        "output_router_logits": False,
+        "output_router_logits": cfg.aux_loss_coef > 0,  # a load-balancing loss when training, as tessera's
         "initializer_range": cfg.init_std,
         # transformers 4.x reads rope_theta, 5.x rope_parameters
         "rope_theta": cfg.rope_theta,

@@ -95,7 +95,8 @@ def _hf_model(tmp_path):
 def test_a_transformers_gpt_oss_loads_into_tessera_with_its_logits(tmp_path):
     theirs = _hf_model(tmp_path)
     cfg = read_hf_config(tmp_path)
-    assert cfg == GptOssConfig(**TINY, aux_loss_coef=0.001, rope_theta=150000.0, norm_eps=1e-5)
+    # transformers trains no load-balancing loss without output_router_logits: neither does tessera then
+    assert cfg == GptOssConfig(**TINY, aux_loss_coef=0.0, rope_theta=150000.0, norm_eps=1e-5)
     assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     check_hf_weights(tmp_path, cfg)
     ours = GPT_OSS.build_model(cfg, seed=None)
@@ -124,6 +125,24 @@ def test_a_transformers_gpt_oss_loads_into_tessera_with_its_logits(tmp_path):
     # tessera's export of what it loaded has transformers' own names
     save_hf(ours.state_dict(), cfg, tmp_path / "again")
     assert set(weight_files(tmp_path / "again")) == set(weight_files(tmp_path))
+
+
+def test_every_gradient_equals_transformers(tmp_path):
+    """Backward too: the sinks' (through the kernels' log-sum-exp merge), the biases' (the router's, the
+    experts' through the clamp and the grouped GEMMs) and every other parameter's, by transformers' name (no
+    auxiliary loss on either side: config.json leaves output_router_logits off)."""
+    theirs = _hf_model(tmp_path)
+    cfg = read_hf_config(tmp_path)
+    ours = GPT_OSS.build_model(cfg, seed=None)
+    load_hf_weights(ours, tmp_path)
+    probe = torch.randn(2, 29, VOCAB, generator=torch.Generator().manual_seed(9))
+    (theirs(TOKENS).logits * probe).sum().backward()
+    (ours.eval()(TOKENS) * probe).sum().backward()
+    hf = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        want = hf[tessera_to_hf_name(name, cfg)].grad
+        assert want is not None and want.abs().max() > 0, name
+        _close(p.grad, want)
 
 
 def test_tesseras_export_loads_into_transformers_with_tesseras_logits(tmp_path):
