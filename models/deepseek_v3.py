@@ -255,6 +255,12 @@ def model_shape(cfg: DeepseekV3Config) -> ModelShape:
         top_k=cfg.top_k,
         shared_ffn_dim=cfg.moe_ffn_dim * cfg.n_shared_experts,
         moe_aux_loss=cfg.aux_loss_coef > 0,
+        q_lora_rank=cfg.q_lora_rank or 0,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        n_dense_layers=cfg.first_k_dense_replace,
+        dense_ffn_dim=cfg.dense_ffn_dim,
     )
 
 

@@ -388,6 +388,33 @@ def test_what_deepseek_v3_cannot_represent_is_refused_by_field_name(field, value
         DEEPSEEK_V3.hf.read_config(_published(**{field: value}), "config.json")
 
 
+# ----------------------------------------------------------------------------- sizes for the planner
+@pytest.mark.parametrize("preset", ["deepseek-v3-debug", "deepseek-v3-lite", "deepseek-v3-671b"])
+def test_the_planners_sizes_are_the_models(preset):
+    """ModelShape's latent attention and dense first layers: the parameter count is the built model's, and one
+    MoE block's tp-rank shapes are its modules' (the routed experts apart)."""
+    from tessera.topology.shapes import layer_param_shapes
+
+    cfg = DEEPSEEK_V3.config(preset)
+    shape = DEEPSEEK_V3.shape(cfg)
+    model = DEEPSEEK_V3.build_model(cfg, device="meta")
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    block = model.layers[str(cfg.first_k_dense_replace)]
+    got = [tuple(p.shape) if p.dim() == 2 else (p.shape[0], 1) for p in block.parameters() if p.dim() < 3]
+    assert sorted(got) == sorted(layer_param_shapes(shape, 1, 1, experts=False))
+
+
+def test_671b_counts_the_published_671b_total_and_37b_active():
+    """DeepSeek-V3's published 671 B parameters (the main model, without its 14 B multi-token-prediction module)
+    within 1%, and 37 B activated per token to the figure's own precision (blocks with 8 + 1 experts and the
+    head: 36.6 B; the embedding's lookup is not a matmul)."""
+    shape = DEEPSEEK_V3.shape(DEEPSEEK_V3.config("deepseek-v3-671b"))
+    assert abs(shape.num_params() - 671e9) <= 0.01 * 671e9
+    assert round(shape.matmul_params() / 1e9) == 37
+    lite = DEEPSEEK_V3.shape(DEEPSEEK_V3.config("deepseek-v3-lite"))  # Moonlight-16B-A3B: 16 B total
+    assert round(lite.num_params() / 1e9) == 16
+
+
 # ----------------------------------------------------------------------------- parallel
 def build_latent_q():
     """The tiny configs' models (the runner seeds them): module-level, so the ranks unpickle them."""

@@ -23,7 +23,9 @@ class ModelShape:
     (gate, up, down: 3 matrices of dim x ffn_dim) or "gelu" (up, down: 2), or a mixture of experts
     (n_experts > 0: n_experts SwiGLU experts of ffn_dim, top_k of them per token, a router of n_experts x
     dim and a shared expert of shared_ffn_dim; with `moe_bias`, the router and each routed expert have biases,
-    as gpt-oss's). `attention_sinks`: a learned logit per query head (gpt-oss). Around the blocks: the token
+    as gpt-oss's). `attention_sinks`: a learned logit per query head (gpt-oss). `kv_lora_rank` > 0: multi-head
+    latent attention in place of q/k/v (DeepSeek-V3); `n_dense_layers`: an MoE model's first blocks with a dense
+    MLP of dense_ffn_dim instead of the experts. Around the blocks: the token
     embedding, `learned_positions` rows of a position table (0: rotary), a final norm and the head (the
     embedding itself when tied)."""
 
@@ -54,6 +56,17 @@ class ModelShape:
     moe_aux_loss: bool = True
     attention_sinks: bool = False  # one learned logit per query head in each block's attention (gpt-oss)
     moe_bias: bool = False  # the router and every routed expert's matrices have biases (gpt-oss)
+    # multi-head latent attention (kv_lora_rank > 0, DeepSeek-V3): queries up from a latent of q_lora_rank (0: one
+    # projection of dim), keys and values up from one latent of kv_lora_rank, each latent behind a norm; head_dim
+    # is a query or key head's width, qk_rope_head_dim of it rotated (that part of the keys one shared head),
+    # v_head_dim a value head's; n_kv_heads = n_heads
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # the first n_dense_layers blocks of an MoE model have a dense MLP of dense_ffn_dim (DeepSeek-V3's first 3)
+    n_dense_layers: int = 0
+    dense_ffn_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.mlp not in ("swiglu", "gelu"):
@@ -62,6 +75,10 @@ class ModelShape:
             raise ValueError(f"ModelShape.norm {self.norm!r}: 'rms' or 'layer'")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"ModelShape.top_k {self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if self.n_dense_layers and not (self.n_experts and self.n_dense_layers <= self.n_layers):
+            raise ValueError(
+                f"ModelShape.n_dense_layers {self.n_dense_layers}: the first of an MoE model's n_layers={self.n_layers}"
+            )
         if self.n_experts and self.mlp != "swiglu":
             raise ValueError(
                 f"ModelShape.mlp {self.mlp!r} with n_experts={self.n_experts}: experts are SwiGLU, use 'swiglu'"
@@ -75,14 +92,23 @@ class ModelShape:
     def norm_params(self) -> int:
         return self.dim * (2 if self.norm == "layer" else 1)
 
-    def block_params(self, experts: int | None = None) -> int:
-        """One block's parameters; `experts`: count that many of an MoE block's experts (default: all)."""
+    def attention_params(self) -> int:
+        """One block's attention projections (and latent attention's two norms)."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        attn = self.dim * (2 * q + 2 * kv) + (q + 2 * kv + self.dim if self.bias else 0)
-        mlp = self.mlp_matrices * self.dim * self.ffn_dim + (
-            (self.mlp_matrices - 1) * self.ffn_dim + self.dim if self.bias else 0
-        )
-        if self.n_experts:  # routed experts, the router (their biases with `moe_bias`) and the shared expert
+        if not self.kv_lora_rank:
+            return self.dim * (2 * q + 2 * kv) + (q + 2 * kv + self.dim if self.bias else 0)
+        rank, rope = self.kv_lora_rank, self.qk_rope_head_dim
+        queries = self.q_lora_rank * (self.dim + 1 + q) if self.q_lora_rank else self.dim * q
+        keys_values = self.dim * (rank + rope) + rank + rank * self.n_heads * (self.head_dim - rope + self.v_head_dim)
+        return queries + keys_values + self.n_heads * self.v_head_dim * self.dim
+
+    def block_params(self, experts: int | None = None, dense: bool = False) -> int:
+        """One block's parameters; `experts`: count that many of an MoE block's experts (default: all);
+        `dense`: one of an MoE model's first n_dense_layers, its MLP dense_ffn_dim wide."""
+        attn = self.attention_params()
+        ffn = self.dense_ffn_dim if dense else self.ffn_dim
+        mlp = self.mlp_matrices * self.dim * ffn + ((self.mlp_matrices - 1) * ffn + self.dim if self.bias else 0)
+        if self.n_experts and not dense:  # routed experts, the router (biases with `moe_bias`), the shared expert
             mlp = (self.n_experts if experts is None else experts) * self._expert_params()
             mlp += self.n_experts * (self.dim + self.moe_bias) + self.mlp_matrices * self.dim * self.shared_ffn_dim
         sinks = self.n_heads if self.attention_sinks else 0
@@ -95,19 +121,25 @@ class ModelShape:
 
     def expert_params(self) -> int:
         """The routed experts' parameters over all blocks (what expert parallelism shards)."""
-        return self.n_layers * self.n_experts * self._expert_params()
+        return (self.n_layers - self.n_dense_layers) * self.n_experts * self._expert_params()
 
     def num_params(self) -> int:
         """Exact parameter count (unpadded vocabulary; a tied head counted once)."""
         embed = self.vocab_size * self.dim * (1 if self.tied_embeddings else 2)
-        return self.n_layers * self.block_params() + embed + self.learned_positions * self.dim + self.norm_params
+        blocks = self._blocks(None)
+        return blocks + embed + self.learned_positions * self.dim + self.norm_params
+
+    def _blocks(self, experts: int | None) -> int:
+        """Every block's parameters, the dense ones apart (`block_params`)."""
+        dense = self.n_dense_layers * self.block_params(dense=True) if self.n_dense_layers else 0
+        return dense + (self.n_layers - self.n_dense_layers) * self.block_params(experts)
 
     def matmul_params(self) -> int:
         """Parameters a token's forward multiplies by: all but the lookup tables (token embedding, learned
         positions), the output head included (tied or not); the norms' and biases' few are counted with them,
         as 6 N counts do. An MoE block counts the top_k experts a token runs (its active parameters)."""
         active = self.top_k if self.n_experts else None
-        return self.n_layers * self.block_params(active) + self.norm_params + self.vocab_size * self.dim
+        return self._blocks(active) + self.norm_params + self.vocab_size * self.dim
 
 
 # The fields a config may lack when read by name (`as_shape`): their defaults are Llama's.
@@ -290,12 +322,16 @@ def layer_param_shapes(shape, tp: int, ep: int = 1, experts: bool = True) -> lis
     h, hd = s.dim, s.head_dim
     q, kv, f = s.n_heads * hd // tp, _kv_local(s, tp), s.ffn_dim // tp
     norm = [(h, 1)] * (2 if s.norm == "layer" else 1)
-    out = [*norm, (q, h), (kv, h), (kv, h)]
+    if s.kv_lora_rank:  # latent attention: the down projections and their norms whole, the heads split
+        out = [*norm, *latent_attention_shapes(s, tp)]
+    else:
+        out = [*norm, (q, h), (kv, h), (kv, h)]
     if s.bias:
         out += [(q, 1), (kv, 1), (kv, 1)]
     if s.qk_norm:
         out += [(hd, 1), (hd, 1)]
-    out.append((h, q))
+    if not s.kv_lora_rank:
+        out.append((h, q))
     if s.bias:
         out.append((h, 1))
     if s.attention_sinks:  # split with the query heads
@@ -315,6 +351,23 @@ def layer_param_shapes(shape, tp: int, ep: int = 1, experts: bool = True) -> lis
     if s.bias:
         out.append((h, 1))
     return out
+
+
+def latent_attention_shapes(shape, tp: int) -> list[tuple[int, int]]:
+    """Multi-head latent attention's parameters on one tp rank (models/attention.py's plan): q_a_proj and its
+    norm (or no query latent), q_b_proj (or q_proj) on this rank's heads, kv_a_proj_with_mqa and its norm
+    whole, kv_b_proj on this rank's heads, o_proj on their values."""
+    s = as_shape(shape)
+    h, heads, rank = s.dim, s.n_heads // tp, s.kv_lora_rank
+    q = [(s.q_lora_rank, h), (s.q_lora_rank, 1), (heads * s.head_dim, s.q_lora_rank)] if s.q_lora_rank else []
+    nope = s.head_dim - s.qk_rope_head_dim
+    return [
+        *(q or [(heads * s.head_dim, h)]),
+        (rank + s.qk_rope_head_dim, h),
+        (rank, 1),
+        (heads * (nope + s.v_head_dim), rank),
+        (h, heads * s.v_head_dim),
+    ]
 
 
 def layer_shard_groups(shape, tp: int, ep: int, shards: int) -> list[tuple[list[tuple[int, int]], int]]:
