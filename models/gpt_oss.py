@@ -100,8 +100,7 @@ class GptOssConfig:
                 f"sliding_window={self.sliding_window!r} must be a whole number of tokens, at least 1 (a sliding "
                 f"layer's query sees itself and sliding_window - 1 tokens before it; gpt-oss has 128)"
             )
-        # a manifest's JSON gives lists: held as tuples (the config is frozen and hashable)
-        types = alternating_layers(self.n_layers) if self.layer_types is None else tuple(self.layer_types)
+        types = self.attention_types
         if len(types) != self.n_layers:
             raise ValueError(
                 f"layer_types has {len(types)} entries for n_layers={self.n_layers}: give one per layer (or None "
@@ -110,13 +109,20 @@ class GptOssConfig:
         unknown = sorted({t for t in types if t not in LAYER_TYPES})
         if unknown:
             raise ValueError(f"layer_types: {unknown[0]!r} is not a layer type; use {' or '.join(LAYER_TYPES)}")
-        object.__setattr__(self, "layer_types", types)
+        if self.layer_types is not None:  # a manifest's JSON gives a list: held as a tuple (hashable)
+            object.__setattr__(self, "layer_types", types)
         if self.rope_scaling is not None:
             scaling = tuple((str(k), v) for k, v in self.rope_scaling)
             unread = [k for k, _ in scaling if k not in YARN_FIELDS]
             if unread:
                 raise ValueError(f"rope_scaling: {unread[0]!r} is not a YaRN parameter; use {', '.join(YARN_FIELDS)}")
             object.__setattr__(self, "rope_scaling", scaling)
+
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Each layer's attention (LAYER_TYPES): layer_types, or alternating (None keeps a replaced n_layers
+        alternating too)."""
+        return alternating_layers(self.n_layers) if self.layer_types is None else tuple(self.layer_types)
 
     @property
     def ffn_dim(self) -> int:  # what tensor parallel splits in each expert
@@ -169,7 +175,7 @@ class GptOss(DecoderLM):
         super().__init__(cfg, rope, tied=cfg.tie_word_embeddings)
 
     def build_attention(self, cfg: GptOssConfig, layer: int) -> nn.Module:
-        sliding = cast(tuple, cfg.layer_types)[layer] == "sliding_attention"
+        sliding = cfg.attention_types[layer] == "sliding_attention"
         return GroupedQueryAttention(
             cfg.dim,
             cfg.n_heads,
@@ -273,7 +279,7 @@ def read_hf_config(c: dict, path: str) -> GptOssConfig:
         ),
     )
     require(c, path, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"))
-    heads = c["num_attention_heads"]
+    heads, types = c["num_attention_heads"], c.get("layer_types")
     experts = c.get("num_local_experts", c.get("num_experts", 128))
     try:
         return GptOssConfig(
@@ -287,7 +293,8 @@ def read_hf_config(c: dict, path: str) -> GptOssConfig:
             n_experts=int(experts),
             top_k=int(c.get("num_experts_per_tok", 4)),
             sliding_window=c.get("sliding_window", 128),
-            layer_types=c.get("layer_types"),
+            # transformers' default (alternating) as None: a preset's, and kept alternating if n_layers changes
+            layer_types=None if types == list(alternating_layers(c["num_hidden_layers"])) else types,
             swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(c.get("swiglu_limit", 7.0)),
             # transformers adds its load-balancing loss only with output_router_logits (the published configs
@@ -315,7 +322,7 @@ def hf_config_dict(cfg: GptOssConfig, dtype: str = "float32") -> dict[str, Any]:
         "num_local_experts": cfg.n_experts,
         "num_experts_per_tok": cfg.top_k,
         "sliding_window": cfg.sliding_window,
-        "layer_types": list(cast(tuple, cfg.layer_types)),
+        "layer_types": list(cfg.attention_types),
         "swiglu_alpha": cfg.swiglu_alpha,
         "swiglu_limit": cfg.swiglu_limit,
         "router_aux_loss_coef": cfg.aux_loss_coef,

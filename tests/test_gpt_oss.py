@@ -97,7 +97,7 @@ def test_a_transformers_gpt_oss_loads_into_tessera_with_its_logits(tmp_path):
     cfg = read_hf_config(tmp_path)
     # transformers trains no load-balancing loss without output_router_logits: neither does tessera then
     assert cfg == GptOssConfig(**TINY, aux_loss_coef=0.0, rope_theta=150000.0, norm_eps=1e-5)
-    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert cfg.attention_types == ("sliding_attention", "full_attention", "sliding_attention")
     check_hf_weights(tmp_path, cfg)
     ours = GPT_OSS.build_model(cfg, seed=None)
     with torch.no_grad():
@@ -213,7 +213,7 @@ def _config_json(**overrides):
 )
 def test_what_gpt_oss_cannot_represent_is_refused_by_field_name(tmp_path, field, value, message):
     (tmp_path / "config.json").write_text(json.dumps(_config_json()))
-    assert read_hf_config(tmp_path).layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert read_hf_config(tmp_path).attention_types == ("sliding_attention", "full_attention", "sliding_attention")
     (tmp_path / "config.json").write_text(json.dumps(_config_json(**{field: value})))
     with pytest.raises(ValueError, match=f"config.json: {field}: {message}.* is not supported"):
         read_hf_config(tmp_path)
@@ -302,7 +302,14 @@ def test_the_presets_have_the_published_sizes(preset, total, active):
     assert shape.num_params() == pytest.approx(total, rel=0.02)
     assert shape.matmul_params() == pytest.approx(active, rel=0.02)
     assert shape.num_params() == sum(p.numel() for p in GPT_OSS.build_model(cfg, device="meta").parameters())
-    assert cfg.layer_types[:2] == ("sliding_attention", "full_attention") and cfg.sliding_window == 128
+    assert cfg.attention_types[:2] == ("sliding_attention", "full_attention") and cfg.sliding_window == 128
+    # another depth keeps the layers alternating; layer_types of its own are kept as given
+    assert GPT_OSS.config(preset, n_layers=3).attention_types[2] == "sliding_attention"
+    full = GptOssConfig(**{**TINY, "layer_types": ["full_attention"] * 3})
+    assert full.layer_types == ("full_attention",) * 3
+    assert [layer.self_attn.core.window for layer in GPT_OSS.build_model(full, device="meta").layers.values()] == [
+        None
+    ] * 3
 
 
 def test_a_ranks_parameter_shapes_add_up_to_the_block():
