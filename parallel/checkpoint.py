@@ -438,6 +438,8 @@ def check_compatible(
     global batch (the data cursor counts sequences of the saved run), for this many steps (the LR
     schedule of the saved run), and still has steps left to train."""
     saved = manifest["model"]
+    # as the manifest holds it: JSON has no tuples (gpt-oss's layer_types and rope_scaling came back as lists)
+    model_config = json.loads(json.dumps(model_config))
     if saved["config"] != model_config:
         diff = {k: (saved["config"].get(k), v) for k, v in model_config.items() if saved["config"].get(k) != v}
         raise CheckpointError(

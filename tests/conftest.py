@@ -40,6 +40,7 @@ SLOW_MODULES = {
     "test_activation_checkpointing",
     "test_run_edges",
     "test_contract_moe",
+    "test_contract_families",
     "test_moe_checkpoint",
     "test_moe_cli",
     "test_expert_parallel",
@@ -99,6 +100,7 @@ SLOW_TESTS = {
     "test_greedy_tokens_equal_transformers_on_tp2_ranks_for_every_family",  # tessera generate on tp2 ranks
     "test_a_trained_checkpoint_generates_the_same_text_on_one_process_and_tp2_ranks",  # train, then the CLI
     "test_tp2_and_ep2_train_like_one_process",  # gpt-oss, DeepSeek-V3 on 2 ranks against one process, 5-17 s each
+    "test_a_pipeline_stage_of_dense_layers_alone_trains",  # DeepSeek-V3's tessera train on pp3, ~15 s
     # the attention variants' Triton kernels through the interpreter (10-30 s each)
     "test_triton_kernels_match_the_definition",
     "test_triton_custom_ops_with_window_offset_and_a_value_head_dim_of_its_own",
