@@ -330,3 +330,23 @@ def test_a_ranks_parameter_shapes_add_up_to_the_block():
     whole = 2 * shape.dim + shape.dim + shape.n_experts * (shape.dim + 1)
     block = sum(r * c for r, c in layer_param_shapes(shape, tp, ep, experts=False))
     assert tp * block == shape.block_params() - experts + (tp - 1) * whole
+
+
+def test_the_grouped_gemm_path_runs_the_fused_layout_and_its_biases_as_the_loop_does():
+    """torch._grouped_mm (here its CPU form, in bf16 as on the GPUs) on transformers' (in, out) fused
+    gate_up and down weights with the experts' biases: the outputs and gradients of the per-expert loop."""
+    block = GPT_OSS.build_model(GptOssConfig(**TINY), seed=6).layers["1"].mlp.to(torch.bfloat16)
+    _drawn(block, 8)
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    runs = []
+    for grouped in (False, True):
+        block.zero_grad()
+        block.experts.use_grouped_mm = grouped
+        out = block(x)
+        out.float().square().sum().backward()
+        assert block.experts.ran_grouped_mm == grouped
+        runs.append((out.detach().float(), {n: p.grad.float() for n, p in block.named_parameters()}))
+    (loop, loop_grads), (gemm, gemm_grads) = runs
+    _close(gemm, loop, 1e-2)  # bf16: the two paths may round the sums differently
+    for name, grad in loop_grads.items():
+        _close(gemm_grads[name], grad, 1e-2)
