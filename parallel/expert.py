@@ -204,16 +204,20 @@ def expert_load(
     tp_rank: int,
     sequence_parallel: bool,
     group: dist.ProcessGroup | None = None,
+    n_experts: int = 0,
 ) -> tuple[Tensor, Tensor] | None:
     """(tokens routed to each expert (n_layers, E), the auxiliary loss's sum over sequences (n_layers,)) of
     the whole step on every rank, summed from every rank's MoE counters in one all-reduce; None without
     MoE blocks. A tp group routes the same tokens (counted once, on tp rank 0), and without sequence
-    parallel computes the same auxiliary loss (counted once too); pipeline stages fill their own layers."""
+    parallel computes the same auxiliary loss (counted once too); pipeline stages fill their own layers.
+    `n_experts` (the model's): a pipeline stage without MoE blocks (DeepSeek-V3's dense first layers) still
+    joins the all-reduce, with zeros."""
     blocks = [(n, b) for part in parts for n, b in moe_blocks(part)]
-    if not blocks:
+    if not blocks and not n_experts:
         return None
-    E = blocks[0][1].n_experts
-    table = torch.zeros(n_layers, E + 1, device=blocks[0][1].tokens_per_expert.device)
+    E = blocks[0][1].n_experts if blocks else n_experts
+    device = blocks[0][1].tokens_per_expert.device if blocks else next(p for m in parts for p in m.parameters()).device
+    table = torch.zeros(n_layers, E + 1, device=device)
     for name, block in blocks:
         row = table[block_index(name, pattern)]
         if tp_rank == 0:

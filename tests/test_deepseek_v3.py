@@ -440,3 +440,20 @@ def test_tp2_and_ep2_train_like_one_process(build, layout):
 
     tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(7))
     assert_layouts_equivalent(build, [Layout(**layout)], batch=(tokens[:, :-1], tokens[:, 1:]), spec=DEEPSEEK_V3)
+
+
+def test_a_pipeline_stage_of_dense_layers_alone_trains(tmp_path):
+    """pp3 puts the dense first layer alone on stage 0: that stage has no MoE block but still joins the step's
+    expert-load all-reduce (zeros for its layer), and the biases of the MoE layers on the other stages move."""
+    import json
+
+    from helpers import cli_here
+
+    metrics = tmp_path / "m.jsonl"
+    args = ("train", "--model", "deepseek-v3-debug", "--pp", "3", "--microbatches", "4", "--steps", "2")
+    out = cli_here(*args, "--metrics", str(metrics), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("type") != "header"]
+    assert len(records) == 2
+    tokens = records[0]["moe"]["tokens_per_expert"]
+    assert tokens[0] == [0] * 8 and all(sum(row) == 8 * 64 * 2 for row in tokens[1:])  # 512 tokens, top 2

@@ -479,6 +479,7 @@ class Trainer:
             self.model_config.n_layers,
             self.layout.index("tp", self.rank),
             self.config.parallel.sequence_parallel,
+            n_experts=self.spec.shape(self.model_config).n_experts,
         )
 
     def _nonfinite_report(self, step: int, loss: Tensor, grad_norm: Tensor) -> str:
