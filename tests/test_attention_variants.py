@@ -305,3 +305,50 @@ def test_triton_custom_ops_with_window_offset_and_a_value_head_dim_of_its_own():
         )  # fmt: skip
     assert o.shape == (2, 8, 4096, 128) and o.is_contiguous() and lse.shape == (2, 8, 4096)
     assert [tuple(g.shape) for g in grads] == [(2, 8, 4096, 192), (2, 2, 4096, 192), (2, 2, 4096, 128)]
+
+
+# ----------------------------------------------------------------------------- GPU: the compiled kernels
+GPU_CASES = {  # (Hq, Hkv, S, D, Dv, window, sinks, document cuts, q_offset shift)
+    "mla-dims+window+sinks": (8, 2, 300, 192, 128, 100, True, None, 0),
+    "documents+window+offset": (4, 2, 257, 64, 32, 40, True, [50, 180], -20),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_gpu_kernels_match_the_definition(name):
+    Hq, Hkv, S, D, Dv, window, sinks, cuts, shift = GPU_CASES[name]
+    qkv, s, do, dlse = _case(2, Hq, Hkv, S, S, D, Dv, torch.float32, 0, sinks)
+    qkv = [t.detach().cuda().requires_grad_() for t in qkv]
+    s = None if s is None else s.detach().cuda().requires_grad_()
+    docs = None if cuts is None else (_docs(2, S, cuts).cuda(),) * 2
+    q_offset = shift or None
+    o, lse = flash_attention(
+        *qkv, True, return_lse=True, window=window, sinks=s, q_offset=q_offset, q_docs=docs and docs[0]
+    )
+    tensors = [*qkv] + ([s] if s is not None else [])
+    got = [t.cpu() for t in [o.detach(), lse.detach(), *_grads(o, lse, do.cuda(), dlse.cuda(), tensors)]]
+    cpu = lambda ts: [t.detach().cpu() for t in ts]  # noqa: E731
+    want = _want(cpu(qkv), None if s is None else s.cpu(), do, dlse, True, window, docs and cpu(docs), q_offset)
+    _close(got, want, 2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_slot_with_window_sinks_and_transposed_inputs():
+    """torch.compile over the slot as gpt-oss and DeepSeek-V3 call it: [B, S, H, D] projections transposed,
+    bf16, window and sinks, v's head dim its own; equal to eager (the fakes' shapes and strides are the kernels')."""
+    from tessera.models.layers import CausalAttention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda h, d: torch.randn(2, 512, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)  # noqa: E731
+    q, k, v = make(8, 192), make(2, 192), make(2, 128)
+    sinks = torch.randn(8, device="cuda", generator=g)
+    slot = CausalAttention(window=128)
+    outs = []
+    for fn in (slot, torch.compile(slot)):
+        args = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+        o = fn(*args[:3], sinks=args[3])
+        o.float().square().sum().backward()
+        outs.append([o.detach().float(), *(t.grad.float() for t in args)])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
