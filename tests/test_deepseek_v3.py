@@ -212,6 +212,7 @@ def test_a_transformers_deepseek_v3_loads_into_tessera_with_its_logits(tmp_path,
         assert (ours(TOKENS) - want).abs().max().item() > 1e-4
     save_hf(ours.state_dict(), cfg, tmp_path / "again")  # tessera's export: transformers' own names
     assert set(weight_files(tmp_path / "again")) == set(weight_files(tmp_path))
+    assert read_hf_config(tmp_path / "again") == cfg  # and the config it writes reads back as it was
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -316,6 +317,16 @@ def test_another_familys_checkpoint_is_refused_in_one_line(tmp_path):
         DEEPSEEK_V3.hf.read_config(llama, "config.json")
     with pytest.raises(ValueError, match=r"unexpected parameter 'model.layers.0.self_attn.k_proj.weight'"):
         DEEPSEEK_V3.hf.from_hf("model.layers.0.self_attn.k_proj.weight")
+    # a Qwen3 directory given with a DeepSeek-V3 preset: one line naming the sizes that differ
+    from tessera.models.hf import compare_with_preset
+    from tessera.models.qwen3 import QWEN3
+
+    qwen = QWEN3.build_model(QWEN3.config("qwen3-debug"), seed=0)
+    save_hf(qwen.state_dict(), qwen.config, tmp_path / "qwen3")
+    with pytest.raises(ValueError, match=r"^preset=deepseek-v3-debug does not match .*family qwen3 vs deepseek_v3"):
+        compare_with_preset(
+            read_hf_config(tmp_path / "qwen3"), DEEPSEEK_V3.config("deepseek-v3-debug"), "deepseek-v3-debug"
+        )
 
 
 def _published(**overrides):
