@@ -263,6 +263,17 @@ def test_another_familys_checkpoint_is_refused_as_gpt_oss(tmp_path):
         load_hf_weights(GPT_OSS.build_model(GptOssConfig(**TINY), seed=None), tmp_path)
 
 
+def test_a_tp_beyond_the_kv_heads_is_refused_before_any_rank_starts():
+    from tessera.parallel.parallelize import ParallelConfig
+    from tessera.topology.errors import ConfigError
+    from tessera.topology.layout import Layout
+
+    cfg = GptOssConfig(**TINY)  # 2 kv heads, with biases
+    ParallelConfig(Layout(tp=2)).check(cfg)
+    with pytest.raises(ConfigError, match=r"^tp=4 exceeds the 2 kv heads, and the K/V projections have biases"):
+        ParallelConfig(Layout(tp=4)).check(cfg)
+
+
 def test_an_ep_degree_the_experts_do_not_divide_is_refused():
     from tessera.topology.errors import ConfigError
     from tessera.topology.shapes import check_expert_parallel

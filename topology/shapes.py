@@ -67,6 +67,13 @@ class ModelShape:
     # the first n_dense_layers blocks of an MoE model have a dense MLP of dense_ffn_dim (DeepSeek-V3's first 3)
     n_dense_layers: int = 0
     dense_ffn_dim: int = 0
+    # a sliding window of attention (gpt-oss): the blocks of `sliding_layers` attend to at most sliding_window keys
+    # (a query itself and the window - 1 before it); 0: every block attends to its whole causal past
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    # the experts' SwiGLU clamped (gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), gate and up clamped), which
+    # keeps more for backward than silu(gate) * up (topology/activations.py)
+    swiglu_clamp: bool = False
 
     def __post_init__(self) -> None:
         if self.mlp not in ("swiglu", "gelu"):
@@ -78,6 +85,13 @@ class ModelShape:
         if self.n_dense_layers and not (self.n_experts and self.n_dense_layers <= self.n_layers):
             raise ValueError(
                 f"ModelShape.n_dense_layers {self.n_dense_layers}: the first of an MoE model's n_layers={self.n_layers}"
+            )
+        if self.sliding_layers and not (
+            self.sliding_window > 0 and all(0 <= i < self.n_layers for i in self.sliding_layers)
+        ):
+            raise ValueError(
+                f"ModelShape.sliding_layers {self.sliding_layers}: blocks of n_layers={self.n_layers} with a "
+                f"sliding_window > 0 (it is {self.sliding_window})"
             )
         if self.n_experts and self.mlp != "swiglu":
             raise ValueError(
@@ -268,6 +282,16 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False, seq_len
     if cfg.ffn_dim % tp:
         raise ConfigError(
             f"tp={tp} does not divide the MLP width ffn_dim={cfg.ffn_dim}; use a tp that divides {cfg.ffn_dim}"
+        )
+    dense = getattr(cfg, "dense_ffn_dim", 0) if getattr(cfg, "n_dense_layers", 0) else 0
+    if dense % tp:  # an MoE model's dense first layers (DeepSeek-V3)
+        raise ConfigError(
+            f"tp={tp} does not divide the dense layers' MLP width dense_ffn_dim={dense}; use a tp that divides {dense}"
+        )
+    if getattr(cfg, "bias", False) and not kv_heads_split(cfg.n_kv_heads, tp):  # replicated K/V heads: no bias
+        raise ConfigError(
+            f"tp={tp} exceeds the {cfg.n_kv_heads} kv heads, and the K/V projections have biases (kv heads are "
+            f"replicated only without them); use a tp that divides n_kv_heads={cfg.n_kv_heads}"
         )
     if sequence_parallel and seq_len is not None and seq_len % tp:
         raise ConfigError(
