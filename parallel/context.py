@@ -21,12 +21,16 @@ Partial (out, lse) pairs merge in fp32: lse = logaddexp(lse, lse_b), out = out e
 out_b e^(lse_b-lse), rows that see nothing yet kept at 0. The backward recomputes each block's share from
 the merged out and lse (the kernel's backward with a given lse), accumulates dq locally, and sends the
 dk/dv accumulator around the ring with the K/V so that it arrives home with every rank's share.
-Grouped-query K/V travel as kv heads, never repeated.
+Grouped-query K/V travel as kv heads, never repeated (K and V packed in one message: v's head dim may differ).
+
+A sliding window splits each step into the pairs of this rank's two chunks and src's, each at its true
+offset (the kernels' q_offset), runs only the pairs some query's window reaches and skips a step with none
+(its K/V still pass on). Attention sinks join the merged softmax once, after the last step. The layout and
+the merge live in zigzag.py, all-gather attention in context_allgather.py; both are named here too.
 """
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from typing import Literal, overload
 
@@ -41,81 +45,36 @@ from tessera.kernels.checks import check_sinks, check_window
 from tessera.models.spec import spec_of
 
 from .comm import collective
+from .context_allgather import allgather_attention
 from .plan import find_modules, replace_module
-from .tensor import _all_gather_flat, _reduce_scatter_flat
+from .zigzag import (  # the layout and the merge, named here too (tessera.parallel.context is their public home)
+    METHODS,
+    SEQ_DIM,
+    causal_pairs,
+    check_context,
+    documents_meet,
+    gather_documents,
+    merge_partial,
+    pack,
+    unpack,
+    zigzag_indices,
+    zigzag_shard,
+    zigzag_unshard,
+)
 
-METHODS = ("ring", "allgather")
-SEQ_DIM = 2  # attention tensors are (batch, heads, seq, head_dim)
-
-
-# ----------------------------------------------------------------------------- the zigzag layout
-def check_context(
-    seq_len: int | None, cp: int, method: str = "ring", tp: int = 1, sequence_parallel: bool = False
-) -> None:
-    """ValueError naming the value and the fix, before any process group starts."""
-    if method not in METHODS:
-        raise ValueError(f"unknown cp_method={method!r}; use one of {', '.join(METHODS)}")
-    if cp == 1 or seq_len is None:
-        return
-    multiple, why = 2 * cp, f"2 x cp = {2 * cp} equal chunks (zigzag context parallel)"
-    if sequence_parallel and tp > 1:
-        multiple = math.lcm(2 * cp, cp * tp)
-        why += f" whose S/cp tokens split over tp={tp} (sequence parallel)"
-    if seq_len % multiple:
-        lower, upper = seq_len - seq_len % multiple, seq_len - seq_len % multiple + multiple
-        nearest = f"seq_len={lower} or {upper}" if lower > 0 else f"seq_len={upper}"
-        raise ValueError(f"seq_len={seq_len} does not split into {why}; use {nearest}")
-
-
-def zigzag_indices(seq_len: int, rank: int, size: int, device: torch.device | str | None = None) -> Tensor:
-    """The global positions rank `rank` of `size` holds: chunk rank, then chunk 2*size-1-rank."""
-    chunk = seq_len // (2 * size)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
-    return torch.cat([first, second])
-
-
-def zigzag_shard(x: Tensor, dim: int, rank: int, size: int) -> Tensor:
-    """This rank's two chunks of `x` along `dim` (its length divisible by 2*size)."""
-    if x.shape[dim] % (2 * size):
-        raise ValueError(f"length {x.shape[dim]} along dim {dim} does not split into 2 x {size} chunks")
-    chunks = x.chunk(2 * size, dim=dim)
-    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
-
-
-def zigzag_unshard(shards: list[Tensor], dim: int) -> Tensor:
-    """The full tensor from every rank's shard (in rank order): the inverse of zigzag_shard."""
-    size = len(shards)
-    halves = [s.chunk(2, dim=dim) for s in shards]
-    ordered = [halves[i][0] for i in range(size)] + [halves[i][1] for i in reversed(range(size))]
-    return torch.cat(ordered, dim=dim)
-
-
-def causal_pairs(seq_len: int, size: int, layout: str = "zigzag", positions: Tensor | None = None) -> list[int]:
-    """Unmasked (query, key) pairs of causal attention each of `size` ranks computes: the attention
-    work per rank, for the zigzag layout or contiguous chunks (rank i holding [i S/size, (i+1) S/size)).
-    With packed documents' `positions` (seq_len,) (restarting at each document) a query sees only its
-    document's keys up to itself: position p sees p + 1 keys."""
-    seen = (torch.arange(seq_len) if positions is None else positions.reshape(-1)) + 1  # keys each query sees
-
-    if layout == "zigzag":
-        return [int(seen[zigzag_indices(seq_len, r, size)].sum()) for r in range(size)]
-    if layout == "contiguous":
-        return [int(part.sum()) for part in seen.chunk(size)]
-    raise ValueError(f"unknown layout {layout!r}; use zigzag or contiguous")
-
-
-# ----------------------------------------------------------------------------- merging partial results
-def merge_partial(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge (out, lse) with a block's (block_out, block_lse) over other keys: the softmax over the union
-    of both key sets. out (..., S, D) fp32, lse (..., S) fp32; a row with no visible key has lse -inf
-    and out 0, and stays so until a block shows it a key (no NaN)."""
-    new = torch.logaddexp(lse, block_lse)
-    nothing = torch.isneginf(new)
-    safe = torch.where(nothing, torch.zeros_like(new), new)
-    keep = torch.where(nothing, torch.zeros_like(new), torch.exp(lse - safe)).unsqueeze(-1)
-    take = torch.where(nothing, torch.zeros_like(new), torch.exp(block_lse - safe)).unsqueeze(-1)
-    return out * keep + block_out.to(out.dtype) * take, new
+__all__ = [
+    "METHODS",
+    "check_context",
+    "zigzag_indices",
+    "zigzag_shard",
+    "zigzag_unshard",
+    "causal_pairs",
+    "merge_partial",
+    "ring_attention",
+    "allgather_attention",
+    "ContextParallelAttention",
+    "apply_cp",
+]
 
 
 # ----------------------------------------------------------------------------- ring attention
@@ -153,14 +112,6 @@ class _RingPass:
             for work in self.works:
                 work.wait() if self.timeout is None else work.wait(self.timeout)
         return self.received
-
-
-def _documents_meet(q_docs: Tensor, k_docs: Tensor) -> Tensor:
-    """Whether any query of q_docs (B, Sq) shares a document with any key of k_docs (B, Sk), in any row: a
-    0-dim bool tensor (ids tagged with their row, then one sorted-search membership test, no (Sq x Sk))."""
-    span = int(max(q_docs.max(), k_docs.max())) + 1 if q_docs.numel() and k_docs.numel() else 1
-    tag = torch.arange(q_docs.shape[0], device=q_docs.device).view(-1, 1) * span
-    return torch.isin(q_docs + tag, k_docs + tag).any()
 
 
 Block = tuple[slice, slice, bool, "int | None"]  # (query rows, key rows, causal, q_offset: None is bottom-right)
@@ -212,23 +163,13 @@ def _ring_plan(
     ]
     meets = torch.stack(
         [
-            _documents_meet(docs[:, plan[step][i][0]], all_docs[(rank - step) % size][:, plan[step][i][1]])
+            documents_meet(docs[:, plan[step][i][0]], all_docs[(rank - step) % size][:, plan[step][i][1]])
             for step, i in found
         ]
         or [torch.ones((), dtype=torch.bool)]
     ).tolist()  # one host sync for the whole layer
     dropped = {where for where, meet in zip(found, meets) if not meet}
     return [[b for i, b in enumerate(blocks) if (step, i) not in dropped] for step, blocks in enumerate(plan)]
-
-
-def _pack(*tensors: Tensor) -> Tensor:
-    """One flat message of several tensors (K and V, whose head dims may differ)."""
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unpack(flat: Tensor, *shapes: torch.Size) -> list[Tensor]:
-    sizes = [math.prod(shape) for shape in shapes]
-    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
 class _RingAttention(Function):
@@ -239,10 +180,10 @@ class _RingAttention(Function):
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merges (fp64 stays fp64)
         out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        kv = _pack(k, v)  # one message per step; kv heads, never repeated
+        kv = pack(k, v)  # one message per step; kv heads, never repeated
         for step in range(size):
             ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
-            k_s, v_s = _unpack(kv, k.shape, v.shape)
+            k_s, v_s = unpack(kv, k.shape, v.shape)
             for rows, cols, block_causal, q_offset in plan[step]:
                 o_b, lse_b = flash_attention(
                     q[:, :, rows],
@@ -271,12 +212,12 @@ class _RingAttention(Function):
         dout = torch.zeros_like(out) if dout is None else dout
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = _pack(k, v)
+        kv = pack(k, v)
         dkv_pass: _RingPass | None = None
         dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
         for step in range(size):
             ring = _RingPass(kv, group, "K/V (backward)", timeout) if step + 1 < size else None
-            k_s, v_s = _unpack(kv, k.shape, v.shape)
+            k_s, v_s = unpack(kv, k.shape, v.shape)
             shares = []
             for rows, cols, block_causal, q_offset in plan[step]:
                 dq_b, dk_b, dv_b = flash_attention_backward(
@@ -298,7 +239,7 @@ class _RingAttention(Function):
             # the dk/dv of the block held now: what the ranks before added, plus this rank's share
             if dkv_pass is not None:
                 dkv = dkv_pass.wait()
-            dk_acc, dv_acc = _unpack(dkv, k.shape, v.shape)
+            dk_acc, dv_acc = unpack(dkv, k.shape, v.shape)
             for cols, dk_b, dv_b in shares:
                 dk_acc[:, :, cols] += dk_b.to(acc)
                 dv_acc[:, :, cols] += dv_b.to(acc)
@@ -308,7 +249,7 @@ class _RingAttention(Function):
                 kv = ring.wait()
         if dkv_pass is not None:
             dkv = dkv_pass.wait()
-        dk, dv = _unpack(dkv, k.shape, v.shape)
+        dk, dv = unpack(dkv, k.shape, v.shape)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
@@ -319,15 +260,6 @@ def _block_docs(docs: Tensor | None, all_docs: Tensor | None, rows: slice, cols:
     if docs is None or all_docs is None:
         raise ValueError("a block's document ids need this rank's and every rank's (or neither)")
     return {"q_docs": docs[:, rows], "k_docs": all_docs[src][:, cols]}
-
-
-def _gather_documents(docs: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Every cp rank's document ids (cp, B, S/cp): the boundaries travel with the shards, once per layer."""
-    size = dist.get_world_size(group)
-    gathered = docs.new_empty((size * docs.shape[0], docs.shape[1]))
-    with collective("all_gather (document ids)", "cp", group):
-        _all_gather_flat(gathered, docs.contiguous(), group=group)
-    return gathered.view(size, *docs.shape)
 
 
 @overload
@@ -406,7 +338,7 @@ def ring_attention(
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     all_docs = None
     if docs is not None:
-        all_docs = _gather_documents(docs, group)
+        all_docs = gather_documents(docs, group)
     plan = _ring_plan(rank, size, causal, q.shape[SEQ_DIM], window, docs, all_docs)
     if stats is not None and (docs is not None or window is not None):
         stats["ring_steps"] = stats.get("ring_steps", 0) + len(plan)
@@ -414,188 +346,6 @@ def ring_attention(
     out, lse = _RingAttention.apply(
         q, k, v, group, scale, None if timeout is None else timedelta(seconds=timeout), plan, window, docs, all_docs
     )
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
-
-
-# ----------------------------------------------------------------------------- all-gather attention
-def _allgather_blocks(
-    rank: int, size: int, causal: bool, local: int, seq: int, window: int | None = None
-) -> list[tuple[slice, slice, bool]]:
-    """(query rows, key positions, causal) blocks of a rank's queries over the gathered sequence: each
-    query chunk sees the keys before it (one unmasked block) and its own chunk (causal, on the diagonal).
-    With a window, one causal block per query chunk over the keys from the first its window reaches to its
-    own last (bottom-right aligned, so the window applies as is; the keys before are never read)."""
-    if not causal:
-        return [(slice(0, local), slice(0, seq), False)]
-    chunk, blocks = local // 2, []
-    for half, index in ((0, rank), (1, 2 * size - 1 - rank)):
-        rows = slice(half * chunk, (half + 1) * chunk)
-        if window is not None:
-            blocks.append((rows, slice(max(0, index * chunk - window + 1), (index + 1) * chunk), True))
-            continue
-        if index > 0:
-            blocks.append((rows, slice(0, index * chunk), False))
-        blocks.append((rows, slice(index * chunk, (index + 1) * chunk), True))
-    return blocks
-
-
-class _AllGatherAttention(Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, window=None, docs=None, full_docs=None):
-        ctx.set_materialize_grads(False)
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        kv = _pack(k, v)
-        gathered = kv.new_empty((size * kv.numel(),))
-        with collective("all_gather (K/V)", "cp", group):
-            _all_gather_flat(gathered, kv, group=group)
-        shards = [_unpack(part, k.shape, v.shape) for part in gathered.view(size, -1).unbind(0)]
-        full_k = zigzag_unshard([ks for ks, _ in shards], dim=SEQ_DIM)  # sequence order
-        full_v = zigzag_unshard([vs for _, vs in shards], dim=SEQ_DIM)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full_k.shape[SEQ_DIM], window)
-        if docs is not None:  # blocks whose queries share no document with their keys are skipped
-            meets = torch.stack(
-                [_documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]
-            ).tolist()
-            blocks = [block for block, meet in zip(blocks, meets) if meet]
-        for rows, cols, block_causal in blocks:
-            o_b, lse_b = flash_attention(
-                q[:, :, rows],
-                full_k[:, :, cols],
-                full_v[:, :, cols],
-                causal=block_causal,
-                scale=scale,
-                return_lse=True,
-                window=window,
-                **_gathered_docs(docs, full_docs, rows, cols),
-            )
-            out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, full_k, full_v, out, lse, docs, full_docs)
-        ctx.group, ctx.scale, ctx.blocks, ctx.window = group, scale, blocks, window
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, full_k, full_v, out, lse, docs, full_docs = ctx.saved_tensors
-        group, size = ctx.group, dist.get_world_size(ctx.group)
-        dout = torch.zeros_like(out) if dout is None else dout
-        acc = torch.promote_types(q.dtype, torch.float32)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dfull_k = torch.zeros(full_k.shape, dtype=acc, device=q.device)
-        dfull_v = torch.zeros(full_v.shape, dtype=acc, device=q.device)
-        for rows, cols, block_causal in ctx.blocks:
-            dq_b, dk_b, dv_b = flash_attention_backward(
-                dout[:, :, rows],
-                q[:, :, rows],
-                full_k[:, :, cols],
-                full_v[:, :, cols],
-                out[:, :, rows],
-                lse[:, :, rows],
-                None if dlse is None else dlse[:, :, rows],
-                causal=block_causal,
-                scale=ctx.scale,
-                window=ctx.window,
-                **_gathered_docs(docs, full_docs, rows, cols),
-            )
-            dq[:, :, rows] += dq_b.to(acc)
-            dfull_k[:, :, cols] += dk_b.to(acc)
-            dfull_v[:, :, cols] += dv_b.to(acc)
-        # every rank's zigzag share of dK/dV, summed over the ranks onto its owner (in fp32)
-        shares = torch.cat(
-            [
-                _pack(zigzag_shard(dfull_k, SEQ_DIM, r, size), zigzag_shard(dfull_v, SEQ_DIM, r, size))
-                for r in range(size)
-            ]
-        )
-        mine = shares.new_empty(shares.shape[0] // size)
-        with collective("reduce_scatter (dK/dV)", "cp", group):
-            _reduce_scatter_flat(mine, shares, group=group)
-        local = q.shape[SEQ_DIM]
-        dk, dv = _unpack(
-            mine,
-            torch.Size((*full_k.shape[:2], local, full_k.shape[3])),
-            torch.Size((*full_v.shape[:2], local, full_v.shape[3])),
-        )
-        return dq.to(q.dtype), dk.to(full_k.dtype), dv.to(full_v.dtype), None, None, None, None, None, None
-
-
-def _gathered_docs(docs: Tensor | None, full_docs: Tensor | None, rows: slice, cols: slice) -> dict:
-    if docs is None and full_docs is None:
-        return {}
-    if docs is None or full_docs is None:
-        raise ValueError("a block's document ids need this rank's and the gathered ones (or neither)")
-    return {"q_docs": docs[:, rows], "k_docs": full_docs[:, cols]}
-
-
-@overload
-def allgather_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup,
-    causal: bool = ...,
-    scale: float | None = ...,
-    return_lse: Literal[False] = ...,
-    docs: Tensor | None = ...,
-    window: int | None = ...,
-    sinks: Tensor | None = ...,
-) -> Tensor: ...
-@overload
-def allgather_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup,
-    causal: bool = ...,
-    scale: float | None = ...,
-    *,
-    return_lse: Literal[True],
-    docs: Tensor | None = ...,
-    window: int | None = ...,
-    sinks: Tensor | None = ...,
-) -> tuple[Tensor, Tensor]: ...
-@overload
-def allgather_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup,
-    causal: bool = ...,
-    scale: float | None = ...,
-    return_lse: bool = ...,
-    docs: Tensor | None = ...,
-    window: int | None = ...,
-    sinks: Tensor | None = ...,
-) -> Tensor | tuple[Tensor, Tensor]: ...
-def allgather_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup,
-    causal: bool = True,
-    scale: float | None = None,
-    return_lse: bool = False,
-    docs: Tensor | None = None,
-    window: int | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """ring_attention's result with K/V gathered once per layer (one all-gather forward, one
-    reduce-scatter of dK/dV backward): each query chunk attends the keys before it in one unmasked block
-    and its own chunk causally, so no masked work beyond the diagonal. Packed documents (`docs`, as in
-    ring_attention): the ids are gathered with K/V, and blocks no query sees are skipped. A sliding `window`:
-    each query chunk reads only the keys its window reaches. `sinks` (Hq,) join the merged softmax once."""
-    check_window(window, causal)
-    check_sinks(sinks, q)
-    full_docs = None
-    if docs is not None:
-        gathered = _gather_documents(docs, group)
-        full_docs = zigzag_unshard(list(gathered.unbind(0)), dim=1)  # sequence order
-    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale, window, docs, full_docs)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

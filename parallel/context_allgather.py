@@ -1,0 +1,199 @@
+"""All-gather context parallel attention: K/V (and document ids) gathered once per layer, dK/dV
+reduce-scattered home (Llama 3's choice for few kv heads); the ring's result by another route."""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd import Function
+
+from tessera.kernels import apply_sinks, flash_attention, flash_attention_backward
+from tessera.kernels.checks import check_sinks, check_window
+
+from .comm import collective
+from .tensor import _all_gather_flat, _reduce_scatter_flat
+from .zigzag import SEQ_DIM, documents_meet, gather_documents, merge_partial, pack, unpack, zigzag_shard, zigzag_unshard
+
+
+def _allgather_blocks(
+    rank: int, size: int, causal: bool, local: int, seq: int, window: int | None = None
+) -> list[tuple[slice, slice, bool]]:
+    """(query rows, key positions, causal) blocks of a rank's queries over the gathered sequence: each
+    query chunk sees the keys before it (one unmasked block) and its own chunk (causal, on the diagonal).
+    With a window, one causal block per query chunk over the keys from the first its window reaches to its
+    own last (bottom-right aligned, so the window applies as is; the keys before are never read)."""
+    if not causal:
+        return [(slice(0, local), slice(0, seq), False)]
+    chunk, blocks = local // 2, []
+    for half, index in ((0, rank), (1, 2 * size - 1 - rank)):
+        rows = slice(half * chunk, (half + 1) * chunk)
+        if window is not None:
+            blocks.append((rows, slice(max(0, index * chunk - window + 1), (index + 1) * chunk), True))
+            continue
+        if index > 0:
+            blocks.append((rows, slice(0, index * chunk), False))
+        blocks.append((rows, slice(index * chunk, (index + 1) * chunk), True))
+    return blocks
+
+
+class _AllGatherAttention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, window=None, docs=None, full_docs=None):
+        ctx.set_materialize_grads(False)
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        kv = pack(k, v)
+        gathered = kv.new_empty((size * kv.numel(),))
+        with collective("all_gather (K/V)", "cp", group):
+            _all_gather_flat(gathered, kv, group=group)
+        shards = [unpack(part, k.shape, v.shape) for part in gathered.view(size, -1).unbind(0)]
+        full_k = zigzag_unshard([ks for ks, _ in shards], dim=SEQ_DIM)  # sequence order
+        full_v = zigzag_unshard([vs for _, vs in shards], dim=SEQ_DIM)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full_k.shape[SEQ_DIM], window)
+        if docs is not None:  # blocks whose queries share no document with their keys are skipped
+            meets = torch.stack(
+                [documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]
+            ).tolist()
+            blocks = [block for block, meet in zip(blocks, meets) if meet]
+        for rows, cols, block_causal in blocks:
+            o_b, lse_b = flash_attention(
+                q[:, :, rows],
+                full_k[:, :, cols],
+                full_v[:, :, cols],
+                causal=block_causal,
+                scale=scale,
+                return_lse=True,
+                window=window,
+                **_gathered_docs(docs, full_docs, rows, cols),
+            )
+            out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, full_k, full_v, out, lse, docs, full_docs)
+        ctx.group, ctx.scale, ctx.blocks, ctx.window = group, scale, blocks, window
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, full_k, full_v, out, lse, docs, full_docs = ctx.saved_tensors
+        group, size = ctx.group, dist.get_world_size(ctx.group)
+        dout = torch.zeros_like(out) if dout is None else dout
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dfull_k = torch.zeros(full_k.shape, dtype=acc, device=q.device)
+        dfull_v = torch.zeros(full_v.shape, dtype=acc, device=q.device)
+        for rows, cols, block_causal in ctx.blocks:
+            dq_b, dk_b, dv_b = flash_attention_backward(
+                dout[:, :, rows],
+                q[:, :, rows],
+                full_k[:, :, cols],
+                full_v[:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                None if dlse is None else dlse[:, :, rows],
+                causal=block_causal,
+                scale=ctx.scale,
+                window=ctx.window,
+                **_gathered_docs(docs, full_docs, rows, cols),
+            )
+            dq[:, :, rows] += dq_b.to(acc)
+            dfull_k[:, :, cols] += dk_b.to(acc)
+            dfull_v[:, :, cols] += dv_b.to(acc)
+        # every rank's zigzag share of dK/dV, summed over the ranks onto its owner (in fp32)
+        shares = torch.cat(
+            [
+                pack(zigzag_shard(dfull_k, SEQ_DIM, r, size), zigzag_shard(dfull_v, SEQ_DIM, r, size))
+                for r in range(size)
+            ]
+        )
+        mine = shares.new_empty(shares.shape[0] // size)
+        with collective("reduce_scatter (dK/dV)", "cp", group):
+            _reduce_scatter_flat(mine, shares, group=group)
+        local = q.shape[SEQ_DIM]
+        dk, dv = unpack(
+            mine,
+            torch.Size((*full_k.shape[:2], local, full_k.shape[3])),
+            torch.Size((*full_v.shape[:2], local, full_v.shape[3])),
+        )
+        return dq.to(q.dtype), dk.to(full_k.dtype), dv.to(full_v.dtype), None, None, None, None, None, None
+
+
+def _gathered_docs(docs: Tensor | None, full_docs: Tensor | None, rows: slice, cols: slice) -> dict:
+    if docs is None and full_docs is None:
+        return {}
+    if docs is None or full_docs is None:
+        raise ValueError("a block's document ids need this rank's and the gathered ones (or neither)")
+    return {"q_docs": docs[:, rows], "k_docs": full_docs[:, cols]}
+
+
+@overload
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
+) -> Tensor: ...
+@overload
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    *,
+    return_lse: Literal[True],
+    docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: bool = ...,
+    docs: Tensor | None = ...,
+    window: int | None = ...,
+    sinks: Tensor | None = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    docs: Tensor | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """ring_attention's result with K/V gathered once per layer (one all-gather forward, one
+    reduce-scatter of dK/dV backward): each query chunk attends the keys before it in one unmasked block
+    and its own chunk causally, so no masked work beyond the diagonal. Packed documents (`docs`, as in
+    ring_attention): the ids are gathered with K/V, and blocks no query sees are skipped. A sliding `window`:
+    each query chunk reads only the keys its window reaches. `sinks` (Hq,) join the merged softmax once."""
+    check_window(window, causal)
+    check_sinks(sinks, q)
+    full_docs = None
+    if docs is not None:
+        gathered = gather_documents(docs, group)
+        full_docs = zigzag_unshard(list(gathered.unbind(0)), dim=1)  # sequence order
+    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale, window, docs, full_docs)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
