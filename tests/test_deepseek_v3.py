@@ -303,6 +303,15 @@ def test_an_ep_degree_the_experts_do_not_divide_is_refused():
         check_expert_parallel(DEEPSEEK_V3.shape(DEEPSEEK_V3.config("deepseek-v3-671b")).n_experts, 3, 3)
 
 
+def test_a_tp_degree_the_dense_layers_width_does_not_take_is_refused():
+    from tessera.topology.errors import ConfigError
+    from tessera.topology.shapes import check_tensor_parallel
+
+    check_tensor_parallel(DEEPSEEK_V3.shape(DEEPSEEK_V3.config("deepseek-v3-debug")), 4)
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide the dense layers' MLP width dense_ffn_dim=130"):
+        check_tensor_parallel(DEEPSEEK_V3.shape(DEEPSEEK_V3.config("deepseek-v3-debug", dense_ffn_dim=130)), 4)
+
+
 # ----------------------------------------------------------------------------- config.json
 def test_another_familys_checkpoint_is_refused_in_one_line(tmp_path):
     qwen3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64}
