@@ -257,6 +257,9 @@ def test_another_familys_checkpoint_is_refused_as_gpt_oss(tmp_path):
     qwen3 = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ValueError, match=r"architecture 'Qwen3ForCausalLM' .*gpt_oss family loads GptOssForCausalLM"):
         GPT_OSS.hf.read_config(qwen3, "config.json")
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64}
+    with pytest.raises(ValueError, match=r"architecture 'LlamaForCausalLM' .*gpt_oss family loads GptOssForCausalLM"):
+        GPT_OSS.hf.read_config(llama, "config.json")
     with pytest.raises(ValueError, match=r"preset=gpt-oss-debug does not match the Hugging Face config.json"):
         compare_with_preset(read_hf_config(tmp_path), GPT_OSS.config("gpt-oss-debug"), "gpt-oss-debug")
     with pytest.raises(ValueError, match=r"unexpected parameter 'model.layers.0.*not a gpt-oss weight"):
