@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tessera.kernels import apply_sinks, flash_attention, flash_attention_backward
 from tessera.kernels.attention import attention_backward_reference, attention_reference, key_range
+from tessera.models.layers import CausalAttention
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under TRITON_INTERPRET=1"
@@ -217,16 +218,12 @@ def test_bad_window_and_sinks_are_one_clear_line():
         flash_attention(q, k, v, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match=r"k and v must have the same shape but for the head dim"):
         flash_attention(q, k, torch.randn(1, 2, 7, 16))
-    from tessera.models.layers import CausalAttention
-
     with pytest.raises(ValueError, match=r"^window=0 must"):
         CausalAttention(window=0)
     assert "window=128" in repr(CausalAttention(window=128))
 
 
 def test_causal_attention_slot_passes_window_and_sinks():
-    from tessera.models.layers import CausalAttention
-
     (q, k, v), sinks, _, _ = _case(2, 4, 2, 12, 12, 16, 8, torch.float32, 3, sinks=True)
     positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]).expand(2, 12)
     docs = torch.tensor([0] * 5 + [5] * 7).expand(2, 12)
@@ -282,7 +279,7 @@ def test_triton_window_skips_the_key_blocks_outside_it(monkeypatch):
 
 @interpreted
 def test_triton_custom_ops_with_window_offset_and_a_value_head_dim_of_its_own():
-    from tessera.kernels.triton_attention import flash_attention_bwd, flash_attention_fwd
+    from tessera.kernels.triton_attention import flash_attention_bwd, flash_attention_fwd  # lazy: triton is optional
 
     (q, k, v), _, _, _ = _case(1, 4, 2, 20, 24, 16, 8, torch.float32, 2)
     torch.library.opcheck(flash_attention_fwd, (q, k, v, True, 0.25, None, None, 5, 6))
@@ -337,8 +334,6 @@ def test_gpu_kernels_match_the_definition(name):
 def test_gpu_compiled_slot_with_window_sinks_and_transposed_inputs():
     """torch.compile over the slot as gpt-oss and DeepSeek-V3 call it: [B, S, H, D] projections transposed,
     bf16, window and sinks, v's head dim its own; equal to eager (the fakes' shapes and strides are the kernels')."""
-    from tessera.models.layers import CausalAttention
-
     g = torch.Generator(device="cuda").manual_seed(0)
     make = lambda h, d: torch.randn(2, 512, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)  # noqa: E731
     q, k, v = make(8, 192), make(2, 192), make(2, 128)
