@@ -360,7 +360,6 @@ def read_hf_config(c: dict, path: str) -> DeepseekV3Config:
             "intermediate_size",
             "moe_intermediate_size",
             "n_routed_experts",
-            "kv_lora_rank",
         ),
     )
     yarn = None
@@ -376,13 +375,14 @@ def read_hf_config(c: dict, path: str) -> DeepseekV3Config:
         n_experts=c["n_routed_experts"],
         top_k=int(c.get("num_experts_per_tok", 8)),
         n_shared_experts=int(c.get("n_shared_experts", 1)),
-        n_group=int(c.get("n_group") or 1),
-        topk_group=int(c.get("topk_group") or 1),
+        # absent fields take transformers' DeepseekV3Config defaults (DeepSeek-V3's own); null groups: none
+        n_group=int(c.get("n_group", 8) or 1),
+        topk_group=int(c.get("topk_group", 4) or 1),
         routed_scaling_factor=float(c.get("routed_scaling_factor", 2.5)),
         norm_topk_prob=bool(c.get("norm_topk_prob", True)),
         first_k_dense_replace=int(c.get("first_k_dense_replace", 3)),
-        q_lora_rank=c.get("q_lora_rank"),
-        kv_lora_rank=c["kv_lora_rank"],
+        q_lora_rank=c.get("q_lora_rank", 1536),
+        kv_lora_rank=int(c.get("kv_lora_rank", 512)),
         qk_nope_head_dim=int(c.get("qk_nope_head_dim", 128)),
         qk_rope_head_dim=int(c.get("qk_rope_head_dim", 64)),
         v_head_dim=int(c.get("v_head_dim", 128)),

@@ -392,6 +392,36 @@ def test_the_published_config_is_the_671b_preset():
     assert DEEPSEEK_V3.hf.from_hf("model.layers.61.eh_proj.weight") is None
 
 
+def test_fields_config_json_leaves_out_take_transformers_defaults():
+    from transformers import DeepseekV3Config as HFConfig
+
+    c = {k: _published()[k] for k in ("architectures", "model_type", "vocab_size", "num_hidden_layers")}
+    c |= dict(
+        hidden_size=64, num_attention_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=32
+    )
+    ours, theirs = DEEPSEEK_V3.hf.read_config(c, "config.json"), HFConfig(**c)
+    for field, hf in [
+        ("n_group", "n_group"),
+        ("topk_group", "topk_group"),
+        ("top_k", "num_experts_per_tok"),
+        ("q_lora_rank", "q_lora_rank"),
+        ("kv_lora_rank", "kv_lora_rank"),
+        ("first_k_dense_replace", "first_k_dense_replace"),
+        ("n_shared_experts", "n_shared_experts"),
+        ("routed_scaling_factor", "routed_scaling_factor"),
+        ("norm_topk_prob", "norm_topk_prob"),
+        ("qk_nope_head_dim", "qk_nope_head_dim"),
+        ("qk_rope_head_dim", "qk_rope_head_dim"),
+        ("v_head_dim", "v_head_dim"),
+        ("rope_interleave", "rope_interleave"),
+        ("norm_eps", "rms_norm_eps"),
+        ("max_seq_len", "max_position_embeddings"),
+        ("rope_theta", "rope_theta"),
+    ]:
+        want = theirs.rope_parameters["rope_theta"] if hf == "rope_theta" else getattr(theirs, hf)
+        assert getattr(ours, field) == want, field
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [
