@@ -244,6 +244,23 @@ def test_generating_with_the_kv_cache_equals_recomputing_the_prefix():
         _close(a, b)
 
 
+def test_greedy_decoding_equals_transformers_generate(tmp_path):
+    """tessera's cache of expanded keys and values against transformers' cache of the compressed latents."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from tessera.models.generation import generate
+
+    cfg = DeepseekV3Config(**{**TINY, **VARIANTS["latent-q-yarn"]})
+    ours = _ours(cfg, seed=5).eval()
+    save_hf(ours.state_dict(), cfg, tmp_path)
+    theirs = DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompt = TOKENS[:1, :6]
+    with torch.no_grad():
+        want = theirs.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        got = generate(ours, prompt, 10, use_cache=True)
+    assert got.tokens[0] == want[0, 6:].tolist()
+
+
 # ----------------------------------------------------------------------------- group-limited routing
 def _naive_route(scores, bias, top_k, n_group, topk_group, norm, scale):
     """transformers' DeepseekV3TopkRouter token by token in float64, from the sigmoid scores."""
