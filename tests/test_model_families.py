@@ -296,3 +296,18 @@ if __name__ == "__main__":
     DATA.parent.mkdir(exist_ok=True)
     DATA.write_text(dump(capture()) + "\n")
     print(f"wrote {DATA}")
+
+
+def test_the_model_flags_help_names_every_registered_preset():
+    """--model's help is written by hand (sections.py loads no model code): it must not fall behind the registry."""
+    import tessera.models  # noqa: F401 (registers every family)
+    from tessera.models.spec import families
+    import dataclasses
+
+    from tessera.training.sections import ModelSection
+
+    text = next(f.metadata["doc"] for f in dataclasses.fields(ModelSection) if f.name == "preset")
+    for name, spec in families().items():
+        assert f"{name} (" in text, name
+        for preset in spec.presets:
+            assert preset in text, (name, preset)

@@ -30,10 +30,11 @@ def degree_opt(name: str) -> Any:
 class ModelSection:
     preset: str = opt(
         "debug",
-        "model preset of a registered family: llama (debug, small, 1b, 8b, 70b, "
-        "405b), qwen3 (qwen3-debug, qwen3-0.6b, qwen3-1.7b, qwen3-8b), qwen3_moe (qwen3-moe-debug, qwen3-30b-a3b, "
-        "qwen3-235b-a22b); or hf:DIR (a Hugging Face "
-        "config.json, the family from its model_type)",
+        "model preset of a registered family: llama (debug, small, 1b, 8b, 70b, 405b), qwen3 (qwen3-debug, "
+        "qwen3-0.6b, qwen3-1.7b, qwen3-8b), qwen3_moe (qwen3-moe-debug, qwen3-moe-shared-debug, qwen3-30b-a3b, "
+        "qwen3-235b-a22b), deepseek_v3 (deepseek-v3-debug, deepseek-v3-lite, deepseek-v3-671b), gpt_oss "
+        "(gpt-oss-debug, gpt-oss-20b, gpt-oss-120b); or hf:DIR (a Hugging Face config.json, the family from its "
+        "model_type)",
         flag="--model",
         metavar="PRESET",
     )
