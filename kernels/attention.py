@@ -412,3 +412,34 @@ def apply_sinks(o: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     safe = torch.where(nothing, torch.zeros_like(new), new)
     keep = torch.where(nothing, torch.zeros_like(new), torch.exp(lse - safe))
     return (o.to(torch.promote_types(o.dtype, acc)) * keep.unsqueeze(-1)).to(o.dtype), new
+
+
+class _SdpaWithSinks(torch.autograd.Function):
+    """ATen's fused CPU attention with sinks, for calls that do not ask for the LSE (the model's): the
+    generic route needs a differentiable LSE, which only the slower blockwise reference gives. A sink adds
+    no value, so the gradient of q, k, v is the plain backward at the sunk softmax (o', lse'), and that of
+    s_h is -sum_i e^(s_h - lse'_i) rowsum(dO'_i * O'_i)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, causal, scale):
+        o, lse = sdpa_attention(q, k, v, causal, scale)
+        o, lse = apply_sinks(o, lse, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = sdpa_attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1)
+        dsinks = -(torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse) * delta).sum((0, 2))
+        return dq, dk, dv, dsinks.to(sinks.dtype), None, None
+
+
+def sdpa_attention_with_sinks(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, causal: bool = True, scale: float | None = None
+) -> Tensor:
+    """Out of attention with sinks by ATen's fused CPU op (the conditions of sdpa_supports); differentiable
+    in q, k, v and sinks."""
+    return _SdpaWithSinks.apply(q, k, v, sinks, causal, scale)

@@ -39,6 +39,7 @@ from .attention import (
     document_attention_backward,
     sdpa_attention,
     sdpa_attention_backward,
+    sdpa_attention_with_sinks,
     sdpa_supports,
 )
 from .checks import check_attention_inputs, check_documents, check_rms_norm_inputs, check_sinks, check_window
@@ -157,6 +158,14 @@ def flash_attention(
     check_attention_inputs(q, k, v)
     check_window(window, causal)
     check_sinks(sinks, q)
+    if (
+        sinks is not None
+        and not return_lse
+        and q_docs is None
+        and _effective_backend(backend) is None
+        and sdpa_supports(q, k, v, causal, window, q_offset)
+    ):
+        return sdpa_attention_with_sinks(q, k, v, sinks, causal, scale)  # the model's call on CPU, fused
     if sinks is not None:
         o, lse = flash_attention(
             q,

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.kernels import apply_sinks, flash_attention, flash_attention_backward
+from tessera.kernels import apply_sinks, dispatch, flash_attention, flash_attention_backward
 from tessera.kernels.attention import attention_backward_reference, attention_reference, key_range
 from tessera.models.layers import CausalAttention
 
@@ -132,6 +132,20 @@ def test_cpu_paths_match_the_definition(c, backend, dtype, use_lse):
     want = _want(qkv, sinks, do, dlse, causal, window, docs)
     assert o.shape == (*qkv[0].shape[:3], qkv[2].shape[-1])
     _close(got, want, 1e-10 if dtype == torch.float64 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(4, 2, 24, 24, True), (2, 2, 9, 9, True), (4, 1, 7, 19, False)])
+def test_sinks_on_the_fused_cpu_path_match_the_definition(monkeypatch, shape, dtype):
+    """The model's call with sinks (no lse asked, no window, one head dim) runs ATen's fused op with its
+    own backward, not the reference: out and the q, k, v and sinks gradients against the definition."""
+    hq, hkv, sq, sk, causal = shape
+    monkeypatch.setattr(dispatch, "attention_reference", None)  # would fail if called
+    qkv, sinks, do, _ = _case(2, hq, hkv, sq, sk, 16, 16, dtype, 11, sinks=True)
+    o = flash_attention(*qkv, causal=causal, sinks=sinks)
+    got = [o.detach(), *torch.autograd.grad((o * do).sum(), [*qkv, sinks])]
+    want = _want(qkv, sinks, do, torch.zeros(do.shape[:3]), causal, None, None)
+    _close(got, [want[0], *want[2:]], 1e-10 if dtype == torch.float64 else 1e-5, ("out", "dq", "dk", "dv", "dsinks"))
 
 
 @settings(max_examples=40, deadline=None)
