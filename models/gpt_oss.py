@@ -223,6 +223,10 @@ def model_shape(cfg: GptOssConfig) -> ModelShape:
         n_experts=cfg.n_experts,
         top_k=cfg.top_k,
         moe_aux_loss=cfg.aux_loss_coef > 0,
+        # the planner's attention FLOPs and saved activations: which blocks slide, and the experts' clamp
+        sliding_window=cfg.sliding_window,
+        sliding_layers=tuple(i for i, t in enumerate(cfg.attention_types) if t == "sliding_attention"),
+        swiglu_clamp=True,
     )
 
 

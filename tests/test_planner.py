@@ -683,3 +683,46 @@ def test_plan_counts_muons_state_when_asked_and_trains_with_it():
         "--optimizer muon"
     )
     assert "Muon's momentum on the matrices" in text.stdout
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n_layers=st.integers(1, 8),
+    heads=st.sampled_from([1, 2, 4, 8]),
+    head_dim=st.sampled_from([8, 16, 64]),
+    seq=st.integers(1, 8192),
+    window=st.integers(1, 16384),
+    narrower=st.integers(1, 16384),
+    data=st.data(),
+)
+def test_a_sliding_window_never_raises_the_attention_flops(n_layers, heads, head_dim, seq, window, narrower, data):
+    """A sliding block attends to at most `window` keys: its FLOPs never exceed full causal attention's, never
+    rise as the window narrows, and equal full attention's once the window covers the sequence."""
+    full = ModelShape(
+        dim=64, n_layers=n_layers, n_heads=heads, n_kv_heads=heads, head_dim=head_dim, vocab_size=100, ffn_dim=128
+    )
+    layers = tuple(sorted(data.draw(st.sets(st.integers(0, n_layers - 1), min_size=1))))
+
+    def sliding(w: int) -> ModelShape:
+        return ModelShape(**{**full.__dict__, "sliding_window": w, "sliding_layers": layers})
+
+    assert model_flops_per_token(sliding(window), seq) <= model_flops_per_token(full, seq)
+    assert model_flops_per_token(sliding(min(window, narrower)), seq) <= model_flops_per_token(sliding(window), seq)
+    covering = sliding(seq + data.draw(st.integers(0, 1000)))
+    assert model_flops_per_token(covering, seq) == pytest.approx(model_flops_per_token(full, seq), rel=1e-12)
+
+
+def test_latent_and_sliding_attention_flops():
+    """DeepSeek-V3's scores run at the qk head dim (128 + 64 = 192), its weighted sum at v_head_dim 128;
+    gpt-oss's sliding blocks attend to at most 128 keys."""
+    from tessera.topology.step_time import attention_flops_per_token
+
+    v3 = model_shape("deepseek-v3-671b")
+    assert (v3.head_dim, v3.v_head_dim) == (192, 128)
+    # per block forward: 2 x heads x seq / 2 keys x (192 + 128), three times that with backward
+    assert attention_flops_per_token(v3, 4096) == 6 * 61 * 128 * (192 + 128) // 2 * 4096
+    oss = model_shape("gpt-oss-20b")
+    assert oss.sliding_window == 128 and len(oss.sliding_layers) == 12
+    full = 6 * 12 * 64 * 64 * 4096  # the 12 full blocks: 6 x heads x head_dim x seq
+    window = 6 * 12 * 64 * 128 * (128 - 128 * 128 / (2 * 4096))  # 12 sliding: 2 x head_dim x the keys seen
+    assert attention_flops_per_token(oss, 4096) == pytest.approx(full + window, rel=1e-12)

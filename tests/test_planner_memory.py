@@ -27,6 +27,16 @@ LAYOUTS = {
     # mixture of experts: E / ep experts per rank, their FSDP2 unit over edp (the activations an estimate)
     "moe dp2 x ep2": dict(model="qwen3-moe-debug", dp=2, ep=2),
     "moe dp4 x ep2": dict(model="qwen3-moe-debug", dp=4, ep=2),
+    # latent attention (its latents and the value head dim), dense first layers then group-limited MoE
+    "deepseek-v3 one": dict(model="deepseek-v3-debug"),
+    "deepseek-v3 dp2 x ep2": dict(model="deepseek-v3-debug", dp=2, ep=2),
+    "deepseek-v3 tp2 + sp": dict(model="deepseek-v3-debug", tp=2, sequence_parallel=True),
+    "deepseek-v3 pp2": dict(model="deepseek-v3-debug", pp=2, microbatches=2),
+    # sinks, sliding windows, biased experts
+    "gpt-oss one": dict(model="gpt-oss-debug"),
+    "gpt-oss dp2 x ep2": dict(model="gpt-oss-debug", dp=2, ep=2),
+    "gpt-oss tp2 + sp": dict(model="gpt-oss-debug", tp=2, sequence_parallel=True),
+    "gpt-oss cp2": dict(model="gpt-oss-debug", cp=2),
 }
 
 

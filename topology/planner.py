@@ -77,7 +77,8 @@ from .shapes import (
 from .memory import AC_MODES as MEMORY_AC_MODES
 from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
 from .muon_memory import MUON_RECIPES, muon_extra_bytes
-from .step_time import Calibration, step_parts
+from .step_time import Calibration, attention_flops_per_token, step_parts
+from .activations import block_activation_bytes, uses_block_model
 from .errors import PlanError  # no layout fits, or a request it cannot plan
 from .fp8_model import (
     FP8_RECIPES,
@@ -312,7 +313,16 @@ def rank_params(
 
 # ----------------------------------------------------------------------------- activations
 def layer_activation_bytes(
-    shape, rows: int, seq: int, tp: int, sequence_parallel: bool, ac: str, e: int, cp: int = 1
+    shape,
+    rows: int,
+    seq: int,
+    tp: int,
+    sequence_parallel: bool,
+    ac: str,
+    e: int,
+    cp: int = 1,
+    layer: int = 0,
+    cpu: bool | None = None,
 ) -> float:
     """Bytes one block keeps for backward for `rows` sequences of `seq` local tokens on one tp rank, as
     tessera's block saves them (counted with saved-tensor hooks; tests/test_planner_memory.py measures it).
@@ -331,8 +341,14 @@ def layer_activation_bytes(
     An MoE block (an estimate, not counted with hooks): each token's top_k assignments keep an MLP's
     tensors each (ffn / tp wide) plus their dispatched input and combined output (dim wide), the router's
     fp32 scores (n_experts per token), and a shared expert a dense MLP's.
+    Blocks of another kind (latent attention, sinks, sliding windows, dense layers beside MoE ones, biased or
+    clamped experts) are counted per block `layer` without checkpointing by topology/activations.py, whose
+    attention takes the CPU's paths when `cpu` (None: for fp32 compute, as tessera's CPU runs are).
     """
     cfg = as_shape(shape)
+    if ac == "none" and uses_block_model(cfg):
+        on_cpu = e >= 4 if cpu is None else cpu
+        return block_activation_bytes(cfg, layer, rows, seq, tp, sequence_parallel, e, on_cpu, cp)
     h, f = cfg.dim, cfg.ffn_dim // tp
     hq = cfg.n_heads * cfg.head_dim // tp
     kv = _kv_out(cfg, tp)
@@ -404,9 +420,11 @@ def pipeline_profile(kind: str, pp: int, microbatches: int, virtual: int) -> tup
 def model_flops_per_token(shape, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (parameters in matmuls: all but the lookup tables, the output head
     included even when tied: `ModelShape.matmul_params`) + 6 x layers x (heads x head_dim) x seq_len for
-    causal attention (QK^T and PV, forward 2 x 2 x heads x head_dim x seq / 2, backward twice that)."""
+    causal attention (QK^T and PV, forward 2 x 2 x heads x head_dim x seq / 2, backward twice that; latent
+    attention's PV at its v head dim, a sliding block's at most `sliding_window` keys: step_time's
+    `attention_flops_per_token`)."""
     cfg = as_shape(shape)
-    return 6.0 * cfg.matmul_params() + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    return 6.0 * cfg.matmul_params() + attention_flops_per_token(cfg, seq_len)
 
 
 def axis_bandwidth(layout: Layout, axis: str | tuple[str, ...], hw: Hardware, ranks: int | None = None) -> float:
@@ -623,17 +641,32 @@ def _rank_memory(
     # forwards than that (the steady state of 1F1B)
     accumulating = cand.microbatches * cand.virtual > in_flight if pipelined else cand.microbatches > 1
     m["unsharded_grads"] = (tp_local * e if fsdp > 1 else m["gradients"]) if accumulating else 0.0
-    chunk_layers = max(layers[s] for s in stages)
-    act = functools.partial(layer_activation_bytes, cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e=e, cp=lay.cp)
+    cpu = e >= 4 or (hw.calibration is not None and hw.calibration.device_type == "cpu")
+    act = functools.partial(
+        layer_activation_bytes, cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e=e, cp=lay.cp, cpu=cpu
+    )
+    starts = [sum(layers[:s]) for s in range(n_stages)]
+    # each stage's blocks by index (a family's blocks may differ: dense or MoE, sliding or full attention)
+    chunks = [range(starts[s], starts[s] + layers[s]) for s in stages]
     # a recomputed block's activations come back one block at a time, during its backward: full adds a
     # whole block's, op the part its policy did not keep; selective recomputes the even blocks after the
     # odd ones above them have freed theirs, so it adds nothing to the peak at the start of backward
-    if cand.ac == "selective":
-        ckpt = (chunk_layers + 1) // 2  # blocks 0, 2, 4, ...
-        acts = in_flight * ((chunk_layers - ckpt) * act(ac="none") + ckpt * act(ac="full"))
+    if cand.ac == "selective":  # blocks 0, 2, 4, ... of each stage checkpointed
+        acts = in_flight * max(
+            sum(act(ac="full" if (i - c.start) % 2 == 0 else "none", layer=i) for i in c) for c in chunks
+        )
     else:
-        recompute = {"none": 0.0, "full": act(ac="none"), "op": act(ac="none") - act(ac="op")}[cand.ac]
-        acts = in_flight * chunk_layers * act(ac=cand.ac) + recompute
+        blocks = [i for c in chunks for i in c]
+        recompute = max(
+            (
+                {"none": 0.0, "full": act(ac="none", layer=i), "op": act(ac="none", layer=i) - act(ac="op", layer=i)}[
+                    cand.ac
+                ]
+                for i in blocks
+            ),
+            default=0.0,
+        )
+        acts = in_flight * max(sum(act(ac=cand.ac, layer=i) for i in c) for c in chunks) + recompute
     m["activations"] = acts
     last = n_stages - 1 in stages
     kept, transient = (

@@ -33,7 +33,9 @@ F = ffn dim, V = vocab, P = parameters, e = bytes of the compute dtype), for a m
     matmul FLOPs     6 x (parameters in matmuls: all but the lookup tables) x T; the output head (the
                      loss's matmul) included, tied or not
     attention FLOPs  6 x L x Q x seq x T (causal: QK^T and PV at half the dense count; backward twice the
-                     forward). Activation checkpointing adds its recomputed share to both
+                     forward; latent attention's PV at its v head dim, a sliding block's keys at most its
+                     window: `attention_flops_per_token`). Activation checkpointing adds its recomputed share
+                     to both
     memory traffic   the elementwise operators of tessera's eager step, counted in elements read + written
                      per token: a block's forward 20 D + 11 Q + 9 K + 5 F (two RMSNorms 7 D each, RoPE 9 Q
                      + 9 K, the attention output's copy 2 Q, two residual adds, SiLU and the gate product),
@@ -173,10 +175,25 @@ def matmul_flops_per_token(shape) -> float:
     return 6.0 * as_shape(shape).matmul_params()
 
 
+def attended_keys(seq_len: int, window: int | None = None) -> float:
+    """Keys a query attends to on average under a causal mask: seq / 2, or within a sliding `window`
+    (w = min(window, seq): the first w queries see 1..w keys, the rest w each) w - w^2 / (2 seq), the same
+    seq / 2 once the window covers the sequence, and never more as the window narrows."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
 def attention_flops_per_token(shape, seq_len: int) -> float:
-    """Causal attention's training FLOPs per token: 6 x layers x heads x head_dim x seq_len."""
+    """Causal attention's training FLOPs per token: per block 2 x heads x keys x (qk head dim for the scores
+    + v head dim for the weighted sum) forward, three times that with backward, at the keys a query attends
+    to (`attended_keys`: seq / 2, fewer in a sliding block). With one head dim: 6 x layers x heads x head_dim
+    x seq_len; latent attention's scores run at head_dim (nope + rope), its weighted sum at v_head_dim."""
     cfg = as_shape(shape)
-    return 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    dims = cfg.head_dim + (cfg.v_head_dim or cfg.head_dim)
+    sliding = len(cfg.sliding_layers)
+    keys = (cfg.n_layers - sliding) * attended_keys(seq_len) + sliding * attended_keys(seq_len, cfg.sliding_window)
+    return 6.0 * cfg.n_heads * dims * keys
 
 
 def step_parts(
