@@ -15,8 +15,10 @@
 
 Every path takes a value head dim other than q/k's (v (B, Hkv, Sk, Dv); ATen's fused CPU op does not, so
 such calls take the reference), a sliding `window` (key blocks outside it skipped where the code is
-blockwise) and `q_offset` (where the queries sit among the keys); flash_attention also takes `sinks`,
-applied once to the whole softmax's (out, lse) by `apply_sinks`.
+blockwise; ATen's op takes no window, so CPU calls with one take the reference, by query blocks) and
+`q_offset` (where the queries sit among the keys); flash_attention also takes `sinks`, applied once to the
+whole softmax's (out, lse) by `apply_sinks` (on CPU, a call without the LSE where ATen's op applies runs it
+with the sinks folded into its backward: `sdpa_attention_with_sinks`).
 
 backend="torch" forces the torch implementations, backend="triton" the kernels (on CPU only under
 TRITON_INTERPRET=1). The triton modules are imported only when used: CPU training never imports triton.
