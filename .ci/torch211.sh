@@ -18,3 +18,6 @@ assert torch.__version__.split("+")[0] == "2.11.0" and triton.__version__ == "3.
 PY
 python -m pytest -q -p no:cacheprovider -m "not slow"
 python -m pytest -q -p no:cacheprovider tests/test_contract.py tests/test_contract_bf16.py tests/test_muon_contract.py tests/test_fp8_contract.py
+# the new families and the attention variants under cp, fp32 rows (their bf16 rows run on 2.13 above; on 2.11 gpt-oss's
+# tp2 + SP rows exceed the derived bound on one sinks gradient: open, in the stop note)
+python -m pytest -q -p no:cacheprovider tests/test_contract_families.py tests/test_context_variants.py -k "not in_bf16"
