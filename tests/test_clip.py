@@ -169,8 +169,8 @@ def _optimizer_options(config):
 def test_adamw_runs_its_multi_tensor_kernels_one_group_per_mesh(layout):
     config = small_config(**layout)
     for options in run_ranks(_optimizer_options, config.layout.world_size, config, timeout=120):
-        # CPU: foreach (CUDA: fused); each part's parameters share one mesh here, so one group per part
-        assert all(groups == [(True, False)] for groups in options), options
+        # fused on CPU as on CUDA; each part's parameters share one mesh here, so one group per part
+        assert all(groups == [(False, True)] for groups in options), options
         assert len(options) == config.parallel.virtual
 
 
@@ -182,9 +182,9 @@ def test_a_plain_tensor_beside_dtensors_gets_its_own_group():
     o = build_adamw(plain, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     state = o.state_dict()
     for g in state["param_groups"]:  # a checkpoint from before the kernels: the loop
-        g["foreach"] = None
+        g["foreach"], g["fused"] = None, None
     o.load_state_dict(state)
-    assert o.param_groups[0]["foreach"] is True  # the run's choice is kept
+    assert o.param_groups[0]["fused"] is True and not o.param_groups[0]["foreach"]  # the run's choice is kept
 
 
 def _host_reads_per_step(config):
@@ -198,7 +198,7 @@ def _host_reads_per_step(config):
 
     def counted(name):
         def read(self, *args, **kwargs):
-            # not AdamW's step counters: foreach keeps them on the host (fused on CUDA: on the device, unread)
+            # not AdamW's step counters (torch.optim's own reads of its own state)
             if "torch/optim/" not in sys._getframe(1).f_code.co_filename.replace("\\", "/"):
                 reads.append(name)
             return originals[name](self, *args, **kwargs)

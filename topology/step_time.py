@@ -78,13 +78,15 @@ from dataclasses import dataclass
 from .shapes import as_shape
 
 SCHEMA = 1
-OPTIMIZER_BYTES_PER_PARAM = {"cpu": 96, "cuda": 40}  # clip 12 + AdamW: foreach 84 (counted), fused 28
+# clip 12 + fused AdamW (runtime/training/optim.py): 32 counted at the dispatcher on CPU, the CUDA kernel's 28
+OPTIMIZER_BYTES_PER_PARAM = {"cpu": 44, "cuda": 40}
 MIXED_PRECISION_BYTES_PER_PARAM = 32  # FSDP2 with a 2-byte compute dtype: parameter cast + copy 10, gradient 22
 # over the fp32 logits of the chunked loss (the default, parallel/loss.py), reads + writes: the matmul's
 # output cast (1), amax (1), subtract and exp in place (4), the row sum (1), the divide (2), the one-hot
 # scatter (~0), the mask multiply (2), the cast for the gradient matmuls (1)
 LOSS_PASSES = 12
-OPS_FIXED, OPS_PER_BLOCK, OPS_PER_TENSOR, OPS_OPTIMIZER = 57, 232, 7, 28  # counted at the dispatcher
+# counted at the dispatcher; the fused AdamW's share: 1 op a tensor and 24 a step with the clip (foreach's: 3 and 32)
+OPS_FIXED, OPS_PER_BLOCK, OPS_PER_TENSOR, OPS_OPTIMIZER = 57, 232, 5, 20
 OPS_TRAINER = 400  # the trainer's per-step Python, as operators' worth of host time (fitted: module doc)
 
 

@@ -7,7 +7,7 @@ careful user would write it without tessera.
     FSDP2 fully_shard per block and at the root on a one-rank mesh, MixedPrecisionPolicy(param_dtype = the
         compute dtype, reduce_dtype = fp32): fp32 master weights, matmuls in bf16 (GPU default) or fp32
     F.cross_entropy on the logits in fp32 (the mean over the batch's targets), torch's clip_grad_norm_,
-    AdamW (fused on CUDA, foreach on CPU) with tessera's defaults and its schedule (linear warm-up, cosine decay)
+    AdamW (fused on CUDA and CPU, as tessera's) with tessera's defaults and its schedule (linear warm-up, cosine decay)
 
 It imports torch only: never tessera's parallel layers, kernels or trainer. Its command line takes the
 initial weights and the token stream from tessera.models, so "same weights, same data" holds:
@@ -232,7 +232,7 @@ def _train(cfg, batches, steps, device, state, options) -> list[dict[str, Any]]:
         betas=options.betas,
         eps=options.eps,
         weight_decay=options.weight_decay,
-        **({"fused": True} if device.type == "cuda" else {"foreach": True}),
+        **({"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}),
     )
     total = options.total_steps or steps
 

@@ -28,7 +28,7 @@ step's counts as a layers x experts heatmap, each layer's imbalance beside it. A
 
 --baseline adds a plain-torch row (tessera.commands.baseline: the same weights, data, sequence and batch on one
 device, FSDP2 on a one-rank mesh with the same mixed precision, SDPA, torch.compile per block on CUDA,
-fused AdamW on CUDA / foreach on CPU) and each layout's step time over the baseline's.
+fused AdamW) and each layout's step time over the baseline's.
 """
 
 from __future__ import annotations
