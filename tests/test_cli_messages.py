@@ -524,3 +524,27 @@ def test_fp8_refusals_come_in_one_line_before_any_rank(capsys, monkeypatch):
         "--fp8 rowwise on a GPU of compute capability 8.0 (NVIDIA A100-SXM4-80GB): FP8 matmuls need 8.9 or newer "
         "(Ada, Hopper, Blackwell); drop --fp8"
     )
+
+
+@pytest.mark.parametrize("rank, local_rank, waits", [("0", "0", False), ("1", "1", True), ("2", "0", True)])
+def test_under_torchrun_only_rank_0_prints_a_refusal_and_the_others_wait_to_be_stopped(
+    monkeypatch, capsys, rank, local_rank, waits
+):
+    """A refusal every torchrun worker makes alike: rank 0 prints the one line and returns at once; the others
+    print nothing and wait for torchrun to stop them, so none can leave first and have rank 0 killed before its
+    line (tests/test_cli_train.py runs it under torchrun)."""
+    from tessera.training import report
+
+    slept = []
+    monkeypatch.setattr(report.time, "sleep", slept.append)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["train", "--tp", "3"]) == 2
+    printed = capsys.readouterr().err.strip().splitlines()
+    if rank == "0":
+        assert len(printed) == 1 and printed[0].startswith("tessera train: error: WORLD_SIZE=4"), printed
+    else:
+        assert printed == []
+    assert slept == ([report.REFUSAL_WAIT_S] if waits else [])

@@ -86,6 +86,7 @@ def _train(args: argparse.Namespace) -> int:
     # lazy: these import torch, which stays out of `tessera --help` and the torch-free commands
     from tessera.parallel.checkpoint import CheckpointError
     from tessera.parallel.launch import Interrupted, RankFailure
+    from tessera.training.report import refusal_exit
     from tessera.training.run import done_line, error_exit, failed_message, stopped_message, train
 
     try:
@@ -101,11 +102,11 @@ def _train(args: argparse.Namespace) -> int:
                     "tessera.testing.judge_drift"
                 )
     except ValueError as e:  # CheckpointError included
-        return error_exit("train", said(e, args))
+        return refusal_exit("train", said(e, args))
     try:
         history = train(config)
     except CheckpointError as e:  # raised before any rank starts (e.g. the checkpoint directory is in use)
-        return error_exit("train", said(e, args))
+        return refusal_exit("train", said(e, args))
     except (Interrupted, KeyboardInterrupt) as e:  # SIGTERM / Ctrl-C: every rank has been stopped
         why = str(e) or "stopped by SIGINT"
         error_exit("train", stopped_message(why, config))

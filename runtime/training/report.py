@@ -21,6 +21,7 @@ from tessera.topology import Layout
 from torch.distributed.tensor import DTensor
 
 from .config import Config
+from .rank_server import under_torchrun
 from .straggler import Straggler
 
 
@@ -227,7 +228,23 @@ def failure_cause(error: Exception) -> str:
 
 
 def error_exit(command: str, message: str) -> int:
-    """One line on stderr; under torchrun only local rank 0 prints it."""
+    """One line on stderr; under torchrun only rank 0 prints it."""
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("RANK", "0")) == 0:
-        print(f"tessera {command}: error: {message}", file=sys.stderr)
+        print(f"tessera {command}: error: {message}", file=sys.stderr, flush=True)
     return 2
+
+
+# how long a torchrun worker other than rank 0 waits, after a refusal every worker made, for torchrun to stop it
+REFUSAL_WAIT_S = 10.0
+
+
+def refusal_exit(command: str, message: str) -> int:
+    """`error_exit` for a refusal before training, which every torchrun worker makes alike (the checks are the
+    same on every rank): the workers other than rank 0 wait up to REFUSAL_WAIT_S before they return. One that
+    left first would have torchrun stop rank 0 (SIGTERM) before it printed, and the job would end without its
+    line (seen under load). Rank 0's exit has torchrun stop them instead, its code 2 the job's root cause."""
+    code = error_exit(command, message)
+    rank_0 = int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("RANK", "0")) == 0
+    if under_torchrun() and not rank_0:
+        time.sleep(REFUSAL_WAIT_S)
+    return code
