@@ -30,6 +30,12 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("MASTER_ADDR" in os.environ and "RANK" in os.environ)
 
 
+def speaks_for_the_job() -> bool:
+    """This process prints the job's lines: the launching process outside torchrun, rank 0 under it (every
+    torchrun worker runs the command, and only one may say what all of them found)."""
+    return int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
 def start_rank_server() -> None:
     """Start the forkserver the local ranks fork from, with its imports, and return at once."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)

@@ -3,7 +3,6 @@ a stopped or failed run (naming where to resume)."""
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import signal
@@ -21,7 +20,7 @@ from tessera.topology import Layout
 from torch.distributed.tensor import DTensor
 
 from .config import Config
-from .rank_server import under_torchrun
+from .rank_server import speaks_for_the_job, under_torchrun
 from .straggler import Straggler
 
 
@@ -229,7 +228,7 @@ def failure_cause(error: Exception) -> str:
 
 def error_exit(command: str, message: str) -> int:
     """One line on stderr; under torchrun only rank 0 prints it."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("RANK", "0")) == 0:
+    if speaks_for_the_job():
         print(f"tessera {command}: error: {message}", file=sys.stderr, flush=True)
     return 2
 
@@ -244,7 +243,6 @@ def refusal_exit(command: str, message: str) -> int:
     left first would have torchrun stop rank 0 (SIGTERM) before it printed, and the job would end without its
     line (seen under load). Rank 0's exit has torchrun stop them instead, its code 2 the job's root cause."""
     code = error_exit(command, message)
-    rank_0 = int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("RANK", "0")) == 0
-    if under_torchrun() and not rank_0:
+    if under_torchrun() and not speaks_for_the_job():
         time.sleep(REFUSAL_WAIT_S)
     return code

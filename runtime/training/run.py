@@ -38,6 +38,7 @@ from tessera.topology.planner import model_flops_per_token
 
 from .config import Config
 from .preflight import resolve_checkpoint
+from .rank_server import speaks_for_the_job
 from .rank_server import under_torchrun  # noqa: F401  (tessera.training.run.under_torchrun, as before)
 from .report import (  # noqa: F401  (re-exported: the commands and tests import them from here)
     compute_dtype_summary,
@@ -74,7 +75,7 @@ def _join_torchrun_job(backend: str, timeout: float, attempt: int) -> None:
 def _announce(messages: list[str]) -> None:
     """Warnings of the launching process (a checkpoint fallback), one line each, once: on rank 0 under
     torchrun, where every worker runs the launch."""
-    if int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if speaks_for_the_job():
         for message in messages:
             print(f"tessera: warning: {message}", file=sys.stderr, flush=True)
 
