@@ -47,6 +47,8 @@ EXIT_GRACE_S = 10.0  # after every rank returned, how long they may take to exit
 # starts it with the same list before its own imports: tessera.training.rank_server.PRELOAD)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 PRELOAD += ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"]
+# and the trainer every rank imports (DCP, the metrics): each of N ranks importing it alone cost N x ~1 CPU second
+PRELOAD += ["tessera.trainer"]
 _CTX: Any = None
 
 

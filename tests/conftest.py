@@ -145,6 +145,26 @@ LONGEST_FIRST = [
 ]
 
 
+# what the ranks of the tests import beside tessera's own list (tessera.parallel.launch.PRELOAD): the tests'
+# rank functions and torchao's FP8 (a missing module is skipped). Imported once in each worker's forkserver
+# instead of once in each rank: 16 ranks each importing helpers.py and torchao cost ~30 CPU seconds
+TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8"]
+
+
+def pytest_sessionstart(session):
+    """Start this test process's forkserver with the test imports (not in an xdist controller, which runs no
+    test). tessera.parallel.launch finds it running and forks the ranks from it."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from tessera.parallel import launch
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(launch.PRELOAD + TEST_PRELOAD)
+    forkserver.ensure_running()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.originalname in SLOW_TESTS:

@@ -22,6 +22,7 @@ PRELOAD = [
     "tessera.topology",
     "tessera.models",
     "tessera.kernels",
+    "tessera.trainer",
 ]
 
 
