@@ -8,9 +8,12 @@ cd "$(dirname "$0")/.."
 venv=build/venv-torch211 # build/ is git-ignored, so ruff and git pass it by
 python3 -m venv --clear "$venv"
 . "$venv/bin/activate"
-# one resolve with the pins, so that the test extra cannot move torch or triton; --no-compile: byte-compiling all of
-# torch costs ~25 s of CPU, the tests compile only what they import
-pip install -q --no-compile torch==2.11.0 triton==3.6.0 -e ".[test]"
+# one resolve with the pins, so that the test extra cannot move torch or triton. pip byte-compiles what it installs
+# (~25 s of CPU once): where the environment sets PYTHONDONTWRITEBYTECODE (this machine does), a process could not
+# keep what it compiled, and every test process and forkserver compiled torch's modules anew (~5 s of CPU each:
+# `import torch.distributed.tensor` 7.4 s without the bytecode, 2 s with it)
+pip install -q torch==2.11.0 triton==3.6.0 -e ".[test]"
+python -m compileall -q -j 2 runtime parallel topology models kernels benchmarks examples tests
 python - <<'PY'
 import torch, triton
 

@@ -146,9 +146,10 @@ LONGEST_FIRST = [
 
 
 # what the ranks of the tests import beside tessera's own list (tessera.parallel.launch.PRELOAD): the tests'
-# rank functions and torchao's FP8 (a missing module is skipped). Imported once in each worker's forkserver
-# instead of once in each rank: 16 ranks each importing helpers.py and torchao cost ~30 CPU seconds
-TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8"]
+# rank functions, torchao's FP8 (a missing module is skipped) and inductor (the compiled rows). Imported once in
+# each worker's forkserver instead of once in each rank: 16 ranks each importing helpers.py and torchao cost ~30
+# CPU seconds, and a compiled tp2 + SP row used 45.2 CPU seconds with a cold cache, 37.0 with inductor preloaded
+TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8", "torch._inductor.compile_fx"]
 
 
 def pytest_sessionstart(session):
