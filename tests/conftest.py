@@ -146,10 +146,11 @@ LONGEST_FIRST = [
 
 
 # what the ranks of the tests import beside tessera's own list (tessera.parallel.launch.PRELOAD): the tests'
-# rank functions, torchao's FP8 (a missing module is skipped) and inductor (the compiled rows). Imported once in
-# each worker's forkserver instead of once in each rank: 16 ranks each importing helpers.py and torchao cost ~30
-# CPU seconds, and a compiled tp2 + SP row used 45.2 CPU seconds with a cold cache, 37.0 with inductor preloaded
-TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8", "torch._inductor.compile_fx"]
+# rank functions and torchao's FP8 (a missing module is skipped), once in each worker's forkserver instead of
+# once in each rank (test_contract's 21 pipeline rows on 4 ranks: 61.6 -> 55.6 CPU seconds). Not inductor: it
+# would spare each compiled row's ranks their import (a cold tp2 + SP row 45.2 -> 37.0) but made every eager
+# rank slower (the same 21 rows 54.8 -> 66.8)
+TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8"]
 
 
 def pytest_sessionstart(session):
