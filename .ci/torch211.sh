@@ -13,7 +13,6 @@ python3 -m venv --clear "$venv"
 # keep what it compiled, and every test process and forkserver compiled torch's modules anew (~5 s of CPU each:
 # `import torch.distributed.tensor` 7.4 s without the bytecode, 2 s with it)
 pip install -q torch==2.11.0 triton==3.6.0 -e ".[test]"
-python -m compileall -q -j 2 runtime parallel topology models kernels benchmarks examples tests
 python - <<'PY'
 import torch, triton
 
