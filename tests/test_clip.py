@@ -189,10 +189,6 @@ def test_a_plain_tensor_beside_dtensors_gets_its_own_group():
     assert o.param_groups[0]["fused"] is True and not o.param_groups[0]["foreach"]  # the run's choice is kept
 
 
-def _whole(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _adamw_on_local_shards_and_through_dtensor():
     """Two AdamW over equal DTensor parameters (sharded, replicated), two steps each: one as DTensor dispatches
     it, one on the local shards; and a third over a parameter whose gradient is a pending (Partial) sum, which
@@ -201,6 +197,7 @@ def _adamw_on_local_shards_and_through_dtensor():
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
+    from tessera.parallel.tensor import full_tensor
     from tessera.training.optim import build_adamw, on_local_shards
 
     mesh = init_device_mesh("cpu", (2,))
@@ -250,7 +247,7 @@ def _adamw_on_local_shards_and_through_dtensor():
             (
                 type(local[1].state[b][k]).__name__,
                 k == "step" or local[1].state[b][k].placements == b.placements,
-                torch.equal(*(_whole(side.state[p][k]) for side, p in ((through[1], a), (local[1], b)))),
+                torch.equal(*(full_tensor(side.state[p][k]) for side, p in ((through[1], a), (local[1], b)))),
             )
             for a, b in zip(through[0][:2], local[0][:2])
             for k in ("step", "exp_avg", "exp_avg_sq")
