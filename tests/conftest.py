@@ -80,6 +80,7 @@ SLOW_TESTS = {
     "test_the_block_runs_as_written",
     "test_tessera_plan_prints_the_best_expert_parallel_layout_and_its_flags",
     "test_bench_muon_writes_its_json",
+    "test_the_convergence_benchmark_records_the_dtypes_it_measured_and_refuses_a_missing_gpu",
     # the CLI's own runs in a fresh interpreter, 3-10 s each (plan, memory, python -m tessera.cli)
     "test_plan_counts_muons_state_when_asked_and_trains_with_it",
     "test_cli_prints_the_reference_table",

@@ -180,3 +180,37 @@ def test_the_startup_line_says_eager_fp8_on_a_gpu_is_slower_than_bf16():
         line = startup_fp8(config, trainer)
         assert line.startswith("FP8 tensorwise (torchao, ") and "1 linear layers on rank 0" in line
         assert ("add --compile" in line) == slow, line
+
+
+def test_the_convergence_benchmark_records_the_dtypes_it_measured_and_refuses_a_missing_gpu(tmp_path):
+    """benchmarks/bench_fp8.py on a tiny setting: bf16 and both recipes, each curve's length, the gaps to bf16,
+    and the dtype the records measured (emulated FP8 on CPU), not the recipe asked for; `--device cuda`
+    without a GPU is one line naming the fix."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fp8.py"
+    tiny = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "2", "--window", "2"]
+    out = subprocess.run(
+        [sys.executable, str(script), *tiny, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "fp8-convergence-debug-cpu.json").read_text())["results"]
+    assert {k: len(v) for k, v in data["losses"].items()} == {"bf16": 3, "fp8-tensorwise": 3, "fp8-rowwise": 3}
+    assert data["compute_dtypes"] == {
+        "bf16": "bfloat16",
+        "fp8-tensorwise": "float8_emulated",
+        "fp8-rowwise": "float8_emulated",
+    }
+    gap = data["gaps"]["fp8-rowwise"]
+    want = max(abs(a - b) for a, b in zip(data["losses"]["fp8-rowwise"], data["losses"]["bf16"]))
+    assert gap["max_abs_gap"] == pytest.approx(want) and 1 <= gap["max_abs_gap_step"] <= 3
+    assert (tmp_path / "fp8-convergence-debug-cpu.png").stat().st_size > 0
+    if not torch.cuda.is_available():
+        refused = subprocess.run(
+            [sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True, timeout=120
+        )
+        assert refused.returncode == 2 and "--device cuda: no GPU is visible here" in refused.stderr
+        assert "--device cpu" in refused.stderr.strip().splitlines()[-1]
