@@ -146,6 +146,40 @@ LONGEST_FIRST = [
 ]
 
 
+# Modules whose tests keep both cores busy on their own (their ranks: machine CPU seconds over wall seconds at
+# least 1.4, measured test by test with `-n 0` on the 2-core machine, 2026-11-27; CPU seconds in 2 cores). They
+# run one after the other on one worker (xdist group "ranks"), while the other worker takes the rest, mostly
+# one-process tests and runs that wait (kills, timeouts, restarts). Two rank-spawning files side by side gained
+# little: two copies of test_contract_bf16 took 94 s together against 50 s alone, and 14% more CPU
+RANK_HEAVY = {
+    "test_contract_families",  # 130 CPU-s in 72 s
+    "test_contract",  # 109 CPU-s in 63 s
+    "test_contract_qwen3",  # 94 CPU-s in 53 s
+    "test_four_d",  # 82 CPU-s in 42 s
+    "test_fp8_contract",  # 79 CPU-s in 46 s
+    "test_contract_bf16",  # 56 CPU-s in 32 s
+    "test_muon_contract",  # 46 CPU-s in 27 s
+    "test_contract_moe",  # 45 CPU-s in 26 s
+    "test_readme",  # 37 CPU-s in 24 s
+    "test_planner_memory",  # 35 CPU-s in 21 s
+    "test_cli_train",  # 32 CPU-s in 20 s
+    "test_plan_api",  # 26 CPU-s in 17 s
+    "test_comm_stats",  # 26 CPU-s in 13 s
+    "test_fuzz_config",  # 18 CPU-s in 10 s
+    "test_checkpoint",  # 17 CPU-s in 11 s
+    "test_mesh",  # 15 CPU-s in 8 s
+    "test_packed_documents",  # 13 CPU-s in 8 s
+    "test_deepseek_v3",  # 12 CPU-s in 9 s
+    "test_moe_checkpoint",  # 11 CPU-s in 8 s
+    "test_tokens",  # 10 CPU-s in 7 s
+    "test_build",  # 9 CPU-s in 5 s
+    "test_clip",  # 8 CPU-s in 5 s
+    "test_drift",  # 7 CPU-s in 5 s
+    "test_moe_cli",  # 6 CPU-s in 4 s
+    "test_gpt_oss",  # 6 CPU-s in 4 s
+}
+
+
 # what the ranks of the tests import beside tessera's own list (tessera.parallel.launch.PRELOAD): the tests'
 # rank functions and torchao's FP8 (a missing module is skipped), once in each worker's forkserver instead of
 # once in each rank (test_contract's 21 pipeline rows on 4 ranks: 61.6 -> 55.6 CPU seconds). Not inductor: it
@@ -166,6 +200,31 @@ def pytest_sessionstart(session):
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(launch.PRELOAD + TEST_PRELOAD)
     forkserver.ensure_running()
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (pyproject.toml's addopts), with the RANK_HEAVY modules as one unit of work: one worker
+    runs them one after the other while the other takes the remaining files, longest first. A run of
+    RANK_HEAVY modules only (CI's torch 2.11 contract files) keeps one file a unit. (xdist's own
+    `--dist loadgroup` marks cannot do it on pytest 9.2: xdist 3.8 renames an item's `_nodeid`, which pytest
+    9.2 no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None  # another --dist asked for on the command line: xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    def heavy(nodeid: str) -> bool:
+        return nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py") in RANK_HEAVY
+
+    class RankHeavyTogether(LoadScopeScheduling):
+        together: bool | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.together is None:  # only where other files can share the cores (not for a run of contract files)
+                self.together = not all(map(heavy, self.collection or []))
+            path = nodeid.split("::", 1)[0]
+            return "rank-heavy modules" if self.together and heavy(nodeid) else path
+
+    return RankHeavyTogether(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
