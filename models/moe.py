@@ -161,8 +161,10 @@ class GroupedExperts(nn.Module):
         return project(h, "down_proj", not self.fused_gate_up)
 
     # eager under torch.compile: the groups' sizes are data (host-read for the loop, all-to-all splits under
-    # ep), and compiled blocks would re-trace them every step
-    @torch.compiler.disable
+    # ep), and compiled blocks would re-trace them every step. torch's own lazy form of torch.compiler.disable:
+    # the decorator imports dynamo when first called, not here (1.7 CPU seconds in every process that imports
+    # tessera.models, each `tessera` command and each rank server among them, where nothing compiles)
+    @torch._disable_dynamo
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x (M, dim): every assignment of this rank's tokens, sorted by (global) expert; counts (E,)."""
         return self.dispatch(x, counts, self.run_local)

@@ -49,6 +49,9 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
 PRELOAD += ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"]
 # and the trainer every rank imports (DCP, the metrics): each of N ranks importing it alone cost N x ~1 CPU second
 PRELOAD += ["tessera.trainer"]
+# and dynamo (1.7 CPU seconds): every rank's meta build imports it (torch's reference ops for meta tensors are
+# wrapped to disable dynamo, which imports it on first call); tessera's own modules no longer do at import
+PRELOAD += ["torch._dynamo"]
 _CTX: Any = None
 
 

@@ -23,6 +23,7 @@ PRELOAD = [
     "tessera.models",
     "tessera.kernels",
     "tessera.trainer",
+    "torch._dynamo",
 ]
 
 
