@@ -148,7 +148,7 @@ LONGEST_FIRST = [
 
 # Modules whose tests keep both cores busy on their own (their ranks: machine CPU seconds over wall seconds at
 # least 1.4, measured test by test with `-n 0` on the 2-core machine, 2026-11-27; CPU seconds in 2 cores). They
-# run one after the other on one worker (xdist group "ranks"), while the other worker takes the rest, mostly
+# run one after the other on one worker (pytest_xdist_make_scheduler below), while the other takes the rest, mostly
 # one-process tests and runs that wait (kills, timeouts, restarts). Two rank-spawning files side by side gained
 # little: two copies of test_contract_bf16 took 94 s together against 50 s alone, and 14% more CPU
 RANK_HEAVY = {
@@ -212,17 +212,17 @@ def pytest_xdist_make_scheduler(config, log):
         return None  # another --dist asked for on the command line: xdist's own scheduler
     from xdist.scheduler import LoadScopeScheduling
 
-    def heavy(nodeid: str) -> bool:
-        return nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py") in RANK_HEAVY
+    def heavy(path: str) -> bool:
+        return path.rpartition("/")[2].removesuffix(".py") in RANK_HEAVY
 
     class RankHeavyTogether(LoadScopeScheduling):
         together: bool | None = None
 
         def _split_scope(self, nodeid: str) -> str:
             if self.together is None:  # only where other files can share the cores (not for a run of contract files)
-                self.together = not all(map(heavy, self.collection or []))
+                self.together = not all(heavy(n.split("::", 1)[0]) for n in self.collection or [])
             path = nodeid.split("::", 1)[0]
-            return "rank-heavy modules" if self.together and heavy(nodeid) else path
+            return "rank-heavy modules" if self.together and heavy(path) else path
 
     return RankHeavyTogether(config, log)
 
