@@ -39,6 +39,7 @@ Styles (all keep the parameter names of the one-process model, so checkpoints an
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,7 @@ from .tied import retie, shared_parameters
 
 
 # ----------------------------------------------------------------------------- matching
+@functools.lru_cache(maxsize=1 << 16)  # a model's names against a plan's patterns, again on every rebuild
 def matches(pattern: str, name: str) -> bool:
     """Segment-wise match of a module name against a plan pattern."""
     parts, segs = pattern.split("."), name.split(".")
@@ -74,7 +76,12 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def find_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if n and matches(pattern, n)]
+    return _find(list(model.named_modules()), pattern)
+
+
+def _find(named: list[tuple[str, nn.Module]], pattern: str) -> list[tuple[str, nn.Module]]:
+    """`find_modules` over a model's `named_modules()` listed once (a plan matches many patterns)."""
+    return [(n, m) for n, m in named if n and matches(pattern, n)]
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -354,10 +361,11 @@ class Plan:
     def assignments(self, model: nn.Module) -> list[tuple[str, nn.Module, Style]]:
         """(module name, module, style) for every module a rule takes; errors for rules that match nothing."""
         taken: dict[str, tuple[nn.Module, Style]] = {}
+        named = list(model.named_modules())
         for pattern, style in self.rules.items():
-            found = [(n, m) for n, m in find_modules(model, pattern) if n not in taken]
+            found = [(n, m) for n, m in _find(named, pattern) if n not in taken]
             if not found and not self.allow_unmatched:
-                names = ", ".join(n for n, _ in list(model.named_modules())[1:12])
+                names = ", ".join(n for n, _ in named[1:12])
                 raise ValueError(
                     f"plan rule {pattern!r} matches no module of {type(model).__name__} (its modules: {names}, ...)"
                 )
@@ -365,20 +373,24 @@ class Plan:
                 taken[n] = (m, style)
         return [(n, m, s) for n, (m, s) in taken.items()]
 
-    def check(self, model: nn.Module, tp: int) -> None:
-        for name, module, style in self.assignments(model):
+    def check(self, model: nn.Module, tp: int) -> list[tuple[str, nn.Module, Style]]:
+        """Each assigned module checked against its style; returns the assignments."""
+        assigned = self.assignments(model)
+        for name, module, style in assigned:
             style.check(name, module, tp)
+        return assigned
 
     def units(self, model: nn.Module) -> list[list[nn.Module]]:
         """The FSDP2 units, in wrapping order (the root excluded)."""
+        named = list(model.named_modules())
         out = []
         for entry in self.blocks:
             if isinstance(entry, tuple):
-                group = [m for p in entry for _, m in find_modules(model, p)]
+                group = [m for p in entry for _, m in _find(named, p)]
                 if group:
                     out.append(group)
             else:
-                out.extend([m] for _, m in find_modules(model, entry))
+                out.extend([m] for _, m in _find(named, entry))
         return out
 
 
@@ -386,9 +398,9 @@ def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan, sequence_paral
     """Swap the modules a plan names for their tensor-parallel forms, in place (children before the
     PrepareInput hooks of their parents do not matter: each style touches only its own module). Tied
     weights (one parameter under two names) are one tensor again afterwards."""
-    plan.check(model, tp_mesh.size())
+    assigned = plan.check(model, tp_mesh.size())
     tied = shared_parameters(model)
-    for name, module, style in plan.assignments(model):
+    for name, module, style in assigned:
         new = style.apply(module, tp_mesh, sequence_parallel)
         if new is not module:
             replace_module(model, name, new)

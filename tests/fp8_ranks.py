@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from helpers import clean_name, gather_by_name, small_config
+from helpers import clean_name, gather_by_name, small_config, trainer_for
 from tessera.parallel import fp8
 from tessera.parallel.fp8 import float8_matmuls
 from tessera.parallel.tensor import full_tensor
@@ -19,7 +19,7 @@ def fp8_run(kw: dict, per_shard: bool = False, scales: bool = False):
     `per_shard` plants the bug of each tp rank scaling its own shard."""
     fp8.PER_SHARD = per_shard
     try:
-        trainer = Trainer(small_config(**kw), torch.device("cpu"))
+        trainer = trainer_for(small_config(**kw))
         matmuls = {
             clean_name(f"{name}.weight")[: -len(".weight")]: m
             for part in trainer.parts
@@ -63,7 +63,7 @@ def fp8_run(kw: dict, per_shard: bool = False, scales: bool = False):
 
 def comm_bytes(kw: dict):
     """(step 1's bytes by axis as --comm-stats counts them on this rank, the FP8 report) of small_config(**kw)."""
-    trainer = Trainer(small_config(comm_stats="first", **kw), torch.device("cpu"))
+    trainer = trainer_for(small_config(comm_stats="first", **kw))
     comm = trainer.train_step().comm
     return comm["bytes_by_axis"], getattr(trainer.parts[0], "fp8_report", None)
 
@@ -82,7 +82,7 @@ def checkpoints(root: str, kw: dict):
     from tessera.parallel.checkpoint import CheckpointManager  # lazy: only this case saves
 
     def run(config_kw: dict, directory: str):
-        trainer = Trainer(small_config(**config_kw, checkpoint_dir=directory), torch.device("cpu"))
+        trainer = trainer_for(small_config(**config_kw, checkpoint_dir=directory))
         manager, path, saved = CheckpointManager(directory), None, None
         for step in range(1, 4):
             trainer.train_step()
@@ -92,7 +92,7 @@ def checkpoints(root: str, kw: dict):
         return trainer, str(path), saved
 
     def resume(config_kw: dict, path: str):
-        trainer = Trainer(small_config(**config_kw, resume=path), torch.device("cpu"))
+        trainer = trainer_for(small_config(**config_kw, resume=path))
         trainer.load(path)
         loaded = named_params(trainer)
         loss = trainer.train_step().record()["loss"]

@@ -38,6 +38,22 @@ class MaskedStream(TokenStream):
         return inputs, targets
 
 
+# the world meshes this rank built, by layout shape and process group: the rows of one spawn that share a
+# shape share one mesh and its process groups (Trainer's `mesh`), as a sweep over configs would
+_WORLD_MESHES: dict = {}
+
+
+def trainer_for(config: Config, data=None) -> Trainer:
+    """A CPU Trainer of `config` on this spawn's world mesh of the config's layout shape (built on first use)."""
+    import torch.distributed as dist
+
+    key = (config.layout.shape, id(dist.group.WORLD))
+    mesh = _WORLD_MESHES.get(key)
+    if mesh is None:
+        mesh = _WORLD_MESHES[key] = config.layout.build_mesh("cpu")
+    return Trainer(config, torch.device("cpu"), data=data, mesh=mesh)
+
+
 def clean_name(name: str) -> str:
     """Parameter name as the one-process model spells it (tessera's own rule)."""
     from tessera.models.init import one_process_name
@@ -45,14 +61,21 @@ def clean_name(name: str) -> str:
     return one_process_name(name)
 
 
-def gather_by_name(local: dict[str, torch.Tensor], everywhere: bool = False) -> dict[str, torch.Tensor]:
+def gather_by_name(local: dict[str, torch.Tensor], everywhere: bool = False, layout=None) -> dict[str, torch.Tensor]:
     """Every rank's {name: full tensor} merged (pipeline ranks hold different stages): on rank 0 ({} on the
     others), or on every rank with `everywhere` (each rank then unpickles every other's tensors: on 16 ranks
-    that was 2.5% of the suite's CPU where only rank 0 reads them)."""
+    that was 2.5% of the suite's CPU where only rank 0 reads them). With the run's `layout`, the tensors are
+    full ones every rank of a pipeline stage holds alike, so only the stage's last rank sends them (the copy
+    the merge keeps either way) and the others send nothing: a 16-rank row pickled and read 16 copies."""
     import torch.distributed as dist
 
     if dist.get_world_size() == 1:
         return local
+    if layout is not None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        stage = layout.index("pp", rank)
+        if rank != max(r for r in range(world) if layout.index("pp", r) == stage):
+            local = {}
     everyone: list = [None] * dist.get_world_size()
     if everywhere:
         dist.all_gather_object(everyone, local)
@@ -68,7 +91,7 @@ def gather_by_name(local: dict[str, torch.Tensor], everywhere: bool = False) -> 
 
 def _records_and_grads(config: Config, data=None):
     """(rank, step records, full gradients of step 1 before clipping gathered by name) of config's steps."""
-    trainer = Trainer(config, torch.device("cpu"), data=data)
+    trainer = trainer_for(config, data)
     grads: dict[str, torch.Tensor] = {}
 
     def keep(parts):
@@ -77,7 +100,7 @@ def _records_and_grads(config: Config, data=None):
                 grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
 
     records = [trainer.train_step(on_grads=keep if s == 0 else None).record() for s in range(config.runtime.steps)]
-    return trainer.rank, records, gather_by_name(grads)
+    return trainer.rank, records, gather_by_name(grads, layout=trainer.layout)
 
 
 def train_losses_and_grads(config: Config, masked: bool = False):
@@ -95,7 +118,7 @@ def measured_model_states(config: Config):
     gradients after backward, optimizer state after the step."""
     from tessera.parallel.data import model_state_bytes_on_rank
 
-    trainer = Trainer(config, torch.device("cpu"))
+    trainer = trainer_for(config)
     inputs, targets = trainer.local_batch(*trainer.data.next_global_batch())
     loss_sum, count = trainer.loss_fn(trainer.model(inputs), targets)
     params = model_state_bytes_on_rank(trainer.model)["parameters"]
@@ -126,7 +149,7 @@ def first_loss(config: Config):
     """The loss of the first batch, no step taken (after --init-from, if set)."""
     from tessera.parallel import checkpoint
 
-    trainer = Trainer(config, torch.device("cpu"))
+    trainer = trainer_for(config)
     if config.checkpoint.init_from:
         checkpoint.load_full_state_dict(trainer.model, config.checkpoint.init_from)
     return _first_batch_loss(trainer)
@@ -134,7 +157,7 @@ def first_loss(config: Config):
 
 def full_parameters(config: Config):
     """Every parameter's full value after the meta build, parallelize and materialize (rank 0)."""
-    trainer = Trainer(config, torch.device("cpu"))
+    trainer = trainer_for(config)
     out = gather_by_name(named_full_parameters(trainer))
     return out if trainer.rank == 0 else None
 
@@ -147,7 +170,7 @@ def named_full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def resumed_full_parameters(config: Config):
     """Every parameter's full value after loading config's --resume checkpoint (rank 0)."""
-    trainer = Trainer(config, torch.device("cpu"))
+    trainer = trainer_for(config)
     trainer.load(config.resume_path)
     out = gather_by_name(named_full_parameters(trainer))
     return out if trainer.rank == 0 else None
@@ -155,7 +178,7 @@ def resumed_full_parameters(config: Config):
 
 def comm_of_first_step(config: Config):
     """This rank's --comm-stats record of one step: bytes by axis counted, and predicted."""
-    trainer = Trainer(config)
+    trainer = trainer_for(config)
     comm = trainer.train_step().comm
     return comm["bytes_by_axis"], comm["analytic_bytes_by_axis"], comm["bytes_by_collective"]
 
@@ -164,7 +187,7 @@ def peak_tensor_bytes(config: Config) -> float:
     """This rank's peak tensor storage during its second training step (the optimizer state exists by then)."""
     from tessera.metrics.memtrack import LiveTensorBytes
 
-    trainer = Trainer(config)
+    trainer = trainer_for(config)
     trainer.train_step()
     tracker = LiveTensorBytes()
     tracker.track_existing(trainer.parts, trainer.optimizer.optimizers)
@@ -177,7 +200,7 @@ def train_losses_and_grads_saving(config: Config, save_after: int):
     """`train_losses_and_grads`, also saving a checkpoint into config's --checkpoint-dir after step `save_after`."""
     from tessera.parallel.checkpoint import CheckpointManager
 
-    trainer = Trainer(config, torch.device("cpu"))
+    trainer = trainer_for(config)
     manager = CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
     grads: dict[str, torch.Tensor] = {}
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
-from helpers import gather_by_name, named_full_parameters, small_config
+from helpers import gather_by_name, named_full_parameters, small_config, trainer_for
 from tessera.parallel import muon
-from tessera.trainer import Trainer
 
 
 def muon_run(kw: dict, shard_alone: bool = False, save_after: int | None = None):
@@ -20,7 +18,7 @@ def muon_run(kw: dict, shard_alone: bool = False, save_after: int | None = None)
 
     muon.SHARD_ALONE = shard_alone
     try:
-        trainer = Trainer(small_config(optimizer="muon", **kw), torch.device("cpu"))
+        trainer = trainer_for(small_config(optimizer="muon", **kw))
         manager = CheckpointManager(kw["checkpoint_dir"]) if save_after else None
         first = trainer.load(kw["resume"])["step"] if kw.get("resume") else 0
         records = []
@@ -47,7 +45,7 @@ def resume_bitwise(root: str):
     from tessera.parallel.checkpoint import CheckpointManager
 
     config = small_config(optimizer="muon", dp=2, checkpoint_dir=root)
-    trainer = Trainer(config, torch.device("cpu"))
+    trainer = trainer_for(config)
     manager = CheckpointManager(root)
     path = None
     for step in range(3):
@@ -56,7 +54,7 @@ def resume_bitwise(root: str):
             path = trainer.save(manager)
     manager.finish()
     straight = gather_by_name(named_full_parameters(trainer))
-    resumed_trainer = Trainer(small_config(optimizer="muon", dp=2, resume=path), torch.device("cpu"))
+    resumed_trainer = trainer_for(small_config(optimizer="muon", dp=2, resume=path))
     resumed_trainer.load(str(path))
     resumed_trainer.train_step()
     resumed = gather_by_name(named_full_parameters(resumed_trainer))
@@ -65,6 +63,6 @@ def resume_bitwise(root: str):
 
 def muon_comm(kw: dict):
     """This rank's bytes counted under "muon" in one --comm-stats step, and the analytic mean per rank."""
-    trainer = Trainer(small_config(optimizer="muon", comm_stats="first", **kw), torch.device("cpu"))
+    trainer = trainer_for(small_config(optimizer="muon", comm_stats="first", **kw))
     comm = trainer.train_step().comm
     return comm["bytes_by_axis"].get("muon", 0.0), comm["analytic_bytes_by_axis"]["muon"]

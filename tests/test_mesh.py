@@ -93,3 +93,38 @@ def test_every_purpose_mesh_is_declared_with_its_type():
 
     declared = set(Meshes.__annotations__) - {"PURPOSES"}
     assert set(Meshes.PURPOSES) | {"precision", "expert_fsdp"} == declared
+
+
+def test_a_mesh_of_another_layout_shape_is_refused_in_one_line():
+    """Meshes (and so Trainer's `mesh`) takes a prebuilt world mesh only of the layout's own shape."""
+    from tessera.topology import Meshes
+
+    with dry_run(Layout(dp_shard=2, tp=2)) as mesh:
+        with pytest.raises(ValueError, match=r"is not the mesh of layout .*build it with layout\.build_mesh") as err:
+            Meshes(Layout(dp_shard=4), mesh=mesh)
+        assert "\n" not in str(err.value)
+        assert Meshes(Layout(dp_shard=2, tp=2), mesh=mesh).tp is not None  # its own shape is taken
+
+
+def _trainers_on_one_mesh(steps: int):
+    """Losses and grad norms of a dp2 x tp2 config trained by its own Trainer, then by two Trainers one after
+    the other on one shared world mesh (the second a fresh model on the groups the first used)."""
+    import torch
+
+    from helpers import small_config
+    from tessera.trainer import Trainer
+
+    config = small_config(dp=2, tp=2, sequence_parallel=True, steps=steps)
+
+    def run(trainer):
+        return [(r["loss"], r["grad_norm"]) for r in (trainer.train_step().record() for _ in range(steps))]
+
+    alone = run(Trainer(config, torch.device("cpu")))
+    mesh = config.layout.build_mesh("cpu")
+    shared = [run(Trainer(config, torch.device("cpu"), mesh=mesh)) for _ in range(2)]
+    return alone, shared
+
+
+def test_trainers_sharing_one_world_mesh_train_bitwise_like_a_trainer_on_its_own():
+    for alone, shared in run_ranks(_trainers_on_one_mesh, 4, 2, timeout=120):
+        assert shared == [alone, alone]

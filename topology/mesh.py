@@ -46,6 +46,16 @@ def build_mesh(
     return mesh
 
 
+def check_world_mesh(mesh: DeviceMesh, layout: "Layout") -> None:
+    """A mesh handed in for `layout` must be one `build_mesh` made for a layout of its shape."""
+    names, shape = tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
+    if names != tuple(MESH_AXES) or shape != tuple(layout.shape):
+        raise ValueError(
+            f"the mesh {dict(zip(names, shape)) or shape} is not the mesh of layout {layout} "
+            f"({dict(zip(MESH_AXES, layout.shape))}); build it with layout.build_mesh(device_type)"
+        )
+
+
 def set_mesh_timeout(mesh: DeviceMesh, timeout: float) -> None:
     """Give every process group of `mesh` (each axis and each flattened submesh) `timeout` seconds."""
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
@@ -145,6 +155,10 @@ class Meshes:
     ):
         self.layout = layout
         self.device_type = device_type
+        if mesh is not None:  # built once by the caller, for several runs of one layout shape
+            check_world_mesh(mesh, layout)
+            if timeout is not None:
+                set_mesh_timeout(mesh, timeout)
         self.world = mesh if mesh is not None else layout.build_mesh(device_type, timeout=timeout)
 
         def on(size: int, *names: str) -> DeviceMesh | None:

@@ -37,6 +37,7 @@ from tessera.parallel.pipeline import PipelineRunner
 from tessera.topology import Meshes, comm_model
 from tessera.topology.errors import NonFiniteError  # named by step, rank and parameter
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
@@ -153,12 +154,21 @@ class StepResult:
 class Trainer:
     """Everything one rank trains with. Construct inside an initialized process group."""
 
-    def __init__(self, config: Config, device: torch.device | None = None, data: Any | None = None):
+    def __init__(
+        self,
+        config: Config,
+        device: torch.device | None = None,
+        data: Any | None = None,
+        mesh: DeviceMesh | None = None,
+    ):
+        """`mesh`: the world DeviceMesh of the config's layout (`config.layout.build_mesh(device_type)`),
+        to share one mesh and its process groups between Trainers of one layout shape built one after
+        another in a process (a sweep over configs); by default each Trainer builds its own."""
         self.config = config
         self.device = device or current_device()
         self._mark: Callable[[str], None] = _no_mark  # a phase of the step ends (--profile-summary's memory)
         self.layout = config.layout
-        self.meshes = Meshes(self.layout, self.device.type, timeout=config.runtime.timeout)
+        self.meshes = Meshes(self.layout, self.device.type, mesh=mesh, timeout=config.runtime.timeout)
         self.rank = dist.get_rank()
         self.model_config = config.model_config
         self.spec = spec_of(self.model_config)
