@@ -25,7 +25,8 @@ PINS = ".pins"
 
 
 def alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host (one of another user counts as running)."""
+    """Whether process `pid` runs on this host (one of another user counts as running; a zombie, which
+    has exited and waits for a parent to reap it, does not)."""
     if pid <= 0:
         return False
     try:
@@ -34,7 +35,20 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether `pid` has exited unreaped. A rank whose launcher was killed outlives it as a zombie until
+    init reaps it, and in a container whose first process reaps nothing it stays one: without this a
+    resume after the crash was refused as if the dead run still held its directory. (Linux /proc; False
+    where there is none.)"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the parenthesized name
 
 
 def _holder(lock: Path) -> dict:
@@ -45,8 +59,15 @@ def _holder(lock: Path) -> dict:
 
 
 def _live(holder: dict, host: str) -> bool:
+    return _live_pid(holder, host) is not None
+
+
+def _live_pid(holder: dict, host: str) -> int | None:
+    """The first process the lock names that still runs on this host (the launcher, then its ranks)."""
+    if holder.get("host") != host:
+        return None
     pids = [int(holder.get("pid", -1)), *(int(p) for p in holder.get("pids", []))]
-    return holder.get("host") == host and any(alive(p) for p in pids)
+    return next((p for p in pids if alive(p)), None)
 
 
 class RunLock:
@@ -75,9 +96,11 @@ def hold(lock: Path, what: str, remedy: str) -> Iterator[RunLock]:
             break
         except FileExistsError:
             holder = _holder(lock)
-            if _live(holder, host):
+            running = _live_pid(holder, host)
+            if running is not None:
+                which = "" if running == holder.get("pid") else f", its process {running}"
                 raise CheckpointError(
-                    f"{what} is in use by another run (pid {holder['pid']} on {host}); {remedy}"
+                    f"{what} is in use by another run (pid {holder['pid']}{which} on {host}); {remedy}"
                 ) from None
             if holder.get("host") not in (None, host):
                 raise CheckpointError(

@@ -65,7 +65,7 @@ def _wait_for(condition, timeout: float, what: str):
 def test_a_sigkilled_launcher_takes_its_ranks_and_a_resume_at_once_records_every_step_once(tmp_path, kill_after_step):
     saving = ["--dp", "2", "--checkpoint-dir", "ck", "--checkpoint-every", "2", "--checkpoint-async"]
     metrics = tmp_path / "m.jsonl"
-    first = _train(tmp_path, *saving, "--steps", "30", "--metrics", "m.jsonl")
+    first = _train(tmp_path, *saving, "--steps", "16", "--metrics", "m.jsonl")
     try:
         lock = tmp_path / "ck" / ".lock"
         holder = _wait_for(lambda: lock.exists() and json.loads(lock.read_text() or "{}").get("pids"), 120, "the ranks")
@@ -82,11 +82,11 @@ def test_a_sigkilled_launcher_takes_its_ranks_and_a_resume_at_once_records_every
     written = metrics.read_text()
     time.sleep(1.0)
     assert metrics.read_text() == written  # nobody writes on
-    resumed = _train(tmp_path, *saving, "--steps", "30", "--resume", "--metrics", "m.jsonl")
+    resumed = _train(tmp_path, *saving, "--steps", "16", "--resume", "--metrics", "m.jsonl")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
-    assert _steps(metrics) == list(range(1, 31))  # each step once: the repeats trimmed
-    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_00000030"
+    assert _steps(metrics) == list(range(1, 17))  # each step once: the repeats trimmed
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_00000016"
     assert not (tmp_path / "ck" / ".lock").exists() and not (tmp_path / ".m.jsonl.lock").exists()
 
 
@@ -130,6 +130,23 @@ def test_a_lock_stays_live_while_any_process_it_names_runs(tmp_path):
     with directory_lock(tmp_path / "ck"):  # all gone: stale, taken over
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert not lock.exists()
+
+
+def test_a_lock_held_only_by_an_unreaped_dead_rank_is_stale(tmp_path):
+    """A rank that outlived its killed launcher exits as a zombie until something reaps it (in a container
+    whose first process reaps nothing, never): it holds no directory, so a resume takes the lock over."""
+    rank = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        _wait_for(lambda: "\nState:\tZ" in Path(f"/proc/{rank.pid}/status").read_text(), 30, "the rank to exit")
+        lock = tmp_path / "ck" / ".lock"
+        with directory_lock(tmp_path / "ck") as held:
+            held.add_pids([rank.pid])
+            record = json.loads(lock.read_text())
+        lock.write_text(json.dumps({**record, "pid": 2**22 + 7}))  # the launcher gone, its rank a zombie
+        with directory_lock(tmp_path / "ck"):  # taken over, not refused
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+    finally:
+        rank.wait()
 
 
 def test_one_metrics_file_has_one_writer(tmp_path):

@@ -389,7 +389,7 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_p
     import signal
     import uuid
 
-    common = ["--steps", "30", "--seq-len", "32", "--global-batch", "4", "--checkpoint-every", "5", "--quiet", *layout]
+    common = ["--steps", "16", "--seq-len", "32", "--global-batch", "4", "--checkpoint-every", "4", "--quiet", *layout]
     _train_reference(tmp_path, common)
     # the same run, with one rank killed (SIGKILL) mid-run
     marker = uuid.uuid4().hex
@@ -422,7 +422,7 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_p
         proc.kill()
     assert proc.returncode == 0, stderr
     assert "restarting every rank from the latest checkpoint" in stderr and "(restart 1 of 1)" in stderr
-    _assert_matches_reference(tmp_path, metrics, 30)
+    _assert_matches_reference(tmp_path, metrics, 16)
 
 
 class _Crash(BaseException):
@@ -584,7 +584,7 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
 
     common = [
         "--steps",
-        "20",
+        "14",
         "--seq-len",
         "32",
         "--global-batch",
@@ -636,5 +636,5 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    records = _assert_matches_reference(tmp_path, metrics, 20)
+    records = _assert_matches_reference(tmp_path, metrics, 14)
     assert [r["restart"] for r in records if r.get("type") == "header"] == [0, 1]
