@@ -41,7 +41,7 @@ def fp8_run(kw: dict, per_shard: bool = False, scales: bool = False):
         ]
     finally:
         fp8.PER_SHARD = False
-    grads = gather_by_name(grads)
+    grads = gather_by_name(grads, layout=trainer.layout)
     recorded = {name: m.scales for name, m in matmuls.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, recorded)
@@ -70,7 +70,8 @@ def comm_bytes(kw: dict):
 
 def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return gather_by_name(
-        {clean_name(n): full_tensor(p).detach().clone() for part in trainer.parts for n, p in part.named_parameters()}
+        {clean_name(n): full_tensor(p).detach().clone() for part in trainer.parts for n, p in part.named_parameters()},
+        layout=trainer.layout,
     )
 
 

@@ -158,7 +158,7 @@ def first_loss(config: Config):
 def full_parameters(config: Config):
     """Every parameter's full value after the meta build, parallelize and materialize (rank 0)."""
     trainer = trainer_for(config)
-    out = gather_by_name(named_full_parameters(trainer))
+    out = gather_by_name(named_full_parameters(trainer), layout=trainer.layout)
     return out if trainer.rank == 0 else None
 
 
@@ -172,7 +172,7 @@ def resumed_full_parameters(config: Config):
     """Every parameter's full value after loading config's --resume checkpoint (rank 0)."""
     trainer = trainer_for(config)
     trainer.load(config.resume_path)
-    out = gather_by_name(named_full_parameters(trainer))
+    out = gather_by_name(named_full_parameters(trainer), layout=trainer.layout)
     return out if trainer.rank == 0 else None
 
 
@@ -214,7 +214,7 @@ def train_losses_and_grads_saving(config: Config, save_after: int):
         records.append(trainer.train_step(on_grads=keep if s == 0 else None).record())
         if s + 1 == save_after:
             trainer.save(manager)
-    grads = gather_by_name(grads)
+    grads = gather_by_name(grads, layout=trainer.layout)
     if trainer.rank != 0:
         return None
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads

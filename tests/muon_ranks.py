@@ -30,7 +30,7 @@ def muon_run(kw: dict, shard_alone: bool = False, save_after: int | None = None)
             manager.finish()
     finally:
         muon.SHARD_ALONE = False
-    params = gather_by_name(named_full_parameters(trainer))
+    params = gather_by_name(named_full_parameters(trainer), layout=trainer.layout)
     flops: list = [None] * dist.get_world_size()
     dist.all_gather_object(flops, sum(o.owned_flops() for o in trainer.optimizer.muon()))
     if trainer.rank != 0:
@@ -53,11 +53,11 @@ def resume_bitwise(root: str):
         if step == 1:
             path = trainer.save(manager)
     manager.finish()
-    straight = gather_by_name(named_full_parameters(trainer))
+    straight = gather_by_name(named_full_parameters(trainer), layout=trainer.layout)
     resumed_trainer = trainer_for(small_config(optimizer="muon", dp=2, resume=path))
     resumed_trainer.load(str(path))
     resumed_trainer.train_step()
-    resumed = gather_by_name(named_full_parameters(resumed_trainer))
+    resumed = gather_by_name(named_full_parameters(resumed_trainer), layout=resumed_trainer.layout)
     return (straight, resumed, path) if trainer.rank == 0 else None
 
 

@@ -103,6 +103,8 @@ def test_a_mesh_of_another_layout_shape_is_refused_in_one_line():
         with pytest.raises(ValueError, match=r"is not the mesh of layout .*build it with layout\.build_mesh") as err:
             Meshes(Layout(dp_shard=4), mesh=mesh)
         assert "\n" not in str(err.value)
+        with pytest.raises(ValueError, match=r"is a cpu mesh and the run computes on cuda; .*build_mesh\('cuda'\)"):
+            Meshes(Layout(dp_shard=2, tp=2), "cuda", mesh=mesh)
         assert Meshes(Layout(dp_shard=2, tp=2), mesh=mesh).tp is not None  # its own shape is taken
 
 

@@ -46,13 +46,19 @@ def build_mesh(
     return mesh
 
 
-def check_world_mesh(mesh: DeviceMesh, layout: "Layout") -> None:
-    """A mesh handed in for `layout` must be one `build_mesh` made for a layout of its shape."""
+def check_world_mesh(mesh: DeviceMesh, layout: "Layout", device_type: str) -> None:
+    """A mesh handed in for `layout` must be one `build_mesh` made for a layout of its shape, on the device
+    type the run computes on."""
     names, shape = tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
     if names != tuple(MESH_AXES) or shape != tuple(layout.shape):
         raise ValueError(
             f"the mesh {dict(zip(names, shape)) or shape} is not the mesh of layout {layout} "
             f"({dict(zip(MESH_AXES, layout.shape))}); build it with layout.build_mesh(device_type)"
+        )
+    if mesh.device_type != device_type:
+        raise ValueError(
+            f"the mesh is a {mesh.device_type} mesh and the run computes on {device_type}; build it with "
+            f"layout.build_mesh({device_type!r})"
         )
 
 
@@ -156,7 +162,7 @@ class Meshes:
         self.layout = layout
         self.device_type = device_type
         if mesh is not None:  # built once by the caller, for several runs of one layout shape
-            check_world_mesh(mesh, layout)
+            check_world_mesh(mesh, layout, device_type)
             if timeout is not None:
                 set_mesh_timeout(mesh, timeout)
         self.world = mesh if mesh is not None else layout.build_mesh(device_type, timeout=timeout)
