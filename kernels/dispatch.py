@@ -12,6 +12,10 @@
                       torch reference (differentiable LSE).
     rms_norm          CUDA: the Triton kernel. CPU: torch's fused F.rms_norm for fp32/fp64, else the
                       reference (fp32 statistics for low-precision inputs).
+    cross_entropy_row_stats, cross_entropy_grad_
+                      the chunked loss's softmax (parallel/loss.py): the Triton kernels where
+                      `fused_cross_entropy` says so (CUDA, fp16/bf16/fp32 logits), else the torch reference;
+                      the loss keeps its own in-place torch passes where the kernels do not run.
 
 Every path takes a value head dim other than q/k's (v (B, Hkv, Sk, Dv); ATen's fused CPU op does not, so
 such calls take the reference), a sliding `window` (key blocks outside it skipped where the code is
@@ -44,6 +48,7 @@ from .attention import (
     sdpa_attention_with_sinks,
     sdpa_supports,
 )
+from .cross_entropy import cross_entropy_grad_reference_, cross_entropy_row_stats_reference
 from .checks import check_attention_inputs, check_documents, check_rms_norm_inputs, check_sinks, check_window
 from .rmsnorm import rms_norm_reference
 
@@ -302,3 +307,36 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, backend: str | None =
     if backend is None and x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+FUSED_CROSS_ENTROPY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fused_cross_entropy(logits: Tensor, backend: str | None = None) -> bool:
+    """Whether the chunked loss's softmax over these logits runs in the Triton kernels: backend='triton', or
+    the default on CUDA, for fp16/bf16/fp32 logits (fp64 stays in torch)."""
+    backend = _effective_backend(backend)
+    triton_asked = backend == "triton" or (backend is None and logits.is_cuda)
+    return triton_asked and logits.dtype in FUSED_CROSS_ENTROPY_DTYPES
+
+
+def cross_entropy_row_stats(logits: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """(max over each row, sum over the row of exp(x - max)) of logits (rows, V), fp32 (fp64 for fp64)."""
+    if fused_cross_entropy(logits, backend):
+        from . import triton_cross_entropy  # lazy: triton is optional (CPU runs never load it)
+
+        return triton_cross_entropy.cross_entropy_row_stats(logits)
+    return cross_entropy_row_stats_reference(logits)
+
+
+def cross_entropy_grad_(
+    logits: Tensor, target: Tensor, scale: Tensor, row_max: Tensor, row_sum: Tensor, backend: str | None = None
+) -> None:
+    """Over logits (rows, V), in place: (exp(x - row_max) / row_sum - [column == target]) * scale, per row;
+    target (rows,) int64 is each row's target column in this shard, -1 where it is in none."""
+    if fused_cross_entropy(logits, backend):
+        from . import triton_cross_entropy  # lazy: triton is optional (CPU runs never load it)
+
+        triton_cross_entropy.cross_entropy_grad_(logits, target, scale, row_max, row_sum)
+    else:
+        cross_entropy_grad_reference_(logits, target, scale, row_max, row_sum)

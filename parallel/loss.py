@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from tessera.kernels.dispatch import cross_entropy_grad_, cross_entropy_row_stats, fused_cross_entropy
 from tessera.models.spec import spec_of
 from tessera.topology.shapes import chunk_tokens
 
@@ -159,6 +160,83 @@ def check_loss(kind: str) -> str:
     return kind
 
 
+def _fused_chunk(
+    h_c: Tensor,
+    t_c: Tensor,
+    weight: Tensor,
+    grad_h: Tensor | None,
+    grad_w: Tensor | None,
+    start: int,
+    vocab_start: int,
+    group: dist.ProcessGroup | None,
+    ignore_index: int,
+) -> Tensor:
+    """One chunk through the Triton kernels: the loss sum of its rows (fp32); its dh rows written into grad_h
+    and its dW added into grad_w (when given). The same statistics as the torch passes below, in the same
+    order of collectives (the max, then sum-exp and target logit in one buffer), but the logits stay in the
+    compute dtype and the gradient is written over them."""
+    logits = torch.mm(h_c, weight.t())  # (rows, V_local) in the compute dtype
+    v_local = logits.shape[1]
+    row_max, row_sum = cross_entropy_row_stats(logits)
+    global_max = all_reduce_tp(row_max, group, dist.ReduceOp.MAX) if group is not None else row_max
+    local_target = t_c - vocab_start
+    valid = t_c != ignore_index
+    mine = (local_target >= 0) & (local_target < v_local) & valid
+    idx = local_target.clamp(0, v_local - 1).unsqueeze(-1)
+    picked = logits.gather(-1, idx).squeeze(-1).float()
+    target_logit = torch.where(mine, picked - global_max, torch.zeros_like(picked))
+    if group is not None:  # each rank's sum-exp rescaled to the global max, summed with the target logit
+        stats = all_reduce_tp(torch.stack([row_sum * torch.exp(row_max - global_max), target_logit]), group)
+        sum_exp, target_logit = stats[0], stats[1]
+    else:
+        sum_exp = row_sum
+    loss = torch.where(valid, torch.log(sum_exp) - target_logit, torch.zeros_like(sum_exp)).sum()
+    if grad_h is not None or grad_w is not None:
+        target = torch.where(mine, local_target, torch.full_like(local_target, -1))
+        cross_entropy_grad_(logits, target, valid.float(), global_max, sum_exp)  # logits now hold dlogits
+        if grad_h is not None:
+            torch.mm(logits, weight, out=grad_h[start : start + logits.shape[0]])
+        if grad_w is not None:
+            _accumulate(grad_w, logits.t(), h_c)
+    return loss
+
+
+def _accumulate(grad_w: Tensor, a: Tensor, b: Tensor) -> None:
+    """grad_w += a @ b, grad_w fp32 (or a's dtype): on CUDA in one fp32-output GEMM from bf16/fp16 inputs
+    where torch has it (addmm's out_dtype), else a matmul in the inputs' dtype added in fp32."""
+    if grad_w.dtype == a.dtype:
+        grad_w.addmm_(a, b)
+    elif _fp32_addmm(a):
+        torch.addmm(grad_w, a, b, out_dtype=grad_w.dtype, out=grad_w)
+    else:  # a bf16 matmul, accumulated over chunks in fp32
+        grad_w.add_(torch.mm(a, b))
+
+
+_FP32_ADDMM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _fp32_addmm(a: Tensor) -> bool:
+    """Whether addmm(fp32, a, b, out_dtype=fp32, out=fp32) runs on a's device and equals the two-step sum
+    (checked once per device type and dtype on a small case: torch 2.8 added the op for CUDA only, and
+    its in-place `out` handling was fixed later)."""
+    key = (a.device.type, a.dtype)
+    if key not in _FP32_ADDMM:
+        ok = False
+        if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+            try:
+                gen = torch.Generator(device=a.device).manual_seed(0)
+                x = torch.randn(48, 40, device=a.device, generator=gen).to(a.dtype)
+                y = torch.randn(40, 24, device=a.device, generator=gen).to(a.dtype)
+                acc = torch.randn(48, 24, device=a.device, generator=gen)
+                want = acc + x.float() @ y.float()
+                torch.addmm(acc, x, y, out_dtype=torch.float32, out=acc)
+                ok = bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-3))
+            except (RuntimeError, TypeError, ValueError):  # no such overload here, or it refuses these
+                ok = False
+        _FP32_ADDMM[key] = ok
+    return _FP32_ADDMM[key]
+
+
 class _LinearCrossEntropy(Function):
     """Sum over valid targets of cross-entropy(h @ W_local^T), chunk by chunk; gradients in the forward."""
 
@@ -169,8 +247,12 @@ class _LinearCrossEntropy(Function):
         total = torch.zeros((), dtype=stat, device=h.device)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=stat, device=weight.device) if need_w else None
+        fused = v_local > 0 and fused_cross_entropy(h)  # the softmax in two Triton kernels (CUDA)
         for start in range(0, n, chunk):
             h_c, t_c = h[start : start + chunk], targets[start : start + chunk]
+            if fused:
+                total += _fused_chunk(h_c, t_c, weight, grad_h, grad_w, start, vocab_start, group, ignore_index)
+                continue
             rows = h_c.shape[0]
             logits = torch.mm(h_c, weight.t()).to(stat)  # the chunk's logits in the compute dtype, then fp32
             local_max = logits.amax(dim=-1) if v_local else logits.new_full((rows,), float("-inf"))
@@ -196,10 +278,7 @@ class _LinearCrossEntropy(Function):
                 if need_h:
                     torch.mm(grad, weight, out=grad_h[start : start + chunk])
                 if need_w:
-                    if grad.dtype == grad_w.dtype:
-                        grad_w.addmm_(grad.t(), h_c)
-                    else:  # bf16 matmul, accumulated over chunks in fp32
-                        grad_w.add_(torch.mm(grad.t(), h_c))
+                    _accumulate(grad_w, grad.t(), h_c)
                 del grad
             del logits, exp  # before the next chunk's matmul: one chunk of logits alive at a time
         # held on ctx, not saved tensors: a single-use backward scales them in place and lets them go

@@ -308,7 +308,8 @@ class RuntimeSection:
     )
     kernels: str = opt(
         "auto",
-        "attention and RMSNorm: auto (Triton kernels on CUDA, torch's fused ops on CPU), torch or triton",
+        "attention, RMSNorm and the chunked loss's softmax: auto (Triton kernels on CUDA, torch's fused ops "
+        "on CPU), torch or triton",
         metavar="auto|torch|triton",
     )
     quiet: bool = opt(False, "no start-up or progress lines")
