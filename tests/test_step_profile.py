@@ -126,6 +126,30 @@ def test_a_kernel_whose_id_names_no_operator_takes_the_operators_around_its_laun
     assert s["kernels_linked"] == 1 and s["kernels_counted"] == 2
 
 
+def test_a_kernel_no_id_links_takes_the_range_mirrored_on_the_gpu_timeline_around_it():
+    # torch 2.11 on an H200 linked no kernel by either id (kernels_linked 0): the loss's eager softmax then
+    # counted as casts and elementwise. The ranges' mirrors on the GPU timeline still place it.
+    step = _event(STEP_RANGE, 0, 1000)
+    cuda = DeviceType.CUDA
+    events = [
+        step,
+        _event("tessera: loss", 100, 300, parent=step),
+        _event("tessera: loss", 150, 400, cuda),  # the mirror: from its first kernel to its last
+        _event("tessera: optimizer", 500, 700, cuda),
+        _event("direct_copy_kernel_cuda", 150, 200, cuda, linked=5),
+        _event("DivFunctor", 390, 400, cuda, linked=6),
+        _event("multi_tensor_apply_kernel", 520, 560, cuda, linked=7),
+        _event("direct_copy_kernel_cuda", 800, 830, cuda, linked=8),  # in no range: by its name
+        _event("nvjet_sm90_tst_128x256", 200, 300, cuda, linked=9),  # a matmul in the loss: by its name first
+    ]
+    s = summarize_events(events, "cuda")
+    assert s["time_s"]["loss"] == pytest.approx(60e-6)
+    assert s["time_s"]["optimizer_and_clipping"] == pytest.approx(40e-6)
+    assert s["time_s"]["casts_and_copies"] == pytest.approx(30e-6)
+    assert s["time_s"]["matmul"] == pytest.approx(100e-6)
+    assert s["kernels_linked"] == 0 and s["kernels_placed_by_range"] == 4 and s["kernels_counted"] == 5
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -61,6 +61,7 @@ _BY_KERNEL = (
     ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|wgmma|gemv|matmul|aten::(mm|addmm|bmm|baddbmm|linear|_grouped_mm)\b"),
     ("norms", r"rms_?norm|layer_?norm|group_?norm|batch_?norm|rsqrt"),  # rsqrt: inductor names fused norms so
 )
+RANGE_NAMES = (LOSS_RANGE, CLIP_RANGE, OPTIMIZER_RANGE)
 _BY_RANGE = ((LOSS_RANGE, "loss"), (CLIP_RANGE, "optimizer_and_clipping"), (OPTIMIZER_RANGE, "optimizer_and_clipping"))
 _BY_OP = (
     ("optimizer_and_clipping", r"adam|_foreach_|multi_tensor|vector_norm|clip_grad"),
@@ -148,6 +149,7 @@ def summarize_events(events: Sequence[Any], device_type: str) -> dict[str, Any]:
     start, end = span.time_range.start, span.time_range.end  # microseconds
     items: list[tuple[str, float, list[str], tuple[float, float]]] = []  # (name, us, context, interval)
     linked = 0  # GPU kernels whose launching operator was found (their context: ops and ranges)
+    in_range = 0  # GPU kernels without one, placed by the range mirrored on the GPU timeline around them
     if device_type == "cuda":
         # the operators (not the runtime's launch calls, whose ids count CUPTI's correlations) by their id
         by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU and not _linked(e)}
@@ -155,14 +157,25 @@ def summarize_events(events: Sequence[Any], device_type: str) -> dict[str, Any]:
         # no operator (the first H200 profile linked none: attention and the loss counted as elementwise)
         # takes the operators around its launch call
         launches = {_linked(e): e for e in events if e.device_type == DeviceType.CPU and _linked(e)}
+        # ... and, where neither names one (torch 2.11's profiles linked none either way), the ranges' mirrors
+        # on the GPU timeline: a kernel that starts inside one ran for that range's work
+        device_ranges = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in events
+            if e.device_type == DeviceType.CUDA and _annotation(e) and e.name in RANGE_NAMES
+        ]
         for e in events:
             if e.device_type != DeviceType.CUDA or _annotation(e):
                 continue
             launcher = by_id.get(_linked(e))
             if launcher is None and _linked(e) in launches:
                 launcher = launches[_linked(e)].cpu_parent
-            context = _context(launcher) if launcher is not None else []
-            linked += launcher is not None
+            if launcher is not None:
+                context = _context(launcher)
+                linked += 1
+            else:
+                context = [name for a, b, name in device_ranges if a <= e.time_range.start < b]
+                in_range += bool(context)
             items.append(
                 (e.name, e.time_range.end - e.time_range.start, context, (e.time_range.start, e.time_range.end))
             )
@@ -212,6 +225,8 @@ def summarize_events(events: Sequence[Any], device_type: str) -> dict[str, Any]:
         "kernels_counted": len(items),
         # GPU kernels whose launching operator the trace names (the rest are classified by their name alone)
         "kernels_linked": linked if device_type == "cuda" else None,
+        # of the rest, those inside a range's mirror on the GPU timeline (the loss, clipping, the optimizer)
+        "kernels_placed_by_range": in_range if device_type == "cuda" else None,
         "memory_meter_s": meter_us * 1e-6,
         "measured_as": "CUDA kernel time (torch.profiler, CUPTI)"
         if device_type == "cuda"
