@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +205,51 @@ def to_float8(linear: nn.Linear, matmul: Float8Matmul, float8_all_gather: bool =
         wrapped = WeightWithDynamicFloat8CastTensor(linear.weight.detach(), matmul.mm_config, target)
         new.weight = nn.Parameter(wrapped, requires_grad=linear.weight.requires_grad)
     return new
+
+
+def float8_gathered_weights(parts: list[nn.Module]) -> list[Any]:
+    """The parameters of `parts` that FSDP2 all-gathers in FP8 (DTensors over torchao's
+    WeightWithDynamicFloat8CastTensor), in a fixed order."""
+    from torch.distributed.tensor import DTensor  # lazy: as the rest of this module's torch.distributed
+
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # lazy: optional dependency
+
+    return [
+        p
+        for part in parts
+        for p in part.parameters()
+        if isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)
+    ]
+
+
+@torch.no_grad()
+def precompute_float8_scales(weights: list[Any]) -> None:
+    """This step's FP8 scale of every weight FSDP2 all-gathers in FP8, set on its shard before the step's
+    first all-gather: max |w| of all of them at once (one foreach kernel) and one all-reduce of the stacked
+    maxima over the FSDP mesh, instead of an amax kernel and an all-reduce per weight in every all-gather
+    (the forward's, and the backward's again where FSDP reshards). The same scale the all-gather computes
+    without it (torchao's amax_to_scale of the same global amax: torchtitan's
+    precompute_float8_dynamic_scale_for_fsdp), so nothing a layer rounds changes."""
+    from torchao.float8.float8_utils import amax_to_scale  # lazy: optional dependency
+
+    if not weights:
+        return
+    from torch.distributed.tensor import DTensor  # lazy: as in float8_gathered_weights
+
+    amax = torch.stack(torch._foreach_norm(weights, ord=math.inf))  # a DTensor, Partial(max) over the shards
+    assert isinstance(amax, DTensor)
+    global_amax = amax.full_tensor()  # one all-reduce over the FSDP mesh
+    # the all-gather's own cast (hp_tensor_to_float8_dynamic in fsdp_pre_all_gather) never rounds scales
+    scales = amax_to_scale(global_amax, weights[0]._local_tensor._dtype)
+    for weight, scale in zip(weights, scales):
+        weight._local_tensor._precomputed_scale = scale
+
+
+def clear_float8_scales(weights: list[Any]) -> None:
+    """Drop the precomputed scales once the update has changed the weights: a later all-gather outside a
+    training step (evaluation, generation) computes its own, as it would without them."""
+    for weight in weights:
+        weight._local_tensor._precomputed_scale = None
 
 
 @dataclass

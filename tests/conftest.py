@@ -109,6 +109,10 @@ SLOW_TESTS = {
     # the kernel took a window, an offset and v's own head dim: more variants to interpret)
     "test_triton_attention_matches_the_definition",
     "test_triton_document_attention_matches_the_float64_definition",
+    # the chunked loss's kernels through the interpreter on tp ranks, and their benchmark's CPU plumbing
+    "test_tp_ranks_through_the_kernels_equal_one_process",
+    "test_the_loss_kernels_benchmark_runs_and_records_both_paths",
+    "test_the_per_step_scale_precompute_gives_the_all_gathers_own_scales_and_changes_no_step",  # dp2 FP8, twice
 }
 
 

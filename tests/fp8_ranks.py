@@ -118,3 +118,42 @@ def checkpoints(root: str, kw: dict):
         "bf16_with_fp8": (bf16_loaded, bf16_loss),
         "path": path,
     }
+
+
+def precomputed_scales_run(kw: dict, precompute: bool, plant_scaled: bool = False):
+    """(losses, grad norms, [(name, precomputed scale, the all-gather's own scale of the full weight)] at step 1,
+    whether every scale was cleared after each step) of small_config(**kw) with the per-step scale precompute on
+    or off. The all-gather's own scale: torchao's tensor_to_scale of the whole weight, as one process casts it.
+    `plant_scaled` multiplies every precomputed scale by 0.7 (a planted bug; not by a power of two, which FP8 would
+    represent exactly: the all-gathers must then cast differently)."""
+    import tessera.training.trainer as trainer_module
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    trainer = trainer_for(small_config(**kw))
+    weights = trainer.float8_weights
+    if not precompute:
+        trainer.float8_weights = []
+    if plant_scaled:
+        real = trainer_module.precompute_float8_scales
+
+        def scaled(ws):
+            real(ws)
+            for w in ws:
+                w._local_tensor._precomputed_scale = w._local_tensor._precomputed_scale * 0.7
+
+        trainer_module.precompute_float8_scales = scaled
+    seen: list = []
+
+    def keep(parts):
+        for w in weights:
+            full = w.full_tensor()
+            seen.append((w._local_tensor._precomputed_scale, tensor_to_scale(full, w._local_tensor._dtype)))
+
+    records, cleared = [], True
+    for s in range(trainer.config.runtime.steps):
+        records.append(trainer.train_step(on_grads=keep if s == 0 else None).record())
+        cleared = cleared and all(w._local_tensor._precomputed_scale is None for w in weights)
+    if plant_scaled:
+        trainer_module.precompute_float8_scales = real
+    pairs = [(None if got is None else got.item(), want.item()) for got, want in seen]
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], len(weights), pairs, cleared

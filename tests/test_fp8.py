@@ -214,3 +214,24 @@ def test_the_convergence_benchmark_records_the_dtypes_it_measured_and_refuses_a_
         )
         assert refused.returncode == 2 and "--device cuda: no GPU is visible here" in refused.stderr
         assert "--device cpu" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_the_per_step_scale_precompute_gives_the_all_gathers_own_scales_and_changes_no_step():
+    """dp2 tensorwise (FSDP2 all-gathers the weights in FP8): each step's precomputed scale of every such weight
+    is the one the all-gather computes from the whole weight, the run trains bitwise as it does without the
+    precompute, and no scale outlives its step."""
+    from tessera.parallel.launch import run_ranks
+
+    from fp8_ranks import precomputed_scales_run
+
+    kw = dict(dp=2, fp8="tensorwise", steps=2)
+    on = run_ranks(precomputed_scales_run, 2, kw, True, timeout=180)
+    off = run_ranks(precomputed_scales_run, 2, kw, False, timeout=180)
+    for (losses, norms, n, pairs, cleared), (off_losses, off_norms, *_, off_pairs, _) in zip(on, off):
+        assert n > 0 and len(pairs) == n and cleared
+        assert all(got == want for got, want in pairs), pairs
+        assert all(got is None for got, _ in off_pairs)  # without it the all-gathers cast by their own amax
+        assert losses == off_losses and norms == off_norms
+    # the all-gathers do cast with the precomputed scales: scaled by 0.7 they change the first step's gradients
+    planted = run_ranks(precomputed_scales_run, 2, kw, True, True, timeout=180)
+    assert planted[0][1][0] != on[0][1][0]

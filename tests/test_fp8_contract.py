@@ -214,8 +214,9 @@ def test_export_of_an_fp8_checkpoint_writes_ordinary_weights(runs, tmp_path):
 
 def test_fsdp_all_gathers_the_fp8_weights_in_fp8_as_comm_stats_counts(runs):
     """dp2 FULL_SHARD, tensorwise: each FP8 layer's weight is all-gathered in FP8 (1 byte an element instead
-    of fp32's 4) twice a step (forward, and backward after resharding); each gather adds torchao's amax
-    all-reduce over the FSDP mesh (one fp32 scalar: 2 (n - 1) / n x 4 = 4 bytes on the wire). Counted by
+    of fp32's 4) twice a step (forward, and backward after resharding); the step's scales take one all-reduce
+    of every FP8 weight's amax over the FSDP mesh (parallel/fp8.py's precompute: 14 fp32 scalars, 2 (n - 1) / n
+    x 4 bytes each on the wire), where torchao alone all-reduces one amax in each gather. Counted by
     --comm-stats on rank 0, against the same run without --fp8."""
     fp8, report = runs["comm-fp8"]
     fp32, _ = runs["comm-fp32"]
@@ -223,5 +224,5 @@ def test_fsdp_all_gathers_the_fp8_weights_in_fp8_as_comm_stats_counts(runs):
     numel = 2 * 64 * (64 + 32 + 32 + 64 + 3 * 192)  # q, k, v, o, w1, w3, w2 of the debug preset's 2 layers
     gathers, n = 2, 2
     saved = gathers * numel * (n - 1) / n * (4 - 1)
-    amax = gathers * len(report.converted) * 2 * (n - 1) / n * 4
+    amax = len(report.converted) * 2 * (n - 1) / n * 4  # once a step, not once a gather
     assert fp32["dp_shard_cp"] - fp8["dp_shard_cp"] == saved - amax

@@ -32,6 +32,7 @@ from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, i
 from tessera.parallel.comm_stats import CommCounter
 from tessera.parallel.data import PRECISIONS, layout_for_strategy
 from tessera.parallel.expert import expert_load, load_report, update_biases
+from tessera.parallel.fp8 import clear_float8_scales, float8_gathered_weights, precompute_float8_scales
 from tessera.parallel.loss import CrossEntropySum
 from tessera.parallel.pipeline import PipelineRunner
 from tessera.topology import Meshes, comm_model
@@ -198,6 +199,8 @@ class Trainer:
             global_rows=config.data.global_batch,
         )
         self.parts, self.runner, self.tied = built.parts, built.runner, built.tied
+        # the weights FSDP2 all-gathers in FP8: their scales are computed once a step, all at once (parallel/fp8.py)
+        self.float8_weights = float8_gathered_weights(self.parts) if config.parallel.fp8 else []
         o = config.optimizer
         self.optimizer = PartOptimizers(
             [
@@ -394,6 +397,7 @@ class Trainer:
             result = self._train_step_inner(on_grads)
         finally:
             WAIT_SECONDS.reset(token)
+            clear_float8_scales(self.float8_weights)  # a forward outside a step (eval, generate) casts by its own amax
         result.collective_wait_s = waits
         return result
 
@@ -404,6 +408,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         for part in self.parts if self.spec.moe else ():
             reset_counters(part)  # the MoE blocks' load counters: this step's only
+        precompute_float8_scales(self.float8_weights)  # cleared after the step (_train_step): never stale
         loss_sum = self.runner.forward_backward(step.microbatches, valid)
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
         self._mark("backward")

@@ -1,0 +1,68 @@
+"""FP8 against bf16 tokens/s, both compiled, side by side in one call: issue 35's goal (1.2x at the largest preset
+that fits one GPU) without the rest of the GPU suite.
+
+The GPU suite's rows (benchmarks/gpu_suite_parts.py's train_row: the 1b preset, seq 2048, 7 steps of which 3-6
+are timed and 7 profiled, one process) at one batch: `--compile` in bf16, then `--compile --fp8 tensorwise`,
+`--rounds` times alternating; the ratio is bf16's median step time over FP8's, each row's profile kept.
+
+    python benchmarks/bench_fp8_compiled.py                          # one GPU, batch 16, one round
+    python benchmarks/bench_fp8_compiled.py --smoke --out /tmp/x.json # the plumbing on CPU (debug model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import device_slug, write_results  # noqa: E402
+from gpu_suite import FULL, SMOKE  # noqa: E402
+from gpu_suite_parts import train_row  # noqa: E402
+
+from tessera.metrics.results import BF16_PEAK  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16, help="sequences a step (the suite's fit on an H200: 16)")
+    p.add_argument("--recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
+    p.add_argument("--rounds", type=int, default=1, help="bf16 then FP8, this many times")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a row may take")
+    p.add_argument("--smoke", action="store_true", help="the debug model on CPU (checks the plumbing)")
+    p.add_argument("--out", default=None, help="a .json file or a directory")
+    args = p.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; --smoke runs the plumbing on CPU")
+    sizes = SMOKE if args.smoke else FULL
+    device = "cpu" if args.smoke else torch.cuda.get_device_name()
+    peak = None if args.smoke else next((v for k, v in BF16_PEAK.items() if k in device), None)
+    batch = sizes["smoke_batch"] if args.smoke else args.batch
+    rows: dict[str, list[dict]] = {"bf16": [], "fp8": []}
+    for _ in range(args.rounds):
+        for name, fp8 in (("bf16", None), ("fp8", args.recipe)):
+            row = train_row(sizes, batch, True, args.smoke, peak, args.timeout, fp8)
+            rows[name].append(row)
+            step_ms = row["step_time_s"] * 1e3
+            print(f"{name}: {row['tokens_per_s']:,.0f} tok/s, step {step_ms:.1f} ms, {row['compute_dtype']}")
+    steps = {name: statistics.median(r["step_time_s"] for r in rs) for name, rs in rows.items()}
+    ratio = steps["bf16"] / steps["fp8"]
+    print(f"fp8 {args.recipe} compiled / bf16 compiled: {ratio:.3f}x ({device})")
+    results = {
+        "device": device,
+        "rows": rows,
+        "median_step_s": steps,
+        "fp8_over_bf16_compiled": ratio,
+        "compute_dtypes": {name: [r["compute_dtype"] for r in rs] for name, rs in rows.items()},
+    }
+    config = {"sizes": {k: v for k, v in sizes.items() if not isinstance(v, dict)}, "batch": batch, **vars(args)}
+    write_results(f"fp8-compiled-{device_slug(device)}", config, results, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
