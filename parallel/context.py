@@ -172,6 +172,14 @@ def _ring_plan(
     return [[b for i, b in enumerate(blocks) if (step, i) not in dropped] for step, blocks in enumerate(plan)]
 
 
+def _block_inputs(t: Tensor, acc: torch.dtype) -> Tensor:
+    """A block's attention input: as it is on CUDA (the kernel's tensor cores take bf16; its block results come
+    back in bf16 before the fp32 merge, as in ring-flash-attention), but upcast to `acc` elsewhere, where the
+    attention computes in fp32 anyway (the torch reference upcasts its inputs): the block's output and
+    gradients then reach the fp32 merge unrounded, and cp rounds attention once, as one process does."""
+    return t if t.is_cuda else t.to(acc)
+
+
 class _RingAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, timeout, plan, window, docs=None, all_docs=None):
@@ -181,12 +189,13 @@ class _RingAttention(Function):
         out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = pack(k, v)  # one message per step; kv heads, never repeated
+        qb = _block_inputs(q, acc)
         for step in range(size):
             ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
-            k_s, v_s = unpack(kv, k.shape, v.shape)
+            k_s, v_s = (_block_inputs(t, acc) for t in unpack(kv, k.shape, v.shape))
             for rows, cols, block_causal, q_offset in plan[step]:
                 o_b, lse_b = flash_attention(
-                    q[:, :, rows],
+                    qb[:, :, rows],
                     k_s[:, :, cols],
                     v_s[:, :, cols],
                     causal=block_causal,
@@ -215,17 +224,18 @@ class _RingAttention(Function):
         kv = pack(k, v)
         dkv_pass: _RingPass | None = None
         dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
+        qb, outb, doutb = (_block_inputs(t, acc) for t in (q, out, dout))
         for step in range(size):
             ring = _RingPass(kv, group, "K/V (backward)", timeout) if step + 1 < size else None
-            k_s, v_s = unpack(kv, k.shape, v.shape)
+            k_s, v_s = (_block_inputs(t, acc) for t in unpack(kv, k.shape, v.shape))
             shares = []
             for rows, cols, block_causal, q_offset in plan[step]:
                 dq_b, dk_b, dv_b = flash_attention_backward(
-                    dout[:, :, rows],
-                    q[:, :, rows],
+                    doutb[:, :, rows],
+                    qb[:, :, rows],
                     k_s[:, :, cols],
                     v_s[:, :, cols],
-                    out[:, :, rows],
+                    outb[:, :, rows],
                     lse[:, :, rows],
                     None if dlse is None else dlse[:, :, rows],
                     causal=block_causal,
