@@ -230,11 +230,11 @@ def precompute_float8_scales(weights: list[Any]) -> None:
     (the forward's, and the backward's again where FSDP reshards). The same scale the all-gather computes
     without it (torchao's amax_to_scale of the same global amax: torchtitan's
     precompute_float8_dynamic_scale_for_fsdp), so nothing a layer rounds changes."""
-    from torchao.float8.float8_utils import amax_to_scale  # lazy: optional dependency
-
-    if not weights:
+    if not weights:  # before any import: a run without FP8 weights never loads torchao
         return
     from torch.distributed.tensor import DTensor  # lazy: as in float8_gathered_weights
+
+    from torchao.float8.float8_utils import amax_to_scale  # lazy: optional dependency
 
     amax = torch.stack(torch._foreach_norm(weights, ord=math.inf))  # a DTensor, Partial(max) over the shards
     assert isinstance(amax, DTensor)

@@ -113,6 +113,7 @@ SLOW_TESTS = {
     "test_tp_ranks_through_the_kernels_equal_one_process",
     "test_the_loss_kernels_benchmark_runs_and_records_both_paths",
     "test_the_per_step_scale_precompute_gives_the_all_gathers_own_scales_and_changes_no_step",  # dp2 FP8, twice
+    "test_a_run_without_fp8_never_imports_torchao",  # a fresh interpreter trains a step
 }
 
 

@@ -235,3 +235,23 @@ def test_the_per_step_scale_precompute_gives_the_all_gathers_own_scales_and_chan
     # the all-gathers do cast with the precomputed scales: scaled by 0.7 they change the first step's gradients
     planted = run_ranks(precomputed_scales_run, 2, kw, True, True, timeout=180)
     assert planted[0][1][0] != on[0][1][0]
+
+
+def test_a_run_without_fp8_never_imports_torchao(tmp_path):
+    """The per-step scale hooks run on every step; without FP8 weights they must not load torchao (a rank that
+    did printed its import warning, and a killed-rank run's one-line error became three lines)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import torch.distributed as dist\n"
+        "from tessera.config import Config\n"
+        "from tessera.trainer import Trainer\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "Trainer(Config.create(model='debug', seq_len=16, global_batch=2, steps=1, quiet=True)).train_step()\n"
+        "print('torchao' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "False"
