@@ -10,6 +10,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from test_fused_loss import _close, _float64_definition, _problem
 from tessera.kernels import set_default_backend
 from tessera.kernels.dispatch import cross_entropy_grad_, cross_entropy_row_stats, fused_cross_entropy
 from tessera.parallel.launch import run_ranks
@@ -84,24 +85,6 @@ def test_which_path_runs():
 
 
 # ----------------------------------------------------------------------------- the loss through the kernels
-def _problem(n, dim, vocab, seed=0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, dim, generator=gen, dtype=torch.float64).to(dtype)
-    w = (torch.randn(vocab, dim, generator=gen, dtype=torch.float64) * 0.5).to(dtype)
-    targets = torch.randint(0, vocab, (n,), generator=gen)
-    targets[::5] = -100
-    return h, w, targets
-
-
-def _float64_loss(h, w, targets, scale):
-    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    logp = torch.log_softmax(h64 @ w64.t(), dim=-1)
-    valid = targets != -100
-    loss = -logp[valid].gather(-1, targets[valid].unsqueeze(-1)).sum()
-    (loss * scale).backward()
-    return loss.detach(), h64.grad, w64.grad
-
-
 def _run(h, w, targets, backend, scale=0.37, **kw):
     set_default_backend(backend)
     try:
@@ -113,18 +96,13 @@ def _run(h, w, targets, backend, scale=0.37, **kw):
         set_default_backend(None)
 
 
-def _close(got, want, rel):
-    err = (got.double() - want.double()).abs().max().item()
-    assert err <= rel * want.double().abs().max().item(), f"{err} vs {rel} x {want.abs().max().item()}"
-
-
 @interpreted
 @pytest.mark.parametrize("chunk_elements", [7 * 53, 10**9], ids=["7-of-37", "one-chunk"])
 def test_the_loss_through_the_kernels_equals_float64_and_its_torch_path(chunk_elements):
     h, w, targets = _problem(37, 16, 53)
     loss, count, dh, dw = _run(h, w, targets, "triton", chunk_elements=chunk_elements)
     ref, ref_count, ref_dh, ref_dw = _run(h, w, targets, None, chunk_elements=chunk_elements)
-    exact, exact_dh, exact_dw = _float64_loss(h, w, targets, 0.37)
+    exact, exact_dh, exact_dw = _float64_definition(h, w, targets, 0.37)
     assert count == ref_count == 37 - 8 and loss.dtype == torch.float32
     for want, want_dh, want_dw in ((ref, ref_dh, ref_dw), (exact, exact_dh, exact_dw)):
         assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item())
@@ -169,7 +147,7 @@ def _tp_rank(vocab, n, dim, chunk_elements, seed):
 def test_tp_ranks_through_the_kernels_equal_one_process(tp, vocab, chunk_elements):
     n, dim = 37, 8
     h, w, targets = _problem(n, dim, vocab, 5)
-    exact, exact_dh, exact_dw = _float64_loss(h, w, targets, 0.37)
+    exact, exact_dh, exact_dw = _float64_definition(h, w, targets, 0.37)
     for loss, count, dh, dw, (start, stop) in run_ranks(_tp_rank, tp, vocab, n, dim, chunk_elements, 5, timeout=120):
         assert count == n - 8
         assert abs(loss - exact.item()) <= 1e-6 * abs(exact.item())
