@@ -160,6 +160,17 @@ def check_loss(kind: str) -> str:
     return kind
 
 
+def _chunk_targets(
+    t_c: Tensor, vocab_start: int, v_local: int, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A chunk's targets against this rank's vocab shard: (target column in the shard, valid (not ignored),
+    mine (valid and in the shard), the column to gather, clamped into the shard, as (rows, 1))."""
+    local_target = t_c - vocab_start
+    valid = t_c != ignore_index
+    mine = (local_target >= 0) & (local_target < v_local) & valid
+    return local_target, valid, mine, local_target.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
+
+
 def _fused_chunk(
     h_c: Tensor,
     t_c: Tensor,
@@ -179,10 +190,7 @@ def _fused_chunk(
     v_local = logits.shape[1]
     row_max, row_sum = cross_entropy_row_stats(logits)
     global_max = all_reduce_tp(row_max, group, dist.ReduceOp.MAX) if group is not None else row_max
-    local_target = t_c - vocab_start
-    valid = t_c != ignore_index
-    mine = (local_target >= 0) & (local_target < v_local) & valid
-    idx = local_target.clamp(0, v_local - 1).unsqueeze(-1)
+    local_target, valid, mine, idx = _chunk_targets(t_c, vocab_start, v_local, ignore_index)
     picked = logits.gather(-1, idx).squeeze(-1).float()
     target_logit = torch.where(mine, picked - global_max, torch.zeros_like(picked))
     if group is not None:  # each rank's sum-exp rescaled to the global max, summed with the target logit
@@ -257,10 +265,7 @@ class _LinearCrossEntropy(Function):
             logits = torch.mm(h_c, weight.t()).to(stat)  # the chunk's logits in the compute dtype, then fp32
             local_max = logits.amax(dim=-1) if v_local else logits.new_full((rows,), float("-inf"))
             global_max = all_reduce_tp(local_max, group, dist.ReduceOp.MAX) if group is not None else local_max
-            local_target = t_c - vocab_start
-            valid = t_c != ignore_index
-            mine = (local_target >= 0) & (local_target < v_local) & valid
-            idx = local_target.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
+            _, valid, mine, idx = _chunk_targets(t_c, vocab_start, v_local, ignore_index)
             picked = logits.gather(-1, idx).squeeze(-1) if v_local else logits.new_zeros(rows)
             exp = logits.sub_(global_max.unsqueeze(-1)).exp_()  # in place: one chunk-sized buffer throughout
             target_logit = torch.where(mine, picked - global_max, torch.zeros_like(picked))
