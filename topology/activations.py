@@ -38,6 +38,14 @@ def uses_block_model(shape: ModelShape) -> bool:
     )
 
 
+def layer_kind(shape: ModelShape, layer: int) -> tuple[bool, bool]:
+    """What tells block `layer`'s count from another block's of the same shape: whether it attends within a
+    sliding window, and whether it is one of the dense blocks before the MoE ones (the only places
+    `block_activation_bytes` reads `layer`). The planner counts one block of each kind."""
+    s = as_shape(shape)
+    return layer in s.sliding_layers, layer < s.n_dense_layers
+
+
 def window_of(shape: ModelShape, layer: int) -> int | None:
     """The sliding window block `layer` attends within (None: its whole causal past)."""
     s = as_shape(shape)

@@ -87,7 +87,13 @@ def wire_bytes(op: str, payload: float, n: int) -> float:
 
 def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage=None) -> list[int]:
     """Blocks per pipeline stage, by the stage split's one rule (topology/shapes.py's split_layers)."""
-    return [len(r) for r in split_layers(n_layers, n_stages, layers_per_stage)]
+    per_stage = None if layers_per_stage is None else tuple(layers_per_stage)
+    return list(_stage_layer_counts(n_layers, n_stages, per_stage))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same few splits for each of its candidates
+def _stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(len(r) for r in split_layers(n_layers, n_stages, layers_per_stage))
 
 
 # bytes of the elements that tessera's collectives carry whatever the activation dtype: expert counts and

@@ -78,7 +78,7 @@ from .memory import AC_MODES as MEMORY_AC_MODES
 from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
 from .muon_memory import MUON_RECIPES, muon_extra_bytes
 from .step_time import Calibration, attention_flops_per_token, step_parts
-from .activations import block_activation_bytes, uses_block_model
+from .activations import block_activation_bytes, layer_kind, uses_block_model
 from .errors import PlanError  # no layout fits, or a request it cannot plan
 from .fp8_model import (
     FP8_RECIPES,
@@ -642,31 +642,45 @@ def _rank_memory(
     accumulating = cand.microbatches * cand.virtual > in_flight if pipelined else cand.microbatches > 1
     m["unsharded_grads"] = (tp_local * e if fsdp > 1 else m["gradients"]) if accumulating else 0.0
     cpu = e >= 4 or (hw.calibration is not None and hw.calibration.device_type == "cpu")
-    act = functools.partial(
-        layer_activation_bytes, cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e=e, cp=lay.cp, cpu=cpu
-    )
+    # one count per checkpointing mode and block kind, not per block: blocks of one kind keep the same bytes
+    # (on 48 layers the count per block was 70% of the planner's time)
+    per_kind = uses_block_model(cfg)
+    counted: dict[tuple, float] = {}
+
+    def act(ac: str, layer: int) -> float:
+        key = (ac, layer_kind(cfg, layer) if per_kind and ac == "none" else None)
+        if key not in counted:
+            counted[key] = layer_activation_bytes(
+                cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, ac, e, cp=lay.cp, layer=layer, cpu=cpu
+            )
+        return counted[key]
+
     starts = [sum(layers[:s]) for s in range(n_stages)]
     # each stage's blocks by index (a family's blocks may differ: dense or MoE, sliding or full attention)
     chunks = [range(starts[s], starts[s] + layers[s]) for s in stages]
+
     # a recomputed block's activations come back one block at a time, during its backward: full adds a
     # whole block's, op the part its policy did not keep; selective recomputes the even blocks after the
     # odd ones above them have freed theirs, so it adds nothing to the peak at the start of backward
-    if cand.ac == "selective":  # blocks 0, 2, 4, ... of each stage checkpointed
-        acts = in_flight * max(
-            sum(act(ac="full" if (i - c.start) % 2 == 0 else "none", layer=i) for i in c) for c in chunks
-        )
-    else:
-        blocks = [i for c in chunks for i in c]
-        recompute = max(
-            (
-                {"none": 0.0, "full": act(ac="none", layer=i), "op": act(ac="none", layer=i) - act(ac="op", layer=i)}[
-                    cand.ac
-                ]
-                for i in blocks
-            ),
-            default=0.0,
-        )
-        acts = in_flight * max(sum(act(ac=cand.ac, layer=i) for i in c) for c in chunks) + recompute
+    def mode(i: int, c: range) -> str:  # selective checkpoints blocks 0, 2, 4, ... of each stage
+        return ("full" if (i - c.start) % 2 == 0 else "none") if cand.ac == "selective" else cand.ac
+
+    def chunk_bytes(c: range) -> float:
+        if per_kind:
+            return sum(act(mode(i, c), i) for i in c)
+        if cand.ac == "selective":  # (integral byte counts: n x a is the sum of n a's exactly)
+            even = (len(c) + 1) // 2
+            return even * act("full", c.start) + (len(c) - even) * act("none", c.start)
+        return len(c) * act(cand.ac, c.start)
+
+    def recomputed(i: int) -> float:
+        if cand.ac in ("none", "selective"):
+            return 0.0
+        return act("none", i) - (0.0 if cand.ac == "full" else act("op", i))
+
+    blocks = [i for c in chunks for i in (c if per_kind else c[:1])]  # one of each kind
+    recompute = max((recomputed(i) for i in blocks), default=0.0)
+    acts = in_flight * max(chunk_bytes(c) for c in chunks) + recompute
     m["activations"] = acts
     last = n_stages - 1 in stages
     kept, transient = (
