@@ -178,6 +178,52 @@ def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_ex
     assert why_best(result)
 
 
+def _activations_block_by_block(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, seq_len, batch):
+    """A rank's activation bytes as the sum of every block's own count (no grouping of alike blocks)."""
+    from tessera.topology.planner import layer_activation_bytes
+    from tessera.topology.schedule import placement_of, stages_on_rank
+
+    lay, e = cand.layout, hw.dtype_bytes
+    mb_rows, seq = batch // lay.dp // cand.microbatches, seq_len // lay.cp
+    layers = stage_layer_counts(cfg.n_layers, lay.pp * cand.virtual)
+    stages = stages_on_rank(pp_rank, lay.pp, cand.virtual, placement_of(cand.schedule))
+    chunks = [range(sum(layers[:s]), sum(layers[: s + 1])) for s in stages]
+
+    def act(ac, i):
+        return layer_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, ac, e, lay.cp, i, e >= 4)
+
+    if cand.ac == "selective":
+        return in_flight * max(sum(act("full" if (i - c.start) % 2 == 0 else "none", i) for i in c) for c in chunks)
+    recompute = {"none": lambda i: 0.0, "full": lambda i: act("none", i), "op": lambda i: act("none", i) - act("op", i)}
+    most = max((recompute[cand.ac](i) for c in chunks for i in c), default=0.0)
+    return in_flight * max(sum(act(cand.ac, i) for i in c) for c in chunks) + most
+
+
+ALIKE_BLOCKS = {  # presets whose blocks differ (sliding and full, dense and MoE) and whose blocks are all alike
+    name: candidates(model_shape(name), Hardware(gpus=8), 64, 16)
+    for name in ("debug", "qwen3-moe-debug", "gpt-oss-debug", "deepseek-v3-debug")
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_the_planner_counts_a_ranks_activations_as_the_sum_of_its_blocks(data):
+    """The planner counts one block of each kind and multiplies; the sum over every block is the same bytes."""
+    from tessera.topology.planner import _rank_memory, fsdp_degree, pipeline_profile
+
+    name = data.draw(st.sampled_from(sorted(ALIKE_BLOCKS)))
+    cand = data.draw(st.sampled_from(ALIKE_BLOCKS[name]))
+    cfg, hw, lay = as_shape(model_shape(name)), Hardware(gpus=8), cand.layout
+    _, in_flight = pipeline_profile(cand.schedule, lay.pp, cand.microbatches, cand.virtual)
+    pp_rank = data.draw(st.sampled_from(sorted({0, lay.pp - 1})))
+    mb_rows = 16 // lay.dp // cand.microbatches
+    counted = _rank_memory(cfg, cand, hw, pp_rank, in_flight[pp_rank], mb_rows, 64 // lay.cp, fsdp_degree(lay))
+    assert counted["activations"] == _activations_block_by_block(cfg, cand, hw, pp_rank, in_flight[pp_rank], 64, 16), (
+        name,
+        cand,
+    )
+
+
 def test_memory_model_directions():
     """Checkpointing saves memory and costs time; SHARD_GRAD_OP holds the gathered stage; tp beyond the kv
     heads holds the whole K/V weights (the planner counts them, an even 1/tp split would not)."""
