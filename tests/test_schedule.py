@@ -44,6 +44,7 @@ def test_every_microbatch_runs_each_op_once_per_stage_in_dependency_order(kind, 
             if a.op == "W":
                 assert where[Action("B", a.microbatch, a.stage)] < where[a]
     timeline = simulate(schedule)  # raises on a deadlock
+    assert simulate(schedule, checked=True) == timeline  # the planner's: build_schedule's output, not validated again
     finished = {a: end for row in timeline.ranks for _, end, a in row}
     started = {a: start for row in timeline.ranks for start, _, a in row}
     last = p * v - 1

@@ -412,7 +412,7 @@ def pipeline_profile(kind: str, pp: int, microbatches: int, virtual: int) -> tup
     backward costing twice a forward (B = W = F for the kinds that split it)."""
     if pp == 1:
         return 0.0, (1,)
-    timeline = simulate(build_schedule(kind, pp, microbatches, virtual), {"F": 1.0, "B": 1.0, "W": 1.0})
+    timeline = simulate(build_schedule(kind, pp, microbatches, virtual), {"F": 1.0, "B": 1.0, "W": 1.0}, checked=True)
     return timeline.bubble, tuple(timeline.peak_held_activations)  # a deferred W holds its layer's inputs
 
 
