@@ -329,28 +329,30 @@ def _rank_pids(marker: str, launcher: int) -> list[int]:
     return out
 
 
-def _train_reference(tmp_path, common):
-    """The uninterrupted run of the CLI flags `common`: checkpoints in reference/, metrics in reference.jsonl."""
+@pytest.fixture(scope="module")
+def train_reference(tmp_path_factory):
+    """`train_reference(tmp_path, common)`: the uninterrupted run of the CLI flags `common` in tmp_path
+    (checkpoints in reference/, metrics in reference.jsonl), trained once per flags in this module: the killed-rank
+    test's dp2 x tp2 run and the torchrun test's are the same run (~9 s of 4 ranks each time)."""
     import argparse
 
     from tessera.config import add_arguments, config_from_args
     from tessera.training.run import train
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    train(
-        config_from_args(
-            parser.parse_args(
-                [
-                    *common,
-                    "--checkpoint-dir",
-                    str(tmp_path / "reference"),
-                    "--metrics",
-                    str(tmp_path / "reference.jsonl"),
-                ]
-            )
-        )
-    )
+    trained: dict[tuple, object] = {}
+
+    def reference(tmp_path, common):
+        key = tuple(common)
+        if key not in trained:
+            root = trained[key] = tmp_path_factory.mktemp("reference")
+            parser = argparse.ArgumentParser()
+            add_arguments(parser)
+            flags = ["--checkpoint-dir", str(root / "reference"), "--metrics", str(root / "reference.jsonl")]
+            train(config_from_args(parser.parse_args([*common, *flags])))
+        shutil.copytree(trained[key] / "reference", tmp_path / "reference")
+        shutil.copy(trained[key] / "reference.jsonl", tmp_path / "reference.jsonl")
+
+    return reference
 
 
 def _wait_for_step(metrics, step: int, seconds: float = 120) -> None:
@@ -385,12 +387,12 @@ def _assert_matches_reference(tmp_path, metrics, total_steps: int) -> list[dict]
     [["--dp", "2", "--tp", "2"], ["--pp", "2", "--n-layers", "4", "--microbatches", "2"]],
     ids=["dp2xtp2", "pp2"],
 )
-def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_path, layout):
+def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_bitwise(tmp_path, layout, train_reference):
     import signal
     import uuid
 
     common = ["--steps", "16", "--seq-len", "32", "--global-batch", "4", "--checkpoint-every", "4", "--quiet", *layout]
-    _train_reference(tmp_path, common)
+    train_reference(tmp_path, common)
     # the same run, with one rank killed (SIGKILL) mid-run
     marker = uuid.uuid4().hex
     metrics = tmp_path / "run.jsonl"
@@ -575,7 +577,7 @@ def test_a_straggler_is_named_after_three_slow_steps_in_the_progress_line():
     )
 
 
-def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_path):
+def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_path, train_reference):
     """torchrun restarts every worker after one is SIGKILLed; tessera joins the new attempt (its store keys
     under a per-attempt prefix, so the mesh's subgroups reconnect) and resumes from --checkpoint-dir."""
     import shutil
@@ -584,7 +586,7 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
 
     common = [
         "--steps",
-        "14",
+        "16",
         "--seq-len",
         "32",
         "--global-batch",
@@ -597,7 +599,7 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
         "--tp",
         "2",
     ]
-    _train_reference(tmp_path, common)
+    train_reference(tmp_path, common)
     marker = uuid.uuid4().hex
     metrics = tmp_path / "run.jsonl"
     torchrun = shutil.which("torchrun", path=str(os.path.dirname(sys.executable))) or "torchrun"
@@ -636,5 +638,5 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_the_job_bitwise(tmp_p
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    records = _assert_matches_reference(tmp_path, metrics, 14)
+    records = _assert_matches_reference(tmp_path, metrics, 16)
     assert [r["restart"] for r in records if r.get("type") == "header"] == [0, 1]
