@@ -183,12 +183,12 @@ def _activations_block_by_block(cfg, cand: Candidate, hw: Hardware, pp_rank: int
     """A rank's activation bytes as the sum of every block's own count (no grouping of alike blocks)."""
     from tessera.topology.planner import layer_activation_bytes
     from tessera.topology.schedule import placement_of, stages_on_rank
+    from tessera.topology.shapes import split_layers
 
     lay, e = cand.layout, hw.dtype_bytes
     mb_rows, seq = batch // lay.dp // cand.microbatches, seq_len // lay.cp
-    layers = stage_layer_counts(cfg.n_layers, lay.pp * cand.virtual)
-    stages = stages_on_rank(pp_rank, lay.pp, cand.virtual, placement_of(cand.schedule))
-    chunks = [range(sum(layers[:s]), sum(layers[: s + 1])) for s in stages]
+    blocks_of = split_layers(cfg.n_layers, lay.pp * cand.virtual)
+    chunks = [blocks_of[s] for s in stages_on_rank(pp_rank, lay.pp, cand.virtual, placement_of(cand.schedule))]
 
     def act(ac, i):
         return layer_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, ac, e, lay.cp, i, e >= 4)

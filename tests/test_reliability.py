@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -339,7 +340,7 @@ def train_reference(tmp_path_factory):
     from tessera.config import add_arguments, config_from_args
     from tessera.training.run import train
 
-    trained: dict[tuple, object] = {}
+    trained: dict[tuple, Path] = {}  # flags -> the directory of their run
 
     def reference(tmp_path, common):
         key = tuple(common)

@@ -659,9 +659,6 @@ def _rank_memory(
     # each stage's blocks by index (a family's blocks may differ: dense or MoE, sliding or full attention)
     chunks = [range(starts[s], starts[s] + layers[s]) for s in stages]
 
-    # a recomputed block's activations come back one block at a time, during its backward: full adds a
-    # whole block's, op the part its policy did not keep; selective recomputes the even blocks after the
-    # odd ones above them have freed theirs, so it adds nothing to the peak at the start of backward
     def mode(i: int, c: range) -> str:  # selective checkpoints blocks 0, 2, 4, ... of each stage
         return ("full" if (i - c.start) % 2 == 0 else "none") if cand.ac == "selective" else cand.ac
 
@@ -673,6 +670,9 @@ def _rank_memory(
             return even * act("full", c.start) + (len(c) - even) * act("none", c.start)
         return len(c) * act(cand.ac, c.start)
 
+    # a recomputed block's activations come back one block at a time, during its backward: full adds a
+    # whole block's, op the part its policy did not keep; selective recomputes the even blocks after the
+    # odd ones above them have freed theirs, so it adds nothing to the peak at the start of backward
     def recomputed(i: int) -> float:
         if cand.ac in ("none", "selective"):
             return 0.0
