@@ -13,6 +13,7 @@ import contextvars
 import time
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 
 from tessera.topology.errors import CollectiveTimeout  # a restartable TesseraError
@@ -40,6 +41,13 @@ WAIT_SECONDS: contextvars.ContextVar[dict[str, float] | None] = contextvars.Cont
 
 @contextlib.contextmanager
 def collective(op: str, axis: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Name a stalled collective by rank, axis and operation; count its axis (comm_stats) and its wait
+    (WAIT_SECONDS). Inside torch.compile's trace it does nothing: the collective becomes an op of the graph,
+    which runs long after this code, and dynamo cannot trace ContextVar.set (a graph break at every tp
+    collective split a compiled tp2 + SP block into 12 graphs)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     token = CURRENT_AXIS.set(axis)
     waits = WAIT_SECONDS.get()
     started = time.perf_counter() if waits is not None else 0.0

@@ -209,6 +209,15 @@ def calibrate_rank(config, quick: bool = True) -> dict:
     )
 
 
+UNTIMED_IN_COMPILED_BLOCKS = "not measured: the compiled blocks' tp and cp collectives run inside their graphs"
+
+
+def _exposed(row: dict) -> str:
+    if row["exposed_comm_s"] is None:
+        return f"exposed communication {row['exposed_comm_note']}"
+    return f"{row['exposed_comm_s'] * 1e3:.1f} ms exposed communication"
+
+
 def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
     """On a one-rank job: the plain-torch baseline (tessera.commands.baseline) at the config's model, seed, data,
     sequence, global batch, mixed precision and optimizer; its step records."""
@@ -283,7 +292,7 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
         print(
             f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s "
             f"({r['tokens_per_s_per_device']:,.0f} per device), "
-            f"step {r['step_time_s'] * 1e3:.1f} ms ({r['exposed_comm_s'] * 1e3:.1f} ms exposed communication), "
+            f"step {r['step_time_s'] * 1e3:.1f} ms ({_exposed(r)}), "
             f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}, {r['compute_dtype']}; predicted step "
             f"{r['predicted']['step_time_s'] * 1e3:.1f} ms "
             f"(measured / predicted {r['measured_over_predicted']['step_time']:.2f})" + experts,
@@ -395,11 +404,14 @@ def _row(
         for axis in {a for m in timed for a in m["collective_wait_s"]}
     }
     exposed = min(step, sum(waits.values()))
+    p = config.parallel_config()
+    # a compiled block's tp collectives (and cp's all-gather) are ops of its graph, which nothing times: the
+    # exposed communication of such a row is not measured, and is not reported as the eager ones' sum
+    untimed = p.compile and (config.layout.tp > 1 or config.layout.cp > 1)
     lay, ranks = config.layout, config.layout.world_size
     tokens = config.data.global_batch * config.data.seq_len
     flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
-    p = config.parallel_config()
 
     predicted = planner_estimate(config, Calibration.from_entry(calibration) if calibration else None)
     comm = history[0].get("comm", {})
@@ -425,8 +437,9 @@ def _row(
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_device": tokens / step / devices,
         "mfu": flops / (step * devices * peak) if peak else None,
-        "exposed_comm_s": exposed,
-        "compute_and_fsdp_s": step - exposed,
+        "exposed_comm_s": None if untimed else exposed,
+        "compute_and_fsdp_s": None if untimed else step - exposed,
+        **({"exposed_comm_note": UNTIMED_IN_COMPILED_BLOCKS} if untimed else {}),
         "collective_wait_s_by_axis": waits,
         "peak_memory_bytes_rank0": peak_process,
         "peak_memory_kind": "CUDA allocator peak"

@@ -61,7 +61,8 @@ class StepResult:
     straggler: Straggler | None = None  # a rank the others have waited for, several steps in a row
     tokens_checksum: int | None = None  # of the global batch's tokens (token files only)
     comm: dict[str, Any] | None = None  # --comm-stats: bytes sent by axis and collective, beside the analytic ones
-    collective_wait_s: dict[str, float] = field(default_factory=dict)  # time inside tessera's collectives, by axis
+    # time inside tessera's eager collectives, by axis (those of a compiled block are ops of its graph, untimed)
+    collective_wait_s: dict[str, float] = field(default_factory=dict)
     peak_tensor_bytes: int | None = None  # --track-memory, on step 2: live tensor storage at its peak
     # the dtype that carried most matmul FLOPs, read from the tensors during this process's first step
     compute_dtype: str | None = None
