@@ -1,7 +1,5 @@
 """`python -m tessera ...` is the `tessera` command."""
 
-import sys
+from tessera.commands.cli import run
 
-from tessera.commands.cli import main
-
-sys.exit(main())
+run()

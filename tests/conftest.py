@@ -56,6 +56,7 @@ SLOW_MODULES = {
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
 SLOW_TESTS = {
+    "test_the_command_exits_without_the_teardown_yet_joins_threads_runs_atexit_and_flushes",
     "test_resume_dp2_to_dp4_to_one_process_equals_the_uninterrupted_run",
     "test_a_data_set_larger_than_the_run_is_read_only_as_far_as_needed",
     "test_a_packed_sft_batch_equals_each_example_alone_on_dp2xtp2_and_cp2",

@@ -235,7 +235,7 @@ def test_degrees_not_given_are_inferred_from_the_torchrun_world():
 
 def test_the_cli_exits_2_with_one_line_and_runs_nothing(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "train", "--steps", "1", "--tp", "3"],
+        [sys.executable, "-m", "tessera", "train", "--steps", "1", "--tp", "3"],  # the command's own exit
         capture_output=True,
         text=True,
         timeout=60,
@@ -249,6 +249,25 @@ def test_the_cli_exits_2_with_one_line_and_runs_nothing(tmp_path):
     assert version.returncode == 0 and version.stdout.startswith("tessera ")
     missing = cli_here("export", str(tmp_path), "--out", str(tmp_path / "no" / "m.safetensors"))
     assert missing.returncode == 2 and "does not exist; create it first" in missing.stderr
+
+
+def test_the_command_exits_without_the_teardown_yet_joins_threads_runs_atexit_and_flushes(tmp_path):
+    """`tessera` (commands.cli.run) leaves by os._exit after main(): the code main returned, every line printed,
+    after another thread's last write and the atexit handlers, as a normal exit would."""
+    script = f"""
+import atexit, pathlib, sys, threading, time
+from tessera.commands.cli import run
+out = pathlib.Path({str(tmp_path)!r})
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("joined"))).start()
+sys.stdout.write("no newline yet")
+sys.argv = ["tessera", "--version"]
+run()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("no newline yettessera ") and done.stdout.endswith("\n")
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "joined"
 
 
 def test_the_parallel_config_is_built_once_per_config_and_not_shipped_to_the_ranks():
