@@ -277,7 +277,7 @@ def test_a_trained_checkpoint_generates_the_same_text_on_one_process_and_tp2_ran
     one = _generate_json(capsys, "--checkpoint", str(trained), "--prompt", "The ", "--max-new-tokens", "20")
     assert one["family"] == "llama" and one["prompt_ids"] == [256, 84, 104, 101, 32] and one["new_tokens"] == 20
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "tessera.cli", "generate", "--checkpoint", str(trained), "--prompt", "The "]
+    argv = [sys.executable, "-m", "tessera", "generate", "--checkpoint", str(trained), "--prompt", "The "]
     proc = subprocess.run(
         [*argv, "--max-new-tokens", "20", "--tp", "2"], capture_output=True, text=True, env=env, timeout=300
     )

@@ -21,7 +21,7 @@ TINY = ["--model", "debug", "--seq-len", "16", "--global-batch", "2", "--quiet"]
 
 def _train(cwd, *args, **popen):
     return subprocess.Popen(
-        [sys.executable, "-m", "tessera.cli", "train", *TINY, *args],
+        [sys.executable, "-m", "tessera", "train", *TINY, *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -130,7 +130,7 @@ def test_the_readme_quotes_the_start_up_lines_matmul_shares():
         r"\(`(matmuls in bfloat16 \([^`]*\))`\s+for `tessera train --model debug --mixed-precision bf16`", readme
     ).group(1)
     out = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "train", "--model", "debug", "--mixed-precision", "bf16", "--steps", "1"],
+        [sys.executable, "-m", "tessera", "train", "--model", "debug", "--mixed-precision", "bf16", "--steps", "1"],
         capture_output=True,
         text=True,
         timeout=300,
