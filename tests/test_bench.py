@@ -165,22 +165,30 @@ def test_bench_rows_carry_dtype_predictions_and_the_baseline_as_the_readme_runs_
     assert base["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=1e-4)  # the same weights and batch
 
 
-@pytest.mark.parametrize(
-    "options", [dict(tp=2, sequence_parallel=True), dict(tp=2, sequence_parallel=True, compile=True)]
-)
-def test_a_compiled_tp_rows_exposed_communication_is_not_reported_as_measured(options):
-    """Inside a compiled block tp's collectives are ops of its graph and nothing times them: such a row says its
-    exposed communication was not measured instead of reporting the eager collectives' sum as the whole."""
+UNTIMED_CASES = {  # options -> whether a compiled block then holds collectives nothing times
+    "tp2+sp": (dict(tp=2, sequence_parallel=True), False),
+    "tp2+sp+compile": (dict(tp=2, sequence_parallel=True, compile=True), True),
+    "cp2-allgather+compile": (dict(cp=2, cp_method="allgather", compile=True), True),
+    "cp2-ring+compile": (dict(cp=2, compile=True), False),  # the ring's sends break the graph: eager, timed
+}
+
+
+@pytest.mark.parametrize("case", list(UNTIMED_CASES))
+def test_a_row_whose_compiled_blocks_hold_collectives_says_its_exposed_comm_is_not_measured(case):
+    """Inside a compiled block tp's collectives (and cp's all-gathers) are ops of its graph and nothing times them:
+    such a row says its exposed communication was not measured instead of reporting the eager collectives' sum
+    as the whole."""
     from helpers import small_config
     from tessera.commands.bench import _exposed, _row
 
+    options, untimed = UNTIMED_CASES[case]
     config = small_config(**options)
     history = [
         dict(step=s, step_time_s=0.1, loss=5.0, collective_wait_s={"tp": 0.01}, peak_memory_bytes=1 << 20)
         for s in (1, 2, 3)
     ]
-    row = _row("tp2+sp", config, history, warmup=1, peak=None, on_gpu=False)
-    if config.parallel_config().compile:
+    row = _row(case, config, history, warmup=1, peak=None, on_gpu=False)
+    if untimed:
         assert row["exposed_comm_s"] is None and row["compute_and_fsdp_s"] is None
         assert "not measured" in row["exposed_comm_note"] and "not measured" in _exposed(row)
     else:

@@ -14,7 +14,8 @@ causal attention's QK^T and PV, forward and backward, at half the dense count) /
 peak FLOP/s per device: the bf16 peak of a known GPU, or on CPU one core's fp32 matmul rate measured here
 at the start); the dtype the matmuls ran in (the records' compute_dtype, read from the tensors); the step
 split into exposed communication (time inside tessera's tp, cp and pp collectives, waiting on peers
-included) and the rest (compute, FSDP2's collectives and the optimizer); the bytes each axis moved in the
+included; not measured, and said so, where --compile puts tp or cp all-gather collectives inside the
+blocks' graphs) and the rest (compute, FSDP2's collectives and the optimizer); the bytes each axis moved in the
 first step, counted and predicted; rank 0's peak tensor memory (live tensor storage at the peak of step
 2, measured) and its process peak (the CUDA allocator's torch.cuda.max_memory_allocated, or peak RSS on
 CPU); beside them the planner's step time and memory, its step time at rates calibrated on this device at
@@ -209,7 +210,9 @@ def calibrate_rank(config, quick: bool = True) -> dict:
     )
 
 
-UNTIMED_IN_COMPILED_BLOCKS = "not measured: the compiled blocks' tp and cp collectives run inside their graphs"
+UNTIMED_IN_COMPILED_BLOCKS = (
+    "not measured: the compiled blocks' tp collectives and cp all-gathers run inside their graphs, untimed"
+)
 
 
 def _exposed(row: dict) -> str:
@@ -405,9 +408,10 @@ def _row(
     }
     exposed = min(step, sum(waits.values()))
     p = config.parallel_config()
-    # a compiled block's tp collectives (and cp's all-gather) are ops of its graph, which nothing times: the
-    # exposed communication of such a row is not measured, and is not reported as the eager ones' sum
-    untimed = p.compile and (config.layout.tp > 1 or config.layout.cp > 1)
+    # a compiled block's tp collectives and cp's all-gathers are ops of its graph, which nothing times: the exposed
+    # communication of such a row is not measured, and is not reported as the eager ones' sum (the ring's
+    # sends and receives break the graph and run eagerly, timed)
+    untimed = p.compile and (config.layout.tp > 1 or (config.layout.cp > 1 and p.cp_method == "allgather"))
     lay, ranks = config.layout, config.layout.world_size
     tokens = config.data.global_batch * config.data.seq_len
     flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -181,12 +182,14 @@ def run() -> NoReturn:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     if under_torchrun():  # a failed worker leaves the normal way on purpose (main's comment; a finished train has left)
         sys.exit(code)
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # private but typed in typeshed, and in CPython since 3.0: what a normal exit runs
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # what a normal exit runs first, in its order (both private, both in typeshed): the other threads, idle
+    # thread-pool workers told to stop first (threading._shutdown), then the atexit handlers
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    with contextlib.suppress(OSError):  # a closed pipe (`tessera plan ... | head`): nothing left to tell it
+        sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
     os._exit(code)
 
 

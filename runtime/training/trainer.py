@@ -218,8 +218,8 @@ class Trainer:
             if not is_timeout(e):
                 raise
             where = stalled_collective(e, self.layout, self.rank) or (
-                "a collective that torch issued (an FSDP2 all-gather or reduce-scatter over the data axes, or a "
-                "DTensor redistribution)"
+                "a collective that torch issued (an FSDP2 all-gather or reduce-scatter over the data axes, a "
+                "DTensor redistribution, or with --compile a tp or cp collective inside a compiled block's graph)"
             )
             raise CollectiveTimeout(
                 f"rank {self.rank} stalled at training step {step} in {where}: a peer never joined; "
