@@ -234,6 +234,16 @@ def train_with_dtypes(config: Config):
     )
 
 
+def train_with_dtypes_and_graphs(config: Config):
+    """`train_with_dtypes` plus what dynamo compiled meanwhile in this process: (graphs, {graph break: count})."""
+    from torch._dynamo.utils import counters
+
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    run = train_with_dtypes(config)
+    new_breaks = {k: n - breaks.get(k, 0) for k, n in counters["graph_break"].items() if n > breaks.get(k, 0)}
+    return None if run is None else (*run, counters["stats"]["unique_graphs"] - graphs, new_breaks)
+
+
 def train_with_records(config: Config):
     """`train_losses_and_grads` plus every step's record (rank 0's)."""
     rank, records, grads = _records_and_grads(config)

@@ -96,30 +96,6 @@ def test_bf16_runs_in_bf16_on_one_process_and_says_so_from_what_ran(tmp_path):
     )
 
 
-def _graphs_and_breaks_in_two_steps(config):
-    import torch._dynamo.utils
-
-    from tessera.trainer import Trainer
-
-    trainer = Trainer(config, torch.device("cpu"))
-    trainer.train_step()  # step 1 runs under the dtype probe, where dynamo skips frames
-    trainer.train_step()
-    counters = torch._dynamo.utils.counters
-    return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
-
-
-@pytest.mark.slow
-def test_compile_still_compiles_after_the_probed_first_step_and_a_tp_block_is_one_graph():
-    """Step 2 compiles after the probed step 1, and a compiled tp2 + SP block (the bf16 contract's row) is one graph:
-    tessera's collective bookkeeping (a ContextVar) once broke it at every tp collective, into 12 graphs."""
-    from helpers import small_config
-    from tessera.parallel.launch import run_ranks
-
-    config = small_config(tp=2, sequence_parallel=True, compile=True, mixed_precision="bf16")
-    for graphs, breaks in run_ranks(_graphs_and_breaks_in_two_steps, 2, config, timeout=300):
-        assert breaks == {} and graphs == 1, (graphs, breaks)
-
-
 @pytest.mark.slow
 def test_the_readme_quotes_the_start_up_lines_matmul_shares():
     import re
