@@ -262,7 +262,7 @@ def cli_here(
     at the captured files meanwhile.
     A fresh interpreter costs ~5 s a call here (its imports, then the forkserver's); the tests that are
     about the interpreter (`python -m tessera`, the console script, torchrun, signals) still start one."""
-    from tessera.cli import main  # lazy: the rank functions above are pickled without the CLI
+    from tessera.commands.cli import exit_code, main  # lazy: the rank functions above are pickled without the CLI
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -279,9 +279,7 @@ def cli_here(
                     try:
                         code = main(list(map(str, argv)))
                     except SystemExit as e:  # argparse's usage errors (2), --help (0)
-                        if isinstance(e.code, str):
-                            print(e.code, file=err)
-                        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                        code = exit_code(e)  # a message to stderr, which points at err meanwhile
         finally:
             out.flush()
             err.flush()

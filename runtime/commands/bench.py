@@ -407,12 +407,11 @@ def _row(
         for axis in {a for m in timed for a in m["collective_wait_s"]}
     }
     exposed = min(step, sum(waits.values()))
-    p = config.parallel_config()
+    lay, ranks, p = config.layout, config.layout.world_size, config.parallel_config()
     # a compiled block's tp collectives and cp's all-gathers are ops of its graph, which nothing times: the exposed
     # communication of such a row is not measured, and is not reported as the eager ones' sum (the ring's
     # sends and receives break the graph and run eagerly, timed)
-    untimed = p.compile and (config.layout.tp > 1 or (config.layout.cp > 1 and p.cp_method == "allgather"))
-    lay, ranks = config.layout, config.layout.world_size
+    untimed = p.compile and (lay.tp > 1 or (lay.cp > 1 and p.cp_method == "allgather"))
     tokens = config.data.global_batch * config.data.seq_len
     flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)

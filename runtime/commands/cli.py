@@ -168,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def exit_code(e: SystemExit) -> int:
+    """The exit status the interpreter makes of `e` (argparse's usage errors 2, --help 0, sys.exit("message")):
+    its int code, 0 for None, else 1 with the message written to stderr, as the interpreter writes it."""
+    if isinstance(e.code, str):
+        print(e.code, file=sys.stderr)
+    return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+
+
 def run() -> NoReturn:
     """The `tessera` command (console script, `python -m tessera`): main(), then the exit without the
     interpreter's teardown. Freeing torch's modules one by one took ~0.9 s of every command here (a plan, a
@@ -176,10 +184,8 @@ def run() -> NoReturn:
     exception takes the normal way out, with its traceback."""
     try:
         code = main()
-    except SystemExit as e:  # argparse's usage errors (2) and --help (0), and sys.exit("message")
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except SystemExit as e:
+        code = exit_code(e)
     if under_torchrun():  # a failed worker leaves the normal way on purpose (main's comment; a finished train has left)
         sys.exit(code)
     # what a normal exit runs first, in its order (both private, both in typeshed): the other threads, idle
