@@ -47,6 +47,7 @@ def implementations(causal):
 
     return {
         "tessera_triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton"),
+        "tessera_auto": lambda q, k, v: flash_attention(q, k, v, causal=causal),  # a training step's path
         "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "torch_math_bf16": sdpa(SDPBackend.MATH),

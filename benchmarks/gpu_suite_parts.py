@@ -90,7 +90,7 @@ def search_batch(
     return best, attempts
 
 
-def train_config(sizes: dict, batch: int, compile: bool, smoke: bool, fp8: str | None = None):
+def train_config(sizes: dict, batch: int, compile: bool, smoke: bool, fp8: str | None = None, kernels: str = "auto"):
     from tessera.config import Config
 
     config = Config.create(
@@ -102,6 +102,7 @@ def train_config(sizes: dict, batch: int, compile: bool, smoke: bool, fp8: str |
         device="cpu" if smoke else "cuda",
         compile=compile,
         fp8=fp8,
+        kernels=kernels,
         profile_summary=sizes["steps"],  # the last step: its kernels, time by kind, and memory
         force=True,  # the suite sizes the batch itself: from the planner's estimate, then by what runs
     )
@@ -128,17 +129,25 @@ def planner_batch(sizes: dict, capacity: int | None) -> tuple[int, list[dict]]:
 
 
 def train_row(
-    sizes: dict, batch: int, compile: bool, smoke: bool, peak: float | None, timeout: float, fp8: str | None = None
+    sizes: dict,
+    batch: int,
+    compile: bool,
+    smoke: bool,
+    peak: float | None,
+    timeout: float,
+    fp8: str | None = None,
+    kernels: str = "auto",
 ) -> dict:
     from tessera.commands.bench import _row
     from tessera.parallel.launch import run_ranks
     from tessera.training.run import run_rank
 
-    config = train_config(sizes, batch, compile, smoke, fp8)
+    config = train_config(sizes, batch, compile, smoke, fp8, kernels)
     started = time.perf_counter()
     backend = "gloo" if smoke else "nccl"
     history = run_ranks(run_rank, 1, config, 0, timeout=max(1.0, timeout), backend=backend)[0]
-    label = f"{'compiled' if compile else 'eager'}{f' fp8 {fp8}' if fp8 else ''} b{batch}"
+    kind = f"{'compiled' if compile else 'eager'}{f' fp8 {fp8}' if fp8 else ''}"
+    label = f"{kind} b{batch}" + (f" kernels {kernels}" if kernels != "auto" else "")
     row = _row(label, config, history, sizes["warmup"], peak, not smoke)
     row["run_seconds"] = time.perf_counter() - started
     row["peak_bytes"] = row["profile"]["memory"]["peak_bytes"] if smoke else row["peak_memory_bytes_rank0"]

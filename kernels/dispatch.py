@@ -3,8 +3,11 @@
     flash_attention_backward  one key block's (dq, dk, dv) given the whole softmax's output and LSE:
                       the Triton backward kernels on CUDA; on CPU ATen's fused backward where
                       flash_attention would use ATen and no LSE gradient flows, else the torch reference.
-    flash_attention   CUDA: the Triton kernel; a shape or dtype it does not take (head_dim > 256, fp64)
-                      falls back to torch with a one-time warning. backend="torch" on CUDA: torch's fused
+    flash_attention   CUDA: cuDNN's attention through torch's SDPA for the plain calls it computes exactly
+                      (16-bit, compute capability >= 9.0, no documents, window, sinks or LSE, causal only
+                      with Sq == Sk: `cudnn_attention.applies`), else the Triton kernel; a shape or dtype
+                      the kernel does not take (head_dim > 256, fp64) falls back to torch with a one-time
+                      warning. backend="torch" on CUDA: torch's fused
                       SDPA when no LSE is asked for (and Sq == Sk if causal), else the torch reference.
                       CPU: torch's fused CPU flash attention (ATen) when it computes the same thing
                       (fp32/fp64; causal only with Sq == Sk, since its mask is top-left) and the LSE is not
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cudnn_attention
 from .attention import (
     apply_sinks,
     attention_backward_reference,
@@ -193,6 +197,14 @@ def flash_attention(
         k_docs = q_docs
     docs = check_documents(q, k, q_docs, k_docs)
     backend = _effective_backend(backend)
+    if (
+        backend is None
+        and q.is_cuda
+        and docs is None
+        and not return_lse
+        and cudnn_attention.applies(q, k, v, causal, window, q_offset, cudnn_attention.device_capability(q.device))
+    ):
+        return cudnn_attention.cudnn_attention(q, k, v, causal, scale)
     if backend == "triton" or (backend is None and q.is_cuda):
         from . import triton_attention  # lazy: triton is optional (Linux only; CPU runs never load it)
 
