@@ -7,7 +7,9 @@ causal, head dim 128, seq 4k-16k) with the same bf16 errors against float64
 GQA included). It takes none of what the Triton kernel adds: packed documents, a sliding window, sinks, a
 query offset other than bottom-right with Sq == Sk, a differentiable LSE (context parallel's ring). `applies`
 names exactly the calls it serves; the dispatcher sends every other call to the kernel, and
-`--kernels triton` sends all of them there.
+`--kernels triton` sends all of them there. cuDNN's backward is not deterministic in torch (it has no
+deterministic mode there), the Triton kernel's is (dq in a kernel of its own, no atomics): under
+`torch.use_deterministic_algorithms(True)` every call goes to the kernel.
 """
 
 from __future__ import annotations
@@ -38,16 +40,18 @@ def applies(
     window: int | None,
     q_offset: int | None,
     capability: tuple[int, int] | None,
+    deterministic: bool = False,
 ) -> bool:
     """Whether cuDNN's attention computes this call exactly as flash_attention defines it: CUDA tensors of
     one 16-bit dtype on a GPU of compute capability >= 9.0 (`capability`, None off CUDA), one head dim
     (a multiple of 8, at most 128) for q, k and v, no window, and causal only with Sq == Sk aligned
-    bottom-right (SDPA's causal mask is top-left, the same one then). Documents, sinks and the LSE are
-    the caller's to exclude."""
+    bottom-right (SDPA's causal mask is top-left, the same one then), and not `deterministic` (torch's
+    deterministic algorithms asked for). Documents, sinks and the LSE are the caller's to exclude."""
     sq, sk = q.shape[2], k.shape[2]
     offset = sk - sq if q_offset is None else q_offset
     return (
-        capability is not None
+        not deterministic
+        and capability is not None
         and capability >= MIN_CAPABILITY
         and q.is_cuda
         and q.dtype in CUDNN_DTYPES

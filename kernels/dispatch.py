@@ -5,7 +5,8 @@
                       flash_attention would use ATen and no LSE gradient flows, else the torch reference.
     flash_attention   CUDA: cuDNN's attention through torch's SDPA for the plain calls it computes exactly
                       (16-bit, compute capability >= 9.0, no documents, window, sinks or LSE, causal only
-                      with Sq == Sk: `cudnn_attention.applies`), else the Triton kernel; a shape or dtype
+                      with Sq == Sk, deterministic algorithms not asked for: `cudnn_attention.applies`), else
+                      the Triton kernel; a shape or dtype
                       the kernel does not take (head_dim > 256, fp64) falls back to torch with a one-time
                       warning. backend="torch" on CUDA: torch's fused
                       SDPA when no LSE is asked for (and Sq == Sk if causal), else the torch reference.
@@ -202,7 +203,16 @@ def flash_attention(
         and q.is_cuda
         and docs is None
         and not return_lse
-        and cudnn_attention.applies(q, k, v, causal, window, q_offset, cudnn_attention.device_capability(q.device))
+        and cudnn_attention.applies(
+            q,
+            k,
+            v,
+            causal,
+            window,
+            q_offset,
+            cudnn_attention.device_capability(q.device),
+            torch.are_deterministic_algorithms_enabled(),
+        )
     ):
         return cudnn_attention.cudnn_attention(q, k, v, causal, scale)
     if backend == "triton" or (backend is None and q.is_cuda):

@@ -9,6 +9,8 @@ benchmarks/bench_attention_accuracy.py's `tessera_auto` rows.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tessera.kernels import cudnn_attention, dispatch, naive_attention
 
 HOPPER = (9, 0)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def fake_cuda(shape_q, shape_kv, dtype=torch.bfloat16, dv=None):
@@ -83,13 +95,15 @@ def test_causal_with_sq_not_sk_is_where_sdpa_differs():
         ({"d": 12}, False),  # not a multiple of 8
         ({"dv": 32}, False),  # MLA's value head dim
         ({"window": 16}, False),
+        ({"deterministic": True}, False),  # cuDNN's backward is not deterministic in torch; the kernel's is
     ],
 )
 def test_the_rule_on_a_training_steps_call(case, admitted):
     d = case.get("d", 64)
     q, k, v = fake_cuda((2, 8, 32, d), (2, 2, 32, d), case.get("dtype", torch.bfloat16), case.get("dv"))
     capability = case.get("capability", HOPPER)
-    assert cudnn_attention.applies(q, k, v, True, case.get("window"), None, capability) is admitted
+    deterministic = case.get("deterministic", False)
+    assert cudnn_attention.applies(q, k, v, True, case.get("window"), None, capability, deterministic) is admitted
 
 
 def test_the_dispatcher_sends_plain_calls_to_cudnn_and_the_rest_to_the_kernel(monkeypatch):
@@ -123,6 +137,10 @@ def test_the_dispatcher_sends_plain_calls_to_cudnn_and_the_rest_to_the_kernel(mo
             route.clear()
             dispatch.flash_attention(q, k, v, **kwargs)
             assert route == [want], kwargs
+        route.clear()
+        with deterministic_algorithms():
+            dispatch.flash_attention(q, k, v)
+        assert route == ["triton"]
     dispatch.set_default_backend("triton")
     try:
         route.clear()

@@ -309,8 +309,8 @@ class RuntimeSection:
     kernels: str = opt(
         "auto",
         "attention, RMSNorm and the chunked loss's softmax: auto (on CUDA the Triton kernels, and cuDNN's "
-        "attention for plain causal attention on Hopper or newer; torch's fused ops on CPU), torch or triton "
-        "(every one in Triton)",
+        "attention for plain causal attention on Hopper or newer, whose backward is not bitwise repeatable; "
+        "torch's fused ops on CPU), torch or triton (every one in Triton, deterministic)",
         metavar="auto|torch|triton",
     )
     quiet: bool = opt(False, "no start-up or progress lines")
