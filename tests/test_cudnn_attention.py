@@ -52,6 +52,7 @@ calls = st.fixed_dictionaries(
         "causal": st.booleans(),
         "window": st.one_of(st.none(), st.integers(1, 8)),
         "offset": st.one_of(st.none(), st.integers(0, 24)),
+        "scale": st.one_of(st.none(), st.floats(0.05, 2.0)),
     }
 )
 
@@ -69,8 +70,9 @@ def test_every_call_it_admits_sdpa_computes_as_flash_attention_defines(c):
         return
     g = torch.Generator().manual_seed(sq * 100 + sk)
     q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((1, hq, sq, d), *[(1, hkv, sk, d)] * 2))
-    got = F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"], enable_gqa=hkv != hq)
-    want = naive_attention(q, k, v, c["causal"])[0]
+    # the very call the dispatcher makes (on CPU its SDPA runs torch's CPU kernels: the same definition)
+    got = cudnn_attention.cudnn_attention(q, k, v, c["causal"], c["scale"])
+    want = naive_attention(q, k, v, c["causal"], c["scale"])[0]
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -116,7 +118,7 @@ def test_the_dispatcher_sends_plain_calls_to_cudnn_and_the_rest_to_the_kernel(mo
 
     def kernel(q, k, v, causal, scale, q_docs, k_docs, window, q_offset):
         route.append("triton")
-        return q, q  # (out, lse): the routing is what is tested
+        return q, q.new_zeros(q.shape[:3], dtype=torch.float32)  # (out, lse): the routing is what is tested
 
     monkeypatch.setattr(triton_attention, "attention", kernel)
     mode = FakeTensorMode()
@@ -132,11 +134,19 @@ def test_the_dispatcher_sends_plain_calls_to_cudnn_and_the_rest_to_the_kernel(mo
             ({"window": 8}, "triton"),
             ({"q_offset": 4}, "triton"),
             ({"backend": "triton"}, "triton"),  # --kernels triton: every call in the kernel
+            ({"sinks": torch.zeros(4, device="cuda")}, "triton"),  # gpt-oss: the sinks need the LSE
         ]
         for kwargs, want in cases:
             route.clear()
             dispatch.flash_attention(q, k, v, **kwargs)
             assert route == [want], kwargs
+        for q2, k2, v2 in (
+            [t.float() for t in (q, k, v)],  # fp32
+            (torch.empty(1, 4, 8, 64, device="cuda", dtype=torch.bfloat16), k, v),  # causal, Sq != Sk: top-left
+        ):
+            route.clear()
+            dispatch.flash_attention(q2, k2, v2)
+            assert route == ["triton"]
         route.clear()
         with deterministic_algorithms():
             dispatch.flash_attention(q, k, v)

@@ -12,6 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from tessera.kernels import flash_attention, rms_norm, rms_norm_reference
 
 interpreted = pytest.mark.skipif(
@@ -228,6 +230,18 @@ def test_gpu_bf16_attention_against_float64_within_fa2_error(causal, d):
         assert err <= budget, f"{name} (d={d}, causal={causal}): triton bf16 error {err:.2e} > budget {budget:.2e}"
 
 
+class OpsSeen(TorchDispatchMode):
+    """The names of the aten ops that ran under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.name().split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
@@ -244,7 +258,10 @@ def test_gpu_the_steps_default_attention_against_float64_within_fa2_error(causal
     for name, backend in (("default", None), ("fa2", SDPBackend.FLASH_ATTENTION)):
         args = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         if backend is None:
-            out = flash_attention(*args, causal=causal)
+            with OpsSeen() as seen:
+                out = flash_attention(*args, causal=causal)
+            if torch.cuda.get_device_capability() >= (9, 0):  # not FA2 under another name: cuDNN ran
+                assert "aten::_scaled_dot_product_cudnn_attention" in seen.ops, sorted(seen.ops)
         else:
             with sdpa_kernel(backend):
                 out = torch.nn.functional.scaled_dot_product_attention(*args, is_causal=causal, enable_gqa=True)

@@ -308,9 +308,10 @@ class RuntimeSection:
     )
     kernels: str = opt(
         "auto",
-        "attention, RMSNorm and the chunked loss's softmax: auto (on CUDA the Triton kernels, and cuDNN's "
-        "attention for plain causal attention on Hopper or newer, whose backward is not bitwise repeatable; "
-        "torch's fused ops on CPU), torch or triton (every one in Triton, deterministic)",
+        "attention, RMSNorm and the chunked loss's softmax: auto (on CUDA the Triton kernels, but on Hopper "
+        "or newer cuDNN's attention for 16-bit causal or full attention without packed documents, window or "
+        "sinks, head dim <= 128: its backward is not bitwise repeatable; torch's fused ops on CPU), torch or "
+        "triton (every one in Triton, deterministic)",
         metavar="auto|torch|triton",
     )
     quiet: bool = opt(False, "no start-up or progress lines")
