@@ -99,8 +99,17 @@ def test_a_run_reading_a_live_runs_directory_reads_the_step_it_pinned(tmp_path):
         _wait_for(lambda: (tmp_path / "ck" / "latest").exists(), 120, "the writer's first checkpoint")
         reader = _train(tmp_path, "--steps", "100000", "--resume", "ck", "--metrics", "reader.jsonl")
         try:
-            # while the reader's ranks start and load, the writer saves and rotates many steps
-            first = _wait_for(lambda: _steps(tmp_path / "reader.jsonl"), 120, "the reader's first step")
+            # while the reader's ranks start and load, the writer saves and rotates many steps. Both must live
+            # on: one that ends fails at once with its error. The bound is generous because the other xdist
+            # worker may run a 16-rank spawn meanwhile: in a clean-clone CI the reader's first step took more
+            # than 120 s (31 s on the same machine with a lighter neighbour)
+            def reader_stepped():
+                for name, proc in (("reader", reader), ("writer", writer)):
+                    if proc.poll() is not None:
+                        raise AssertionError(f"the {name} ended ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+                return _steps(tmp_path / "reader.jsonl")
+
+            first = _wait_for(reader_stepped, 300, "the reader's first step")
             pins = list((tmp_path / "ck" / ".pins").iterdir())
             assert len(pins) == 1 and pins[0].name.startswith(f"step_{first[0] - 1:08d}@")
             assert (tmp_path / "ck" / f"step_{first[0] - 1:08d}").is_dir()  # kept past keep-checkpoints 1
