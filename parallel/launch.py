@@ -42,7 +42,10 @@ from tessera.topology.errors import RankFailure, RankTimeout, TesseraError, is_r
 from .host_memory import oom_kills
 
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others may take to report their own errors
-EXIT_GRACE_S = 10.0  # after every rank returned, how long they may take to exit before they are killed
+# after every rank returned, how long they may take to exit before they are killed: a rank shuts its compile
+# workers down first, which took more than 10 s on a starved 2-core CI machine (a killed rank leaks their
+# semaphores: the GPU suite smoke's "leaked semaphore" line); a rank that exits at once waits for nothing
+EXIT_GRACE_S = 30.0
 # what the forkserver imports once, so that each rank starts with torch and tessera loaded (`tessera train`
 # starts it with the same list before its own imports: tessera.training.rank_server.PRELOAD)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
