@@ -31,6 +31,11 @@ from tessera.metrics.results import BF16_PEAK  # noqa: E402
 PRECISIONS = ("bf16", "fp8")
 
 
+def row_name(precision: str, kernels: str) -> str:
+    """ "bf16" and "fp8" for the default kernels' rows, "bf16 kernels triton" for another setting's."""
+    return precision + ("" if kernels == "auto" else f" kernels {kernels}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=16, help="sequences a step (the suite's fit on an H200: 16)")
@@ -57,12 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     if bad or len(set(settings)) != len(settings):
         why = f"{', '.join(bad)} unknown" if bad else "a setting named twice"
         raise SystemExit(f"--kernels {args.kernels}: {why}; name each of auto, triton or torch at most once")
-    # (row name, --fp8, --kernels): "bf16" and "fp8" are the default kernels' rows
-    names = [
-        (p + ("" if k == "auto" else f" kernels {k}"), None if p == "bf16" else args.recipe, k)
-        for k in settings
-        for p in PRECISIONS
-    ]
+    # (row name, --fp8, --kernels)
+    names = [(row_name(p, k), None if p == "bf16" else args.recipe, k) for k in settings for p in PRECISIONS]
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in names}
     for _ in range(args.rounds):
         for name, fp8, kernels in names:
@@ -75,8 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = {name: statistics.median(r["step_time_s"] for r in rs) for name, rs in rows.items()}
     fp8_over_bf16 = {}
     for k in settings:
-        suffix = "" if k == "auto" else f" kernels {k}"
-        fp8_over_bf16[k] = steps[f"bf16{suffix}"] / steps[f"fp8{suffix}"]
+        fp8_over_bf16[k] = steps[row_name("bf16", k)] / steps[row_name("fp8", k)]
         print(f"kernels {k}: fp8 {args.recipe} compiled / bf16 compiled: {fp8_over_bf16[k]:.3f}x ({device})")
     results = {
         "device": device,
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compute_dtypes": {name: [r["compute_dtype"] for r in rs] for name, rs in rows.items()},
     }
     if "auto" in settings and "triton" in settings:  # the default (cuDNN attention) against Triton attention
-        results["auto_over_triton_step"] = {p: steps[f"{p} kernels triton"] / steps[p] for p in PRECISIONS}
+        results["auto_over_triton_step"] = {p: steps[row_name(p, "triton")] / steps[p] for p in PRECISIONS}
         print(f"step time, Triton attention / auto: {results['auto_over_triton_step']}")
     config = {"sizes": {k: v for k, v in sizes.items() if not isinstance(v, dict)}, "batch": batch, **vars(args)}
     write_results(f"fp8-compiled-{device_slug(device)}", config, results, args.out)

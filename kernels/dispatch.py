@@ -5,11 +5,10 @@
                       flash_attention would use ATen and no LSE gradient flows, else the torch reference.
     flash_attention   CUDA: cuDNN's attention through torch's SDPA for the plain calls it computes exactly
                       (16-bit, compute capability >= 9.0, no documents, window, sinks or LSE, causal only
-                      with Sq == Sk, deterministic algorithms not asked for: `cudnn_attention.applies`), else
-                      the Triton kernel; a shape or dtype
-                      the kernel does not take (head_dim > 256, fp64) falls back to torch with a one-time
-                      warning. backend="torch" on CUDA: torch's fused
-                      SDPA when no LSE is asked for (and Sq == Sk if causal), else the torch reference.
+                      with Sq == Sk, deterministic algorithms not asked for: `cudnn_attention.applies`),
+                      else the Triton kernel; a shape or dtype the kernel does not take (head_dim > 256,
+                      fp64) falls back to torch with a one-time warning. backend="torch" on CUDA: torch's
+                      fused SDPA when no LSE is asked for (and Sq == Sk if causal), else the torch reference.
                       CPU: torch's fused CPU flash attention (ATen) when it computes the same thing
                       (fp32/fp64; causal only with Sq == Sk, since its mask is top-left) and the LSE is not
                       asked for, or is asked for with nothing to differentiate; otherwise the blockwise
