@@ -54,3 +54,41 @@ def test_a_loop_over_runtime_bounds_runs_in_the_interpreter():
     out = torch.empty(7, dtype=torch.float32)
     row_sums[(3,)](x, out, 7, 37, BLOCK=16)
     torch.testing.assert_close(out.double(), x.double().sum(1), rtol=1e-6, atol=1e-6)
+
+
+@triton.jit
+def _twice(x):
+    return x * 2.0
+
+
+@triton.jit
+def _doubled_row_sums(X, OUT, N, BLOCK: tl.constexpr):  # module-level: the kernel finds _twice in its globals
+    row = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        acc += _twice(tl.load(X + row * N + cols, mask=cols < N, other=0.0))
+    tl.store(OUT + row, tl.sum(acc, 0))
+
+
+@interpreted
+def test_a_launch_patches_the_language_once_and_undoes_it(monkeypatch):
+    """Helpers called from a kernel (tl.zeros, tl.sum, a @triton.jit function of ours: _twice) inside an
+    interpreted launch walk triton.language once per launch, not once per call (triton_compat's second mend),
+    the kernel computes the same, and the launch's own patch is undone when it ends."""
+    from triton.runtime import interpreter
+
+    import tessera.kernels.triton_rmsnorm  # noqa: F401  (applies the mends)
+
+    walks = []
+    walk = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda pkg, *a: walks.append(pkg) or walk(pkg, *a))
+    load = tl.load
+    x = torch.randn(16, 70, dtype=torch.float32)
+    out = torch.empty(16, dtype=torch.float32)
+    _doubled_row_sums[(16,)](x, out, 70, BLOCK=16)
+    torch.testing.assert_close(out.double(), 2 * x.double().sum(1), rtol=1e-6, atol=1e-6)
+    # 16 programs x 5 blocks x (twice, tl.zeros, tl.sum ...) helper calls: 5 walks for the launch, at most 5 more
+    # for the first helper that sees triton.language.core; without the mend several hundred
+    assert len(walks) <= 10, len(walks)
+    assert tl.load is load  # the launch's patch undone
