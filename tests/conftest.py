@@ -36,6 +36,7 @@ SLOW_MODULES = {
     "test_bench",
     "test_bench_moe",
     "test_gpu_suite",
+    "test_bench_qkv_projection",  # the projection benchmark's CPU plumbing (3 s)
     "test_fuzz_config",
     "test_activation_checkpointing",
     "test_run_edges",
