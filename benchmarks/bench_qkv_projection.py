@@ -30,6 +30,7 @@ from torch import Tensor, nn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import device_slug, timed, write_results  # noqa: E402
+from gpu_suite_parts import relative_error  # noqa: E402
 
 from tessera.parallel.fp8 import float8_config  # noqa: E402
 
@@ -93,10 +94,6 @@ def grads_of(m: nn.Module) -> Tensor:
     return torch.cat([m.q_proj.weight.grad, m.k_proj.weight.grad, m.v_proj.weight.grad])
 
 
-def rel(got: Tensor, want: Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16 * 2048, help="rows of x (the suite's batch 16 x seq 2048)")
@@ -144,9 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows[kind] = {
             "forward_backward_s": median,
             "tflops": flops / median / 1e12,
-            "out_rel_diff": max(rel(o, r) for o, r in zip(outs, reference[0])),
-            "dx_rel_diff": rel(x.grad, reference[1]),
-            "dw_rel_diff": rel(grads_of(module), reference[2]),
+            "out_rel_diff": max(relative_error(o, r) for o, r in zip(outs, reference[0])),
+            "dx_rel_diff": relative_error(x.grad, reference[1]),
+            "dw_rel_diff": relative_error(grads_of(module), reference[2]),
         }
         print(
             f"{kind:14s} {median * 1e3:8.3f} ms  {rows[kind]['tflops']:7.1f} TFLOP/s  diffs "

@@ -65,23 +65,24 @@ def patch_once_per_launch() -> bool:
         return False
     if getattr(patch_lang, "_tessera_once", False):
         return True
-    launches: list[set[int]] = []  # the running launch's patched language modules (kernels launch no kernels)
+    patched: set[int] = set()  # the running launch's patched language modules; empty between launches
 
     def languages(fn) -> set[int]:
         return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
 
     def once(fn):
-        if launches and languages(fn) <= launches[-1]:
+        seen = languages(fn)
+        if patched and seen <= patched:
             return scope_type()  # a helper inside a launch that patched its modules: nothing to patch or undo
         scope = patch_lang(fn)
-        if launches:  # a helper seeing other modules (triton.language.core: tl.max, tl.zeros): patched as triton
-            launches[-1] |= languages(fn)  # does (never undone, as there), then not again in this launch
+        if patched:  # a helper seeing other modules (triton.language.core: tl.max, tl.zeros): patched as triton
+            patched.update(seen)  # does (never undone, as there), then not again in this launch
             return scope
-        launches.append(languages(fn))
+        patched.update(seen)  # a launch (kernels launch no kernels): its patch is undone when it ends
         undo = scope.restore
 
         def restore() -> None:
-            launches.clear()
+            patched.clear()
             undo()
 
         scope.restore = restore
