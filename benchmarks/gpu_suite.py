@@ -84,7 +84,10 @@ SMOKE = dict(
         seq_lens=[32], head_dims=[16], hidden=32, tokens=32, norm_shapes=[(8, 64)], warmup=1, reps=1, masks=(True,)
     ),
     moe=dict(n_experts=4, dim=16, ffn=16, tokens=16, top_k=2, warmup=1, reps=1),
-    budgets=dict(triton=60, eager=60, baseline=40, compiled=90, fp8=40, kernels=30, moe=20, planner=40),
+    # CPU time, not a lease: compiled's row (60% of the part's time) is a cold inductor compile of ~25 CPU-s, 24 s
+    # of wall alone here; beside a CI neighbour's multi-rank compile it ran past 54 s and the row was cut off.
+    # 240 gives it 144 s; the smoke asserts every row, never a time
+    budgets=dict(triton=60, eager=60, baseline=40, compiled=240, fp8=40, kernels=30, moe=20, planner=40),
 )
 USABLE_MEMORY = 0.9
 # the least time a part needs to finish: with less left, it is skipped (named in the JSON), never begun
