@@ -70,7 +70,7 @@ def check_one(
     warmup: int,
     mixed_precision: str | None,
 ) -> dict:
-    from tessera.commands.bench import planner_estimate
+    from tessera.training.estimate import planner_estimate
     from tessera.commands.calibrate import measure
     from tessera.config import Config
     from tessera.topology.step_time import Calibration

@@ -113,7 +113,7 @@ def train_config(sizes: dict, batch: int, compile: bool, smoke: bool, fp8: str |
 def planner_batch(sizes: dict, capacity: int | None) -> tuple[int, list[dict]]:
     """The largest power of two whose planner memory estimate fits `capacity` bytes (the GPU's memory), with
     the estimates tried; the smoke run (no device memory on CPU) starts at its fixed batch."""
-    from tessera.commands.bench import planner_estimate
+    from tessera.training.estimate import planner_estimate
 
     if capacity is None:
         return sizes["smoke_batch"], []
@@ -340,7 +340,8 @@ def part_moe(suite: Suite, cap: float) -> dict:
 def part_planner(suite: Suite, cap: float) -> dict:
     """This device's rates at the model's shapes, then the planner (at those rates) against every training
     row measured: step time and memory, measured / predicted."""
-    from tessera.commands.bench import calibrate_rank, planner_estimate
+    from tessera.commands.bench import calibrate_rank
+    from tessera.training.estimate import planner_estimate
     from tessera.commands.calibrate import describe
     from tessera.parallel.launch import run_ranks
     from tessera.topology.step_time import Calibration

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -176,7 +178,7 @@ class ModelOptimizerState:
             m, o = get_state_dict(part, optimizer, options=_OPTIONS)
             model.update(m)
             optim.update(o)
-        return {"model": model, "optimizer": optim}
+        return {"model": _ordinary_tensors(model), "optimizer": _ordinary_tensors(optim)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part, optimizer in zip(self.parts, self.optimizers):
@@ -187,6 +189,31 @@ class ModelOptimizerState:
 
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _ordinary_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with torchao's FSDP2 float8 weight wrapper (--fp8 tensorwise under FSDP2: each shard's fp32 tensor
+    wrapped so that FSDP2 all-gathers it in FP8, the optimizer's moments too) replaced by the fp32 shard it wraps,
+    sharing its storage: checkpoints hold ordinary tensors, readable without torchao (an export, a resume
+    without --fp8) by the weights-only loader, and a load writes into the parameters' own storage."""
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")  # never imported here: no FP8 run, no wrapper
+    wrapper = getattr(fsdp_utils, "WeightWithDynamicFloat8CastTensor", None)
+    if wrapper is None:
+        return state
+    out = {}
+    for key, value in state.items():
+        local = value._local_tensor if isinstance(value, DTensor) else None
+        if isinstance(local, wrapper):
+            value = DTensor.from_local(
+                local._tensor,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        out[key] = value
+    return out
 
 
 def get_model_state_dict_names(part: torch.nn.Module) -> list[str]:

@@ -46,6 +46,10 @@ FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others may take to rep
 # workers down first, which took more than 10 s on a starved 2-core CI machine (a killed rank leaks their
 # semaphores: the GPU suite smoke's "leaked semaphore" line); a rank that exits at once waits for nothing
 EXIT_GRACE_S = 30.0
+# a rank stopped before it returned (a deadline, a peer's failure) gets SIGINT and this long to unwind, when no
+# process of its own (a compile worker) makes it wait EXIT_GRACE_S: a rank unwinds from Python in well under it,
+# and one stuck in a collective never would (it is killed after)
+STOP_GRACE_S = 2.0
 # what the forkserver imports once, so that each rank starts with torch and tessera loaded (`tessera train`
 # starts it with the same list before its own imports: tessera.training.rank_server.PRELOAD)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
@@ -55,6 +59,8 @@ PRELOAD += ["tessera.trainer"]
 # and dynamo (1.7 CPU seconds): every rank's meta build imports it (torch's reference ops for meta tensors are
 # wrapped to disable dynamo, which imports it on first call); tessera's own modules no longer do at import
 PRELOAD += ["torch._dynamo"]
+# last: the forkserver leaves without the interpreter's shutdown (1.6 CPU seconds with the launcher's stdio held)
+PRELOAD += ["tessera.training.rank_server"]
 _CTX: Any = None
 
 
@@ -170,6 +176,9 @@ def _rank_main(
 ) -> None:
     _write_to_launchers_stdio(stdio)
     _die_with_launcher(lifeline)
+    # the launcher stops a rank with SIGINT (_stop_ranks), and a rank inherits SIGINT ignored where its launcher
+    # ignores it (pytest-xdist's workers, a shell script's background job): Python's own handler, whatever came
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update(spec.env)
     os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank))
     torch.set_num_threads(spec.threads)
@@ -201,6 +210,8 @@ def _rank_main(
         }
         conn.send_bytes(pickle.dumps(("error", spec.rank, (tb, cause))))
     finally:
+        # leaving: a further SIGINT (Ctrl-C reached it, then the launcher's stop) must not cut the teardown short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()  # without this gloo ranks can abort at exit
@@ -213,6 +224,7 @@ def _rank_main(
             with contextlib.suppress(Exception):
                 if compile_workers is not None:
                     compile_workers.shutdown_compile_workers()
+            with contextlib.suppress(Exception):  # apart: a failed worker shutdown must not skip the finalizers
                 mp_util._run_finalizers()  # type: ignore[attr-defined]  # private, stable since Python 3.4
             sys.stdout.flush()
             sys.stderr.flush()
@@ -300,6 +312,8 @@ def run_ranks(
             ends = time.monotonic() + EXIT_GRACE_S
             for p in procs:
                 p.join(timeout=max(0.0, ends - time.monotonic()))
+        else:  # a deadline, a failure or an interrupt: the ranks still running are stopped, each its own way out
+            _stop_ranks(procs, [procs[rank] for rank in conns.values()])
         keep_alive.close()
         lifeline.close()
         for p in procs:
@@ -308,6 +322,36 @@ def run_ranks(
         for p in procs:
             p.join(timeout=5)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux's /proc/PID/task/TID/children); [] where that cannot be read."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(child) for child in f.read().split()]
+    return found
+
+
+def _stop_ranks(procs: list[BaseProcess], running: list[BaseProcess]) -> None:
+    """Interrupt (SIGINT) the ranks in `running` and let every rank still alive unwind through _rank_main's
+    `finally` (its process group, torch.compile's worker pool, the finalizers that unregister its
+    semaphores): EXIT_GRACE_S for a rank with processes of its own (compile workers, a data loader's),
+    STOP_GRACE_S for the rest; the caller kills what is left. Killed at once, a rank left its workers running
+    on, and the resource tracker it shares with the launcher reported its semaphores leaked (the mp lock of
+    the progress bar inductor shows while it waits for its compile workers: the GPU suite's compiled part cut
+    off by its budget on a loaded machine). A rank stuck in a collective does not see the signal: its grace
+    runs out."""
+    for p in running:
+        if p.is_alive() and p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGINT)
+    began = time.monotonic()
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            grace = EXIT_GRACE_S if _children(p.pid) else STOP_GRACE_S
+            p.join(timeout=max(0.0, began + grace - time.monotonic()))
 
 
 def _start_and_collect(
@@ -390,6 +434,7 @@ def _collect(
             break
         for conn in [c for c in pending if c in ready]:  # the connections `wait` returned, as typed in `pending`
             rank = pending.pop(conn)
+            del conns[conn]  # what is left in `conns` names the ranks still running (run_ranks' way out)
             try:
                 status, _, payload = pickle.loads(conn.recv_bytes())
             except EOFError:

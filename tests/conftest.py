@@ -159,6 +159,16 @@ LONGEST_FIRST = [
     "test_bench_moe",
     "test_attention_variants",
     "test_hf",
+    # then the fast tier's longest (seconds of `-m 'not slow'`, 2026-11-27): test_schedule (12.5 s) taken last
+    # left one worker 14 s behind the other
+    "test_kernels",
+    "test_schedule",
+    "test_harness",
+    "test_cli_fuzz",
+    "test_muon",
+    "test_generate",
+    "test_fused_loss",
+    "test_cross_entropy_kernels",
 ]
 
 
@@ -207,6 +217,7 @@ TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8"]
 def pytest_sessionstart(session):
     """Start this test process's forkserver with the test imports (not in an xdist controller, which runs no
     test). tessera.parallel.launch finds it running and forks the ranks from it."""
+    autotune_choice()  # a misspelt setting stops the run before any test
     if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
         return
     import multiprocessing
@@ -256,6 +267,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+AUTOTUNE_CHOICES = ("first", "all")
+
+
+def autotune_choice() -> str:
+    choice = os.environ.get("TESSERA_TEST_AUTOTUNE", "first")
+    if choice not in AUTOTUNE_CHOICES:
+        raise pytest.UsageError(f"TESSERA_TEST_AUTOTUNE={choice!r}: use one of {', '.join(AUTOTUNE_CHOICES)}")
+    return choice
+
+
+@pytest.fixture(autouse=True)
+def attention_autotune(request, monkeypatch):
+    """GPU tests hold the attention kernels' numerics, not their speed: by default each autotuned kernel keeps
+    its first config, so a shape compiles one kernel instead of five and none is benchmarked.
+    TESSERA_TEST_AUTOTUNE=all tunes over every config, as a user's run does."""
+    if "gpu" not in request.keywords or autotune_choice() == "all":
+        return
+    from tessera.kernels import triton_attention_kernels as kernels  # lazy: CPU-only runs never need it here
+
+    for tuner in (kernels._attention_fwd_kernel, kernels._attention_bwd_dkdv_kernel, kernels._attention_bwd_dq_kernel):
+        monkeypatch.setattr(tuner, "configs", tuner.configs[:1])
 
 
 @pytest.fixture(scope="session")

@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
 from unittest import mock
 
+import pytest
 import torch
 
 from tessera.config import Config
 from tessera.models.data import TokenStream
 from tessera.parallel.tensor import full_tensor
 from tessera.trainer import Trainer
+
+# modules that need an optional package skip without it, found without importing it: every worker collects every
+# file, and the import (transformers 1.3 s, torchao.float8 1.6 s) is paid only by the worker running such a file
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers (pip install -e '.[test]')"
+)
+NEEDS_TORCHAO = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="needs torchao for FP8 (pip install -e '.[test]')"
+)
 
 
 def small_config(**kw) -> Config:

@@ -6,7 +6,9 @@ Hugging Face writer and reader; what the family cannot represent is refused by n
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from helpers import NEEDS_TRANSFORMERS
+
+pytestmark = NEEDS_TRANSFORMERS
 
 from tessera.models.layers import ROPE_SCALINGS, Rotary, yarn_scaled  # noqa: E402
 

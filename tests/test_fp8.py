@@ -11,7 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-pytest.importorskip("torchao.float8")
+from helpers import NEEDS_TORCHAO
+
+pytestmark = NEEDS_TORCHAO
 
 from tessera.models.spec import get_preset, spec_of  # noqa: E402
 from tessera.topology import Layout  # noqa: E402

@@ -26,7 +26,9 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("torchao.float8")
+from helpers import NEEDS_TORCHAO
+
+pytestmark = NEEDS_TORCHAO
 
 from fp8_ranks import checkpoints, comm_bytes, fp8_run  # noqa: E402
 from shared_spawns import each_in_turn  # noqa: E402
@@ -201,10 +203,17 @@ def test_fp8_and_bf16_checkpoints_resume_across_the_flag(runs):
 
 
 def test_export_of_an_fp8_checkpoint_writes_ordinary_weights(runs, tmp_path):
+    """The checkpoint itself holds ordinary tensors (FSDP2's float8 weight wrapper unwrapped at the save: no
+    pickle in it names torchao), so a process that never imported torchao exports it, and a run without --fp8
+    resumes it, through the weights-only loader."""
+    from pathlib import Path
+
     from safetensors.torch import load_file
 
     from tessera.cli import main
 
+    state = Path(runs["checkpoints"]["path"]) / "state"
+    assert not [f.name for f in state.iterdir() if b"torchao" in f.read_bytes()]
     assert main(["export", runs["checkpoints"]["path"], "--to-hf", str(tmp_path / "hf")]) == 0
     (weights,) = (tmp_path / "hf").glob("*.safetensors")
     tensors = load_file(str(weights))

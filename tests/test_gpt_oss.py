@@ -9,7 +9,9 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from helpers import NEEDS_TRANSFORMERS
+
+pytestmark = NEEDS_TRANSFORMERS
 
 from tessera.models.hf import (  # noqa: E402
     check_hf_weights,

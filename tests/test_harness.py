@@ -1,6 +1,10 @@
 """The multi-rank harness itself: results come back, failures and hangs fail fast and name the rank."""
 
+import contextlib
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +43,45 @@ def _rank_one_hangs():
         time.sleep(3600)
     t = torch.ones(1)
     dist.all_reduce(t)
+
+
+def _rank_zero_waits_when_rank_one_fails(folder: str, with_child: bool) -> None:
+    """Rank 0 waits, holding a process of its own (as torch.compile's worker pool is) or not; rank 1 fails
+    once rank 0 waits. Rank 0's `finally` stops the child and leaves a mark, if rank 0 is let unwind."""
+    here = Path(folder)
+    if dist.get_rank() == 0:
+        child = subprocess.Popen(["sleep", "600"]) if with_child else None
+        (here / "waiting").write_text(str(child.pid) if child else "")
+        try:
+            time.sleep(600)
+        finally:
+            if child is not None:
+                child.terminate()
+                child.wait()
+            (here / "unwound").write_text("")
+    else:
+        end = time.monotonic() + 120
+        while not (here / "waiting").exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        raise RuntimeError("rank 1 fails while rank 0 waits")
+
+
+@pytest.mark.parametrize("with_child", [True, False], ids=["with a child process", "alone"])
+def test_a_rank_stopped_by_a_peers_failure_unwinds_and_its_child_goes_with_it(tmp_path, with_child):
+    # killed at once, a rank ran no `finally`: its finalizers never unregistered its semaphores (a resource
+    # tracker's "leaked semaphore" line) and its child (torch.compile's workers) ran on
+    with pytest.raises(RankFailure, match="rank 1 fails while rank 0 waits"):
+        run_ranks(_rank_zero_waits_when_rank_one_fails, 2, str(tmp_path), with_child, timeout=120)
+    child = (tmp_path / "waiting").read_text()
+    try:
+        assert (tmp_path / "unwound").exists(), "rank 0 was killed without unwinding"
+        if child:
+            with pytest.raises(ProcessLookupError):
+                os.kill(int(child), 0)
+    finally:
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(child), 9)  # an orphan of the old way must not outlive the test
 
 
 def test_results_come_back_in_rank_order_fast():

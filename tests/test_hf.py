@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from helpers import small_config, cli_here
+from helpers import NEEDS_TRANSFORMERS, small_config, cli_here
 from tessera.parallel.launch import run_ranks
 
-transformers = pytest.importorskip("transformers")
+pytestmark = NEEDS_TRANSFORMERS
 
 
 def _tiny_llama(path, **overrides):

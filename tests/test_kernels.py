@@ -41,7 +41,7 @@ def definition(q, k, v, causal):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         sq, sk = q.shape[2], k.shape[2]
-        i, j = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
+        i, j = torch.arange(sq, device=q.device).view(-1, 1), torch.arange(sk, device=q.device).view(1, -1)
         s = s.masked_fill(j > i + (sk - sq), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
@@ -324,3 +324,15 @@ def test_the_default_backend_is_what_backend_none_means():
     assert default_backend() is None
     with pytest.raises(ValueError, match="backend='cuda'"):
         set_default_backend("cuda")
+
+
+def test_the_gpu_tests_autotune_setting_is_read_and_checked(monkeypatch):
+    from conftest import autotune_choice
+
+    monkeypatch.delenv("TESSERA_TEST_AUTOTUNE", raising=False)
+    assert autotune_choice() == "first"
+    monkeypatch.setenv("TESSERA_TEST_AUTOTUNE", "all")
+    assert autotune_choice() == "all"
+    monkeypatch.setenv("TESSERA_TEST_AUTOTUNE", "fastest")
+    with pytest.raises(pytest.UsageError, match="TESSERA_TEST_AUTOTUNE='fastest': use one of first, all"):
+        autotune_choice()

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import peak_tensor_bytes, small_config
 from tessera.parallel.launch import run_ranks
-from tessera.commands.bench import planner_estimate
+from tessera.training.estimate import planner_estimate
 
 BASE = dict(model="small", seq_len=128, global_batch=8)
 LAYOUTS = {

@@ -113,3 +113,27 @@ def test_the_readme_quotes_the_start_up_lines_matmul_shares():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert quoted in out.stdout.splitlines()[0], (quoted, out.stdout.splitlines()[0])
+
+
+def _dtype_reports(config):
+    from helpers import trainer_for
+
+    trainer = trainer_for(config)
+    records = [trainer.train_step().record() for _ in range(2)]
+    return trainer.dtype_report, [r["compute_dtype"] for r in records], "matmul_flops_by_dtype" in records[0]
+
+
+@pytest.mark.slow
+def test_only_rank_0_which_writes_the_records_measures_the_matmul_dtypes():
+    """The probe (a Python call per operator) runs on rank 0's first step alone; another rank's report says
+    it did not measure rather than repeat rank 0's."""
+    from helpers import small_config
+    from tessera.metrics.dtype_probe import NOT_MEASURED
+    from tessera.parallel.launch import run_ranks
+
+    (report, dtypes, has_flops), (other, other_dtypes, other_flops) = run_ranks(
+        _dtype_reports, 2, small_config(dp=2, mixed_precision="bf16")
+    )
+    assert report["compute_dtype"] == "bfloat16" and report["matmul_flops_by_dtype"]["bfloat16"] > 0
+    assert dtypes == ["bfloat16", "bfloat16"] and has_flops
+    assert other == NOT_MEASURED and other_dtypes == [None, None] and not other_flops

@@ -6,6 +6,7 @@ where it lives now, the same object, so a monkeypatch through the old name patch
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -69,13 +70,38 @@ def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_
     from tessera.training import rank_server
 
     assert rank_server.PRELOAD == launch.PRELOAD
+    # the whole command module too: `tessera train` starts the server after parsing, so torch imported by the
+    # command's own module would run before the server's imports instead of beside them (3-4 s a run)
     code = (
-        "import sys, multiprocessing.forkserver as fs; from tessera.training.rank_server import start_rank_server; "
+        "import sys, multiprocessing.forkserver as fs, tessera.commands.cli; "
+        "from tessera.training.rank_server import start_rank_server; "
         "start_rank_server(); print('torch' in sys.modules, fs._forkserver._forkserver_pid is not None)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"]  # the server runs; this process has not imported torch
+
+
+@pytest.mark.parametrize("quick_exit", [True, False])
+def test_the_rank_server_leaves_without_the_interpreters_shutdown(tmp_path, quick_exit):
+    """Preloaded last, tessera.training.rank_server ends the forkserver before any shutdown work: an atexit
+    handler preloaded before it never runs (without it, it does). Imported anywhere else it does nothing."""
+    from tessera.parallel import launch
+
+    assert launch.PRELOAD[-1] == "tessera.training.rank_server"
+    (tmp_path / "leave_a_mark.py").write_text(
+        "import atexit, os\natexit.register(lambda: open(os.environ['MARK'], 'w').write('shut down'))\n"
+    )
+    preload = ["leave_a_mark"] + ["tessera.training.rank_server"] * quick_exit
+    code = (
+        "import atexit, multiprocessing, multiprocessing.forkserver as fs; n = atexit._ncallbacks(); "
+        "import tessera.training.rank_server; assert atexit._ncallbacks() == n, 'a handler outside the forkserver'; "
+        f"multiprocessing.get_context('forkserver').set_forkserver_preload({preload!r}); fs.ensure_running()"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "MARK": str(tmp_path / "mark")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr  # capture_output waited for the forkserver: it holds the same pipes
+    assert (tmp_path / "mark").exists() is not quick_exit
 
 
 def test_the_command_and_the_models_import_no_dynamo_while_the_ranks_preload_it():

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers")
+from helpers import NEEDS_TRANSFORMERS
+
+pytestmark = NEEDS_TRANSFORMERS
 
 from tessera.models import get_preset, get_spec  # noqa: E402
 from tessera.models.hf import (  # noqa: E402

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers")
+from helpers import NEEDS_TRANSFORMERS
+
+pytestmark = NEEDS_TRANSFORMERS
 
 from tessera.models.hf import (  # noqa: E402
     check_hf_weights,

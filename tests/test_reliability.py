@@ -357,14 +357,19 @@ def train_reference(tmp_path_factory):
 
 
 def _wait_for_step(metrics, step: int, seconds: float = 120) -> None:
+    """Until the metrics file records `step` (a line being written is skipped); fails after `seconds`."""
     deadline = time.time() + seconds
     while time.time() < deadline:
-        steps = (
-            [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        )
+        steps = []
+        for line in metrics.read_text().splitlines() if metrics.exists() else []:
+            try:
+                steps.append(json.loads(line).get("step", 0))
+            except json.JSONDecodeError:
+                continue  # its writer is mid-line
         if steps and max(steps) >= step:
             return
         time.sleep(0.02)
+    raise AssertionError(f"{metrics} did not reach step {step} in {seconds} s")
 
 
 def _assert_matches_reference(tmp_path, metrics, total_steps: int) -> list[dict]:

@@ -4,7 +4,9 @@ without tp), and a run that goes on does what it says (a bounded --on-nonfinite 
 metrics, one fallback warning, the steps a resumed run took)."""
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,11 +233,37 @@ def test_a_metrics_path_that_cannot_be_created_is_refused_by_name(tmp_path):
     # a writable path passes and is left as it was: a new file is not left behind, an existing one keeps its lines
     fresh, existing = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
     existing.write_text('{"step": 1}\n')
-    small_config(metrics=str(fresh)).check()
+    opened = _paths_opened_during(lambda: small_config(metrics=str(fresh)).check())
     small_config(metrics=str(existing)).check()
     assert not fresh.exists() and existing.read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl"]  # the probe beside it is gone too
+    # never created, even for a moment: a watcher waiting for the file saw it appear and vanish again
+    assert str(fresh) not in opened and any(Path(p).parent == tmp_path for p in opened), opened
+    longest = tmp_path / ("m" * 249 + ".jsonl")  # 255 bytes, the filesystem's limit: the probe's name is shorter
+    small_config(metrics=str(longest)).check()
+    assert not longest.exists()
     small_config(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1).check()
     assert list((tmp_path / "ckpt").iterdir()) == []  # the probe file is gone
+
+
+def _paths_opened_during(action) -> list[str]:
+    """Every path opened through open() or os.open() while `action` ran."""
+    from unittest import mock
+
+    opened: list[str] = []
+    real_open, real_os_open = open, os.open
+
+    def recording_open(path, *args, **kwargs):
+        opened.append(os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    def recording_os_open(path, *args, **kwargs):
+        opened.append(os.fspath(path))
+        return real_os_open(path, *args, **kwargs)
+
+    with mock.patch("builtins.open", recording_open), mock.patch("os.open", recording_os_open):
+        action()
+    return opened
 
 
 def test_the_cli_refuses_an_unwritable_metrics_path_with_one_line():

@@ -45,7 +45,6 @@ from typing import Any
 from tessera.topology.planner import model_flops_per_token
 from tessera.topology.step_time import Calibration
 from tessera.training.config import Config, said
-from tessera.training.estimate import planner_estimate  # noqa: F401 (re-exported: the benchmarks and tests call it from here)
 from tessera.training.layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
 from tessera.training.rank_server import start_rank_server
 
@@ -415,6 +414,8 @@ def _row(
     tokens = config.data.global_batch * config.data.seq_len
     flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
+
+    from tessera.training.estimate import planner_estimate  # lazy: it imports torch, after the rank server
 
     predicted = planner_estimate(config, Calibration.from_entry(calibration) if calibration else None)
     comm = history[0].get("comm", {})

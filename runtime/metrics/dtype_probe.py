@@ -3,9 +3,9 @@
 `MatmulDtypes` is a TorchDispatchMode. Every matrix multiply reaches the dispatcher as an aten op below
 autograd (forward and backward alike: mm, addmm, bmm, baddbmm, grouped mm, the fused attention kernels
 and tessera's own Triton attention op), so counting there sees the dtype of the operands the hardware
-was given, whatever the config said. The trainer runs it over a process's first step (one Python call
-per operator, for one step only), and the run's records report the dtype that carried most of the
-matmul FLOPs (`compute_dtype`) with the whole breakdown (`matmul_flops_by_dtype`).
+was given, whatever the config said. The trainer runs it over rank 0's first step (one Python call per
+operator, for one step only; rank 0 writes the records), and the run's records report the dtype that
+carried most of the matmul FLOPs (`compute_dtype`) with the whole breakdown (`matmul_flops_by_dtype`).
 """
 
 from __future__ import annotations
@@ -86,6 +86,10 @@ _MATMULS = {
     "aten::_grouped_mm": 0,
     "aten::_scaled_mm": 0,
 }
+
+
+# the report of a rank that does not measure (only rank 0 does: it writes the records)
+NOT_MEASURED: dict[str, Any] = {"compute_dtype": None, "matmul_flops_by_dtype": None, "matmul_calls_by_dtype": None}
 
 
 class MatmulDtypes(TorchDispatchMode):

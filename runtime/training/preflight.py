@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -364,8 +365,10 @@ def _check_fits(config: Config, world: int) -> None:
 
 
 def _check_writable_file(flag: str, path: str) -> None:
-    """The file opens for appending, as the run will open it (created, then removed again, when it did
-    not exist): permission bits alone pass paths such as /proc/run.jsonl that no one can create."""
+    """The file opens for appending, as the run will open it: permission bits alone pass paths such as
+    /proc/run.jsonl that no one can create. A file not there yet is probed through a sibling, created and
+    removed in the same directory: creating and removing the file itself made it appear and vanish again
+    under anyone watching for it (a `tail -F`, a test waiting for the first step)."""
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{flag} {path} is a directory; give a file path")
@@ -376,18 +379,21 @@ def _check_writable_file(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path} is not writable; choose a path you can write")
     existed = p.exists()
     try:
-        with open(p, "a"):
-            pass
+        if existed:
+            with open(p, "a"):
+                pass
+        else:  # a short fixed name: one derived from the file's would fail where the file's own name fits
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=".tessera-probe-")
+            os.close(fd)
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass  # a directory that lets files be created but not removed still takes the run's file
     except OSError as e:
         how = "opening it for appending" if existed else "creating it"
         raise ValueError(
             f"{flag} {path} cannot be written ({how} fails: {e.strerror}); choose a path you can write"
         ) from None
-    if not existed:
-        try:
-            p.unlink()
-        except OSError:
-            pass
 
 
 def resolve_checkpoint(path: str) -> tuple[Path, list[str]]:

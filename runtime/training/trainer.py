@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from tessera.metrics.dtype_probe import MatmulDtypes
+from tessera.metrics.dtype_probe import NOT_MEASURED, MatmulDtypes
 from tessera.metrics.memtrack import LiveTensorBytes
 from tessera.metrics.step_profile import CLIP_RANGE, OPTIMIZER_RANGE, ProfiledStep
 from tessera.models.data import TokenStream
@@ -138,8 +138,13 @@ class Trainer:
         )
         self.progress = Progress()
         self.straggler_watch = StragglerWatch(self.device)
-        # measured during this process's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}
-        self.dtype_report: dict[str, Any] | None = None
+        # measured during rank 0's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}. Rank 0
+        # alone writes the records, the header and the progress line; the probe is a Python call per operator,
+        # which a step of a small model on CPU pays ~2x for, so the other ranks neither measure nor report one.
+        # Under --compile every rank probes: the probe's step runs eagerly (dynamo skips frames under a dispatch
+        # mode), and a compiled rank beside an eager one issues its collectives in another order (a deadlock)
+        measures = self.rank == 0 or config.parallel.compile
+        self.dtype_report: dict[str, Any] | None = None if measures else dict(NOT_MEASURED)
 
     @property
     def model(self) -> nn.Module:
@@ -234,7 +239,7 @@ class Trainer:
         tracking = runtime.track_memory and step == 2
         profiling = runtime.profile_summary == step
         report = self.dtype_report
-        probing = report is None  # this process's first step: what the matmuls ran in
+        probing = report is None  # rank 0's first step: what the matmuls ran in
         if report is not None and not (counting or tracking or profiling):
             result = self._train_step(on_grads)
             result.compute_dtype = report["compute_dtype"]
