@@ -5,8 +5,10 @@ the spec's seams, and a forward + backward on each debug preset, logits and grad
 
 tests/data/model_families.json holds what was captured; `python tests/test_model_families.py --write` captures
 it again, which only a deliberate change of a family's checkpoints or numerics should do. Bitwise equality holds
-on the torch version and CPU it was captured on; elsewhere (another torch, another ISA: other kernels may sum in
-another order) each tensor's float64 norm and its dot with a fixed random vector must agree to 1e-5 relative.
+on the torch version and CPU (the features its GEMM libraries choose kernels by) it was captured on; elsewhere
+(another torch, another ISA: other kernels may sum in another order) each tensor's float64 norm and its dot with a
+fixed random vector must agree to 1e-5 relative (this file, captured on an AMX CPU, against an earlier capture on
+a CPU torch also calls AVX512, whose kernels summed to other last bits: 1.1e-6 at most).
 
 The last test keeps the families composed from the shared blocks (models/decoder.py, attention.py, mlp.py,
 moe.py): no run of six or more identical lines (whitespace stripped, blank lines skipped) between two family
@@ -21,6 +23,7 @@ import itertools
 import json
 import pickle
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -88,10 +91,26 @@ def spec_seams() -> dict[str, dict]:
     }
 
 
-def environment() -> dict[str, str]:
+# the CPU features GEMM libraries pick their kernels by (MKL's and oneDNN's code paths): two machines that torch
+# calls AVX512 alike, one with AMX and AVX512-FP16, summed a model's matmuls to different last bits
+KERNEL_FEATURES = re.compile(r"avx\d*|avx512\w*|avx_vnni\w*|amx\w*|fma|f16c")
+
+
+def cpu_features() -> list[str]:
+    """The CPU flags of KERNEL_FEATURES this machine has (Linux's /proc/cpuinfo; none found elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return sorted(f for f in set(flags) if KERNEL_FEATURES.fullmatch(f))
+
+
+def environment() -> dict:
     return {
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
+        "cpu_features": cpu_features(),
         "machine": platform.machine(),
     }
 
