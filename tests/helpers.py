@@ -100,9 +100,12 @@ def gather_by_name(local: dict[str, torch.Tensor], everywhere: bool = False, lay
     return merged
 
 
-def _records_and_grads(config: Config, data=None):
-    """(rank, step records, full gradients of step 1 before clipping gathered by name) of config's steps."""
+def _records_and_grads(config: Config, data=None, tp_rounding: int = 1):
+    """(rank, step records, full gradients of step 1 before clipping gathered by name) of config's steps;
+    `tp_rounding` > 1: one process rounding its matmuls' partial sums where that many tp ranks would."""
     trainer = trainer_for(config, data)
+    if tp_rounding > 1:
+        round_like_tp(trainer, tp_rounding)
     grads: dict[str, torch.Tensor] = {}
 
     def keep(parts):
@@ -231,9 +234,9 @@ def train_losses_and_grads_saving(config: Config, save_after: int):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads
 
 
-def train_with_dtypes(config: Config):
+def train_with_dtypes(config: Config, tp_rounding: int = 1):
     """`train_losses_and_grads` plus the matmul dtype each step's record reports (measured on step 1)."""
-    rank, records, grads = _records_and_grads(config)
+    rank, records, grads = _records_and_grads(config, tp_rounding=tp_rounding)
     if rank != 0:
         return None
     return (
@@ -303,3 +306,71 @@ def cli_here(
             f.seek(0)
             texts.append(f.read().decode(errors="replace"))
     return subprocess.CompletedProcess(["tessera", *map(str, argv)], code, texts[0], texts[1])
+
+
+# One process rounding where tensor parallel rounds (the bf16 contract's tolerance, tests/test_contract_bf16.py).
+# A tp rank's row-parallel matmul sums its share of the inner dimension and rounds it to bf16, and the ranks'
+# shares are added in bf16 (the all-reduce or reduce-scatter), where one process sums the whole dimension and
+# rounds once; a column-parallel matmul's input gradient likewise. Below, the same partial sums in one process,
+# with no collective: a run on which the bf16 rounding of a tp layout is measured without its parallel code.
+
+
+class _RowParallelRounding(torch.autograd.Function):
+    """x @ w.T as `parts` partial sums over the inner dimension, each rounded to x's dtype, added in it."""
+
+    @staticmethod
+    def forward(ctx, x, w, parts):
+        ctx.save_for_backward(x, w)
+        return sum_rounded(torch.nn.functional.linear(a, b) for a, b in zip(x.chunk(parts, -1), w.chunk(parts, 1)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.flatten(0, -2).t() @ x.flatten(0, -2), None
+
+
+class _ColumnParallelRounding(torch.autograd.Function):
+    """x @ w.T as one process computes it; the input's gradient as `parts` rounded partial sums over the output
+    dimension (each rank's columns), added in the gradient's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w, parts):
+        ctx.save_for_backward(x, w)
+        ctx.parts = parts
+        return torch.nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        dx = sum_rounded(g @ part for g, part in zip(grad.chunk(ctx.parts, -1), w.chunk(ctx.parts, 0)))
+        return dx, grad.flatten(0, -2).t() @ x.flatten(0, -2), None
+
+
+def sum_rounded(partials) -> torch.Tensor:
+    partials = iter(partials)
+    total = next(partials)
+    for partial in partials:
+        total = total + partial  # in the partials' dtype: rounded at each addition, as a bf16 all-reduce adds
+    return total
+
+
+def round_like_tp(trainer: Trainer, tp: int) -> None:
+    """Make a one-process trainer's bias-free linear layers round as on `tp` ranks, by the family's tp plan:
+    rowwise layers in the forward, colwise ones (and the K/V projections where tp splits the kv heads) in the
+    backward. The output head is left alone: the fused loss multiplies by its weight without calling it."""
+    from tessera.parallel.plan import matches
+
+    if trainer.layout.world_size != 1:
+        raise ValueError(f"round_like_tp emulates tp ranks in one process; this trainer has {trainer.layout}")
+    splits_kv = trainer.model_config.n_kv_heads % tp == 0
+    for part in trainer.parts:
+        for name, module in part.named_modules():
+            style = next((s for p, s in trainer.spec.tp_plan if matches(p, name)), None)
+            row, column = style == "rowwise", style in ("colwise", "colwise_gather") or (style == "kv" and splits_kv)
+            if isinstance(module, torch.nn.Linear) and module.bias is None and (row or column):
+                rounding = _RowParallelRounding if row else _ColumnParallelRounding
+                module.forward = _rounded_forward(rounding, module, tp)
+
+
+def _rounded_forward(rounding, module: torch.nn.Linear, tp: int):
+    return lambda x: rounding.apply(x, module.weight, tp)
