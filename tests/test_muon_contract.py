@@ -2,9 +2,9 @@
 
 Each row runs 3 Muon steps (AdamW on the embeddings, head and norms) on CPU ranks over gloo and is compared
 with the one-process run: per-step losses and grad norms within 1e-5 relative (the fp32 contract's), and
-every parameter after the 3 steps by one-process name. Rows of one world size share one spawn, the bf16
-rows included. A planted bug (each rank orthogonalizing its own shard instead of the whole matrix) must
-fail the comparison, by name.
+every parameter after the 3 steps by one-process name, within 1e-5 relative per tensor (assert_parameters_like).
+Rows of one world size share one spawn, the bf16 rows included. A planted bug (each rank orthogonalizing its own
+shard instead of the whole matrix) must fail the comparison, by name.
 
 bf16 rows (--mixed-precision bf16; Newton-Schulz then runs in bf16 too, the run's matmul dtype) are held to
 the bf16 contract's derived tolerance (tests/test_contract_bf16.py): a layout rounds the same quantities
@@ -87,11 +87,16 @@ def assert_like_one_process(case: str, run, reference) -> None:
 
 
 def assert_parameters_like(case: str, params, ref_params) -> None:
-    """Every parameter within the contract; the message names every one that is not."""
+    """Every parameter within the contract's 1e-5 relative, per tensor: ||p - p_ref|| <= 1e-5 ||p_ref||; the message
+    names every one that is not. Per tensor, as the bf16 check below, not element by element: Newton-Schulz raises
+    every singular direction of an update to ~1, so a small matrix's elements carry its gradient's reassociation
+    amplified. Measured on torch 2.11 (an AMX CPU): Qwen3-MoE's 8 x 64 router after 3 steps, one-process runs on 2
+    and 4 microbatches alone 3.5e-7 and 7.2e-7 apart element-wise, dp2 x tp2 x ep2 1.67e-6 (3.7e-6 relative per
+    tensor), its step-1 gate gradient 4.5e-7 relative from one process, as dp2 x tp2's without experts."""
     assert sorted(params) == sorted(ref_params)
-    apart = [name for name, p in params.items() if not torch.allclose(p, ref_params[name], rtol=1e-5, atol=1e-6)]
-    worst = {n: float((params[n] - ref_params[n]).abs().max()) for n in apart}
-    assert not apart, f"{case}: parameters apart from one process after 3 steps (max abs difference): {worst}"
+    relative = {n: float((p - ref_params[n]).norm() / ref_params[n].norm().clamp_min(1e-30)) for n, p in params.items()}
+    apart = {n: f"{r:.1e}" for n, r in relative.items() if r > 1e-5}
+    assert not apart, f"{case}: parameters apart from one process after 3 steps (relative difference): {apart}"
 
 
 def assert_like_one_process_in_bf16(case: str, run, bf16s: list, fp32) -> None:
