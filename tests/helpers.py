@@ -235,7 +235,8 @@ def train_losses_and_grads_saving(config: Config, save_after: int):
 
 
 def train_with_dtypes(config: Config, tp_rounding: int = 1):
-    """`train_losses_and_grads` plus the matmul dtype each step's record reports (measured on step 1)."""
+    """`train_losses_and_grads` plus the matmul dtype each step's record reports (measured on step 1); with
+    `tp_rounding` > 1 (one process), rounding as on that many tp ranks (`round_like_tp`)."""
     rank, records, grads = _records_and_grads(config, tp_rounding=tp_rounding)
     if rank != 0:
         return None
@@ -357,19 +358,25 @@ def sum_rounded(partials) -> torch.Tensor:
 def round_like_tp(trainer: Trainer, tp: int) -> None:
     """Make a one-process trainer's bias-free linear layers round as on `tp` ranks, by the family's tp plan:
     rowwise layers in the forward, colwise ones (and the K/V projections where tp splits the kv heads) in the
-    backward. The output head is left alone: the fused loss multiplies by its weight without calling it."""
+    backward. Not emulated: the output head (the fused loss multiplies by its weight without calling it) and
+    K/V projections that tp replicates (tp beyond the kv heads), whose input gradients tp ranks also add up."""
     from tessera.parallel.plan import matches
 
     if trainer.layout.world_size != 1:
         raise ValueError(f"round_like_tp emulates tp ranks in one process; this trainer has {trainer.layout}")
     splits_kv = trainer.model_config.n_kv_heads % tp == 0
+    rounded = []
     for part in trainer.parts:
         for name, module in part.named_modules():
             style = next((s for p, s in trainer.spec.tp_plan if matches(p, name)), None)
-            row, column = style == "rowwise", style in ("colwise", "colwise_gather") or (style == "kv" and splits_kv)
+            row, column = style == "rowwise", style == "colwise" or (style == "kv" and splits_kv)
             if isinstance(module, torch.nn.Linear) and module.bias is None and (row or column):
                 rounding = _RowParallelRounding if row else _ColumnParallelRounding
                 module.forward = _rounded_forward(rounding, module, tp)
+                rounded.append(name)
+    if not any(style == "rowwise" for _, style in trainer.spec.tp_plan) or not rounded:
+        # a renamed module or a wrapper in the names (activation checkpointing's) must not leave a plain run
+        raise ValueError(f"round_like_tp found no layer of {trainer.spec.name}'s tp plan to round")
 
 
 def _rounded_forward(rounding, module: torch.nn.Linear, tp: int):

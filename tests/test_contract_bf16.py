@@ -128,9 +128,10 @@ def assert_trains_like_one_process_in_bf16(
 ) -> None:
     """`bf16_share`: the least share of matmul FLOPs in bf16 (the rest is the CPU attention kernel's fp32).
     `rerounded`: more one-process bf16 runs that differ from the reference only by where they round (2 and 4
-    microbatches); E is then the largest |bf16 - fp32| over all of them (the scale of the bf16 rounding, which
-    one run alone can understate: on a CPU whose bf16 GEMMs round partial sums, AVX2-only, the one-process MoE
-    run's grad norms came within 6.4e-4 of fp32 while the same run on 2 microbatches was 4.5e-3 away)."""
+    microbatches; for a tp row also rounded as on its tp ranks: `rerounded`); E is then the largest |bf16 - fp32|
+    over all of them (the scale of the bf16 rounding, which one run alone can understate: on a CPU whose bf16
+    GEMMs round partial sums, AVX2-only, the one-process MoE run's grad norms came within 6.4e-4 of fp32 while the
+    same run on 2 microbatches was 4.5e-3 away)."""
     losses, norms, grads, dtypes, flops = run
     (ref_losses, ref_norms, ref_grads, _, _), (fp_losses, fp_norms, fp_grads, _, _) = one_process
     assert dtypes == ["bfloat16"] * 3, f"{case}: the records say the matmuls ran in {dtypes}"
@@ -179,27 +180,3 @@ def test_pipeline_layout_trains_like_one_process_in_bf16(deep_one_process, runs,
     run = runs.result(("test_pipeline_layout_trains_like_one_process_in_bf16", case))
     more = rerounded(runs, "deep_one_process", PIPELINE_LAYOUTS[case])
     assert_trains_like_one_process_in_bf16(case, run, deep_one_process, rerounded=more)
-
-
-def test_rounding_like_tp_is_tps_partial_sums_and_exact_in_float64():
-    """helpers.round_like_tp's layers: in float64 the plain linear layer (forward and both gradients); in bf16 the
-    row-parallel forward is each half's product rounded, then their bf16 sum, and the column-parallel input
-    gradient likewise, bitwise."""
-    import torch
-
-    from helpers import _ColumnParallelRounding, _RowParallelRounding
-
-    gen = torch.Generator().manual_seed(0)
-    x0, w0, g0 = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((3, 5, 8), (6, 8), (3, 5, 6)))
-    for rounding in (_RowParallelRounding, _ColumnParallelRounding):
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        y = rounding.apply(x, w, 2)
-        dx, dw = torch.autograd.grad(y, (x, w), g0)
-        assert torch.allclose(y, x0 @ w0.t(), rtol=1e-12, atol=1e-12)
-        assert torch.allclose(dx, g0 @ w0, rtol=1e-12, atol=1e-12)
-        assert torch.allclose(dw, g0.flatten(0, 1).t() @ x0.flatten(0, 1), rtol=1e-12, atol=1e-12)
-    x, w, g = x0.bfloat16().requires_grad_(), w0.bfloat16(), g0.bfloat16()
-    halves = (x[..., :4] @ w[:, :4].t()) + (x[..., 4:] @ w[:, 4:].t())
-    assert torch.equal(_RowParallelRounding.apply(x, w, 2), halves)
-    (dx,) = torch.autograd.grad(_ColumnParallelRounding.apply(x, w, 2), (x,), g)
-    assert torch.equal(dx, (g[..., :3] @ w[:3]) + (g[..., 3:] @ w[3:]))
