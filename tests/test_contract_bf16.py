@@ -86,12 +86,7 @@ def runs(request) -> SharedSpawns:
         for precision in ("bf16", "fp32"):
             config = small_config(**base, mixed_precision=precision)
             rows[(name, precision)] = (train_with_dtypes, 1, (config,))
-        for mb in RE_ROUNDED:  # the bf16 run re-rounded: E of the bf16 rows is measured over all three
-            rows[(name, f"bf16-mb{mb}")] = (train_with_dtypes, 1, (small_config(**base, **BF16, microbatches=mb),))
-        for tp in TP_ROUNDED[name]:  # and rounded where tp ranks round (helpers.round_like_tp), for the tp rows
-            for mb in TP_ROUNDED_MICROBATCHES:
-                config = small_config(**base, **BF16, microbatches=mb)
-                rows[(name, f"bf16-tp{tp}-mb{mb}")] = (train_with_dtypes, 1, (config, tp))
+        rows |= {(name, kind): row for kind, row in rerounded_rows(base, TP_ROUNDED[name]).items()}
     for test, table, base in (
         ("test_layout_trains_like_one_process_in_bf16", LAYOUTS, {}),
         ("test_pipeline_layout_trains_like_one_process_in_bf16", PIPELINE_LAYOUTS, PIPELINE_BASE),
@@ -115,12 +110,32 @@ def deep_one_process(runs):
     return runs.result(("deep_one_process", "bf16")), runs.result(("deep_one_process", "fp32"))
 
 
+def rerounded_rows(base: dict, tp_degrees: tuple = ()) -> dict:
+    """The one-process bf16 runs of `base` (small_config's keywords) that E is measured on beside its own, by
+    kind: on 2 and 4 microbatches, and rounded as on each of `tp_degrees` tp ranks (on 1 and 4 microbatches), as
+    (rank function, world size 1, its arguments): rows for tests/shared_spawns.py. The Qwen3 and families files
+    use them too."""
+    rows = {
+        f"bf16-mb{mb}": (train_with_dtypes, 1, (small_config(**base, **BF16, microbatches=mb),)) for mb in RE_ROUNDED
+    }
+    for tp in tp_degrees:
+        for mb in TP_ROUNDED_MICROBATCHES:
+            rows[f"bf16-tp{tp}-mb{mb}"] = (train_with_dtypes, 1, (small_config(**base, **BF16, microbatches=mb), tp))
+    return rows
+
+
+def rerounded_kinds(layout: dict, tp_rounded: bool = True) -> list[str]:
+    """The kinds of `rerounded_rows` a row of `layout` measures E on: the microbatch runs, and for a tp layout
+    (where `tp_rounded`) the runs rounded as on its tp degree."""
+    kinds = [f"bf16-mb{mb}" for mb in RE_ROUNDED]
+    if tp_rounded and layout.get("tp", 1) > 1:
+        kinds += [f"bf16-tp{layout['tp']}-mb{mb}" for mb in TP_ROUNDED_MICROBATCHES]
+    return kinds
+
+
 def rerounded(runs, name: str, layout: dict) -> tuple:
-    """The one-process bf16 run `name` on 2 and 4 microbatches, and for a tp layout rounded as on its tp ranks."""
-    keys = [f"bf16-mb{mb}" for mb in RE_ROUNDED]
-    if layout.get("tp", 1) > 1:
-        keys += [f"bf16-tp{layout['tp']}-mb{mb}" for mb in TP_ROUNDED_MICROBATCHES]
-    return tuple(runs.result((name, key)) for key in keys)
+    """The one-process bf16 runs of reference `name` that a row of `layout` measures E on."""
+    return tuple(runs.result((name, kind)) for kind in rerounded_kinds(layout))
 
 
 def assert_trains_like_one_process_in_bf16(
