@@ -365,7 +365,7 @@ def round_like_tp(trainer: Trainer, tp: int) -> None:
     if trainer.layout.world_size != 1:
         raise ValueError(f"round_like_tp emulates tp ranks in one process; this trainer has {trainer.layout}")
     splits_kv = trainer.model_config.n_kv_heads % tp == 0
-    rounded = []
+    rows_rounded = 0
     for part in trainer.parts:
         for name, module in part.named_modules():
             style = next((s for p, s in trainer.spec.tp_plan if matches(p, name)), None)
@@ -373,10 +373,10 @@ def round_like_tp(trainer: Trainer, tp: int) -> None:
             if isinstance(module, torch.nn.Linear) and module.bias is None and (row or column):
                 rounding = _RowParallelRounding if row else _ColumnParallelRounding
                 module.forward = _rounded_forward(rounding, module, tp)
-                rounded.append(name)
-    if not any(style == "rowwise" for _, style in trainer.spec.tp_plan) or not rounded:
+                rows_rounded += row
+    if not rows_rounded:
         # a renamed module or a wrapper in the names (activation checkpointing's) must not leave a plain run
-        raise ValueError(f"round_like_tp found no layer of {trainer.spec.name}'s tp plan to round")
+        raise ValueError(f"round_like_tp found no rowwise layer of {trainer.spec.name}'s tp plan to round")
 
 
 def _rounded_forward(rounding, module: torch.nn.Linear, tp: int):
