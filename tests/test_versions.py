@@ -84,7 +84,8 @@ def test_a_launch_patches_the_language_once_and_undoes_it(monkeypatch):
     walk = interpreter._patch_builtin
     monkeypatch.setattr(interpreter, "_patch_builtin", lambda pkg, *a: walks.append(pkg) or walk(pkg, *a))
     load = tl.load
-    x = torch.randn(16, 70, dtype=torch.float32)
+    # a fixed input: unseeded, one draw in a CI run had a row whose fp32 sum of 70 terms was 2.1e-6 from float64
+    x = torch.randn(16, 70, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     out = torch.empty(16, dtype=torch.float32)
     _doubled_row_sums[(16,)](x, out, 70, BLOCK=16)
     torch.testing.assert_close(out.double(), 2 * x.double().sum(1), rtol=1e-6, atol=1e-6)
