@@ -12,6 +12,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# --cpu-report PATH (with -n 0): each test's machine-wide CPU seconds, where the CPU-bound suite's time goes
+from cpu_report import pytest_addoption, pytest_configure  # noqa: E402, F401
+
 
 # modules whose tests start ranks or the CLI (seconds each): the slow tier; `-m 'not slow'` is the fast one
 SLOW_MODULES = {

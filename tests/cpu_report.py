@@ -1,7 +1,8 @@
 """A pytest plugin for finding where the suite's time goes: each test's machine-wide CPU seconds and wall.
 
-    python -m pytest -n 0 -p cpu_report --cpu-report cpu.tsv tests/test_contract.py
+    python -m pytest -n 0 --cpu-report cpu.tsv tests/test_contract.py
 
+(tests/conftest.py takes its hooks in; elsewhere `-p cpu_report` with this folder on PYTHONPATH)
 writes one line per test: busy CPU seconds of the whole machine (/proc/stat: user, nice, system, irq, softirq,
 steal) over the test, its wall seconds, its node id. Machine-wide because a test's work mostly runs outside its
 own process: ranks forked by a forkserver (not the test's children), torch.compile's workers and C++ compiler,

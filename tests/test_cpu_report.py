@@ -1,5 +1,6 @@
 """tests/cpu_report.py, the plugin that measures each test's machine-wide CPU: a test's work done in a process it
-did not start (here a grandchild, as a forked rank is) is counted; a run under xdist workers is refused."""
+did not wait for (here a detached grandchild, as a forked rank is) is counted; a run under xdist workers is
+refused."""
 
 import os
 import subprocess
@@ -52,7 +53,24 @@ def test_each_test_gets_the_machines_cpu_including_processes_it_did_not_wait_for
     assert float(rows[0][0]) >= 0.45, rows  # the grandchild's 0.5 s, counted whatever else the machine did
 
 
-def test_a_run_on_xdist_workers_is_refused_in_one_line(tmp_path):
-    out = _pytest(tmp_path, "-n", "2", "--cpu-report", "cpu.tsv")
+def test_the_suites_own_option_refuses_xdist_workers_in_one_line(tmp_path):
+    """Through tests/conftest.py, as docs/repository.md gives it: refused before any test runs under -n 2."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "2",
+            "--cpu-report",
+            str(tmp_path / "cpu.tsv"),
+            "tests/test_axes.py",
+        ],
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "run it with -n 0, not -n 2" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "cpu.tsv").exists()
