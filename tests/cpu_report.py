@@ -2,8 +2,8 @@
 
     python -m pytest -n 0 --cpu-report cpu.tsv tests/test_contract.py
 
-(tests/conftest.py takes its hooks in; elsewhere `-p cpu_report` with this folder on PYTHONPATH)
-writes one line per test: busy CPU seconds of the whole machine (/proc/stat: user, nice, system, irq, softirq,
+writes one line per test (tests/conftest.py takes this plugin's hooks in; elsewhere, `-p cpu_report` with this
+folder on PYTHONPATH): busy CPU seconds of the whole machine (/proc/stat: user, nice, system, irq, softirq,
 steal) over the test, its wall seconds, its node id. Machine-wide because a test's work mostly runs outside its
 own process: ranks forked by a forkserver (not the test's children), torch.compile's workers and C++ compiler,
 the interpreters a CLI test starts. So run it with `-n 0` on an otherwise quiet machine; the suite is CPU-bound

@@ -33,20 +33,17 @@ BURN = textwrap.dedent(
 )
 
 
-def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def test_each_test_gets_the_machines_cpu_including_processes_it_did_not_wait_for(tmp_path):
     (tmp_path / "test_burn.py").write_text(BURN)
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "cpu_report", "-p", "no:cacheprovider", *args, "test_burn.py"],
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "cpu_report", "-p", "no:cacheprovider"]
+        + ["--cpu-report", "cpu.tsv", "test_burn.py"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(TESTS)},
         capture_output=True,
         text=True,
         timeout=120,
     )
-
-
-def test_each_test_gets_the_machines_cpu_including_processes_it_did_not_wait_for(tmp_path):
-    out = _pytest(tmp_path, "-n", "0", "--cpu-report", "cpu.tsv")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [line.split("\t") for line in (tmp_path / "cpu.tsv").read_text().splitlines()]
     assert [r[2] for r in rows] == ["test_burn.py::test_burns_in_a_grandchild", "test_burn.py::test_idle"]
