@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -270,6 +271,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Freeze what the imports and the collection made (torch's, hypothesis's, every test module's: ~350,000
+    objects) out of the garbage collector's reach: a full collection then walks only what the tests made since.
+    A test process's full collections were up to 18% of its CPU (test_planner: 4.1 of 22.7 CPU-s; 1.4 frozen)."""
+    gc.collect()
+    gc.freeze()
 
 
 AUTOTUNE_CHOICES = ("first", "all")
