@@ -51,16 +51,16 @@ EXIT_GRACE_S = 30.0
 # and one stuck in a collective never would (it is killed after)
 STOP_GRACE_S = 2.0
 # what the forkserver imports once, so that each rank starts with torch and tessera loaded (`tessera train`
-# starts it with the same list before its own imports: tessera.training.rank_server.PRELOAD)
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
+# starts it with the same list before its own imports: tessera.training.rank_server.PRELOAD). First the rank
+# server: it pauses the collector for the rest, and ends the server without the interpreter's shutdown
+PRELOAD = ["tessera.training.rank_server"]
+PRELOAD += ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 PRELOAD += ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"]
 # and the trainer every rank imports (DCP, the metrics): each of N ranks importing it alone cost N x ~1 CPU second
 PRELOAD += ["tessera.trainer"]
 # and dynamo (1.7 CPU seconds): every rank's meta build imports it (torch's reference ops for meta tensors are
 # wrapped to disable dynamo, which imports it on first call); tessera's own modules no longer do at import
 PRELOAD += ["torch._dynamo"]
-# last: the forkserver leaves without the interpreter's shutdown (1.6 CPU seconds with the launcher's stdio held)
-PRELOAD += ["tessera.training.rank_server"]
 _CTX: Any = None
 
 

@@ -5,6 +5,7 @@ where it lives now, the same object, so a monkeypatch through the old name patch
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import subprocess
@@ -84,24 +85,41 @@ def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_
 
 @pytest.mark.parametrize("quick_exit", [True, False])
 def test_the_rank_server_leaves_without_the_interpreters_shutdown(tmp_path, quick_exit):
-    """Preloaded last, tessera.training.rank_server ends the forkserver before any shutdown work: an atexit
-    handler preloaded before it never runs (without it, it does). Imported anywhere else it does nothing."""
+    """Preloaded first, tessera.training.rank_server ends the forkserver before any shutdown work once it has
+    forked a rank: an atexit handler preloaded after it never runs (without it, it does). Imported anywhere else
+    it does nothing."""
     from tessera.parallel import launch
 
-    assert launch.PRELOAD[-1] == "tessera.training.rank_server"
+    assert launch.PRELOAD[0] == "tessera.training.rank_server"
     (tmp_path / "leave_a_mark.py").write_text(
         "import atexit, os\natexit.register(lambda: open(os.environ['MARK'], 'w').write('shut down'))\n"
     )
-    preload = ["leave_a_mark"] + ["tessera.training.rank_server"] * quick_exit
+    preload = ["tessera.training.rank_server"] * quick_exit + ["leave_a_mark"]
     code = (
-        "import atexit, multiprocessing, multiprocessing.forkserver as fs; n = atexit._ncallbacks(); "
+        "import atexit, os, multiprocessing as mp, multiprocessing.forkserver as fs; n = atexit._ncallbacks(); "
         "import tessera.training.rank_server; assert atexit._ncallbacks() == n, 'a handler outside the forkserver'; "
-        f"multiprocessing.get_context('forkserver').set_forkserver_preload({preload!r}); fs.ensure_running()"
+        f"ctx = mp.get_context('forkserver'); ctx.set_forkserver_preload({preload!r}); fs.ensure_running(); "
+        "p = ctx.Process(target=os.getpid); p.start(); p.join(); assert p.exitcode == 0"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "MARK": str(tmp_path / "mark")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr  # capture_output waited for the forkserver: it holds the same pipes
     assert (tmp_path / "mark").exists() is not quick_exit
+
+
+def test_the_commands_imports_run_with_the_collector_paused_and_leave_it_as_it_was():
+    from tessera.training.rank_server import collector_paused
+
+    for before in (True, False):
+        (gc.enable if before else gc.disable)()
+        try:
+            with pytest.raises(ZeroDivisionError):
+                with collector_paused():
+                    assert not gc.isenabled()
+                    1 / 0
+            assert gc.isenabled() is before
+        finally:
+            gc.enable()
 
 
 def test_the_command_and_the_models_import_no_dynamo_while_the_ranks_preload_it():

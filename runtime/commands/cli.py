@@ -13,7 +13,7 @@ from typing import NoReturn
 from tessera import __version__
 from tessera.topology.errors import with_flags
 from tessera.training.config import add_arguments, config_from_args, flag_names, parser_flags, said
-from tessera.training.rank_server import start_rank_server, under_torchrun
+from tessera.training.rank_server import collector_paused, start_rank_server, under_torchrun
 
 from .bench import add_bench_parser
 from .export import add_export_parsers
@@ -87,11 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     if not under_torchrun():
         start_rank_server()  # the ranks' server imports torch and tessera beside the imports below
-    # lazy: these import torch, which stays out of `tessera --help` and the torch-free commands
-    from tessera.parallel.checkpoint import CheckpointError
-    from tessera.parallel.launch import Interrupted, RankFailure
-    from tessera.training.report import refusal_exit
-    from tessera.training.run import done_line, error_exit, failed_message, stopped_message, train
+    with collector_paused():
+        # lazy: these import torch, which stays out of `tessera --help` and the torch-free commands
+        from tessera.parallel.checkpoint import CheckpointError
+        from tessera.parallel.launch import Interrupted, RankFailure
+        from tessera.training.report import refusal_exit
+        from tessera.training.run import done_line, error_exit, failed_message, stopped_message, train
 
     try:
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
