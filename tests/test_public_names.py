@@ -107,6 +107,27 @@ def test_the_rank_server_leaves_without_the_interpreters_shutdown(tmp_path, quic
     assert (tmp_path / "mark").exists() is not quick_exit
 
 
+def test_a_process_another_forkserver_forked_keeps_its_collector_when_it_imports_the_rank_server(tmp_path):
+    """Only the server that preloads tessera.training.rank_server pauses its collector: a process forked by another
+    forkserver (a user's worker, a server started without tessera's preload) that imports it first keeps the
+    collector on and registers no exit handler (its stack holds forkserver.main too, under its own _serve_one)."""
+    (tmp_path / "first_import.py").write_text(
+        "import atexit, gc\n"
+        "def run():\n"
+        "    n = atexit._ncallbacks()\n"
+        "    import tessera.training.rank_server as rs\n"
+        "    return gc.isenabled(), rs._server_pid, atexit._ncallbacks() - n\n"
+    )
+    code = (
+        "import multiprocessing as mp, first_import; ctx = mp.get_context('forkserver'); "
+        "ctx.set_forkserver_preload([]); pool = ctx.Pool(1); print(pool.apply(first_import.run)); pool.close()"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(True, -1, 0)"
+
+
 def test_the_commands_imports_run_with_the_collector_paused_and_leave_it_as_it_was():
     from tessera.training.rank_server import collector_paused
 
