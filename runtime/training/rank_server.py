@@ -103,10 +103,8 @@ def _exit_now() -> None:
 
 
 def _before_fork() -> None:
-    global _forking
     if os.getpid() != _server_pid:  # a rank inherits the hook: what it forks is none of the server's business
         return
-    _forking = True  # read by the child, which has a copy of this module as it is now
     # the last exit handler registered runs first: registered again after every preloaded module's own
     atexit.unregister(_exit_now)
     atexit.register(_exit_now)
@@ -116,22 +114,18 @@ def _before_fork() -> None:
     gc.freeze()
 
 
-def _after_fork() -> None:
-    global _forking
-    _forking = False
-
-
 def _in_a_rank() -> None:
-    global _forking
-    if _forking:  # forked by the server (not a process a rank forks: it has the flag down)
-        _forking = False
+    global _collector_paused_here
+    if _collector_paused_here:  # copied from the server; a process a rank forks finds it down
+        _collector_paused_here = False
         gc.enable()
 
 
 _server_pid = -1
-_forking = False
+_collector_paused_here = False
 if _imported_by_a_forkserver():
     _server_pid = os.getpid()
+    _collector_paused_here = True
     gc.disable()  # for the preload's imports, and in the server for good: it collects before each fork
     atexit.register(_exit_now)  # before teardown even when no rank is ever forked
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_in_a_rank)
+    os.register_at_fork(before=_before_fork, after_in_child=_in_a_rank)
