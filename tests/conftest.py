@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 # --cpu-report PATH (with -n 0): each test's machine-wide CPU seconds, where the CPU-bound suite's time goes
 from cpu_report import pytest_addoption, pytest_configure  # noqa: E402, F401
 
+from tessera.training.rank_server import COMPILE_PRELOAD  # noqa: E402
+
 
 # modules whose tests start ranks or the CLI (seconds each): the slow tier; `-m 'not slow'` is the fast one
 SLOW_MODULES = {
@@ -212,10 +214,13 @@ RANK_HEAVY = {
 
 # what the ranks of the tests import beside tessera's own list (tessera.parallel.launch.PRELOAD): the tests'
 # rank functions and torchao's FP8 (a missing module is skipped), once in each worker's forkserver instead of
-# once in each rank (test_contract's 21 pipeline rows on 4 ranks: 61.6 -> 55.6 CPU seconds). Not inductor: it
-# would spare each compiled row's ranks their import (a cold tp2 + SP row 45.2 -> 37.0) but made every eager
-# rank slower (the same 21 rows 54.8 -> 66.8)
-TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8"]
+# once in each rank (test_contract's 21 pipeline rows on 4 ranks: 61.6 -> 55.6 CPU seconds); and inductor's
+# compiler, as `tessera train --compile`'s server has (rank_server.COMPILE_PRELOAD): a compiled row's ranks no
+# longer import it (pp2-interleaved+compile, cold cache: 37.7 -> 34.1 machine CPU-s, 3 runs each). It once made
+# every eager rank slower (test_contract's 21 pipeline rows 54.8 -> 66.8), by the collections that walked its
+# objects in every rank; frozen in the server since (tessera.training.rank_server), test_contract's 40 rows on 4
+# ranks measured 64.0 without it and 62.2 with (5 runs each, 54-72 CPU-s: no difference)
+TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8", *COMPILE_PRELOAD]
 
 
 def pytest_sessionstart(session):

@@ -10,6 +10,7 @@ import importlib
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -66,21 +67,46 @@ def test_python_m_tessera_cli_is_the_command():
     assert tessera.__version__ in out.stdout
 
 
-def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_torch_of_its_own():
+def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_torch_of_its_own(tmp_path):
     from tessera.parallel import launch
     from tessera.training import rank_server
 
     assert rank_server.PRELOAD == launch.PRELOAD
     # the whole command module too: `tessera train` starts the server after parsing, so torch imported by the
-    # command's own module would run before the server's imports instead of beside them (3-4 s a run)
+    # command's own module would run before the server's imports instead of beside them (3-4 s a run). For a run
+    # that compiles, the server imports inductor's compiler too: a rank forked from it holds it before compiling
+    (tmp_path / "loaded.py").write_text("import sys\ndef loaded(name):\n    return name in sys.modules\n")
     code = (
         "import sys, multiprocessing.forkserver as fs, tessera.commands.cli; "
         "from tessera.training.rank_server import start_rank_server; "
-        "start_rank_server(); print('torch' in sys.modules, fs._forkserver._forkserver_pid is not None)"
+        "start_rank_server(compiles=True); print('torch' in sys.modules, fs._forkserver._forkserver_pid is not None); "
+        "import loaded; from tessera.parallel.launch import run_ranks; "
+        "print('torch._inductor.compile_fx' in sys.modules, run_ranks(loaded.loaded, 1, 'torch._inductor.compile_fx'))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "True"]  # the server runs; this process has not imported torch
+    # the server runs; this process has not imported torch; nor inductor after importing the launcher; the rank has
+    assert out.stdout.split() == ["False", "True", "False", "[True]"], out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv", [["train", "--compile"], ["train"], ["bench", "--layouts", "one,tp2+compile", "--out", "unused"]]
+)
+def test_the_rank_server_preloads_inductor_for_the_runs_that_compile_only(argv):
+    from tessera.commands.cli import main
+
+    class Started(Exception):
+        pass
+
+    with (
+        mock.patch("tessera.commands.cli.start_rank_server", side_effect=Started) as train,
+        mock.patch("tessera.commands.bench.start_rank_server", side_effect=Started) as bench,
+        pytest.raises(Started),
+    ):
+        main(argv)
+    (start,) = [s for s in (train, bench) if s.called]
+    assert start.call_args == mock.call(compiles="compile" in " ".join(argv))
 
 
 @pytest.mark.parametrize("quick_exit", [True, False])

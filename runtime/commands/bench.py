@@ -153,7 +153,10 @@ def run_bench(args: argparse.Namespace) -> int:
             )
         if args.steps <= args.warmup:
             raise ValueError(f"--steps {args.steps} must exceed --warmup {args.warmup} (the timed steps come after it)")
-        start_rank_server()  # the ranks' server imports torch and tessera beside this command's own imports
+        # the ranks' server imports torch and tessera beside this command's own imports (and inductor where a row
+        # compiles, or --baseline compile)
+        compiles = args.baseline == "compile" or "compile" in (args.layouts or "").replace(",", "+").split("+")
+        start_rank_server(compiles=compiles)
         runs = (
             series_layouts(args.series, args.max_ranks, args.global_batch)
             if args.series

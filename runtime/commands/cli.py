@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     if not under_torchrun():
-        start_rank_server()  # the ranks' server imports torch and tessera beside the imports below
+        # the ranks' server imports torch and tessera beside the imports below (and inductor, for --compile; a
+        # config file's compile the ranks import themselves)
+        start_rank_server(compiles=bool(vars(args).get("parallel.compile")))
     with collector_paused():
         # lazy: these import torch, which stays out of `tessera --help` and the torch-free commands
         from tessera.parallel.checkpoint import CheckpointError

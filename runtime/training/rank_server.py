@@ -48,6 +48,9 @@ PRELOAD = [
     "tessera.trainer",
     "torch._dynamo",
 ]
+# and for a run that compiles (--compile): inductor's compiler, which every rank imported at its first compile (1.65
+# CPU seconds a rank, once here instead). Not for every run: a server's start would cost that much more
+COMPILE_PRELOAD = ["torch._inductor.compile_fx"]
 
 
 def under_torchrun() -> bool:
@@ -61,9 +64,10 @@ def speaks_for_the_job() -> bool:
     return int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
-def start_rank_server() -> None:
-    """Start the forkserver the local ranks fork from, with its imports, and return at once."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+def start_rank_server(compiles: bool = False) -> None:
+    """Start the forkserver the local ranks fork from, with its imports (and torch.compile's where the ranks will
+    compile), and return at once. A server already running is kept as it is."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD + (COMPILE_PRELOAD if compiles else []))
     forkserver.ensure_running()
 
 
