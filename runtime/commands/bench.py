@@ -153,10 +153,6 @@ def run_bench(args: argparse.Namespace) -> int:
             )
         if args.steps <= args.warmup:
             raise ValueError(f"--steps {args.steps} must exceed --warmup {args.warmup} (the timed steps come after it)")
-        # the ranks' server imports torch and tessera beside this command's own imports (and inductor where a row
-        # compiles, or --baseline compile)
-        compiles = args.baseline == "compile" or "compile" in (args.layouts or "").replace(",", "+").split("+")
-        start_rank_server(compiles=compiles)
         runs = (
             series_layouts(args.series, args.max_ranks, args.global_batch)
             if args.series
@@ -167,9 +163,12 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"--layouts {args.layouts!r} has an empty layout name; give comma-separated layouts, e.g. "
                 f"--layouts one,dp2,tp2"
             )
+        layouts = [parse_layout(name) for name, _ in runs]
+        # the ranks' server imports torch and tessera beside this command's own imports (and inductor where a layout
+        # compiles, or --baseline compile)
+        start_rank_server(compiles=args.baseline == "compile" or any(kw.get("compile") for kw in layouts))
         configs = []
-        for name, batch in runs:
-            kw = parse_layout(name)
+        for (name, batch), kw in zip(runs, layouts):
             mb = args.microbatches or (2 * kw.get("pp", 1) if kw.get("pp", 1) > 1 else 1)
             config = Config.create(
                 model=args.model,
