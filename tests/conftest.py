@@ -1,5 +1,7 @@
 import gc
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -234,6 +236,11 @@ def pytest_sessionstart(session):
 
     from tessera.parallel import launch
 
+    # the benchmark scripts the tests run in this process (helpers.script_here) define rank functions that the
+    # ranks import by module name: from benchmarks/, on the path the forkserver hands its ranks (this one's now)
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.append(benchmarks)
     multiprocessing.get_context("forkserver").set_forkserver_preload(launch.PRELOAD + TEST_PRELOAD)
     forkserver.ensure_running()
 

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -267,18 +269,11 @@ def train_with_records(config: Config):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], grads, records
 
 
-def cli_here(
-    *argv: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """`tessera ARGV` through the command line's own main() in this process, captured as a subprocess run
-    would be (exit code, stdout, stderr), in `cwd` if given, with `env` added to this process's environment
-    meanwhile (the command reads it; ranks forked from the running forkserver do not see it). The ranks a
-    run starts write to this process's fds 1 and 2 (tessera.parallel.launch hands them over), which point
-    at the captured files meanwhile.
-    A fresh interpreter costs ~5 s a call here (its imports, then the forkserver's); the tests that are
-    about the interpreter (`python -m tessera`, the console script, torchrun, signals) still start one."""
-    from tessera.commands.cli import exit_code, main  # lazy: the rank functions above are pickled without the CLI
-
+@contextlib.contextmanager
+def _captured_here(cwd: str | os.PathLike | None, env: dict[str, str] | None) -> Iterator[list[str]]:
+    """This process's fds 1 and 2 (and sys.stdout, sys.stderr) into files meanwhile, in `cwd` if given, with `env`
+    added to the environment; the list it yields holds (stdout, stderr) after. The ranks a run starts write to
+    fds 1 and 2 (tessera.parallel.launch hands them over), so they are captured too."""
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
@@ -287,14 +282,12 @@ def cli_here(
         os.dup2(err_file.fileno(), 2)
         out = open(1, "w", buffering=1, closefd=False)
         err = open(2, "w", buffering=1, closefd=False)
+        texts: list[str] = []
         try:
             place = contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), place:
                 with mock.patch.dict(os.environ, env or {}):
-                    try:
-                        code = main(list(map(str, argv)))
-                    except SystemExit as e:  # argparse's usage errors (2), --help (0)
-                        code = exit_code(e)  # a message to stderr, which points at err meanwhile
+                    yield texts
         finally:
             out.flush()
             err.flush()
@@ -302,11 +295,63 @@ def cli_here(
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
-        texts = []
-        for f in (out_file, err_file):
-            f.seek(0)
-            texts.append(f.read().decode(errors="replace"))
-    return subprocess.CompletedProcess(["tessera", *map(str, argv)], code, texts[0], texts[1])
+            for f in (out_file, err_file):
+                f.seek(0)
+                texts.append(f.read().decode(errors="replace"))
+
+
+def cli_here(
+    *argv: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`tessera ARGV` through the command line's own main() in this process, captured as a subprocess run
+    would be (exit code, stdout, stderr), in `cwd` if given, with `env` added to this process's environment
+    meanwhile (the command reads it; ranks forked from the running forkserver do not see it).
+    A fresh interpreter costs ~5 s a call here (its imports, then the forkserver's); the tests that are
+    about the interpreter (`python -m tessera`, the console script, torchrun, signals) still start one."""
+    from tessera.commands.cli import exit_code, main  # lazy: the rank functions above are pickled without the CLI
+
+    with _captured_here(cwd, env) as texts:
+        try:
+            code = main(list(map(str, argv)))
+        except SystemExit as e:  # argparse's usage errors (2), --help (0)
+            code = exit_code(e)  # a message to stderr, which points at err meanwhile
+    return subprocess.CompletedProcess(["tessera", *map(str, argv)], code, *texts)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def script_here(
+    name: str, *argv: str | os.PathLike, cwd: str | os.PathLike | None = None
+) -> subprocess.CompletedProcess:
+    """`python benchmarks/NAME.py ARGV` through the script's own main(argv) in this process, captured as
+    cli_here captures a command: the script imported as module NAME, which is how its ranks import it too
+    (conftest puts benchmarks/ on the path of the forkserver they fork from), instead of a fresh interpreter
+    and its own forkserver (~5 CPU seconds a call here: bench_muon's tiny run 7.5 -> 2.6). torch's thread
+    count, which a benchmark sets for its timing, is put back after. Not for a script that changes this
+    process beyond that (bench_planner_check.py starts a process group here and adds presets to tessera's
+    table: tests/test_calibration.py runs it as a command); a script run as `python SCRIPT`, whose ranks
+    import it as `__mp_main__`, stays tested by gpu_suite.py's and the examples' tests."""
+    path = BENCHMARKS / f"{name}.py"
+    module = sys.modules.get(name)
+    if module is None or Path(module.__file__ or "") != path:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        with _captured_here(cwd, None) as texts:
+            try:
+                code = module.main(list(map(str, argv)))
+            except SystemExit as e:  # argparse's usage errors (2), a script's own sys.exit
+                code = e.code if isinstance(e.code, int) else 1
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["python", str(path), *map(str, argv)], code, *texts)
 
 
 # One process rounding where tensor parallel rounds (the bf16 contract's tolerance, tests/test_contract_bf16.py).

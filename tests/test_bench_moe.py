@@ -6,20 +6,16 @@ and the arithmetic between them."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import cli_here, script_here
 from tessera.commands.bench import moe_load, parse_layout
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def test_ep_layouts_parse():
@@ -49,9 +45,7 @@ def test_moe_load_summarizes_the_measured_steps_and_is_none_for_a_dense_model():
 
 
 def test_bench_of_an_moe_model_writes_the_expert_load_and_its_plot(tmp_path):
-    out = _run(
-        "-m",
-        "tessera",
+    out = cli_here(
         "bench",
         "--model",
         "qwen3-moe-debug",
@@ -111,7 +105,7 @@ def test_grouped_vs_loop_measures_each_path_and_compares_it_with_the_loop():
 
 
 def test_bench_moe_quick_writes_its_json(tmp_path):
-    out = _run("benchmarks/bench_moe.py", "--quick", "--out", str(tmp_path))
+    out = script_here("bench_moe", "--quick", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     [path] = tmp_path.glob("moe_*_quick.json")  # moe_cpu_quick.json here; moe_h100_quick.json on an H100
     data = json.loads(path.read_text())

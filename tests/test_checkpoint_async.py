@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from helpers import small_config
+from helpers import script_here, small_config
 from tessera.parallel.launch import RankFailure, run_ranks
 from tessera.training.run import train
 
@@ -80,14 +80,7 @@ def test_checkpoint_async_without_checkpoints_is_refused():
 
 
 def test_the_checkpoint_benchmark_runs_and_records_both_modes(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_checkpoint.py"
-    out = subprocess.run(
-        [sys.executable, str(script), "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
-    )
+    out = script_here("bench_checkpoint", "--quick", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads((tmp_path / "checkpoint_async_cpu_quick.json").read_text())
     summary = result["results"]["summary"]

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import NEEDS_TORCHAO
+from helpers import NEEDS_TORCHAO, script_here
 
 pytestmark = NEEDS_TORCHAO
 
@@ -189,15 +189,9 @@ def test_the_convergence_benchmark_records_the_dtypes_it_measured_and_refuses_a_
     and the dtype the records measured (emulated FP8 on CPU), not the recipe asked for; `--device cuda`
     without a GPU is one line naming the fix."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fp8.py"
     tiny = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "2", "--window", "2"]
-    out = subprocess.run(
-        [sys.executable, str(script), *tiny, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
+    out = script_here("bench_fp8", *tiny, "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "fp8-convergence-debug-cpu.json").read_text())["results"]
     assert {k: len(v) for k, v in data["losses"].items()} == {"bf16": 3, "fp8-tensorwise": 3, "fp8-rowwise": 3}
@@ -211,9 +205,7 @@ def test_the_convergence_benchmark_records_the_dtypes_it_measured_and_refuses_a_
     assert gap["max_abs_gap"] == pytest.approx(want) and 1 <= gap["max_abs_gap_step"] <= 3
     assert (tmp_path / "fp8-convergence-debug-cpu.png").stat().st_size > 0
     if not torch.cuda.is_available():
-        refused = subprocess.run(
-            [sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True, timeout=120
-        )
+        refused = script_here("bench_fp8", "--device", "cuda")
         assert refused.returncode == 2 and "--device cuda: no GPU is visible here" in refused.stderr
         assert "--device cpu" in refused.stderr.strip().splitlines()[-1]
 

@@ -6,14 +6,13 @@ process and on tp2 ranks; top-p keeps the smallest most likely set of its mass."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from helpers import cli_here
 
 from tessera.cli import main
 from tessera.models.generation import Sampling, generate, top_p_filter
@@ -276,11 +275,7 @@ def trained(tmp_path_factory):
 def test_a_trained_checkpoint_generates_the_same_text_on_one_process_and_tp2_ranks(capsys, trained):
     one = _generate_json(capsys, "--checkpoint", str(trained), "--prompt", "The ", "--max-new-tokens", "20")
     assert one["family"] == "llama" and one["prompt_ids"] == [256, 84, 104, 101, 32] and one["new_tokens"] == 20
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "tessera", "generate", "--checkpoint", str(trained), "--prompt", "The "]
-    proc = subprocess.run(
-        [*argv, "--max-new-tokens", "20", "--tp", "2"], capture_output=True, text=True, env=env, timeout=300
-    )
+    proc = cli_here("generate", "--checkpoint", trained, "--prompt", "The ", "--max-new-tokens", "20", "--tp", "2")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == one["text"] + "\n"
     progress = [line for line in proc.stderr.splitlines() if line.startswith("generate: ")]

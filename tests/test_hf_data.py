@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import small_config
+from helpers import script_here, small_config
 from tessera.models.hf_data import HFStream, parse_spec
 
 WORDS = "the quick brown fox jumps over the lazy dog a stitch in time saves nine".split()
@@ -241,18 +241,9 @@ def test_held_out_hf_data_gives_the_same_eval_loss_on_dp2_as_on_one_process(data
 
 def test_the_benchmark_runs_on_a_tiny_setting(tmp_path):
     """benchmarks/bench_hf_data.py on a tiny setting: both rows, each with its data and step times."""
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_data.py"
     tiny = ["--model", "debug", "--seq-len", "16", "--global-batch", "4", "--steps", "1", "--warmup", "1"]
-    out = subprocess.run(
-        [sys.executable, str(script), *tiny, "--records", "50", "--vocab", "300", "--out", str(tmp_path / "h.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = script_here("bench_hf_data", *tiny, "--records", "50", "--vocab", "300", "--out", str(tmp_path / "h.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "h.json").read_text())
     assert data["versions"]["torch"] and data["config"]["model"] == "debug"

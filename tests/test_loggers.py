@@ -12,8 +12,11 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+
+from helpers import cli_here
 from tessera.metrics import loggers
 from tessera.metrics.loggers import check_loggers, mfu_per_token, scalars
 
@@ -176,17 +179,8 @@ def test_bad_logger_input_is_one_line(monkeypatch, tmp_path):
 
 def test_the_command_says_one_line_before_any_rank(tmp_path):
     # tensorboard made unimportable in the command's process: the pip command, no traceback, exit 2
-    code = (
-        "import sys; sys.modules['tensorboard'] = None; from tessera.commands.cli import main; "
-        "sys.exit(main(sys.argv[1:]))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, "train", "--steps", "1", "--tensorboard", "tb"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with mock.patch.dict(sys.modules, {"tensorboard": None}):
+        done = cli_here("train", "--steps", "1", "--tensorboard", "tb", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == (
         "tessera train: error: --tensorboard needs the tensorboard package, which is not installed: "

@@ -5,14 +5,11 @@ the planner's count of Muon's memory, and benchmarks/bench_muon.py's JSON. The l
 
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import measured_model_states, small_config
+from helpers import measured_model_states, script_here, small_config
 from muon_ranks import muon_comm, resume_bitwise
 from tessera.models.spec import get_spec, shape_of
 from tessera.parallel.launch import run_ranks
@@ -140,14 +137,8 @@ def test_the_planner_counts_muons_state_and_the_owners_gathered_matrix(kw):
 def test_bench_muon_writes_its_json(tmp_path):
     """benchmarks/bench_muon.py on a tiny setting: its JSON names the device and versions, and holds each
     layout's optimizer-step time, Muon's counted bytes beside the prediction, and the FLOPs' balance."""
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_muon.py"
     tiny = ["--model", "debug", "--seq-len", "32", "--global-batch", "4", "--steps", "1", "--warmup", "0"]
-    out = subprocess.run(
-        [sys.executable, str(script), *tiny, "--layouts", "one,dp2xtp2", "--out", str(tmp_path / "m.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = script_here("bench_muon", *tiny, "--layouts", "one,dp2xtp2", "--out", str(tmp_path / "m.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "m.json").read_text())
     assert data["device"]["device"] and data["versions"]["torch"] and data["config"]["model"] == "debug"

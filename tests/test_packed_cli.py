@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import small_config, cli_here
+from helpers import cli_here, script_here, small_config
 from tessera.models.tokens import TokenFileStream, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,13 +76,7 @@ def test_packed_token_files_train_equally_on_dp2xcp2_and_one_process(packed_data
 def test_the_documents_benchmark_smoke_run_writes_its_figures(tmp_path):
     """benchmarks/bench_documents.py --quick: its JSON holds every part, and the ratios are the times' ratios
     (figures are never asserted)."""
-    out = subprocess.run(
-        [sys.executable, "benchmarks/bench_documents.py", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    out = script_here("bench_documents", "--quick", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads((tmp_path / "documents-cpu.json").read_text())
     rows = record["results"]

@@ -3,14 +3,12 @@ one-process run, stage-only memory, checkpoints across pp degrees, the CLI, the 
 stage splitting."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import PIPELINE_BASE
-from helpers import small_config, train_losses_and_grads, cli_here
+from helpers import cli_here, script_here, small_config, train_losses_and_grads
 from tessera.parallel.launch import run_ranks
 from tessera.parallel.pipeline import build_stage, split_layers, stages_of_rank
 from tessera.training.run import train
@@ -446,37 +444,10 @@ def test_the_pipeline_benchmark_runs_the_new_kinds_beside_torchs(tmp_path):
     """benchmarks/bench_pipeline.py, small: tessera's looped-bfs, interleaved-zb, zbv and dualpipev against torch's
     classes of the same kind compute the same gradients; the record holds the ratio of the times it holds."""
     import json
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bench_pipeline.py",
-            "--model",
-            "debug",
-            "--n-layers",
-            "4",
-            "--microbatches",
-            "4",
-            "--rows",
-            "1",
-            "--seq-len",
-            "16",
-            "--steps",
-            "3",
-            "--warmup",
-            "0",
-            "--kinds",
-            "looped-bfs,interleaved-zb,zbv,dualpipev",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
+    kinds = "looped-bfs,interleaved-zb,zbv,dualpipev"
+    small = ["--model", "debug", "--n-layers", "4", "--microbatches", "4", "--rows", "1", "--seq-len", "16"]
+    out = script_here("bench_pipeline", *small, "--steps", "3", "--warmup", "0", "--kinds", kinds, "--out", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "pipeline-debug-pp2-cpu.json").read_text())["results"]
     assert [r["kind"] for r in rows] == ["looped-bfs", "interleaved-zb", "zbv", "dualpipev"]

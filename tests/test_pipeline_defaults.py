@@ -1,9 +1,6 @@
 """Pipelines that need no flag beyond --pp: without --microbatches the fewest microbatches the schedule runs
 (that divide each dp rank's rows) are chosen and said at the start; given ones are kept and checked."""
 
-import subprocess
-import sys
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -57,24 +54,11 @@ def test_a_v_schedule_needs_only_its_name(tmp_path):
     """--schedule dualpipev with --pp 2 (and the 4 layers its 4 stages need): two stages per rank on the V
     and 2 pp microbatches are chosen; the library's refusal of too few microbatches reaches the command line
     in its flags."""
-    run = [
-        sys.executable,
-        "-m",
-        "tessera",
-        "train",
-        "--pp",
-        "2",
-        "--schedule",
-        "dualpipev",
-        "--n-layers",
-        "4",
-        "--steps",
-        "2",
-    ]
-    out = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    run = ["train", "--pp", "2", "--schedule", "dualpipev", "--n-layers", "4", "--steps", "2"]
+    out = cli_here(*run, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "in 4 microbatches (the fewest the schedule runs" in out.stdout
-    out = cli_here(*run[3:], "--microbatches", "2")  # a refusal: the command's main() in this process
+    out = cli_here(*run, "--microbatches", "2")  # a refusal
     assert out.returncode == 2
     assert (
         out.stderr.strip()

@@ -2,8 +2,6 @@
 from the tensors during step 1 (runtime/metrics/dtype_probe.py), never from the config."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -105,12 +103,7 @@ def test_the_readme_quotes_the_start_up_lines_matmul_shares():
     quoted = re.search(
         r"\(`(matmuls in bfloat16 \([^`]*\))`\s+for `tessera train --model debug --mixed-precision bf16`", readme
     ).group(1)
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", "train", "--model", "debug", "--mixed-precision", "bf16", "--steps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = cli_here("train", "--model", "debug", "--mixed-precision", "bf16", "--steps", "1")
     assert out.returncode == 0, out.stderr[-2000:]
     assert quoted in out.stdout.splitlines()[0], (quoted, out.stdout.splitlines()[0])
 
