@@ -74,8 +74,14 @@ def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_
     assert rank_server.PRELOAD == launch.PRELOAD
     # the whole command module too: `tessera train` starts the server after parsing, so torch imported by the
     # command's own module would run before the server's imports instead of beside them (3-4 s a run). For a run
-    # that compiles, the server imports inductor's compiler too: a rank forked from it holds it before compiling
-    (tmp_path / "loaded.py").write_text("import sys\ndef loaded(name):\n    return name in sys.modules\n")
+    # that compiles, the server imports inductor's compiler too, and has found the CPU's vector instruction sets: a
+    # rank forked from it holds both before compiling
+    (tmp_path / "loaded.py").write_text(
+        "import sys\n"
+        "def loaded(name):\n"
+        "    from torch._inductor.cpu_vec_isa import valid_vec_isa_list\n"
+        "    return name in sys.modules, valid_vec_isa_list.cache_info().currsize\n"
+    )
     code = (
         "import sys, multiprocessing.forkserver as fs, tessera.commands.cli; "
         "from tessera.training.rank_server import start_rank_server; "
@@ -87,7 +93,7 @@ def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     # the server runs; this process has not imported torch; nor inductor after importing the launcher; the rank has
-    assert out.stdout.split() == ["False", "True", "False", "[True]"], out.stdout
+    assert out.stdout.split() == ["False", "True", "False", "[(True,", "1)]"], out.stdout
 
 
 @pytest.mark.parametrize(
