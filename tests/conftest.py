@@ -255,19 +255,46 @@ def pytest_xdist_make_scheduler(config, log):
         return None  # another --dist asked for on the command line: xdist's own scheduler
     from xdist.scheduler import LoadScopeScheduling
 
-    def heavy(path: str) -> bool:
-        return path.rpartition("/")[2].removesuffix(".py") in RANK_HEAVY
-
     class RankHeavyTogether(LoadScopeScheduling):
         together: bool | None = None
 
         def _split_scope(self, nodeid: str) -> str:
-            if self.together is None:  # only where other files can share the cores (not for a run of contract files)
-                self.together = not all(heavy(n.split("::", 1)[0]) for n in self.collection or [])
             path = nodeid.split("::", 1)[0]
-            return "rank-heavy modules" if self.together and heavy(path) else path
+            if self.together is None:
+                self.together = rank_heavy_together([n.split("::", 1)[0] for n in self.collection or []])
+            return "rank-heavy modules" if self.together and _module_name(path) in RANK_HEAVY else path
 
     return RankHeavyTogether(config, log)
+
+
+def _module_name(path: str) -> str:
+    return path.rpartition("/")[2].removesuffix(".py")
+
+
+def rank_heavy_together(paths: list[str]) -> bool:
+    """Whether one worker takes every RANK_HEAVY module of a run of these files (pytest_xdist_make_scheduler):
+    only where other files can share the cores, not for a run of RANK_HEAVY files alone (CI's torch 2.11
+    contract files), which keeps one file a unit."""
+    return not all(_module_name(p) in RANK_HEAVY for p in paths)
+
+
+@pytest.fixture(scope="session")
+def spawn_pool(request):
+    """The test files' shared spawns (tests/shared_spawns.py). Rows of one world size of several files train in
+    one spawn where this process runs all of those files: every file without xdist; with it, the RANK_HEAVY
+    files when one worker takes them together (`--dist loadfile`, pyproject.toml's default)."""
+    from shared_spawns import SpawnPool  # lazy: it imports tessera.parallel, which xdist's controller never needs
+
+    session = request.session
+    files = [item.nodeid.split("::", 1)[0] for item in session.items]
+    names = {item.module.__name__ for item in session.items if getattr(item, "module", None)}
+    if not hasattr(request.config, "workerinput"):
+        pooled = names
+    elif request.config.getvalue("dist") == "loadfile" and rank_heavy_together(files):
+        pooled = {n for n in names if n.rpartition(".")[2] in RANK_HEAVY}
+    else:
+        pooled = set()
+    return SpawnPool(session, pooled)
 
 
 def pytest_collection_modifyitems(config, items):

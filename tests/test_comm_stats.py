@@ -1,6 +1,8 @@
 """Communication accounting (--comm-stats): the bytes each mesh axis moved in a step, counted at the
 dispatcher (tessera's collectives and FSDP2's), equal the analytic volumes of topology/comm_model.py."""
 
+import sys
+
 import pytest
 
 from helpers import comm_of_first_step, small_config
@@ -54,8 +56,7 @@ ONE_AXIS_LAYOUTS = [
 FSDP_STRATEGIES = ("FULL_SHARD", "NO_SHARD")
 
 
-@pytest.fixture(scope="module")
-def runs(request) -> SharedSpawns:
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
     """Every rank's first-step bytes of each layout, one spawn per world size (tests/shared_spawns.py)."""
     rows = {}
     for case, layout in FOUR_D_CASES:
@@ -74,9 +75,17 @@ def runs(request) -> SharedSpawns:
     for strategy in FSDP_STRATEGIES:
         config = small_config(dp=4, fsdp=strategy, comm_stats="every", steps=1)
         rows[("fsdp", strategy)] = (comm_of_first_step, 4, (config,))
-    selected = selected_keys(request, "layout") | selected_keys(request, "case")
+    selected = selected_keys(session, sys.modules[__name__], "layout") | selected_keys(
+        session, sys.modules[__name__], "case"
+    )
     selected |= {("fsdp", s) for s in FSDP_STRATEGIES}
     return SharedSpawns(rows, selected, every_rank=True)
+
+
+@pytest.fixture(scope="module")
+def runs(spawn_pool, request) -> SharedSpawns:
+    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
+    return spawn_pool.spawns_of(request.module)
 
 
 @pytest.mark.parametrize("case, layout", FOUR_D_CASES)

@@ -7,6 +7,8 @@ gradient of step 1 within 1e-4, by one-process parameter name. Cases of one worl
 the other in one spawn (tests/shared_spawns.py), each with its own Trainer, each compared alone.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -123,8 +125,7 @@ def assert_trains_like_one_process(case: str, run, reference) -> None:
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
 
 
-@pytest.fixture(scope="module")
-def runs(request) -> SharedSpawns:
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
     """Every selected case of this file, trained in one spawn per world size on first request."""
     from conftest import PIPELINE_BASE
 
@@ -137,7 +138,13 @@ def runs(request) -> SharedSpawns:
         for case, layout in table.items():
             config = small_config(**base, **layout)
             rows[(test, case)] = (train_losses_and_grads, config.layout.world_size, (config, *extra))
-    return SharedSpawns(rows, selected_keys(request))
+    return SharedSpawns(rows, selected_keys(session, sys.modules[__name__]))
+
+
+@pytest.fixture(scope="module")
+def runs(spawn_pool, request) -> SharedSpawns:
+    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
+    return spawn_pool.spawns_of(request.module)
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))

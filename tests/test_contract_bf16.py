@@ -33,6 +33,8 @@ per-tensor scale is stable). A real bug (a missing or doubled reduction, a wrong
 one) moves these by O(1) relative, orders of magnitude past 2E. The fp32 contract is unchanged.
 """
 
+import sys
+
 import pytest
 
 from conftest import PIPELINE_BASE
@@ -77,8 +79,7 @@ PIPELINE_LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(request) -> SharedSpawns:
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
     """This file's runs, one spawn per world size (tests/shared_spawns.py): the one-process bf16 and fp32
     references (8 layers for the pipelines) and every selected layout."""
     rows = {}
@@ -96,7 +97,13 @@ def runs(request) -> SharedSpawns:
             fn = train_with_dtypes_and_graphs if layout.get("compile") else train_with_dtypes
             rows[(test, case)] = (fn, config.layout.world_size, (config,))
     references = {k for k in rows if k[0] in ("one_process", "deep_one_process")}
-    return SharedSpawns(rows, selected_keys(request) | references)
+    return SharedSpawns(rows, selected_keys(session, sys.modules[__name__]) | references)
+
+
+@pytest.fixture(scope="module")
+def runs(spawn_pool, request) -> SharedSpawns:
+    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
+    return spawn_pool.spawns_of(request.module)
 
 
 @pytest.fixture(scope="module")

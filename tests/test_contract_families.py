@@ -11,6 +11,8 @@ gpt-oss-debug's window falls inside one cp rank's zigzag chunk on some layers' r
 others (the ring skips the steps wholly outside it).
 """
 
+import sys
+
 import pytest
 
 from helpers import small_config, train_with_dtypes, train_with_records
@@ -46,8 +48,7 @@ FP32_TEST = "test_the_family_trains_like_its_one_process_run"
 BF16_TEST = "test_the_family_trains_like_one_process_in_bf16"
 
 
-@pytest.fixture(scope="module")
-def runs(request) -> SharedSpawns:
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
     """This file's runs, one spawn per world size (tests/shared_spawns.py)."""
     rows = {}
     for family, base in FAMILIES.items():
@@ -64,10 +65,17 @@ def runs(request) -> SharedSpawns:
         for case, layout in BF16_LAYOUTS.items():
             config = small_config(**base, **layout, mixed_precision="bf16")
             rows[(BF16_TEST, f"{family}-{case}")] = (train_with_dtypes, config.layout.world_size, (config,))
-    selected = selected_keys(request)
-    families = {key[1].split("-")[0] for key in selected} | {f for _, f in selected_keys(request, "family")}
+    selected = selected_keys(session, sys.modules[__name__])
+    by_family = selected_keys(session, sys.modules[__name__], "family")
+    families = {key[1].split("-")[0] for key in selected} | {family for _, family in by_family}
     references = {k for k in rows if k[0].startswith("reference") and k[1] in families}
     return SharedSpawns(rows, selected | references)
+
+
+@pytest.fixture(scope="module")
+def runs(spawn_pool, request) -> SharedSpawns:
+    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
+    return spawn_pool.spawns_of(request.module)
 
 
 def _cases(table: dict) -> list[str]:

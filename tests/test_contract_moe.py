@@ -8,6 +8,8 @@ routing, the later losses. Routing is deterministic (top-k of the same scores), 
 token to the same experts as one process.
 """
 
+import sys
+
 import pytest
 
 from helpers import small_config, train_with_dtypes, train_with_records
@@ -35,8 +37,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(request) -> SharedSpawns:
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
     """This file's runs, one spawn per world size (tests/shared_spawns.py): the one-process references
     (softmax routing; sigmoid with a shared expert; bf16 and fp32 with their dtypes) and every selected layout."""
     rows = {
@@ -72,7 +73,13 @@ def runs(request) -> SharedSpawns:
         for case, layout in table.items():
             config = small_config(**base, **layout)
             rows[(test, case)] = (fn, config.layout.world_size, (config,))
-    return SharedSpawns(rows, selected_keys(request) | {k for k in rows if k[0] == "reference"})
+    return SharedSpawns(rows, selected_keys(session, sys.modules[__name__]) | {k for k in rows if k[0] == "reference"})
+
+
+@pytest.fixture(scope="module")
+def runs(spawn_pool, request) -> SharedSpawns:
+    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
+    return spawn_pool.spawns_of(request.module)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ The tied weight is the sharpest row: under pp the first stage's embedding and th
 one tensor held by two ranks, whose gradients are summed (parallel/tied.py) and counted once in the norm.
 """
 
+import sys
+
 import pytest
 
 from helpers import small_config, train_losses_and_grads, train_with_dtypes
@@ -52,8 +54,7 @@ LAYOUTS = {
 MASKED_LAYOUTS = {"dp2": dict(dp=2), "dp2xtp2": dict(dp=2, tp=2), "pp2": dict(pp=2, microbatches=2)}
 
 
-@pytest.fixture(scope="module")
-def runs(request) -> SharedSpawns:
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
     """This file's runs, one spawn per world size (tests/shared_spawns.py): the one-process references
     (fp32, masked fp32, bf16 and fp32 with their dtypes) and every selected layout."""
     one = small_config(**BASE)
@@ -85,7 +86,13 @@ def runs(request) -> SharedSpawns:
         for case, layout in table.items():
             config = small_config(**BASE, **layout, **precision)
             rows[(test, case)] = (fn, config.layout.world_size, (config, *extra))
-    return SharedSpawns(rows, selected_keys(request) | {k for k in rows if k[0] == "reference"})
+    return SharedSpawns(rows, selected_keys(session, sys.modules[__name__]) | {k for k in rows if k[0] == "reference"})
+
+
+@pytest.fixture(scope="module")
+def runs(spawn_pool, request) -> SharedSpawns:
+    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
+    return spawn_pool.spawns_of(request.module)
 
 
 @pytest.fixture(scope="module")

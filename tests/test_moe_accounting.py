@@ -16,6 +16,8 @@ import functools
 import shlex
 from unittest import mock
 
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,8 +85,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def counted(request) -> SharedSpawns:
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
     """Every rank's counted step of each selected layout, one spawn per world size (tests/shared_spawns.py)."""
     rows = {}
     for case, layout in LAYOUTS.items():
@@ -94,7 +95,13 @@ def counted(request) -> SharedSpawns:
             config.layout.world_size,
             (config,),
         )
-    return SharedSpawns(rows, selected_keys(request), every_rank=True)
+    return SharedSpawns(rows, selected_keys(session, sys.modules[__name__]), every_rank=True)
+
+
+@pytest.fixture(scope="module")
+def counted(spawn_pool, request) -> SharedSpawns:
+    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
+    return spawn_pool.spawns_of(request.module)
 
 
 @pytest.mark.slow
