@@ -3,12 +3,13 @@ pp2 x dp_replicate2 x dp_shard2 x tp2 (HSDP). Both train like one process (losse
 relative, gradients by name within 1e-4: the contract table's check against its 8-layer reference), save a
 checkpoint after step 2, and each resumes from the other's with the one-process step 3."""
 
+from pathlib import Path
+
 import pytest
 
 from conftest import PIPELINE_BASE
 from helpers import small_config, train_losses_and_grads_saving
-from shared_spawns import each_in_turn
-from tessera.parallel.launch import run_ranks
+from shared_spawns import SharedSpawns
 from tessera.training.run import train
 from test_contract import assert_trains_like_one_process
 
@@ -18,17 +19,24 @@ LAYOUTS = {
 }
 
 
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
+    """Each 16-rank layout's 3 steps (losses, grad norms, step-1 gradients), saving its checkpoint of step 2,
+    trained in the session's 16-rank spawn (tests/shared_spawns.py)."""
+    tmp = session.config._tmp_path_factory  # the tmp_path_factory fixture's own object (pytest's tmpdir plugin)
+    rows = {}
+    for name, layout in LAYOUTS.items():
+        config = small_config(**PIPELINE_BASE, **layout, checkpoint_dir=str(tmp.mktemp("ckpt")))
+        rows[name] = (train_losses_and_grads_saving, 16, (config, 2))
+    return SharedSpawns(rows, set(rows))
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Each 16-rank layout's 3 steps (losses, grad norms, step-1 gradients) and its checkpoint of step 2, the two
-    layouts one after the other in one spawn of 16 ranks."""
-    roots = {name: tmp_path_factory.mktemp("ckpt") for name in LAYOUTS}
-    cases = [
-        (train_losses_and_grads_saving, (small_config(**PIPELINE_BASE, **layout, checkpoint_dir=str(roots[name])), 2))
-        for name, layout in LAYOUTS.items()
-    ]
-    runs = run_ranks(each_in_turn, 16, cases, timeout=600)[0]
-    return {name: (roots[name] / "step_00000002", run) for name, run in zip(LAYOUTS, runs)}
+def saved(spawn_pool, request):
+    """Each layout's checkpoint of step 2 and its run."""
+    spawns = spawn_pool.spawns_of(request.module)
+    return {
+        name: (Path(spawns.rows[name][2][0].checkpoint.dir) / "step_00000002", spawns.result(name)) for name in LAYOUTS
+    }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

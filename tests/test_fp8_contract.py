@@ -31,8 +31,7 @@ from helpers import NEEDS_TORCHAO
 pytestmark = NEEDS_TORCHAO
 
 from fp8_ranks import checkpoints, comm_bytes, fp8_run  # noqa: E402
-from shared_spawns import each_in_turn  # noqa: E402
-from tessera.parallel.launch import run_ranks  # noqa: E402
+from shared_spawns import SharedSpawns  # noqa: E402
 
 TW, RW = dict(fp8="tensorwise"), dict(fp8="rowwise")
 MOE = dict(model="qwen3-moe-debug")
@@ -88,20 +87,31 @@ SCALED = ("one-process", "one-process-rowwise", "tp2+sp", "tp2+sp-rowwise")  # r
 PLANTED = "tp2+sp"
 
 
+SPECIAL = ("planted", "checkpoints", "comm-fp8", "comm-fp32")  # world-2 runs beside the rows
+
+
+def spawned_rows(session: pytest.Session) -> SharedSpawns:
+    """Every row, the one-process runs (world size 1) and the world-2 special runs (SPECIAL), trained in the
+    session's spawns of their world size (tests/shared_spawns.py); all of them, whichever tests are selected."""
+    root = session.config._tmp_path_factory.mktemp("fp8-checkpoints")  # the tmp_path_factory fixture's object
+    rows = {}
+    for world, table in ((1, SINGLES), *ROWS.items()):
+        rows |= {name: (fp8_run, world, (kw, False, name in SCALED)) for name, kw in table.items()}
+    specials = [
+        (fp8_run, (ROWS[2][PLANTED], True, True)),
+        (checkpoints, (str(root), dict(dp=2, **TW))),
+        (comm_bytes, (dict(dp=2, **TW),)),
+        (comm_bytes, (dict(dp=2),)),
+    ]
+    rows |= {name: (fn, 2, args) for name, (fn, args) in zip(SPECIAL, specials)}
+    return SharedSpawns(rows, set(rows))
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = {}
-    root = tmp_path_factory.mktemp("fp8-checkpoints")
-    for world, rows in ((1, SINGLES), *ROWS.items()):
-        cases: list[tuple] = [(fp8_run, (kw, False, name in SCALED)) for name, kw in rows.items()]
-        if world == 2:
-            cases += [(fp8_run, (ROWS[2][PLANTED], True, True)), (checkpoints, (str(root), dict(dp=2, **TW)))]
-            cases += [(comm_bytes, (dict(dp=2, **TW),)), (comm_bytes, (dict(dp=2),))]
-        results = run_ranks(each_in_turn, world, cases, timeout=600)[0]
-        out.update(zip(rows, results))
-        if world == 2:
-            out["planted"], out["checkpoints"], out["comm-fp8"], out["comm-fp32"] = results[-4:]
-    return out
+def runs(spawn_pool, request) -> dict:
+    """Every run of spawned_rows by name."""
+    spawns = spawn_pool.spawns_of(request.module)
+    return {name: spawns.result(name) for name in spawns.rows}
 
 
 def references(runs, case: str) -> tuple:
