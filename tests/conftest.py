@@ -267,6 +267,13 @@ def pytest_xdist_make_scheduler(config, log):
     return RankHeavyTogether(config, log)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller, for each worker: the --dist it schedules by, which a worker cannot read from its own
+    options (xdist sets them to "no" there); `spawn_pool` asks it."""
+    node.workerinput["tessera_dist"] = node.config.getvalue("dist")
+
+
 def _module_name(path: str) -> str:
     return path.rpartition("/")[2].removesuffix(".py")
 
@@ -278,23 +285,26 @@ def rank_heavy_together(paths: list[str]) -> bool:
     return not all(_module_name(p) in RANK_HEAVY for p in paths)
 
 
+def pooled_modules(config, items) -> set[str]:
+    """The test modules whose shared-spawn rows train together (tests/shared_spawns.py): those this process runs
+    all of. Every module without xdist; with it, the RANK_HEAVY modules when the controller sends them to one
+    worker together (`--dist loadfile`, pyproject.toml's default, on a run with other files too); else none."""
+    names = {item.module.__name__ for item in items if getattr(item, "module", None)}
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return names
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    if workerinput.get("tessera_dist") == "loadfile" and rank_heavy_together(files):
+        return {n for n in names if n.rpartition(".")[2] in RANK_HEAVY}
+    return set()
+
+
 @pytest.fixture(scope="session")
 def spawn_pool(request):
-    """The test files' shared spawns (tests/shared_spawns.py). Rows of one world size of several files train in
-    one spawn where this process runs all of those files: every file without xdist; with it, the RANK_HEAVY
-    files when one worker takes them together (`--dist loadfile`, pyproject.toml's default)."""
+    """The test files' shared spawns (tests/shared_spawns.py), pooled across `pooled_modules`."""
     from shared_spawns import SpawnPool  # lazy: it imports tessera.parallel, which xdist's controller never needs
 
-    session = request.session
-    files = [item.nodeid.split("::", 1)[0] for item in session.items]
-    names = {item.module.__name__ for item in session.items if getattr(item, "module", None)}
-    if not hasattr(request.config, "workerinput"):
-        pooled = names
-    elif request.config.getvalue("dist") == "loadfile" and rank_heavy_together(files):
-        pooled = {n for n in names if n.rpartition(".")[2] in RANK_HEAVY}
-    else:
-        pooled = set()
-    return SpawnPool(session, pooled)
+    return SpawnPool(request.session, pooled_modules(request.config, request.session.items))
 
 
 def pytest_collection_modifyitems(config, items):

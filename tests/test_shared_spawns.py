@@ -90,3 +90,23 @@ def test_selected_keys_are_the_sessions_items_of_the_file():
         ),
     ]
     assert selected_keys(SimpleNamespace(items=items), module) == {("test_x", "tp2"), ("test_y", "{'tp': 2}")}
+
+
+def _items(*paths: str) -> list[SimpleNamespace]:
+    return [SimpleNamespace(module=ModuleType(p.rpartition("/")[2][:-3]), nodeid=f"{p}::test_x") for p in paths]
+
+
+def test_the_rank_heavy_files_pool_where_one_worker_runs_them_all():
+    """Without xdist every file pools; under it the RANK_HEAVY files, when the controller schedules by
+    --dist loadfile (which a worker learns from the controller: its own option reads "no") on a run with other
+    files too; a run of RANK_HEAVY files alone spreads them over the workers, and pools none."""
+    from conftest import pooled_modules, pytest_configure_node
+
+    mixed = _items("tests/test_contract.py", "tests/test_contract_bf16.py", "tests/test_axes.py")
+    assert pooled_modules(SimpleNamespace(), mixed) == {"test_contract", "test_contract_bf16", "test_axes"}
+    node = SimpleNamespace(workerinput={}, config=SimpleNamespace(getvalue={"dist": "loadfile"}.get))
+    pytest_configure_node(node)
+    worker = SimpleNamespace(workerinput=node.workerinput)
+    assert pooled_modules(worker, mixed) == {"test_contract", "test_contract_bf16"}
+    assert pooled_modules(worker, mixed[:2]) == set()
+    assert pooled_modules(SimpleNamespace(workerinput={"tessera_dist": "load"}), mixed) == set()
