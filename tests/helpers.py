@@ -332,6 +332,8 @@ def script_here(
     process beyond that (bench_planner_check.py starts a process group here and adds presets to tessera's
     table: tests/test_calibration.py runs it as a command); a script run as `python SCRIPT`, whose ranks
     import it as `__mp_main__`, stays tested by gpu_suite.py's and the examples' tests."""
+    from tessera.commands.cli import exit_code  # lazy: as in cli_here
+
     path = BENCHMARKS / f"{name}.py"
     module = sys.modules.get(name)
     if module is None or Path(module.__file__ or "") != path:
@@ -346,9 +348,7 @@ def script_here(
             try:
                 code = module.main(list(map(str, argv)))
             except SystemExit as e:  # argparse's usage errors (2), a script's own sys.exit
-                code = e.code if isinstance(e.code, int) else 1
-                if e.code is not None and not isinstance(e.code, int):
-                    print(e.code, file=sys.stderr)
+                code = exit_code(e)  # as the interpreter makes of it: None is 0, a message goes to stderr and is 1
     finally:
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess(["python", str(path), *map(str, argv)], code, *texts)
