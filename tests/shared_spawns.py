@@ -83,15 +83,7 @@ class SharedSpawns:
             if key not in self.results:  # no pool, or its spawn failed: this file's rows of the world size
                 self.ran_worlds.add(world)
                 keys = [*self.pending(world), *([] if key in self.selected else [key])]
-                cases = [(self.rows[k][0], self.rows[k][2]) for k in keys]
-                try:
-                    timeout = 60.0 + self.timeout_per_row * len(keys)
-                    by_rank = run_ranks(
-                        each_in_turn, world, cases, timeout=timeout, collective_timeout=COLLECTIVE_TIMEOUT
-                    )
-                    self.take(keys, by_rank)
-                except (RankFailure, RankTimeout):
-                    pass  # each row of this world size runs alone below, and fails by its own name
+                spawn_together(world, [(self, keys)])  # if it fails, each row runs alone below, by its own name
         if key in self.results:
             return self.results[key]
         alone = run_ranks(fn, world, *args, timeout=180)
@@ -128,20 +120,26 @@ class SpawnPool:
         self.ran_worlds.add(world)
         parts = [(m, m.pending(world)) for m in self.members.values() if m.pool is self]
         parts = [(m, keys) for m, keys in parts if keys]
-        cases = [(m.rows[k][0], m.rows[k][2]) for m, keys in parts for k in keys]
-        every = [m.every_rank for m, keys in parts for _ in keys]
-        timeout = 60.0 + sum(m.timeout_per_row * len(keys) for m, keys in parts)
-        try:
-            by_rank = run_ranks(
-                each_in_turn, world, cases, every, timeout=timeout, collective_timeout=COLLECTIVE_TIMEOUT
-            )
-        except (RankFailure, RankTimeout):
-            return
-        start = 0
-        for m, keys in parts:
-            m.take(keys, [per_rank[start : start + len(keys)] for per_rank in by_rank])
-            m.ran_worlds.add(world)
-            start += len(keys)
+        if spawn_together(world, parts):
+            for m, _ in parts:
+                m.ran_worlds.add(world)
+
+
+def spawn_together(world: int, parts: list[tuple[SharedSpawns, list[Any]]]) -> bool:
+    """The rows `keys` of each (SharedSpawns, keys) in one spawn of `world` ranks, in order, each keeping its
+    results; False, keeping nothing, if the spawn failed."""
+    cases = [(m.rows[k][0], m.rows[k][2]) for m, keys in parts for k in keys]
+    every = [m.every_rank for m, keys in parts for _ in keys]
+    timeout = 60.0 + sum(m.timeout_per_row * len(keys) for m, keys in parts)
+    try:
+        by_rank = run_ranks(each_in_turn, world, cases, every, timeout=timeout, collective_timeout=COLLECTIVE_TIMEOUT)
+    except (RankFailure, RankTimeout):
+        return False
+    start = 0
+    for m, keys in parts:
+        m.take(keys, [per_rank[start : start + len(keys)] for per_rank in by_rank])
+        start += len(keys)
+    return True
 
 
 def selected_keys(session: pytest.Session, module: ModuleType, param: str = "case") -> set:
