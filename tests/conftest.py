@@ -313,6 +313,13 @@ def spawn_pool(request):
     return SpawnPool(request.session, pooled_modules(request.config, request.session.items))
 
 
+@pytest.fixture(scope="module")
+def runs(spawn_pool, request):
+    """The requesting file's shared-spawn rows (its module-level `spawned_rows`), trained with other files' of the
+    same world size where they run here; `runs.result(key)` is a row's result. A file may define its own `runs`."""
+    return spawn_pool.spawns_of(request.module)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.originalname in SLOW_TESTS:

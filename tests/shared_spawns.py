@@ -6,7 +6,7 @@ allocator). Rows that share a world size share those. Each row still builds its 
 meshes and model) and is compared alone, by its own name.
 
 A test file declares its rows in a module-level `spawned_rows(session) -> SharedSpawns` and gets them
-from the session's `spawn_pool` fixture (tests/conftest.py). Where the files run in one process (the
+through the `runs` fixture (tests/conftest.py: the session's `spawn_pool`, asked for that file's rows). Where the files run in one process (the
 suite's rank-heavy files, which one xdist worker takes together, or a run without xdist), the pool trains
 the selected rows of one world size of every such file in one spawn: the fp32, bf16 and Qwen3 contract
 rows on 16 ranks together, not a spawn per file (three 16-rank rows: 40 busy CPU-s in three spawns, 30 in

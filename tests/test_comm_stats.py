@@ -82,12 +82,6 @@ def spawned_rows(session: pytest.Session) -> SharedSpawns:
     return SharedSpawns(rows, selected, every_rank=True)
 
 
-@pytest.fixture(scope="module")
-def runs(spawn_pool, request) -> SharedSpawns:
-    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
-    return spawn_pool.spawns_of(request.module)
-
-
 @pytest.mark.parametrize("case, layout", FOUR_D_CASES)
 def test_a_4d_step_moves_the_analytic_bytes_per_axis(runs, case, layout):
     config = small_config(**{**FOUR_D, **layout})

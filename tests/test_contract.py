@@ -141,12 +141,6 @@ def spawned_rows(session: pytest.Session) -> SharedSpawns:
     return SharedSpawns(rows, selected_keys(session, sys.modules[__name__]))
 
 
-@pytest.fixture(scope="module")
-def runs(spawn_pool, request) -> SharedSpawns:
-    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
-    return spawn_pool.spawns_of(request.module)
-
-
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_layout_trains_like_one_process(reference, runs, case):
     run = runs.result(("test_layout_trains_like_one_process", case))

@@ -101,12 +101,6 @@ def spawned_rows(session: pytest.Session) -> SharedSpawns:
 
 
 @pytest.fixture(scope="module")
-def runs(spawn_pool, request) -> SharedSpawns:
-    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
-    return spawn_pool.spawns_of(request.module)
-
-
-@pytest.fixture(scope="module")
 def one_process(runs):
     """(bf16 run, fp32 run) of one process."""
     return runs.result(("one_process", "bf16")), runs.result(("one_process", "fp32"))

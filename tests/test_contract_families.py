@@ -72,12 +72,6 @@ def spawned_rows(session: pytest.Session) -> SharedSpawns:
     return SharedSpawns(rows, selected | references)
 
 
-@pytest.fixture(scope="module")
-def runs(spawn_pool, request) -> SharedSpawns:
-    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
-    return spawn_pool.spawns_of(request.module)
-
-
 def _cases(table: dict) -> list[str]:
     return [f"{family}-{case}" for family in FAMILIES for case in table]
 

@@ -90,12 +90,6 @@ def spawned_rows(session: pytest.Session) -> SharedSpawns:
 
 
 @pytest.fixture(scope="module")
-def runs(spawn_pool, request) -> SharedSpawns:
-    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
-    return spawn_pool.spawns_of(request.module)
-
-
-@pytest.fixture(scope="module")
 def qwen3_masked_reference(runs):
     return runs.result(("reference", "masked"))
 

@@ -31,12 +31,9 @@ def spawned_rows(session: pytest.Session) -> SharedSpawns:
 
 
 @pytest.fixture(scope="module")
-def saved(spawn_pool, request):
+def saved(runs):
     """Each layout's checkpoint of step 2 and its run."""
-    spawns = spawn_pool.spawns_of(request.module)
-    return {
-        name: (Path(spawns.rows[name][2][0].checkpoint.dir) / "step_00000002", spawns.result(name)) for name in LAYOUTS
-    }
+    return {name: (Path(runs.rows[name][2][0].checkpoint.dir) / "step_00000002", runs.result(name)) for name in LAYOUTS}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -98,17 +98,11 @@ def spawned_rows(session: pytest.Session) -> SharedSpawns:
     return SharedSpawns(rows, selected_keys(session, sys.modules[__name__]), every_rank=True)
 
 
-@pytest.fixture(scope="module")
-def counted(spawn_pool, request) -> SharedSpawns:
-    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
-    return spawn_pool.spawns_of(request.module)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_an_moe_step_moves_the_analytic_bytes_on_every_axis(counted, case):
+def test_an_moe_step_moves_the_analytic_bytes_on_every_axis(runs, case):
     config = small_config(**{**MOE, **LAYOUTS[case]})
-    results = counted.result(("test_an_moe_step_moves_the_analytic_bytes_on_every_axis", case))
+    results = runs.result(("test_an_moe_step_moves_the_analytic_bytes_on_every_axis", case))
     for rank, (counted, balanced, exact, calls) in enumerate(results):
         total = sum(counted.values())
         assert len(calls) >= config.model_config.n_layers  # every MoE block dispatched by all-to-all

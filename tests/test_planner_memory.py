@@ -50,15 +50,11 @@ def predicted_peak(config) -> dict:
     return planner_estimate(config).memory  # the layout, strategy, AC, schedule and sp the config runs, in fp32
 
 
-def _config(case: str):
-    return small_config(**{**BASE, **LAYOUTS[case]})
-
-
 def spawned_rows(session: pytest.Session) -> SharedSpawns:
     """Every rank's peak of each layout, one spawn per world size (tests/shared_spawns.py)."""
     rows = {}
-    for case in LAYOUTS:
-        config = _config(case)
+    for case, layout in LAYOUTS.items():
+        config = small_config(**{**BASE, **layout})
         rows[("test_predicted_peak_memory_is_within_10_percent_of_the_measured", case)] = (
             peak_tensor_bytes,
             config.layout.world_size,
@@ -67,16 +63,11 @@ def spawned_rows(session: pytest.Session) -> SharedSpawns:
     return SharedSpawns(rows, selected_keys(session, sys.modules[__name__]), timeout_per_row=120.0, every_rank=True)
 
 
-@pytest.fixture(scope="module")
-def runs(spawn_pool, request) -> SharedSpawns:
-    """This file's rows (spawned_rows), trained with other files' of the same world size where they run here."""
-    return spawn_pool.spawns_of(request.module)
-
-
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_predicted_peak_memory_is_within_10_percent_of_the_measured(case, runs):
-    config = _config(case)
-    measured = max(runs.result(("test_predicted_peak_memory_is_within_10_percent_of_the_measured", case)))
+    key = ("test_predicted_peak_memory_is_within_10_percent_of_the_measured", case)
+    _, _, (config,) = runs.rows[key]
+    measured = max(runs.result(key))
     predicted = predicted_peak(config)
     breakdown = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in predicted.items())
     assert abs(predicted["total"] - measured) <= 0.10 * measured, (
