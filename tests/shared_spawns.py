@@ -5,12 +5,12 @@ process group, the first step's one-time costs in every process (DTensor's shard
 allocator). Rows that share a world size share those. Each row still builds its own Trainer (its own
 meshes and model) and is compared alone, by its own name.
 
-A test file declares its rows in a module-level `spawned_rows(session) -> SharedSpawns` and gets them
-through the `runs` fixture (tests/conftest.py: the session's `spawn_pool`, asked for that file's rows). Where the files run in one process (the
-suite's rank-heavy files, which one xdist worker takes together, or a run without xdist), the pool trains
-the selected rows of one world size of every such file in one spawn: the fp32, bf16 and Qwen3 contract
-rows on 16 ranks together, not a spawn per file (three 16-rank rows: 40 busy CPU-s in three spawns, 30 in
-one). Otherwise each file's rows of one world size share a spawn.
+A test file declares its rows in a module-level `spawned_rows(session) -> SharedSpawns` and gets them through the
+`runs` fixture (tests/conftest.py: the session's `spawn_pool`, asked for that file's rows). Where the files run in
+one process (the suite's rank-heavy files, which one xdist worker takes together, or a run without xdist), the pool
+trains the selected rows of one world size of every such file in one spawn: the fp32, bf16 and Qwen3 contract rows
+on 16 ranks together, not a spawn per file (three 16-rank rows: 40 busy CPU-s in three spawns, 30 in one). Otherwise
+each file's rows of one world size share a spawn.
 
 Only the rows the session selected run (`pytest -k` picks a row, not its whole group). If a shared spawn
 fails (a rank raised, a deadline passed), its rows fall back to a spawn per file and then per row, so the
