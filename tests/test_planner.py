@@ -288,7 +288,6 @@ def test_plan_cli_json():
     "name, message",
     [
         ("dp4xtp2", r"--layout dp4xtp2 is 8 ranks and --gpus is 16: name a layout of 16 ranks"),
-        ("dp16+compile", r"\+compile is not part of the planner's model"),
         ("dq16", r"--layout 'dq16': 'dq16' is not <axis><degree>"),
     ],
 )
@@ -307,7 +306,7 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
     from tessera.commands.plan import parse_named_layout, score_layout
     from tessera.topology.planner import plan
 
-    shape, hw = model_shape("8b"), Hardware(gpus=16, gpu_memory_gb=40)
+    shape, hw = model_shape("8b"), Hardware.from_profile("h100-sxm-80gb", 16, gpu_memory_gb=40)  # the CLI's default
     ranked = plan(shape, hw, 4096, 32).ranked  # every fitting layout, best first
 
     class Result:  # what score_layout reads of a plan
@@ -326,19 +325,20 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
         if v > 1
     )
     assert score(name)["rank"] == 1 and score(name)["verdict"].startswith(f"ranked 1 of {len(ranked)}")
-    got = score("pp2xdp4xtp2")
+    got = score("pp2xdp4xcp2")
     mine = [
         i
         for i, x in enumerate(ranked, 1)
-        if (x.candidate.layout.pp, x.candidate.layout.dp_shard, x.candidate.layout.tp) == (2, 4, 2)
+        if (x.candidate.layout.pp, x.candidate.layout.dp_shard, x.candidate.layout.cp, x.candidate.layout.tp)
+        == (2, 4, 2, 1)
     ]
     assert got["fits"] and got["rank"] == mine[0] > 1
     assert got["estimate"]["time_s"]["step"] == pytest.approx(ranked[mine[0] - 1].time["step"])
-    assert "which wins by" in got["verdict"] and "tessera train --pp 2 --tp 2 --dp 4" in got["verdict"]
+    assert "which wins by" in got["verdict"] and "tessera train --pp 2 --cp 2 --dp 4" in got["verdict"]
     # the CLI names the model: its verdict's command is the whole one (the model, the sequence, the batch)
-    got = score_layout(shape, hw, 4096, 32, result, *parse_named_layout("pp2xdp4xtp2", 16), model="8b")
+    got = score_layout(shape, hw, 4096, 32, result, *parse_named_layout("pp2xdp4xcp2", 16), model="8b")
     assert (
-        "run it with: tessera train --model 8b --seq-len 4096 --global-batch 32 --pp 2 --tp 2 --dp 4"
+        "run it with: tessera train --model 8b --seq-len 4096 --global-batch 32 --pp 2 --cp 2 --dp 4"
         in (got["verdict"])
     )
     assert re.fullmatch(
@@ -365,9 +365,9 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
         "--top",
         "1",
         "--layout",
-        "pp2xdp4xtp2",
+        "pp2xdp4xcp2",
     ).stdout
-    assert f"--layout pp2xdp4xtp2: {got['verdict']}" in text, text
+    assert f"--layout pp2xdp4xcp2: {got['verdict']}" in text, text
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,8 @@ from .memory import AC_MODES as MEMORY_AC_MODES
 from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
 from .muon_memory import MUON_RECIPES, muon_extra_bytes
 from .step_time import Calibration, attention_flops_per_token, step_parts
+from .hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
+from .step_model import busiest_blocks, collective_counts, compute_parts, exposed_comm, latency_seconds
 from .activations import block_activation_bytes, layer_kind, uses_block_model
 from .errors import PlanError  # no layout fits, or a request it cannot plan
 from .fp8_model import (
@@ -96,6 +98,9 @@ DEFAULT_EFFICIENCY = 0.40  # share of peak that the matmuls reach in a real step
 DEFAULT_INTRA_GBPS = 360.0  # GB/s per GPU inside a node (NVLink 4: 450 GB/s per direction, ~80% reached)
 DEFAULT_INTER_GBPS = 40.0  # GB/s per GPU across nodes (400 Gb/s = 50 GB/s, ~80% reached)
 DEFAULT_HBM_GBPS = 3000.0  # GB/s of a GPU's own memory (H100 SXM's HBM3: 3.35 TB/s, ~90% reached streaming)
+# tessera's own software efficiency under a hardware profile (topology/step_model.py): fitted once, on the lent
+# H200's eager 1b row (benchmarks/bench_published.py's "tessera" source, anchor "tessera-h200-1b-eager")
+TESSERA_EFFICIENCY = 1.0
 
 # recomputation as a share of the step's FLOPs, per activation checkpointing mode (topology/memory.py's
 # AC_MODES, every one): full reruns every block's forward (1/3 of fwd + bwd), selective half of them; op reruns
@@ -142,6 +147,14 @@ class Hardware:
     # --fp8's recipe (None: off): FP8 matmuls at FP8_MATMUL_SPEEDUP x the bf16 (or calibrated) rate, their
     # casts' memory traffic, and FSDP2's float8 all-gather under tensorwise (topology/fp8_model.py)
     fp8: str | None = None
+    # a machine's datasheet (topology/hardware.py): with it, and without a calibration, the step is
+    # topology/step_model.py's physics and `efficiency` is the framework's software efficiency
+    profile: HardwareProfile | None = None
+    compile: bool = False  # torch.compile's fusion of the elementwise work (the profile's compiled_elementwise)
+    async_tp: bool = False  # the tp collectives overlapped with the matmuls they feed
+    ep_overlap: bool = False  # the expert all-to-alls overlapped with another microbatch's compute
+    attention: str = "cudnn"  # the attention kernels' backend (the profile's attention_share)
+    loss: str = "chunked"  # `tessera train --loss`: chunked (never the whole logits) or logits
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
@@ -169,6 +182,39 @@ class Hardware:
         get_recipe(self.recipe)
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise PlanError(f"fp8={self.fp8!r}: use one of {', '.join(FP8_RECIPES)} (or None)")
+        if self.loss not in ("chunked", "logits"):
+            raise PlanError(f"loss={self.loss!r}: use chunked or logits")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise PlanError(f"attention={self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.fp8 is not None and self.profile is not None and self.profile.fp8_tflops is None:
+            raise PlanError(
+                f"fp8={self.fp8!r} on {self.profile.name}: that GPU has no FP8 tensor cores; plan with fp8=None"
+            )
+
+    @classmethod
+    def from_profile(cls, profile: "HardwareProfile | str", gpus: int, **settings) -> "Hardware":
+        """The Hardware of `gpus` GPUs of a profile (a name, a JSON file or a HardwareProfile): its peak, HBM,
+        node size, and its links and HBM at the shares a step reaches (the profile's `achieved`); `settings`
+        replace any field (efficiency, headroom, fp8, compile, async_tp, ...)."""
+        prof = load_profile(profile) if isinstance(profile, str) else profile
+        a = prof.achieved
+        base = dict(
+            gpu_memory_gb=prof.hbm_gb,
+            gpus_per_node=prof.gpus_per_node,
+            peak_tflops=prof.bf16_tflops,
+            efficiency=TESSERA_EFFICIENCY,
+            intra_node_gbps=prof.intra_node_gbps * a.link_share,
+            inter_node_gbps=prof.inter_node_gbps * a.link_share,
+            hbm_gbps=prof.hbm_gbps * a.hbm_share,
+        )
+        return cls(gpus=gpus, profile=prof, **{**base, **settings})
+
+    @property
+    def fp8_peak_flops_per_s(self) -> float | None:
+        """The dense FP8 peak (the profile's; twice the bf16 peak without one, as the datasheets have it)."""
+        if self.profile is not None:
+            return None if self.profile.fp8_tflops is None else self.profile.fp8_tflops * 1e12
+        return None if self.peak_tflops is None else 2 * self.peak_tflops * 1e12
 
     @property
     def usable_bytes(self) -> float:
@@ -369,7 +415,10 @@ def layer_activation_bytes(
         small += rows * seq * cfg.n_experts * 4
     else:
         mlp_op, mlp_all = ups * f, 2 * ups * f
-    attention = (hq + 2 * kv + hq) if cp > 1 else 4 * hq
+    # ring attention and the GPU's kernel keep q, k and v at their own heads and the output; the CPU's fused
+    # op keeps k and v repeated to the query heads
+    on_cpu = e >= 4 if cpu is None else cpu
+    attention = (hq + 2 * kv + hq) if cp > 1 or not on_cpu else 4 * hq
     if ac == "op":
         saved = sp * h + seq * (hq + 2 * kv) + seq * hq + 2 * sp * h + seq * mlp_op
         return float(rows * saved * e + small)
@@ -508,6 +557,12 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
     flops = model_flops_per_token(cfg, seq_len) * tokens
     recompute = RECOMPUTE[cand.ac]
     parts: dict[str, float] = {}
+    if hw.profile is not None and hw.calibration is None:
+        time, parts, comm = physics_time(cfg, cand, hw, seq_len, global_batch, bubble)
+        tokens_per_s = tokens / time["step"]
+        mfu = None if hw.peak_tflops is None else flops / (time["step"] * hw.gpus * hw.peak_flops_per_s)
+        fits = memory["total"] <= hw.usable_bytes
+        return Estimate(cand, memory, time, comm, tokens_per_s, mfu, fits, bubble, parts)
     if hw.calibration is not None:
         parts = calibrated_compute(cfg, cand, hw, seq_len, global_batch, recompute)
         compute = parts["step"]
@@ -561,6 +616,116 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
     tokens_per_s = tokens / time["step"]
     mfu = None if hw.peak_tflops is None else flops / (time["step"] * hw.gpus * hw.peak_flops_per_s)
     return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble, parts)
+
+
+def physics_time(
+    cfg: ModelShape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int, bubble: float
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(the step split into compute, recompute, optimizer, bubble and each axis's exposed traffic, "step" their
+    sum; the compute's parts; the bytes by accounting name) of one candidate on a hardware profile
+    (topology/step_model.py's physics), for the pp rank whose step is longest."""
+    profile = hw.profile
+    if profile is None:
+        raise ValueError("physics_time needs a Hardware with a profile (Hardware.from_profile)")
+    lay = cand.layout
+    fsdp = fsdp_degree(lay)
+    placement = placement_of(cand.schedule)
+    mb_rows = global_batch // lay.dp // cand.microbatches
+    seq = seq_len // lay.cp
+    n_stages = lay.pp * cand.virtual
+    layers = stage_layer_counts(cfg.n_layers, n_stages)
+    busiest, _ = busiest_blocks(cfg.n_layers, lay.pp, cand.virtual, placement)
+
+    def rank_parts(pp_rank: int) -> dict[str, float]:
+        stages = stages_on_rank(pp_rank, lay.pp, cand.virtual, placement)
+        _, sharded, _ = rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp, pp_rank, lay.ep, placement)
+        return compute_parts(
+            cfg,
+            profile,
+            tp=lay.tp,
+            ep=lay.ep,
+            mb_tokens=mb_rows * seq,
+            microbatches=cand.microbatches,
+            blocks=sum(layers[s] for s in stages),
+            last_stage=n_stages - 1 in stages,
+            attention_tokens=global_batch * seq_len / (lay.dp * lay.cp),
+            seq_len=seq_len,
+            ac=cand.ac,
+            fp8=hw.fp8,
+            compiled=hw.compile,
+            attention=hw.attention,
+            loss=hw.loss,
+            sequence_parallel=cand.sequence_parallel,
+            dtype_bytes=hw.dtype_bytes,
+            sharded_params=sharded,
+            efficiency=hw.efficiency,
+        )
+
+    parts = max((rank_parts(r) for r in sorted({0, lay.pp - 1})), key=lambda p: p["compute"])
+    comm = comm_bytes_per_step(
+        cfg,
+        lay,
+        seq_len,
+        global_batch,
+        cand.microbatches,
+        cand.sequence_parallel,
+        cand.strategy,
+        cand.virtual,
+        cand.ac,
+        "ring",
+        rank=0,
+        act_bytes=hw.dtype_bytes,
+        param_bytes=fsdp_param_bytes(cfg, hw.dtype_bytes, hw.fp8, lay.tp),
+        reduce_bytes=4,
+        placement=placement,
+    )
+    counts = collective_counts(
+        lay.tp,
+        lay.cp,
+        lay.pp,
+        lay.ep,
+        fsdp,
+        lay.dp_replicate,
+        busiest,
+        cand.microbatches,
+        cand.virtual,
+        cand.ac,
+        cand.strategy,
+        bool(cfg.n_experts),
+    )
+    seconds = {}
+    for name, sent in comm.items():
+        bandwidth = axis_bandwidth(lay, COMM_GROUPS[name], hw, _group_ranks(lay, name))
+        inter = bandwidth < hw.intra_node_gbps * GB
+        seconds[name] = sent / bandwidth + latency_seconds(counts.get(name, 0.0), inter, profile)
+        if name == "ep" and inter and lay.ep > 1:
+            # an all-to-all sends to each peer directly: to those in its node over NVLink, to the rest over
+            # the network, at once (the ep group is ep consecutive coordinates of dp_shard x cp, tp apart)
+            local = max(1, min(lay.ep, hw.gpus_per_node // lay.tp))
+            remote = (lay.ep - local) / (lay.ep - 1)
+            wire = max(sent * (1 - remote) / (hw.intra_node_gbps * GB), sent * remote / bandwidth)
+            seconds[name] = wire + latency_seconds(counts.get(name, 0.0), inter, profile)
+    exposed = exposed_comm(
+        seconds,
+        parts,
+        tp=lay.tp,
+        pp=lay.pp,
+        microbatches=cand.microbatches,
+        units=busiest + 2,
+        async_tp=hw.async_tp,
+        ep_overlap=hw.ep_overlap,
+    )
+    pipelined = parts["compute"] - parts["optimizer"]
+    time = {
+        "compute": pipelined - parts["recompute"],
+        "recompute": parts["recompute"],
+        "optimizer": parts["optimizer"],
+        "bubble": pipelined * bubble / (1 - bubble) if bubble < 1 else math.inf,
+        **exposed,
+    }
+    time["step"] = sum(time.values())
+    parts = {**parts, **{f"comm_{k}_s": v for k, v in seconds.items()}}
+    return time, parts, comm
 
 
 def calibrated_compute(
@@ -648,6 +813,10 @@ def _rank_memory(
     counted: dict[tuple, float] = {}
 
     def act(ac: str, layer: int) -> float:
+        # compiled blocks: inductor's partitioner recomputes the elementwise ops in the backward, so a block
+        # keeps what the op policy keeps (the matmul and attention outputs, the block input)
+        if ac == "none" and hw.compile and not per_kind:
+            ac = "op"
         key = (ac, layer_kind(cfg, layer) if per_kind and ac == "none" else None)
         if key not in counted:
             counted[key] = layer_activation_bytes(
@@ -674,7 +843,7 @@ def _rank_memory(
     # whole block's, op the part its policy did not keep; selective recomputes the even blocks after the
     # odd ones above them have freed theirs, so it adds nothing to the peak at the start of backward
     def recomputed(i: int) -> float:
-        if cand.ac in ("none", "selective"):
+        if cand.ac in ("none", "selective") or (cand.ac == "op" and hw.compile):
             return 0.0
         return act("none", i) - (0.0 if cand.ac == "full" else act("op", i))
 
@@ -684,7 +853,7 @@ def _rank_memory(
     m["activations"] = acts
     last = n_stages - 1 in stages
     kept, transient = (
-        loss_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e) if last else (0.0, 0.0)
+        loss_activation_bytes(cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, e, hw.loss) if last else (0.0, 0.0)
     )
     m["logits"] = (in_flight if cand.schedule in ("gpipe", "looped-bfs") else 1) * kept + transient
     kv_block = 2 * mb_rows * seq * _kv_out(cfg, lay.tp) * e
@@ -953,6 +1122,10 @@ def _gain(faster: Estimate, slower: Estimate) -> tuple[str, float, str]:
         "pp": "less pipeline traffic",
         "ep": "less expert-parallel all-to-all traffic",
         "exposed_overlapped_comm": "less data/context traffic left exposed",
+        "recompute": "less recomputation",
+        "optimizer": "a smaller optimizer step per rank",
+        "cp": "less context-parallel traffic left exposed",
+        "fsdp": "less data-parallel (FSDP) traffic left exposed",
     }.get(key, f"less {key} traffic")
     return label, diffs[key], settings
 
@@ -976,7 +1149,7 @@ def _compute_gain(faster: Estimate, slower: Estimate) -> tuple[str, str]:
     if RECOMPUTE[faster.candidate.ac] < RECOMPUTE[slower.candidate.ac]:
         return "less recomputation", ""
     mine, theirs = faster.compute_parts, slower.compute_parts
-    if mine and theirs:
+    if "host" in mine and "host" in theirs:  # the calibrated model's parts
         parts = {k: theirs[k] - mine[k] for k in ("host", "memory", "matmul", "attention")}
         key = max(parts, key=lambda k: parts[k])
         if parts[key] > 0:

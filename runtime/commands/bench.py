@@ -164,6 +164,13 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"--layouts one,dp2,tp2"
             )
         layouts = [parse_layout(name) for name, _ in runs]
+        for (name, _), kw in zip(runs, layouts):
+            for option in ("async_tp", "ep_overlap"):
+                if kw.pop(option, False):
+                    raise ValueError(
+                        f"layout {name!r}: +{option} is a `tessera plan` option (it predicts other frameworks' "
+                        f"overlapped collectives); tessera runs its collectives synchronously: drop it here"
+                    )
         # the ranks' server imports torch and tessera beside this command's own imports (and inductor where a layout
         # compiles, or --baseline compile)
         start_rank_server(compiles=args.baseline == "compile" or any(kw.get("compile") for kw in layouts))

@@ -18,12 +18,9 @@ from tessera.topology import Layout
 from tessera.topology.errors import with_flags
 from tessera.topology.memory import GB
 from tessera.topology.muon_memory import MUON_RECIPES, recipe_for
+from tessera.topology.hardware import ATTENTION_BACKENDS, DEFAULT_PROFILE, load_profile, profile_names
 from tessera.topology.planner import (
-    DEFAULT_EFFICIENCY,
-    DEFAULT_HBM_GBPS,
-    DEFAULT_INTER_GBPS,
-    DEFAULT_INTRA_GBPS,
-    H100_BF16_TFLOPS,
+    TESSERA_EFFICIENCY,
     Candidate,
     Estimate,
     Hardware,
@@ -34,6 +31,7 @@ from tessera.topology.planner import (
     plan,
     why_not_runnable,
 )
+from tessera.topology.scoring import estimate_record, score_one
 from tessera.topology.step_time import Calibration, find_entry
 from tessera.training.config import said
 from tessera.training.layout_names import parse_layout
@@ -44,6 +42,10 @@ def model_shape(model):
     imported when called: the planner's own modules load no torch."""
     from tessera.models.spec import shape_of  # lazy: tessera.models imports torch; `tessera plan` stays torch-free
 
+    if isinstance(model, str) and model.startswith("hf:"):  # a Hugging Face config.json, read by its family
+        from tessera.models.hf import read_hf_config  # lazy: as above
+
+        return shape_of(read_hf_config(model[3:], flag="--model hf:"))
     return shape_of(model)
 
 
@@ -72,10 +74,18 @@ def add_plan_parser(sub) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="a model preset of any registered family (debug, small, 1b, 8b, 70b, 405b, qwen3-0.6b, ...)",
+        help="a model preset of any registered family (debug, small, 1b, 8b, 70b, 405b, qwen3-0.6b, ...), or hf:DIR "
+        "(a Hugging Face config.json of a family tessera describes: dense or MoE, GQA or MHA, tied or not)",
     )
     p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (required unless --calibrate)")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_PROFILE,
+        metavar="NAME|FILE",
+        help=f"the machine: a profile of topology/hardware_profiles.json ({', '.join(profile_names())}) or a JSON "
+        f"file of that shape (default {DEFAULT_PROFILE}); the flags below override one figure of it",
+    )
+    p.add_argument("--gpu-memory", type=float, default=None, help="GB per GPU (default: the profile's HBM)")
     p.add_argument(
         "--optimizer",
         choices=("adamw", "muon"),
@@ -83,7 +93,9 @@ def add_plan_parser(sub) -> None:
         help="the optimizer whose state is counted (muon: one momentum on the matrices, AdamW's two moments on "
         "the rest, and the matrix an owner gathers whole at the step); the printed train commands use it",
     )
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside one (default 8)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node; tp stays inside one (default: the profile's)"
+    )
     p.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sequence (required unless --calibrate: default 1024)"
     )
@@ -93,13 +105,39 @@ def add_plan_parser(sub) -> None:
         default=None,
         help="sequences per optimizer step (required unless --calibrate; there: the rows measured, default 1)",
     )
-    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        help="layouts to show (default 10); 0 with --layout scores that layout alone, without ranking the others",
+    )
     p.add_argument(
         "--layout",
         default=None,
         metavar="LAYOUT",
         help="also score this layout (tessera bench's names: pp2xdp4xtp8, dpr2xdp4xtp2+sp, with +ac_op, "
-        "+ac_full, +ac_selective or +zero2 to fix a setting): its rank, and why it is slower or does not fit",
+        "+ac_full, +ac_selective or +zero2 to fix a setting, +compile, +async_tp to plan the tp collectives "
+        "overlapped with the matmuls as torchtitan's and Megatron's are, +ep_overlap the expert all-to-alls beside "
+        "another microbatch's compute as Megatron's): its rank, and why it is slower or does not fit; its estimate "
+        "under layout.estimate in --json",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="with --layout: the gradient-accumulation steps (pipeline microbatches) it runs (default: the planner's)",
+    )
+    p.add_argument("--schedule", default=None, help="with --layout and pp > 1: the pipeline schedule it runs")
+    p.add_argument("--virtual", type=int, default=None, help="with --layout and pp > 1: the stages per pp rank")
+    p.add_argument(
+        "--compile", action="store_true", help="plan compiled blocks (the elementwise work fused, as measured)"
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_BACKENDS,
+        default="cudnn",
+        help="the attention kernels' backend whose rate is planned (default cudnn, what tessera picks on Hopper; "
+        "flash2: SDPA's default FlashAttention-2)",
     )
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     p.add_argument(
@@ -112,34 +150,34 @@ def add_plan_parser(sub) -> None:
         type=float,
         default=None,
         metavar="TFLOPS",
-        help=f"dense bf16 peak per GPU, which MFU is measured against (default {H100_BF16_TFLOPS:g}: H100 SXM; "
-        f"with --device-kind none, and no MFU is shown unless it is given)",
+        help="dense bf16 peak per GPU, which MFU is measured against (default: the profile's; with --device-kind "
+        "none, and no MFU is shown unless it is given)",
     )
     p.add_argument(
         "--efficiency",
         type=float,
-        default=DEFAULT_EFFICIENCY,
+        default=None,
         metavar="SHARE",
-        help=f"share of the peak a step's matmuls reach, in (0, 1] (default {DEFAULT_EFFICIENCY})",
+        help=f"the framework's software efficiency, in (0, 1]: the share of the kernels' rates (the profile's "
+        f"achieved shares) a step reaches (default {TESSERA_EFFICIENCY:g}, tessera's, fitted on the lent H200)",
     )
     p.add_argument(
         "--intra-node-gbps",
         type=float,
-        default=DEFAULT_INTRA_GBPS,
-        help=f"GB/s per GPU reached inside a node (default {DEFAULT_INTRA_GBPS:g}: NVLink 4 at ~80%%)",
+        default=None,
+        help="GB/s per GPU reached inside a node (default: the profile's NVLink at its achieved link share)",
     )
     p.add_argument(
         "--inter-node-gbps",
         type=float,
-        default=DEFAULT_INTER_GBPS,
-        help=f"GB/s per GPU reached across nodes (default {DEFAULT_INTER_GBPS:g}: 400 Gb/s at ~80%%)",
+        default=None,
+        help="GB/s per GPU reached across nodes (default: the profile's network at its achieved link share)",
     )
     p.add_argument(
         "--hbm-gbps",
         type=float,
-        default=DEFAULT_HBM_GBPS,
-        help=f"GB/s of a GPU's own memory, which MoE experts' weights stream at (default {DEFAULT_HBM_GBPS:g}: "
-        f"H100 SXM's 3.35 TB/s at ~90%%)",
+        default=None,
+        help="GB/s reached of a GPU's own memory (default: the profile's HBM at its achieved share)",
     )
     p.add_argument(
         "--fp8",
@@ -207,6 +245,8 @@ def train_command(model: str, seq_len: int, global_batch: int, x: Estimate, hw: 
     dtype, a CPU calibration's ranks), those too. Pasted as printed, it trains what the plan ranked."""
     words = ["tessera", "train", "--model", model, "--seq-len", str(seq_len), "--global-batch", str(global_batch)]
     words += x.candidate.flags().split()
+    if hw.compile:
+        words.append("--compile")
     if hw.recipe in MUON_RECIPES:  # the plan counted Muon's state: train with it
         words += ["--optimizer", "muon"]
     cal = hw.calibration
@@ -224,8 +264,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
     try:
-        if args.top < 1:
-            raise PlanError(f"--top {args.top} must be at least 1")
+        if args.top < 0:
+            raise PlanError(f"--top {args.top} must be at least 1 (or 0 with --layout: that layout alone)")
         missing = [f"--{n.replace('_', '-')}" for n in ("gpus", "seq_len", "global_batch") if getattr(args, n) is None]
         if missing:
             raise PlanError(f"{', '.join(missing)} required (or --calibrate to measure this device)")
@@ -234,8 +274,14 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"--gpus {args.gpus:,} is more than the planner enumerates (at most {MAX_GPUS:,}); plan a smaller job"
             )
         calibration, dtype_bytes = _calibration(args)
-        hw = Hardware(  # its ValueErrors name its parameters (efficiency=5): said() writes the flags
-            gpus=args.gpus,
+        named = parse_named_layout(args.layout, args.gpus) if args.layout else None
+        fixed = named[1] if named else {}
+        if (args.microbatches, args.schedule, args.virtual) != (None, None, None) and named is None:
+            raise PlanError("--microbatches, --schedule and --virtual fix a setting of --layout's layout; name one")
+        if args.top == 0 and named is None:
+            raise PlanError("--top 0 scores --layout's layout alone; name one, or show at least one layout")
+        profile = load_profile(args.hardware)
+        loose = dict(
             gpu_memory_gb=args.gpu_memory,
             gpus_per_node=args.gpus_per_node,
             peak_tflops=args.peak_tflops,
@@ -243,22 +289,51 @@ def run_plan(args: argparse.Namespace) -> int:
             intra_node_gbps=args.intra_node_gbps,
             inter_node_gbps=args.inter_node_gbps,
             hbm_gbps=args.hbm_gbps,
+        )
+        settings = {k: v for k, v in loose.items() if v is not None}
+        if calibration is not None:  # a calibration measures rates, not a peak: MFU only against a given one
+            settings["peak_tflops"] = args.peak_tflops
+        hw = Hardware.from_profile(  # its ValueErrors name its parameters (efficiency=5): said() writes the flags
+            profile,
+            args.gpus,
             headroom=args.headroom,
             calibration=calibration,
             dtype_bytes=dtype_bytes,
             recipe=recipe_for(dtype_bytes, args.optimizer),
             fp8=args.fp8,
+            compile=args.compile or bool(fixed.pop("compile", False)),
+            async_tp=bool(fixed.pop("async_tp", False)),
+            ep_overlap=bool(fixed.pop("ep_overlap", False)),
+            attention=args.attention,
+            **settings,
         )
         shape = model_shape(args.model)
-        named = parse_named_layout(args.layout, args.gpus) if args.layout else None
+        if named is not None:
+            scored_alone = score_one(
+                shape,
+                hw,
+                args.seq_len,
+                args.global_batch,
+                named[0],
+                strategy=fixed.get("fsdp"),
+                ac=fixed.get("ac"),
+                sequence_parallel=fixed.get("sequence_parallel"),
+                schedule=args.schedule,
+                virtual=args.virtual,
+                microbatches=args.microbatches,
+            )
+            alone = estimate_record(scored_alone, hw, shape, args.seq_len, args.global_batch)
+        if args.top == 0:
+            return _print_alone(args, hw, shape, alone, started)
         result = plan(shape, hw, args.seq_len, args.global_batch, top=None, name=args.model)
         scored = (
-            score_layout(shape, hw, args.seq_len, args.global_batch, result, named[0], named[1], model=args.model)
+            score_layout(shape, hw, args.seq_len, args.global_batch, result, named[0], fixed, model=args.model)
             if named
             else None
         )
         if scored is not None:  # the planner's reasons name its parameters (seq_len=1023): say the flags
             scored["verdict"] = with_flags(scored["verdict"], getattr(args, "flags", {}))
+            scored["estimate"] = alone  # the layout with the settings given, as `--top 0` scores it
         result.ranked = result.ranked[: args.top]
     except ValueError as e:  # PlanError and an unknown preset
         print(f"tessera plan: error: {said(e, args)}", file=sys.stderr)
@@ -311,7 +386,14 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"why: {result.why}")
     if scored is not None:
         print(f"--layout {args.layout}: {scored['verdict']}")
-    if hw.calibration is None:
+    if hw.calibration is None and hw.profile is not None:
+        compute = (
+            f"{hw.profile.name}'s datasheet ({hw.peak_tflops:g} TFLOP/s bf16 dense, MFU against it) at the kernels' "
+            f"achieved shares (topology/hardware_profiles.json) and a software efficiency of {hw.efficiency:g}"
+            + (", compiled blocks" if hw.compile else "")
+            + (", async TP" if hw.async_tp else "")
+        )
+    elif hw.calibration is None:
         compute = f"{hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s (MFU against that peak)"
     else:
         compute = f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})" + (
@@ -333,19 +415,28 @@ def run_plan(args: argparse.Namespace) -> int:
             else "fp32 compute and Adam"
         )
     print(
-        f"assumptions: {compute}, {args.intra_node_gbps:g} GB/s in a node, "
-        f"{args.inter_node_gbps:g} GB/s across nodes, "
-        f"{f'experts streamed at {args.hbm_gbps:g} GB/s, ' if result.request['experts'] else ''}"
+        f"assumptions: {compute}, {hw.intra_node_gbps:g} GB/s in a node, "
+        f"{hw.inter_node_gbps:g} GB/s across nodes, "
+        f"{f'experts streamed at {hw.hbm_gbps:g} GB/s, ' if result.request['experts'] else ''}"
         f"{args.headroom:.0%} memory headroom, "
         f"{precision}, "
         + (
-            f"FP8 ({args.fp8}) matmuls on the linear layers at 2x the bf16 rate (the datasheet's ratio, "
-            f"uncalibrated) with their casts' memory traffic, "
+            f"FP8 ({args.fp8}) matmuls on the linear layers at the FP8 peak's share (rowwise at the profile's "
+            f"rowwise speedup) with their casts' memory traffic, "
             if args.fp8
             else ""
         )
-        + "--ac op's recompute at 3% of the step"
+        + (
+            "recompute as step_model.py reruns it (full: every forward; op: the elementwise forward)"
+            if hw.profile is not None and hw.calibration is None
+            else "--ac op's recompute at 3% of the step"
+        )
     )
+    if hw.async_tp:
+        print(
+            "note: +async_tp plans the tp collectives overlapped with the matmuls (torchtitan's, Megatron's); "
+            "tessera train runs them synchronously, so the commands above run vanilla TP"
+        )
     if dry is not None:
         for r in dry["ranks"]:
             print(
@@ -361,16 +452,46 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_alone(args: argparse.Namespace, hw: Hardware, shape, record: dict, started: float) -> int:
+    """`--layout L --top 0`: that layout's estimate alone, as JSON (`layout.estimate`) or a few lines."""
+    request = {
+        "model": args.model,
+        "params": shape.num_params(),
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "hardware": None if hw.profile is None else hw.profile.name,
+        "efficiency": hw.efficiency,
+        "fp8": hw.fp8,
+        "compile": hw.compile,
+        "async_tp": hw.async_tp,
+        "ep_overlap": hw.ep_overlap,
+    }
+    if args.json:
+        print(
+            json.dumps({"request": request, "layout": {"estimate": record}, "seconds": time.perf_counter() - started})
+        )
+        return 0
+    mfu = "-" if record["mfu_bf16"] is None else f"{record['mfu_bf16']:.1%}"
+    fp8 = (
+        f" (FP8 peak: {record['mfu_fp8']:.1%}, blended: {record['mfu_fp8_blended']:.1%})" if "mfu_fp8" in record else ""
+    )
+    print(
+        f"{args.model} --layout {args.layout} on {hw.describe()}: {record['tokens_per_s_per_gpu']:,.0f} tokens/s "
+        f"per GPU, {record['step_time_s']:.3f} s/step, MFU {mfu}{fp8}, {record['peak_memory_gib']:.1f} GiB per GPU "
+        f"({'fits' if record['fits'] else 'does not fit: ' + record['overflow']})"
+    )
+    print("step: " + ", ".join(f"{k} {v:.3f} s" for k, v in record["split_s"].items() if v))
+    print("memory: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in record["memory_gib"].items() if v and k != "total"))
+    print(f"settings: {record['flags'] or '(one process)'}")
+    return 0
+
+
 def parse_named_layout(text: str, gpus: int):
     """(Layout, fixed settings) of --layout's name (tessera bench's grammar); PlanError naming what is wrong."""
     try:
         flags = parse_layout(text)
     except ValueError as e:  # "layout 'xx': ..."
         raise PlanError(f"--{e}") from None
-    if flags.pop("compile", False):
-        raise PlanError(
-            f"--layout {text}: +compile is not part of the planner's model (it estimates eager steps); drop it"
-        )
     dp, dpr = flags.pop("dp", 1), flags.pop("dp_replicate", 1)
     lay = Layout(
         pp=flags.pop("pp", 1),
@@ -384,7 +505,7 @@ def parse_named_layout(text: str, gpus: int):
         raise PlanError(
             f"--layout {text} is {lay.world_size} ranks and --gpus is {gpus}: name a layout of {gpus} ranks"
         )
-    return lay, flags  # flags left: sequence_parallel, ac, fsdp
+    return lay, flags  # flags left: sequence_parallel, ac, fsdp, compile, async_tp
 
 
 def score_layout(

@@ -13,6 +13,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "ac_selective": dict(ac="selective"),
     "zero2": dict(fsdp="SHARD_GRAD_OP"),
     "compile": dict(compile=True),
+    "async_tp": dict(async_tp=True),  # `tessera plan` only: tessera's tp collectives are not asynchronous
+    "ep_overlap": dict(ep_overlap=True),  # `tessera plan` only: tessera's all-to-alls are not overlapped
 }
 
 

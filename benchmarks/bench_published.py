@@ -1,0 +1,265 @@
+"""The planner against published multi-GPU runs: every row of benchmarks/published/runs.json (torchtitan's and
+Megatron-Bridge's own tables, and the lent H200's rows of this repository; sources named in the file) predicted
+from its hardware profile, model, layout, batch, sequence and techniques, and printed side by side with the
+published figures and the error.
+
+One software-efficiency constant per source (a framework's distance from the kernels' rates the profiles
+state, topology/step_model.py) is fitted on that source's one named anchor row, so that the anchor is predicted
+exactly; every other figure of the model is held fixed across rows. No row has a constant of its own.
+
+    python benchmarks/bench_published.py                 # writes results/published.json and published.png
+    python benchmarks/bench_published.py --out DIR       # another folder
+    python benchmarks/bench_published.py --rows tt-t1-8b-fsdp8,at-8b-64-bf16   # some rows (their anchors too)
+
+Each row of the JSON holds published_tokens_per_s_per_gpu, predicted_tokens_per_s_per_gpu, published_memory_gib,
+predicted_memory_gib, anchor (true on the row its source's constant was fitted on), the error of each, the
+estimate's split, and the assumptions the row makes where its source is silent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+from tessera.models.spec import shape_of  # noqa: E402
+from tessera.topology.errors import PlanError  # noqa: E402
+from tessera.topology.hardware import load_profile  # noqa: E402
+from tessera.topology.planner import Hardware  # noqa: E402
+from tessera.topology.scoring import estimate_record, score_one  # noqa: E402
+from tessera.training.layout_names import parse_layout  # noqa: E402
+
+RUNS = Path(__file__).resolve().parent / "published" / "runs.json"
+NAME = "published"
+
+
+def layout_of(row: dict):
+    """The Layout and the sequence-parallel flag of a row's layout name (tessera bench's grammar)."""
+    from tessera.topology import Layout
+
+    flags = parse_layout(row["layout"])
+    dp, dpr = flags.get("dp", 1), flags.get("dp_replicate", 1)
+    lay = Layout(
+        pp=flags.get("pp", 1),
+        dp_replicate=dpr,
+        dp_shard=dp // dpr,
+        cp=flags.get("cp", 1),
+        tp=flags.get("tp", 1),
+        ep=flags.get("ep", 1),
+    )
+    if lay.world_size != row["gpus"]:
+        raise ValueError(
+            f"row {row['id']}: layout {row['layout']} is {lay.world_size} ranks, the row {row['gpus']} GPUs"
+        )
+    return lay, bool(flags.get("sequence_parallel", False))
+
+
+def predict(row: dict, source: dict, efficiency: float) -> dict:
+    """The row's estimate at a source's software efficiency (topology/scoring.py's record)."""
+    shape = shape_of(row["model"])
+    lay, sp = layout_of(row)
+    hw = Hardware.from_profile(
+        load_profile(row["hardware"]),
+        row["gpus"],
+        efficiency=efficiency,
+        fp8=row["fp8"],
+        compile=row["compile"],
+        async_tp=row["async_tp"],
+        ep_overlap=row["ep_overlap"],
+        attention=source["attention"],
+        loss=row["loss"],
+        headroom=0.0,  # the published peak is what ran: nothing is held back
+    )
+    x = score_one(
+        shape,
+        hw,
+        row["seq_len"],
+        row["global_batch"],
+        lay,
+        strategy=row["fsdp"],
+        ac=row["ac"],
+        sequence_parallel=sp,
+        schedule=row["schedule"] if lay.pp > 1 else None,
+        virtual=row["virtual"],
+        microbatches=row["microbatches"],
+    )
+    return estimate_record(x, hw, shape, row["seq_len"], row["global_batch"])
+
+
+def fit_efficiency(row: dict, source: dict) -> float:
+    """The software efficiency at which the anchor row's tokens/s per GPU is predicted as published
+    (bisection: the predicted rate rises with it), in (0, 1]."""
+    target = row["published_tokens_per_s_per_gpu"]
+    lo, hi = 0.05, 1.0
+    if predict(row, source, hi)["tokens_per_s_per_gpu"] <= target:
+        return hi  # the kernels' rates alone are not fast enough: no slack to fit
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if predict(row, source, mid)["tokens_per_s_per_gpu"] < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def error(predicted: float | None, published: float | None) -> float | None:
+    """(predicted - published) / published; None where either is missing."""
+    if predicted is None or published is None:
+        return None
+    return (predicted - published) / published
+
+
+def summary(rows: list[dict], key: str) -> dict:
+    errs = [abs(r[key]) for r in rows if not r["anchor"] and r.get(key) is not None]
+    if not errs:
+        return {"rows": 0}
+    return {
+        "rows": len(errs),
+        "median_abs_error": statistics.median(errs),
+        "worst_abs_error": max(errs),
+        "within_10_percent": sum(e <= 0.10 for e in errs),
+        "within_25_percent": sum(e <= 0.25 for e in errs),
+    }
+
+
+def plot(rows: list[dict], png: Path) -> Path | None:
+    """Predicted against published tokens/s per GPU, both axes log, y = x drawn, each point labelled."""
+    try:
+        import matplotlib  # lazy: optional (the bench extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # lazy: after choosing the backend
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'tessera[bench]')")
+        return None
+    fig, ax = plt.subplots(figsize=(11, 9))
+    sources = sorted({r["source"] for r in rows})
+    colors = dict(zip(sources, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for r in rows:
+        x, y = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
+        ax.scatter(
+            [x], [y], color=colors[r["source"]], marker="*" if r["anchor"] else "o", s=120 if r["anchor"] else 30
+        )
+        ax.annotate(r["id"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    values = [v for r in rows for v in (r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"])]
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, label="y = x")
+    for f in (0.75, 1.25):
+        ax.plot([lo, hi], [lo * f, hi * f], color="grey", linewidth=0.5, linestyle="--")
+    for s in sources:
+        ax.scatter([], [], color=colors[s], label=s)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("published tokens/s per GPU")
+    ax.set_ylabel("predicted tokens/s per GPU (tessera plan)")
+    ax.set_title("tessera plan against published runs (stars: each source's anchor; dashed: +-25%)")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", default=str(RUNS), help="the published rows (default benchmarks/published/runs.json)")
+    p.add_argument("--out", default=None, help="the folder for published.json and published.png")
+    p.add_argument("--rows", default=None, help="comma-separated row ids (their sources' anchors are added)")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    data = json.loads(Path(args.runs).read_text())
+    sources, rows = data["sources"], data["rows"]
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        unknown = wanted - {r["id"] for r in rows}
+        if unknown:
+            print(f"bench_published: error: unknown rows {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        wanted |= {sources[r["source"]]["anchor"] for r in rows if r["id"] in wanted}
+        rows = [r for r in rows if r["id"] in wanted]
+    by_id = {r["id"]: r for r in data["rows"]}
+    constants = {}
+    for name in dict.fromkeys(r["source"] for r in rows):
+        anchor = by_id[sources[name]["anchor"]]
+        constants[name] = {"anchor": anchor["id"], "software_efficiency": fit_efficiency(anchor, sources[name])}
+    out_rows = []
+    for row in rows:
+        source = sources[row["source"]]
+        eff = constants[row["source"]]["software_efficiency"]
+        try:
+            rec = predict(row, source, eff)
+        except (PlanError, ValueError) as e:
+            print(f"bench_published: row {row['id']} cannot be predicted: {e}", file=sys.stderr)
+            return 2
+        predicted_mem = rec["peak_memory_gib"]
+        out_rows.append(
+            {
+                "id": row["id"],
+                "source": row["source"],
+                "anchor": row["id"] == source["anchor"],
+                "hardware": row["hardware"],
+                "model": row["model"],
+                "gpus": row["gpus"],
+                "layout": row["layout"],
+                "techniques": row["techniques"],
+                "software_efficiency": eff,
+                "published_tokens_per_s_per_gpu": row["published_tokens_per_s_per_gpu"],
+                "predicted_tokens_per_s_per_gpu": rec["tokens_per_s_per_gpu"],
+                "tokens_error": error(rec["tokens_per_s_per_gpu"], row["published_tokens_per_s_per_gpu"]),
+                "published_memory_gib": row["published_memory_gib"],
+                "predicted_memory_gib": predicted_mem,
+                "memory_error": error(predicted_mem, row["published_memory_gib"]),
+                "mfu_bf16": rec["mfu_bf16"],
+                "mfu_fp8": rec.get("mfu_fp8"),
+                "step_time_s": rec["step_time_s"],
+                "split_s": rec["split_s"],
+                "settings": rec["flags"],
+                "assumptions": row["assumptions"],
+            }
+        )
+    results = {
+        "constants": constants,
+        "tokens": summary(out_rows, "tokens_error"),
+        "memory": summary(out_rows, "memory_error"),
+        "memory_note": "torchtitan's published memory is the CUDA allocator's max reserved (its metrics log "
+        "max_reserved_gib); the prediction is the allocated peak, so reserved-but-free memory reads as an "
+        "under-prediction",
+        "rows": out_rows,
+        "seconds": time.perf_counter() - started,
+    }
+    config = {"runs": str(args.runs), "rows": [r["id"] for r in rows]}
+    path = write_results(NAME, config, results, args.out)
+    png = plot(out_rows, path.with_suffix(".png"))
+    print(f"{'row':<34}{'published':>10}{'predicted':>10}{'error':>8}{'mem GiB':>9}{'pred':>7}{'error':>8}")
+    for r in out_rows:
+        mark = " (anchor)" if r["anchor"] else ""
+        mem_err = "" if r["memory_error"] is None else f"{r['memory_error']:+.0%}"
+        mem = "" if r["published_memory_gib"] is None else f"{r['published_memory_gib']:.1f}"
+        print(
+            f"{r['id']:<34}{r['published_tokens_per_s_per_gpu']:>10,.0f}{r['predicted_tokens_per_s_per_gpu']:>10,.0f}"
+            f"{r['tokens_error']:>+8.0%}{mem:>9}{r['predicted_memory_gib']:>7.1f}{mem_err:>8}{mark}"
+        )
+    for name, c in constants.items():
+        print(f"{name}: software efficiency {c['software_efficiency']:.3f}, fitted on {c['anchor']}")
+    for what in ("tokens", "memory"):
+        s = results[what]
+        if s["rows"]:
+            print(
+                f"{what}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} over "
+                f"{s['rows']} non-anchor rows ({s['within_10_percent']} within 10%, "
+                f"{s['within_25_percent']} within 25%)"
+            )
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The planner against published runs (issue 62): hardware profiles as data, any model by hf:DIR, one layout
+scored alone with `--top 0`, the physics step model's pure functions, and bench_published.py's table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import cli_here, script_here
+from tessera.models.spec import shape_of
+from tessera.topology import Layout
+from tessera.topology.errors import PlanError
+from tessera.topology.hardware import load_profile, profile_names
+from tessera.topology.planner import Candidate, Hardware, estimate
+from tessera.topology.scoring import score_one
+from tessera.topology.step_model import exposed_comm, gemm_share
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = json.loads((ROOT / "benchmarks" / "published" / "runs.json").read_text())
+PLAN_8B = ["plan", "--model", "8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16"]
+
+
+def test_every_profile_names_a_source_for_each_datasheet_figure():
+    names = profile_names()
+    for wanted in ("h100-sxm-80gb", "h200-sxm", "a100-sxm-80gb", "h100-96gb-500w", "dgx-h100", "nvidia-h200"):
+        assert wanted in names
+    for name in names:
+        p = load_profile(name)
+        assert p.bf16_tflops > 0 and p.hbm_gbps > 0 and p.gpus_per_node >= 1
+        assert p.sources.get("bf16_tflops") or p.sources.get("base"), name
+    # the torchtitan tables' 500 W HBM2e part is not the 700 W SXM part
+    assert load_profile("h100-96gb-500w").bf16_tflops < load_profile("h100-sxm-80gb").bf16_tflops
+    assert load_profile("h100-96gb-500w").hbm_gb == 96 and load_profile("h100-96gb-500w").hbm_gbps == 2400
+
+
+def test_a_users_profile_file_takes_a_base_and_overrides_a_figure(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"profiles": {"my-h100": {"base": "h100-sxm-80gb", "inter_node_gbps": 25.0}}}))
+    mine, base = load_profile(str(path)), load_profile("h100-sxm-80gb")
+    assert mine.inter_node_gbps == 25.0 and mine.bf16_tflops == base.bf16_tflops
+    slow = cli_here(*PLAN_8B, "--layout", "dp8+ac_op", "--top", "0", "--json", "--hardware", str(path))
+    fast = cli_here(*PLAN_8B, "--layout", "dp8+ac_op", "--top", "0", "--json")
+    assert slow.returncode == fast.returncode == 0, slow.stderr
+    est = [json.loads(x.stdout)["layout"]["estimate"] for x in (slow, fast)]
+    assert est[0]["step_time_s"] >= est[1]["step_time_s"]  # one node: the inter-node links are not on its path
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--hardware", "nope"], r"--hardware 'nope' is not a profile: use one of a100-sxm-80gb, .*h200-sxm"),
+        (["--hardware", "{dir}"], r"--hardware .* is a directory; name a hardware profile file \(JSON\)"),
+        (["--hardware", "{bad}"], r"is not JSON \(.*\); fix it or name another"),
+        (["--hardware", "a100-sxm-80gb", "--fp8", "tensorwise"], r"has no FP8 tensor cores"),
+        (["--top", "0"], r"--top 0 scores --layout's layout alone; name one"),
+        (["--microbatches", "4"], r"fix a setting of --layout's layout; name one"),
+        (["--layout", "dp8", "--top", "0", "--microbatches", "3"], r"does not divide the 2 rows of a dp rank"),
+    ],
+)
+def test_bad_hardware_and_scoring_requests_get_one_line(tmp_path, extra, message):
+    import re
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    argv = [a.format(dir=tmp_path, bad=bad) for a in extra]
+    out = cli_here(*PLAN_8B, *argv)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(message, lines[0]), out.stderr
+
+
+def test_top_0_scores_one_layout_alone_with_the_step_split_and_mfu():
+    out = cli_here(*PLAN_8B, "--layout", "dp8+ac_op+compile", "--top", "0", "--microbatches", "1", "--json",
+                   "--fp8", "tensorwise", "--hardware", "h100-96gb-500w")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert "ranked" not in doc  # alone: nothing else was ranked
+    e = doc["layout"]["estimate"]
+    assert e["microbatches"] == 1 and e["ac"] == "op" and e["layout"]["dp_shard"] == 8
+    for key in ("compute", "recompute", "optimizer", "bubble", "tp", "cp", "pp", "ep", "fsdp"):
+        assert key in e["split_s"]
+    assert sum(e["split_s"].values()) == pytest.approx(e["step_time_s"])
+    assert e["tokens_per_s_per_gpu"] == pytest.approx(16 * 8192 / e["step_time_s"] / 8)
+    # MFU against the bf16 peak, the FP8 peak (half of it) and a peak blended by the FLOPs in FP8, in between
+    assert e["mfu_fp8"] == pytest.approx(e["mfu_bf16"] / 2, rel=1e-3)
+    assert e["mfu_fp8"] < e["mfu_fp8_blended"] < e["mfu_bf16"]
+    assert set(e["memory_gib"]) >= {"parameters", "optimizer", "activations", "total"}
+    # compiled blocks and FP8 matmuls each shorten the step the planner predicts
+    plain = json.loads(cli_here(*PLAN_8B, "--layout", "dp8+ac_op", "--top", "0", "--microbatches", "1", "--json",
+                                "--hardware", "h100-96gb-500w").stdout)["layout"]["estimate"]  # fmt: skip
+    assert e["step_time_s"] < plain["step_time_s"]
+
+
+def test_a_named_layout_beside_the_ranking_carries_the_same_estimate():
+    alone = json.loads(cli_here(*PLAN_8B, "--layout", "dp8+ac_op", "--top", "0", "--json").stdout)
+    ranked = json.loads(cli_here(*PLAN_8B, "--layout", "dp8+ac_op", "--top", "3", "--json").stdout)
+    assert ranked["layout"]["estimate"] == alone["layout"]["estimate"]
+    assert ranked["layout"]["rank"] >= 1 and len(ranked["ranked"]) == 3
+
+
+@pytest.mark.parametrize("preset", ["8b", "qwen3-30b-a3b"])
+def test_a_hugging_face_config_plans_as_its_preset(tmp_path, preset):
+    from tessera.models import get_preset
+    from tessera.models.hf import hf_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(get_preset(preset), "bfloat16")))
+    layout = "dp8+ac_full" if preset == "8b" else "dp8xep8+ac_full"
+    got = [
+        json.loads(cli_here(*PLAN_8B[:2], m, *PLAN_8B[3:], "--layout", layout, "--top", "0", "--json").stdout)
+        for m in (f"hf:{tmp_path}", preset)
+    ]
+    assert got[0]["layout"]["estimate"]["time_s"] == got[1]["layout"]["estimate"]["time_s"]
+    assert got[0]["layout"]["estimate"]["memory_bytes"] == got[1]["layout"]["estimate"]["memory_bytes"]
+
+
+def test_a_hugging_face_config_of_an_unknown_family_is_refused_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    out = cli_here(*PLAN_8B[:2], f"hf:{tmp_path}", *PLAN_8B[3:])
+    assert out.returncode == 2 and "model_type 'mamba'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_bench_refuses_async_tp_which_tessera_does_not_run(tmp_path):
+    out = cli_here("bench", "--model", "debug", "--layouts", "tp2+async_tp", "--steps", "4", "--out", str(tmp_path))
+    assert out.returncode == 2 and "+async_tp is a `tessera plan` option" in out.stderr
+
+
+# ----------------------------------------------------------------------------- the step model's pure parts
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 1 << 16), st.integers(1, 1 << 16), st.integers(1, 1 << 16), st.integers(1, 8))
+def test_a_gemm_reaches_more_of_the_peak_as_its_smallest_dimension_grows(m, n, k, grow):
+    p = load_profile("h100-sxm-80gb")
+    share = gemm_share(p, m, n, k)
+    assert 0 < share <= p.achieved.gemm_share
+    assert gemm_share(p, m * grow, n * grow, k * grow) >= share
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(64, 1 << 20), st.sampled_from([64, 96, 128, 192, 256]), st.sampled_from(["cudnn", "flash2"]))
+def test_attention_reaches_more_of_the_peak_on_longer_sequences(seq, head_dim, backend):
+    a = load_profile("h200-sxm").achieved
+    assert 0 < a.attention(backend, seq, head_dim) <= a.attention(backend, 2 * seq, head_dim) <= 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from(["tp", "cp", "pp", "ep", "dp_shard_cp", "dp_replicate"]), st.floats(0, 10)),
+    st.floats(0.01, 10),
+    st.floats(0.0, 5),
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([1, 2, 8]),
+    st.integers(1, 64),
+    st.booleans(),
+)
+def test_exposed_traffic_is_never_more_than_the_traffic(seconds, matmul, attention, tp, pp, microbatches, async_tp):
+    parts = {"matmul": matmul, "attention": attention, "optimizer": 0.1, "compute": matmul + attention + 0.1}
+    exposed = exposed_comm(seconds, parts, tp=tp, pp=pp, microbatches=microbatches, units=34, async_tp=async_tp)
+    data = seconds.get("dp_shard_cp", 0.0) + seconds.get("dp_replicate", 0.0)
+    for name, limit in (("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("ep", "ep")):
+        assert 0 <= exposed[name] <= seconds.get(limit, 0.0) + 1e-12
+    assert 0 <= exposed["fsdp"] <= data + 1e-12
+    if async_tp and tp > 1:  # overlapped, it never costs more than synchronous
+        sync = exposed_comm(seconds, parts, tp=tp, pp=pp, microbatches=microbatches, units=34, async_tp=False)
+        assert exposed["tp"] <= sync["tp"] + 1e-12
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([40.0, 100.0, 360.0, 720.0]), st.sampled_from([5.0, 25.0, 50.0, 100.0]))
+def test_faster_links_never_slow_a_step(intra, inter):
+    shape = shape_of("8b")
+    cand = Candidate(Layout(dp_shard=8, tp=2), "FULL_SHARD", "full", "1f1b", 1, 1)
+    step = [
+        estimate(
+            shape, cand, Hardware.from_profile("h100-sxm-80gb", 16, intra_node_gbps=a, inter_node_gbps=b), 8192, 32
+        ).time["step"]
+        for a, b in ((intra, inter), (2 * intra, 2 * inter))
+    ]
+    assert step[1] <= step[0] and math.isfinite(step[0])
+
+
+def test_scoring_refuses_a_layout_tessera_would_not_run():
+    with pytest.raises(PlanError, match="tessera would not run .*does not split into"):
+        score_one(shape_of("8b"), Hardware.from_profile("h100-sxm-80gb", 8), 8190, 16, Layout(cp=8))
+
+
+# ----------------------------------------------------------------------------- the published rows
+def test_every_published_row_names_its_source_and_what_it_assumes():
+    sources = RUNS["sources"]
+    assert {r["id"] for r in RUNS["rows"]} >= {s["anchor"] for s in sources.values()}
+    for r in RUNS["rows"]:
+        s = sources[r["source"]]
+        assert s["repository"] and s["file"] and s["commit"] and r["published_tokens_per_s_per_gpu"] > 0
+        load_profile(r["hardware"])
+        assert isinstance(r["assumptions"], list)
+
+
+def test_bench_published_predicts_every_row_with_one_constant_per_source(tmp_path):
+    # the command docs/layouts.md shows, run into this test's folder
+    page = (ROOT / "docs" / "layouts.md").read_text()
+    shown = "python benchmarks/bench_published.py --out /tmp/published"
+    assert f"<!-- run by tests/test_published.py -->\n```bash\n{shown}\n```" in page
+    out = script_here("bench_published", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads((tmp_path / "published.json").read_text())
+    assert (tmp_path / "published.png").is_file()
+    rows = doc["results"]["rows"]
+    assert [r["id"] for r in rows] == [r["id"] for r in RUNS["rows"]]
+    for r in rows:
+        for key in ("published_tokens_per_s_per_gpu", "predicted_tokens_per_s_per_gpu", "published_memory_gib",
+                    "predicted_memory_gib", "anchor"):  # fmt: skip
+            assert key in r
+        # one constant per source, the one fitted on its anchor
+        assert r["software_efficiency"] == doc["results"]["constants"][r["source"]]["software_efficiency"]
+        assert r["id"] in out.stdout
+    anchors = [r for r in rows if r["anchor"]]
+    assert len(anchors) == len(RUNS["sources"])
+    for r in anchors:  # fitted exactly, unless the kernels' rates alone fall short of it (efficiency 1)
+        assert abs(r["tokens_error"]) < 1e-3 or r["software_efficiency"] == 1.0
+    # the one-GPU truth: the lent H200's bf16 eager, compiled and FP8 compiled rows within 10% of the step
+    by_id = {r["id"]: r for r in rows}
+    for name in ("tessera-h200-1b-eager", "tessera-h200-1b-compiled", "tessera-h200-1b-fp8-compiled"):
+        assert abs(by_id[name]["tokens_error"]) <= 0.10, by_id[name]

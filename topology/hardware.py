@@ -1,0 +1,225 @@
+"""Hardware profiles as data: what a machine can do (peak dense bf16 and FP8 FLOP/s, HBM capacity and bandwidth,
+GPUs per node, NVLink and inter-node bandwidth per GPU, collective latency), each figure with its datasheet
+source, read from topology/hardware_profiles.json or a user's own JSON file of the same shape (never code).
+
+A profile holds datasheet peaks. What a training step reaches of them (the large-GEMM share of the peak, the
+attention kernels' share, the share of HBM bandwidth a copy and an elementwise mix reach, the share of a link
+a ring collective reaches, what torch.compile's fusion leaves of eager elementwise traffic) is the file's
+`achieved` section: measured on the lent GPUs where we could, stated assumptions where we could not, held
+fixed across every row the planner predicts; a profile may override one with its own source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import PlanError
+
+PROFILES_FILE = Path(__file__).with_name("hardware_profiles.json")
+DEFAULT_PROFILE = "h100-sxm-80gb"
+ATTENTION_BACKENDS = ("cudnn", "flash2")
+
+
+@dataclass(frozen=True)
+class Achieved:
+    """Shares of a profile's peaks that a step's kernels reach (the profiles file's `achieved`)."""
+
+    gemm_share: float  # a large bf16 GEMM's share of the dense peak (FP8 GEMMs: of the FP8 peak)
+    gemm_half_dim: float  # a GEMM whose smallest dimension is d reaches d / (d + gemm_half_dim) of gemm_share
+    attention_share: dict[str, float]  # causal flash attention forward + backward at head dim 128, long seq
+    attention_half_seq: float  # the share at seq s: attention_share x s / (s + attention_half_seq)
+    attention_half_head_dim: float  # and x d / (d + this) x (128 + this) / 128 at head dim d
+    hbm_share: float  # a large copy's share of the HBM bandwidth (weights streamed, the optimizer)
+    elementwise_share: float  # a block's elementwise mix (norms, RoPE, SwiGLU, residuals)
+    link_share: float  # a ring collective's share of a link's per-direction bandwidth
+    compiled_elementwise: float  # what torch.compile's fusion leaves of eager elementwise traffic
+    fp8_rowwise_speedup: float  # rowwise-scaled FP8 GEMMs over the bf16 rate
+    loss_bytes_per_logit: float  # the GPU cross-entropy's memory traffic per logit
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            values = v.values() if isinstance(v, dict) else [v]
+            for x in values:
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not (x > 0 and math.isfinite(x)):
+                    raise PlanError(f"achieved {f.name}={v!r} must be a positive, finite number")
+        for name in ("gemm_share", "hbm_share", "elementwise_share", "link_share", "compiled_elementwise"):
+            # (attention shares too: each is of the bf16 peak)
+            if getattr(self, name) > 1:
+                raise PlanError(f"achieved {name}={getattr(self, name)!r} is a share of a peak: give one in (0, 1]")
+        if any(v > 1 for v in self.attention_share.values()):
+            raise PlanError(
+                f"achieved attention_share={self.attention_share!r}: each is a share of the peak, in (0, 1]"
+            )
+        missing = [b for b in ATTENTION_BACKENDS if b not in self.attention_share]
+        if missing:
+            raise PlanError(f"achieved attention_share lacks {', '.join(missing)}; give a share for each backend")
+
+    def attention(self, backend: str, seq_len: int, head_dim: int) -> float:
+        """The share of the bf16 peak causal attention's forward + backward reaches at this shape."""
+        h = self.attention_half_head_dim
+        return (
+            self.attention_share[backend]
+            * seq_len
+            / (seq_len + self.attention_half_seq)
+            * head_dim
+            / (head_dim + h)
+            * (128 + h)
+            / 128
+        )
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine, as its datasheet states it (per GPU; bandwidths per direction)."""
+
+    name: str
+    description: str
+    bf16_tflops: float
+    fp8_tflops: float | None  # None: no FP8 tensor cores (A100)
+    hbm_gb: float
+    hbm_gbps: float
+    gpus_per_node: int
+    intra_node_gbps: float
+    inter_node_gbps: float
+    latency_intra_us: float
+    latency_inter_us: float
+    sm_count: int
+    host_memory_gb: float | None
+    achieved: Achieved
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("bf16_tflops", "hbm_gb", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                raise PlanError(f"hardware profile {self.name!r}: {name}={v!r} must be a positive, finite number")
+        for name in ("latency_intra_us", "latency_inter_us"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                raise PlanError(f"hardware profile {self.name!r}: {name}={v!r} must be a finite number >= 0")
+        if self.fp8_tflops is not None and not self.fp8_tflops > 0:
+            raise PlanError(f"hardware profile {self.name!r}: fp8_tflops={self.fp8_tflops!r} must be positive or null")
+        for name in ("gpus_per_node", "sm_count"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"hardware profile {self.name!r}: {name}={v!r} must be a positive integer")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["achieved"] = {f.name: getattr(self.achieved, f.name) for f in fields(self.achieved)}
+        return out
+
+
+_NUMBERS = (
+    "bf16_tflops",
+    "fp8_tflops",
+    "hbm_gb",
+    "hbm_gbps",
+    "gpus_per_node",
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "latency_intra_us",
+    "latency_inter_us",
+    "sm_count",
+    "host_memory_gb",
+)
+
+
+def _read(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise PlanError(f"{what}{path} cannot be read ({e.strerror}); name a hardware profile file (JSON)") from None
+    except UnicodeDecodeError:
+        raise PlanError(f"{what}{path} is not UTF-8 text; name a hardware profile file (JSON)") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{what}{path} is not JSON ({e.msg} at line {e.lineno}); fix it or name another") from None
+    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict) or not data["profiles"]:
+        raise PlanError(f"{what}{path} holds no `profiles` object; write one as topology/hardware_profiles.json does")
+    return data
+
+
+def _builtin() -> dict[str, Any]:
+    return _read(PROFILES_FILE, "the built-in profiles file")
+
+
+def profile_names() -> list[str]:
+    """The built-in profiles' names."""
+    return sorted(_builtin()["profiles"])
+
+
+def _resolve(name: str, profiles: dict[str, Any], achieved: dict[str, Any], where: str) -> HardwareProfile:
+    chain: list[dict[str, Any]] = []
+    at, seen = name, set()
+    while True:
+        entry = profiles.get(at)
+        if not isinstance(entry, dict):
+            raise PlanError(f"{where}: profile {name!r} names base {at!r}, which is not a profile there")
+        chain.append(entry)
+        seen.add(at)
+        base = entry.get("base")
+        if base is None:
+            break
+        if base in seen:
+            raise PlanError(f"{where}: profile {name!r} has a circular base ({base!r})")
+        at = base
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    own_achieved: dict[str, Any] = {}
+    for entry in reversed(chain):  # the base first, each child overriding it
+        merged.update({k: v for k, v in entry.items() if k in _NUMBERS or k == "description"})
+        sources.update(entry.get("sources") or {})
+        own_achieved.update(entry.get("achieved") or {})
+    missing = [k for k in _NUMBERS if k not in merged]
+    if missing:
+        raise PlanError(f"{where}: profile {name!r} lacks {', '.join(missing)}; give each (null where unknown)")
+    shares = {**achieved, **own_achieved}
+    try:
+        ach = Achieved(**{f.name: shares[f.name] for f in fields(Achieved)})
+    except KeyError as e:
+        raise PlanError(f"{where}: the achieved shares lack {e.args[0]!r}; copy them from the built-in file") from None
+    return HardwareProfile(
+        name=name,
+        description=str(merged.get("description", name)),
+        achieved=ach,
+        sources={str(k): str(v) for k, v in sources.items()},
+        **{k: merged[k] for k in _NUMBERS},
+    )
+
+
+def load_profile(name_or_file: str) -> HardwareProfile:
+    """A built-in profile by name (`profile_names`), or the one profile of a user's JSON file (the built-in
+    file's shape: `profiles` with one entry, optionally `achieved`; a profile may take a built-in one as its
+    `base`). PlanError naming the known profiles for an unknown name."""
+    builtin = _builtin()
+    if name_or_file in builtin["profiles"]:
+        return _resolve(name_or_file, builtin["profiles"], builtin["achieved"], "the built-in profiles")
+    path = Path(name_or_file)
+    if path.is_dir():
+        raise PlanError(f"hardware={path} is a directory; name a hardware profile file (JSON)")
+    if path.suffix.lower() != ".json" and not path.is_file():
+        raise PlanError(
+            f"hardware={name_or_file!r} is not a profile: use one of {', '.join(sorted(builtin['profiles']))} "
+            f"or a JSON file of the shape of topology/hardware_profiles.json"
+        )
+    data = _read(path, "hardware=")
+    profiles = {**builtin["profiles"], **data["profiles"]}  # a user's profile may take a built-in one as its base
+    own = list(data["profiles"])
+    if len(own) != 1:
+        raise PlanError(f"hardware={path} holds {len(own)} profiles ({', '.join(own)}); keep one in the file")
+    return _resolve(own[0], profiles, {**builtin["achieved"], **(data.get("achieved") or {})}, str(path))
+
+
+def with_overrides(profile: HardwareProfile, **figures: Any) -> HardwareProfile:
+    """The profile with some figures replaced (the loose flags: --peak-tflops, --intra-node-gbps, ...), None
+    values left as they are; the replaced figures' sources say so."""
+    given = {k: v for k, v in figures.items() if v is not None}
+    sources = {**profile.sources, **{k: "given on the command line" for k in given}}
+    return replace(profile, sources=sources, **given)
