@@ -31,7 +31,7 @@ from common import write_results  # noqa: E402
 from tessera.models.spec import shape_of  # noqa: E402
 from tessera.topology.errors import PlanError  # noqa: E402
 from tessera.topology.hardware import load_profile  # noqa: E402
-from tessera.topology.planner import Hardware  # noqa: E402
+from tessera.topology.planner import Hardware, gain_text, plan  # noqa: E402
 from tessera.topology.scoring import estimate_record, score_one  # noqa: E402
 from tessera.training.layout_names import parse_layout  # noqa: E402
 
@@ -60,11 +60,9 @@ def layout_of(row: dict):
     return lay, bool(flags.get("sequence_parallel", False))
 
 
-def predict(row: dict, source: dict, efficiency: float) -> dict:
-    """The row's estimate at a source's software efficiency (topology/scoring.py's record)."""
-    shape = shape_of(row["model"])
-    lay, sp = layout_of(row)
-    hw = Hardware.from_profile(
+def hardware_of(row: dict, source: dict, efficiency: float) -> Hardware:
+    """The machine and techniques of a row at a source's software efficiency."""
+    return Hardware.from_profile(
         load_profile(row["hardware"]),
         row["gpus"],
         efficiency=efficiency,
@@ -76,6 +74,13 @@ def predict(row: dict, source: dict, efficiency: float) -> dict:
         loss=row["loss"],
         headroom=0.0,  # the published peak is what ran: nothing is held back
     )
+
+
+def authors_estimate(row: dict, source: dict, efficiency: float):
+    """(the Estimate of the row's own configuration, its Hardware)."""
+    shape = shape_of(row["model"])
+    lay, sp = layout_of(row)
+    hw = hardware_of(row, source, efficiency)
     x = score_one(
         shape,
         hw,
@@ -89,7 +94,50 @@ def predict(row: dict, source: dict, efficiency: float) -> dict:
         virtual=row["virtual"],
         microbatches=row["microbatches"],
     )
-    return estimate_record(x, hw, shape, row["seq_len"], row["global_batch"])
+    return x, hw
+
+
+def predict(row: dict, source: dict, efficiency: float) -> dict:
+    """The row's estimate at a source's software efficiency (topology/scoring.py's record)."""
+    x, hw = authors_estimate(row, source, efficiency)
+    return estimate_record(x, hw, shape_of(row["model"]), row["seq_len"], row["global_batch"])
+
+
+def rank_authors_layout(row: dict, source: dict, efficiency: float, plans: dict) -> dict:
+    """Where the authors' configuration stands among every layout the planner would run for the same job (its
+    GPUs, batch, sequence, memory and techniques): its place by predicted step time, and the planner's best
+    with how much faster it is predicted and why (a claim for a GPU run to check)."""
+    ours, hw = authors_estimate(row, source, efficiency)
+    fields = (
+        "model",
+        "gpus",
+        "seq_len",
+        "global_batch",
+        "hardware",
+        "fp8",
+        "compile",
+        "async_tp",
+        "ep_overlap",
+        "loss",
+    )
+    key = (*(row[f] for f in fields), source["attention"], efficiency)
+    if key not in plans:
+        plans[key] = plan(shape_of(row["model"]), hw, row["seq_len"], row["global_batch"]).ranked
+    ranked = plans[key]
+    place = 1 + sum(x.time["step"] < ours.time["step"] * (1 - 1e-9) for x in ranked)
+    best = ranked[0]
+    out = {
+        "authors_rank": place,
+        "layouts_ranked": len(ranked),
+        "authors_fit": ours.fits,
+        "planner_best": best.candidate.describe(),
+        "planner_best_flags": best.candidate.flags(),
+        "planner_best_tokens_per_s_per_gpu": best.tokens_per_s / row["gpus"],
+    }
+    if best.time["step"] < ours.time["step"] * (1 - 1e-9):
+        out["planner_best_speedup"] = ours.time["step"] / best.time["step"]
+        out["planner_best_why"] = gain_text(best, ours)
+    return out
 
 
 def fit_efficiency(row: dict, source: dict) -> float:
@@ -173,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=str(RUNS), help="the published rows (default benchmarks/published/runs.json)")
     p.add_argument("--out", default=None, help="the folder for published.json and published.png")
     p.add_argument("--rows", default=None, help="comma-separated row ids (their sources' anchors are added)")
+    p.add_argument(
+        "--no-ranking",
+        action="store_true",
+        help="skip ranking each job's layouts (where the authors' configuration stands among the planner's)",
+    )
     args = p.parse_args(argv)
     started = time.perf_counter()
     data = json.loads(Path(args.runs).read_text())
@@ -191,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         anchor = by_id[sources[name]["anchor"]]
         constants[name] = {"anchor": anchor["id"], "software_efficiency": fit_efficiency(anchor, sources[name])}
     out_rows = []
+    plans: dict = {}
     for row in rows:
         source = sources[row["source"]]
         eff = constants[row["source"]]["software_efficiency"]
@@ -223,10 +277,22 @@ def main(argv: list[str] | None = None) -> int:
                 "split_s": rec["split_s"],
                 "settings": rec["flags"],
                 "assumptions": row["assumptions"],
+                **({} if args.no_ranking else rank_authors_layout(row, source, eff, plans)),
             }
         )
+    ranked = [r for r in out_rows if "authors_rank" in r]
+    ranking = {
+        "jobs": len(ranked),
+        "authors_in_top_5": sum(r["authors_rank"] <= 5 for r in ranked),
+        "planner_faster_elsewhere": [
+            {"id": r["id"], "speedup": r["planner_best_speedup"], "best": r["planner_best"]}
+            for r in ranked
+            if r["authors_rank"] > 5
+        ],
+    }
     results = {
         "constants": constants,
+        "ranking": ranking,
         "tokens": summary(out_rows, "tokens_error"),
         "memory": summary(out_rows, "memory_error"),
         "memory_note": "torchtitan's published memory is the CUDA allocator's max reserved (its metrics log "
@@ -257,6 +323,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{s['rows']} non-anchor rows ({s['within_10_percent']} within 10%, "
                 f"{s['within_25_percent']} within 25%)"
             )
+    if ranked:
+        print(
+            f"the authors' layout is in the planner's top 5 for {ranking['authors_in_top_5']} of {len(ranked)} jobs; "
+            "for the others the planner's best is predicted faster (a claim for a GPU run to check):"
+        )
+        for r in ranked:
+            if r["authors_rank"] > 5:
+                print(
+                    f"  {r['id']}: ranked {r['authors_rank']} of {r['layouts_ranked']}; the best, {r['planner_best']}, "
+                    f"{r['planner_best_speedup']:.2f}x faster by {r['planner_best_why']}"
+                )
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0
 

@@ -92,6 +92,7 @@ KNOWN = {
     "device_kind": ["cpu", "H100", "tpu"],
     "hardware": ["h100-sxm-80gb", "a100-sxm-80gb", "nope", "in", "in.json"],
     "attention": ["cudnn", "flash2", "nope"],
+    "calibration_overlay": ["H200", "cpu", "tpu"],
     "layout": ["dp8", "pp2xdp4", "tp2xdp4+sp", "dpr2xdp4+ac_op", "dp8+compile", "dp0", "xx", "tp8+nope"],
     "layouts": [
         "one",

@@ -203,7 +203,7 @@ def test_bench_published_predicts_every_row_with_one_constant_per_source(tmp_pat
     page = (ROOT / "docs" / "layouts.md").read_text()
     shown = "python benchmarks/bench_published.py --out /tmp/published"
     assert f"<!-- run by tests/test_published.py -->\n```bash\n{shown}\n```" in page
-    out = script_here("bench_published", "--out", str(tmp_path))
+    out = script_here("bench_published", "--out", str(tmp_path), "--no-ranking")
     assert out.returncode == 0, out.stderr
     doc = json.loads((tmp_path / "published.json").read_text())
     assert (tmp_path / "published.png").is_file()
@@ -224,3 +224,51 @@ def test_bench_published_predicts_every_row_with_one_constant_per_source(tmp_pat
     by_id = {r["id"]: r for r in rows}
     for name in ("tessera-h200-1b-eager", "tessera-h200-1b-compiled", "tessera-h200-1b-fp8-compiled"):
         assert abs(by_id[name]["tokens_error"]) <= 0.10, by_id[name]
+
+
+def test_bench_published_ranks_the_authors_layout_among_the_planners(tmp_path):
+    """Where each job's own configuration stands among every layout the planner runs for that job, and what
+    the planner's best would gain (two one-node jobs, with their sources' anchors)."""
+    out = script_here("bench_published", "--out", str(tmp_path), "--rows", "tessera-h200-1b-compiled,tt-t1-8b-fsdp8")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads((tmp_path / "published.json").read_text())["results"]
+    rows = {r["id"]: r for r in doc["rows"]}
+    assert set(rows) == {"tessera-h200-1b-compiled", "tessera-h200-1b-eager", "tt-t1-8b-fsdp8"}
+    for r in rows.values():
+        assert 1 <= r["authors_rank"] <= r["layouts_ranked"] and r["planner_best"]
+        if r["authors_rank"] > 1:  # the best is predicted faster, by how much and why
+            assert r["planner_best_speedup"] > 1 and r["planner_best_why"]
+    ranking = doc["ranking"]
+    assert ranking["jobs"] == 3 and ranking["authors_in_top_5"] == sum(r["authors_rank"] <= 5 for r in rows.values())
+    assert f"in the planner's top 5 for {ranking['authors_in_top_5']} of 3 jobs" in out.stdout
+
+
+def test_a_gpus_calibration_overlays_the_shares_of_its_profile(tmp_path):
+    """--calibration-overlay KIND: the lent H200's measured rates (the suite's calibration entry) become the
+    profile's achieved shares; a CPU's calibration is refused in one line."""
+    from tessera.topology.hardware import with_calibration
+
+    entry = json.loads((ROOT / "benchmarks" / "results" / "gpu_suite_h200.json").read_text())["results"]["planner"][
+        "calibration"
+    ]
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"schema": 1, "entries": {"h200 | bfloat16": entry}}))
+    profile = load_profile("nvidia-h200")
+    overlaid = with_calibration(profile, entry)
+    dim = entry["measured_at"]["dim"]
+    expected = entry["matmul_flops_per_s"] / (profile.bf16_tflops * 1e12) * (dim + 128) / dim
+    assert overlaid.achieved.gemm_share == pytest.approx(expected)
+    assert overlaid.achieved.elementwise_share == pytest.approx(entry["memory_bytes_per_s"] / 4.8e12)
+    assert "measured on NVIDIA H200" in overlaid.sources["achieved.gemm_share"]
+    argv = ["plan", "--model", "1b", "--gpus", "1", "--seq-len", "2048", "--global-batch", "16", "--layout", "one",
+            "--top", "0", "--json", "--hardware", "nvidia-h200", "--calibration", str(path)]  # fmt: skip
+    plain, over = cli_here(*argv), cli_here(*argv, "--calibration-overlay", "H200")
+    assert plain.returncode == over.returncode == 0, over.stderr
+    steps = [json.loads(x.stdout)["layout"]["estimate"]["step_time_s"] for x in (plain, over)]
+    assert steps[0] != steps[1] and all(math.isfinite(t) for t in steps)
+    cpu = {**entry, "device_kind": "cpu: test", "device_type": "cpu", "dtype": "float32"}
+    path.write_text(json.dumps({"schema": 1, "entries": {"cpu | float32": cpu}}))
+    out = cli_here(*argv, "--calibration-overlay", "cpu")
+    assert out.returncode == 2 and "no calibration for device kind 'cpu' in bfloat16" in out.stderr
+    with pytest.raises(PlanError, match="is not a GPU's in bf16"):
+        with_calibration(profile, cpu)

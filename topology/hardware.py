@@ -223,3 +223,41 @@ def with_overrides(profile: HardwareProfile, **figures: Any) -> HardwareProfile:
     given = {k: v for k, v in figures.items() if v is not None}
     sources = {**profile.sources, **{k: "given on the command line" for k in given}}
     return replace(profile, sources=sources, **given)
+
+
+def with_calibration(profile: HardwareProfile, entry: dict[str, Any]) -> HardwareProfile:
+    """The profile with its achieved shares taken from a GPU's calibration entry (`tessera plan --calibrate`
+    on that GPU: its rates measured at a model's shapes in bf16): the matmul rate over the bf16 peak (as the
+    share of a GEMM whose smallest dimension is the measured model's dim), attention's over the peak at the
+    measured sequence and head dim, the elementwise mix's and the copy's over the HBM bandwidth. PlanError
+    for a CPU's or an fp32 calibration, whose rates say nothing of a GPU's share of its peak."""
+    kind = entry.get("device_kind", "?")
+    if entry.get("device_type") != "cuda" or entry.get("dtype") != "bfloat16":
+        raise PlanError(
+            f"calibration {kind!r} ({entry.get('device_type')}, {entry.get('dtype')}) is not a GPU's in bf16; "
+            f"overlay a calibration that tessera plan --calibrate measured on a GPU"
+        )
+    try:
+        at = entry["measured_at"]
+        dim, seq, head_dim = float(at["dim"]), int(at["seq_len"]), int(at["head_dim"])
+        peak, hbm = profile.bf16_tflops * 1e12, profile.hbm_gbps * 1e9
+        a = profile.achieved
+        # a GEMM of the measured model's shapes reaches gemm_share x d / (d + half): invert at d = dim
+        gemm = float(entry["matmul_flops_per_s"]) / peak * (dim + a.gemm_half_dim) / dim
+        shape_factor = a.attention("cudnn", seq, head_dim) / a.attention_share["cudnn"]
+        attention = float(entry["attention_flops_per_s"]) / peak / shape_factor
+        elementwise = float(entry["memory_bytes_per_s"]) / hbm
+        copy = float(entry.get("copy_bytes_per_s", entry["memory_bytes_per_s"])) / hbm
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(
+            f"calibration {kind!r} lacks a figure ({e}); recalibrate with tessera plan --calibrate"
+        ) from None
+    shares = {
+        "gemm_share": min(1.0, gemm),
+        "attention_share": {**a.attention_share, "cudnn": min(1.0, attention)},
+        "elementwise_share": min(1.0, elementwise),
+        "hbm_share": min(1.0, copy),
+    }
+    where = f"measured on {kind} (tessera plan --calibrate, {entry.get('created', 'undated')})"
+    sources = {**profile.sources, **{f"achieved.{k}": where for k in shares}}
+    return replace(profile, achieved=replace(a, **shares), sources=sources)

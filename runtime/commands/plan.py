@@ -18,7 +18,13 @@ from tessera.topology import Layout
 from tessera.topology.errors import with_flags
 from tessera.topology.memory import GB
 from tessera.topology.muon_memory import MUON_RECIPES, recipe_for
-from tessera.topology.hardware import ATTENTION_BACKENDS, DEFAULT_PROFILE, load_profile, profile_names
+from tessera.topology.hardware import (
+    ATTENTION_BACKENDS,
+    DEFAULT_PROFILE,
+    load_profile,
+    profile_names,
+    with_calibration,
+)
 from tessera.topology.planner import (
     TESSERA_EFFICIENCY,
     Candidate,
@@ -218,6 +224,13 @@ def add_plan_parser(sub) -> None:
         help="plan with the stored calibration whose device kind contains KIND (e.g. H100, cpu)",
     )
     cal.add_argument(
+        "--calibration-overlay",
+        default=None,
+        metavar="KIND",
+        help="take the shares of --hardware's peaks that a step reaches from the stored calibration of a GPU of "
+        "kind KIND (its measured matmul, attention and memory rates), keeping the profile's model of the step",
+    )
+    cal.add_argument(
         "--mixed-precision",
         choices=("bf16", "fp32"),
         default=None,
@@ -281,6 +294,14 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.top == 0 and named is None:
             raise PlanError("--top 0 scores --layout's layout alone; name one, or show at least one layout")
         profile = load_profile(args.hardware)
+        if args.calibration_overlay is not None:
+            if args.device_kind is not None:
+                raise PlanError(
+                    "--device-kind plans with a calibration's own step model and --calibration-overlay overlays one "
+                    "on --hardware's profile: give one of them"
+                )
+            data = read_calibration(_calibration_file(args))
+            profile = with_calibration(profile, find_entry(data, args.calibration_overlay, "bfloat16"))
         loose = dict(
             gpu_memory_gb=args.gpu_memory,
             gpus_per_node=args.gpus_per_node,
