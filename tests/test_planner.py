@@ -397,8 +397,9 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
         *(
             (
                 ["--model", "8b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "64", "--efficiency", share],
-                rf"^tessera plan: error: --efficiency {said} must be in \(0, 1\]: the share of --peak-tflops a step's "
-                rf"matmuls reach; use e\.g\. --efficiency 0\.4$",
+                rf"^tessera plan: error: --efficiency {said} must be in \(0, 1\]: the framework's software "
+                rf"efficiency, the share of the kernels' rates of h100-sxm-80gb a step reaches; use e\.g\. "
+                rf"--efficiency 1 \(tessera's\)$",
             )
             for share, said in (("5", "5"), ("0", "0"), ("-0.3", "-0.3"), ("nan", "nan"), ("1.5", "1.5"))
         ),

@@ -60,6 +60,11 @@ def test_a_users_profile_file_takes_a_base_and_overrides_a_figure(tmp_path):
         (["--top", "0"], r"--top 0 scores --layout's layout alone; name one"),
         (["--microbatches", "4"], r"fix a setting of --layout's layout; name one"),
         (["--layout", "dp8", "--top", "0", "--microbatches", "3"], r"does not divide the 2 rows of a dp rank"),
+        (["--layout", "dp8", "--top", "0", "--schedule", "1f1b"], r"--layout dp8 has none \(pp 1\); drop them"),
+        (["--layout", "pp2xdp4", "--top", "0", "--virtual", "0"], r"--virtual 0 must be at least 1"),
+        (["--layout", "dp8+async_tp", "--top", "0"], r"\+async_tp overlaps tensor-parallel traffic, and tp is 1"),
+        (["--layout", "pp2xdp4", "--top", "0", "--schedule", "nope"], r"unknown pipeline --schedule nope"),
+        (["--layout", "dp8", "--efficiency", "2"], r"--efficiency 2 must be in \(0, 1\]: the framework's software"),
     ],
 )
 def test_bad_hardware_and_scoring_requests_get_one_line(tmp_path, extra, message):

@@ -167,6 +167,12 @@ class Hardware:
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):  # inf would make every step take no time
                 raise PlanError(f"{name}={v!r} must be a positive, finite number")
+        if not 0 < self.efficiency <= 1 and self.profile is not None:
+            raise PlanError(
+                f"efficiency={self.efficiency:g} must be in (0, 1]: the framework's software efficiency, the share "
+                f"of the kernels' rates of {self.profile.name} a step reaches; use e.g. efficiency="
+                f"{TESSERA_EFFICIENCY:g} (tessera's)"
+            )
         if not 0 < self.efficiency <= 1:  # a share of the peak (5 printed "500% of 989 TFLOP/s", MFU 451%)
             raise PlanError(
                 f"efficiency={self.efficiency:g} must be in (0, 1]: the share of `peak_tflops` a step's matmuls "

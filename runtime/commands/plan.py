@@ -291,6 +291,19 @@ def run_plan(args: argparse.Namespace) -> int:
         fixed = named[1] if named else {}
         if (args.microbatches, args.schedule, args.virtual) != (None, None, None) and named is None:
             raise PlanError("--microbatches, --schedule and --virtual fix a setting of --layout's layout; name one")
+        if named is not None:
+            lay = named[0]
+            if args.virtual is not None and args.virtual < 1:
+                raise PlanError(f"--virtual {args.virtual} must be at least 1 (stages per pp rank)")
+            if lay.pp == 1 and (args.schedule is not None or args.virtual is not None):
+                raise PlanError(
+                    f"--schedule and --virtual set the pipeline, and --layout {args.layout} has none (pp 1); "
+                    f"drop them or name a layout with pp"
+                )
+            if fixed.get("async_tp") and lay.tp == 1:
+                raise PlanError(f"--layout {args.layout}: +async_tp overlaps tensor-parallel traffic, and tp is 1")
+            if fixed.get("ep_overlap") and lay.ep == 1:
+                raise PlanError(f"--layout {args.layout}: +ep_overlap overlaps expert all-to-alls, and ep is 1")
         if args.top == 0 and named is None:
             raise PlanError("--top 0 scores --layout's layout alone; name one, or show at least one layout")
         profile = load_profile(args.hardware)
