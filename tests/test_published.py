@@ -246,6 +246,8 @@ def test_bench_published_ranks_the_authors_layout_among_the_planners(tmp_path):
     ranking = doc["ranking"]
     assert ranking["jobs"] == 3 and ranking["authors_in_top_5"] == sum(r["authors_rank"] <= 5 for r in rows.values())
     assert f"in the planner's top 5 for {ranking['authors_in_top_5']} of 3 jobs" in out.stdout
+    near = sum(r.get("planner_best_speedup", 1.0) <= 1.10 for r in rows.values())
+    assert ranking["authors_within_10_percent_of_best"] == near
 
 
 def test_a_gpus_calibration_overlays_the_shares_of_its_profile(tmp_path):
