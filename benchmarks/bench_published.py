@@ -72,6 +72,7 @@ def hardware_of(row: dict, source: dict, efficiency: float) -> Hardware:
         ep_overlap=row["ep_overlap"],
         attention=source["attention"],
         loss=row["loss"],
+        ac_policy="torchtitan" if source["framework"] == "torchtitan" else "tessera",
         headroom=0.0,  # the published peak is what ran: nothing is held back
     )
 

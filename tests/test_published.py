@@ -279,3 +279,22 @@ def test_a_gpus_calibration_overlays_the_shares_of_its_profile(tmp_path):
     assert out.returncode == 2 and "no calibration for device kind 'cpu' in bfloat16" in out.stderr
     with pytest.raises(PlanError, match="is not a GPU's in bf16"):
         with_calibration(profile, cpu)
+
+
+def test_the_docs_and_the_readme_show_what_the_committed_results_say():
+    """docs/layouts.md's generated spans are docs/gen_published.py's rendering of the committed JSON, and the
+    README's planner figures are that JSON's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs"))
+    from gen_published import PAGE, RESULTS, figures, render
+
+    results = json.loads(RESULTS.read_text())["results"]
+    page = PAGE.read_text()
+    assert render(page, figures(results)) == page, "run python docs/gen_published.py"
+    t = results["tokens"]
+    readme = (ROOT / "README.md").read_text()
+    assert f"median {t['median_abs_error']:.1%} error, worst {t['worst_abs_error']:.0%}" in readme
+    assert (
+        f"median |error| {t['median_abs_error']:.1%}, {t['within_25_percent']} of\n  {t['rows']} within 25%" in readme
+    )

@@ -252,12 +252,14 @@ def with_calibration(profile: HardwareProfile, entry: dict[str, Any]) -> Hardwar
         raise PlanError(
             f"calibration {kind!r} lacks a figure ({e}); recalibrate with tessera plan --calibrate"
         ) from None
-    shares = {
-        "gemm_share": min(1.0, gemm),
-        "attention_share": {**a.attention_share, "cudnn": min(1.0, attention)},
-        "elementwise_share": min(1.0, elementwise),
-        "hbm_share": min(1.0, copy),
-    }
+    achieved = replace(
+        a,
+        gemm_share=min(1.0, gemm),
+        attention_share={**a.attention_share, "cudnn": min(1.0, attention)},
+        elementwise_share=min(1.0, elementwise),
+        hbm_share=min(1.0, copy),
+    )
     where = f"measured on {kind} (tessera plan --calibrate, {entry.get('created', 'undated')})"
-    sources = {**profile.sources, **{f"achieved.{k}": where for k in shares}}
-    return replace(profile, achieved=replace(a, **shares), sources=sources)
+    names = ("gemm_share", "attention_share", "elementwise_share", "hbm_share")
+    sources = {**profile.sources, **{f"achieved.{k}": where for k in names}}
+    return replace(profile, achieved=achieved, sources=sources)

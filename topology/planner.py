@@ -109,6 +109,7 @@ TESSERA_EFFICIENCY = 1.0
 RECOMPUTE: dict[str, float] = {"none": 0.0, "op": 0.03, "selective": 1 / 6, "full": 1 / 3}
 assert set(RECOMPUTE) == set(MEMORY_AC_MODES), "a recompute share for every activation checkpointing mode"
 AC_MODES = tuple(sorted(RECOMPUTE, key=RECOMPUTE.__getitem__))
+AC_POLICIES = ("tessera", "torchtitan")  # whose `ac op` a plan counts (Hardware.ac_policy)
 # the strategies it enumerates: NO_SHARD and HYBRID_SHARD are layouts with dp_replicate, which it enumerates
 STRATEGIES = tuple(s for s in FSDP_STRATEGIES if s in ("FULL_SHARD", "SHARD_GRAD_OP"))
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv", "dualpipev", "looped-bfs", "gpipe")
@@ -155,6 +156,8 @@ class Hardware:
     ep_overlap: bool = False  # the expert all-to-alls overlapped with another microbatch's compute
     attention: str = "cudnn"  # the attention kernels' backend (the profile's attention_share)
     loss: str = "chunked"  # `tessera train --loss`: chunked (never the whole logits) or logits
+    # whose per-op checkpointing `ac op` is: tessera's (every matmul output kept) or torchtitan's (every other)
+    ac_policy: str = "tessera"
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
@@ -188,6 +191,8 @@ class Hardware:
         get_recipe(self.recipe)
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise PlanError(f"fp8={self.fp8!r}: use one of {', '.join(FP8_RECIPES)} (or None)")
+        if self.ac_policy not in AC_POLICIES:
+            raise PlanError(f"ac_policy={self.ac_policy!r}: use one of {', '.join(AC_POLICIES)}")
         if self.loss not in ("chunked", "logits"):
             raise PlanError(f"loss={self.loss!r}: use chunked or logits")
         if self.attention not in ATTENTION_BACKENDS:
@@ -375,6 +380,7 @@ def layer_activation_bytes(
     cp: int = 1,
     layer: int = 0,
     cpu: bool | None = None,
+    op_policy: str = "tessera",
 ) -> float:
     """Bytes one block keeps for backward for `rows` sequences of `seq` local tokens on one tp rank, as
     tessera's block saves them (counted with saved-tensor hooks; tests/test_planner_memory.py measures it).
@@ -426,7 +432,11 @@ def layer_activation_bytes(
     on_cpu = e >= 4 if cpu is None else cpu
     attention = (hq + 2 * kv + hq) if cp > 1 or not on_cpu else 4 * hq
     if ac == "op":
-        saved = sp * h + seq * (hq + 2 * kv) + seq * hq + 2 * sp * h + seq * mlp_op
+        # the matmul outputs: q, k and v, the two row-parallel outputs, the MLP's up matrices'
+        matmuls: float = seq * (hq + 2 * kv) + 2 * sp * h + seq * mlp_op
+        if op_policy == "torchtitan":  # its per-op SAC keeps every other matmul's output (the rest recomputed)
+            matmuls /= 2
+        saved = sp * h + seq * hq + matmuls
         return float(rows * saved * e + small)
     norms = (4 if rms else 2) * sp * h + 2 * seq * h + (2 * seq * (hq + kv) if cfg.qk_norm else 0)
     saved = norms + seq * (attention + hq) + seq * mlp_all
@@ -662,6 +672,7 @@ def physics_time(
             attention=hw.attention,
             loss=hw.loss,
             sequence_parallel=cand.sequence_parallel,
+            ac_policy=hw.ac_policy,
             dtype_bytes=hw.dtype_bytes,
             sharded_params=sharded,
             efficiency=hw.efficiency,
@@ -826,7 +837,17 @@ def _rank_memory(
         key = (ac, layer_kind(cfg, layer) if per_kind and ac == "none" else None)
         if key not in counted:
             counted[key] = layer_activation_bytes(
-                cfg, mb_rows, seq, lay.tp, cand.sequence_parallel, ac, e, cp=lay.cp, layer=layer, cpu=cpu
+                cfg,
+                mb_rows,
+                seq,
+                lay.tp,
+                cand.sequence_parallel,
+                ac,
+                e,
+                cp=lay.cp,
+                layer=layer,
+                cpu=cpu,
+                op_policy=hw.ac_policy,
             )
         return counted[key]
 

@@ -16,7 +16,8 @@ compute    every linear layer's three GEMMs (forward x @ W^T, the input gradient
            share rises with the sequence and the head dim (the profile's `attention`)
 recompute  activation checkpointing reruns forwards: full every block's (its GEMMs' forward, attention's
            forward, a third of the elementwise bytes), selective every other block's, op the elementwise
-           forward only (tessera's op policy keeps the matmul and attention outputs)
+           forward only (tessera's op policy keeps the matmul and attention outputs; torchtitan's per-op SAC
+           keeps every other matmul's output, so it reruns half the GEMMs' forwards too)
 comm       each accounting name's bytes (topology/comm_model.py, the counted volumes of --comm-stats) over
            the link its group takes at link_share of the datasheet, plus a latency per collective.
            Exposure: FSDP's and HSDP's traffic is prefetched behind compute (one unit's gather and one
@@ -107,6 +108,7 @@ def compute_parts(
     attention: str,
     loss: str,
     sequence_parallel: bool,
+    ac_policy: str,
     dtype_bytes: int,
     sharded_params: float,
     efficiency: float,
@@ -182,9 +184,12 @@ def compute_parts(
         casts = casts * (fusion if compiled else unfused) / hbm_elementwise
     block_fwd = fwd + attn / microbatches / max(blocks, 1) / 3 if blocks else 0.0
     rerun_full = microbatches * blocks * block_fwd + FORWARD_ELEMENTWISE_SHARE * (elementwise + casts)
+    op = FORWARD_ELEMENTWISE_SHARE * (elementwise + casts)
+    if ac_policy == "torchtitan":  # its per-op SAC reruns every other matmul's forward too
+        op += microbatches * blocks * fwd / 2
     recompute = {
         "none": 0.0,
-        "op": FORWARD_ELEMENTWISE_SHARE * (elementwise + casts),
+        "op": op,
         "selective": rerun_full / 2,
         "full": rerun_full,
     }[ac]

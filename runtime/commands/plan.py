@@ -26,6 +26,7 @@ from tessera.topology.hardware import (
     with_calibration,
 )
 from tessera.topology.planner import (
+    AC_POLICIES,
     TESSERA_EFFICIENCY,
     Candidate,
     Estimate,
@@ -137,6 +138,13 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--virtual", type=int, default=None, help="with --layout and pp > 1: the stages per pp rank")
     p.add_argument(
         "--compile", action="store_true", help="plan compiled blocks (the elementwise work fused, as measured)"
+    )
+    p.add_argument(
+        "--ac-policy",
+        choices=AC_POLICIES,
+        default="tessera",
+        help="whose per-op checkpointing --ac op (+ac_op) counts: tessera's (every matmul output kept, the default) or "
+        "torchtitan's per-op SAC (every other matmul's output kept, the rest recomputed): to predict a torchtitan run",
     )
     p.add_argument(
         "--attention",
@@ -339,6 +347,7 @@ def run_plan(args: argparse.Namespace) -> int:
             async_tp=bool(fixed.pop("async_tp", False)),
             ep_overlap=bool(fixed.pop("ep_overlap", False)),
             attention=args.attention,
+            ac_policy=args.ac_policy,
             **settings,
         )
         shape = model_shape(args.model)
