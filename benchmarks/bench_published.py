@@ -157,6 +157,22 @@ def fit_efficiency(row: dict, source: dict) -> float:
     return (lo + hi) / 2
 
 
+def split_beside_profile(record: dict, profiled: dict) -> dict:
+    """A row's predicted compute parts beside its measured profile's (seconds by kernel kind): matmul,
+    attention, elementwise (with FP8's casts), loss, optimizer; the profile's idle time has no predicted part."""
+    parts = record["compute_parts_s"]
+    predicted = {
+        "matmul": parts["matmul"],
+        "attention": parts["attention"],
+        "elementwise": parts["elementwise"] + parts["fp8_casts"],
+        "loss": parts["loss"],
+        "optimizer": parts["optimizer"],
+    }
+    return {k: {"profiled_s": profiled.get(k), "predicted_s": v} for k, v in predicted.items()} | {
+        "idle": {"profiled_s": profiled.get("idle"), "predicted_s": None}
+    }
+
+
 def error(predicted: float | None, published: float | None) -> float | None:
     """(predicted - published) / published; None where either is missing."""
     if predicted is None or published is None:
@@ -263,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 "hardware": row["hardware"],
                 "model": row["model"],
                 "gpus": row["gpus"],
+                "seq_len": row["seq_len"],
+                "global_batch": row["global_batch"],
                 "layout": row["layout"],
                 "techniques": row["techniques"],
                 "software_efficiency": eff,
@@ -279,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
                 "settings": rec["flags"],
                 "assumptions": row["assumptions"],
                 **({} if args.no_ranking else rank_authors_layout(row, source, eff, plans)),
+                **(
+                    {"profile_split": split_beside_profile(rec, row["profile_split_s"])}
+                    if "profile_split_s" in row
+                    else {}
+                ),
             }
         )
     ranked = [r for r in out_rows if "authors_rank" in r]
@@ -316,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['id']:<34}{r['published_tokens_per_s_per_gpu']:>10,.0f}{r['predicted_tokens_per_s_per_gpu']:>10,.0f}"
             f"{r['tokens_error']:>+8.0%}{mem:>9}{r['predicted_memory_gib']:>7.1f}{mem_err:>8}{mark}"
         )
+    for r in out_rows:
+        if "profile_split" in r:
+            parts = ", ".join(
+                f"{k} {v['predicted_s']:.3f}/{v['profiled_s']:.3f}"
+                for k, v in r["profile_split"].items()
+                if v["predicted_s"] is not None
+            )
+            print(f"{r['id']} predicted/profiled s: {parts}")
     for name, c in constants.items():
         print(f"{name}: software efficiency {c['software_efficiency']:.3f}, fitted on {c['anchor']}")
     for what in ("tokens", "memory"):

@@ -52,7 +52,22 @@ def figures(results: dict) -> dict[str, str]:
             f"{r['techniques']} | {r['published_tokens_per_s_per_gpu']:,.0f} | "
             f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | {r['tokens_error']:+.0%} | {mem} | {place} |"
         )
-    return {"constants": "\n".join(constants), "summary": summary, "table": "\n".join(table)}
+    kinds = ("matmul", "attention", "elementwise", "loss", "optimizer")
+    split = ["| row | step measured / predicted s | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    for r in results["rows"]:
+        if "profile_split" in r:
+            tokens = r["global_batch"] * r["seq_len"] / r["gpus"]  # a GPU's tokens in a step
+            step = tokens / r["published_tokens_per_s_per_gpu"]
+            cells = [
+                f"{r['profile_split'][k]['profiled_s']:.3f} / {r['profile_split'][k]['predicted_s']:.3f}" for k in kinds
+            ]
+            split.append(f"| {r['id']} | {step:.3f} / {r['step_time_s']:.3f} | " + " | ".join(cells) + " |")
+    return {
+        "constants": "\n".join(constants),
+        "summary": summary,
+        "table": "\n".join(table),
+        "split": "\n".join(split),
+    }
 
 
 def render(page: str, parts: dict[str, str]) -> str:
