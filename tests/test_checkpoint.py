@@ -170,3 +170,17 @@ def test_safetensors_round_trip_and_truncation(tmp_path):
         checkpoint.read_safetensors(tmp_path / "cut.safetensors")
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     assert header["a"]["dtype"] == "F32" and header["c"]["dtype"] == "BF16"
+
+
+def test_a_run_that_checkpoints_saves_its_final_step_and_export_names_it(tmp_path):
+    """--steps 5 --checkpoint-every 2 saved step 2 and step 4 only: the last step's training was lost. A run that
+    checkpoints saves its final step too (as torchtitan does), and export says which step of the run it found."""
+    root = tmp_path / "ckpt"
+    train(small_config(steps=5, checkpoint_dir=str(root), checkpoint_every=2, keep_checkpoints=5))
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000005"]
+    assert (root / "latest").read_text() == "step_00000005"
+    last = _cli("export", str(root), "--out", str(tmp_path / "last.safetensors"))
+    assert last.returncode == 0, last.stderr
+    assert "model debug at step 5, the run's last" in last.stdout
+    earlier = _cli("export", str(root / "step_00000004"), "--out", str(tmp_path / "earlier.safetensors"))
+    assert "model debug at step 4 of the run's 5 steps" in earlier.stdout

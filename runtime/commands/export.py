@@ -46,8 +46,17 @@ def _export(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    print(f"wrote {target}: model {manifest['model']['preset']} at step {manifest['step']}{written}")
+    print(f"wrote {target}: model {manifest['model']['preset']} at {_step_of_run(manifest)}{written}")
     return 0
+
+
+def _step_of_run(manifest: dict) -> str:
+    """'step 5, the run's last', or 'step 4 of the run's 5 steps' (a checkpoint saved before the end)."""
+    step = manifest["step"]
+    steps = (manifest.get("config") or {}).get("runtime", {}).get("steps")
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        return f"step {step}"
+    return f"step {step}, the run's last" if step >= steps else f"step {step} of the run's {steps} steps"
 
 
 def _check_out_path(flag: str, target: str, directory: bool = False) -> None:

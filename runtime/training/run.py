@@ -193,6 +193,15 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
                 break
             profiler.step()
             say(progress_line(m, config, time.perf_counter() - start, trainer.step - first_step))
+        else:  # the last step trained: a run that checkpoints saves it, whatever --checkpoint-every says
+            final = trainer.step > first_step and config.checkpoint.every
+            if final and trainer.step % config.checkpoint.every:
+                path = trainer.save(manager)
+                say(
+                    f"saving checkpoint {path} of the final step in the background"
+                    if manager.pending is not None
+                    else f"saved checkpoint {path} of the final step"
+                )
         completed = manager.finish()  # the last async save's files, then latest
         if completed is not None:
             say(f"saved checkpoint {completed} (written in the background)")

@@ -250,7 +250,7 @@ class CheckpointSection:
     dir: str | None = opt(
         None, "where checkpoints go (step_N/ and a latest pointer)", flag="--checkpoint-dir", metavar="DIR"
     )
-    every: int = opt(0, "save every N steps (0: never)", flag="--checkpoint-every", metavar="N")
+    every: int = opt(0, "save every N steps and the last (0: never)", flag="--checkpoint-every", metavar="N")
     keep: int = opt(3, "keep the newest K checkpoints (0: keep all)", flag="--keep-checkpoints", metavar="K")
     resume: str | None = opt(
         None,
