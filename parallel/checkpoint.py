@@ -512,12 +512,31 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
     return manifest
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """name -> its owner's name, for each parameter that is another's (a tied head is the embedding): the files
+    tessera writes hold a tied parameter once, under the owner's name."""
+    owners: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.update({name: owners[id(p)]} if id(p) in owners else {})
+        owners.setdefault(id(p), name)
+    return out
+
+
 def load_full_state_dict(model: torch.nn.Module, file: str | os.PathLike) -> None:
     """Load a full (unsharded) state dict into a model on any layout: rank 0 reads, DCP scatters."""
     full: dict[str, Any] = read_safetensors(file) if dist.get_rank() == 0 else {}
+    config = getattr(model, "config", None)
+    if full and config is not None:  # a pipeline's last stage holds a tied head apart from the embedding: its
+        # name is the whole model's alias of the embedding, which the file holds once
+        for alias, owner in tied_aliases(build_model(config, device="meta", seed=None)).items():
+            if alias not in full and owner in full:
+                full[alias] = full[owner]
     # not strict: a pipeline stage takes only the names it holds; each must be in the file
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     missing = set_model_state_dict(model, full, options=options).missing_keys
+    aliases = tied_aliases(model)  # a tied parameter loads under its owner's name
+    missing = [k for k in missing if k not in aliases or aliases[k] in missing]
     if missing:
         raise CheckpointError(f"{file} lacks {len(missing)} parameter(s) of this model, e.g. {sorted(missing)[0]}")
 
@@ -525,8 +544,11 @@ def load_full_state_dict(model: torch.nn.Module, file: str | os.PathLike) -> Non
 def check_full_state_dict_file(file: str | os.PathLike, model_config: Any) -> None:
     """Raise CheckpointError unless `file` holds exactly the parameters of `model_config`, shape for shape."""
     header = read_safetensors_header(file)
-    want = {k: list(v.shape) for k, v in build_model(model_config, device="meta").state_dict().items()}
+    model = build_model(model_config, device="meta")
+    aliases = tied_aliases(model)
     have = {k: v.get("shape") for k, v in header.items()}
+    # a tied parameter is held once, under its owner's name (or under both, as a full state dict has it)
+    want = {k: list(v.shape) for k, v in model.state_dict().items() if k not in aliases or aliases[k] not in have}
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     wrong = [k for k in want if k in have and have[k] != want[k]]
     if missing or extra or wrong:

@@ -117,6 +117,7 @@ def _convert(args: argparse.Namespace) -> int:
         tensors = {
             ours: read_hf_parameter(source) for ours, source in hf_weight_map(args.from_hf, cfg, flag="from_hf").items()
         }
+        tensors.update(_buffers_hf_lacks(cfg, tensors))
     except ValueError as e:  # CheckpointError (a damaged safetensors file) included
         print(f"tessera convert: error: {said(e, args)}", file=sys.stderr)
         return 2
@@ -151,6 +152,24 @@ def _convert(args: argparse.Namespace) -> int:
         f"or --init-from {args.out} with a matching preset)"
     )
     return 0
+
+
+def _buffers_hf_lacks(cfg, tensors: dict) -> dict:
+    """The model's persistent buffers a Hugging Face checkpoint of its family does not carry, at the values tessera
+    initialises them to: an MoE block's routing bias (`expert_bias`, zeros) where the family has no counterpart
+    (Qwen3-MoE, gpt-oss; DeepSeek-V3's is its e_score_correction_bias and comes from the file). Without them the
+    file `--init-from` reads lacks names the model holds."""
+    import torch  # lazy: as in _convert
+
+    from tessera.models.spec import build_model  # lazy: as in _convert
+
+    model = build_model(cfg, device="meta", seed=None)
+    buffers = {name for name, _ in model.named_buffers()}
+    out = {}
+    for name, t in model.state_dict().items():
+        if name not in tensors and name in buffers and name.endswith("expert_bias"):
+            out[name] = torch.zeros(t.shape, dtype=t.dtype)
+    return out
 
 
 def add_export_parsers(sub: argparse._SubParsersAction) -> None:
