@@ -243,9 +243,10 @@ class CheckpointManager:
     pieces (scheduler, data cursor, progress) have JSON state dicts and are stored in the manifest,
     beside the `info` the caller describes the run with (step, layout, model, config, ...)."""
 
-    def __init__(self, root: str | os.PathLike | None, keep: int = 3):
+    def __init__(self, root: str | os.PathLike | None, keep: int = 3, own_pin: str | None = None):
         self.root = Path(root) if root is not None else None
         self.keep = keep
+        self.own_pin = own_pin  # the pin of the step this run resumed from: rotated like any other once older
         self.pending: _PendingSave | None = None  # an async save whose files are still being written
         self.async_group: dist.ProcessGroup | None = None
         self.blocked_s = 0.0  # how long the last save() held its caller (an async one: the staging only)
@@ -351,7 +352,7 @@ class CheckpointManager:
             pointer = root / "latest.tmp"
             pointer.write_text(p.final.name)
             os.replace(pointer, root / "latest")
-            pinned = pinned_steps(root)  # steps a live reader resumes from stay until it ends
+            pinned = pinned_steps(root, self.own_pin)  # steps a live reader resumes from stay until it ends
             for old in sorted(root.glob("step_*"))[: -self.keep] if self.keep > 0 else []:
                 if old.name not in pinned:
                     shutil.rmtree(old, ignore_errors=True)

@@ -139,23 +139,28 @@ def live_writer(root: str | os.PathLike) -> dict | None:
 
 
 @contextlib.contextmanager
-def pinned(step: Path) -> Iterator[None]:
-    """Keep checkpoint `step` from the writer's rotation while this process runs (a file in ROOT/.pins)."""
+def pinned(step: Path) -> Iterator[str]:
+    """Keep checkpoint `step` from the writer's rotation while this process runs (a file in ROOT/.pins); yields
+    the pin's name (`pinned_steps` leaves it out for the run that resumed from the step: see there)."""
     pins = step.parent / PINS
     pins.mkdir(exist_ok=True)
     mine = pins / f"{step.name}@{socket.gethostname()}@{os.getpid()}"
     mine.write_text(str(time.time()))
     try:
-        yield
+        yield mine.name
     finally:
         mine.unlink(missing_ok=True)
 
 
-def pinned_steps(root: Path) -> set[str]:
+def pinned_steps(root: Path, own: str | None = None) -> set[str]:
     """The step directories of `root` a live process has pinned (pins of other hosts count as live: their
-    processes cannot be seen from here; remove ROOT/.pins/STEP@HOST@PID if that run has ended)."""
+    processes cannot be seen from here; remove ROOT/.pins/STEP@HOST@PID if that run has ended). `own`: the
+    pin of the run asking, which resumed from that step and has saved newer ones since: its pin kept other
+    writers from rotating the step away while it was read, not its own rotation (--keep-checkpoints)."""
     host, names = socket.gethostname(), set()
     for pin in (root / PINS).glob("step_*@*@*") if (root / PINS).is_dir() else ():
+        if pin.name == own:
+            continue
         step, pin_host, pid = pin.name.split("@")
         if pin_host != host or alive(int(pid)):
             names.add(step)

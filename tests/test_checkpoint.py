@@ -2,6 +2,7 @@
 clear errors for bad checkpoints, and full state dicts."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,17 @@ def test_a_run_that_checkpoints_saves_its_final_step_and_export_names_it(tmp_pat
     assert "model debug at step 5, the run's last" in last.stdout
     earlier = _cli("export", str(root / "step_00000004"), "--out", str(tmp_path / "earlier.safetensors"))
     assert "model debug at step 4 of the run's 5 steps" in earlier.stdout
+
+
+def test_keep_checkpoints_rotates_the_step_a_resume_started_from(tmp_path):
+    """--keep-checkpoints K after a resume: the checkpoint resumed from stayed for good (K=2 left three, the
+    default K=3 four). Its pin keeps other writers off it while this run reads it, not this run's own rotation
+    once it has saved newer ones."""
+    root = tmp_path / "ckpt"
+    train(small_config(steps=6, checkpoint_dir=str(root), checkpoint_every=2, keep_checkpoints=5))
+    for later in ("step_00000004", "step_00000006"):  # as an interruption after step 2's save leaves it
+        shutil.rmtree(root / later)
+    (root / "latest").write_text("step_00000002")
+    train(small_config(steps=6, checkpoint_dir=str(root), checkpoint_every=1, keep_checkpoints=2, resume=""))
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000005", "step_00000006"]
+    assert not list((root / ".pins").glob("*"))  # the run's pin is gone with it

@@ -55,6 +55,8 @@ from .report import (  # noqa: F401  (re-exported: the commands and tests import
 )
 from .trainer import Trainer
 
+RESUME_PIN_ENV = "TESSERA_RESUME_PIN"  # the ranks' environment: the launcher's pin of the resumed step
+
 
 def _hf_model_section(config: Config):
     """After a restart the weights come from the checkpoint; a Hugging Face model keeps its config.json."""
@@ -139,7 +141,11 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             f"resumed from {resolve_checkpoint(config.resume_path)[0]}: step {manifest['step']} "
             f"({manifest['consumed_tokens']:,} tokens) saved on {Layout(**manifest['layout'])}"
         )
-    manager = checkpoint.CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
+    # the launcher's pin of the step this run resumed from (RESUME_PIN_ENV): it stays while the step is read and
+    # until this run saves newer ones, then --keep-checkpoints rotates it like any other
+    manager = checkpoint.CheckpointManager(
+        config.checkpoint.dir, keep=config.checkpoint.keep, own_pin=os.environ.get(RESUME_PIN_ENV)
+    )
     history: list[dict[str, Any]] = []
     stop = _StopOnSignal() if config.checkpoint.on_signal else None
     if (attempt or config.checkpoint.resume is not None) and config.runtime.metrics and rank == 0:
@@ -274,7 +280,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
     world = config.layout.world_size
     with contextlib.ExitStack() as held:  # one writer per directory and metrics file; a resumed step pinned
         locks = _lock_what_this_run_writes(config, held)
-        config = _pin_resumed_checkpoint(config, held)
+        config, pin = _pin_resumed_checkpoint(config, held)
         attempt = 0
         while True:
             try:
@@ -287,6 +293,7 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                     collective_timeout=config.runtime.timeout,
                     backend=_backend(config),
                     forward_sigterm=config.checkpoint.on_signal,
+                    env={RESUME_PIN_ENV: pin} if pin else None,
                     on_start=functools.partial(_name_writers, locks),  # the ranks write too
                 )[0]
             except (RankFailure, RankTimeout) as e:
@@ -324,17 +331,19 @@ def _lock_what_this_run_writes(config: Config, held: contextlib.ExitStack) -> li
     return locks
 
 
-def _pin_resumed_checkpoint(config: Config, held: contextlib.ExitStack) -> Config:
-    """The config resuming from the exact checkpoint resolved now, pinned for the run's length: a live run
-    writing the same directory rotates its old checkpoints away, and one this run reads stays until it ends.
-    The ranks then read that step, not whatever `latest` names by the time they start."""
+def _pin_resumed_checkpoint(config: Config, held: contextlib.ExitStack) -> tuple[Config, str | None]:
+    """(the config resuming from the exact checkpoint resolved now, pinned for the run's length; the pin's
+    name): a live run writing the same directory rotates its old checkpoints away, and one this run reads
+    stays until it ends (but for this run's own rotation, once it has saved newer ones). The ranks then read
+    that step, not whatever `latest` names by the time they start."""
     if config.checkpoint.resume is None:
-        return config
+        return config, None
     for _ in range(3):  # resolved, then removed by the writer before the pin landed: resolve again
         step, _ = resolve_checkpoint(config.resume_path)
-        held.enter_context(pinned(step))
+        pin = held.enter_context(pinned(step))
         if checkpoint.structural_problem(step) is None:
-            return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=str(step)))
+            resumed = dataclasses.replace(config.checkpoint, resume=str(step))
+            return dataclasses.replace(config, checkpoint=resumed), pin
     raise checkpoint.CheckpointError(
         f"resume={config.resume_path}: the checkpoint it names was removed three times before it could be pinned "
         f"(a live run rotates that directory); resume from a fixed step with --resume DIR/step_N"
