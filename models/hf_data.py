@@ -18,6 +18,7 @@ jinja2's sandbox. Needs the data extra: pip install "tessera-4d[data]".
 from __future__ import annotations
 
 import json
+import os
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
@@ -51,10 +52,21 @@ def parse_spec(spec: str) -> tuple[Path, str | None]:
 
 
 def _datasets(name: str) -> Any:
+    # tessera reads local data only: `datasets` and the hub in offline mode, so that nothing it is handed can
+    # turn into a request (a path it does not take for a file reads as a hub name)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets  # lazy: the data extra, and slow to import: only runs that read hf: data pay for it
     except ImportError:
         raise ConfigError(f"{name}=hf:... needs the datasets library: {EXTRA}") from None
+    datasets.config.HF_DATASETS_OFFLINE = True  # (imported before the variables were set: offline all the same)
+    try:
+        import huggingface_hub.constants as hub  # lazy: datasets' own dependency
+
+        hub.HF_HUB_OFFLINE = True
+    except ImportError:  # pragma: no cover - datasets requires it
+        pass
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     return datasets
@@ -75,6 +87,11 @@ def open_records(path: Path, split: str | None, name: str) -> Any:
     if not path.exists():
         raise ConfigError(
             f"{name}=hf:{path}: no such file or directory (tessera reads local data sets only; nothing is downloaded)"
+        )
+    if not (path.is_file() or path.is_dir()):  # a FIFO or a device: datasets would take its name for the hub's
+        raise ConfigError(
+            f"{name}=hf:{path} is not a regular file or a directory (a pipe or a device); give a .jsonl, .parquet "
+            f"or .arrow file, or a data set directory"
         )
     refuse_scripts(path, name)
     datasets = _datasets(name)

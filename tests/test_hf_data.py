@@ -250,3 +250,31 @@ def test_the_benchmark_runs_on_a_tiny_setting(tmp_path):
     rows = data["results"]["rows"]
     assert [r["data"] for r in rows] == ["shipped text", "hf: streamed"]
     assert all(0 < r["data_s"] < r["step_s"] for r in rows)
+
+
+def test_local_data_never_reaches_the_network(data, tokenizer_file, tmp_path, monkeypatch):
+    """A FIFO given as hf:fifo.jsonl made five requests to the Hub before failing (datasets took the name for a
+    hub data set): it is refused in one line, and every local format streams with the network refused."""
+    import socket
+
+    from tessera.topology.errors import ConfigError
+
+    attempts = []
+
+    def refused_connect(self, address):
+        attempts.append(address)
+        raise OSError("the network is refused in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refused_connect)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: refused_connect(None, a[0]))
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"fifo\.jsonl is not a regular file or a directory \(a pipe or a device\)"):
+        stream(f"hf:{fifo}", tokenizer_file)
+    root, docs, arrow = data
+    files = tmp_path / "files"  # a folder of data files: the path datasets resolves itself
+    files.mkdir()
+    (files / "train.jsonl").write_text((root / "docs.jsonl").read_text())
+    for spec in (f"hf:{root}/docs.jsonl", f"hf:{root}/docs.parquet", f"hf:{arrow}", f"hf:{root}/saved", f"hf:{files}"):
+        stream(spec, tokenizer_file, 8, 2).next_global_batch()
+    assert attempts == []
