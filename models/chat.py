@@ -5,7 +5,9 @@ A record holds `messages` (a list of {"role", "content"}) or `prompt` and `respo
 the assistant's answer). The template is the model folder's (tokenizer_config.json's `chat_template`, or
 a `chat_template.jinja` beside it), else PLAIN_TEMPLATE. Templates render in jinja2's
 ImmutableSandboxedEnvironment, as transformers renders them: a template cannot reach Python objects
-(`{{ ''.__class__ }}` and the like are refused) nor change the values it is given.
+(`{{ ''.__class__ }}` and the like are refused) nor change the values it is given; an undefined name or
+attribute fails the render (it would print nothing), and a template that renders none of the assistant's
+words is refused (nothing would be learned).
 
 The assistant's span of turn i is the text that rendering messages[:i + 1] adds to rendering messages[:i]
 with the generation prompt (the turn's header, e.g. "<|im_start|>assistant\\n", stays out of the loss);
@@ -34,7 +36,11 @@ def compile_template(source: str, where: str) -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    from jinja2 import StrictUndefined
+
+    # undefined names and attributes fail the render instead of printing nothing (an empty template, or
+    # `{{ m.content.__class__ }}`, which the sandbox turns into an undefined, trained on separators alone)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined)
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(source)
@@ -78,7 +84,9 @@ class ChatRenderer:
         from jinja2.sandbox import SecurityError  # lazy: as compile_template
 
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
+            # the variables transformers' apply_chat_template passes, None where a record has none of them
+            variables = {"tools": None, "documents": None, **self.specials}
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except SecurityError as e:
             raise ConfigError(
                 f"{self.where}: {self.source} was refused: it reaches for Python objects ({e}); templates render "
@@ -104,4 +112,10 @@ class ChatRenderer:
             spans.append((len(before), len(through)))
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         keep = [any(a <= start < b for a, b in spans) for start, _ in encoding.offsets]
+        said = any(turn["role"] == "assistant" and turn["content"].strip() for turn in messages)
+        if said and not any(keep):
+            raise ConfigError(
+                f"{where}: {self.source} renders none of the assistant's words (it renders {text[:60]!r}), so "
+                f"nothing would be learned; use a template that writes each turn's content"
+            )
         return list(encoding.ids), keep

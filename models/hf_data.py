@@ -163,7 +163,9 @@ class HFTokenizer:
         if template is None and folder and (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         self.chat_template: str | None = template if isinstance(template, str) else None
-        self.specials = {k: v for k in ("bos_token", "eos_token") if (v := _special(config.get(k))) is not None}
+        # the special tokens transformers hands a chat template (its special_tokens_map)
+        named = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+        self.specials = {k: v for k in named if (v := _special(config.get(k))) is not None}
         candidates = [self.specials.get("eos_token"), *SEPARATORS]
         self.separator_token = next((t for t in candidates if t and self.tokenizer.token_to_id(t) is not None), None)
         if self.separator_token is None:

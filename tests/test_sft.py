@@ -154,3 +154,24 @@ def test_a_template_that_reaches_for_python_objects_is_refused(folders, tmp_path
     line = refused("--data", f"hf:{records}", "--tokenizer", str(evil), "--sft")
     assert "the chat template was refused: it reaches for Python objects" in line
     assert "sandbox" in line
+
+
+@pytest.mark.parametrize(
+    "template, said",
+    [
+        ("", "renders none of the assistant's words"),  # an empty template: separators alone were trained on
+        ("{% for m in messages %}{{ m.content.__class__ }}{% endfor %}", "reaches for Python objects"),
+        ("{% for m in messages %}{{ m['text'] }}{% endfor %}", "failed to render"),  # an undefined field
+        ("{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}", "'greeting' is undefined"),
+    ],
+)
+def test_a_template_that_renders_nothing_or_an_undefined_is_refused(folders, tmp_path, refused, template, said):
+    """Issue 65 item 5: these trained on separators only (`loss_targets {'kept': 512, 'masked': 0}`) with no
+    warning; the sandbox's undefined printed as nothing."""
+    chat, _, records = folders
+    folder = tmp_path / "template"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text((chat / "tokenizer.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    line = refused("--data", f"hf:{records}", "--tokenizer", str(folder), "--sft")
+    assert said in line, line
