@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli_here
 from tessera.commands.cli import main
 from tessera.commands.plot import read_run
 
@@ -78,3 +79,34 @@ def test_without_matplotlib_one_line(tmp_path, capsys, monkeypatch):
 def test_plot_imports_no_torch():
     code = "import sys, tessera.commands.plot; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_a_file_two_new_runs_were_written_into_plots_two_curves(tmp_path):
+    """Before a new run refused an existing metrics file, two runs appended to one file drew as one curve (steps
+    1, 2, 3 of the second over the first's): each header of a new run (not a resume, not a restart) starts a
+    curve of its own; a resume continues the curve before it."""
+    from tessera.commands.plot import read_runs
+
+    def header(resume=None, restart=0):
+        layout = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1}
+        return {"type": "header", "layout": layout, "config": {"checkpoint": {"resume": resume}}, "restart": restart}
+
+    lines = [
+        header(),
+        {"step": 1, "loss": 5.0},
+        {"step": 2, "loss": 4.0},
+        header(resume="ck"),
+        {"step": 3, "loss": 3.0},
+    ]
+    lines += [header(), {"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    runs = read_runs(path)
+    assert [r.steps for r in runs] == [[1, 2, 3], [1, 2]] and [r.loss for r in runs] == [[5.0, 4.0, 3.0], [9.0, 8.0]]
+    assert runs[0].label.endswith("(run 1 of 2 in m.jsonl)")
+    out = cli_here("plot", str(path), "--out", str(tmp_path / "p.png"))
+    assert out.returncode == 0, out.stderr
+    new = tmp_path / "new.jsonl"
+    new.write_text(json.dumps(header()) + "\n" + json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    refused = cli_here("train", "--model", "debug", "--steps", "1", "--metrics", str(new))
+    assert refused.returncode == 2 and "new.jsonl already holds a run's records" in refused.stderr

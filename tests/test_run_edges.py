@@ -234,7 +234,8 @@ def test_a_metrics_path_that_cannot_be_created_is_refused_by_name(tmp_path):
     fresh, existing = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
     existing.write_text('{"step": 1}\n')
     opened = _paths_opened_during(lambda: small_config(metrics=str(fresh)).check())
-    small_config(metrics=str(existing)).check()
+    with pytest.raises(ValueError, match=r"old\.jsonl already holds data; a new run writes a file of its own"):
+        small_config(metrics=str(existing)).check()  # a new run does not append to another run's file
     assert not fresh.exists() and existing.read_text() == '{"step": 1}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl"]  # the probe beside it is gone too
     # never created, even for a moment: a watcher waiting for the file saw it appear and vanish again

@@ -45,18 +45,54 @@ def layout_label(header: dict[str, Any]) -> str:
     return text + (f", {optimizer}" if optimizer and optimizer != "adamw" else "")
 
 
-def read_run(path: Path) -> Run:
-    """A metrics file's curves; ValueError in one line when it is missing or not a tessera metrics file."""
+def starts_a_run(header: dict[str, Any]) -> bool:
+    """Whether a header begins a run of its own: a new run (not a --resume, not a restart after a failure). A
+    resume and a restart continue the run before them in the same file."""
+    resume = ((header.get("config") or {}).get("checkpoint") or {}).get("resume")
+    return resume is None and not header.get("restart")
+
+
+def read_runs(path: Path) -> list[Run]:
+    """Each run of a metrics file (`read_run` of each, split where a header `starts_a_run`): a file two new runs
+    were written into (before tessera refused that) holds two curves, not one."""
     if not path.is_file():
         raise ValueError(f"{path} does not exist (or is not a file); give a metrics file of tessera train --metrics")
-    headers: list[dict[str, Any]] = []
-    by_step: dict[int, dict[str, Any]] = {}
     lines = path.read_text(errors="replace").splitlines()
-    for number, line in enumerate(lines, 1):
+    starts = [0]
+    for number, line in enumerate(lines):
         try:
             record = json.loads(line)
         except ValueError:
-            if number == len(lines) and headers:  # a last line cut short by a killed writer
+            continue  # read_run names it
+        if number and isinstance(record, dict) and record.get("type") == "header" and starts_a_run(record):
+            starts.append(number)
+    if len(starts) == 1:
+        return [read_run(path)]
+    runs = []
+    for i, (a, b) in enumerate(zip(starts, starts[1:] + [len(lines)]), 1):
+        run = read_run(path, lines[a:b], first_line=a + 1)
+        run.label = f"{run.label} (run {i} of {len(starts)} in {path.name})"
+        runs.append(run)
+    return runs
+
+
+def read_run(path: Path, lines: list[str] | None = None, first_line: int = 1) -> Run:
+    """A metrics file's curves (or those of its `lines`, numbered from `first_line`); ValueError in one line when
+    it is missing or not a tessera metrics file."""
+    if lines is None:
+        if not path.is_file():
+            raise ValueError(
+                f"{path} does not exist (or is not a file); give a metrics file of tessera train --metrics"
+            )
+        lines = path.read_text(errors="replace").splitlines()
+    headers: list[dict[str, Any]] = []
+    by_step: dict[int, dict[str, Any]] = {}
+    last = first_line + len(lines) - 1
+    for number, line in enumerate(lines, first_line):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == last and headers:  # a last line cut short by a killed writer
                 break
             raise ValueError(
                 f"{path} line {number} is not JSON: not a tessera metrics file (tessera train --metrics writes one)"
@@ -123,7 +159,7 @@ def _plot(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        runs = [read_run(Path(p)) for p in args.runs]
+        runs = [run for p in args.runs for run in read_runs(Path(p))]
     except ValueError as e:
         return error(str(e))
     out = Path(args.out) if args.out else Path(args.runs[0]).with_suffix(".png")

@@ -7,6 +7,7 @@ shapes, a checkpoint that cannot be resumed faithfully), so no run fails after t
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -406,10 +407,32 @@ def resolve_checkpoint(path: str) -> tuple[Path, list[str]]:
     return resolved, [str(w.message) for w in caught]
 
 
+def _check_metrics_is_new(path: str, resuming: bool) -> None:
+    """A new run (not a --resume) refuses a metrics file that already holds a run's records: appended, its
+    header and steps 1, 2, ... followed the other run's, and one curve joined the two."""
+    file = Path(path)
+    # under torchrun: a restart (it continues the file) and the ranks that do not write it are not asked
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if resuming or restart or os.environ.get("RANK", "0") != "0" or not file.is_file() or file.stat().st_size == 0:
+        return
+    with open(file, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    what = "a run's records" if isinstance(record, dict) and record.get("type") == "header" else "data"
+    raise ValueError(
+        f"--metrics {path} already holds {what}; a new run writes a file of its own: give another path, or "
+        f"remove it (--resume continues the run it holds)"
+    )
+
+
 def _check_paths(config: Config, model) -> None:
     r, c = config.runtime, config.checkpoint
     if r.metrics:
         _check_writable_file("--metrics", r.metrics)
+        _check_metrics_is_new(r.metrics, c.resume is not None)
     if c.dir:
         check_writable_dir("--checkpoint-dir", c.dir)
     if c.resume is not None:
