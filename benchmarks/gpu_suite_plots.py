@@ -22,7 +22,10 @@ def plots(results: dict[str, Any], stem: Path, part: str) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend
     except ImportError:
-        print("matplotlib is not installed (pip install 'tessera-4d[bench]'): JSON only, no plots", file=sys.stderr)
+        print(
+            "matplotlib is not installed (pip install -e '.[bench]' in the tessera clone): JSON only, no plots",
+            file=sys.stderr,
+        )
         return []
     fig = {"train": _train, "attention": _attention, "planner": _planner}[kind](plt, results)
     if fig is None:

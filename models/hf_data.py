@@ -12,7 +12,7 @@ are read (the buffer holds one global batch and the document it ends in).
 
 Nothing the data set or model folder holds runs as code: a loading script (.py) is refused, the
 `datasets` builders used are its packaged readers (json, parquet, arrow), and a chat template renders in
-jinja2's sandbox. Needs the data extra: pip install "tessera-4d[data]".
+jinja2's sandbox. Needs the data extra: pip install -e ".[data]" in the tessera clone.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .data import IGNORE_INDEX
 PREFIX = "hf:"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 SEPARATORS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")  # as tessera tokenize picks one
-EXTRA = 'pip install "tessera-4d[data]"'
+EXTRA = 'pip install -e ".[data]" in the tessera clone'
 
 
 def is_hf(path: str | None) -> bool:

@@ -224,7 +224,8 @@ def test_without_the_datasets_library_the_line_names_the_extra(data, tokenizer_f
     root, _, _ = data
     monkeypatch.setitem(sys.modules, "datasets", None)  # an import of it raises ImportError
     with pytest.raises(
-        ConfigError, match=r'path=hf:\.\.\. needs the datasets library: pip install "tessera-4d\[data\]"'
+        ConfigError,
+        match=r'path=hf:\.\.\. needs the datasets library: pip install -e "\.\[data\]" in the tessera clone',
     ):
         stream(f"hf:{root}/docs.jsonl", tokenizer_file)
 

@@ -189,5 +189,5 @@ def test_the_command_says_one_line_before_any_rank(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == (
         "tessera train: error: --tensorboard needs the tensorboard package, which is not installed: "
-        "pip install tensorboard (or pip install 'tessera-4d[tensorboard]')"
+        "pip install tensorboard (or pip install -e '.[tensorboard]' in the tessera clone)"
     )

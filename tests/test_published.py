@@ -298,3 +298,14 @@ def test_the_docs_and_the_readme_show_what_the_committed_results_say():
     assert (
         f"median |error| {t['median_abs_error']:.1%}, {t['within_25_percent']} of\n  {t['rows']} within 25%" in readme
     )
+
+
+def test_the_layouts_page_quotes_the_refusal_the_planner_prints():
+    """docs/layouts.md quotes the line a request that cannot fit gets (issue 65 item 13: the page said 226.5 GB
+    where the command printed 258.2): the quote is what the command prints now."""
+    import re
+
+    page = " ".join((ROOT / "docs" / "layouts.md").read_text().split())
+    quoted = re.search(r"`(70b does not fit on 8 GPUs of 80 GB .*? at least 15 GPUs of 80 GB)`", page).group(1)
+    out = cli_here("plan", "--model", "70b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "256")
+    assert out.returncode == 2 and quoted in out.stderr, out.stderr

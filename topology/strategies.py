@@ -1,4 +1,4 @@
-"""Hypothesis strategies for property tests of sharding (needs hypothesis: `pip install tessera-4d[test]`).
+"""Hypothesis strategies for property tests of sharding (needs hypothesis: `pip install -e '.[test]'`).
 
 layouts(max_world=8, axes=("dp_shard", "tp"), model=cfg, seq_len=256, global_batch=8, tp_divides=None)
     Layouts up to `max_world` ranks over the chosen axes, limited to what the model and data allow:

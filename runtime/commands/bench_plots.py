@@ -14,7 +14,10 @@ def plots(rows: list[dict], out: Path, name: str, series: str | None, device: st
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # lazy: (as above) after choosing the Agg backend
     except ImportError:
-        print("matplotlib is not installed (pip install 'tessera-4d[bench]'): JSON only, no plots", file=sys.stderr)
+        print(
+            "matplotlib is not installed (pip install -e '.[bench]' in the tessera clone): JSON only, no plots",
+            file=sys.stderr,
+        )
         return []
     paths = []
     # every layout its own colour and marker, named in one legend: labels written beside points overlap

@@ -108,7 +108,9 @@ def _tokenizer(args: argparse.Namespace, hint: str | None) -> Any:
     try:
         from tokenizers import Tokenizer  # lazy: tokenizers is optional (the data extra)
     except ImportError:
-        raise ValueError('`tokenizer` needs the tokenizers library: pip install "tessera-4d[data]"') from None
+        raise ValueError(
+            '`tokenizer` needs the tokenizers library: pip install -e ".[data]" in the tessera clone'
+        ) from None
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # the library raises its own Exception types for malformed files

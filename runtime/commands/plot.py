@@ -168,7 +168,7 @@ def _plot(args: argparse.Namespace) -> int:
     except ImportError:
         return error(
             "tessera plot draws with matplotlib, which is not installed: pip install matplotlib "
-            "(or pip install 'tessera-4d[bench]')"
+            "(or pip install -e '.[bench]' in the tessera clone)"
         )
     except OSError as e:
         return error(f"--out {out} cannot be written ({e.strerror or e}); choose a writable path")

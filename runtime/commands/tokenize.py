@@ -4,7 +4,7 @@ The user provides the tokenizer file (Hugging Face `tokenizers` format); nothing
 file is one document; a .jsonl file holds one document per line, in the field `--field` (default
 "text"). Documents are joined with the separator token (`--separator`, default the tokenizer's first
 of <|end_of_text|>, <|endoftext|>, </s>, <eos>) and written in shards of up to `--shard-tokens` tokens.
-Needs the `data` extra: pip install "tessera-4d[data]" (tokenizers, tqdm).
+Needs the `data` extra: pip install -e ".[data]" in the tessera clone (tokenizers, tqdm).
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ def tokenize(
     try:
         from tokenizers import Tokenizer  # lazy: tokenizers is optional (the data extra)
     except ImportError:
-        raise ValueError('tessera tokenize needs the tokenizers library: pip install "tessera-4d[data]"') from None
+        raise ValueError(
+            'tessera tokenize needs the tokenizers library: pip install -e ".[data]" in the tessera clone'
+        ) from None
     check_input_file("--tokenizer", tokenizer_file)
     for name in files:
         check_input_file("", name)

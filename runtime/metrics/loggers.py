@@ -63,7 +63,7 @@ def mfu_per_token(device_name: str, compute_dtype: str | None, flops_per_token: 
 def _missing(package: str, flag: str) -> str:
     return (
         f"{flag} needs the {package} package, which is not installed: pip install {package} "
-        f"(or pip install 'tessera-4d[{package}]')"
+        f"(or pip install -e '.[{package}]' in the tessera clone)"
     )
 
 
