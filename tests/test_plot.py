@@ -110,3 +110,19 @@ def test_a_file_two_new_runs_were_written_into_plots_two_curves(tmp_path):
     new.write_text(json.dumps(header()) + "\n" + json.dumps({"step": 1, "loss": 1.0}) + "\n")
     refused = cli_here("train", "--model", "debug", "--steps", "1", "--metrics", str(new))
     assert refused.returncode == 2 and "new.jsonl already holds a run's records" in refused.stderr
+
+
+def test_an_out_matplotlib_cannot_write_is_one_line_and_a_bare_name_says_its_png(tmp_path):
+    """Issue 65 item 8: --out p.txt gave a 24-line matplotlib traceback; --out noext printed 'wrote noext' and
+    wrote noext.png."""
+    layout = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1}
+    run = tmp_path / "m.jsonl"
+    run.write_text(
+        json.dumps({"type": "header", "layout": layout}) + "\n" + json.dumps({"step": 1, "loss": 2.0}) + "\n"
+    )
+    out = cli_here("plot", str(run), "--out", str(tmp_path / "p.txt"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "matplotlib writes no .txt figure; end it in .png" in out.stderr
+    bare = cli_here("plot", str(run), "--out", str(tmp_path / "noext"))
+    assert bare.returncode == 0 and f"wrote {tmp_path / 'noext.png'}:" in bare.stdout
+    assert (tmp_path / "noext.png").is_file()

@@ -153,6 +153,20 @@ def plot(runs: list[Run], out: Path) -> Path:
     return out
 
 
+FORMATS = (
+    "png",
+    "pdf",
+    "svg",
+    "jpg",
+    "jpeg",
+    "eps",
+    "ps",
+    "tif",
+    "tiff",
+    "webp",
+)  # matplotlib's Agg and vector backends
+
+
 def _plot(args: argparse.Namespace) -> int:
     def error(message: str) -> int:
         print(f"tessera plot: error: {message}", file=sys.stderr)
@@ -163,6 +177,12 @@ def _plot(args: argparse.Namespace) -> int:
     except ValueError as e:
         return error(str(e))
     out = Path(args.out) if args.out else Path(args.runs[0]).with_suffix(".png")
+    if not out.suffix:  # matplotlib writes FILE.png for a FILE without a suffix: say the file it writes
+        out = out.with_name(out.name + ".png")
+    if out.suffix.lower().lstrip(".") not in FORMATS:
+        return error(
+            f"--out {out}: matplotlib writes no {out.suffix} figure; end it in {', '.join('.' + f for f in FORMATS)}"
+        )
     try:
         plot(runs, out)
     except ImportError:
