@@ -470,9 +470,16 @@ def check_compatible(
     model_config = json.loads(json.dumps(model_config))
     if saved["config"] != model_config:
         diff = {k: (saved["config"].get(k), v) for k, v in model_config.items() if saved["config"].get(k) != v}
+        if saved["preset"] != model:
+            raise CheckpointError(
+                f"checkpoint {path} holds model {saved['preset']!r}, not {model!r}; resume with "
+                f"preset={saved['preset']} (differences, saved vs now: {diff})"
+            )
+        # the same preset with a field changed (--vocab-size, --n-layers): name the field, not the preset twice
+        fields = ", ".join(f"{k}={was!r} where this run has {now!r}" for k, (was, now) in diff.items())
+        first, (was, _) = next(iter(diff.items()))
         raise CheckpointError(
-            f"checkpoint {path} holds model {saved['preset']!r}, not {model!r}; resume with preset={saved['preset']} "
-            f"(differences, saved vs now: {diff})"
+            f"checkpoint {path} holds {saved['preset']!r} with {fields}; resume with the model it saved ({first}={was})"
         )
     data = manifest["data"]
     if data["seq_len"] != seq_len:

@@ -109,6 +109,10 @@ def test_missing_manifest_and_other_model_fail_before_ranks_start(step3, tmp_pat
     out = cli_here("train", "--model", "small", "--steps", "6", "--seq-len", "32", "--resume", str(step3[0]))
     assert out.returncode == 2 and "holds model 'debug', not 'small'; resume with --model debug" in out.stderr
     assert "step" not in out.stdout
+    # the same preset with a field changed names the field (it said "holds model 'debug', not 'debug'")
+    out = cli_here("train", "--vocab-size", "300", "--steps", "6", "--seq-len", "32", "--resume", str(step3[0]))
+    assert out.returncode == 2 and "holds 'debug' with --vocab-size 258 where this run has 300; " in out.stderr
+    assert "resume with the model it saved (--vocab-size 258)" in out.stderr, out.stderr
     out = cli_here("train", "--steps", "6", "--seq-len", "16", "--resume", str(step3[0]))
     assert out.returncode == 2 and "was trained with --seq-len 32, this run uses 16; use --seq-len 32" in out.stderr
     assert "step" not in out.stdout
