@@ -548,3 +548,25 @@ def test_under_torchrun_only_rank_0_prints_a_refusal_and_the_others_wait_to_be_s
     else:
         assert printed == []
     assert slept == ([report.REFUSAL_WAIT_S] if waits else [])
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["train", "--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd' (choose from 'adamw', 'muon')"),
+        (["train", "--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+        (["train", "--comm-stats", "nosuch"], "argument --comm-stats"),
+        (["bench", "--layouts", "one"], "the following arguments are required: --out"),
+        (["plan", "--model", "8b", "--gpus", "x"], "argument --gpus: invalid int value: 'x'"),
+        (["nosuch"], "argument command: invalid choice: 'nosuch'"),
+        (["plan", "--model", "8b", "--gpus", "8", "--seq-len", "8", "--global-batch", "8", "--fp8", "nosuch"],
+         "--fp8 'nosuch' is not an FP8 recipe: use one of tensorwise, rowwise, or plan without fp8"),
+    ],
+)  # fmt: skip
+def test_argparse_errors_are_one_line_as_tesseras_own(capsys, argv, said):
+    """Issue 65 item 10: argparse's choice and type errors printed the whole usage first (31 lines for train),
+    where tessera's own errors are one line; `plan --fp8 nosuch` ended '(or None)'."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0] and lines[0].startswith("tessera"), err

@@ -76,7 +76,11 @@ from tessera.config import Config, add_arguments, config_from_args
         (dict(microbatches=3), "--microbatches 3 does not divide the 4 rows each dp rank reads"),
         (dict(dp=2, microbatches=4), "--microbatches 4 does not divide the 2 rows each dp rank reads"),
         (dict(microbatches=0), "--microbatches 0 must be positive"),
-        (dict(max_grad_norm=0.0), "--max-grad-norm 0.0 would scale every gradient to zero"),
+        (dict(max_grad_norm=0.0), "--max-grad-norm 0.0 must be positive"),
+        (
+            dict(max_grad_norm=-1.0),
+            "--max-grad-norm -1.0 must be positive (the global norm the gradients are clipped to)",
+        ),
         (dict(lr=-1e-3), "--lr -0.001 must be a positive number"),
         (dict(warmup=-1), "--warmup -1 must be >= 0"),
         (dict(timeout=0.0), "--timeout 0.0 must be a positive number of seconds"),

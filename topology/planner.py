@@ -190,7 +190,9 @@ class Hardware:
             )
         get_recipe(self.recipe)
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise PlanError(f"fp8={self.fp8!r}: use one of {', '.join(FP8_RECIPES)} (or None)")
+            raise PlanError(
+                f"fp8={self.fp8!r} is not an FP8 recipe: use one of {', '.join(FP8_RECIPES)}, or plan without fp8"
+            )
         if self.ac_policy not in AC_POLICIES:
             raise PlanError(f"ac_policy={self.ac_policy!r}: use one of {', '.join(AC_POLICIES)}")
         if self.loss not in ("chunked", "logits"):

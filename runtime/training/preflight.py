@@ -181,8 +181,8 @@ def _check_numbers(config: Config) -> None:
         raise ValueError(f"--min-lr-ratio {o.min_lr_ratio} must lie in [0, 1] (the floor as a fraction of --lr)")
     if not o.max_grad_norm > 0:
         raise ValueError(
-            f"--max-grad-norm {o.max_grad_norm} would scale every gradient to zero; give a positive norm, "
-            f"or --max-grad-norm inf to turn clipping off"
+            f"--max-grad-norm {o.max_grad_norm} must be positive (the global norm the gradients are clipped to): "
+            f"give e.g. --max-grad-norm 1.0, or --max-grad-norm inf to turn clipping off"
         )
     for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2)):
         if not 0 <= beta < 1:
