@@ -108,6 +108,8 @@ def open_records(path: Path, split: str | None, name: str) -> Any:
                 raise ConfigError(f"{where}: no split {split!r}; its split: {saved.split or 'train'}")
             return saved.to_iterable_dataset()
         if path.is_file():
+            if path.stat().st_size == 0:
+                raise ConfigError(f"{where} holds no records (an empty file)")
             builder = BUILDERS.get(path.suffix)
             if builder is None:
                 raise ConfigError(f"{where}: a {path.suffix or 'suffix-less'} file; use .jsonl, .parquet or .arrow")
@@ -226,13 +228,28 @@ class HFStream:
         if self._iterator is None:
             self._iterator = self._iterate()
         try:
-            return next(self._iterator)
+            return self._next()
         except StopIteration:
             if self.next_doc[1] == 0:
                 raise ConfigError(f"{self.name}={self.spec} holds no records") from None
             self.next_doc = (self.next_doc[0] + 1, 0)  # the next epoch, from the first record
             self._iterator = self._iterate()
+            return self._next()
+
+    def _next(self) -> dict[str, Any]:
+        """The next record; a file the reader fails on part-way (a JSON line cut short, an unterminated string)
+        as one line naming the flag and the file, not the reader's own words alone."""
+        assert self._iterator is not None
+        try:
             return next(self._iterator)
+        except (StopIteration, ConfigError):
+            raise
+        except Exception as e:  # pyarrow's and datasets' own types
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            hint = " (each line of a .jsonl file is one JSON object: a line cut short or a string left open?)"
+            raise ConfigError(
+                f"{self.name}={self.spec}: cannot be read ({text})" + (hint if self.path.suffix == ".jsonl" else "")
+            ) from None
 
     def encode(self, record: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
         """A record's tokens with the separator appended, and which of them the loss keeps as targets."""

@@ -197,6 +197,14 @@ def test_bad_input_is_one_line_before_any_rank(data, tokenizer_file, tmp_path, r
     assert "needs --tokenizer" in refused("--data", jsonl)
     assert "--tokenizer applies to hf: data" in refused(*tok)
     assert "no such file or directory" in refused("--data", f"hf:{tmp_path}/none.jsonl", *tok)
+    # issue 65 item 10: "datasets cannot read it (StopIteration)" and "JSON parse error: ... in row 1" alone
+    (tmp_path / "empty.jsonl").write_text("")
+    assert f"--data hf:{tmp_path}/empty.jsonl holds no records (an empty file)" in refused(
+        "--data", f"hf:{tmp_path}/empty.jsonl", *tok
+    )
+    (tmp_path / "cut.jsonl").write_text('{"text": "a whole line"}\n{"text": "a string left open}\n')
+    line = refused("--data", f"hf:{tmp_path}/cut.jsonl", *tok)
+    assert f"--data hf:{tmp_path}/cut.jsonl: cannot be read (" in line and "a string left open?" in line, line
     assert "--sft reads records with 'messages'" in refused("--data", jsonl, "--sft", *tok)
     (tmp_path / "notckpt").mkdir()
     line = refused("--data", jsonl, *tok, "--resume", str(tmp_path / "notckpt"))
