@@ -7,6 +7,7 @@ shapes, a checkpoint that cannot be resumed faithfully), so no run fails after t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -163,6 +164,9 @@ def _check_builtin_data_vocab(config: Config, model) -> None:
     )
 
 
+MAX_STEPS = 10**10  # ten billion optimizer steps: beyond any training run (and what a step counter means)
+
+
 def _check_numbers(config: Config) -> None:
     d, o, r, c = config.data, config.optimizer, config.runtime, config.checkpoint
     for flag, value in (
@@ -173,6 +177,10 @@ def _check_numbers(config: Config) -> None:
     ):
         if value <= 0:
             raise ValueError(f"{flag} {value} must be positive")
+    if r.steps > MAX_STEPS:  # 10^20 was accepted with an eta of 413,313,689,980,057 hours
+        raise ValueError(
+            f"--steps {r.steps:,} is more than any run takes (at most {MAX_STEPS:,}); give the steps this run trains"
+        )
     if not o.lr > 0 or math.isinf(o.lr):
         raise ValueError(f"--lr {o.lr} must be a positive number (0 or less would make every step a no-op or ascend)")
     if o.warmup < 0:
@@ -281,6 +289,14 @@ def check_optimizer(config: Config, model) -> None:
     if o.optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer={o.optimizer!r} is not one of adamw, muon")
     if o.optimizer != "muon":
+        # Muon's options under AdamW would do nothing: refused, not ignored (--muon-lr 0.5 trained as if unsaid)
+        defaults = {f.name: f.default for f in dataclasses.fields(o) if f.name.startswith("muon_")}
+        given = [f"{name}={getattr(o, name)!r}" for name, default in defaults.items() if getattr(o, name) != default]
+        if given:
+            raise ValueError(
+                f"{given[0]} applies to optimizer=muon, and this run's optimizer is {o.optimizer}: add "
+                f"optimizer=muon, or drop it"
+            )
         return
     if o.muon_update_scale not in ADJUST_LR:
         raise ValueError(
