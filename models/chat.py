@@ -30,13 +30,11 @@ PLAIN_TEMPLATE = (
 def compile_template(source: str, where: str) -> Any:
     """The template compiled in jinja2's immutable sandbox (a jinja2 Template)."""
     # lazy: jinja2 comes with torch but is only needed for --sft
-    from jinja2 import TemplateError
+    from jinja2 import StrictUndefined, TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
-
-    from jinja2 import StrictUndefined
 
     # undefined names and attributes fail the render instead of printing nothing (an empty template, or
     # `{{ m.content.__class__ }}`, which the sandbox turns into an undefined, trained on separators alone)
