@@ -97,7 +97,10 @@ def test_corrupt_shard_fails_naming_the_file(step3, tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    out = _cli("train", "--dp", "2", "--seq-len", "32", "--global-batch", "4", "--steps", "6", "--resume", str(bad))
+    out = _cli(
+        "train", "--dp", "2", "--seq-len", "32", "--global-batch", "4", "--steps", "6", "--resume", str(bad),
+        "--lr", "3e-3", "--warmup", "1",  # the saved run's schedule (small_config's)
+    )  # fmt: skip
     assert out.returncode == 2 and f"corrupt checkpoint file {shard}" in out.stderr
 
 
@@ -203,3 +206,15 @@ def test_keep_checkpoints_rotates_the_step_a_resume_started_from(tmp_path):
     train(small_config(steps=6, checkpoint_dir=str(root), checkpoint_every=1, keep_checkpoints=2, resume=""))
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000005", "step_00000006"]
     assert not list((root / ".pins").glob("*"))  # the run's pin is gone with it
+
+
+def test_a_resume_holds_every_optimizer_and_schedule_flag_as_saved(step3):
+    """Issue 65 item 7: on resume --steps was refused ("the schedule would jump") while --lr 1e-2 and --warmup 0
+    changed steps 4-6 silently. Each is held alike: the line names the flag, both values and the fix."""
+    path = step3[0]
+    base = ["train", "--dp", "4", "--steps", "6", "--seq-len", "32", "--global-batch", "4", "--resume", str(path)]
+    base += ["--lr", "3e-3", "--warmup", "1"]  # small_config's, as the saved run had them
+    for flag, value in (("--lr", "1e-2"), ("--warmup", "0"), ("--weight-decay", "0.5"), ("--max-grad-norm", "inf")):
+        out = cli_here(*base, flag, value)
+        assert out.returncode == 2 and "a resume continues the run's optimizer and schedule as saved" in out.stderr
+        assert f"was trained with {flag} " in out.stderr and f"resume with {flag} " in out.stderr, out.stderr
