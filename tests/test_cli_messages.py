@@ -420,6 +420,13 @@ def test_generate_refuses_bad_input_in_one_line_before_any_rank(capsys, tmp_path
     assert one_error(capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1,96") == (
         "the prompt holds token id 96, outside the model's vocabulary of 96 (a tokenizer of another model?)"
     )
+    # issue 65 item 7: a stop id the model can never emit was accepted, and would never stop it
+    assert one_error(
+        capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1", "--max-new-tokens", "2", "--stop-ids", "9999"
+    ) == (
+        "--stop-ids 9999 is outside the model's vocabulary of 96 (ids 0 .. 95): the model never emits it, so "
+        "it would never stop; give ids it can emit"
+    )
 
 
 # ----------------------------------------------------------------------------- 4. --help everywhere

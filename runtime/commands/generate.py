@@ -193,6 +193,13 @@ def preflight(args: argparse.Namespace) -> tuple[Job, Any]:
             f"max_new_tokens={args.max_new_tokens} after a prompt of {len(prompt)} tokens passes the model's "
             f"context of {context} tokens; use max_new_tokens={context - len(prompt)} or fewer"
         )
+    stop = _stop_ids(args, folder)
+    beyond = [i for i in stop if i >= cfg.vocab_size]
+    if beyond and args.stop_ids is not None:  # an id the model can never emit would never stop it
+        raise ValueError(
+            f"stop_ids={beyond[0]} is outside the model's vocabulary of {cfg.vocab_size} (ids 0 .. "
+            f"{cfg.vocab_size - 1}): the model never emits it, so it would never stop; give ids it can emit"
+        )
     job = Job(
         path,
         hf,
@@ -202,7 +209,7 @@ def preflight(args: argparse.Namespace) -> tuple[Job, Any]:
         args.temperature,
         args.top_p,
         args.seed,
-        _stop_ids(args, folder),
+        stop,
         args.tp,
         args.dtype,
         _device(args.device, args.tp),
