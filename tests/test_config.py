@@ -91,6 +91,10 @@ from tessera.config import Config, add_arguments, config_from_args
         (dict(resume="/x", init_from="/y"), "--init-from and --resume together"),
         # issue 65 item 7: accepted, and did nothing (or promised an eta of 413,313,689,980,057 hours)
         (dict(muon_lr=0.5), "--muon-lr 0.5 applies to --optimizer muon, and this run's optimizer is adamw"),
+        (
+            dict(dp=4, dp_replicate=2, fsdp="NO_SHARD"),
+            "--fsdp NO_SHARD replicates over all --dp 4 ranks, so --dp-replicate 2 would do nothing",
+        ),
         (dict(muon_momentum=0.5), "--muon-momentum 0.5 applies to --optimizer muon"),
         (dict(steps=10**20), "--steps 100,000,000,000,000,000,000 is more than any run takes (at most 10,000,000,000)"),
     ],

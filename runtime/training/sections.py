@@ -146,6 +146,13 @@ class ParallelSection:
 
         flags = {name: getattr(self, name) for name in DEGREE_FLAGS}
         layout = Layout(**_axes.degrees_from_flags(flags, global_batch=global_batch))
+        if self.fsdp.upper() == "NO_SHARD" and 1 < layout.dp_replicate < layout.dp:
+            # NO_SHARD replicates over every dp rank: the replica groups asked for would do nothing
+            raise ValueError(
+                f"fsdp=NO_SHARD replicates over all dp={layout.dp} ranks, so dp_replicate={layout.dp_replicate} "
+                f"would do nothing (it ran as dp_replicate={layout.dp}): drop dp_replicate, or use "
+                f"fsdp=HYBRID_SHARD to shard within its replica groups"
+            )
         return layout_for_strategy(layout, self.fsdp.upper())
 
 
