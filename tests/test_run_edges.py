@@ -400,3 +400,11 @@ def test_the_run_label_says_one_process_and_sequence_parallel():
     assert run_label(Config.create(model="debug")) == "one process"
     assert run_label(Config.create(model="debug", tp=2, sequence_parallel=True)) == "tp2 + sequence parallel"
     assert run_label(Config.create(model="debug", dp=2)) == "dp_shard2"
+
+
+def test_the_resume_line_names_one_process_as_every_other_line_does():
+    """Issue 65 item 12: the resume line said 'saved on single' where everything else says 'one process'."""
+    from tessera.topology import Layout
+    from tessera.training.run import _layout_words
+
+    assert _layout_words(Layout()) == "one process" and _layout_words(Layout(dp_shard=2)) == str(Layout(dp_shard=2))
