@@ -56,6 +56,19 @@ class _NoCpuKernelNoise(logging.Filter):
 logging.getLogger("torchao").addFilter(_NoCpuKernelNoise())
 
 
+class _NoEnumRegistrationNotice(logging.Filter):
+    """torchao registers its KernelPreference enum with torch's pytree, which torch 2.13 logs as deprecated once
+    per process ("... is an Enum subclass and is now natively supported"): torchao's matter, said on every FP8
+    run's every rank; the registration works."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("KernelPreference" in message and "Enum subclass" in message)
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_NoEnumRegistrationNotice())
+
+
 def torchao_missing() -> str | None:
     """None when torchao's float8 training path imports, else the one line that says how to get it."""
     try:

@@ -249,3 +249,16 @@ def test_a_run_without_fp8_never_imports_torchao(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_an_fp8_run_prints_nothing_of_torchaos_enum_registration(tmp_path):
+    """Issue 65 item 12: every FP8 run printed torch's 'KernelPreference is an Enum subclass ... deprecated' notice
+    about torchao's own registration, once per process."""
+    import subprocess
+    import sys
+
+    code = "import sys; from tessera.commands.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = ["train", "--fp8", "tensorwise", "--steps", "1", "--quiet", "--seq-len", "32", "--global-batch", "2"]
+    out = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "KernelPreference" not in out.stderr + out.stdout
