@@ -577,3 +577,24 @@ def test_argparse_errors_are_one_line_as_tesseras_own(capsys, argv, said):
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and said in lines[0] and lines[0].startswith("tessera"), err
+
+
+def test_convert_and_export_help_name_every_family_they_read_and_write(capsys):
+    """Issue 65 item 14: convert --help named Llama and Qwen3 only, export --help three architectures."""
+    from tessera.models.spec import families
+
+    code, out, _ = run(capsys, "convert", "--help")
+    assert code == 0 and "Llama, Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss" in " ".join(out.split())
+    code, out, _ = run(capsys, "export", "--help")
+    text = " ".join(out.split())
+    for spec in families().values():
+        if spec.hf is not None:
+            assert spec.hf.architecture in text, spec.hf.architecture
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_help_page_fits_78_columns(capsys, command):
+    """bench --help ran to 111 columns where every other page kept within 78."""
+    code, out, _ = run(capsys, command, "--help")
+    wide = [line for line in out.splitlines() if len(line) > 78]
+    assert code == 0 and not wide, wide

@@ -1,35 +1,45 @@
-"""`tessera bench`: the scaling sweep. Runs layouts through the real training job (local ranks, or the ranks
-of a torchrun / Slurm job) and writes JSON and PNG plots: throughput and efficiency against device count,
-memory per rank by layout, and the planner's predictions against the measurements.
+"""`tessera bench`: the scaling sweep. Runs layouts through the real training
+job (local ranks, or the ranks of a torchrun / Slurm job) and writes JSON and
+PNG plots: throughput and efficiency against device count, memory per rank by
+layout, and the planner's predictions against the measurements.
 
 Layouts are named by their degrees joined with x, options after +:
 
-    one  dp4  tp2  dp2xtp2  dpr2xdp2 (HSDP: dp_replicate 2 x dp_shard 2)  pp2xdp2xcp2xtp2+sp
-    dp4xep2 (expert parallel: ep borrows ranks of dp_shard x cp, MoE models only)
-    options: sp (sequence parallel), ac_op / ac_full / ac_selective, zero2 (SHARD_GRAD_OP), compile
+    one  dp4  tp2  dp2xtp2  pp2xdp2xcp2xtp2+sp
+    dpr2xdp2 (HSDP: dp_replicate 2 x dp_shard 2)
+    dp4xep2 (expert parallel: ep borrows ranks of dp_shard x cp, MoE only)
+    options: sp (sequence parallel), ac_op / ac_full / ac_selective,
+    zero2 (SHARD_GRAD_OP), compile
 
-Per layout: the median over the steps after --warmup of the step time; tokens/s and tokens/s per device;
-MFU = model FLOPs per step (6 x matmul parameters + 6 x layers x dim x seq per token: the second term is
-causal attention's QK^T and PV, forward and backward, at half the dense count) / (step time x devices x
-peak FLOP/s per device: the bf16 peak of a known GPU, or on CPU one core's fp32 matmul rate measured here
-at the start); the dtype the matmuls ran in (the records' compute_dtype, read from the tensors); the step
-split into exposed communication (time inside tessera's tp, cp and pp collectives, waiting on peers
-included; not measured, and said so, where --compile puts tp or cp all-gather collectives inside the
-blocks' graphs) and the rest (compute, FSDP2's collectives and the optimizer); the bytes each axis moved in the
-first step, counted and predicted; rank 0's peak tensor memory (live tensor storage at the peak of step
-2, measured) and its process peak (the CUDA allocator's torch.cuda.max_memory_allocated, or peak RSS on
-CPU); beside them the planner's step time and memory, its step time at rates calibrated on this device at
-the start (tessera plan --calibrate's measurement, topology/step_time.py), with measured / predicted.
+Per layout: the median over the steps after --warmup of the step time;
+tokens/s and tokens/s per device; MFU = model FLOPs per step (6 x matmul
+parameters + 6 x layers x dim x seq per token: the second term is causal
+attention's QK^T and PV, forward and backward, at half the dense count) /
+(step time x devices x peak FLOP/s per device: the bf16 peak of a known GPU,
+or on CPU one core's fp32 matmul rate measured here at the start); the dtype
+the matmuls ran in (the records' compute_dtype, read from the tensors); the
+step split into exposed communication (time inside tessera's tp, cp and pp
+collectives, waiting on peers included; not measured, and said so, where
+--compile puts tp or cp all-gather collectives inside the blocks' graphs) and
+the rest (compute, FSDP2's collectives and the optimizer); the bytes each axis
+moved in the first step, counted and predicted; rank 0's peak tensor memory
+(live tensor storage at the peak of step 2, measured) and its process peak
+(the CUDA allocator's torch.cuda.max_memory_allocated, or peak RSS on CPU);
+beside them the planner's step time and memory, its step time at rates
+calibrated on this device at the start (tessera plan --calibrate's
+measurement, topology/step_time.py), with measured / predicted.
 
-A mixture-of-experts model (e.g. --model qwen3-moe-debug) adds each layout's expert load: "moe" in its
-row holds every measured step's record entry (tokens routed to each expert per layer, each layer's max/mean
-imbalance, the auxiliary loss) with per-layer medians, and <name>-moe_load.png shows the last measured
-step's counts as a layers x experts heatmap, each layer's imbalance beside it. A dense model has neither
-(the JSON's config.moe_load says so).
+A mixture-of-experts model (e.g. --model qwen3-moe-debug) adds each layout's
+expert load: "moe" in its row holds every measured step's record entry (tokens
+routed to each expert per layer, each layer's max/mean imbalance, the
+auxiliary loss) with per-layer medians, and <name>-moe_load.png shows the last
+measured step's counts as a layers x experts heatmap, each layer's imbalance
+beside it. A dense model has neither (the JSON's config.moe_load says so).
 
---baseline adds a plain-torch row (tessera.commands.baseline: the same weights, data, sequence and batch on one
-device, FSDP2 on a one-rank mesh with the same mixed precision, SDPA, torch.compile per block on CUDA,
-fused AdamW) and each layout's step time over the baseline's.
+--baseline adds a plain-torch row (tessera.commands.baseline: the same
+weights, data, sequence and batch on one device, FSDP2 on a one-rank mesh with
+the same mixed precision, SDPA, torch.compile per block on CUDA, fused AdamW)
+and each layout's step time over the baseline's.
 """
 
 from __future__ import annotations

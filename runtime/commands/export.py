@@ -172,6 +172,12 @@ def _buffers_hf_lacks(cfg, tensors: dict) -> dict:
     return out
 
 
+CONVERT_HELP = (
+    "a Hugging Face directory (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss: by config.json's model_type) to one "
+    "safetensors file in tessera's names"
+)
+
+
 def add_export_parsers(sub: argparse._SubParsersAction) -> None:
     exp = sub.add_parser(
         "export",
@@ -184,14 +190,15 @@ def add_export_parsers(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="DIR",
         help="write a Hugging Face directory of the checkpoint's model family instead (config.json naming its "
-        "architecture, e.g. LlamaForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM; model.safetensors)",
+        "architecture: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM or "
+        "GptOssForCausalLM; model.safetensors)",
     )
     exp.set_defaults(func=_export)
 
     conv = sub.add_parser(
         "convert",
-        help="a Hugging Face directory (Llama, Qwen3: by config.json's model_type) to one "
-        "safetensors file in tessera's names",
+        help=CONVERT_HELP,
+        description=CONVERT_HELP,
     )
     conv.add_argument(
         "--from-hf", required=True, metavar="DIR", help="config.json + model.safetensors (or sharded with an index)"
