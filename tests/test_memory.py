@@ -200,3 +200,20 @@ def test_a_muon_recipe_says_what_its_table_leaves_out_and_the_planners_line_coun
     # the parameters AdamW keeps hold Adam's second moment beyond Muon's one momentum; the owner's gathered matrix
     assert exact["optimizer"] > table["optimizer"] and exact["muon_gathered"] > 0
     assert exact["total"] == exact["parameters"] + exact["gradients"] + exact["optimizer"] + exact["muon_gathered"]
+
+
+def test_memory_models_expert_parallel_as_train_runs_it():
+    """Issue 65 item 11: `tessera memory` had no --ep (it printed the top-level usage), so it could not model
+    DeepSeek-V3's expert parallel. Under ep the experts' shards move from FSDP's ranks to ep's and the ranks ep
+    leaves, so a rank holds as much as without it; a dense preset is refused in one line."""
+    from helpers import cli_here
+
+    with_ep = cli_here("memory", "--model", "deepseek-v3-debug", "--dp", "4", "--ep", "2", "--dry-run")
+    without = cli_here("memory", "--model", "deepseek-v3-debug", "--dp", "4", "--dry-run")
+    assert with_ep.returncode == without.returncode == 0, with_ep.stderr
+    rows = [
+        [ln.split(": ", 1)[1] for ln in out.stdout.splitlines() if "FULL_SHARD   :" in ln] for out in (with_ep, without)
+    ]
+    assert "(dp_shard4 x ep2), FULL_SHARD" in with_ep.stdout and rows[0] == rows[1] and rows[0]
+    dense = cli_here("memory", "--model", "debug", "--dp", "4", "--ep", "2")
+    assert dense.returncode == 2 and "ep needs a mixture-of-experts model" in dense.stderr

@@ -302,7 +302,8 @@ def _memory_dry_run(args: argparse.Namespace) -> None:
             )
         _memory_per_stage(args, layout)
         return
-    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
+    # expert parallel borrows dp_shard x cp, which NO_SHARD moves to dp_replicate: no NO_SHARD row under ep
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") if layout.ep == 1 else ("SHARD_GRAD_OP", "FULL_SHARD"):
         m = dry_run_model_states(args.model, layout, args.recipe, strategy)
         print(
             f"dry run, {args.model} on {layout.world_size} fake ranks ({layout}), {strategy:<13}: "
@@ -349,6 +350,14 @@ def add_memory_parser(sub: argparse._SubParsersAction) -> None:
     )
     mem.add_argument(
         "--dp-replicate", type=_degree, default=1, metavar="N", help="HSDP replicas: --dp = dp_replicate x dp_shard"
+    )
+    mem.add_argument(
+        "--ep",
+        type=_degree,
+        default=1,
+        metavar="N",
+        help="expert parallel (an MoE --model: its experts split over N of the dp_shard x cp ranks; --dry-run "
+        "counts each rank's)",
     )
     mem.add_argument(
         "--dry-run",
