@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from packing import SEED, build_small, one_process_model, run_alone
 
-from helpers import small_config
+from helpers import cli_here, small_config
 from tessera.models.chat import ChatRenderer, messages_of
 from tessera.models.data import IGNORE_INDEX, pack_documents
 from tessera.models.hf_data import HFStream
@@ -175,3 +175,16 @@ def test_a_template_that_renders_nothing_or_an_undefined_is_refused(folders, tmp
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     line = refused("--data", f"hf:{records}", "--tokenizer", str(folder), "--sft")
     assert said in line, line
+
+
+def test_the_start_up_line_names_the_data_and_the_template(folders, tmp_path):
+    """Issue 65 item 12: the start-up line named neither the data source nor whether SFT used the folder's
+    template (nor the optimizer when it is Muon)."""
+    chat, _, records = folders
+    base = ["train", "--data", f"hf:{records}", "--tokenizer", str(chat), "--sft", "--steps", "1", "--seq-len", "32"]
+    base += ["--global-batch", "2", "--vocab-size", "90"]
+    out = cli_here(*base, "--optimizer", "muon")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert f"data: hf:{records} (SFT with the chat template: the loss on the assistant's tokens)" in first, first
+    assert "Muon on the hidden matrices, AdamW on the rest" in first

@@ -70,6 +70,9 @@ def startup_line(config: Config, trainer: Any) -> str:
     if trainer.layout.pp > 1:
         where.insert(0, pipeline_summary(config))
     fewest = config.microbatches_chosen and config.layout.pp > 1
+    where.insert(0, data_summary(config, trainer))
+    if config.optimizer.optimizer != "adamw":  # AdamW is the default: name another optimizer
+        where.insert(0, "Muon on the hidden matrices, AdamW on the rest")
     return (
         f"tessera: {config.model_name} ({_human(total)} params, {trainer.model_config.n_layers} layers) on "
         f"{run_label(config, trainer.layout)} = {trainer.layout.world_size} {trainer.device.type.upper()} "
@@ -82,6 +85,19 @@ def startup_line(config: Config, trainer: Any) -> str:
         f"{f' in {config.microbatches} microbatches' if config.microbatches > 1 else ''}"
         f"{' (the fewest the schedule runs; --microbatches M to choose)' if fewest else ''}; " + "; ".join(where)
     )
+
+
+def data_summary(config: Config, trainer: Any) -> str:
+    """Where the tokens come from: the built-in corpus, token files, or hf: records (with SFT, which template
+    renders them: the folder's chat template or the plain one)."""
+    d = config.data
+    if d.path is None:
+        return "data: the built-in corpus"
+    text = f"data: {d.path}"
+    renderer = getattr(getattr(trainer, "data", None), "renderer", None)
+    if d.sft and renderer is not None:
+        text += f" (SFT with {renderer.source}: the loss on the assistant's tokens)"
+    return text
 
 
 def fp8_summary(config: Config, trainer: Any) -> str:
