@@ -168,3 +168,12 @@ def test_the_block_runs_as_written(block, tmp_path, monkeypatch):
         printed = [ln.rstrip() for ln in out.stdout.splitlines()]
         missing = [ln for ln in block.output if ln not in printed]
         assert not missing, (f"{block.name} shows lines its command no longer prints", missing, out.stdout)
+
+
+def test_no_page_or_message_offers_an_install_that_fails():
+    """Issue 65 item 13: `pip install "tessera-4d[data]"` fails in a fresh environment (the distribution is not on
+    the package index); pages and messages give the form that works from a clone, pip install -e ".[data]"."""
+    sources = [*PAGES, *(p for folder in ("runtime", "models", "parallel", "topology", "kernels", "benchmarks")
+                         for p in (ROOT / folder).rglob("*.py"))]  # fmt: skip
+    offered = [str(p.relative_to(ROOT)) for p in sources if "tessera-4d[" in p.read_text()]
+    assert not offered, offered
