@@ -64,3 +64,22 @@ def test_a_converted_tied_head_loads_on_a_pipeline_whose_last_stage_holds_its_co
         assert run.returncode == 0, run.stderr
         losses.append([r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r])
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_export_to_hf_then_init_from_hf_restores_every_family(tmp_path, preset):
+    """The other way (issue 65 item 1): what `tessera export --to-hf` writes (save_hf of the checkpoint's full
+    state) passes --init-from-hf's check and loads back into the family's model equal, name by name, but for
+    the routing bias a family's Hugging Face checkpoint does not carry (it starts at its zeros)."""
+    from tessera.models.hf import check_hf_weights, load_hf_weights
+
+    cfg = get_preset(preset)
+    src = build_model(cfg, seed=5)
+    save_hf(src.state_dict(), cfg, tmp_path / "hf")
+    check_hf_weights(tmp_path / "hf", cfg)  # what --init-from-hf checks before any rank starts
+    dst = build_model(cfg, seed=6)
+    with torch.no_grad():
+        load_hf_weights(dst, tmp_path / "hf")
+    for name, want in src.state_dict().items():
+        got = dst.state_dict()[name]
+        assert torch.equal(got, want) or (name.endswith("expert_bias") and not got.any()), name
