@@ -38,6 +38,7 @@ from tessera.topology.planner import (
     plan,
     why_not_runnable,
 )
+from tessera.topology.preset_shapes import preset_shape
 from tessera.topology.scoring import estimate_record, score_one
 from tessera.topology.step_time import Calibration, find_entry
 from tessera.training.config import said
@@ -47,6 +48,10 @@ from tessera.training.layout_names import parse_layout
 def model_shape(model):
     """The ModelShape of a preset name, a family's config or a ModelShape (models/spec.py's shape_of),
     imported when called: the planner's own modules load no torch."""
+    if isinstance(model, str) and not model.startswith("hf:"):
+        known = preset_shape(model)  # the presets' table: no torch to import
+        if known is not None:
+            return known
     from tessera.models.spec import shape_of  # lazy: tessera.models imports torch; `tessera plan` stays torch-free
 
     if isinstance(model, str) and model.startswith("hf:"):  # a Hugging Face config.json, read by its family
