@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 from .shapes import ModelShape
 
@@ -29,7 +30,7 @@ def preset_shape(name: str) -> ModelShape | None:
     if fields is None:
         return None
     known = {f.name: f for f in dataclasses.fields(ModelShape)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in known}
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in known}
     return ModelShape(**values)
 
 
