@@ -251,6 +251,8 @@ def part_eager(suite: Suite, cap: float, peak: float | None, capacity: int | Non
 
 def row_line(row: dict) -> str:
     mfu = f", MFU {row['mfu']:.1%}" if row.get("mfu") is not None else ""
+    if row.get("mfu_fp8_peak") is not None:  # an FP8 row: against the FP8 peak and the FLOP-blended one, named
+        mfu = f", MFU {row['mfu_fp8_peak']:.1%} of the FP8 peak ({row['mfu_fp8_blended_peak']:.1%} of the blended)"
     return (
         f"batch {row['global_batch']}: {row['tokens_per_s']:,.0f} tok/s{mfu}, step {row['step_time_s'] * 1e3:.1f} ms, "
         f"peak {row['peak_bytes'] / 2**20:,.0f} MiB, {row['compute_dtype']}"

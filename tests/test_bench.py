@@ -194,3 +194,23 @@ def test_a_row_whose_compiled_blocks_hold_collectives_says_its_exposed_comm_is_n
     else:
         assert row["exposed_comm_s"] == pytest.approx(0.01) and row["compute_and_fsdp_s"] == pytest.approx(0.09)
         assert "exposed_comm_note" not in row and _exposed(row) == "10.0 ms exposed communication"
+
+
+def test_mfu_is_stated_only_against_the_peak_the_matmuls_ran_at():
+    """Issue 64 item 2: an FP8 row's MFU was measured against the bf16 peak (64.7% where the FP8 peak gives 32.3%).
+    The records' dtype probe decides: bf16 against the bf16 peak; FP8 against the FP8 peak and the peak blended by
+    the FLOPs that ran in FP8, both named; emulated FP8 (CPU) against none."""
+    from tessera.metrics.results import mfu_by_dtype
+
+    peak = 989e12
+    bf16 = mfu_by_dtype(1e15, 2.0, 1, peak, {"bfloat16": 9e14})
+    assert bf16 == {"mfu": pytest.approx(1e15 / (2.0 * peak))}
+    fp8 = mfu_by_dtype(1e15, 2.0, 1, peak, {"float8_e4m3fn": 3e14, "bfloat16": 1e14})
+    assert fp8["mfu"] is None and fp8["fp8_matmul_flop_share"] == pytest.approx(0.75)
+    assert fp8["mfu_fp8_peak"] == pytest.approx(1e15 / (2.0 * 2 * peak))
+    blended = 1 / (0.75 / (2 * peak) + 0.25 / peak)  # a float64 definition of the FLOP-weighted peak
+    assert fp8["mfu_fp8_blended_peak"] == pytest.approx(1e15 / (2.0 * blended))
+    assert fp8["mfu_fp8_peak"] < fp8["mfu_fp8_blended_peak"] < bf16["mfu"]
+    emulated = mfu_by_dtype(1e15, 2.0, 1, 1e11, {"float8_emulated": 3e14, "float32": 1e14})
+    assert emulated["mfu"] is None and "emulated" in emulated["mfu_note"]
+    assert mfu_by_dtype(1e15, 2.0, 1, None, {"bfloat16": 1.0}) == {"mfu": None}

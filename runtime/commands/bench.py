@@ -381,6 +381,8 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
 
 
 def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, compile: bool) -> dict:
+    from tessera.metrics.results import mfu_by_dtype  # lazy: results imports torch, after the rank server
+
     timed = records[warmup:]
     step = statistics.median(m["step_time_s"] for m in timed)
     tokens = config.data.global_batch * config.data.seq_len
@@ -399,7 +401,7 @@ def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, 
         "step_times_s": [m["step_time_s"] for m in timed],
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_device": tokens / step / devices,
-        "mfu": flops / (step * devices * peak) if peak else None,
+        **mfu_by_dtype(flops, step, devices, peak, records[0].get("matmul_flops_by_dtype")),
         "compute_dtype": records[0].get("compute_dtype"),
         "peak_memory_bytes": max(m["peak_memory_bytes"] for m in records),
         "final_loss": records[-1]["loss"],
@@ -434,6 +436,7 @@ def _row(
     flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
 
+    from tessera.metrics.results import mfu_by_dtype  # lazy: as below
     from tessera.training.estimate import planner_estimate  # lazy: it imports torch, after the rank server
 
     predicted = planner_estimate(config, Calibration.from_entry(calibration) if calibration else None)
@@ -459,7 +462,7 @@ def _row(
         "step_times_s": [m["step_time_s"] for m in timed],
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_device": tokens / step / devices,
-        "mfu": flops / (step * devices * peak) if peak else None,
+        **mfu_by_dtype(flops, step, devices, peak, timed[0].get("matmul_flops_by_dtype")),
         "exposed_comm_s": None if untimed else exposed,
         "compute_and_fsdp_s": None if untimed else step - exposed,
         **({"exposed_comm_note": UNTIMED_IN_COMPILED_BLOCKS} if untimed else {}),

@@ -33,6 +33,31 @@ BF16_PEAK = {
 }
 
 
+def mfu_by_dtype(flops: float, step_s: float, devices: int, peak: float | None, by_dtype: dict | None) -> dict:
+    """MFU where it is defined, by the dtypes the matmuls ran in (the records' probe, `matmul_flops_by_dtype`):
+    a row whose matmuls ran in bf16 (or fp32, against a CPU's measured fp32 rate) against `peak`; a row with FP8
+    matmuls against the FP8 dense peak (twice the bf16 one on the datasheets of H100 and H200) and against a peak
+    blended by the share of matmul FLOPs that ran in FP8, both named, and no bf16-peak MFU (it overstated FP8
+    rows: 64.7% where the FP8 peak gives 32.3%). Emulated FP8 (CPU) has no FP8 peak: no MFU."""
+    if not peak or not step_s:
+        return {"mfu": None}
+    flops_by = {k: float(v) for k, v in (by_dtype or {}).items() if isinstance(v, (int, float))}
+    fp8 = sum(v for k, v in flops_by.items() if k.startswith("float8"))
+    if not fp8:
+        return {"mfu": flops / (step_s * devices * peak)}
+    if any(k == "float8_emulated" for k in flops_by):
+        return {"mfu": None, "mfu_note": "FP8 emulated in fp32 on CPU: no FP8 peak to measure it against"}
+    share = fp8 / sum(flops_by.values())
+    fp8_peak = 2 * peak
+    blended = 1 / (share / fp8_peak + (1 - share) / peak)
+    return {
+        "mfu": None,
+        "mfu_fp8_peak": flops / (step_s * devices * fp8_peak),
+        "mfu_fp8_blended_peak": flops / (step_s * devices * blended),
+        "fp8_matmul_flop_share": share,
+    }
+
+
 def finite_or_null(value: Any) -> Any:
     """`value` with every NaN and infinity (in nested dicts and lists too) replaced by None: JSON has no
     such numbers, and Python's json writes them as bare NaN / Infinity, which strict parsers refuse."""
