@@ -67,6 +67,7 @@ SLOW_MODULES = {
     "test_muon_contract",
     "test_loggers",
     "test_context_variants",
+    "test_convert_families",  # convert -> train --init-from on one process and pp2
 }
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds
@@ -108,6 +109,9 @@ SLOW_TESTS = {
     "test_the_convergence_benchmark_records_the_dtypes_it_measured_and_refuses_a_missing_gpu",
     # the CLI's own runs in a fresh interpreter, 3-10 s each (plan, memory, python -m tessera.cli)
     "test_plan_counts_muons_state_when_asked_and_trains_with_it",
+    # a training run through the CLI (SFT's start-up line) and a fresh interpreter's FP8 run
+    "test_the_start_up_line_names_the_data_and_the_template",
+    "test_an_fp8_run_prints_nothing_of_torchaos_enum_registration",
     "test_cli_prints_the_reference_table",
     "test_the_memory_command_honours_every_axis_it_is_given",
     "test_a_muon_recipe_says_what_its_table_leaves_out_and_the_planners_line_counts_it",
