@@ -28,35 +28,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
-from tessera.models.spec import shape_of  # noqa: E402
+from tessera.commands.plan import model_shape, parse_named_layout  # noqa: E402
 from tessera.topology.errors import PlanError  # noqa: E402
 from tessera.topology.hardware import load_profile  # noqa: E402
 from tessera.topology.planner import Hardware, gain_text, plan  # noqa: E402
 from tessera.topology.scoring import estimate_record, score_one  # noqa: E402
-from tessera.training.layout_names import parse_layout  # noqa: E402
 
 RUNS = Path(__file__).resolve().parent / "published" / "runs.json"
 NAME = "published"
 
 
 def layout_of(row: dict):
-    """The Layout and the sequence-parallel flag of a row's layout name (tessera bench's grammar)."""
-    from tessera.topology import Layout
-
-    flags = parse_layout(row["layout"])
-    dp, dpr = flags.get("dp", 1), flags.get("dp_replicate", 1)
-    lay = Layout(
-        pp=flags.get("pp", 1),
-        dp_replicate=dpr,
-        dp_shard=dp // dpr,
-        cp=flags.get("cp", 1),
-        tp=flags.get("tp", 1),
-        ep=flags.get("ep", 1),
-    )
-    if lay.world_size != row["gpus"]:
-        raise ValueError(
-            f"row {row['id']}: layout {row['layout']} is {lay.world_size} ranks, the row {row['gpus']} GPUs"
-        )
+    """The Layout and the sequence-parallel flag of a row's layout name, read as `tessera plan --layout` reads it."""
+    lay, flags = parse_named_layout(row["layout"], row["gpus"])
     return lay, bool(flags.get("sequence_parallel", False))
 
 
@@ -79,7 +63,7 @@ def hardware_of(row: dict, source: dict, efficiency: float) -> Hardware:
 
 def authors_estimate(row: dict, source: dict, efficiency: float):
     """(the Estimate of the row's own configuration, its Hardware)."""
-    shape = shape_of(row["model"])
+    shape = model_shape(row["model"])
     lay, sp = layout_of(row)
     hw = hardware_of(row, source, efficiency)
     x = score_one(
@@ -101,7 +85,7 @@ def authors_estimate(row: dict, source: dict, efficiency: float):
 def predict(row: dict, source: dict, efficiency: float) -> dict:
     """The row's estimate at a source's software efficiency (topology/scoring.py's record)."""
     x, hw = authors_estimate(row, source, efficiency)
-    return estimate_record(x, hw, shape_of(row["model"]), row["seq_len"], row["global_batch"])
+    return estimate_record(x, hw, model_shape(row["model"]), row["seq_len"], row["global_batch"])
 
 
 def rank_authors_layout(row: dict, source: dict, efficiency: float, plans: dict) -> dict:
@@ -123,7 +107,7 @@ def rank_authors_layout(row: dict, source: dict, efficiency: float, plans: dict)
     )
     key = (*(row[f] for f in fields), source["attention"], efficiency)
     if key not in plans:
-        plans[key] = plan(shape_of(row["model"]), hw, row["seq_len"], row["global_batch"]).ranked
+        plans[key] = plan(model_shape(row["model"]), hw, row["seq_len"], row["global_batch"]).ranked
     ranked = plans[key]
     place = 1 + sum(x.time["step"] < ours.time["step"] * (1 - 1e-9) for x in ranked)
     best = ranked[0]

@@ -570,17 +570,51 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         key=lambda m: m["total"],
     )
 
+    comm = comm_bytes_per_step(
+        cfg,
+        lay,
+        seq_len,
+        global_batch,
+        cand.microbatches,
+        cand.sequence_parallel,
+        cand.strategy,
+        cand.virtual,
+        cand.ac,
+        "ring",
+        rank=0,
+        act_bytes=e,
+        param_bytes=fsdp_param_bytes(cfg, e, hw.fp8, lay.tp),
+        reduce_bytes=4,
+        placement=placement_of(cand.schedule),
+    )
     # step time
     tokens = global_batch * seq_len
     flops = model_flops_per_token(cfg, seq_len) * tokens
+    if hw.profile is not None and hw.calibration is None:
+        time, parts = physics_time(cfg, cand, hw, seq_len, global_batch, bubble, comm)
+    else:
+        time, parts = _rated_time(cfg, cand, hw, seq_len, global_batch, bubble, comm)
+    tokens_per_s = tokens / time["step"]
+    mfu = None if hw.peak_tflops is None else flops / (time["step"] * hw.gpus * hw.peak_flops_per_s)
+    return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble, parts)
+
+
+def _rated_time(
+    cfg: ModelShape,
+    cand: Candidate,
+    hw: Hardware,
+    seq_len: int,
+    global_batch: int,
+    bubble: float,
+    comm: dict[str, float],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(the step by component, "step" included; the calibrated compute's parts, {} without a calibration) at
+    `efficiency` x `peak_tflops`, or at a calibration's measured rates: the model without a hardware profile."""
+    lay, e = cand.layout, hw.dtype_bytes
+    fsdp = fsdp_degree(lay)
+    flops = model_flops_per_token(cfg, seq_len) * global_batch * seq_len
     recompute = RECOMPUTE[cand.ac]
     parts: dict[str, float] = {}
-    if hw.profile is not None and hw.calibration is None:
-        time, parts, comm = physics_time(cfg, cand, hw, seq_len, global_batch, bubble)
-        tokens_per_s = tokens / time["step"]
-        mfu = None if hw.peak_tflops is None else flops / (time["step"] * hw.gpus * hw.peak_flops_per_s)
-        fits = memory["total"] <= hw.usable_bytes
-        return Estimate(cand, memory, time, comm, tokens_per_s, mfu, fits, bubble, parts)
     if hw.calibration is not None:
         parts = calibrated_compute(cfg, cand, hw, seq_len, global_batch, recompute)
         compute = parts["step"]
@@ -603,23 +637,6 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
             parts["fp8_casts"] = cast / rate
     compute += expert_weight_seconds(cfg, cand, hw, seq_len, global_batch, recompute)
     compute_stretched = compute / (1 - bubble)
-    comm = comm_bytes_per_step(
-        cfg,
-        lay,
-        seq_len,
-        global_batch,
-        cand.microbatches,
-        cand.sequence_parallel,
-        cand.strategy,
-        cand.virtual,
-        cand.ac,
-        "ring",
-        rank=0,
-        act_bytes=e,
-        param_bytes=fsdp_param_bytes(cfg, e, hw.fp8, lay.tp),
-        reduce_bytes=4,
-        placement=placement_of(cand.schedule),
-    )
     # each accounting name's traffic over its group's links; FSDP's, HSDP's and ring K/V's overlap compute
     # (only their excess is exposed), the rest (tp, pp) is exposed
     t = {name: comm[name] / axis_bandwidth(lay, COMM_GROUPS[name], hw, _group_ranks(lay, name)) for name in comm}
@@ -631,17 +648,22 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         "exposed_overlapped_comm": max(0.0, overlapped - compute),
     }
     time["step"] = sum(time.values())
-    tokens_per_s = tokens / time["step"]
-    mfu = None if hw.peak_tflops is None else flops / (time["step"] * hw.gpus * hw.peak_flops_per_s)
-    return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble, parts)
+    return time, parts
 
 
 def physics_time(
-    cfg: ModelShape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int, bubble: float
-) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    cfg: ModelShape,
+    cand: Candidate,
+    hw: Hardware,
+    seq_len: int,
+    global_batch: int,
+    bubble: float,
+    comm: dict[str, float],
+) -> tuple[dict[str, float], dict[str, float]]:
     """(the step split into compute, recompute, optimizer, bubble and each axis's exposed traffic, "step" their
-    sum; the compute's parts; the bytes by accounting name) of one candidate on a hardware profile
-    (topology/step_model.py's physics), for the pp rank whose step is longest."""
+    sum; the compute's parts and each name's traffic seconds) of one candidate on a hardware profile
+    (topology/step_model.py's physics), for the pp rank whose step is longest; `comm`: the bytes each accounting
+    name sends (comm_bytes_per_step)."""
     profile = hw.profile
     if profile is None:
         raise ValueError("physics_time needs a Hardware with a profile (Hardware.from_profile)")
@@ -681,23 +703,6 @@ def physics_time(
         )
 
     parts = max((rank_parts(r) for r in sorted({0, lay.pp - 1})), key=lambda p: p["compute"])
-    comm = comm_bytes_per_step(
-        cfg,
-        lay,
-        seq_len,
-        global_batch,
-        cand.microbatches,
-        cand.sequence_parallel,
-        cand.strategy,
-        cand.virtual,
-        cand.ac,
-        "ring",
-        rank=0,
-        act_bytes=hw.dtype_bytes,
-        param_bytes=fsdp_param_bytes(cfg, hw.dtype_bytes, hw.fp8, lay.tp),
-        reduce_bytes=4,
-        placement=placement,
-    )
     counts = collective_counts(
         lay.tp,
         lay.cp,
@@ -716,14 +721,14 @@ def physics_time(
     for name, sent in comm.items():
         bandwidth = axis_bandwidth(lay, COMM_GROUPS[name], hw, _group_ranks(lay, name))
         inter = bandwidth < hw.intra_node_gbps * GB
-        seconds[name] = sent / bandwidth + latency_seconds(counts.get(name, 0.0), inter, profile)
+        wire = sent / bandwidth
         if name == "ep" and inter and lay.ep > 1:
             # an all-to-all sends to each peer directly: to those in its node over NVLink, to the rest over
             # the network, at once (the ep group is ep consecutive coordinates of dp_shard x cp, tp apart)
             local = max(1, min(lay.ep, hw.gpus_per_node // lay.tp))
             remote = (lay.ep - local) / (lay.ep - 1)
             wire = max(sent * (1 - remote) / (hw.intra_node_gbps * GB), sent * remote / bandwidth)
-            seconds[name] = wire + latency_seconds(counts.get(name, 0.0), inter, profile)
+        seconds[name] = wire + latency_seconds(counts.get(name, 0.0), inter, profile)
     exposed = exposed_comm(
         seconds,
         parts,
@@ -743,8 +748,7 @@ def physics_time(
         **exposed,
     }
     time["step"] = sum(time.values())
-    parts = {**parts, **{f"comm_{k}_s": v for k, v in seconds.items()}}
-    return time, parts, comm
+    return time, {**parts, **{f"comm_{k}_s": v for k, v in seconds.items()}}
 
 
 def calibrated_compute(
@@ -980,15 +984,23 @@ def candidates(shape, hw: Hardware, seq_len: int, global_batch: int) -> list[Can
     ]
 
 
-def candidates_of_layout(shape, lay: Layout, seq_len: int, global_batch: int) -> list[Candidate]:
-    """The runnable settings of one layout: FSDP strategies, schedules, microbatches, checkpointing modes."""
+def candidates_of_layout(
+    shape,
+    lay: Layout,
+    seq_len: int,
+    global_batch: int,
+    microbatches: list[int] | None = None,
+    schedules: list[tuple[str, int]] | None = None,
+) -> list[Candidate]:
+    """The runnable settings of one layout: FSDP strategies, schedules, microbatches, checkpointing modes;
+    `microbatches` and `schedules` ((kind, virtual) pairs) replace the counts and schedules the planner tries."""
     cfg = as_shape(shape)
     rows = global_batch // lay.dp
     out: list[Candidate] = []
     # inside a pipeline FSDP2 keeps units gathered across microbatches either way: one strategy
     for strategy in STRATEGIES if fsdp_degree(lay) > 1 and lay.pp == 1 else ("FULL_SHARD",):
-        for sched, virtual in _schedules(lay.pp, cfg.n_layers):
-            for mb in _microbatch_counts(rows, lay.pp):
+        for sched, virtual in schedules or _schedules(lay.pp, cfg.n_layers):
+            for mb in microbatches or _microbatch_counts(rows, lay.pp):
                 for ac in AC_MODES:
                     cand = Candidate(lay, strategy, ac, sched, mb, virtual)
                     if runnable(cfg, cand, seq_len, global_batch):

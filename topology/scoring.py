@@ -10,7 +10,7 @@ from .fp8_model import fp8_flop_share
 from .layout import Layout
 from .memory import GB
 from .planner import Candidate, Estimate, Hardware, candidates_of_layout, estimate, model_flops_per_token
-from .planner import AC_MODES, STRATEGIES, _schedules, why_not_runnable
+from .planner import why_not_runnable
 from .shapes import as_shape
 
 GIB = 2**30
@@ -35,18 +35,10 @@ def score_one(
     cfg = as_shape(shape)
     if microbatches is not None and microbatches < 1:
         raise PlanError(f"microbatches={microbatches} must be at least 1")
-    if microbatches is None:
-        pool = candidates_of_layout(cfg, layout, seq_len, global_batch)
-    else:  # the enumeration tries a few counts: a given one is scored as given, with every other setting
-        schedules = _schedules(layout.pp, cfg.n_layers)
-        if schedule is not None and virtual is not None and (schedule, virtual) not in schedules:
-            schedules = [(schedule, virtual)]
-        pool = [
-            Candidate(layout, st, a, sch, microbatches, v)
-            for st in STRATEGIES
-            for a in AC_MODES
-            for sch, v in schedules
-        ]
+    # the planner tries a few counts and schedules: given ones are scored as given, with every other setting
+    pinned = [(schedule, virtual)] if schedule is not None and virtual is not None and layout.pp > 1 else None
+    counts = [microbatches] if microbatches is not None else None
+    pool = candidates_of_layout(cfg, layout, seq_len, global_batch, counts, pinned)
     if sequence_parallel is not None:
         pool = [
             Candidate(c.layout, c.strategy, c.ac, c.schedule, c.microbatches, c.virtual, sequence_parallel)
@@ -63,16 +55,16 @@ def score_one(
         )
 
     chosen = list(dict.fromkeys(c for c in pool if wanted(c)))
-    probe = Candidate(
-        layout,
-        strategy or "FULL_SHARD",
-        ac or "none",
-        schedule or "1f1b",
-        microbatches or max(1, layout.pp),
-        virtual or 1,
-        sequence_parallel,
-    )
-    if not chosen:
+    if not chosen:  # none runs with these settings: the one they name says why (or is scored as named)
+        probe = Candidate(
+            layout,
+            strategy or "FULL_SHARD",
+            ac or "none",
+            schedule or "1f1b",
+            microbatches or max(1, layout.pp),
+            virtual or 1,
+            sequence_parallel,
+        )
         chosen = [probe]
     runnable = [c for c in chosen if why_not_runnable(cfg, c, seq_len, global_batch) is None]
     if not runnable:
