@@ -48,6 +48,12 @@ def fp8_flop_share(shape, seq_len: int, tp: int = 1) -> float:
     return 6.0 * fp8_params(cfg, tp) / total
 
 
+def blended_peak(fp8_share: float, bf16_peak: float, fp8_peak: float) -> float:
+    """The peak FLOP/s of a step whose `fp8_share` of matmul FLOPs run at `fp8_peak` and the rest at `bf16_peak`
+    (each FLOP at its own peak: the harmonic mean weighted by the FLOPs)."""
+    return 1 / (fp8_share / fp8_peak + (1 - fp8_share) / bf16_peak)
+
+
 def fp8_time_factor(share: float, speedup: float = FP8_MATMUL_SPEEDUP) -> float:
     """A compute time's factor when `share` of its FLOPs run `speedup` x faster."""
     return 1.0 - share + share / speedup

@@ -6,7 +6,7 @@ planner when not given), estimated alone, without enumerating the others; and th
 from __future__ import annotations
 
 from .errors import PlanError
-from .fp8_model import fp8_flop_share
+from .fp8_model import blended_peak, fp8_flop_share
 from .layout import Layout
 from .memory import GB
 from .planner import Candidate, Estimate, Hardware, candidates_of_layout, estimate, model_flops_per_token
@@ -95,7 +95,7 @@ def estimate_record(x: Estimate, hw: Hardware, shape, seq_len: int, global_batch
     fp8_peak = hw.fp8_peak_flops_per_s
     if hw.fp8 and fp8_peak is not None and hw.peak_tflops is not None:
         share = fp8_flop_share(cfg, seq_len, x.candidate.layout.tp)
-        blended = 1 / (share / fp8_peak + (1 - share) / hw.peak_flops_per_s)
+        blended = blended_peak(share, hw.peak_flops_per_s, fp8_peak)
         record["mfu_fp8"] = flops / (step * hw.gpus * fp8_peak)
         record["mfu_fp8_blended"] = flops / (step * hw.gpus * blended)
         record["fp8_flop_share"] = share

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tessera.topology.fp8_model import blended_peak
 
 # peak HBM bandwidth in bytes/s, by a substring of torch.cuda.get_device_name()
 HBM_BANDWIDTH = {
@@ -49,7 +50,7 @@ def mfu_by_dtype(flops: float, step_s: float, devices: int, peak: float | None, 
         return {"mfu": None, "mfu_note": "FP8 emulated in fp32 on CPU: no FP8 peak to measure it against"}
     share = fp8 / sum(flops_by.values())
     fp8_peak = 2 * peak
-    blended = 1 / (share / fp8_peak + (1 - share) / peak)
+    blended = blended_peak(share, peak, fp8_peak)
     return {
         "mfu": None,
         "mfu_fp8_peak": flops / (step_s * devices * fp8_peak),
