@@ -24,6 +24,11 @@ DEFAULT_PROFILE = "h100-sxm-80gb"
 ATTENTION_BACKENDS = ("cudnn", "flash2")
 
 
+def _finite(value: Any) -> bool:
+    """A finite int or float, not a bool (JSON's true would pass as 1)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class Achieved:
     """Shares of a profile's peaks that a step's kernels reach (the profiles file's `achieved`)."""
@@ -45,10 +50,9 @@ class Achieved:
             v = getattr(self, f.name)
             values = v.values() if isinstance(v, dict) else [v]
             for x in values:
-                if isinstance(x, bool) or not isinstance(x, (int, float)) or not (x > 0 and math.isfinite(x)):
+                if not (_finite(x) and x > 0):
                     raise PlanError(f"achieved {f.name}={v!r} must be a positive, finite number")
         for name in ("gemm_share", "hbm_share", "elementwise_share", "link_share", "compiled_elementwise"):
-            # (attention shares too: each is of the bf16 peak)
             if getattr(self, name) > 1:
                 raise PlanError(f"achieved {name}={getattr(self, name)!r} is a share of a peak: give one in (0, 1]")
         if any(v > 1 for v in self.attention_share.values()):
@@ -96,11 +100,11 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for name in ("bf16_tflops", "hbm_gb", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+            if not (_finite(v) and v > 0):
                 raise PlanError(f"hardware profile {self.name!r}: {name}={v!r} must be a positive, finite number")
         for name in ("latency_intra_us", "latency_inter_us"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+            if not (_finite(v) and v >= 0):
                 raise PlanError(f"hardware profile {self.name!r}: {name}={v!r} must be a finite number >= 0")
         if self.fp8_tflops is not None and not self.fp8_tflops > 0:
             raise PlanError(f"hardware profile {self.name!r}: fp8_tflops={self.fp8_tflops!r} must be positive or null")
