@@ -405,6 +405,6 @@ def test_the_run_label_says_one_process_and_sequence_parallel():
 def test_the_resume_line_names_one_process_as_every_other_line_does():
     """Issue 65 item 12: the resume line said 'saved on single' where everything else says 'one process'."""
     from tessera.topology import Layout
-    from tessera.training.run import _layout_words
+    from tessera.training.report import layout_words
 
-    assert _layout_words(Layout()) == "one process" and _layout_words(Layout(dp_shard=2)) == str(Layout(dp_shard=2))
+    assert layout_words(Layout()) == "one process" and layout_words(Layout(dp_shard=2)) == str(Layout(dp_shard=2))

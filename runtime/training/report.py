@@ -56,8 +56,13 @@ def run_label(config: Config, layout: Layout | None = None) -> str:
     """The layout as a run's lines name it: its degrees ("one process" for a single rank), with sequence
     parallel when it is on (it changes what each rank holds and sends, so the label says it)."""
     layout = layout or config.layout
-    text = "one process" if layout.world_size == 1 else str(layout)
+    text = layout_words(layout)
     return text + (" + sequence parallel" if config.parallel.sequence_parallel and layout.tp > 1 else "")
+
+
+def layout_words(layout: Layout) -> str:
+    """A layout as the run's lines name it: 'one process' for a single rank (Layout's own str says 'single')."""
+    return "one process" if layout.world_size == 1 else str(layout)
 
 
 def startup_line(config: Config, trainer: Any) -> str:

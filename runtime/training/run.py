@@ -47,6 +47,7 @@ from .report import (  # noqa: F401  (re-exported: the commands and tests import
     failed_message,
     failure_cause,
     header_record,
+    layout_words,
     pipeline_summary,
     progress_line,
     run_label,
@@ -118,11 +119,6 @@ class _StopOnSignal:
         return bool(flag.item())
 
 
-def _layout_words(layout: Layout) -> str:
-    """A layout as the run's lines name it: 'one process' for a single rank (Layout's own str says 'single')."""
-    return "one process" if layout.world_size == 1 else str(layout)
-
-
 def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     """The training loop on this rank (process group initialized); rank 0 returns the step records.
     `attempt` > 0: a restart after a failure (the metrics file is cut back to the restored step)."""
@@ -144,7 +140,7 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
             manifest = trainer.load(config.resume_path)
         say(
             f"resumed from {resolve_checkpoint(config.resume_path)[0]}: step {manifest['step']} "
-            f"({manifest['consumed_tokens']:,} tokens) saved on {_layout_words(Layout(**manifest['layout']))}"
+            f"({manifest['consumed_tokens']:,} tokens) saved on {layout_words(Layout(**manifest['layout']))}"
         )
     # the launcher's pin of the step this run resumed from (RESUME_PIN_ENV): it stays while the step is read and
     # until this run saves newer ones, then --keep-checkpoints rotates it like any other
