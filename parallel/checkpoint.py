@@ -453,6 +453,16 @@ def check_optimizer(path: Path, manifest: dict[str, Any], optimizer: str) -> Non
         )
 
 
+def _same_setting(saved: Any, now: Any) -> bool:
+    """JSON holds inf as a string and floats as written: 'inf' and inf, 1 and 1.0, are the same setting."""
+    if saved == now:
+        return True
+    try:
+        return float(saved) == float(now)
+    except (TypeError, ValueError):
+        return False
+
+
 def check_compatible(
     path: Path,
     manifest: dict[str, Any],
@@ -461,10 +471,12 @@ def check_compatible(
     seq_len: int,
     global_batch: int | None = None,
     steps: int | None = None,
+    optimizer: dict[str, Any] | None = None,
 ) -> None:
     """Raise CheckpointError unless the checkpoint holds this model, was trained at this seq_len and
-    global batch (the data cursor counts sequences of the saved run), for this many steps (the LR
-    schedule of the saved run), and still has steps left to train."""
+    global batch (the data cursor counts sequences of the saved run), for this many steps and with these
+    `optimizer` settings (the LR schedule and the optimizer of the saved run: --lr and --warmup once changed the
+    resumed steps silently while --steps was refused), and still has steps left to train."""
     saved = manifest["model"]
     # as the manifest holds it: JSON has no tuples (gpt-oss's layer_types and rope_scaling came back as lists)
     model_config = json.loads(json.dumps(model_config))
@@ -498,6 +510,17 @@ def check_compatible(
             f"checkpoint {path} is from a run of steps={saved_steps}, this run asks for {steps}: the cosine "
             f"learning-rate schedule would jump mid-run; use steps={saved_steps} to continue it faithfully"
         )
+    saved_optimizer = (manifest.get("config") or {}).get("optimizer")
+    if optimizer is not None and isinstance(saved_optimizer, dict):  # (an older checkpoint holds no config)
+        changed = [k for k, v in optimizer.items() if k in saved_optimizer and not _same_setting(saved_optimizer[k], v)]
+        if changed:
+            k = changed[0]
+            was = saved_optimizer[k]
+            raise CheckpointError(
+                f"checkpoint {path} was trained with {k}={was!r}, this run asks for {optimizer[k]!r}: a resume "
+                f"continues the run's optimizer and schedule as saved; resume with {k}={was!r}, or start a new run "
+                f"from an exported checkpoint (init_from=FILE)"
+            )
     if steps is not None and manifest["step"] >= steps:
         raise CheckpointError(
             f"checkpoint {path} is at step {manifest['step']}, already at steps={steps}: nothing left to train; "

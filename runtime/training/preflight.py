@@ -444,32 +444,6 @@ def _check_metrics_is_new(path: str, resuming: bool) -> None:
     )
 
 
-def _check_schedule_unchanged(path, manifest: dict, config: Config) -> None:
-    """A resume trains on with the optimizer and learning-rate schedule the checkpoint's run had: --steps was
-    refused if changed while --lr and --warmup changed steps 26-30 silently. Every optimizer and schedule
-    flag is held alike; a run that wants others starts from an exported checkpoint (--init-from)."""
-    saved = (manifest.get("config") or {}).get("optimizer")
-    if not isinstance(saved, dict):  # an older checkpoint without its config: nothing to compare
-        return
-    now = dataclasses.asdict(config.optimizer)
-    changed = [k for k, v in now.items() if k in saved and saved[k] != v and not _same_number(saved[k], v)]
-    if changed:
-        k = changed[0]
-        raise checkpoint.CheckpointError(
-            f"checkpoint {path} was trained with {k}={saved[k]!r}, this run asks for {now[k]!r}: a resume "
-            f"continues the run's optimizer and schedule as saved; resume with {k}={saved[k]!r}, or start a new "
-            f"run from an exported checkpoint (init_from=FILE)"
-        )
-
-
-def _same_number(a, b) -> bool:
-    """JSON holds inf as a string and floats as written: 'inf' and inf, 1 and 1.0, are the same setting."""
-    try:
-        return float(a) == float(b)
-    except (TypeError, ValueError):
-        return False
-
-
 def _check_paths(config: Config, model) -> None:
     r, c = config.runtime, config.checkpoint
     if r.metrics:
@@ -491,9 +465,9 @@ def _check_paths(config: Config, model) -> None:
             config.data.seq_len,
             config.data.global_batch,
             config.runtime.steps,
+            dataclasses.asdict(config.optimizer),
         )
         checkpoint.check_optimizer(path, manifest, config.optimizer.optimizer)
-        _check_schedule_unchanged(path, manifest, config)
     if c.init_from is not None:
         checkpoint.check_full_state_dict_file(c.init_from, model)
     if c.init_from_hf is not None:
