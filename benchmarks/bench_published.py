@@ -88,11 +88,10 @@ def predict(row: dict, source: dict, efficiency: float) -> dict:
     return estimate_record(x, hw, model_shape(row["model"]), row["seq_len"], row["global_batch"])
 
 
-def rank_authors_layout(row: dict, source: dict, efficiency: float, plans: dict) -> dict:
-    """Where the authors' configuration stands among every layout the planner would run for the same job (its
-    GPUs, batch, sequence, memory and techniques): its place by predicted step time, and the planner's best
-    with how much faster it is predicted and why (a claim for a GPU run to check)."""
-    ours, hw = authors_estimate(row, source, efficiency)
+def rank_authors_layout(row: dict, source: dict, efficiency: float, plans: dict, ours, hw: Hardware) -> dict:
+    """Where the authors' configuration (`ours`, its Estimate on `hw`) stands among every layout the planner would
+    run for the same job (its GPUs, batch, sequence, memory and techniques): its place by predicted step time, and
+    the planner's best with how much faster it is predicted and why (a claim for a GPU run to check)."""
     fields = (
         "model",
         "gpus",
@@ -250,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         source = sources[row["source"]]
         eff = constants[row["source"]]["software_efficiency"]
         try:
-            rec = predict(row, source, eff)
+            ours, hw = authors_estimate(row, source, eff)
+            rec = estimate_record(ours, hw, model_shape(row["model"]), row["seq_len"], row["global_batch"])
         except (PlanError, ValueError) as e:
             print(f"bench_published: row {row['id']} cannot be predicted: {e}", file=sys.stderr)
             return 2
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 "split_s": rec["split_s"],
                 "settings": rec["flags"],
                 "assumptions": row["assumptions"],
-                **({} if args.no_ranking else rank_authors_layout(row, source, eff, plans)),
+                **({} if args.no_ranking else rank_authors_layout(row, source, eff, plans, ours, hw)),
                 **(
                     {"profile_split": split_beside_profile(rec, row["profile_split_s"])}
                     if "profile_split_s" in row
