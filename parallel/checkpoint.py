@@ -511,8 +511,13 @@ def check_compatible(
             f"learning-rate schedule would jump mid-run; use steps={saved_steps} to continue it faithfully"
         )
     saved_optimizer = (manifest.get("config") or {}).get("optimizer")
-    if optimizer is not None and isinstance(saved_optimizer, dict):  # (an older checkpoint holds no config)
-        changed = [k for k, v in optimizer.items() if k in saved_optimizer and not _same_setting(saved_optimizer[k], v)]
+    # (an older checkpoint holds no config; another optimizer altogether is check_optimizer's to refuse)
+    same_kind = isinstance(saved_optimizer, dict) and saved_optimizer.get("optimizer", "adamw") == (
+        optimizer or {}
+    ).get("optimizer", "adamw")
+    if optimizer is not None and isinstance(saved_optimizer, dict) and same_kind:
+        held = {k: v for k, v in optimizer.items() if k != "optimizer"}
+        changed = [k for k, v in held.items() if k in saved_optimizer and not _same_setting(saved_optimizer[k], v)]
         if changed:
             k = changed[0]
             was = saved_optimizer[k]
