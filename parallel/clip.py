@@ -41,6 +41,14 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _reduce_device(g: Tensor, local: Tensor) -> torch.device:
+    """Where the norm is summed and all-reduced: the mesh's device (a gradient FSDP2 offloaded to the host
+    still reduces over NCCL, which takes GPU tensors only), else the gradient's own."""
+    if isinstance(g, DTensor) and g.device_mesh.device_type == "cuda" and local.device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return local.device
+
+
 def _by_device_and_dtype(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
     """foreach kernels take one device and dtype per call (else they fall back to a per-tensor loop)."""
     out: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -68,7 +76,7 @@ def global_grad_norm(parameters: Iterable[Tensor], pp_group: dist.ProcessGroup |
         if g is None:
             continue
         local = _local(g).detach()
-        device = device or local.device
+        device = device or _reduce_device(g, local)
         buckets.setdefault(_sharded_groups(g) if isinstance(g, DTensor) else (), []).append(local)
     device = device or torch.device("cpu")
     sums = {key: squared_sum(tensors, device) for key, tensors in buckets.items()}

@@ -17,6 +17,7 @@ Units are wrapped bottom-up: the embedding, each block, the final norm with the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from tessera.models.spec import spec_of
 from tessera.topology import Layout
 from tessera.topology.memory import AC_MODES, FSDP_STRATEGIES
 
+from .offload import check_offload, fsdp_offload_policy
 from .plan import find_modules, replace_module, spec_plan
 
 STRATEGIES = tuple(FSDP_STRATEGIES)  # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (topology/memory.py)
@@ -43,6 +45,7 @@ class DataParallelConfig:
     mixed_precision: str = "fp32"  # parameters' compute dtype; gradients always reduce in fp32
     activation_checkpointing: str = "none"
     prefetch: int = 0  # explicit forward/backward prefetch of this many blocks (0: FSDP2's implicit prefetch)
+    offload: str = "none"  # model states in host memory: none, optimizer or params (parallel/offload.py)
 
 
 def check_data_parallel(config: DataParallelConfig, layout: Layout) -> None:
@@ -55,6 +58,7 @@ def check_data_parallel(config: DataParallelConfig, layout: Layout) -> None:
         )
     if config.mixed_precision not in PRECISIONS:
         raise ValueError(f"unknown mixed precision {config.mixed_precision!r}; use one of {', '.join(PRECISIONS)}")
+    check_offload(config.offload)
     if config.prefetch < 0:
         raise ValueError(f"prefetch={config.prefetch} must be >= 0 (blocks to all-gather ahead)")
     if config.strategy == "HYBRID_SHARD" and layout.dp_replicate == 1:
@@ -147,16 +151,15 @@ def apply_fsdp(
         plan = spec_plan(spec, spec.shape(model.config), 1)
     reshard = config.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[config.mixed_precision], reduce_dtype=torch.float32)
+    offload = fsdp_offload_policy(config.offload, fsdp_mesh.device_type)
+    options: dict[str, Any] = dict(reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     if expert_mesh is not None:  # expert parallel: each MoE block's experts, sharded over what ep leaves
         for _, moe in moe_blocks(model):
-            fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(moe.experts, mesh=expert_mesh, **options)
     units = _without_shared(plan.units(model))
     for unit in units:
-        if len(unit) > 1:
-            fully_shard(unit, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-        else:
-            fully_shard(unit[0], mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=fsdp_mesh, **options)
+    fully_shard(model, mesh=fsdp_mesh, **options)
     if config.prefetch:
         blocks = _fsdp_units(
             [m for _, m in find_modules(model, plan.checkpoint_blocks)]

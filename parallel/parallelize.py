@@ -163,10 +163,11 @@ def parallelize(
         apply_fsdp(
             model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan, expert_mesh=meshes.expert_fsdp
         )
-    elif config.data.mixed_precision != "fp32":
+    elif config.data.mixed_precision != "fp32" or config.data.offload == "params":
         # no data axes to shard over, but the same precision policy as every other layout: FSDP2 on the
         # degree-1 data mesh casts the fp32 master weights to the compute dtype once per step (gathered
-        # for the whole step, as nothing is saved by resharding) and reduces gradients in fp32
+        # for the whole step, as nothing is saved by resharding) and reduces gradients in fp32; and its
+        # CPUOffloadPolicy is what --offload params runs on
         apply_fsdp(model, meshes.precision, config.data, pipelined=True, plan=plan)
     return model
 

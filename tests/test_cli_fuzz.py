@@ -115,6 +115,7 @@ KNOWN = {
     "schedule": ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"],
     "pp_layers": ["1,1", "2,2", "3,1", "1,x", "4", "0,2", "-1,3"],
     "cp_method": ["ring", "allgather", "ulysses"],
+    "offload": ["none", "optimizer", "params", "nvme"],
     "loss": ["fused", "plain", "chunked", "nope"],
     "kernels": ["auto", "torch", "triton", "cuda"],
     "on_nonfinite": ["stop", "skip", "ignore"],

@@ -373,9 +373,15 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (
-            ["--model", "70b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"],
-            r"70b does not fit on 8 GPUs of 80 GB .* needs \d+\.\d GB per rank against 72\.0 GB usable .* short by",
+        (  # (with offload it would: the host's 2 TB hold 70B's states; --offload none plans without)
+            ["--model", "70b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8", "--offload", "none"],
+            r"70b does not fit on 8 GPUs of 80 GB .* needs \d+\.\d GB per rank against 72\.0 GB usable .* short by"
+            r".*\(with --offload none\)$",
+        ),
+        (  # 405B's 6.5 TB of states fit neither the GPUs nor a node's host memory
+            ["--model", "405b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"],
+            r"405b does not fit on 8 GPUs .* with --offload optimizer or --offload params neither fits either \(the node's "
+            r"2048 GB of host memory included\)$",
         ),
         (
             ["--model", "8b", "--gpus", "12", "--gpus-per-node", "8", "--seq-len", "4096", "--global-batch", "12"],

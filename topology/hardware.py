@@ -44,6 +44,8 @@ class Achieved:
     compiled_elementwise: float  # what torch.compile's fusion leaves of eager elementwise traffic
     fp8_rowwise_speedup: float  # rowwise-scaled FP8 GEMMs over the bf16 rate
     loss_bytes_per_logit: float  # the GPU cross-entropy's memory traffic per logit
+    pcie_share: float  # a pinned host copy's share of PCIe's per-direction bandwidth (--offload)
+    host_memory_share: float  # the host AdamW's share of the host's DRAM bandwidth (--offload)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -52,7 +54,8 @@ class Achieved:
             for x in values:
                 if not (_finite(x) and x > 0):
                     raise PlanError(f"achieved {f.name}={v!r} must be a positive, finite number")
-        for name in ("gemm_share", "hbm_share", "elementwise_share", "link_share", "compiled_elementwise"):
+        shares = ("gemm_share", "hbm_share", "elementwise_share", "link_share", "compiled_elementwise", "pcie_share")
+        for name in (*shares, "host_memory_share"):
             if getattr(self, name) > 1:
                 raise PlanError(f"achieved {name}={getattr(self, name)!r} is a share of a peak: give one in (0, 1]")
         if any(v > 1 for v in self.attention_share.values()):
@@ -96,6 +99,8 @@ class HardwareProfile:
     host_memory_gb: float | None
     achieved: Achieved
     sources: dict[str, str] = field(default_factory=dict)
+    pcie_gbps: float | None = None  # host <-> GPU per direction (--offload's copies); None: not stated
+    host_memory_gbps: float | None = None  # the host's DRAM bandwidth per node (--offload's host step)
 
     def __post_init__(self) -> None:
         for name in ("bf16_tflops", "hbm_gb", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
@@ -106,6 +111,10 @@ class HardwareProfile:
             v = getattr(self, name)
             if not (_finite(v) and v >= 0):
                 raise PlanError(f"hardware profile {self.name!r}: {name}={v!r} must be a finite number >= 0")
+        for name in ("pcie_gbps", "host_memory_gbps", "host_memory_gb"):
+            v = getattr(self, name)
+            if v is not None and not (_finite(v) and v > 0):
+                raise PlanError(f"hardware profile {self.name!r}: {name}={v!r} must be a positive number or null")
         if self.fp8_tflops is not None and not self.fp8_tflops > 0:
             raise PlanError(f"hardware profile {self.name!r}: fp8_tflops={self.fp8_tflops!r} must be positive or null")
         for name in ("gpus_per_node", "sm_count"):
@@ -132,6 +141,7 @@ _NUMBERS = (
     "sm_count",
     "host_memory_gb",
 )
+_OPTIONAL = ("pcie_gbps", "host_memory_gbps")  # null where a file leaves them out (profiles before --offload)
 
 
 def _read(path: Path, what: str) -> dict[str, Any]:
@@ -178,7 +188,7 @@ def _resolve(name: str, profiles: dict[str, Any], achieved: dict[str, Any], wher
     sources: dict[str, str] = {}
     own_achieved: dict[str, Any] = {}
     for entry in reversed(chain):  # the base first, each child overriding it
-        merged.update({k: v for k, v in entry.items() if k in _NUMBERS or k == "description"})
+        merged.update({k: v for k, v in entry.items() if k in _NUMBERS + _OPTIONAL or k == "description"})
         sources.update(entry.get("sources") or {})
         own_achieved.update(entry.get("achieved") or {})
     missing = [k for k in _NUMBERS if k not in merged]
@@ -189,12 +199,13 @@ def _resolve(name: str, profiles: dict[str, Any], achieved: dict[str, Any], wher
         ach = Achieved(**{f.name: shares[f.name] for f in fields(Achieved)})
     except KeyError as e:
         raise PlanError(f"{where}: the achieved shares lack {e.args[0]!r}; copy them from the built-in file") from None
+    figures: dict[str, Any] = {k: merged[k] for k in _NUMBERS} | {k: merged.get(k) for k in _OPTIONAL}
     return HardwareProfile(
         name=name,
         description=str(merged.get("description", name)),
         achieved=ach,
         sources={str(k): str(v) for k, v in sources.items()},
-        **{k: merged[k] for k in _NUMBERS},
+        **figures,
     )
 
 

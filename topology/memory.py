@@ -26,6 +26,7 @@ class Recipe:
     gradients: int
     optimizer: int
     description: str
+    master: int = 0  # of `optimizer`, the bytes of an fp32 master copy of the parameters
 
     @property
     def bytes_per_param(self) -> int:
@@ -34,14 +35,14 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     # bf16/fp16 weights and gradients, fp32 master weights + Adam m and v (4 + 4 + 4): the ZeRO paper's 16 B
-    "mixed_adam": Recipe(2, 2, 12, "bf16 params + bf16 grads + fp32 master and Adam moments"),
+    "mixed_adam": Recipe(2, 2, 12, "bf16 params + bf16 grads + fp32 master and Adam moments", master=4),
     # fp32 weights and gradients; Adam m and v in fp32, no separate master copy
     "fp32_adam": Recipe(4, 4, 8, "fp32 params + fp32 grads + fp32 Adam moments"),
     # bf16 params and grads with an fp32 master, fp32 Adam moments, and fp32 gradient accumulation buffer
-    "mixed_adam_fp32_grads": Recipe(2, 4, 12, "bf16 params + fp32 grads + fp32 master and Adam moments"),
+    "mixed_adam_fp32_grads": Recipe(2, 4, 12, "bf16 params + fp32 grads + fp32 master and Adam moments", master=4),
     # --optimizer muon: one fp32 momentum buffer instead of Adam's two moments, counted on every parameter
     # (the embeddings, head and norms that stay on AdamW hold 4 B more each: an under-count of their share)
-    "mixed_muon": Recipe(2, 2, 8, "bf16 params + bf16 grads + fp32 master and Muon momentum"),
+    "mixed_muon": Recipe(2, 2, 8, "bf16 params + bf16 grads + fp32 master and Muon momentum", master=4),
     "fp32_muon": Recipe(4, 4, 4, "fp32 params + fp32 grads + fp32 Muon momentum"),
 }
 
@@ -65,6 +66,10 @@ SHARDED_BY_STAGE: dict[int, frozenset[str]] = {
 # checks, the planner and the memory model
 FSDP_STRATEGIES: dict[str, int] = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
 AC_MODES: tuple[str, ...] = ("none", "full", "selective", "op")
+# `--offload` (parallel/offload.py): none; optimizer (AdamW's moments, an fp32 copy of each shard and a gradient
+# buffer in host memory, stepped there; weights and gradients stay on the GPU); params (FSDP2's CPUOffloadPolicy:
+# parameter shards, gradients and optimizer state in host memory, the step there)
+OFFLOAD_MODES: tuple[str, ...] = ("none", "optimizer", "params")
 
 
 def get_recipe(name: str) -> Recipe:
@@ -151,6 +156,37 @@ def model_state_bytes(
         )
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer"]
     return out
+
+
+def offload_split(states: dict[str, float], offload: str, recipe: str = "fp32_adam") -> dict[str, dict[str, float]]:
+    """Where a rank's model states live under `offload`: {"device": {...}, "host": {...}}, each with the
+    components of `states` (model_state_bytes' per-rank figures) and its "total".
+
+    optimizer: the moments go to the host, with an fp32 copy of the shard the optimizer updates (unless the
+    recipe's optimizer state already holds that master copy, as mixed_adam's 12 B do) and a 4-byte gradient
+    buffer the gradients are copied into; the device keeps parameters and gradients. params: every component
+    goes to the host (the device holds gathered units only, counted with the activations).
+
+    >>> s = model_state_bytes(8e9, dp=1, zero_stage=3, recipe="fp32_adam")
+    >>> {k: round(v["total"] / 1e9) for k, v in offload_split(s, "optimizer").items()}
+    {'device': 64, 'host': 128}
+    """
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload={offload!r} is not one of {', '.join(OFFLOAD_MODES)}: use one of them")
+    r = get_recipe(recipe)
+    components = ("parameters", "gradients", "optimizer")
+    device = {c: float(states[c]) for c in components}
+    host = dict.fromkeys(components, 0.0)
+    if offload == "optimizer":
+        elements = states["optimizer"] / r.optimizer  # what the optimizer steps on this rank
+        host["optimizer"] = device.pop("optimizer") + elements * (0 if r.master else 4)
+        host["gradients"] = states["gradients"] / r.gradients * 4  # the host buffer the gradients land in
+        device["optimizer"] = 0.0
+    elif offload == "params":
+        host, device = device, dict.fromkeys(components, 0.0)
+    for side in (device, host):
+        side["total"] = sum(side[c] for c in components)
+    return {"device": device, "host": host}
 
 
 def min_gpus(num_params: float, gpu_memory_gb: float, recipe: str = "mixed_adam") -> int:

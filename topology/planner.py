@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .axes import (
     AXIS,
@@ -75,7 +75,8 @@ from .shapes import (
     stage_param_shapes,
 )
 from .memory import AC_MODES as MEMORY_AC_MODES
-from .memory import FSDP_STRATEGIES, GB, get_recipe, min_gpus
+from .memory import FSDP_STRATEGIES, GB, OFFLOAD_MODES, get_recipe, min_gpus, offload_split
+from .offload_model import fits_host, gathers_per_step, offload_seconds
 from .muon_memory import MUON_RECIPES, muon_extra_bytes
 from .step_time import Calibration, attention_flops_per_token, step_parts
 from .hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
@@ -158,6 +159,12 @@ class Hardware:
     loss: str = "chunked"  # `tessera train --loss`: chunked (never the whole logits) or logits
     # whose per-op checkpointing `ac op` is: tessera's (every matmul output kept) or torchtitan's (every other)
     ac_policy: str = "tessera"
+    # --offload's links (topology/offload_model.py), at the shares a copy and the host step reach: PCIe per GPU
+    # and direction (H100's Gen5 x16, 64 GB/s, at 0.8), the host's DRAM per node (DGX H100's 614 GB/s at 0.5),
+    # and the host memory per node the offloaded states must fit in (None: unknown, not checked)
+    pcie_gbps: float = 51.2
+    host_memory_gbps: float = 307.2
+    host_memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
@@ -166,7 +173,16 @@ class Hardware:
                 raise PlanError(f"{name}={v!r} must be a positive integer")
         if self.peak_tflops is None and self.calibration is None:
             object.__setattr__(self, "peak_tflops", H100_BF16_TFLOPS)
-        for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
+        for name in (
+            "gpu_memory_gb",
+            "peak_tflops",
+            "intra_node_gbps",
+            "inter_node_gbps",
+            "hbm_gbps",
+            "pcie_gbps",
+            "host_memory_gbps",
+            "host_memory_gb",
+        ):
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):  # inf would make every step take no time
                 raise PlanError(f"{name}={v!r} must be a positive, finite number")
@@ -219,7 +235,12 @@ class Hardware:
             intra_node_gbps=prof.intra_node_gbps * a.link_share,
             inter_node_gbps=prof.inter_node_gbps * a.link_share,
             hbm_gbps=prof.hbm_gbps * a.hbm_share,
+            host_memory_gb=prof.host_memory_gb,
         )
+        if prof.pcie_gbps is not None:
+            base["pcie_gbps"] = prof.pcie_gbps * a.pcie_share
+        if prof.host_memory_gbps is not None:
+            base["host_memory_gbps"] = prof.host_memory_gbps * a.host_memory_share
         return cls(gpus=gpus, profile=prof, **{**base, **settings})
 
     @property
@@ -264,6 +285,7 @@ class Candidate:
     microbatches: int = 1
     virtual: int = 1
     sp: bool | None = None  # sequence parallel; None: on whenever tp > 1
+    offload: str = "none"  # --offload: model states in host memory (topology/offload_model.py)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -279,6 +301,8 @@ class Candidate:
         ]
         if self.layout.pp > 1:
             parts.insert(1, self.schedule + (f" v{self.virtual}" if self.virtual > 1 else ""))
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
         return ", ".join(parts)
 
     def flags(self) -> str:
@@ -299,6 +323,8 @@ class Candidate:
             out.append(f"--schedule {self.schedule}")
         if self.virtual > 1:
             out.append(f"--virtual {self.virtual}")
+        if self.offload != "none":
+            out.append(f"--offload {self.offload}")
         return " ".join(out)
 
 
@@ -594,9 +620,39 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         time, parts = physics_time(cfg, cand, hw, seq_len, global_batch, bubble, comm)
     else:
         time, parts = _rated_time(cfg, cand, hw, seq_len, global_batch, bubble, comm)
+    if cand.offload != "none":
+        time = _with_offload(time, cfg, cand, hw)
     tokens_per_s = tokens / time["step"]
     mfu = None if hw.peak_tflops is None else flops / (time["step"] * hw.gpus * hw.peak_flops_per_s)
-    return Estimate(cand, memory, time, comm, tokens_per_s, mfu, memory["total"] <= hw.usable_bytes, bubble, parts)
+    fits = memory["total"] <= hw.usable_bytes and fits_host(
+        memory.get("host_offload", 0.0), hw.gpus, hw.gpus_per_node, hw.host_memory_gb
+    )
+    return Estimate(cand, memory, time, comm, tokens_per_s, mfu, fits, bubble, parts)
+
+
+def _with_offload(time: dict[str, float], cfg: ModelShape, cand: Candidate, hw: Hardware) -> dict[str, float]:
+    """The step with --offload's copies and host optimizer (topology/offload_model.py) in place of the GPU's
+    optimizer, for the pp rank holding the most sharded parameters."""
+    lay = cand.layout
+    placement = placement_of(cand.schedule)
+    sharded = max(
+        rank_params_of(cfg, lay.tp, lay.pp, cand.virtual, fsdp_degree(lay), r, lay.ep, placement)[1]
+        for r in sorted({0, lay.pp - 1})
+    )
+    extra = offload_seconds(
+        cand.offload,
+        sharded,
+        hw.pcie_gbps * GB,
+        hw.host_memory_gbps * GB,
+        min(hw.gpus, hw.gpus_per_node),
+        # without data axes FSDP2 runs on the degree-1 mesh unresharded (parallelize): one gather a step
+        gathers_per_step(cand.strategy, lay.pp > 1 or fsdp_degree(lay) == 1, cand.microbatches),
+        time.get("compute", 0.0),
+    )
+    out = {k: v for k, v in time.items() if k not in ("step", "optimizer")}  # the GPU steps nothing
+    out["offload_copies"], out["host_optimizer"] = extra["offload_copies"], extra["host_optimizer"]
+    out["step"] = sum(out.values())
+    return out
 
 
 def _rated_time(
@@ -819,7 +875,10 @@ def _rank_memory(
     pipelined = lay.pp > 1
     # without data axes a compute dtype below fp32 runs FSDP2 on the degree-1 mesh for the precision policy
     # alone (parallelize): the whole stage's compute copy stays for the step
-    keeps_gathered = (fsdp > 1 and (cand.strategy == "SHARD_GRAD_OP" or pipelined)) or (fsdp == 1 and e < 4)
+    # (--offload params runs FSDP2 there too: its CPUOffloadPolicy)
+    keeps_gathered = (fsdp > 1 and (cand.strategy == "SHARD_GRAD_OP" or pipelined)) or (
+        fsdp == 1 and (e < 4 or cand.offload == "params")
+    )
     # (under FULL_SHARD one unit at the start of backward; two when backward recomputes a block, whose
     # re-gather overlaps the prefetch of the next)
     per_unit = 2 if cand.ac in ("full", "op") else 1
@@ -909,6 +968,12 @@ def _rank_memory(
     optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
     if hw.recipe in MUON_RECIPES:  # Muon's own accounting (topology/muon_memory.py)
         optimizer_step += _muon_memory(m, cfg, cand, hw, pp_rank, fsdp, stage, n_blocks=sum(layers[s] for s in stages))
+    if cand.offload != "none":  # the states that leave the GPU (topology/memory.py's offload_split)
+        split = offload_split({k: m[k] for k in ("parameters", "gradients", "optimizer")}, cand.offload, hw.recipe)
+        m.update({k: split["device"][k] for k in ("parameters", "gradients", "optimizer")})
+        m["host_offload"] = split["host"]["total"]  # in host memory, not in the device's total
+        # the step runs on the host: the device holds the gradients it copies down (optimizer) or nothing
+        optimizer_step = m["gradients"]
     m["total"] = m["parameters"] + m["optimizer"] + m["buffers"] + max(backward_start, optimizer_step)
     return m
 
@@ -1081,11 +1146,18 @@ class PlanResult:
 
 
 def plan(
-    shape, hw: Hardware, seq_len: int, global_batch: int, top: int | None = None, name: str | None = None
+    shape,
+    hw: Hardware,
+    seq_len: int,
+    global_batch: int,
+    top: int | None = None,
+    name: str | None = None,
+    offload: str | None = None,
 ) -> PlanResult:
     """Rank every runnable layout for a model of `shape` (a ModelShape: `tessera plan` resolves a preset name
     with spec_of(config).shape(config)) on `hw`; raise PlanError saying what is short when none fits. `name`
-    is what the request and the messages call the model (default: the shape's family)."""
+    is what the request and the messages call the model (default: the shape's family). `offload`: every layout
+    with its states there; None: without, unless nothing fits without (then the cheapest mode that fits)."""
     if isinstance(shape, str):
         raise TypeError(
             f"plan() takes a ModelShape, not the name {shape!r}: resolve it with tessera.models "
@@ -1111,7 +1183,18 @@ def plan(
             f"{global_batch}: the global batch must split over dp (try a multiple of {hw.gpus}) and "
             f"tp must divide the {cfg.n_heads} heads"
         )
+    if offload is not None:
+        cands = [replace(c, offload=offload) for c in cands]
     estimates = [estimate(cfg, c, hw, seq_len, global_batch) for c in cands]
+    offloaded = None
+    if offload is None and not any(
+        x.fits for x in estimates
+    ):  # offload only where nothing fits without it: the cheaper mode first
+        for mode in OFFLOAD_MODES[1:]:
+            tried = [estimate(cfg, replace(c, offload=mode), hw, seq_len, global_batch) for c in cands]
+            if any(x.fits for x in tried):
+                estimates, offloaded = tried, mode
+                break
     fitting = sorted(
         (x for x in estimates if x.fits),
         key=lambda x: (round(x.time["step"], 6), x.memory["total"], x.candidate.layout.cp, x.candidate.layout.pp),
@@ -1119,6 +1202,15 @@ def plan(
     closest = min(estimates, key=lambda x: x.memory["total"])
     result = PlanResult(fitting, None if fitting else closest, len(cands), request)
     result.why = why_best(result)  # against every fitting layout, not only the ones shown
+    if offloaded is not None:
+        best = fitting[0]
+        cost = best.time["offload_copies"] + best.time["host_optimizer"]
+        result.why = (
+            f"no layout fits in {hw.gpu_memory_gb:g} GB without offload: offload={offloaded} moves "
+            f"{best.memory['host_offload'] / GB:.1f} GB a rank to host memory and costs {cost:.2f} s of the "
+            f"{best.time['step']:.2f} s step (host optimizer {best.time['host_optimizer']:.2f} s, exposed copies "
+            f"{best.time['offload_copies']:.2f} s); " + result.why
+        )
     result.best_ep = next(((i + 1, x) for i, x in enumerate(fitting) if x.candidate.layout.ep > 1), None)
     result.ranked = fitting[:top] if top else fitting
     if not fitting:
@@ -1130,6 +1222,12 @@ def plan(
             f"({hw.headroom:.0%} headroom), short by {(closest.memory['total'] - hw.usable_bytes) / GB:.1f} GB; "
             f"model states alone need at least {floor} GPUs of {hw.gpu_memory_gb:g} GB (fully sharded), so add "
             f"GPUs or shorten the sequence or batch"
+            + (
+                f"; with offload=optimizer or offload=params neither fits either (the node's "
+                f"{'unknown' if hw.host_memory_gb is None else f'{hw.host_memory_gb:g} GB'} of host memory included)"
+                if offload is None
+                else f" (with offload={offload})"
+            )
         )
     return result
 

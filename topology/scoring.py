@@ -5,10 +5,13 @@ planner when not given), estimated alone, without enumerating the others; and th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .errors import PlanError
 from .fp8_model import blended_peak, fp8_flop_share
 from .layout import Layout
 from .memory import GB
+from .offload_model import check_offload_mode, host_bytes_per_node
 from .planner import Candidate, Estimate, Hardware, candidates_of_layout, estimate, model_flops_per_token
 from .planner import why_not_runnable
 from .shapes import as_shape
@@ -29,6 +32,7 @@ def score_one(
     schedule: str | None = None,
     virtual: int | None = None,
     microbatches: int | None = None,
+    offload: str | None = None,
 ) -> Estimate:
     """The estimate of `layout` with the settings given; each one left None is the planner's fastest choice
     among the settings tessera runs (a fitting one first). PlanError saying why tessera would not run it."""
@@ -44,6 +48,9 @@ def score_one(
             Candidate(c.layout, c.strategy, c.ac, c.schedule, c.microbatches, c.virtual, sequence_parallel)
             for c in pool
         ]
+
+    if offload is not None:  # --offload: every setting scored with the states where it puts them
+        pool = [replace(c, offload=check_offload_mode(offload)) for c in pool]
 
     def wanted(c: Candidate) -> bool:
         return (
@@ -64,6 +71,7 @@ def score_one(
             microbatches or max(1, layout.pp),
             virtual or 1,
             sequence_parallel,
+            offload or "none",
         )
         chosen = [probe]
     runnable = [c for c in chosen if why_not_runnable(cfg, c, seq_len, global_batch) is None]
@@ -99,8 +107,17 @@ def estimate_record(x: Estimate, hw: Hardware, shape, seq_len: int, global_batch
         record["mfu_fp8"] = flops / (step * hw.gpus * fp8_peak)
         record["mfu_fp8_blended"] = flops / (step * hw.gpus * blended)
         record["fp8_flop_share"] = share
-    if not x.fits:
-        parts = {k: v for k, v in x.memory.items() if k != "total"}
+    host = x.memory.get("host_offload")
+    if host is not None:  # --offload: what each rank and each node keep in host memory
+        node = host_bytes_per_node(host, hw.gpus, hw.gpus_per_node)
+        record["host_memory_gb"] = {"per_rank": host / GB, "per_node": node / GB, "node_has": hw.host_memory_gb}
+    if not x.fits and x.memory["total"] <= hw.usable_bytes and host is not None:
+        record["overflow"] = (
+            f"the offloaded states need {node / GB:.1f} GB of host memory a node ({host / GB:.1f} GB a rank), more "
+            f"than its {hw.host_memory_gb:g} GB; offload less (offload=optimizer) or spread over more nodes"
+        )
+    elif not x.fits:
+        parts = {k: v for k, v in x.memory.items() if k not in ("total", "host_offload")}
         biggest = max(parts, key=lambda k: parts[k])
         record["overflow"] = (
             f"needs {x.memory['total'] / GB:.1f} GB against {hw.usable_bytes / GB:.1f} GB usable, short by "

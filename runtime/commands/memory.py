@@ -202,6 +202,14 @@ def _memory(args: argparse.Namespace) -> int:
                 rows["note"] = MUON_NOTE
             if fp8 is not None:
                 rows["fp8"] = fp8
+            if args.offload != "none":  # where each stage's states live under --offload
+                rows["offload"] = {
+                    "mode": args.offload,
+                    **{
+                        f"zero{st}": memory.offload_split(rows[f"zero{st}"], args.offload, args.recipe)
+                        for st in range(4)
+                    },
+                }
             print(json.dumps(rows))
         else:
             if split > 1 or shard_group != args.dp:
@@ -234,12 +242,30 @@ def _memory(args: argparse.Namespace) -> int:
                 )
             if fp8 is not None:
                 print(_fp8_line(args.fp8, fp8))
+            if args.offload != "none":
+                print(_offload_line(args.offload, per_rank_params, shard_group, args.recipe))
         if args.dry_run:
             _memory_dry_run(args)
     except ValueError as e:
         print(f"tessera memory: error: {said(e, args)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _offload_line(mode: str, params: float, shard_group: int, recipe: str) -> str:
+    """Where --offload puts a rank's states, per ZeRO stage: on the GPU and in host memory."""
+    cells = []
+    for st in range(4):
+        split = memory.offload_split(
+            memory.model_state_bytes(params, dp=shard_group, zero_stage=st, recipe=recipe), mode, recipe
+        )
+        cells.append(f"ZeRO-{st} {_gb(split['device']['total'])} GPU + {_gb(split['host']['total'])} host")
+    what = (
+        "the moments, an fp32 copy of each shard and a gradient buffer on the host"
+        if mode == "optimizer"
+        else "parameters, gradients and optimizer state on the host (FSDP2's CPUOffloadPolicy)"
+    )
+    return f"--offload {mode} ({what}), per rank: " + "; ".join(cells)
 
 
 def _fp8_summary(args: argparse.Namespace, tp: int, shard_group: int) -> dict[str, float] | None:
@@ -373,5 +399,11 @@ def add_memory_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="tensorwise|rowwise",
         help="with --model: the parameters --fp8 runs in FP8, the all-gather bytes it saves, its casts' traffic",
+    )
+    mem.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "params"),
+        default="none",
+        help="also print where tessera train --offload puts each stage's states: on the GPU and in host memory",
     )
     mem.set_defaults(func=_memory)

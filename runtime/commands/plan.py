@@ -158,6 +158,14 @@ def add_plan_parser(sub) -> None:
         help="the attention kernels' backend whose rate is planned (default cudnn, what tessera picks on Hopper; "
         "flash2: SDPA's default FlashAttention-2)",
     )
+    p.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "params"),
+        default=None,
+        help="plan tessera train --offload: optimizer (AdamW's moments and an fp32 copy on the host, stepped there) "
+        "or params (FSDP2's CPUOffloadPolicy); its PCIe copies and host step are counted, the host memory per node "
+        "checked (default: offload only where nothing fits without it)",
+    )
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     p.add_argument(
         "--dry-run",
@@ -369,11 +377,12 @@ def run_plan(args: argparse.Namespace) -> int:
                 schedule=args.schedule,
                 virtual=args.virtual,
                 microbatches=args.microbatches,
+                offload=args.offload,
             )
             alone = estimate_record(scored_alone, hw, shape, args.seq_len, args.global_batch)
         if args.top == 0:
             return _print_alone(args, hw, shape, alone, started)
-        result = plan(shape, hw, args.seq_len, args.global_batch, top=None, name=args.model)
+        result = plan(shape, hw, args.seq_len, args.global_batch, top=None, name=args.model, offload=args.offload)
         scored = (
             score_layout(shape, hw, args.seq_len, args.global_batch, result, named[0], fixed, model=args.model)
             if named

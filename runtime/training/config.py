@@ -213,7 +213,7 @@ class Config:
         from tessera.parallel.pipeline import PipelineConfig
 
         p = self.parallel
-        data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch)
+        data = DataParallelConfig(p.fsdp.upper(), self.mixed_precision, p.ac, p.prefetch, p.offload)
         if p.schedule_file is not None:  # the file's actions, as data (read here, on every rank, like --data)
             pipeline = PipelineConfig(
                 tuple(map(tuple, read_schedule_file(p.schedule_file))),

@@ -41,6 +41,7 @@ def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
         config.data.microbatches,
         p.pipeline.virtual,
         p.sequence_parallel,
+        p.data.offload,
     )
     element = PRECISIONS[p.data.mixed_precision].itemsize
     ranks = layout.world_size
@@ -62,12 +63,16 @@ def fit_problem(config: Any, available: int | None, local_ranks: int, per_device
     `available` bytes (each also needs CPU_RANK_RUNTIME_BYTES of runtime); a GPU rank has its device's
     `per_device` bytes. Unknown capacities pass."""
     need = planner_estimate(config).memory
+    host = need.get("host_offload", 0.0)  # --offload: the states each rank keeps in host memory
     per_rank = need["total"]
-    parts = ", ".join(f"{k} {v / GB:,.2f}" for k, v in need.items() if k != "total" and v >= 0.01 * GB)
+    parts = ", ".join(
+        f"{k} {v / GB:,.2f}" for k, v in need.items() if k not in ("total", "host_offload") and v >= 0.01 * GB
+    )
     what = (
         f"the planner estimates {per_rank / GB:,.2f} GB per rank ({parts or 'all parts under 0.01 GB'}) for "
         f"{config.layout} at seq_len={config.data.seq_len}, global_batch={config.data.global_batch}, "
         f"microbatches={config.data.microbatches}"
+        + (f", and {host / GB:,.2f} GB per rank of offloaded states in host memory" if host else "")
     )
     fix = (
         "lower `global_batch`, raise `microbatches`, add activation checkpointing, spread the model over more "
@@ -76,9 +81,21 @@ def fit_problem(config: Any, available: int | None, local_ranks: int, per_device
     if per_device is not None:
         if per_rank > per_device:
             return f"{what}, more than a GPU's {per_device / GB:,.2f} GB; {fix}"
+        from tessera.parallel.host_memory import available_bytes  # lazy: tessera.parallel imports torch
+
+        host_available = available_bytes() if host else None
+        if host_available is not None and local_ranks * host > host_available:
+            return (
+                f"--offload {config.parallel.offload}: the planner estimates {host / GB:,.2f} GB of host memory per "
+                f"rank for the offloaded states, {local_ranks * host / GB:,.2f} GB for this machine's {local_ranks} "
+                f"rank(s), more than the {host_available / GB:,.2f} GB it has available; offload less (--offload "
+                f"optimizer keeps the weights and gradients on the GPU), spread the model over more machines, or "
+                f"pass `force` to run anyway"
+            )
         return None
     if available is None:
         return None
+    per_rank += host  # CPU ranks: the host buffers are the same memory
     total = local_ranks * (per_rank + CPU_RANK_RUNTIME_BYTES)
     if total <= available:
         return None

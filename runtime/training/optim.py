@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from tessera.models.init import one_process_name
 from tessera.parallel.muon import Muon
+from tessera.parallel.offload import HostAdamW
 from torch.distributed.tensor import DTensor
 
 
@@ -58,19 +59,21 @@ def kernel_options(params: list[nn.Parameter]) -> dict[str, bool]:
 
 
 def build_adamw(
-    params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    params: Iterable[nn.Parameter],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    host: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over `params` with the multi-tensor kernels, one param group per mesh."""
+    """AdamW over `params` with the multi-tensor kernels, one param group per mesh; `host` (--offload
+    optimizer): its moments in host memory and its step there (parallel/offload.py's HostAdamW)."""
     params = list(params)
+    groups = [{"params": g} for g in groups_by_mesh(params)]
+    if host:
+        return HostAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     options = kernel_options(params)
-    optimizer = torch.optim.AdamW(
-        [{"params": g} for g in groups_by_mesh(params)],
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        **options,
-    )
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options)
     optimizer.register_load_state_dict_post_hook(lambda o: _keep_kernels(o, options))
     return optimizer
 
@@ -139,7 +142,9 @@ class PartOptimizers:
 
     def step(self) -> None:
         for o in self.optimizers:
-            if isinstance(o, torch.optim.Adam):  # AdamW too (its subclass)
+            if isinstance(o, HostAdamW):  # its step swaps in the host copies itself
+                o.step()
+            elif isinstance(o, torch.optim.Adam):  # AdamW too (its subclass)
                 with on_local_shards(o):
                     o.step()
             else:

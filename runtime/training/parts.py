@@ -18,6 +18,7 @@ import torch
 from tessera.models.moe import set_aux_weight
 from tessera.parallel import materialize, parallelize
 from tessera.parallel.data import PRECISIONS
+from tessera.parallel.offload import move_buffers
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank
 from tessera.parallel.tied import TiedGradients, no_tied_gradients, pipeline_tied_group, shared_parameters
 from tessera.topology import Meshes
@@ -51,12 +52,20 @@ def build_parts(
     global batch's sequences, which an MoE block's auxiliary loss is the mean over (models/moe.py)."""
     layout = meshes.layout
     rank = torch.distributed.get_rank()
+    # --offload params: FSDP2 wants its offloaded shards materialized on the host; the buffers go to `device`
+    states_on = torch.device("cpu") if parallel.data.offload == "params" else device
+
+    def place(part: nn.Module) -> None:
+        materialize(part, states_on, seed, spec=spec)
+        if states_on != device:
+            move_buffers(part, device)
+
     # d(loss)/d(one sequence's auxiliary loss), scaled as the runners scale the loss (grad_scale)
     aux_weight = None if global_rows is None else meshes.fsdp_size / global_rows
     if layout.pp == 1:
         model = spec.build_model(model_config, device="meta")
         parallelize(model, meshes, parallel, spec=spec)
-        materialize(model, device, seed, spec=spec)
+        place(model)
         set_aux_weight(model, aux_weight)
         runner: Runner = LocalRunner(model, loss_fn, grad_scale=meshes.fsdp_size, positions=positions)
         return Parts([model], runner, no_tied_gradients())
@@ -67,7 +76,7 @@ def build_parts(
     for s in stages_of_rank(layout.index("pp", rank), pp, virtual, parallel.pipeline.placement):
         part = build_stage(model_config, s, n_stages, layers[s], spec=spec)
         parallelize(part, meshes, parallel, spec=spec)
-        materialize(part, device, seed, spec=spec)
+        place(part)
         set_aux_weight(part, aux_weight)
         stages[s] = part
     tied = no_tied_gradients()

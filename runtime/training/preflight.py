@@ -52,6 +52,7 @@ def check(config: Config) -> None:
     config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
     _check_device(config, layout.world_size)
     check_fp8(config.parallel.fp8, model, spec_of(model), layout.tp, config.device_type())
+    _check_offload(config)
     _check_fits(config, layout.world_size)
     _check_paths(config, model)
     _check_profile(config)
@@ -363,6 +364,24 @@ def _check_device(config: Config, world: int) -> None:
                 f"--device cuda with {local} local ranks needs {local} GPUs (one per rank); this machine has "
                 f"{torch.cuda.device_count()}: use --device cpu, a smaller layout, or torchrun across nodes"
             )
+
+
+def _check_offload(config: Config) -> None:
+    """--offload's combinations that tessera does not run, each refused in one line (the mode itself:
+    DataParallelConfig's check)."""
+    offload = config.parallel.offload
+    if offload == "none":
+        return
+    if config.optimizer.optimizer == "muon":
+        raise ValueError(
+            f"--offload {offload} with --optimizer muon: offload steps AdamW on the host shard by shard, and Muon "
+            f"orthogonalizes whole matrices gathered on the device; use --optimizer adamw, or drop --offload"
+        )
+    if offload == "optimizer" and config.parallel.fp8 == "tensorwise":
+        raise ValueError(
+            "--offload optimizer with --fp8 tensorwise: FSDP2's float8 all-gather wraps each weight shard in "
+            "torchao's subclass, which the host step cannot copy; use --fp8 rowwise or --offload params"
+        )
 
 
 def _check_fits(config: Config, world: int) -> None:

@@ -45,6 +45,7 @@ def header_record(config: Config, trainer: Any, run_id: str) -> dict[str, Any]:
         # measured from the tensors during this process's first step, never the config's label
         **(trainer.dtype_report or {"compute_dtype": None}),
         "mixed_precision_configured": config.mixed_precision,
+        **({"offload": trainer.offload_report()} if config.parallel.offload != "none" else {}),
         # this record and every step's are strict JSON: a NaN or infinite number (a skipped step's loss, the
         # config's --max-grad-norm inf) is written as null
         "nonfinite_as": "null",
@@ -76,6 +77,8 @@ def startup_line(config: Config, trainer: Any) -> str:
         where.insert(0, pipeline_summary(config))
     fewest = config.microbatches_chosen and config.layout.pp > 1
     where.insert(0, data_summary(config, trainer))
+    if config.parallel.offload != "none":
+        where.insert(0, offload_summary(config.parallel.offload, trainer.device.type))
     if config.optimizer.optimizer != "adamw":  # AdamW is the default: name another optimizer
         where.insert(0, "Muon on the hidden matrices, AdamW on the rest")
     return (
@@ -89,6 +92,18 @@ def startup_line(config: Config, trainer: Any) -> str:
         f"{' (packed documents, each attending only to itself)' if config.data.pack_documents else ''}"
         f"{f' in {config.microbatches} microbatches' if config.microbatches > 1 else ''}"
         f"{' (the fewest the schedule runs; --microbatches M to choose)' if fewest else ''}; " + "; ".join(where)
+    )
+
+
+def offload_summary(mode: str, device_type: str) -> str:
+    """What --offload moved, as the start-up line says it."""
+    what = (
+        "AdamW's moments and an fp32 copy of each shard in host memory, stepped there"
+        if mode == "optimizer"
+        else "parameter shards, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)"
+    )
+    return f"offload {mode}: {what}" + (
+        " (a CPU run: host buffers apart from the model's)" if device_type == "cpu" else ""
     )
 
 

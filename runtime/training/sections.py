@@ -81,6 +81,13 @@ class ParallelSection:
         metavar="tensorwise|rowwise",
     )
     prefetch: int = opt(0, "explicit FSDP all-gather prefetch of N blocks (0: FSDP2's implicit prefetch)", metavar="N")
+    offload: str = opt(
+        "none",
+        "model states in host memory: optimizer (AdamW's moments and an fp32 copy of each shard, stepped on the "
+        "host; weights and gradients stay on the GPU) or params (FSDP2's CPUOffloadPolicy: parameter shards, "
+        "gradients and optimizer state on the host); the price is PCIe copies and a host-side step",
+        metavar="none|optimizer|params",
+    )
     compile: bool = opt(
         False,
         "torch.compile each transformer block (after tp, cp and checkpointing, before FSDP2; the "

@@ -26,6 +26,7 @@ from tessera.models.moe import reset_counters
 from tessera.models.spec import shape_of, spec_of
 from tessera.parallel import checkpoint
 from tessera.parallel.clip import clip_grad_norm_
+from tessera.parallel.offload import offload_report
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
 from tessera.parallel.comm_stats import CommCounter
 from tessera.parallel.data import PRECISIONS, layout_for_strategy
@@ -118,7 +119,12 @@ class Trainer:
                 build_muon(part, self.spec.is_matrix, o, PRECISIONS[config.mixed_precision])
                 if o.optimizer == "muon"
                 else build_adamw(
-                    part.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+                    part.parameters(),
+                    lr=o.lr,
+                    betas=(o.beta1, o.beta2),
+                    eps=o.eps,
+                    weight_decay=o.weight_decay,
+                    host=config.parallel.offload == "optimizer",
                 )
                 for part in self.parts
             ]
@@ -305,6 +311,10 @@ class Trainer:
             placement=p.pipeline.placement,
             documents=c.data.pack_documents,
         )
+
+    def offload_report(self) -> dict[str, Any]:
+        """--offload: what this rank holds in host memory, measured from its tensors (parallel/offload.py)."""
+        return offload_report(self.config.parallel.offload, self.parts, self.optimizer.optimizers, self.device)
 
     def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         waits: dict[str, float] = {}
