@@ -204,3 +204,13 @@ def test_memory_and_plan_print_where_the_states_go():
     estimate_ = json.loads(out.stdout)["layout"]["estimate"]
     assert estimate_["host_memory_gb"]["per_node"] == pytest.approx(128.5, abs=0.1)
     assert {"offload_copies", "host_optimizer"} <= set(estimate_["split_s"])
+
+
+def test_plan_says_why_it_offloads_in_the_command_lines_words():
+    out = cli_here(
+        "plan", "--model", "8b", "--gpus", "1", "--hardware", "nvidia-h200", "--seq-len", "4096", "--global-batch", "4",
+        "--top", "1",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "why: no layout fits in 150.1 GB without offload: --offload optimizer moves 128.5 GB" in out.stdout
+    assert "--offload optimizer" in next(ln for ln in out.stdout.splitlines() if ln.startswith("best: "))

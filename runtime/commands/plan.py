@@ -413,7 +413,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 {
                     "request": result.request,
                     "considered": result.considered,
-                    "why": result.why,
+                    "why": with_flags(result.why, getattr(args, "flags", {})),
                     "ranked": [{**x.as_dict(), "command": command(x)} for x in result.ranked],
                     "best_ep": best_ep,
                     "dry_run": dry,
@@ -440,7 +440,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(_row(place, x))
         print(f"best with expert parallel (ranked {place}): {command(x)}")
     print(f"best: {command(best)}")
-    print(f"why: {result.why}")
+    print(f"why: {with_flags(result.why, getattr(args, 'flags', {}))}")
     if scored is not None:
         print(f"--layout {args.layout}: {scored['verdict']}")
     if hw.calibration is None and hw.profile is not None:
