@@ -14,7 +14,9 @@ Parts, in the order of what they tell a user (--parts a,b,... runs a subset, in 
                      25 kernels, the step's time by kind and the GPU's idle time, the allocator's peak by
                      what held it (runtime/metrics/step_profile.py)
   baseline  (50 s)   the plain-torch baseline (tessera.commands.baseline: FSDP2 on one rank, SDPA, fused AdamW), eager,
-                     at that batch (halved on out-of-memory); tessera / baseline step time
+                     at that batch (halved on out-of-memory), on the attention backend tessera picks (cuDNN on
+                     Hopper: the strongest), then on SDPA's default priority as a second named row
+                     (`sdpa_default`); each row records the backend that ran; tessera / baseline step time
   compiled  (130 s)  the same row with --compile (60% of the part), then the baseline compiled per block at
                      that batch; compiled / baseline
   fp8       (95 s)   --fp8 tensorwise (torchao's float8; FSDP2's degree-1 mesh, no float8 all-gather to
@@ -172,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
                 if part == "baseline":
                     result = part_baseline(suite, cap, peak, False, batch)
                     result["tessera_over_baseline"] = ratio_to(eager_row, result["row"])
+                    result["tessera_over_sdpa_default_baseline"] = ratio_to(eager_row, result["sdpa_default"])
                 else:
                     result = part_compiled(suite, cap, peak, batch)
             elif part == "fp8":
@@ -260,6 +263,11 @@ def summary_line(part: str, result: dict) -> str:
         return (
             text
             + (f"; tessera / baseline step time {ratio:.3f}" if ratio is not None else "")
+            + (
+                f" (against SDPA's default backend {other:.3f})"
+                if (other := result.get("tessera_over_sdpa_default_baseline")) is not None
+                else ""
+            )
             + f" ({result['seconds']:.0f} s)"
         )
     if part == "fp8":

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def _first_steps(steps: int):
@@ -76,3 +77,37 @@ def test_baseline_imports_no_tessera_parallel_layer_and_runs_from_its_command_li
     assert out.returncode == 0, out.stderr[-3000:]
     records = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert len(records) == int(args[args.index("--steps") + 1]) and '"compute_dtype": "float32"' in records[0]
+
+
+@pytest.mark.parametrize(
+    "capability, dtype, head_dim, cudnn",
+    [
+        ((9, 0), torch.bfloat16, 64, True),  # Hopper, the 1b preset's heads: tessera's dispatcher picks cuDNN
+        ((9, 0), torch.bfloat16, 128, True),
+        ((10, 0), torch.float16, 128, True),
+        ((9, 0), torch.bfloat16, 256, False),  # past cuDNN's training head dims
+        ((9, 0), torch.bfloat16, 60, False),  # not a multiple of 8
+        ((9, 0), torch.float32, 64, False),  # fp32: SDPA's own choice
+        ((8, 0), torch.bfloat16, 64, False),  # Ampere keeps SDPA's priority (tessera's Triton kernel there)
+    ],
+)
+def test_the_baseline_picks_the_attention_backend_as_tessera_does(monkeypatch, capability, dtype, head_dim, cudnn):
+    from tessera.commands import baseline
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert baseline.cudnn_serves(torch.device("cuda", 0), dtype, head_dim) is cudnn
+    assert baseline.cudnn_serves(torch.device("cpu"), dtype, head_dim) is False
+
+
+def test_every_baseline_record_names_the_attention_backend_that_ran_and_the_mode_that_chose_it():
+    from tessera.commands import baseline
+    from tessera.models import get_preset
+
+    cfg = get_preset("debug")
+    batches = baseline.tessera_batches(cfg, 32, 2)
+    for mode in baseline.ATTENTION_MODES:
+        records = baseline.train(cfg, batches, 1, "cpu", None, baseline.Options(attention=mode))
+        # on CPU SDPA's dispatcher takes its CPU flash kernel either way (cuDNN serves CUDA only)
+        assert records[0]["attention_backend"] == "flash_attention" and records[0]["attention_mode"] == mode
+    with pytest.raises(ValueError, match="attention='cudnn' is not one of best, sdpa-default"):
+        baseline.train(cfg, batches, 1, "cpu", None, baseline.Options(attention="cudnn"))

@@ -380,8 +380,8 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
         ),
         (  # 405B's 6.5 TB of states fit neither the GPUs nor a node's host memory
             ["--model", "405b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"],
-            r"405b does not fit on 8 GPUs .* with --offload optimizer or --offload params neither fits either \(the node's "
-            r"2048 GB of host memory included\)$",
+            r"405b does not fit on 8 GPUs .* with --offload optimizer or --offload params neither fits either "
+            r"\(the node's 2048 GB of host memory included\)$",
         ),
         (
             ["--model", "8b", "--gpus", "12", "--gpus-per-node", "8", "--seq-len", "4096", "--global-batch", "12"],

@@ -2,7 +2,10 @@
 careful user would write it without tessera.
 
     the Llama of tessera.models written directly (same parameter names, so a tessera state dict loads as is)
-    F.scaled_dot_product_attention (causal, grouped-query), F.rms_norm, RoPE in fp32
+    F.scaled_dot_product_attention (causal, grouped-query) on the best backend the device offers, chosen as
+        tessera chooses (cuDNN's on Hopper for 16-bit head dims up to 128), or torch's own priority when asked
+        (`attention="sdpa-default"`: FlashAttention-2 first on Hopper); the backend that ran is recorded
+    F.rms_norm, RoPE in fp32
     torch.compile per block (on CUDA by default; on CPU when asked)
     FSDP2 fully_shard per block and at the root on a one-rank mesh, MixedPrecisionPolicy(param_dtype = the
         compute dtype, reduce_dtype = fp32): fp32 master weights, matmuls in bf16 (GPU default) or fp32
@@ -18,6 +21,7 @@ initial weights and the token stream from tessera.models, so "same weights, same
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -34,8 +38,40 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# "best": what tessera's dispatcher picks (kernels/cudnn_attention.py's rule, restated here: the baseline imports
+# torch only): cuDNN's fused attention on compute capability >= 9.0 for bf16/fp16 head dims up to 128, else SDPA's
+# own choice; "sdpa-default": SDPA's own priority everywhere (on Hopper, FlashAttention-2 before cuDNN)
+ATTENTION_MODES = ("best", "sdpa-default")
+
+
+def cudnn_serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether tessera's rule sends this step's attention to cuDNN (causal, Sq == Sk, no window or documents)."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    )
+
+
+def cudnn_first() -> contextlib.AbstractContextManager:
+    """SDPA with cuDNN's backend first, then flash, memory-efficient and math: tessera's order on Hopper."""
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def sdpa_choice(q: Tensor, k: Tensor, v: Tensor) -> str:
+    """The backend SDPA's dispatcher picks for these inputs (causal, grouped-query when the heads differ), by
+    name: the function its dispatch calls (torch._fused_sdp_choice)."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    except (RuntimeError, TypeError):  # a torch whose choice function takes other arguments
+        return "unknown"
+    return SDPBackend(choice).name.lower() if not isinstance(choice, SDPBackend) else choice.name.lower()
 
 
 @dataclass(frozen=True)
@@ -71,8 +107,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, s: Shape):
+    def __init__(self, s: Shape, cudnn: bool = False):
         super().__init__()
+        self.cudnn = cudnn  # SDPA with cuDNN first (ATTENTION_MODES' "best", where tessera's rule sends it there)
         self.head_dim = s.dim // s.n_heads
         self.wq = nn.Linear(s.dim, s.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=False)
@@ -85,7 +122,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        with cudnn_first() if self.cudnn else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -101,10 +139,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, s: Shape):
+    def __init__(self, s: Shape, cudnn: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(s.dim, s.norm_eps)
-        self.attention = Attention(s)
+        self.attention = Attention(s, cudnn)
         self.ffn_norm = RMSNorm(s.dim, s.norm_eps)
         self.feed_forward = FeedForward(s)
 
@@ -116,11 +154,11 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """Parameter names as tessera's Transformer (tok_embeddings, layers.N.attention.wq, ..., norm, output)."""
 
-    def __init__(self, s: Shape):
+    def __init__(self, s: Shape, cudnn: bool = False):
         super().__init__()
         self.shape = s
         self.tok_embeddings = nn.Embedding(s.vocab_size, s.dim)
-        self.layers = nn.ModuleList(Block(s) for _ in range(s.n_layers))
+        self.layers = nn.ModuleList(Block(s, cudnn) for _ in range(s.n_layers))
         self.norm = RMSNorm(s.dim, s.norm_eps)
         self.output = nn.Linear(s.dim, s.vocab_size, bias=False)
 
@@ -159,6 +197,7 @@ class Options:
     eps: float = 1e-8
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    attention: str = "best"  # ATTENTION_MODES
 
 
 State = dict[str, Tensor] | Callable[[], dict[str, Tensor]] | None
@@ -168,8 +207,14 @@ def build(cfg: Any, state: State, device: torch.device, options: Options) -> Lla
     """The model on `device`, weights from `state` (a tessera state dict, or a function returning one, called
     here and dropped once loaded; None: torch's default init), compiled per block if asked, then FSDP2 on a
     one-rank mesh with the mixed-precision policy. Needs an initialized one-rank process group."""
+    if options.attention not in ATTENTION_MODES:
+        raise ValueError(f"attention={options.attention!r} is not one of {', '.join(ATTENTION_MODES)}")
+    shape = _shape_of(cfg)
+    cudnn = options.attention == "best" and cudnn_serves(
+        device, DTYPES[options.mixed_precision], shape.dim // shape.n_heads
+    )
     with torch.device("meta"):
-        model = Llama(_shape_of(cfg))
+        model = Llama(shape, cudnn)
     model.to_empty(device=device)
     if state is not None:
         weights = state() if callable(state) else state
@@ -251,6 +296,7 @@ def _train(cfg, batches, steps, device, state, options) -> list[dict[str, Any]]:
             seen["compute_dtype"] = str(torch.promote_types(x.dtype, module.weight.dtype)).replace("torch.", "")
 
     handle = model.output.register_forward_pre_hook(probe)
+    attention_backend = _attention_backend(model, device, DTYPES[options.mixed_precision])
     records = []
     max_seq = None
     cos = sin = None
@@ -284,9 +330,23 @@ def _train(cfg, batches, steps, device, state, options) -> list[dict[str, Any]]:
                 "tokens_per_s": tokens / elapsed,
                 "peak_memory_bytes": _peak_memory(device),
                 "compute_dtype": seen.get("compute_dtype"),
+                "attention_backend": attention_backend,
+                "attention_mode": options.attention,
             }
         )
     return records
+
+
+def _attention_backend(model: Llama, device: torch.device, dtype: torch.dtype) -> str:
+    """The SDPA backend the step's attention runs on: the dispatcher's pick (under the priority the model's
+    attention sets) for q/k/v of the model's heads in this dtype."""
+    s = model.shape
+    hd = s.dim // s.n_heads
+    q = torch.zeros(1, s.n_heads, 128, hd, device=device, dtype=dtype)
+    kv = torch.zeros(1, s.n_kv_heads, 128, hd, device=device, dtype=dtype)
+    first: Any = model.layers[0]
+    with cudnn_first() if first.attention.cudnn else contextlib.nullcontext():
+        return sdpa_choice(q, kv, kv)
 
 
 def tessera_batches(cfg: Any, seq_len: int, global_batch: int) -> Callable[[int], tuple[Tensor, Tensor]]:
@@ -321,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when there is a GPU)")
     p.add_argument("--mixed-precision", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="per block (auto: on CUDA only)")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_MODES,
+        default="best",
+        help="best: the backend tessera picks (cuDNN on Hopper); sdpa-default: torch's own priority",
+    )
     args = p.parse_args(argv)
     from tessera.models import get_preset  # lazy: (as in tessera_batches) the baseline imports torch only
 
@@ -333,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     options = Options(
         mixed_precision=args.mixed_precision or ("bf16" if device.type == "cuda" else "fp32"),
         compile=args.compile == "on" or (args.compile == "auto" and device.type == "cuda"),
+        attention=args.attention,
     )
     records = train(
         cfg,

@@ -239,7 +239,7 @@ def _exposed(row: dict) -> str:
     return f"{row['exposed_comm_s'] * 1e3:.1f} ms exposed communication"
 
 
-def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
+def baseline_rank(config, compile: bool, steps: int, attention: str = "best") -> list[dict]:
     """On a one-rank job: the plain-torch baseline (tessera.commands.baseline) at the config's model, seed, data,
     sequence, global batch, mixed precision and optimizer; its step records."""
     # lazy: torch, and these modules that import it, stay out of `tessera --help`
@@ -261,6 +261,7 @@ def baseline_rank(config, compile: bool, steps: int) -> list[dict]:
         eps=o.eps,
         weight_decay=o.weight_decay,
         max_grad_norm=o.max_grad_norm,
+        attention=attention,
     )
     batches = baseline.tessera_batches(cfg, config.data.seq_len, config.data.global_batch)
     return baseline.train(
@@ -403,6 +404,9 @@ def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, 
         "tokens_per_s_per_device": tokens / step / devices,
         **mfu_by_dtype(flops, step, devices, peak, records[0].get("matmul_flops_by_dtype")),
         "compute_dtype": records[0].get("compute_dtype"),
+        # which SDPA backend ran (the dispatcher's pick under the baseline's priority), and which mode chose it
+        "attention_backend": records[0].get("attention_backend"),
+        "attention_mode": records[0].get("attention_mode"),
         "peak_memory_bytes": max(m["peak_memory_bytes"] for m in records),
         "final_loss": records[-1]["loss"],
         "losses": [m["loss"] for m in records],

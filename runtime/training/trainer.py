@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from tessera.metrics.dtype_probe import NOT_MEASURED, MatmulDtypes
 from tessera.metrics.memtrack import LiveTensorBytes
-from tessera.metrics.step_profile import CLIP_RANGE, OPTIMIZER_RANGE, ProfiledStep
+from tessera.metrics.kernel_kinds import CLIP_RANGE, OPTIMIZER_RANGE
+from tessera.metrics.step_profile import ProfiledStep
 from tessera.models.data import TokenStream
 from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
