@@ -49,10 +49,10 @@ def rank_run(kw: dict[str, Any], threads: int) -> dict[str, Any] | None:
     inner = optimizer.step
     seconds: list[float] = []
 
-    def timed_step() -> None:
+    def timed_step(**kwargs) -> None:
         dist.barrier()  # every rank's backward and clipping are done: time the step alone
         started = time.perf_counter()
-        inner()
+        inner(**kwargs)
         seconds.append(time.perf_counter() - started)
 
     optimizer.step = timed_step  # type: ignore[method-assign]

@@ -102,6 +102,22 @@ def global_grad_norm(parameters: Iterable[Tensor], pp_group: dist.ProcessGroup |
     return total.sqrt()
 
 
+def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    """What the gradients are multiplied by so their global norm is at most max_norm (1 for a non-finite norm,
+    which leaves the gradients as they are, so the non-finite ones can still be found by name)."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+
+
+@torch.no_grad()
+def scale_gradients_(parameters: Iterable[Tensor], coef: Tensor) -> None:
+    """Multiply every gradient of `parameters` by `coef`, one foreach call per device and dtype."""
+    # on the local shards: a foreach op over DTensors of different meshes is refused by some torch versions
+    local = [_local(g) for p in parameters if (g := p.grad) is not None]
+    for (device, _), grads in _by_device_and_dtype(local).items():
+        torch._foreach_mul_(grads, coef.to(device))
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[Tensor],
@@ -114,12 +130,5 @@ def clip_grad_norm_(
     copy on a pipeline stage is scaled, not counted twice)."""
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params, pp_group)
-    if scale_also is not None:
-        params = [p for p in scale_also if p.grad is not None]
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    # a NaN/inf norm leaves the gradients as they are, so the non-finite ones can still be found by name
-    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-    # on the local shards: a foreach op over DTensors of different meshes is refused by some torch versions
-    for (device, _), grads in _by_device_and_dtype([_local(g) for p in params if (g := p.grad) is not None]).items():
-        torch._foreach_mul_(grads, coef.to(device))
+    scale_gradients_(params if scale_also is None else scale_also, clip_coefficient(norm, max_norm))
     return norm

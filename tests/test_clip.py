@@ -304,3 +304,36 @@ def test_a_step_reads_the_device_a_fixed_number_of_times_not_once_per_parameter(
     assert few[1] < many[1]  # more parameters ...
     assert few[0] == many[0], (few, many)  # ... the same reads (the non-finite check, the step-time exchange)
     assert len(few[0]) <= 3, few
+
+
+def test_the_clip_folded_into_fused_adamw_equals_scaling_the_gradients_first():
+    """Issue 64 item 6: fused AdamW divides each gradient by grad_scale (1 / the clip's coefficient) as it reads it,
+    so the clip costs no pass of its own; the update equals scaling first up to rounding, exactly when no clip
+    applies (coefficient 1), and foreach AdamW and Muon, which cannot fold it, get their gradients scaled."""
+    from tessera.parallel.clip import clip_coefficient, scale_gradients_
+    from tessera.training.optim import PartOptimizers, build_adamw
+
+    torch.manual_seed(0)
+    for max_norm in (0.5, 1e9):  # clipping, and none
+        a = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+        explicit, folded = (
+            PartOptimizers([build_adamw(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)]) for ps in (a, b)
+        )
+        assert folded.folds_scale(folded.optimizers[0])
+        grads = [torch.randn(p.shape) for p in a]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        coef = clip_coefficient(norm, max_norm)
+        scale_gradients_(a, coef)
+        explicit.step()
+        folded.step(grad_scale=coef.reciprocal())
+        for p, q in zip(a, b):
+            if max_norm > 1e6:
+                assert torch.equal(p, q)
+            else:
+                torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+        assert not hasattr(folded.optimizers[0], "grad_scale")  # set for the step only
+    foreach = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=True)
+    assert not PartOptimizers([foreach]).folds_scale(foreach)

@@ -140,15 +140,30 @@ class PartOptimizers:
     def muon(self) -> list[Muon]:
         return [o for o in self.optimizers if isinstance(o, Muon)]
 
-    def step(self) -> None:
+    def folds_scale(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` applies a gradient scale inside its own kernel: torch's fused Adam(W) divides
+        each gradient by `grad_scale` as it reads it (the AMP grad scaler's hook), so the clip costs no
+        separate pass over the gradients; foreach AdamW and Muon take their gradients scaled beforehand."""
+        return isinstance(optimizer, torch.optim.Adam) and all(g.get("fused") for g in optimizer.param_groups)
+
+    def step(self, grad_scale: Tensor | None = None) -> None:
+        """One step of every optimizer; `grad_scale` (a 0-d tensor, the clip's 1 / coefficient): the
+        gradients of the optimizers that `folds_scale` are divided by it inside their fused kernel."""
         for o in self.optimizers:
-            if isinstance(o, HostAdamW):  # its step swaps in the host copies itself
-                o.step()
-            elif isinstance(o, torch.optim.Adam):  # AdamW too (its subclass)
-                with on_local_shards(o):
+            folded = grad_scale is not None and self.folds_scale(o)
+            if folded:
+                o.grad_scale = grad_scale  # type: ignore[attr-defined]
+            try:
+                if isinstance(o, HostAdamW):  # its step swaps in the host copies itself
                     o.step()
-            else:
-                o.step()
+                elif isinstance(o, torch.optim.Adam):  # AdamW too (its subclass)
+                    with on_local_shards(o):
+                        o.step()
+                else:
+                    o.step()
+            finally:
+                if folded:
+                    del o.grad_scale  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.optimizers:

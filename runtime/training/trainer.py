@@ -26,7 +26,7 @@ from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
 from tessera.models.spec import shape_of, spec_of
 from tessera.parallel import checkpoint
-from tessera.parallel.clip import clip_grad_norm_
+from tessera.parallel.clip import clip_coefficient, global_grad_norm, scale_gradients_
 from tessera.parallel.offload import offload_report
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
 from tessera.parallel.comm_stats import CommCounter
@@ -50,6 +50,10 @@ from .parts import build_parts
 from .runners import LocalRunner, forward_only, split_microbatches
 from .step_result import Progress, StepResult, peak_memory_bytes  # noqa: F401  (public here before the split)
 from .straggler import StragglerWatch
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _no_mark(phase: str) -> None:
@@ -342,11 +346,12 @@ class Trainer:
         if on_grads is not None:
             on_grads(self.parts)
         with record_function(CLIP_RANGE):
-            grad_norm = clip_grad_norm_(
-                self.norm_parameters(),
-                self.config.optimizer.max_grad_norm,
-                Meshes.group(self.meshes.pp),
-                scale_also=self.parameters(),
+            grad_norm = global_grad_norm(self.norm_parameters(), Meshes.group(self.meshes.pp))
+            coef = clip_coefficient(grad_norm, self.config.optimizer.max_grad_norm)
+            # the fused AdamWs take the clip inside their kernel (their grad_scale: 1 / coef); the rest, here
+            scale_gradients_(
+                [p for o in self.optimizer.optimizers if not self.optimizer.folds_scale(o) for p in _params_of(o)],
+                coef,
             )
         self._mark("clip")
         if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
@@ -383,7 +388,7 @@ class Trainer:
         if not skipped:
             self.progress.skipped_in_a_row = 0
             with record_function(OPTIMIZER_RANGE):
-                self.optimizer.step()
+                self.optimizer.step(grad_scale=coef.reciprocal())
             if load is not None and self.spec.moe:  # the auxiliary-loss-free bias follows the step it was measured in
                 update_biases(self.parts, self.spec.moe, load[0])
         self._mark("optimizer")
