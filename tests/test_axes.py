@@ -322,9 +322,13 @@ def test_the_planner_and_the_comm_model_spell_out_no_axes(tmp_path):
     from pathlib import Path
 
     import tessera.topology.comm_model
+    import tessera.topology.plan_inputs
     import tessera.topology.planner
+    import tessera.topology.rank_memory
+    import tessera.topology.step_estimate
 
-    for module in (tessera.topology.planner, tessera.topology.comm_model):
+    modules = (tessera.topology.planner, tessera.topology.plan_inputs, tessera.topology.rank_memory)
+    for module in (*modules, tessera.topology.step_estimate, tessera.topology.comm_model):
         assert _axis_listings(Path(module.__file__)) == []
     # the check finds what it looks for: the planner's and the comm model's former spellings
     probe = tmp_path / "probe.py"

@@ -367,7 +367,7 @@ def test_the_planner_never_offers_expert_parallel_for_a_dense_model():
 def test_expert_parallel_shrinks_a_ranks_parameters_and_the_memory_model_agrees():
     from tessera.commands.plan import model_shape
     from tessera.topology.memory import model_state_bytes
-    from tessera.topology.planner import rank_params
+    from tessera.topology.rank_memory import rank_params
 
     shape = model_shape("qwen3-30b-a3b")
     numel = {ep: rank_params(shape, 1, 1, 1, 8, ep)[0] for ep in (1, 2, 8)}

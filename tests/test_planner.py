@@ -21,21 +21,20 @@ from tessera.topology.comm_model import stage_layer_counts
 from tessera.topology.memory import GB, min_gpus, model_state_bytes
 from tessera.topology.planner import (
     AC_MODES,
-    SCHEDULES,
     STRATEGIES,
     Candidate,
     Hardware,
     PlanError,
     candidates,
     estimate,
-    model_flops_per_token,
     plan,
-    rank_params,
-    rank_params_of,
     why_best,
     why_not_runnable,
     wins_by,
 )
+from tessera.topology.plan_inputs import SCHEDULES
+from tessera.topology.step_estimate import model_flops_per_token
+from tessera.topology.rank_memory import rank_params, rank_params_of
 from tessera.topology.shapes import ModelShape, as_shape, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 
 
@@ -181,7 +180,7 @@ def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_ex
 
 def _activations_block_by_block(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, seq_len, batch):
     """A rank's activation bytes as the sum of every block's own count (no grouping of alike blocks)."""
-    from tessera.topology.planner import layer_activation_bytes
+    from tessera.topology.rank_memory import layer_activation_bytes
     from tessera.topology.schedule import placement_of, stages_on_rank
     from tessera.topology.shapes import split_layers
 
@@ -213,7 +212,9 @@ def _candidates_on_8(name: str) -> list:
 @given(data=st.data())
 def test_the_planner_counts_a_ranks_activations_as_the_sum_of_its_blocks(data):
     """The planner counts one block of each kind and multiplies; the sum over every block is the same bytes."""
-    from tessera.topology.planner import _rank_memory, fsdp_degree, pipeline_profile
+    from tessera.topology.planner import fsdp_degree
+    from tessera.topology.rank_memory import _rank_memory
+    from tessera.topology.step_estimate import pipeline_profile
 
     name = data.draw(st.sampled_from(ALIKE_BLOCKS))
     cand = data.draw(st.sampled_from(_candidates_on_8(name)))
@@ -621,7 +622,7 @@ def test_a_gelu_mlp_counts_two_matrices():
     lookups = 100 * 64 + 32 * 64
     assert model_flops_per_token(gelu, 1) == 6 * (gelu.num_params() - lookups) + 6 * 2 * 64
     # a GELU MLP keeps two ffn-wide activations for backward where SwiGLU keeps four
-    from tessera.topology.planner import layer_activation_bytes
+    from tessera.topology.rank_memory import layer_activation_bytes
 
     acts = {s.mlp: layer_activation_bytes(s, 1, 8, 1, False, "none", 4) for s in (swiglu, gelu)}
     assert acts["swiglu"] - acts["gelu"] > 2 * 8 * 256 * 4

@@ -12,7 +12,8 @@ from .fp8_model import blended_peak, fp8_flop_share
 from .layout import Layout
 from .memory import GB
 from .offload_model import check_offload_mode, host_bytes_per_node
-from .planner import Candidate, Estimate, Hardware, candidates_of_layout, estimate, model_flops_per_token
+from .planner import Candidate, Estimate, Hardware, candidates_of_layout, estimate
+from .step_estimate import model_flops_per_token
 from .planner import why_not_runnable
 from .shapes import as_shape
 

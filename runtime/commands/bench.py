@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tessera.topology.planner import model_flops_per_token
+from tessera.topology.step_estimate import model_flops_per_token
 from tessera.topology.step_time import Calibration
 from tessera.training.config import Config, said
 from tessera.training.layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)

@@ -14,7 +14,7 @@ from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_fro
 from tessera.topology.fp8_model import FP8_RECIPES, fp8_summary
 from tessera.topology.memory import GB, get_recipe
 from tessera.topology.muon_memory import MUON_RECIPES, muon_extra_bytes
-from tessera.topology.planner import rank_params_of
+from tessera.topology.rank_memory import rank_params_of
 from tessera.training.config import said
 
 from .plan import model_shape

@@ -26,8 +26,6 @@ from tessera.topology.hardware import (
     with_calibration,
 )
 from tessera.topology.planner import (
-    AC_POLICIES,
-    TESSERA_EFFICIENCY,
     Candidate,
     Estimate,
     Hardware,
@@ -38,6 +36,7 @@ from tessera.topology.planner import (
     plan,
     why_not_runnable,
 )
+from tessera.topology.plan_inputs import AC_POLICIES, TESSERA_EFFICIENCY
 from tessera.topology.preset_shapes import preset_shape
 from tessera.topology.scoring import estimate_record, score_one
 from tessera.topology.step_time import Calibration, find_entry
