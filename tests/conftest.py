@@ -69,6 +69,7 @@ SLOW_MODULES = {
     "test_context_variants",
     "test_convert_families",  # convert -> train --init-from on one process and pp2
     "test_offload",  # every layout with --offload optimizer and params against itself without
+    "test_fault_tolerance",  # replica groups under torchft, faults planted: seconds each
 }
 
 # and single tests elsewhere that run the CLI or train on several ranks for more than a few seconds

@@ -116,6 +116,7 @@ KNOWN = {
     "pp_layers": ["1,1", "2,2", "3,1", "1,x", "4", "0,2", "-1,3"],
     "cp_method": ["ring", "allgather", "ulysses"],
     "offload": ["none", "optimizer", "params", "nvme"],
+    "lighthouse": ["http://127.0.0.1:9", "127.0.0.1:9", "nohost", ""],
     "loss": ["fused", "plain", "chunked", "nope"],
     "kernels": ["auto", "torch", "triton", "cuda"],
     "on_nonfinite": ["stop", "skip", "ignore"],
@@ -308,6 +309,7 @@ def cheap_cli(workspace):
         mp.setattr(tessera.commands.generate, "generate_job", _stop)
         mp.setattr(parallelize, "dry_run_model_states", _stop)
         mp.setattr(tessera.commands.plan, "_dry_run", _stop)
+        mp.setattr(tessera.commands.lighthouse, "serve", _stop)  # a server answers until stopped
         # one parser for every example: building it is the same every time (16 ms, 10 of this test's 16 s),
         # and argparse keeps no state from one parse to the next
         mp.setattr(

@@ -10,7 +10,7 @@ import pytest
 
 from tessera.cli import main
 
-SUBCOMMANDS = ("train", "memory", "plan", "bench", "export", "convert", "tokenize", "plot", "generate")
+SUBCOMMANDS = ("train", "memory", "plan", "bench", "export", "convert", "tokenize", "plot", "generate", "lighthouse")
 
 
 def run(capsys, *argv):

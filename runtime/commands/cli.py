@@ -1,4 +1,5 @@
-"""The `tessera` command: train, memory, plan, bench, export, convert, tokenize, generate (and --version)."""
+"""The `tessera` command: train, memory, plan, bench, export, convert, tokenize, generate, lighthouse (and
+--version)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tessera.training.rank_server import collector_paused, start_rank_server, un
 from .bench import add_bench_parser
 from .export import add_export_parsers
 from .generate import add_generate_parser
+from .lighthouse import add_lighthouse_parser
 from .memory import add_memory_parser
 from .plan import add_plan_parser
 from .plot import add_plot_parser
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_memory_parser(sub)
     add_export_parsers(sub)
+    add_lighthouse_parser(sub)
 
     tok = sub.add_parser("tokenize", help="text or JSONL files to token files for --data (needs the data extra)")
     tok.add_argument("files", nargs="+", help=".txt files (one document each) or .jsonl files (one per line)")

@@ -30,6 +30,7 @@ from .sections import (  # noqa: F401  (re-exported: tessera.config's names, as 
     DataSection,
     CheckpointSection,
     RuntimeSection,
+    FaultToleranceSection,
     opt,
     degree_opt,
     MAX_SKIPPED_STEPS,
@@ -46,6 +47,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    ft: FaultToleranceSection = field(default_factory=FaultToleranceSection)
     if TYPE_CHECKING:  # set by __post_init__, not a field: to_dict() (the manifest, the metrics header) omits it
         microbatches_chosen: bool = field(init=False)
 

@@ -12,9 +12,11 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
 import warnings
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +28,7 @@ from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
 from tessera.parallel.fp8 import check_fp8
+from tessera.parallel.fault_tolerance import require_torchft
 from tessera.parallel.host_memory import available_bytes
 from tessera.parallel.muon import ADJUST_LR
 from tessera.parallel.plan import find_modules
@@ -53,6 +56,7 @@ def check(config: Config) -> None:
     _check_device(config, layout.world_size)
     check_fp8(config.parallel.fp8, model, spec_of(model), layout.tp, config.device_type())
     _check_offload(config)
+    _check_fault_tolerance(config)
     _check_fits(config, layout.world_size)
     _check_paths(config, model)
     _check_profile(config)
@@ -384,6 +388,60 @@ def _check_offload(config: Config) -> None:
         )
 
 
+def _check_fault_tolerance(config: Config) -> None:
+    """--fault-tolerant: torchft installed, a replicate axis to make fault-tolerant, a group id in range, a
+    lighthouse that answers; and what is not proven under it yet, refused."""
+    f, p = config.ft, config.parallel
+    given = [
+        flag for flag, on in (("--ft-replica-id", f.ft_replica_id is not None), ("--lighthouse", f.lighthouse)) if on
+    ]
+    if not f.fault_tolerant:
+        if given:
+            raise ValueError(f"{given[0]} applies to --fault-tolerant runs; add --fault-tolerant, or drop it")
+        return
+    require_torchft()
+    if p.dp_replicate < 2:
+        raise ValueError(
+            f"--fault-tolerant makes the replicate axis fault-tolerant, and --dp-replicate is {p.dp_replicate}: "
+            f"use --dp-replicate R (R >= 2 replica groups, R dividing --dp {p.dp})"
+        )
+    if f.ft_replica_id is not None and not 0 <= f.ft_replica_id < p.dp_replicate:
+        raise ValueError(
+            f"--ft-replica-id {f.ft_replica_id} is not a replica group of --dp-replicate {p.dp_replicate}: "
+            f"use 0..{p.dp_replicate - 1}"
+        )
+    if not 1 <= f.ft_min_replicas <= p.dp_replicate:
+        raise ValueError(f"--ft-min-replicas {f.ft_min_replicas} must be within 1..{p.dp_replicate}")
+    if f.ft_timeout <= 0 or f.ft_replacements < 0:
+        raise ValueError(f"--ft-timeout {f.ft_timeout} must be > 0 and --ft-replacements {f.ft_replacements} >= 0")
+    for flag, on in (
+        ("--optimizer muon", config.optimizer.optimizer == "muon"),
+        ("--offload", p.offload != "none"),
+        ("--fsdp HYBRID_SHARD or NO_SHARD", p.fsdp.upper() in ("HYBRID_SHARD", "NO_SHARD")),
+    ):
+        if on:
+            raise ValueError(
+                f"--fault-tolerant with {flag}: not proven under fault tolerance yet; the replica groups' "
+                f"replicate axis is torchft's: use FULL_SHARD or SHARD_GRAD_OP inside each group and AdamW"
+            )
+    if f.lighthouse is not None:
+        check_reachable(f.lighthouse, f.ft_timeout)
+
+
+def check_reachable(address: str, timeout: float) -> None:
+    """One line when nothing answers at the lighthouse's address within `timeout` seconds."""
+    url = urlparse(address if "://" in address else f"http://{address}")
+    if url.hostname is None or url.port is None:
+        raise ValueError(f"--lighthouse {address!r} is not http://HOST:PORT (tessera lighthouse prints it)")
+    try:
+        socket.create_connection((url.hostname, url.port), timeout=timeout).close()
+    except OSError as e:
+        raise ValueError(
+            f"--lighthouse {address}: nothing answers there within --ft-timeout {timeout:g} s ({e.strerror or e}); "
+            f"start one with tessera lighthouse, or give its address"
+        ) from None
+
+
 def _check_fits(config: Config, world: int) -> None:
     """The run fits this machine's memory by the planner's estimate (--force skips it): a run that would
     grow until the kernel kills it, or fork more ranks than the host can hold, is refused before it starts."""
@@ -408,6 +466,8 @@ def _check_writable_file(flag: str, path: str) -> None:
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{flag} {path} is a directory; give a file path")
+    if p.exists() and not p.is_file():  # a FIFO: opening it for appending would wait for a reader, forever
+        raise ValueError(f"{flag} {path} is not a regular file (a pipe or a device); give a file path")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first")

@@ -55,10 +55,14 @@ def header_record(config: Config, trainer: Any, run_id: str) -> dict[str, Any]:
 
 def run_label(config: Config, layout: Layout | None = None) -> str:
     """The layout as a run's lines name it: its degrees ("one process" for a single rank), with sequence
-    parallel when it is on (it changes what each rank holds and sends, so the label says it)."""
+    parallel when it is on (it changes what each rank holds and sends, so the label says it); a replica group
+    of a fault-tolerant run says which group of how many it is."""
     layout = layout or config.layout
     text = layout_words(layout)
-    return text + (" + sequence parallel" if config.parallel.sequence_parallel and layout.tp > 1 else "")
+    text += " + sequence parallel" if config.parallel.sequence_parallel and layout.tp > 1 else ""
+    if config.ft.ft_replica_groups:
+        text = f"replica group {config.ft.ft_replica_id} of {config.ft.ft_replica_groups} (fault-tolerant): {text}"
+    return text
 
 
 def layout_words(layout: Layout) -> str:

@@ -37,7 +37,9 @@ from tessera.topology import Layout
 from tessera.topology.step_estimate import model_flops_per_token
 
 from .config import Config
+from .ft_launch import replica_metrics, train_fault_tolerant
 from .preflight import resolve_checkpoint
+from .replicas import LAUNCH_ENV, group_config
 from .rank_server import speaks_for_the_job
 from .rank_server import under_torchrun  # noqa: F401  (tessera.training.run.under_torchrun, as before)
 from .report import (  # noqa: F401  (re-exported: the commands and tests import them from here)
@@ -156,14 +158,17 @@ def run_rank(config: Config, attempt: int = 0) -> list[dict[str, Any]] | None:
     mfu_scale = None
 
     profiler = StepProfiler(config, rank, trainer.device, trainer.step)  # --profile (else it does nothing)
-    header_written = False
+    header_written = started_up = False
     try:
         start, first_step = time.perf_counter(), trainer.step
         profiler.start()
         while trainer.step < config.runtime.steps:
             result = trainer.train_step()
             m = result.record()
-            if trainer.step == first_step + 1:  # the header and start-up line carry what step 1 measured
+            # the header and start-up line carry what the first step measured (a replica group that joined late
+            # took its peers' state in that step: its first step is theirs)
+            if not started_up:
+                started_up = True
                 say(startup_line(config, trainer))
                 if out:
                     out.write(
@@ -262,6 +267,23 @@ def train(config: Config) -> list[dict[str, Any]] | None:
     config.check()
     if config.checkpoint.resume is not None:  # a damaged latest checkpoint, and the older one used instead
         _announce(resolve_checkpoint(config.resume_path)[1])
+    if config.ft.fault_tolerant and not under_torchrun():
+        with contextlib.ExitStack() as held:  # the launcher holds what the groups write
+            _lock_what_this_run_writes(config, held)
+            if config.ft.ft_replica_id is None:  # the lighthouse and every group, here
+                train_fault_tolerant(config, replica_main)
+            else:  # one group, started by hand beside a lighthouse
+                train_group(config)
+        return None
+    if config.ft.fault_tolerant:  # under torchrun: this job is one replica group
+        config = group_config(
+            dataclasses.replace(
+                config,
+                runtime=dataclasses.replace(
+                    config.runtime, metrics=replica_metrics(config.runtime.metrics, config.ft.ft_replica_id or 0)
+                ),
+            )
+        )
     if _backend(config) == "nccl":  # a stalled NCCL collective dumps torch's flight recorder (every rank's last ops)
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -314,6 +336,33 @@ def train(config: Config) -> list[dict[str, Any]] | None:
                     file=sys.stderr,
                     flush=True,
                 )
+
+
+def replica_main(config: Config, launch: int) -> None:
+    """A replica group's process (the local fault-tolerant launcher's): its own process group, so that it and
+    its ranks are killed together (a stopped rank too), then its ranks."""
+    os.setpgrp()
+    os.environ[LAUNCH_ENV] = str(launch)
+    train_group(config)
+
+
+def train_group(config: Config) -> None:
+    """One replica group of a fault-tolerant run on this machine: its ranks, training the group's config."""
+    group = group_config(config)
+    try:
+        run_ranks(
+            run_rank,
+            group.layout.world_size,
+            group,
+            0,
+            timeout=None,
+            collective_timeout=config.runtime.timeout,
+            backend=_backend(config),
+        )
+    except RankFailure as e:
+        if "NothingToRejoin" not in str(e):
+            raise
+        print(f"tessera: {str(e).splitlines()[-1].split(': ', 1)[-1]}", file=sys.stderr, flush=True)
 
 
 def _name_writers(locks: list[RunLock], pids: list[int]) -> None:

@@ -404,6 +404,42 @@ class RuntimeSection:
         return MAX_SKIPPED_STEPS if self.max_skipped_steps is None else self.max_skipped_steps
 
 
+@dataclass(frozen=True)
+class FaultToleranceSection:
+    fault_tolerant: bool = opt(
+        False,
+        "the replicate axis fault-tolerant (torchft, the ft extra): each of the --dp-replicate replica groups its "
+        "own set of ranks; a group that dies leaves the others training, a restarted one rejoins with its peers' "
+        "live state (outside torchrun the local launcher starts a lighthouse and every group)",
+    )
+    ft_replica_id: int | None = opt(
+        None,
+        "this replica group's id, 0..R-1 (under torchrun, one job per group; else the launcher sets it)",
+        metavar="R",
+    )
+    lighthouse: str | None = opt(
+        None,
+        "the torchft lighthouse's address, http://HOST:PORT (tessera lighthouse; else the launcher's)",
+        metavar="ADDR",
+    )
+    ft_timeout: float = opt(
+        30.0, "seconds a step may wait for its quorum or a collective between replica groups", metavar="SECONDS"
+    )
+    ft_min_replicas: int = opt(1, "the fewest replica groups a step may commit with", metavar="N")
+    ft_replica_groups: int = opt(
+        0,
+        "set by tessera itself: the replica groups (the whole run's --dp-replicate) of a group's own config, whose "
+        "layout has none (0: not a group's config)",
+        metavar="R",
+    )
+    ft_replacements: int = opt(
+        1,
+        "the local launcher: start a replacement for a dead replica group up to N times (it rejoins at a step "
+        "boundary with its peers' state, over the network)",
+        metavar="N",
+    )
+
+
 SECTIONS = {
     "model": ModelSection,
     "parallel": ParallelSection,
@@ -411,4 +447,5 @@ SECTIONS = {
     "data": DataSection,
     "checkpoint": CheckpointSection,
     "runtime": RuntimeSection,
+    "ft": FaultToleranceSection,
 }

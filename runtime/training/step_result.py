@@ -72,6 +72,8 @@ class StepResult:
     documents: dict[str, Any] | None = None
     loss_targets: dict[str, int] | None = None  # --sft: the global batch's targets the loss kept and masked
     profile: dict[str, Any] | None = None  # --profile-summary, on its step: time by kind, top kernels, memory
+    # --fault-tolerant: whose rows the step read, the quorum, the commit, a recovery, the weights' sum after it
+    replicas: dict[str, Any] | None = None
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -97,6 +99,7 @@ class StepResult:
             **({"loss_targets": self.loss_targets} if self.loss_targets is not None else {}),
             **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
             **({"profile": self.profile} if self.profile is not None else {}),
+            **({"replicas": self.replicas} if self.replicas is not None else {}),
             "straggler": None
             if self.straggler is None
             else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s, "steps": self.straggler.steps},

@@ -11,7 +11,9 @@ materialized: a rank allocates and initializes only its own shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -32,6 +34,7 @@ from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, i
 from tessera.parallel.comm_stats import CommCounter
 from tessera.parallel.data import PRECISIONS, layout_for_strategy
 from tessera.parallel.expert import expert_load, load_report, update_biases
+from tessera.parallel.fault_tolerance import ReplicaSync, gradient_shards, weights_sum
 from tessera.parallel.fp8 import clear_float8_scales, float8_gathered_weights, precompute_float8_scales
 from tessera.parallel.loss import CrossEntropySum
 from tessera.parallel.pipeline import PipelineRunner
@@ -47,9 +50,15 @@ from .config import Config
 from .data_sources import open_data
 from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
 from .parts import build_parts
+from .replicas import NothingToRejoin, drill, is_replacement, meet_the_other_groups, replica_rows, replica_sync
 from .runners import LocalRunner, forward_only, split_microbatches
 from .step_result import Progress, StepResult, peak_memory_bytes  # noqa: F401  (public here before the split)
 from .straggler import StragglerWatch
+
+
+# --fault-tolerant: how often a step is taken again after a replica group failed during it (each time with the
+# groups that are left; one more failure than this is the run's)
+MAX_REPLICA_RETRIES = 3
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -140,14 +149,24 @@ class Trainer:
                 for opt in self.optimizer.optimizers
             ]
         )
-        if data is None and config.data.path:
-            data = open_data(config, "path", self.model_config.vocab_size)  # token files or an hf: data set
-        self.data = (
-            data
-            if data is not None
-            else TokenStream(config.data.seq_len, config.data.global_batch, documents=config.data.pack_documents)
-        )
+
+        def open_stream(global_batch: int) -> Any:
+            c = dataclasses.replace(config, data=dataclasses.replace(config.data, global_batch=global_batch))
+            if c.data.path:
+                return open_data(c, "path", self.model_config.vocab_size)  # token files or an hf: data set
+            return TokenStream(c.data.seq_len, global_batch, documents=c.data.pack_documents)
+
+        if config.ft.fault_tolerant:  # a replica group reads its share of the whole run's batches
+            self.data = replica_rows(config, data, open_stream)
+        else:
+            self.data = data if data is not None else open_stream(config.data.global_batch)
         self.progress = Progress()
+        # --fault-tolerant: the replicate axis through torchft, built last (it sends the pieces above to a peer)
+        self._data_before_step: dict[str, Any] = {}  # the data's position before the step (a retried step's)
+        self._replicas_before: list[int] = list(range(config.ft.ft_replica_groups))  # the last step's groups
+        self.replicas: ReplicaSync | None = replica_sync(self) if config.ft.fault_tolerant else None
+        if self.replicas is not None:
+            meet_the_other_groups(config)
         self.straggler_watch = StragglerWatch(self.device)
         # measured during rank 0's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}. Rank 0
         # alone writes the records, the header and the progress line; the probe is a Python call per operator,
@@ -332,19 +351,70 @@ class Trainer:
         result.collective_wait_s = waits
         return result
 
-    def _train_step_inner(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
-        started = time.perf_counter()
+    def _forward_backward(self, on_grads: Callable[[list[nn.Module]], None] | None) -> tuple[Any, Tensor, Any]:
+        """(the step's batch, its loss sum over this group's ranks, the replicate axis's ReplicaStep or None):
+        the quorum (a group that is behind takes a peer's state there), the forward and backward, the loss over
+        the group's ranks, and under --fault-tolerant the one all-reduce between the replica groups."""
+        if self.replicas is not None:
+            self.replicas.begin_step()
+            if self.progress.step == 0 and is_replacement() and not self.replicas.healed:
+                raise NothingToRejoin(
+                    f"replica group {self.config.ft.ft_replica_id}, a replacement, found no live replica group to "
+                    f"take the run's state from (the run had ended, or every group died): it stops rather than "
+                    f"train alone from step 0"
+                )
+            self._data_before_step = self.data.state_dict()
+            drill(self.config, self.progress.step + 1, "forward")
         step = self.batches.next_step(self.data)
-        valid, global_tokens = step.valid, self.config.data.global_batch * self.config.data.seq_len
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         for part in self.parts if self.spec.moe else ():
             reset_counters(part)  # the MoE blocks' load counters: this step's only
         precompute_float8_scales(self.float8_weights)  # cleared after the step (_train_step): never stale
-        loss_sum = self.runner.forward_backward(step.microbatches, valid)
+        loss_sum = self.runner.forward_backward(step.microbatches, step.valid)
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
         self._mark("backward")
         if on_grads is not None:
             on_grads(self.parts)
+        if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
+            with collective("all_reduce (loss)", "pp", self.meshes.pp.get_group()):
+                dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
+        if self.meshes.loss is not None:  # ranks reading different tokens add their sums
+            with collective("all_reduce (loss)", "dp_cp", self.meshes.loss.get_group()):
+                dist.all_reduce(loss_sum, group=self.meshes.loss.get_group())
+        replica = None
+        if self.replicas is not None:
+            replica = self.replicas.reduce(loss_sum, step.valid, gradient_shards(self.parts))
+        return step, loss_sum, replica
+
+    def _train_step_inner(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
+        started = time.perf_counter()
+        for attempt in range(MAX_REPLICA_RETRIES + 1):
+            step, loss_sum, replica = self._forward_backward(on_grads)
+            if replica is None or replica.committed or attempt == MAX_REPLICA_RETRIES:
+                break
+            # a replica group failed during the step and no group applies it: the survivors take the same rows
+            # again with the quorum that is left (no step lost, none counted twice)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.data.load_state_dict(self._data_before_step)
+        valid, global_tokens = step.valid, self.config.data.global_batch * self.config.data.seq_len
+        if replica is not None:  # the replicate axis: the mean over every live group's targets
+            loss_sum, valid = replica.loss_sum, int(replica.valid)
+            global_tokens *= len(replica.replicas)
+            replica.retries = attempt
+            left = sorted(set(self._replicas_before) - set(replica.replicas)) if replica.committed else []
+            if left and self.rank == 0:
+                print(
+                    f"tessera: step {self.progress.step + 1}: replica group(s) {left} left the quorum (died, or "
+                    f"stalled past --ft-timeout {self.config.ft.ft_timeout:g} s); "
+                    + (
+                        f"the step was taken again with {replica.replicas}"
+                        if attempt
+                        else f"it ran with {replica.replicas}"
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._replicas_before = replica.replicas if replica.committed else self._replicas_before
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         with record_function(CLIP_RANGE):
             grad_norm = global_grad_norm(self.norm_parameters(), Meshes.group(self.meshes.pp))
             coef = clip_coefficient(grad_norm, self.config.optimizer.max_grad_norm)
@@ -354,16 +424,17 @@ class Trainer:
                 coef,
             )
         self._mark("clip")
-        if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
-            with collective("all_reduce (loss)", "pp", self.meshes.pp.get_group()):
-                dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
-        if self.meshes.loss is not None:  # ranks reading different tokens add their sums
-            with collective("all_reduce (loss)", "dp_cp", self.meshes.loss.get_group()):
-                dist.all_reduce(loss_sum, group=self.meshes.loss.get_group())
         # one host sync: the loss and the norm are reduced over every rank, so all ranks decide alike
         skipped = not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
         skip_report = None
-        if skipped:
+        if replica is not None and not replica.committed and not skipped:  # a replica group failed mid-step
+            skipped = True
+            self.progress.skipped_steps += 1
+            skip_report = (
+                f"step {self.progress.step + 1}: the replica groups did not all commit (a group failed during "
+                f"it); its update was dropped on every group, its rows read by none"
+            )
+        elif skipped:
             report = self._nonfinite_report(self.progress.step + 1, loss_sum / max(1, valid), grad_norm)
             runtime = self.config.runtime
             if runtime.on_nonfinite == "stop":
@@ -414,6 +485,7 @@ class Trainer:
             moe=None if load is None else load_report(*load, self.config.data.global_batch),
             documents=step.documents,
             loss_targets=step.loss_targets,
+            replicas=None if replica is None else {**replica.record(), "weights_sum": weights_sum(self.parts)},
         )
 
     def _expert_load(self) -> tuple[Tensor, Tensor] | None:

@@ -1,0 +1,140 @@
+"""--fault-tolerant (torchft on the replicate axis), run as a user runs it: `tessera train --dp-replicate 2
+--fault-tolerant`, the local launcher starting a lighthouse and every replica group, faults planted with
+TESSERA_FT_DRILL. Without faults the run equals the HSDP run it replaces (losses and grad norms within 1e-6);
+with a group killed (mid-forward, mid-reduction, a replacement killed while receiving), stopped, or two groups
+lost at once, the survivors never lose a step, every step's record says whose rows it read, the run equals one
+process trained on exactly those rows at the fp32 contract's 1e-5, and a replacement's weights equal its peers'
+(the float64 sums of its shards, exactly) from its first step back."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ft_ranks import one_process_on_rows_read
+from helpers import cli_here
+from tessera.parallel.launch import run_ranks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft (the ft extra)")
+
+BASE = ["--model", "debug", "--seq-len", "32", "--global-batch", "4", "--lr", "3e-3", "--warmup", "1"]
+
+
+def train_ft(tmp: Path, steps: int, drill: str | None = None, dp: int = 2, replicas: int = 2, *flags: str):
+    """Every replica group's step records ({group: [records]}, each group's file in order) and the output."""
+    env = {**os.environ, **({"TESSERA_FT_DRILL": drill} if drill else {})}
+    args = [*BASE, "--dp", str(dp), "--dp-replicate", str(replicas), "--fault-tolerant", "--steps", str(steps)]
+    args += ["--metrics", str(tmp / "run.jsonl"), "--ft-timeout", "8", "--quiet", *flags]
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", "train", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    groups = {}
+    for r in range(replicas):
+        path = tmp / ("run.jsonl" if r == 0 else f"run.replica{r}.jsonl")
+        groups[r] = steps_of(path)
+    return groups, out.stderr
+
+
+def steps_of(path: Path) -> list[dict]:
+    """A metrics file's step records (its header records left out)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("type") != "header"]
+
+
+def reference(steps: int, read: list[list[int]], replicas: int = 2):
+    kw = dict(steps=steps, lr=3e-3, warmup=1, seq_len=32, global_batch=4)
+    return run_ranks(one_process_on_rows_read, 1, kw, read, replicas, timeout=120)[0]
+
+
+def assert_close(what: str, got: list[float], want: list[float], rel: float) -> None:
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= rel * abs(b), f"{what} step {step}: {a} vs {b}"
+
+
+def test_without_faults_a_fault_tolerant_run_equals_the_hsdp_run_it_replaces(tmp_path):
+    groups, _ = train_ft(tmp_path, 4)
+    metrics = str(tmp_path / "h.jsonl")
+    hsdp = cli_here("train", *BASE, "--dp", "2", "--dp-replicate", "2", "--steps", "4", "--metrics", metrics, "--quiet")
+    assert hsdp.returncode == 0, hsdp.stderr
+    ref = steps_of(tmp_path / "h.jsonl")
+    for r, records in groups.items():
+        assert [x["replicas"]["replicas"] for x in records] == [[0, 1]] * 4, r
+        assert_close(f"group {r} loss", [x["loss"] for x in records], [x["loss"] for x in ref], 1e-6)
+        assert_close(f"group {r} grad norm", [x["grad_norm"] for x in records], [x["grad_norm"] for x in ref], 1e-6)
+    assert [x["replicas"]["weights_sum"] for x in groups[0]] == [x["replicas"]["weights_sum"] for x in groups[1]]
+
+
+@pytest.mark.parametrize(
+    "drill",
+    [
+        "replica=1,step=3,at=forward",  # SIGKILL of a group's rank mid-forward
+        "replica=1,step=3,at=reduce",  # ... just before the all-reduce between the groups
+        "replica=1,step=1,at=recover,launch=1",  # the replacement killed while receiving its peer's state
+    ],
+    ids=["forward", "reduce", "recover"],
+)
+def test_a_killed_group_leaves_the_other_training_and_its_replacement_rejoins_it(tmp_path, drill):
+    steps = 24 if "recover" in drill else 12  # two replacements to boot: a longer run
+    replacements = "2" if "recover" in drill else "1"
+    first = "replica=1,step=3,at=forward;" if "recover" in drill else ""  # the fault that calls the replacement
+    groups, err = train_ft(tmp_path, steps, f"{first}{drill},pace=0.4", 2, 2, "--ft-replacements", replacements)
+    survivor = groups[0]
+    assert [x["step"] for x in survivor] == list(range(1, steps + 1)), "a survivor lost or repeated a step"
+    read = [x["replicas"]["replicas"] for x in survivor]
+    assert read[:2] == [[0, 1], [0, 1]] and read[2] == [0] and read[-1] == [0, 1], read
+    assert survivor[2]["replicas"]["retries"] >= (1 if "reduce" in drill or "forward" in drill else 0)
+    assert "left the quorum" in err and "starting a replacement" in err, err[-2000:]
+    losses, norms = reference(steps, read)
+    assert_close("loss", [x["loss"] for x in survivor], losses, 1e-5)
+    assert_close("grad norm", [x["grad_norm"] for x in survivor], norms, 1e-5)
+    # the replacement: healed once, from then on its weights are its peer's, exactly, every step
+    back = [x for x in groups[1] if x["replicas"]["healed"]]
+    assert len(back) == 1 and back[0]["replicas"]["recovered_bytes"] > 0, groups[1]
+    joined = back[0]["step"]
+    mine = {x["step"]: x["replicas"]["weights_sum"] for x in groups[1] if x["step"] >= joined}
+    theirs = {x["step"]: x["replicas"]["weights_sum"] for x in survivor if x["step"] >= joined}
+    assert mine == theirs and len(mine) == steps - joined + 1
+
+
+def test_a_stopped_group_is_left_behind_and_named(tmp_path):
+    groups, err = train_ft(tmp_path, 6, "replica=1,step=3,at=forward,signal=STOP,pace=0.2")
+    survivor = groups[0]
+    assert [x["step"] for x in survivor] == list(range(1, 7))
+    assert [x["replicas"]["replicas"] for x in survivor][2:] == [[0]] * 4
+    assert "step 3: replica group(s) [1] left the quorum" in err
+    assert "replica group 1 had not finished" in err and "a straggler the quorum left behind" in err
+
+
+def test_two_groups_lost_at_once_leave_the_third_training(tmp_path):
+    drill = "replica=1,step=3,at=forward,pace=0.3"
+    env_extra = "replica=2,step=3,at=forward"  # the second fault: a drill names one group; the launcher's env
+    groups, err = train_ft(tmp_path, 6, drill + ";" + env_extra, 3, 3, "--ft-replacements", "0", "--global-batch", "6")
+    survivor = groups[0]
+    assert [x["step"] for x in survivor] == list(range(1, 7))
+    assert [x["replicas"]["replicas"] for x in survivor][2:] == [[0]] * 4, survivor
+    assert "replica group(s) [1, 2] left the quorum" in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dp", "2"], "--fault-tolerant makes the replicate axis fault-tolerant, and --dp-replicate is 1"),
+        (["--dp", "2", "--dp-replicate", "2", "--ft-replica-id", "5"], "--ft-replica-id 5 is not a replica group"),
+        (
+            ["--dp", "2", "--dp-replicate", "2", "--ft-replica-id", "0", "--lighthouse", "http://127.0.0.1:9"],
+            "--lighthouse http://127.0.0.1:9: nothing answers there within --ft-timeout",
+        ),
+        (["--dp", "2", "--dp-replicate", "2", "--optimizer", "muon"], "--fault-tolerant with --optimizer muon"),
+    ],
+)
+def test_bad_fault_tolerance_flags_are_refused_in_one_line(flags, message):
+    out = cli_here("train", "--model", "debug", "--steps", "1", "--fault-tolerant", "--ft-timeout", "1", *flags)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
