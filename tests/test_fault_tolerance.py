@@ -72,6 +72,26 @@ def test_without_faults_a_fault_tolerant_run_equals_the_hsdp_run_it_replaces(tmp
 
 
 @pytest.mark.parametrize(
+    "inside", [["--dp", "4"], ["--dp", "2", "--tp", "2"], ["--dp", "2", "--pp", "2", "--microbatches", "2"]],
+    ids=["fsdp2-inside", "tp2-inside", "pp2-inside"],
+)  # fmt: skip
+def test_groups_of_several_ranks_equal_the_hsdp_run(tmp_path, inside):
+    """Each group runs FSDP2, tp or pp inside it; rank i of every group is one replicate axis."""
+    env = dict(os.environ)
+    common = [*BASE, *inside, "--dp-replicate", "2", "--steps", "3", "--quiet"]
+    ft = subprocess.run(
+        [sys.executable, "-m", "tessera", "train", *common, "--fault-tolerant", "--metrics", str(tmp_path / "f.jsonl")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ft.returncode == 0, ft.stderr[-3000:]
+    hsdp = cli_here("train", *common, "--metrics", str(tmp_path / "h.jsonl"))
+    assert hsdp.returncode == 0, hsdp.stderr
+    got, want = steps_of(tmp_path / "f.jsonl"), steps_of(tmp_path / "h.jsonl")
+    assert_close("loss", [x["loss"] for x in got], [x["loss"] for x in want], 1e-6)
+    assert_close("grad norm", [x["grad_norm"] for x in got], [x["grad_norm"] for x in want], 1e-6)
+
+
+@pytest.mark.parametrize(
     "drill",
     [
         "replica=1,step=3,at=forward",  # SIGKILL of a group's rank mid-forward

@@ -96,6 +96,9 @@ class Hardware:
     # --offload's links (topology/offload_model.py), at the shares a copy and the host step reach: PCIe per GPU
     # and direction (H100's Gen5 x16, 64 GB/s, at 0.8), the host's DRAM per node (DGX H100's 614 GB/s at 0.5),
     # and the host memory per node the offloaded states must fit in (None: unknown, not checked)
+    # --fault-tolerant: the replicate axis through torchft (topology/step_estimate.py's _replica_seconds), its
+    # gradient buffer counted (topology/rank_memory.py)
+    fault_tolerant: bool = False
     pcie_gbps: float = 51.2
     host_memory_gbps: float = 307.2
     host_memory_gb: float | None = None

@@ -288,6 +288,10 @@ def _rank_memory(
         m["host_offload"] = split["host"]["total"]  # in host memory, not in the device's total
         # the step runs on the host: the device holds the gradients it copies down (optimizer) or nothing
         optimizer_step = m["gradients"]
+    if hw.fault_tolerant and lay.dp_replicate > 1:
+        # the one all-reduce between replica groups: the gradient shards weighted and flattened into one fp32
+        # buffer (parallel/fault_tolerance.py's reduce: the weighted copies, then their concatenation)
+        m["buffers"] += 8 * sharded
     m["total"] = m["parameters"] + m["optimizer"] + m["buffers"] + max(backward_start, optimizer_step)
     return m
 

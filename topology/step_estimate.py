@@ -22,6 +22,7 @@ from .fp8_model import (
     fp8_time_factor,
     fsdp_param_bytes,
 )
+from .comm_model import HSDP_REPLICATE
 from .layout import AXES, Layout
 from .memory import GB
 from .offload_model import fits_host, gathers_per_step, offload_seconds
@@ -248,15 +249,29 @@ def _rated_time(
     # each accounting name's traffic over its group's links; FSDP's, HSDP's and ring K/V's overlap compute
     # (only their excess is exposed), the rest (tp, pp) is exposed
     t = {name: comm[name] / axis_bandwidth(lay, COMM_GROUPS[name], hw, _group_ranks(lay, name)) for name in comm}
+    replicas = _replica_seconds(t, hw, lay)  # --fault-tolerant: the replicate axis after the backward, exposed
     overlapped = sum(t[name] for name in COMM_AXES if name in OVERLAPPED)
     time = {
         "compute": compute,
         "bubble": compute_stretched - compute,
         **{name: t[name] for name in comm if name not in OVERLAPPED},
         "exposed_overlapped_comm": max(0.0, overlapped - compute),
+        **replicas,
     }
     time["step"] = sum(time.values())
     return time, parts
+
+
+def _replica_seconds(seconds: dict[str, float], hw: Hardware, lay: Layout) -> dict[str, float]:
+    """--fault-tolerant (parallel/fault_tolerance.py): the replicate axis's traffic leaves the overlapped set
+    (`seconds` loses it) and runs after the backward, in series, as one all-reduce of the gradient shards through
+    torchft's managed group, with the quorum's and the commit vote's round trips (a network latency each)."""
+    if not hw.fault_tolerant or lay.dp_replicate == 1:
+        return {}
+    wire = seconds.get(HSDP_REPLICATE, 0.0)
+    seconds[HSDP_REPLICATE] = 0.0  # not behind the backward any more
+    latency = hw.profile.latency_inter_us * 1e-6 if hw.profile is not None else 20e-6
+    return {"replicas": wire + 3 * latency}
 
 
 def physics_time(
@@ -337,6 +352,7 @@ def physics_time(
             remote = (lay.ep - local) / (lay.ep - 1)
             wire = max(sent * (1 - remote) / (hw.intra_node_gbps * GB), sent * remote / bandwidth)
         seconds[name] = wire + latency_seconds(counts.get(name, 0.0), inter, profile)
+    replicas = _replica_seconds(seconds, hw, lay)
     exposed = exposed_comm(
         seconds,
         parts,
@@ -347,6 +363,7 @@ def physics_time(
         async_tp=hw.async_tp,
         ep_overlap=hw.ep_overlap,
     )
+    exposed.update(replicas)
     pipelined = parts["compute"] - parts["optimizer"]
     time = {
         "compute": pipelined - parts["recompute"],

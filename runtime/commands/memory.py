@@ -202,6 +202,8 @@ def _memory(args: argparse.Namespace) -> int:
                 rows["note"] = MUON_NOTE
             if fp8 is not None:
                 rows["fp8"] = fp8
+            if args.fault_tolerant:
+                rows["fault_tolerant"] = _fault_tolerant_bytes(per_rank_params, shard_group)
             if args.offload != "none":  # where each stage's states live under --offload
                 rows["offload"] = {
                     "mode": args.offload,
@@ -244,12 +246,32 @@ def _memory(args: argparse.Namespace) -> int:
                 print(_fp8_line(args.fp8, fp8))
             if args.offload != "none":
                 print(_offload_line(args.offload, per_rank_params, shard_group, args.recipe))
+            if args.fault_tolerant:
+                print(_fault_tolerant_line(per_rank_params, shard_group))
         if args.dry_run:
             _memory_dry_run(args)
     except ValueError as e:
         print(f"tessera memory: error: {said(e, args)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _fault_tolerant_bytes(params: float, shard_group: int) -> dict[str, float]:
+    """--fault-tolerant's extra bytes per rank (parallel/fault_tolerance.py, parallel/replica_transport.py), of
+    the FULL_SHARD shard: the all-reduce's weighted fp32 gradient copies and their flat buffer on the device
+    (8 B an element), and a recovery's host copies on the sending and the receiving rank (the state's tensors,
+    12 B an element for fp32 weights and AdamW's moments, and their encoded bytes, 12 more)."""
+    local = params / shard_group
+    return {"device_reduce_buffer_bytes": 8 * local, "host_recovery_bytes": 24 * local}
+
+
+def _fault_tolerant_line(params: float, shard_group: int) -> str:
+    b = _fault_tolerant_bytes(params, shard_group)
+    return (
+        f"--fault-tolerant, per rank (FULL_SHARD's shard): {_gb(b['device_reduce_buffer_bytes'])} of GPU for the "
+        f"all-reduce between replica groups (weighted fp32 gradient copies and their flat buffer), "
+        f"{_gb(b['host_recovery_bytes'])} of host memory while a rejoining group receives its state"
+    )
 
 
 def _offload_line(mode: str, params: float, shard_group: int, recipe: str) -> str:
@@ -399,6 +421,11 @@ def add_memory_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="tensorwise|rowwise",
         help="with --model: the parameters --fp8 runs in FP8, the all-gather bytes it saves, its casts' traffic",
+    )
+    mem.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="also print what tessera train --fault-tolerant adds: its all-reduce buffer and a recovery's host bytes",
     )
     mem.add_argument(
         "--offload",

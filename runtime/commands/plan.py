@@ -165,6 +165,12 @@ def add_plan_parser(sub) -> None:
         "or params (FSDP2's CPUOffloadPolicy); its PCIe copies and host step are counted, the host memory per node "
         "checked (default: offload only where nothing fits without it)",
     )
+    p.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="plan tessera train --fault-tolerant: the replicate axis's all-reduce through torchft after the "
+        "backward (exposed, with the quorum's round trips) and its gradient buffer (8 B a local parameter)",
+    )
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     p.add_argument(
         "--dry-run",
@@ -360,6 +366,7 @@ def run_plan(args: argparse.Namespace) -> int:
             ep_overlap=bool(fixed.pop("ep_overlap", False)),
             attention=args.attention,
             ac_policy=args.ac_policy,
+            fault_tolerant=args.fault_tolerant,
             **settings,
         )
         shape = model_shape(args.model)

@@ -53,6 +53,7 @@ def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
         recipe=recipe_for(element, config.optimizer.optimizer),
         calibration=calibration,
         fp8=config.parallel.fp8,
+        fault_tolerant=config.ft.fault_tolerant,
     )
 
     return estimate(shape_of(config.model_config), cand, hw, config.data.seq_len, config.data.global_batch)

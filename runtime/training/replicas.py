@@ -30,6 +30,7 @@ from .config import Config
 DRILL_ENV = "TESSERA_FT_DRILL"  # fault drills (runtime/training/ft_launch.py's docstring)
 BARRIER_ENV = "TESSERA_FT_BARRIER"  # host:port of the launcher's store, where the first launches meet
 LAUNCH_ENV = "TESSERA_FT_LAUNCH"  # which launch of its group a process is (0: the first)
+DRILL_LOG_ENV = "TESSERA_FT_DRILL_LOG"  # a file each planted fault appends its time to
 
 
 def group_config(config: Config) -> Config:
@@ -151,4 +152,8 @@ def drill(config: Config, step: int, at: str) -> None:
             or dist.get_rank() != int(fields.get("rank", 0))
         ):
             continue
+        log = os.environ.get(DRILL_LOG_ENV)
+        if log:  # when the fault struck, for the benchmark's clock
+            with open(log, "a") as f:
+                f.write(f"{time.time()} replica={config.ft.ft_replica_id} step={step} at={at}\n")
         os.kill(os.getpid(), signal.SIGSTOP if fields.get("signal", "KILL") == "STOP" else signal.SIGKILL)

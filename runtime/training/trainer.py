@@ -485,7 +485,9 @@ class Trainer:
             moe=None if load is None else load_report(*load, self.config.data.global_batch),
             documents=step.documents,
             loss_targets=step.loss_targets,
-            replicas=None if replica is None else {**replica.record(), "weights_sum": weights_sum(self.parts)},
+            replicas=None
+            if replica is None
+            else {**replica.record(), "weights_sum": weights_sum(self.parts), "ended_unix": time.time()},
         )
 
     def _expert_load(self) -> tuple[Tensor, Tensor] | None:
