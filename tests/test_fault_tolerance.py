@@ -132,6 +132,17 @@ def test_a_stopped_group_is_left_behind_and_named(tmp_path):
     assert "replica group 1 had not finished" in err and "a straggler the quorum left behind" in err
 
 
+def test_the_lighthouse_lost_and_restarted_stops_no_group(tmp_path):
+    """The launcher's lighthouse shut down mid-run and started again on its address 1.5 s later: torchft's managers
+    keep the quorum they have meanwhile; every step of both groups applies, with both groups' rows."""
+    groups, err = train_ft(tmp_path, 16, "lighthouse=restart,after=8,down=1.5;pace=0.4")
+    assert "drill: the lighthouse is down" in err and "drill: the lighthouse is back" in err, err[-2000:]
+    for r, records in groups.items():
+        assert [x["step"] for x in records] == list(range(1, 17)), r
+        assert all(x["replicas"]["replicas"] == [0, 1] for x in records), r
+    assert [x["replicas"]["weights_sum"] for x in groups[0]] == [x["replicas"]["weights_sum"] for x in groups[1]]
+
+
 def test_two_groups_lost_at_once_leave_the_third_training(tmp_path):
     drill = "replica=1,step=3,at=forward,pace=0.3"
     env_extra = "replica=2,step=3,at=forward"  # the second fault: a drill names one group; the launcher's env

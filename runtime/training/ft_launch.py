@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .replicas import BARRIER_ENV
+from .replicas import BARRIER_ENV, DRILL_ENV
 
 POLL_S = 0.2
 
@@ -53,12 +53,12 @@ def replica_config(config: Config, replica: int, lighthouse: str) -> Config:
     return dataclasses.replace(config, ft=ft, runtime=runtime, checkpoint=ckpt)
 
 
-def start_lighthouse(min_replicas: int, timeout: float) -> Any:
-    """A torchft lighthouse on a free port of this machine (its address: `.address()`)."""
+def start_lighthouse(min_replicas: int, timeout: float, port: int = 0) -> Any:
+    """A torchft lighthouse on `port` of this machine (0: a free one; its address: `.address()`)."""
     from torchft._torchft import LighthouseServer  # lazy: the ft extra
 
     return LighthouseServer(
-        bind="[::]:0",
+        bind=f"[::]:{port}",
         min_replicas=min_replicas,
         join_timeout_ms=1000,  # a quorum waits this long for every heartbeating group to join
         quorum_tick_ms=100,
@@ -90,10 +90,20 @@ def train_fault_tolerant(config: Config, replica_main: Any) -> None:
         procs[r].start()
     failed: dict[int, int] = {}
     replacements = config.ft.ft_replacements
+    outage = _lighthouse_drill()  # (seconds after the launch it goes down, seconds it stays down) or None
+    launched = time.monotonic()
     finished_at: float | None = None  # when the first group finished: the others get --ft-timeout more
     try:
         while procs:
             time.sleep(POLL_S)
+            if outage is not None and time.monotonic() > launched + outage[0]:
+                port = int(address.rsplit(":", 1)[1])
+                lighthouse.shutdown()  # the drill: the lighthouse lost, then a new one on the same address
+                print(f"tessera: drill: the lighthouse is down for {outage[1]:g} s", file=sys.stderr, flush=True)
+                time.sleep(outage[1])
+                lighthouse = start_lighthouse(config.ft.ft_min_replicas, config.ft.ft_timeout, port)
+                print(f"tessera: drill: the lighthouse is back at {lighthouse.address()}", file=sys.stderr, flush=True)
+                outage = None
             if finished_at is not None and time.monotonic() > finished_at + config.ft.ft_timeout:
                 for r, p in procs.items():  # a straggler (stopped, or stuck) the quorum left behind
                     _kill_group(p)
@@ -138,6 +148,16 @@ def train_fault_tolerant(config: Config, replica_main: Any) -> None:
         lighthouse.shutdown()
     if len(failed) == replicas:
         raise RuntimeError(f"every replica group failed (exit codes {failed})")
+
+
+def _lighthouse_drill() -> tuple[float, float] | None:
+    """TESSERA_FT_DRILL's `lighthouse=restart,after=S,down=D` fault: the launcher's lighthouse shut down S
+    seconds after the launch and started again on its port D seconds later."""
+    for one in os.environ.get(DRILL_ENV, "").split(";"):
+        fields = dict(part.split("=", 1) for part in one.split(",") if "=" in part)
+        if fields.get("lighthouse") == "restart":
+            return float(fields.get("after", 5.0)), float(fields.get("down", 1.0))
+    return None
 
 
 def _kill_group(p: Any) -> None:
