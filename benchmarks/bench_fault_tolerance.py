@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="a directory for the JSON and the plot (default benchmarks/results)")
     args = p.parse_args(argv)
     args.model = args.model or ("debug" if args.smoke else "small")
-    args.steps = args.steps or (24 if args.smoke else 40)
+    args.steps = args.steps or (24 if args.smoke else 150)  # the run outlasts a replacement's start (~5 s)
     args.pace = args.pace if args.pace is not None else (0.4 if args.smoke else 0.0)
     name = f"fault-tolerance-{args.model}-cpu"
     with tempfile.TemporaryDirectory() as d:

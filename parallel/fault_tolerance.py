@@ -16,6 +16,7 @@ trained on exactly those rows. A restarted group joins at a step boundary and re
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -121,10 +122,16 @@ class ReplicaSync:
             init_sync=False,  # every group initializes from the same seed: equal weights, nothing to send
         )
 
-    def begin_step(self) -> None:
-        """The step's quorum; a group that is behind receives a peer's state here (then `healed`)."""
+    def begin_step(self, wait_for: int = 0) -> None:
+        """The step's quorum; a group that is behind receives a peer's state here (then `healed`). `wait_for`:
+        ask again (for up to the timeout) until the quorum holds that many groups: the run's first step, so
+        that groups started apart (separate torchrun jobs) begin together instead of each alone."""
         self.healed, self.recovered_bytes = False, 0
         self.manager.start_quorum()
+        deadline = time.monotonic() + self.ft.timeout
+        while self.manager.num_participants() < wait_for and time.monotonic() < deadline and not self.healed:
+            time.sleep(0.1)
+            self.manager.start_quorum()
 
     def reduce(self, loss_sum: Tensor, valid: int, grads: list[Tensor]) -> ReplicaStep:
         """Sum over the quorum, in one all-reduce, of the loss sum, the target count, who took part and each

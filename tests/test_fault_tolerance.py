@@ -169,3 +169,71 @@ def test_bad_fault_tolerance_flags_are_refused_in_one_line(flags, message):
     out = cli_here("train", "--model", "debug", "--steps", "1", "--fault-tolerant", "--ft-timeout", "1", *flags)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_under_torchrun_each_replica_group_is_its_own_job_beside_tessera_lighthouse(tmp_path):
+    """The torchrun form of docs/reliability.md: `tessera lighthouse`, then one torchrun job per group. A group that
+    starts late is healed by the first one's live state; the records say whose rows each step read."""
+    port = _free_port()
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "tessera", "lighthouse", "--port", str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert "tessera lighthouse: http://" in lighthouse.stdout.readline()
+        jobs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc-per-node",
+                    "1",
+                    "--master-port",
+                    str(_free_port()),
+                    "-m",
+                    "tessera",
+                    "train",
+                    *BASE,
+                    "--dp",
+                    "2",
+                    "--dp-replicate",
+                    "2",
+                    "--fault-tolerant",
+                    "--ft-replica-id",
+                    str(r),
+                    "--lighthouse",
+                    f"http://127.0.0.1:{port}",
+                    "--steps",
+                    "5",
+                    "--metrics",
+                    str(tmp_path / "run.jsonl"),
+                    "--quiet",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for r in range(2)
+        ]
+        for job in jobs:
+            _, err = job.communicate(timeout=240)
+            assert job.returncode == 0, err[-3000:]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    first, second = steps_of(tmp_path / "run.jsonl"), steps_of(tmp_path / "run.replica1.jsonl")
+    assert [x["step"] for x in first] == [1, 2, 3, 4, 5]
+    joined = second[0]["step"]
+    assert second[0]["replicas"]["healed"] == (joined > 1) and [x["step"] for x in second] == list(range(joined, 6))
+    assert all(x["replicas"]["replicas"] == [0, 1] for x in first if x["step"] >= joined)
+    assert [x["replicas"]["weights_sum"] for x in first if x["step"] >= joined] == [
+        x["replicas"]["weights_sum"] for x in second
+    ]

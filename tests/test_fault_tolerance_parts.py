@@ -4,6 +4,7 @@ replica group's rows and config, and the planner's and tessera memory's account 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -103,3 +104,15 @@ def test_memory_and_plan_say_what_fault_tolerance_adds():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["layout"]["estimate"]["split_s"]["replicas"] > 0.1
+
+
+def test_a_missing_torchft_and_a_replica_count_that_does_not_divide_are_refused_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` now fails as it does without the extra
+    out = cli_here("train", "--model", "debug", "--steps", "1", "--dp", "2", "--dp-replicate", "2", "--fault-tolerant")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "--fault-tolerant needs torchft, which is not installed: pip install -e '.[ft]'" in lines[0]
+    monkeypatch.delitem(sys.modules, "torchft")
+    out = cli_here("train", "--model", "debug", "--steps", "1", "--dp", "2", "--dp-replicate", "3", "--fault-tolerant")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "dp_replicate" in lines[0].replace("-", "_"), out.stderr

@@ -105,14 +105,16 @@ def _train(args: argparse.Namespace) -> int:
         from tessera.parallel.checkpoint import CheckpointError
         from tessera.parallel.launch import Interrupted, RankFailure
         from tessera.training.report import refusal_exit
+        from tessera.training.replicas import group_config
         from tessera.training.run import done_line, error_exit, failed_message, stopped_message, train
 
     try:
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
         config = config_from_args(args, world)
         config.check()
-        if world is not None:
-            config.layout.check_world_size(world)
+        if world is not None:  # a fault-tolerant run's torchrun job is one replica group
+            job = group_config(config) if config.ft.fault_tolerant else config
+            job.layout.check_world_size(world)
             if config.runtime.check_drift:
                 raise ValueError(
                     "--check-drift trains one-process runs after this one: run it outside torchrun "

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .replicas import BARRIER_ENV, DRILL_ENV
+from .replicas import DRILL_ENV
 
 POLL_S = 0.2
 
@@ -78,10 +78,6 @@ def train_fault_tolerant(config: Config, replica_main: Any) -> None:
         f"(torchft lighthouse {address})",
         flush=True,
     )
-    import torch.distributed as dist  # lazy: (as above)
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the first launches' barrier
-    os.environ[BARRIER_ENV] = f"127.0.0.1:{store.port}"
     ctx = multiprocessing.get_context("spawn")
     launches = dict.fromkeys(range(replicas), 0)
     procs = {}

@@ -28,7 +28,7 @@ from tessera.models.spec import spec_of
 from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
 from tessera.parallel.fp8 import check_fp8
-from tessera.parallel.fault_tolerance import require_torchft
+from tessera.parallel.fault_tolerance import FT_EXTRA, require_torchft
 from tessera.parallel.host_memory import available_bytes
 from tessera.parallel.muon import ADJUST_LR
 from tessera.parallel.plan import find_modules
@@ -45,7 +45,12 @@ def check(config: Config) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # a job already launched (the quick start under torchrun): the wrong process count is the first error,
         # in one line, before a mesh of the wrong shape fails deep inside torch on every rank
-        config.layout.check_world_size(torch.distributed.get_world_size())
+        layout = config.layout
+        if config.ft.fault_tolerant and not config.ft.ft_replica_groups:  # a fault-tolerant job: one group
+            d = layout.as_dict()
+            d.update(dp_replicate=1)
+            layout = type(layout)(**d)
+        layout.check_world_size(torch.distributed.get_world_size())
     _check_numbers(config)
     _check_drift_flag(config)
     model = _check_model(config)
@@ -399,7 +404,10 @@ def _check_fault_tolerance(config: Config) -> None:
         if given:
             raise ValueError(f"{given[0]} applies to --fault-tolerant runs; add --fault-tolerant, or drop it")
         return
-    require_torchft()
+    try:
+        require_torchft()
+    except ValueError:
+        raise ValueError(f"--fault-tolerant needs torchft, which is not installed: {FT_EXTRA}") from None
     if p.dp_replicate < 2:
         raise ValueError(
             f"--fault-tolerant makes the replicate axis fault-tolerant, and --dp-replicate is {p.dp_replicate}: "

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -28,7 +27,6 @@ from tessera.parallel.fault_tolerance import (
 from .config import Config
 
 DRILL_ENV = "TESSERA_FT_DRILL"  # fault drills (runtime/training/ft_launch.py's docstring)
-BARRIER_ENV = "TESSERA_FT_BARRIER"  # host:port of the launcher's store, where the first launches meet
 LAUNCH_ENV = "TESSERA_FT_LAUNCH"  # which launch of its group a process is (0: the first)
 DRILL_LOG_ENV = "TESSERA_FT_DRILL_LOG"  # a file each planted fault appends its time to
 
@@ -95,30 +93,6 @@ def replica_sync(trainer: Any) -> ReplicaSync:
         lambda state: load_rank_state(trainer.parts, optimizers, small, state),
         lambda at: drill(trainer.config, trainer.progress.step + 1, at),
     )
-
-
-def meet_the_other_groups(config: Config) -> None:
-    """The first launch of each group waits, once its managers are up, until every group's are (the local
-    launcher's store): the first quorum then holds every group, as the replicate axis of one HSDP run would.
-    A replacement, and a group under torchrun, joins whatever quorum there is."""
-    where = os.environ.get(BARRIER_ENV)
-    if not where or os.environ.get(LAUNCH_ENV, "0") != "0":
-        return
-    import torch.distributed as dist  # lazy: (as above)
-
-    if dist.get_rank() == 0:
-        host, port = where.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=config.ft.ft_timeout))
-        store.add("ready", 1)
-        deadline = time.monotonic() + config.ft.ft_timeout
-        while store.add("ready", 0) < config.ft.ft_replica_groups:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"replica group {config.ft.ft_replica_id}: the other groups did not start within --ft-timeout "
-                    f"{config.ft.ft_timeout:g} s"
-                )
-            time.sleep(0.05)
-    dist.barrier()
 
 
 class NothingToRejoin(RuntimeError):

@@ -37,7 +37,7 @@ from tessera.topology import Layout
 from tessera.topology.step_estimate import model_flops_per_token
 
 from .config import Config
-from .ft_launch import replica_metrics, train_fault_tolerant
+from .ft_launch import replica_config, train_fault_tolerant
 from .preflight import resolve_checkpoint
 from .replicas import LAUNCH_ENV, group_config
 from .rank_server import speaks_for_the_job
@@ -275,15 +275,13 @@ def train(config: Config) -> list[dict[str, Any]] | None:
             else:  # one group, started by hand beside a lighthouse
                 train_group(config)
         return None
-    if config.ft.fault_tolerant:  # under torchrun: this job is one replica group
-        config = group_config(
-            dataclasses.replace(
-                config,
-                runtime=dataclasses.replace(
-                    config.runtime, metrics=replica_metrics(config.runtime.metrics, config.ft.ft_replica_id or 0)
-                ),
+    if config.ft.fault_tolerant:  # under torchrun: this job is one replica group (its files, its share)
+        if config.ft.ft_replica_id is None or config.ft.lighthouse is None:
+            raise ValueError(
+                "--fault-tolerant under torchrun: each replica group is its own job; give it --ft-replica-id R "
+                "and --lighthouse ADDR (tessera lighthouse starts one)"
             )
-        )
+        config = group_config(replica_config(config, config.ft.ft_replica_id, config.ft.lighthouse))
     if _backend(config) == "nccl":  # a stalled NCCL collective dumps torch's flight recorder (every rank's last ops)
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")

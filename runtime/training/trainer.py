@@ -50,7 +50,7 @@ from .config import Config
 from .data_sources import open_data
 from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
 from .parts import build_parts
-from .replicas import NothingToRejoin, drill, is_replacement, meet_the_other_groups, replica_rows, replica_sync
+from .replicas import NothingToRejoin, drill, is_replacement, replica_rows, replica_sync
 from .runners import LocalRunner, forward_only, split_microbatches
 from .step_result import Progress, StepResult, peak_memory_bytes  # noqa: F401  (public here before the split)
 from .straggler import StragglerWatch
@@ -165,8 +165,6 @@ class Trainer:
         self._data_before_step: dict[str, Any] = {}  # the data's position before the step (a retried step's)
         self._replicas_before: list[int] = list(range(config.ft.ft_replica_groups))  # the last step's groups
         self.replicas: ReplicaSync | None = replica_sync(self) if config.ft.fault_tolerant else None
-        if self.replicas is not None:
-            meet_the_other_groups(config)
         self.straggler_watch = StragglerWatch(self.device)
         # measured during rank 0's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}. Rank 0
         # alone writes the records, the header and the progress line; the probe is a Python call per operator,
@@ -356,7 +354,8 @@ class Trainer:
         the quorum (a group that is behind takes a peer's state there), the forward and backward, the loss over
         the group's ranks, and under --fault-tolerant the one all-reduce between the replica groups."""
         if self.replicas is not None:
-            self.replicas.begin_step()
+            first = self.progress.step == 0 and not is_replacement()  # the run's start: every group, together
+            self.replicas.begin_step(wait_for=self.config.ft.ft_replica_groups if first else 0)
             if self.progress.step == 0 and is_replacement() and not self.replicas.healed:
                 raise NothingToRejoin(
                     f"replica group {self.config.ft.ft_replica_id}, a replacement, found no live replica group to "
