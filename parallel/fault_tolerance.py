@@ -16,6 +16,7 @@ trained on exactly those rows. A restarted group joins at a step boundary and re
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -90,6 +91,7 @@ class ReplicaSync:
     recovered_bytes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
         from torchft import Manager  # lazy: the ft extra
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 

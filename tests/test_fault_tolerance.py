@@ -237,3 +237,23 @@ def test_under_torchrun_each_replica_group_is_its_own_job_beside_tessera_lightho
     assert [x["replicas"]["weights_sum"] for x in first if x["step"] >= joined] == [
         x["replicas"]["weights_sum"] for x in second
     ]
+
+
+def test_a_whole_job_resumes_from_group_0s_checkpoint_like_the_run_it_continues(tmp_path):
+    """Group 0 alone saves (DCP, on --checkpoint-every); every group of a resumed job loads it: steps 3-4 of the
+    resumed run equal the uninterrupted run's, bitwise here."""
+    common = [*BASE, "--dp", "2", "--dp-replicate", "2", "--fault-tolerant", "--steps", "4", "--quiet"]
+    ckpt = str(tmp_path / "ck")
+    saving = ["--checkpoint-dir", ckpt, "--checkpoint-every", "2", "--keep-checkpoints", "0"]
+    for extra in (
+        [*saving, "--metrics", str(tmp_path / "a.jsonl")],
+        ["--resume", f"{ckpt}/step_00000002", "--metrics", str(tmp_path / "b.jsonl")],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "tessera", "train", *common, *extra], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+    straight, resumed = steps_of(tmp_path / "a.jsonl"), steps_of(tmp_path / "b.jsonl")
+    assert [x["step"] for x in resumed] == [3, 4]
+    assert [x["loss"] for x in resumed] == [x["loss"] for x in straight[2:]]
+    assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in straight[2:]]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -30,6 +31,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    os.environ.setdefault("RUST_LOG", "warn")  # quorums at INFO otherwise: a line each step
     try:
         from torchft._torchft import LighthouseServer  # lazy: the ft extra
     except ImportError:

@@ -47,9 +47,9 @@ def check(config: Config) -> None:
         # in one line, before a mesh of the wrong shape fails deep inside torch on every rank
         layout = config.layout
         if config.ft.fault_tolerant and not config.ft.ft_replica_groups:  # a fault-tolerant job: one group
-            d = layout.as_dict()
-            d.update(dp_replicate=1)
-            layout = type(layout)(**d)
+            degrees = layout.as_dict()
+            degrees.update(dp_replicate=1)
+            layout = type(layout)(**degrees)
         layout.check_world_size(torch.distributed.get_world_size())
     _check_numbers(config)
     _check_drift_flag(config)
