@@ -121,6 +121,8 @@ class ReplicaSync:
             lighthouse_addr=self.ft.lighthouse,
             replica_id=f"tessera_replica_{self.ft.replica_id}",
             checkpoint_transport=SafeTransport(timeout),
+            # a quorum request the lighthouse misses (it restarted) is asked again rather than failing the group
+            quorum_retries=10,
             init_sync=False,  # every group initializes from the same seed: equal weights, nothing to send
         )
 
@@ -218,6 +220,19 @@ def weights_sum(parts: list[nn.Module]) -> float:
         for p in part.parameters():
             total += _local(p).detach().double().sum().cpu()
     return float(total)
+
+
+def weights_bits(parts: list[nn.Module]) -> int:
+    """A checksum of the bits of this rank's weight shards (each element's bit pattern as an integer, summed in
+    int64 on the device): the same on two groups exactly when their weights are bitwise the same, but for
+    collisions."""
+    total = 0
+    for part in parts:
+        for p in part.parameters():
+            local = _local(p).detach().contiguous()
+            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+            total += int(local.view(bits).to(torch.int64).sum())
+    return total
 
 
 def rank_state(parts: list[nn.Module], optimizers: list[Any], small: dict[str, Any]) -> dict[str, Any]:
