@@ -126,13 +126,13 @@ class ReplicaSync:
             init_sync=False,  # every group initializes from the same seed: equal weights, nothing to send
         )
 
-    def begin_step(self, wait_for: int = 0) -> None:
+    def begin_step(self, wait_for: int = 0, timeout: float | None = None) -> None:
         """The step's quorum; a group that is behind receives a peer's state here (then `healed`). `wait_for`:
         ask again (for up to the timeout) until the quorum holds that many groups: the run's first step, so
         that groups started apart (separate torchrun jobs) begin together instead of each alone."""
         self.healed, self.recovered_bytes = False, 0
         self.manager.start_quorum()
-        deadline = time.monotonic() + self.ft.timeout
+        deadline = time.monotonic() + (self.ft.timeout if timeout is None else timeout)
         while self.manager.num_participants() < wait_for and time.monotonic() < deadline and not self.healed:
             time.sleep(0.1)
             self.manager.start_quorum()

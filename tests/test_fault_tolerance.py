@@ -101,10 +101,13 @@ def test_groups_of_several_ranks_equal_the_hsdp_run(tmp_path, inside):
     ids=["forward", "reduce", "recover"],
 )
 def test_a_killed_group_leaves_the_other_training_and_its_replacement_rejoins_it(tmp_path, drill):
-    steps = 24 if "recover" in drill else 12  # two replacements to boot: a longer run
-    replacements = "2" if "recover" in drill else "1"
-    first = "replica=1,step=3,at=forward;" if "recover" in drill else ""  # the fault that calls the replacement
-    groups, err = train_ft(tmp_path, steps, f"{first}{drill},pace=0.4", 2, 2, "--ft-replacements", replacements)
+    recover = "recover" in drill
+    steps = 30 if recover else 9  # two replacements to boot there: a longer run
+    replacements = "2" if recover else "1"
+    first = "replica=1,step=3,at=forward;" if recover else ""  # the fault that calls the replacement
+    # the kills' replacement rejoins at step 6, whatever its start-up took (the groups wait for it there)
+    timing = ",pace=0.4" if recover else ";rejoin_by=6;pace=0.1"
+    groups, err = train_ft(tmp_path, steps, f"{first}{drill}{timing}", 2, 2, "--ft-replacements", replacements)
     survivor = groups[0]
     assert [x["step"] for x in survivor] == list(range(1, steps + 1)), "a survivor lost or repeated a step"
     read = [x["replicas"]["replicas"] for x in survivor]
@@ -118,6 +121,7 @@ def test_a_killed_group_leaves_the_other_training_and_its_replacement_rejoins_it
     back = [x for x in groups[1] if x["replicas"]["healed"]]
     assert len(back) == 1 and back[0]["replicas"]["recovered_bytes"] > 0, groups[1]
     joined = back[0]["step"]
+    assert recover or joined == 6, joined
     mine = {x["step"]: x["replicas"]["weights_bits"] for x in groups[1] if x["step"] >= joined}
     theirs = {x["step"]: x["replicas"]["weights_bits"] for x in survivor if x["step"] >= joined}
     assert mine == theirs and len(mine) == steps - joined + 1

@@ -11,7 +11,8 @@ Fault drills for tests and rehearsals (`TESSERA_FT_DRILL`, faults separated by `
 `replica=1,step=3,at=forward,signal=KILL` kills (or with STOP suspends) that group's rank 0 (`rank=N` another)
 during step 3's forward on its first launch (`launch=1`: its first replacement); `at` is one of forward,
 reduce (just before the all-reduce between groups) or recover (while taking a peer's state, at the
-replacement's step 1); `pace=SECONDS` makes every step last at least that long.
+replacement's step 1); `pace=SECONDS` makes every step last at least that long; `rejoin_by=N` makes every
+group wait at step N until a replacement has joined.
 """
 
 from __future__ import annotations

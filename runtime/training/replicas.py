@@ -104,6 +104,16 @@ def is_replacement() -> bool:
     return os.environ.get(LAUNCH_ENV, "0") != "0"
 
 
+def rejoin_step() -> int | None:
+    """TESSERA_FT_DRILL's `rejoin_by=N`: at step N every group waits (up to a minute) until its quorum holds
+    every group again, a replacement included: a rehearsal's rejoin at a known step, whatever the start-up took."""
+    for one in os.environ.get(DRILL_ENV, "").split(";"):
+        fields = dict(part.split("=", 1) for part in one.split(",") if "=" in part)
+        if "rejoin_by" in fields:
+            return int(fields["rejoin_by"])
+    return None
+
+
 def drill(config: Config, step: int, at: str) -> None:
     """TESSERA_FT_DRILL's faults (";"-separated), each on the group, step, point and launch it names; a
     `pace=SECONDS` field makes every group's every step last at least that long (a rehearsal's step time)."""

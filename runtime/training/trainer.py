@@ -50,7 +50,7 @@ from .config import Config
 from .data_sources import open_data
 from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
 from .parts import build_parts
-from .replicas import NothingToRejoin, drill, is_replacement, replica_rows, replica_sync
+from .replicas import NothingToRejoin, drill, is_replacement, rejoin_step, replica_rows, replica_sync
 from .runners import LocalRunner, forward_only, split_microbatches
 from .step_result import Progress, StepResult, peak_memory_bytes  # noqa: F401  (public here before the split)
 from .straggler import StragglerWatch
@@ -355,7 +355,10 @@ class Trainer:
         the group's ranks, and under --fault-tolerant the one all-reduce between the replica groups."""
         if self.replicas is not None:
             first = self.progress.step == 0 and not is_replacement()  # the run's start: every group, together
-            self.replicas.begin_step(wait_for=self.config.ft.ft_replica_groups if first else 0)
+            rejoin = rejoin_step() == self.progress.step + 1  # a drill's step the groups wait for a replacement at
+            self.replicas.begin_step(
+                wait_for=self.config.ft.ft_replica_groups if first or rejoin else 0, timeout=60.0 if rejoin else None
+            )
             if self.progress.step == 0 and is_replacement() and not self.replicas.healed:
                 raise NothingToRejoin(
                     f"replica group {self.config.ft.ft_replica_id}, a replacement, found no live replica group to "
