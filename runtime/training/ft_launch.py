@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .replicas import DRILL_ENV
+from .replicas import drill_faults
 
 POLL_S = 0.2
 
@@ -151,8 +151,7 @@ def train_fault_tolerant(config: Config, replica_main: Any) -> None:
 def _lighthouse_drill() -> tuple[float, float] | None:
     """TESSERA_FT_DRILL's `lighthouse=restart,after=S,down=D` fault: the launcher's lighthouse shut down S
     seconds after the launch and started again on its port D seconds later."""
-    for one in os.environ.get(DRILL_ENV, "").split(";"):
-        fields = dict(part.split("=", 1) for part in one.split(",") if "=" in part)
+    for fields in drill_faults():
         if fields.get("lighthouse") == "restart":
             return float(fields.get("after", 5.0)), float(fields.get("down", 1.0))
     return None

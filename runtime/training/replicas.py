@@ -104,23 +104,24 @@ def is_replacement() -> bool:
     return os.environ.get(LAUNCH_ENV, "0") != "0"
 
 
+def drill_faults() -> list[dict[str, str]]:
+    """TESSERA_FT_DRILL's faults (";"-separated), each its `key=value` fields ("," between them)."""
+    spec = os.environ.get(DRILL_ENV, "")
+    return [dict(part.split("=", 1) for part in one.split(",") if "=" in part) for one in spec.split(";") if one]
+
+
 def rejoin_step() -> int | None:
     """TESSERA_FT_DRILL's `rejoin_by=N`: at step N every group waits (up to a minute) until its quorum holds
     every group again, a replacement included: a rehearsal's rejoin at a known step, whatever the start-up took."""
-    for one in os.environ.get(DRILL_ENV, "").split(";"):
-        fields = dict(part.split("=", 1) for part in one.split(",") if "=" in part)
-        if "rejoin_by" in fields:
-            return int(fields["rejoin_by"])
-    return None
+    return next((int(f["rejoin_by"]) for f in drill_faults() if "rejoin_by" in f), None)
 
 
 def drill(config: Config, step: int, at: str) -> None:
     """TESSERA_FT_DRILL's faults (";"-separated), each on the group, step, point and launch it names; a
     `pace=SECONDS` field makes every group's every step last at least that long (a rehearsal's step time)."""
-    spec = os.environ.get(DRILL_ENV)
-    if not spec:
+    faults = drill_faults()
+    if not faults:
         return
-    faults = [dict(part.split("=", 1) for part in one.split(",") if part) for one in spec.split(";")]
     pace = next((float(f["pace"]) for f in faults if "pace" in f), None)
     if at == "forward" and pace:
         time.sleep(pace)

@@ -34,7 +34,7 @@ from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, i
 from tessera.parallel.comm_stats import CommCounter
 from tessera.parallel.data import PRECISIONS, layout_for_strategy
 from tessera.parallel.expert import expert_load, load_report, update_biases
-from tessera.parallel.fault_tolerance import ReplicaSync, gradient_shards, weights_bits, weights_sum
+from tessera.parallel.fault_tolerance import ReplicaSync, gradient_shards, weights_bits
 from tessera.parallel.fp8 import clear_float8_scales, float8_gathered_weights, precompute_float8_scales
 from tessera.parallel.loss import CrossEntropySum
 from tessera.parallel.pipeline import PipelineRunner
@@ -491,7 +491,6 @@ class Trainer:
             if replica is None
             else {
                 **replica.record(),
-                "weights_sum": weights_sum(self.parts),
                 "weights_bits": weights_bits(self.parts),
                 "ended_unix": time.time(),
             },
