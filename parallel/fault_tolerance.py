@@ -95,6 +95,7 @@ class ReplicaSync:
         from torchft import Manager  # lazy: the ft extra
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+        from .quorum_ids import FreshQuorums
         from .replica_transport import SafeTransport, state_bytes
 
         timeout = timedelta(seconds=self.ft.timeout)
@@ -125,6 +126,8 @@ class ReplicaSync:
             quorum_retries=10,
             init_sync=False,  # every group initializes from the same seed: equal weights, nothing to send
         )
+        # fresh rendezvous keys for every process group, a restarted lighthouse's reused quorum ids included
+        self.manager._client = FreshQuorums(self.manager, self.group_rank, timeout)
 
     def begin_step(self, wait_for: int = 0, timeout: float | None = None) -> None:
         """The step's quorum; a group that is behind receives a peer's state here (then `healed`). `wait_for`:

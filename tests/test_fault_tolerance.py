@@ -102,11 +102,12 @@ def test_groups_of_several_ranks_equal_the_hsdp_run(tmp_path, inside):
 )
 def test_a_killed_group_leaves_the_other_training_and_its_replacement_rejoins_it(tmp_path, drill):
     recover = "recover" in drill
-    steps = 30 if recover else 9  # two replacements to boot there: a longer run
+    steps = 9  # a short horizon: AdamW's normalization amplifies reassociation late in a run (HSDP's own too)
     replacements = "2" if recover else "1"
     first = "replica=1,step=3,at=forward;" if recover else ""  # the fault that calls the replacement
-    # the kills' replacement rejoins at step 6, whatever its start-up took (the groups wait for it there)
-    timing = ",pace=0.4" if recover else ";rejoin_by=6;pace=0.1"
+    # the replacement rejoins at step 6, whatever its start-up took (the groups wait for it there; under
+    # `recover` the first replacement dies receiving the state there, the step is retried, the second joins)
+    timing = ";rejoin_by=6;pace=0.1"
     groups, err = train_ft(tmp_path, steps, f"{first}{drill}{timing}", 2, 2, "--ft-replacements", replacements)
     survivor = groups[0]
     assert [x["step"] for x in survivor] == list(range(1, steps + 1)), "a survivor lost or repeated a step"
@@ -121,7 +122,9 @@ def test_a_killed_group_leaves_the_other_training_and_its_replacement_rejoins_it
     back = [x for x in groups[1] if x["replicas"]["healed"]]
     assert len(back) == 1 and back[0]["replicas"]["recovered_bytes"] > 0, groups[1]
     joined = back[0]["step"]
-    assert recover or joined == 6, joined
+    assert joined == 6, joined
+    # under `recover`, the step the first replacement died receiving in was retried, not committed without it
+    assert not recover or survivor[5]["replicas"]["retries"] >= 1, survivor[5]
     mine = {x["step"]: x["replicas"]["weights_bits"] for x in groups[1] if x["step"] >= joined}
     theirs = {x["step"]: x["replicas"]["weights_bits"] for x in survivor if x["step"] >= joined}
     assert mine == theirs and len(mine) == steps - joined + 1
@@ -139,21 +142,35 @@ def test_a_stopped_group_is_left_behind_and_named(tmp_path):
     assert_close("grad norm", [x["grad_norm"] for x in survivor], norms, 1e-5)
 
 
-@pytest.mark.xfail(
-    reason="known defect, issue 66: on a loaded machine a group whose quorum request falls in the lighthouse's "
-    "outage still fails (torchft's quorum retries run out) and is replaced; passes on an idle machine",
-    strict=False,
-)
 def test_the_lighthouse_lost_and_restarted_stops_no_group(tmp_path):
-    """The launcher's lighthouse shut down mid-run and started again on its address 1.5 s later: torchft's managers
-    keep the quorum they have meanwhile; every step of both groups applies, with both groups' rows."""
-    groups, err = train_ft(tmp_path, 16, "lighthouse=restart,after=8,down=1.5;pace=0.4")
+    """The launcher's lighthouse shut down as group 0 begins step 4 and a new one started on its address 1.5 s
+    later. No group dies; the new lighthouse knows no quorum, so its first may hold one group (torchft's): that
+    group steps alone and the other then takes its state. Every step is applied once, with the rows its record
+    names, the run equals one process on those rows, and the groups end bitwise equal; no stall outlasts
+    --ft-timeout (8 s) by more than a step."""
+    steps = 10
+    groups, err = train_ft(tmp_path, steps, "lighthouse=restart,step=4,down=1.5;pace=0.4")
     assert "drill: the lighthouse is down" in err and "drill: the lighthouse is back" in err, err[-2000:]
     assert "starting a replacement" not in err, err[-2000:]  # no group failed meanwhile
+    run: dict[int, dict] = {}  # the run's history: each step from the groups that applied it
     for r, records in groups.items():
-        assert [x["step"] for x in records] == list(range(1, 17)), r
-        assert all(x["replicas"]["replicas"] == [0, 1] for x in records), r
-    assert [x["replicas"]["weights_bits"] for x in groups[0]] == [x["replicas"]["weights_bits"] for x in groups[1]]
+        mine = [x["step"] for x in records]
+        assert mine == sorted(set(mine)) and mine[-1] == steps, (r, mine)  # none twice, to the end
+        for before, x in zip(mine, records[1:]):
+            assert x["step"] == before + 1 or x["replicas"]["healed"], (r, mine)  # a gap only where it healed
+        for x in records:
+            if x["step"] in run:  # both groups applied it: one quorum, one update
+                assert x["replicas"]["replicas"] == run[x["step"]]["replicas"]["replicas"], x
+                assert x["loss"] == run[x["step"]]["loss"], x
+            run.setdefault(x["step"], x)
+    assert sorted(run) == list(range(1, steps + 1))
+    read = [run[s]["replicas"]["replicas"] for s in range(1, steps + 1)]
+    losses, norms = reference(steps, read)
+    assert_close("loss", [run[s]["loss"] for s in range(1, steps + 1)], losses, 1e-5)
+    assert_close("grad norm", [run[s]["grad_norm"] for s in range(1, steps + 1)], norms, 1e-5)
+    assert groups[0][-1]["replicas"]["weights_bits"] == groups[1][-1]["replicas"]["weights_bits"]
+    ended = [run[s]["replicas"]["ended_unix"] for s in range(1, steps + 1)]
+    assert max(b - a for a, b in zip(ended, ended[1:])) < 8 + 2, ended
 
 
 def test_two_groups_lost_at_once_leave_the_third_training(tmp_path):

@@ -116,3 +116,67 @@ def test_a_missing_torchft_and_a_replica_count_that_does_not_divide_are_refused_
     out = cli_here("train", "--model", "debug", "--steps", "1", "--dp", "2", "--dp-replicate", "3", "--fault-tolerant")
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "dp_replicate" in lines[0].replace("-", "_"), out.stderr
+
+
+class _Result:
+    """A torchft quorum result, as the lighthouse hands it to one member."""
+
+    def __init__(self, quorum_id, members, store, heal=False, send=()):
+        self.quorum_id, self.replica_ids, self.store_address = quorum_id, list(members), store
+        self.heal, self.recover_dst_replica_ranks = heal, list(send)
+
+
+class _Client:
+    def __init__(self):
+        self.next = None
+
+    def _quorum(self, **kwargs):
+        return self.next
+
+
+class _Manager:
+    def __init__(self):
+        self._client, self._quorum_id = _Client(), 7
+
+
+def test_a_restarted_lighthouses_reused_quorum_id_gets_fresh_keys_and_every_member_reconfigures():
+    """The drill's failure, replayed: the old lighthouse's quorum 2 held A and B; the restarted one gave A alone
+    quorum 1 (A stepped), then A and B quorum 2 again, B behind. Both must reconfigure, onto one address that no
+    earlier configuration used; a repeated quorum reconfigures nobody."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from tessera.parallel.quorum_ids import FreshQuorums
+
+    primary = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = f"127.0.0.1:{primary.port}"
+    a, b = _Manager(), _Manager()
+    fa, fb = (FreshQuorums(m, 0, timedelta(seconds=5)) for m in (a, b))
+
+    def ask(fresh, manager, result):
+        """(the store address torchft is handed, whether it was told to reconfigure)"""
+        manager._quorum_id = result.quorum_id  # the id torchft would compare with (it reconfigures on -1)
+        before = fresh.reconfigured
+        fresh._client.next = result
+        got = fresh._quorum()
+        assert (manager._quorum_id == -1) == (fresh.reconfigured > before)
+        return got.store_address, fresh.reconfigured > before
+
+    used = set()
+    first, changed = ask(fa, a, _Result(1, ["A"], store))
+    assert changed
+    used.add(first)
+    old_a, _ = ask(fa, a, _Result(2, ["A", "B"], store, send=[1]))
+    old_b, _ = ask(fb, b, _Result(2, ["A", "B"], store, heal=True))
+    assert old_a == old_b and old_a not in used
+    used.add(old_a)
+    assert ask(fa, a, _Result(2, ["A", "B"], store)) == (old_a, False)  # the same quorum: nothing to configure
+    assert ask(fb, b, _Result(2, ["A", "B"], store)) == (old_b, False)
+    # the lighthouse restarted: its ids from 1 again
+    solo, changed = ask(fa, a, _Result(1, ["A"], store))
+    assert changed and solo not in used
+    used.add(solo)
+    new_a, changed_a = ask(fa, a, _Result(2, ["A", "B"], store, send=[1]))
+    new_b, changed_b = ask(fb, b, _Result(2, ["A", "B"], store, heal=True))  # B's id unchanged: it must heal
+    assert changed_a and changed_b and new_a == new_b and new_a not in used

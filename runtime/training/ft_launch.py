@@ -12,7 +12,8 @@ Fault drills for tests and rehearsals (`TESSERA_FT_DRILL`, faults separated by `
 during step 3's forward on its first launch (`launch=1`: its first replacement); `at` is one of forward,
 reduce (just before the all-reduce between groups) or recover (while taking a peer's state, at the
 replacement's step 1); `pace=SECONDS` makes every step last at least that long; `rejoin_by=N` makes every
-group wait at step N until a replacement has joined.
+group wait at step N until a replacement has joined; `lighthouse=restart,step=N,down=D` shuts the launcher's
+lighthouse down when group 0 begins step N and starts a new one on its port D seconds later.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .replicas import drill_faults
+from .replicas import OUTAGE_ENV, drill_faults
 
 POLL_S = 0.2
 
@@ -80,6 +82,11 @@ def train_fault_tolerant(config: Config, replica_main: Any) -> None:
         f"(torchft lighthouse {address})",
         flush=True,
     )
+    outage = _lighthouse_drill()  # (group 0's step it goes down at, seconds it stays down) or None
+    flag: Path | None = None
+    if outage is not None:  # group 0 creates this file when it begins that step (replicas.drill)
+        flag = Path(tempfile.mkdtemp(prefix="tessera-outage-")) / "now"
+        os.environ[OUTAGE_ENV] = str(flag)
     ctx = multiprocessing.get_context("spawn")
     launches = dict.fromkeys(range(replicas), 0)
     procs = {}
@@ -88,13 +95,11 @@ def train_fault_tolerant(config: Config, replica_main: Any) -> None:
         procs[r].start()
     failed: dict[int, int] = {}
     replacements = config.ft.ft_replacements
-    outage = _lighthouse_drill()  # (seconds after the launch it goes down, seconds it stays down) or None
-    launched = time.monotonic()
     finished_at: float | None = None  # when the first group finished: the others get --ft-timeout more
     try:
         while procs:
             time.sleep(POLL_S)
-            if outage is not None and time.monotonic() > launched + outage[0]:
+            if outage is not None and flag is not None and flag.exists():
                 port = int(address.rsplit(":", 1)[1])
                 lighthouse.shutdown()  # the drill: the lighthouse lost, then a new one on the same address
                 print(f"tessera: drill: the lighthouse is down for {outage[1]:g} s", file=sys.stderr, flush=True)
@@ -148,12 +153,12 @@ def train_fault_tolerant(config: Config, replica_main: Any) -> None:
         raise RuntimeError(f"every replica group failed (exit codes {failed})")
 
 
-def _lighthouse_drill() -> tuple[float, float] | None:
-    """TESSERA_FT_DRILL's `lighthouse=restart,after=S,down=D` fault: the launcher's lighthouse shut down S
-    seconds after the launch and started again on its port D seconds later."""
+def _lighthouse_drill() -> tuple[int, float] | None:
+    """TESSERA_FT_DRILL's `lighthouse=restart,step=N,down=D` fault: the launcher's lighthouse shut down when
+    group 0 begins step N and started again on its port D seconds later."""
     for fields in drill_faults():
         if fields.get("lighthouse") == "restart":
-            return float(fields.get("after", 5.0)), float(fields.get("down", 1.0))
+            return int(fields.get("step", 3)), float(fields.get("down", 1.0))
     return None
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from .config import Config
 DRILL_ENV = "TESSERA_FT_DRILL"  # fault drills (runtime/training/ft_launch.py's docstring)
 LAUNCH_ENV = "TESSERA_FT_LAUNCH"  # which launch of its group a process is (0: the first)
 DRILL_LOG_ENV = "TESSERA_FT_DRILL_LOG"  # a file each planted fault appends its time to
+OUTAGE_ENV = "TESSERA_FT_OUTAGE"  # the file group 0 creates to tell the launcher a lighthouse drill's step began
 
 
 def group_config(config: Config) -> Config:
@@ -128,6 +130,16 @@ def drill(config: Config, step: int, at: str) -> None:
     import torch.distributed as dist  # lazy: (as above)
 
     for fields in faults:
+        outage = os.environ.get(OUTAGE_ENV)
+        if (
+            outage
+            and fields.get("lighthouse") == "restart"
+            and at == "forward"
+            and int(fields.get("step", 3)) == step
+            and config.ft.ft_replica_id == 0
+            and dist.get_rank() == 0
+        ):
+            Path(outage).touch()  # the launcher takes the lighthouse down now
         if (
             "replica" not in fields
             or int(fields["replica"]) != config.ft.ft_replica_id
