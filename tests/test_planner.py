@@ -326,20 +326,20 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
         if v > 1
     )
     assert score(name)["rank"] == 1 and score(name)["verdict"].startswith(f"ranked 1 of {len(ranked)}")
-    got = score("pp2xdp4xcp2")
+    got = score("pp4xdp2xcp2")
     mine = [
         i
         for i, x in enumerate(ranked, 1)
         if (x.candidate.layout.pp, x.candidate.layout.dp_shard, x.candidate.layout.cp, x.candidate.layout.tp)
-        == (2, 4, 2, 1)
+        == (4, 2, 2, 1)
     ]
     assert got["fits"] and got["rank"] == mine[0] > 1
     assert got["estimate"]["time_s"]["step"] == pytest.approx(ranked[mine[0] - 1].time["step"])
-    assert "which wins by" in got["verdict"] and "tessera train --pp 2 --cp 2 --dp 4" in got["verdict"]
+    assert "which wins by" in got["verdict"] and "tessera train --pp 4 --cp 2 --dp 2" in got["verdict"]
     # the CLI names the model: its verdict's command is the whole one (the model, the sequence, the batch)
-    got = score_layout(shape, hw, 4096, 32, result, *parse_named_layout("pp2xdp4xcp2", 16), model="8b")
+    got = score_layout(shape, hw, 4096, 32, result, *parse_named_layout("pp4xdp2xcp2", 16), model="8b")
     assert (
-        "run it with: tessera train --model 8b --seq-len 4096 --global-batch 32 --pp 2 --cp 2 --dp 4"
+        "run it with: tessera train --model 8b --seq-len 4096 --global-batch 32 --pp 4 --cp 2 --dp 2"
         in (got["verdict"])
     )
     assert re.fullmatch(
@@ -366,9 +366,9 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
         "--top",
         "1",
         "--layout",
-        "pp2xdp4xcp2",
+        "pp4xdp2xcp2",
     ).stdout
-    assert f"--layout pp2xdp4xcp2: {got['verdict']}" in text, text
+    assert f"--layout pp4xdp2xcp2: {got['verdict']}" in text, text
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ TESSERA_EFFICIENCY = 1.0
 RECOMPUTE: dict[str, float] = {"none": 0.0, "op": 0.03, "selective": 1 / 6, "full": 1 / 3}
 assert set(RECOMPUTE) == set(MEMORY_AC_MODES), "a recompute share for every activation checkpointing mode"
 AC_MODES = tuple(sorted(RECOMPUTE, key=RECOMPUTE.__getitem__))
+LOSS_MODES = ("chunked", "logits", "compiled-logits")
 AC_POLICIES = ("tessera", "torchtitan")  # whose `ac op` a plan counts (Hardware.ac_policy)
 # the strategies it enumerates: NO_SHARD and HYBRID_SHARD are layouts with dp_replicate, which it enumerates
 STRATEGIES = tuple(s for s in FSDP_STRATEGIES if s in ("FULL_SHARD", "SHARD_GRAD_OP"))
@@ -90,7 +91,9 @@ class Hardware:
     async_tp: bool = False  # the tp collectives overlapped with the matmuls they feed
     ep_overlap: bool = False  # the expert all-to-alls overlapped with another microbatch's compute
     attention: str = "cudnn"  # the attention kernels' backend (the profile's attention_share)
-    loss: str = "chunked"  # `tessera train --loss`: chunked (never the whole logits) or logits
+    # `tessera train --loss`: chunked (never the whole logits) or logits; compiled-logits: the whole logits with a
+    # compiled cross-entropy (another framework's, for predicting its runs)
+    loss: str = "chunked"
     # whose per-op checkpointing `ac op` is: tessera's (every matmul output kept) or torchtitan's (every other)
     ac_policy: str = "tessera"
     # --offload's links (topology/offload_model.py), at the shares a copy and the host step reach: PCIe per GPU
@@ -148,8 +151,8 @@ class Hardware:
             )
         if self.ac_policy not in AC_POLICIES:
             raise PlanError(f"ac_policy={self.ac_policy!r}: use one of {', '.join(AC_POLICIES)}")
-        if self.loss not in ("chunked", "logits"):
-            raise PlanError(f"loss={self.loss!r}: use chunked or logits")
+        if self.loss not in LOSS_MODES:
+            raise PlanError(f"loss={self.loss!r}: use one of {', '.join(LOSS_MODES)}")
         if self.attention not in ATTENTION_BACKENDS:
             raise PlanError(f"attention={self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
         if self.fp8 is not None and self.profile is not None and self.profile.fp8_tflops is None:

@@ -146,7 +146,8 @@ def _kv_out(shape: ModelShape, tp: int) -> int:
 def loss_activation_bytes(
     shape, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int, loss: str = "chunked"
 ) -> tuple[float, float]:
-    """(kept per microbatch until its backward, transient) on the last stage, for `--loss`:
+    """(kept per microbatch until its backward, transient) on the last stage, for `--loss` (and
+    compiled-logits: the whole logits with a compiled cross-entropy, as torchtitan's under compile since 2025-04):
     both: the final norm's input and x * rstd (sequence-parallel shards) and its gathered output;
     logits: the vocab-parallel softmax (fp32) kept, then the logits, their fp32 copy and their gradient;
     chunked (the default, parallel/loss.py): the gradients computed in the forward are kept (dh in the
@@ -158,6 +159,9 @@ def loss_activation_bytes(
     norm = rows * (2 * sp * cfg.dim * e + seq * cfg.dim * e)
     if loss == "logits":
         return float(norm + rows * seq * vocab * 4), float(rows * seq * vocab * (e + 2 * 4))
+    if loss == "compiled-logits":  # one fused kernel each way: the logits and their log-sum-exp kept, the
+        # gradient written once in the compute dtype (no fp32 copy of either)
+        return float(norm + rows * seq * (vocab * e + 4)), float(rows * seq * vocab * e)
     chunk = chunk_tokens(rows * seq, vocab, hidden=cfg.dim)
     kept = norm + vocab * cfg.dim * 4  # (dh, the gathered output's size, is in `norm`)
     transient = chunk * vocab * (4 + 2 * e) + (vocab * cfg.dim * e if e < 4 else 0)
@@ -197,11 +201,15 @@ def _rank_memory(
     # re-gather overlaps the prefetch of the next)
     per_unit = 2 if cand.ac in ("full", "op") else 1
     m["gathered_params"] = tp_local * e if keeps_gathered else (per_unit * unit_max * e if fsdp > 1 else 0.0)
-    # gradients of earlier microbatches, kept while later ones run (unsharded under FSDP until the sync);
-    # a pipeline rank reaches its most forwards in flight before its first backward unless it runs more
-    # forwards than that (the steady state of 1F1B)
-    accumulating = cand.microbatches * cand.virtual > in_flight if pipelined else cand.microbatches > 1
-    m["unsharded_grads"] = (tp_local * e if fsdp > 1 else m["gradients"]) if accumulating else 0.0
+    # gradients of earlier microbatches, kept while later ones run: under FSDP2 unsharded until the last
+    # microbatch's backward syncs them, and in the reduce dtype (fp32: FSDP2 upcasts a gradient it does not
+    # reduce yet, to_accumulated_grad_if_needed), the whole stage's from the rank's first backward on
+    accumulating = cand.microbatches > 1
+    m["unsharded_grads"] = (tp_local * 4.0 if fsdp > 1 else m["gradients"]) if accumulating else 0.0
+    # a pipeline rank holds its most forwards in flight before its first backward; it holds them again with
+    # the gradients only if it runs more forwards than that (the steady state of 1F1B), else the first
+    # backward's gradients meet one microbatch fewer in flight
+    steady = cand.microbatches * cand.virtual > in_flight if pipelined else True
     cpu = e >= 4 or (hw.calibration is not None and hw.calibration.device_type == "cpu")
     # one count per checkpointing mode and block kind, not per block: blocks of one kind keep the same bytes
     # (on 48 layers the count per block was 70% of the planner's time)
@@ -276,9 +284,10 @@ def _rank_memory(
     sp = seq // lay.tp if cand.sequence_parallel else seq
     mlp_width = (cfg.top_k * cfg.ffn_dim + cfg.shared_ffn_dim) if cfg.n_experts else cfg.ffn_dim  # per token
     m["backward_transient"] = float(mb_rows * (cfg.mlp_matrices * seq * mlp_width // lay.tp + 2 * sp * cfg.dim) * e)
-    backward_start = (
-        m["activations"] + max(m["logits"], m["backward_transient"]) + m["unsharded_grads"] + m["gathered_params"]
-    )
+    held = m["activations"] + m["unsharded_grads"]
+    if not steady:  # (in_flight - 1 chunks of activations beside the gradients, or in_flight without them)
+        held = max(m["activations"], m["activations"] - max(chunk_bytes(c) for c in chunks) + m["unsharded_grads"])
+    backward_start = held + max(m["logits"], m["backward_transient"]) + m["gathered_params"]
     optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
     if hw.recipe in MUON_RECIPES:  # Muon's own accounting (topology/muon_memory.py)
         optimizer_step += _muon_memory(m, cfg, cand, hw, pp_rank, fsdp, stage, n_blocks=sum(layers[s] for s in stages))

@@ -55,6 +55,9 @@ if TYPE_CHECKING:  # the planner imports this module; its types only for the ann
 # `--loss logits`: the whole logits in the compute dtype, their fp32 upcast, log-softmax and its gradient
 # (written, read back and cast down): about 30 bytes a logit, as torch's eager cross-entropy runs it
 LOGITS_LOSS_BYTES_PER_LOGIT = 30
+# a compiled cross-entropy on the whole logits: its forward reads them, its backward reads them and writes their
+# gradient, in bf16 (the upcast fused into both kernels)
+COMPILED_LOGITS_LOSS_BYTES_PER_LOGIT = 6
 MOE_DISPATCH_ELEMENTS = 18  # elements read + written per (token, routed expert, dim): permute, weight, combine
 FORWARD_ELEMENTWISE_SHARE = 1 / 3  # a block's elementwise bytes in its forward (step_time's counts: ~27-33%)
 
@@ -169,7 +172,9 @@ def compute_parts(
         per_token += MOE_DISPATCH_ELEMENTS * cfg.top_k * cfg.dim
     elementwise_bytes = blocks * per_token * dtype_bytes * rank_tokens
     elementwise = elementwise_bytes * fusion / hbm_elementwise
-    per_logit = a.loss_bytes_per_logit if loss == "chunked" else LOGITS_LOSS_BYTES_PER_LOGIT
+    per_logit = {"chunked": a.loss_bytes_per_logit, "compiled-logits": COMPILED_LOGITS_LOSS_BYTES_PER_LOGIT}.get(
+        loss, LOGITS_LOSS_BYTES_PER_LOGIT
+    )
     loss_s = 0.0
     if last_stage:
         loss_bytes = per_logit * -(-cfg.vocab_size // tp) * rank_tokens
