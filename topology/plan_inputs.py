@@ -102,6 +102,9 @@ class Hardware:
     # --fault-tolerant: the replicate axis through torchft (topology/step_estimate.py's _replica_seconds), its
     # gradient buffer counted (topology/rank_memory.py)
     fault_tolerant: bool = False
+    # the ranks' device when it is known to be a CPU (a run's own estimate, runtime/training/estimate.py): its
+    # attention and norms take the CPU's paths whatever the dtype (None: GPU paths below fp32, CPU's in fp32)
+    device_type: str | None = None
     pcie_gbps: float = 51.2
     host_memory_gbps: float = 307.2
     host_memory_gb: float | None = None

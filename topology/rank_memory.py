@@ -210,7 +210,7 @@ def _rank_memory(
     # the gradients only if it runs more forwards than that (the steady state of 1F1B), else the first
     # backward's gradients meet one microbatch fewer in flight
     steady = cand.microbatches * cand.virtual > in_flight if pipelined else True
-    cpu = e >= 4 or (hw.calibration is not None and hw.calibration.device_type == "cpu")
+    cpu = e >= 4 or hw.device_type == "cpu" or (hw.calibration is not None and hw.calibration.device_type == "cpu")
     # one count per checkpointing mode and block kind, not per block: blocks of one kind keep the same bytes
     # (on 48 layers the count per block was 70% of the planner's time)
     per_kind = uses_block_model(cfg)

@@ -54,6 +54,7 @@ def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
         calibration=calibration,
         fp8=config.parallel.fp8,
         fault_tolerant=config.ft.fault_tolerant,
+        device_type=config.device_type(),
     )
 
     return estimate(shape_of(config.model_config), cand, hw, config.data.seq_len, config.data.global_batch)
