@@ -132,12 +132,6 @@ def metrics_lock(path: str | os.PathLike) -> contextlib.AbstractContextManager[R
     )
 
 
-def live_writer(root: str | os.PathLike) -> dict | None:
-    """The holder of `root`'s checkpoint lock when a live run on this host holds it, else None."""
-    holder = _holder(Path(root) / ".lock")
-    return holder if holder and _live(holder, socket.gethostname()) else None
-
-
 @contextlib.contextmanager
 def pinned(step: Path) -> Iterator[str]:
     """Keep checkpoint `step` from the writer's rotation while this process runs (a file in ROOT/.pins); yields

@@ -1,4 +1,4 @@
-"""parallelize: the one place that applies the parallel axes to a model, in DESIGN.md's order.
+"""parallelize: the one place that applies the parallel axes to a model, in this order (torchtitan's):
 
     tp (+ sequence parallel) -> cp (ring or all-gather attention in the attention seam) -> activation
     checkpointing -> compile (each block) -> FSDP2 over the data axes (dp_shard x cp, HSDP across

@@ -140,6 +140,29 @@ def test_every_relative_link_and_anchor_resolves():
     assert not problems, "\n".join(problems)
 
 
+REPO_FOLDERS = ("topology/", "parallel/", "kernels/", "models/", "runtime/", "tests/", "benchmarks/", "docs/", ".ci/")
+REPO_PATH = re.compile(r"(?<![\w./-])((?:%s)[\w.*/-]*[\w*/])" % "|".join(re.escape(f) for f in REPO_FOLDERS))
+
+
+def test_every_repository_path_a_page_or_a_help_text_names_exists():
+    """A path into the repository named in the README, a docs page or a flag's help (the config's sections) is
+    there (a `*` in it: something matches); a page's anchor after `#` is one of its headings. Code blocks are
+    left out: they run (above), and their paths may be a user's (`tessera tokenize ... docs/*.txt`)."""
+    sources = [*PAGES, ROOT / "runtime" / "training" / "sections.py"]
+    problems = []
+    for source in sources:
+        text = source.read_text()
+        if source.suffix == ".md":
+            text = re.sub(r"```.*?```", "", text, flags=re.S)
+        for named in REPO_PATH.findall(text):
+            path, _, anchor = named.rstrip(".").partition("#")
+            if not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
+                problems.append(f"{source.name}: {named}: no such path")
+            elif anchor and path.endswith(".md") and anchor not in _anchors(ROOT / path):
+                problems.append(f"{source.name}: {named}: no such heading in {path}")
+    assert not problems, "\n".join(problems)
+
+
 def test_the_cli_reference_is_what_the_command_prints_now():
     sys.path.insert(0, str(DOCS))
     try:

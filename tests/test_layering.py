@@ -1,6 +1,6 @@
-"""The layering of DESIGN.md, checked by the import-linter contracts in pyproject.toml ([tool.importlinter]):
-the runtime > parallel > models > kernels | topology; parallel sees specs, never a family's file; topology
-imports no torch (but for the DeviceMesh side); no import cycles.
+"""The layering of docs/repository.md ("What may import what"), checked by the import-linter contracts in
+pyproject.toml ([tool.importlinter]): the runtime > parallel > models > kernels | topology; parallel sees specs,
+never a family's file; topology imports no torch (but for the DeviceMesh side); no import cycles.
 
 lint-imports finds a package's modules on disk under its import name. The folders install as one namespace
 (runtime/ -> tessera, topology/ -> tessera.topology, ...: pyproject's [tool.setuptools.package-dir]), which

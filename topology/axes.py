@@ -1,5 +1,5 @@
 """The parallel axes as data: one table, read by the layout, the meshes, the command line, the planner and
-the communication accounting (DESIGN.md, "Model specs and axes as data"). Pure Python: no torch.
+the communication accounting. Pure Python: no torch.
 
 Each `Axis` says
     name, dim      its name and its mesh dimension (the position in `MESH_AXES`: pp outermost, tp innermost,

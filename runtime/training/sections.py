@@ -168,7 +168,7 @@ class OptimizerSection:
     optimizer: str = opt(
         "adamw",
         "adamw, or muon: Muon on the model spec's hidden weight matrices (attention, MLP, experts), AdamW on the "
-        "rest (embeddings, head, norms, routers); docs/optimizers.md",
+        "rest (embeddings, head, norms, routers); docs/training.md#muon---optimizer-muon",
         choices=("adamw", "muon"),
         metavar="NAME",
     )
