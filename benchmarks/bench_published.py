@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
-from tessera.commands.plan import model_shape, parse_named_layout  # noqa: E402
+from tessera.commands.plan import model_shape  # noqa: E402
+from tessera.commands.plan_layout import parse_named_layout  # noqa: E402
 from tessera.topology.errors import PlanError  # noqa: E402
 from tessera.topology.hardware import load_profile  # noqa: E402
 from tessera.topology.planner import Hardware, gain_text, plan  # noqa: E402

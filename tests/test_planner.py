@@ -293,7 +293,7 @@ def test_plan_cli_json():
     ],
 )
 def test_a_named_layout_that_cannot_be_scored_is_refused(name, message):
-    from tessera.commands.plan import parse_named_layout
+    from tessera.commands.plan_layout import parse_named_layout
     from tessera.topology.errors import PlanError
 
     with pytest.raises(PlanError, match=message):
@@ -304,7 +304,7 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
     """--layout: the best layout named is ranked 1; another is placed where the full ranking puts its best
     settings, with what the best gains over it; one that cannot fit says its shortfall; one tessera would not
     run says why. One plan (8b on 16 GPUs of 40 GB), scored in process; the CLI prints the same verdict."""
-    from tessera.commands.plan import parse_named_layout, score_layout
+    from tessera.commands.plan_layout import parse_named_layout, score_layout
     from tessera.topology.planner import plan
 
     shape, hw = model_shape("8b"), Hardware.from_profile("h100-sxm-80gb", 16, gpu_memory_gb=40)  # the CLI's default
