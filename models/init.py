@@ -84,6 +84,29 @@ def one_process_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
+def per_rank(fn: Callable) -> Callable:
+    """`fn`, or under torch's LocalTensorMode (a simulated world: every rank's shard in one process) `fn` run
+    once per simulated rank on that rank's values: for code whose shapes and offsets differ by rank."""
+    try:
+        # lazy: torch's simulated world (torch.distributed._local_tensor); a torch without it runs fn as is
+        from torch.distributed._local_tensor import maybe_run_for_local_tensor
+    except ImportError:
+        return fn
+    return maybe_run_for_local_tensor(fn)
+
+
+def _init_shard(
+    name: str, shape: tuple[int, ...], local: Tensor, offset: tuple, size: tuple, std: Init, seed: int
+) -> None:
+    """One rank's shard of parameter `name` filled from its tiles (per_rank runs it for each simulated rank)."""
+    if tuple(local.shape) != tuple(size):
+        raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {size} at {offset}")
+    if local.is_contiguous():
+        init_region(name, shape, tuple(offset), tuple(size), std, seed, out=local)
+    else:
+        local.copy_(init_region(name, shape, tuple(offset), tuple(size), std, seed))
+
+
 def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]) -> None:
     """Initialize every parameter this rank holds from the seed (see `init_region`): the one-process
     model, or a model built on the meta device, parallelized and materialized with `to_empty`, whose
@@ -95,13 +118,8 @@ def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]
         local = p.to_local() if isinstance(p, DTensor) else p
         device = device or local.device
         offset, size = local_region(p)
-        if tuple(local.shape) != tuple(size):
-            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {size} at {offset}")
         with torch.no_grad():  # in place, tile by tile: no shard-sized temporary
-            if local.is_contiguous():
-                init_region(name, tuple(p.shape), offset, size, init_std(name), seed, out=local)
-            else:
-                local.copy_(init_region(name, tuple(p.shape), offset, size, init_std(name), seed))
+            per_rank(_init_shard)(name, tuple(p.shape), local, offset, size, init_std(name), seed)
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if reset is not None:

@@ -22,8 +22,10 @@ import torch.distributed as dist
 from tessera.models.data import IGNORE_INDEX, pack_documents
 from tessera.parallel.comm import collective
 from tessera.parallel.context import zigzag_indices, zigzag_shard
+from tessera.parallel.local_world import simulated_world
 from tessera.parallel.loss import count_valid
 from tessera.topology import Layout, Meshes
+from tessera.topology.axes import FLATTENED_BY_PURPOSE
 from torch import Tensor
 
 from .runners import Microbatch, split_microbatches
@@ -79,6 +81,15 @@ class StepData:
         context parallel; None (0..S-1, the model's default) otherwise."""
         if self.layout.cp == 1:
             return None
+        world = simulated_world()
+        if world is not None:
+            size = self.seq_len
+
+            def of_rank(r: int) -> Tensor:
+                return zigzag_indices(size, self.layout.index("cp", r), self.layout.cp, self.device)
+
+            with world.disable():
+                return world.rank_map(of_rank)
         return zigzag_indices(inputs.shape[1] * self.layout.cp, self.cp_index, self.layout.cp, inputs.device)
 
     def packed(self, inputs: Tensor, targets: Tensor, data: Any, ends: Tensor | None = None) -> tuple[Tensor, ...]:
@@ -97,9 +108,23 @@ class StepData:
         return tuple(t.to(self.device) for t in rows)
 
     def of_global_batch(self, *batch: Tensor) -> tuple[Tensor, ...]:
-        """This rank's part of a whole global batch, on its device."""
-        mine = rank_rows(batch, self.layout, self.meshes.batch_index, self.cp_index)
-        return tuple(t.to(self.device) for t in mine)
+        """This rank's part of a whole global batch, on its device. In a simulated world (torch's
+        LocalTensorMode: every rank in this process) each simulated rank's part, as one LocalTensor each."""
+        world = simulated_world()
+        if world is None:
+            mine = rank_rows(batch, self.layout, self.meshes.batch_index, self.cp_index)
+            return tuple(t.to(self.device) for t in mine)
+        batch_axis = FLATTENED_BY_PURPOSE["batch"].name
+
+        def part(i: int) -> Any:
+            def of_rank(r: int) -> Tensor:
+                rows = rank_rows(batch, self.layout, self.layout.index(batch_axis, r), self.layout.index("cp", r))
+                return rows[i].to(self.device)
+
+            return world.rank_map(of_rank)
+
+        with world.disable():  # the whole batch is one tensor every rank reads; each part is the rank's own
+            return tuple(part(i) for i in range(len(batch)))
 
     def local(self, rows_in: Tensor, rows_tg: Tensor, data: Any) -> tuple[Tensor, ...]:
         """One batch of this dp rank's rows (a token-file stream's), packed and cut to this rank."""

@@ -33,6 +33,10 @@ def parse_layout(name: str) -> dict[str, Any]:
                     f"(e.g. one, dp2xtp2, dpr2xdp2, pp2xdp2xcp2xtp2+sp, dp4xep2)"
                 )
             axis, degree = AXIS_OF[m.group(1)], int(m.group(2))
+            if degree < 1:  # dp0 read as "one" before: a layout that silently ran on one process
+                raise ValueError(
+                    f"layout {name!r}: {term} has degree 0; each degree is at least 1 (or leave the axis out)"
+                )
             if axis == "dp_shard":
                 dp_shard = degree
             elif axis == "dp_replicate":

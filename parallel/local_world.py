@@ -1,0 +1,25 @@
+"""Whether this process is a simulated world: torch's LocalTensorMode, every rank's shard held here and each
+collective computed for all ranks at once (runtime/training/simulated.py runs a layout so). The few places of
+tessera's own Python that differ by rank (the rows a rank reads, its positions under cp) ask here and run once
+per simulated rank."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+
+def simulated_world() -> Any:
+    """The enabled LocalTensorMode, or None (a real process group, or a torch without it)."""
+    try:
+        # lazy: torch's simulated world, loaded where a rank asks whether it is in one
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:
+        return None
+    return enabled_local_tensor_mode()
+
+
+def world_disabled() -> Any:
+    """The simulated world switched off for a block (plain tensors inside), or a no-op outside one."""
+    world = simulated_world()
+    return contextlib.nullcontext() if world is None else world.disable()
