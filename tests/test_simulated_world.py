@@ -71,3 +71,22 @@ def test_a_bug_only_a_world_of_eight_shows_is_caught_by_name():
     )
     assert out.returncode != 0 and "LayoutsDiverge" in out.stderr, out.stderr[-2000:]
     assert "simulated, step 1: gradient of parameter" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(pp=2, microbatches=2), "pp=2 is not simulated yet"),
+        (dict(cp=2), "cp=2 is not simulated yet"),
+        (dict(dp=4), "vocab_size=258 does not split evenly over"),
+    ],
+)
+def test_what_a_simulated_world_cannot_run_is_refused_by_name_before_anything_is_built(kw, message):
+    from tessera.config import Config
+    from tessera.training.simulated import check_simulated
+
+    config = Config.create(model="debug", quiet=True, global_batch=8, **kw)
+    with pytest.raises(ValueError, match=message):
+        check_simulated(config, config.layout.world_size)
+    with pytest.raises(ValueError, match="is not the world of"):
+        check_simulated(config, 3)

@@ -85,6 +85,25 @@ def fsdp2_storage_per_rank() -> Iterator[None]:
         setattr(fsdp_param, "free_storage", free)
 
 
+def check_simulated(config: Any, world: int) -> None:
+    """ValueError naming what a simulated world of `world` ranks cannot run of `config`, before anything is
+    built: a world that is not the layout's, an axis UNSIMULATED names, a vocabulary the shards do not split
+    evenly, a torch without LocalTensorMode."""
+    layout = config.layout
+    if world != layout.world_size:
+        raise ValueError(f"world={world} is not the world of {layout} ({layout.world_size} ranks)")
+    off = unsimulated_axes(layout)
+    if off:
+        raise ValueError(f"{off[0]}={getattr(layout, off[0])} is not simulated yet: {UNSIMULATED[off[0]]}")
+    vocab, multiple = config.model_config.vocab_size, shard_multiple(layout)
+    if vocab % multiple:
+        raise ValueError(
+            f"vocab_size={vocab} does not split evenly over {layout}'s {multiple} shards (tp x dp_shard x cp x "
+            f"dp_replicate): use vocab_size={-(-vocab // multiple) * multiple}"
+        )
+    require_local_tensor()
+
+
 def trace(config: Any, world: int) -> dict[str, Any]:
     """{"losses", "grad_norms", "grads"} of `config` trained for its steps on `world` simulated ranks (1: one
     process) in this process, on the fake process group: each step's loss and grad norm, and its gradients
@@ -100,6 +119,8 @@ def trace(config: Any, world: int) -> dict[str, Any]:
 
     if dist.is_initialized():
         raise RuntimeError("a simulated world runs in a process with no process group of its own")
+    if world > 1:
+        check_simulated(config, world)
     # the fake backend takes no timeout (each collective is computed here, nothing waits), and gathering
     # FSDP-over-tp gradients whole makes DTensor note its two all-gathers once per parameter
     warnings.filterwarnings("ignore", message="Set timeout is now only supported")
