@@ -89,10 +89,10 @@ def per_rank(fn: Callable) -> Callable:
     once per simulated rank on that rank's values: for code whose shapes and offsets differ by rank."""
     try:
         # lazy: torch's simulated world (torch.distributed._local_tensor); a torch without it runs fn as is
-        from torch.distributed._local_tensor import maybe_run_for_local_tensor
+        from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
     except ImportError:
         return fn
-    return maybe_run_for_local_tensor(fn)
+    return fn if enabled_local_tensor_mode() is None else maybe_run_for_local_tensor(fn)  # real ranks: fn itself
 
 
 def _init_shard(

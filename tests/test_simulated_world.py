@@ -11,7 +11,13 @@ import sys
 
 import pytest
 
+import torch  # noqa: E402
+
 pytest.importorskip("torch.distributed._local_tensor", reason="a simulated world needs torch's LocalTensorMode")
+# checked on torch 2.13 (the GPU machines' 2.11 may carry an earlier LocalTensorMode: not run there until checked)
+pytestmark = pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13), reason="simulated worlds checked on torch 2.13"
+)
 
 CHILD = """
 import json, sys

@@ -25,7 +25,7 @@ UNSIMULATED = {
     "cp": "the cp ring passes K/V with send/recv, which LocalTensorMode runs only in a thread per rank "
     "(LocalRunnerMode); prove cp on real ranks (tessera.testing, tests/test_contract.py)",
     "ep": "the experts' dispatch is an all-to-all whose split sizes differ by rank, which LocalTensorMode's "
-    "collectives do not take (torch 2.13); prove ep on real ranks (tessera.testing, tests/test_moe_contract.py)",
+    "collectives do not take (torch 2.13); prove ep on real ranks (tessera.testing, tests/test_contract_moe.py)",
 }
 
 
@@ -38,8 +38,8 @@ def require_local_tensor() -> None:
         from torch.distributed._local_tensor import LocalTensorMode  # noqa: F401
     except ImportError:
         raise ValueError(
-            f"a simulated world needs torch's LocalTensorMode (torch.distributed._local_tensor, torch 2.10 or "
-            f"newer); this torch is {torch.__version__}: upgrade torch, or prove the layout on real ranks"
+            f"a simulated world needs torch's LocalTensorMode (torch.distributed._local_tensor; checked on torch "
+            f"2.13); this torch is {torch.__version__}: upgrade torch, or prove the layout on real ranks"
         ) from None
 
 
