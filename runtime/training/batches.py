@@ -81,16 +81,13 @@ class StepData:
         context parallel; None (0..S-1, the model's default) otherwise."""
         if self.layout.cp == 1:
             return None
-        world = simulated_world()
-        if world is not None:
-            size = self.seq_len
-
-            def of_rank(r: int) -> Tensor:
-                return zigzag_indices(size, self.layout.index("cp", r), self.layout.cp, self.device)
-
-            with world.disable():
-                return world.rank_map(of_rank)
-        return zigzag_indices(inputs.shape[1] * self.layout.cp, self.cp_index, self.layout.cp, inputs.device)
+        size, world = inputs.shape[1] * self.layout.cp, simulated_world()
+        if world is None:
+            return zigzag_indices(size, self.cp_index, self.layout.cp, inputs.device)
+        with world.disable():  # each simulated rank's own chunks
+            return world.rank_map(
+                lambda r: zigzag_indices(size, self.layout.index("cp", r), self.layout.cp, self.device)
+            )
 
     def packed(self, inputs: Tensor, targets: Tensor, data: Any, ends: Tensor | None = None) -> tuple[Tensor, ...]:
         """With --pack-documents: (inputs, targets with each separator's target masked, per-document
@@ -115,16 +112,12 @@ class StepData:
             mine = rank_rows(batch, self.layout, self.meshes.batch_index, self.cp_index)
             return tuple(t.to(self.device) for t in mine)
         batch_axis = FLATTENED_BY_PURPOSE["batch"].name
-
-        def part(i: int) -> Any:
-            def of_rank(r: int) -> Tensor:
-                rows = rank_rows(batch, self.layout, self.layout.index(batch_axis, r), self.layout.index("cp", r))
-                return rows[i].to(self.device)
-
-            return world.rank_map(of_rank)
-
         with world.disable():  # the whole batch is one tensor every rank reads; each part is the rank's own
-            return tuple(part(i) for i in range(len(batch)))
+            parts = {
+                r: rank_rows(batch, self.layout, self.layout.index(batch_axis, r), self.layout.index("cp", r))
+                for r in world.ranks
+            }
+            return tuple(world.rank_map(lambda r, i=i: parts[r][i].to(self.device)) for i in range(len(batch)))
 
     def local(self, rows_in: Tensor, rows_tg: Tensor, data: Any) -> tuple[Tensor, ...]:
         """One batch of this dp rank's rows (a token-file stream's), packed and cut to this rank."""

@@ -121,9 +121,7 @@ def trace(config: Any, world: int) -> dict[str, Any]:
         raise RuntimeError("a simulated world runs in a process with no process group of its own")
     if world > 1:
         check_simulated(config, world)
-    # the fake backend takes no timeout (each collective is computed here, nothing waits), and gathering
-    # FSDP-over-tp gradients whole makes DTensor note its two all-gathers once per parameter
-    warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+    # gathering FSDP-over-tp gradients whole makes DTensor note its two all-gathers once per parameter
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dist.init_process_group("fake", rank=0, world_size=world)
     losses: list[float] = []
@@ -131,7 +129,9 @@ def trace(config: Any, world: int) -> dict[str, Any]:
     grads: list[dict[str, torch.Tensor]] = []
     try:
         mode = LocalTensorMode(world) if world > 1 else contextlib.nullcontext()
-        with mode, fsdp2_storage_per_rank():
+        with warnings.catch_warnings(), mode, fsdp2_storage_per_rank():
+            # the fake backend takes no timeout (each collective is computed here, nothing waits)
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             trainer = Trainer(config, torch.device("cpu"), mesh=config.layout.build_mesh("cpu"))
 
             def keep(parts: list) -> None:
