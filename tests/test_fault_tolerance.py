@@ -290,5 +290,7 @@ def test_a_whole_job_resumes_from_group_0s_checkpoint_like_the_run_it_continues(
         assert out.returncode == 0, out.stderr[-3000:]
     straight, resumed = steps_of(tmp_path / "a.jsonl"), steps_of(tmp_path / "b.jsonl")
     assert [x["step"] for x in resumed] == [3, 4]
+    # the resumed job's first step waits for both groups (one alone would train on its own rows only)
+    assert [x["replicas"]["replicas"] for x in resumed] == [[0, 1], [0, 1]]
     assert [x["loss"] for x in resumed] == [x["loss"] for x in straight[2:]]
     assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in straight[2:]]

@@ -165,6 +165,7 @@ class Trainer:
         self._data_before_step: dict[str, Any] = {}  # the data's position before the step (a retried step's)
         self._replicas_before: list[int] = list(range(config.ft.ft_replica_groups))  # the last step's groups
         self.replicas: ReplicaSync | None = replica_sync(self) if config.ft.fault_tolerant else None
+        self._quorums_begun = 0  # this process's steps so far: its first (a start or a resume) waits for every group
         self.straggler_watch = StragglerWatch(self.device)
         # measured during rank 0's first step (dtype_probe): {"compute_dtype", "matmul_flops_by_dtype", ...}. Rank 0
         # alone writes the records, the header and the progress line; the probe is a Python call per operator,
@@ -354,11 +355,14 @@ class Trainer:
         the quorum (a group that is behind takes a peer's state there), the forward and backward, the loss over
         the group's ranks, and under --fault-tolerant the one all-reduce between the replica groups."""
         if self.replicas is not None:
-            first = self.progress.step == 0 and not is_replacement()  # the run's start: every group, together
+            # this process's first step, the run's start or a whole job's resume: every group, together (a
+            # resumed group that stepped alone would train on its own rows only)
+            first = self._quorums_begun == 0 and not is_replacement()
             rejoin = rejoin_step() == self.progress.step + 1  # a drill's step the groups wait for a replacement at
             self.replicas.begin_step(
                 wait_for=self.config.ft.ft_replica_groups if first or rejoin else 0, timeout=60.0 if rejoin else None
             )
+            self._quorums_begun += 1
             if self.progress.step == 0 and is_replacement() and not self.replicas.healed:
                 raise NothingToRejoin(
                     f"replica group {self.config.ft.ft_replica_id}, a replacement, found no live replica group to "
