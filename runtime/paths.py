@@ -43,6 +43,10 @@ def read_calibration(path: str | Path | None = None) -> dict[str, Any]:
     path = Path(path) if path else calibration_path()
     if not path.exists():
         raise ValueError(f"no calibration file at {path}; run tessera plan --calibrate --model M --seq-len S first")
+    if not path.is_file():  # a device (/dev/zero) or a FIFO would be read without end
+        raise ValueError(
+            f"calibration file {path} is not a regular file; name the JSON file tessera plan --calibrate wrote"
+        )
     try:
         return json.loads(path.read_text())
     except ValueError as e:

@@ -7,9 +7,9 @@ The flags are read from the parser itself (tessera.cli.build_parser), so a new f
 exists (a new string flag must say whether it names a file to read or to write: test_every_string_flag_is_classified).
 Each example calls the CLI's main in this process. The work behind the checks is stubbed so an example stays
 cheap: `tessera train` runs through its pre-run checks (config and preflight) and stops where ranks would
-start; bench stops before its sweep, plan --calibrate before measuring (and never writes the calibration
-file), and --dry-run before building the model on the fake backend. Everything is written inside a
-scratch directory (the working directory for the test)."""
+start; bench stops before its sweep, check before its simulated world, plan --calibrate before measuring
+(and never writes the calibration file), and --dry-run before building the model on the fake backend.
+Everything is written inside a scratch directory (the working directory for the test)."""
 
 import argparse
 import contextlib
@@ -173,6 +173,7 @@ USUAL = {
     "seq_len": {"plan"},
     "global_batch": {"plan"},
     "layouts": {"bench"},
+    "layout": {"check"},
     "model": {"memory"},
     "out": {"export"},
     "files": {"tokenize"},
@@ -293,6 +294,7 @@ def cheap_cli(workspace):
     import tessera.commands.bench
     import tessera.commands.cli
     import tessera.commands.calibrate
+    import tessera.training.simulated
     import tessera.commands.generate
     import tessera.commands.plan
     import tessera.training.run
@@ -305,6 +307,7 @@ def cheap_cli(workspace):
         mp.setattr(tessera.training.run, "train", _stop)
         mp.setattr(tessera.commands.bench, "_sweep", _stop)
         mp.setattr(tessera.commands.calibrate, "measure", _stop)
+        mp.setattr(tessera.training.simulated, "trace", _stop)  # tessera check's simulated world
         mp.setattr(tessera.commands.calibrate, "save", _stop)
         mp.setattr(tessera.commands.generate, "generate_job", _stop)
         mp.setattr(parallelize, "dry_run_model_states", _stop)
@@ -414,6 +417,16 @@ def test_any_command_line_works_or_ends_with_one_clear_line(cheap_cli, argv):
         ],
         ["plan", "--model=debug", "--calibrate", "--calibration=in"],
         ["plan", "--model=debug", "--calibrate", f"--threads={10**18}"],
+        # a calibration file that is a device: read without end (the fuzz process took 24 GB)
+        [
+            "plan",
+            "--model=small",
+            "--gpus=1",
+            "--seq-len=1",
+            "--global-batch=1",
+            "--calibration=/dev/zero",
+            "--calibration-overlay=H200",
+        ],
     ],
 )
 def test_cases_the_fuzz_found(cheap_cli, argv):

@@ -10,7 +10,19 @@ import pytest
 
 from tessera.cli import main
 
-SUBCOMMANDS = ("train", "memory", "plan", "bench", "export", "convert", "tokenize", "plot", "generate", "lighthouse")
+SUBCOMMANDS = (
+    "train",
+    "memory",
+    "check",
+    "plan",
+    "bench",
+    "export",
+    "convert",
+    "tokenize",
+    "plot",
+    "generate",
+    "lighthouse",
+)
 
 
 def run(capsys, *argv):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import torch  # noqa: E402
 
@@ -96,3 +98,88 @@ def test_what_a_simulated_world_cannot_run_is_refused_by_name_before_anything_is
         check_simulated(config, config.layout.world_size)
     with pytest.raises(ValueError, match="is not the world of"):
         check_simulated(config, 3)
+
+
+# ----------------------------------------------------------------------------- tessera check, the user's command
+def test_tessera_check_proves_a_layout_and_its_record_says_what_was_measured():
+    """The command a user runs: one verdict, and with --json the record behind it (both runs' figures, the
+    model it sized, the seconds and the process's peak memory beside the estimate it was admitted by)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera", "check", "--layout", "dp2xtp2+sp", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads(out.stdout)
+    assert record["verdict"].startswith("equal to one process: dp2xtp2+sp on 4 simulated ranks, 2 steps")
+    assert record["world"] == 4 and record["shape"]["dim"] == 64 and record["shape"]["vocab_size"] % 4 == 0
+    for a, b in zip(record["grad_norms"], record["one_process_grad_norms"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert record["gradient_error_by_step"][0] <= 1e-5
+    growth = record["peak_rss_bytes"] - record["rss_before_bytes"]
+    assert 0 < growth <= 1.5 * record["estimated_bytes"], record  # the admission estimate is not an undercount
+
+
+def _one_error(capsys, *argv: str) -> str:
+    from tessera.cli import main
+
+    code = main(["check", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (code, out, err)
+    assert err.startswith("tessera check: error: ")
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layout", "dp4", "--world", "8"], "--world 8 is not the world of --layout dp4 (4 ranks)"),
+        (["--layout", "pp2xdp4"], "pp=2 is not simulated yet"),
+        (["--layout", "dp8+compile"], "+compile: torch.compile is not traced under LocalTensorMode"),
+        (["--layout", "dp8", "--steps", "0"], "--steps 0 must be 1..20"),
+        (["--layout", "dp8", "--seq-len", "100000"], "--seq-len 100000 must be 1..2048"),
+        (["--layout", "dp8", "--model", "qwen3-debug"], "does not shard vocab_size 258 (not a multiple of 8)"),
+        (["--layout", "dp2xtp2", "--model", "8b"], "GB here (every rank's shards"),
+        (["--layout", "dp8", "--global-batch", "1000000000"], "lower --global-batch 1000000000"),
+        (["--layout", "xx"], "layout 'xx'"),
+    ],
+)
+def test_tessera_check_refuses_what_it_cannot_prove_in_one_line(capsys, argv, message):
+    assert message in _one_error(capsys, *argv)
+
+
+LAYOUTS = st.builds(
+    dict,
+    tp=st.sampled_from([1, 2, 3, 4, 8]),
+    dp_shard=st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
+    dp_replicate=st.sampled_from([1, 2]),
+)
+
+
+@given(LAYOUTS)
+@settings(max_examples=60, deadline=None)
+def test_the_sized_model_is_the_debug_model_where_it_divides_and_else_the_smallest_that_shards_evenly(degrees):
+    """sized_model (pure): every parameter's rows split evenly over the FSDP ranks after tp's split, the heads
+    over tp, the vocabulary over every shard; the debug model itself where that already holds."""
+    from tessera.models import get_preset
+    from tessera.topology import Layout
+    from tessera.topology.shapes import check_tensor_parallel
+    from tessera.training.simulated import shard_multiple, sized_model, uneven_shards
+
+    layout = Layout(**degrees)
+    base = get_preset("debug")
+    cfg = sized_model(base, layout)
+    check_tensor_parallel(cfg, layout.tp)
+    assert uneven_shards(cfg, layout) == [] and cfg.vocab_size % shard_multiple(layout) == 0
+    assert cfg.n_heads // cfg.n_kv_heads == base.n_heads // base.n_kv_heads and cfg.n_layers == base.n_layers
+    fits = not uneven_shards(base, layout) and base.n_heads % layout.tp == 0
+    assert (cfg.dim, cfg.ffn_dim) == (base.dim, base.ffn_dim) if fits else cfg.dim > base.dim
+
+
+def test_a_torch_before_2_13_is_refused_naming_the_version_needed(monkeypatch):
+    from tessera.training.simulated import require_local_tensor
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu128")
+    with pytest.raises(ValueError, match=r"needs torch 2.13 or later .* this torch is 2.11.0\+cu128"):
+        require_local_tensor()

@@ -145,6 +145,8 @@ _OPTIONAL = ("pcie_gbps", "host_memory_gbps")  # null where a file leaves them o
 
 
 def _read(path: Path, what: str) -> dict[str, Any]:
+    if path.exists() and not path.is_file():  # a device (/dev/zero) or a FIFO would be read without end
+        raise PlanError(f"{what}{path} is not a regular file; name a hardware profile file (JSON)")
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as e:

@@ -1,4 +1,4 @@
-"""The `tessera` command: train, memory, plan, bench, export, convert, tokenize, generate, lighthouse (and
+"""The `tessera` command: train, memory, check, plan, bench, export, convert, tokenize, generate, lighthouse (and
 --version)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tessera.training.config import add_arguments, config_from_args, flag_names,
 from tessera.training.rank_server import collector_paused, start_rank_server, under_torchrun
 
 from .bench import add_bench_parser
+from .check import add_check_parser
 from .export import add_export_parsers
 from .generate import add_generate_parser
 from .lighthouse import add_lighthouse_parser
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_memory_parser(sub)
+    add_check_parser(sub)
     add_export_parsers(sub)
     add_lighthouse_parser(sub)
 

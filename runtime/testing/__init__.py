@@ -4,6 +4,7 @@
     assert_layouts_equivalent(build_model, [Layout(tp=2), Layout(dp_shard=2)], batch=(inputs, targets), steps=2)
 
 equivalence.py holds the runner and the comparison (its docstring says how a run is judged);
+simulated_world.py `prove_layout`, a layout proved at its real world size in one process (`tessera check`);
 pytest_plugin.py the fixtures `tessera_run_ranks` and `tessera_equivalence` (pytest's entry point
 `tessera`, so a user's suite has them once tessera is installed). The property-testing strategies of layouts
 and placements live beside what they draw, in tessera.topology.strategies.
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # annotations and type checkers; at run time the names load o
         train_on_layout,
         train_spec_on_layout,
     )
+    from .simulated_world import prove_layout
 
 __all__ = [
     "LayoutsDiverge",
@@ -32,6 +34,7 @@ __all__ = [
     "compare_runs",
     "drift_envelope",
     "judge_drift",
+    "prove_layout",
     "train_on_layout",
     "train_spec_on_layout",
 ]
@@ -40,6 +43,10 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # pytest loads pytest_plugin (this package's child) in every session once tessera is installed, and a
     # package's __init__ runs first: the runner, which imports torch, loads when a test asks for it
+    if name == "prove_layout":
+        from . import simulated_world  # lazy: (as below)
+
+        return simulated_world.prove_layout
     if name in __all__:
         from . import equivalence  # lazy: torch stays out of every pytest session that never asks
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,11 +37,17 @@ def require_local_tensor() -> None:
     try:
         # lazy: (as above)
         from torch.distributed._local_tensor import LocalTensorMode  # noqa: F401
-    except ImportError:
+
+        # earlier torches carry an earlier LocalTensorMode, not checked here (the GPU machines' 2.11)
+        checked = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+    except (ImportError, ValueError):
+        checked = False
+    if not checked:
         raise ValueError(
-            f"a simulated world needs torch's LocalTensorMode (torch.distributed._local_tensor; checked on torch "
-            f"2.13); this torch is {torch.__version__}: upgrade torch, or prove the layout on real ranks"
-        ) from None
+            f"a simulated world needs torch 2.13 or later (its LocalTensorMode, torch.distributed._local_tensor, "
+            f"is what was checked); this torch is {torch.__version__}: upgrade torch, or prove the layout on real "
+            f"ranks (tessera.testing)"
+        )
 
 
 def unsimulated_axes(layout: Any) -> list[str]:
@@ -53,6 +60,94 @@ def shard_multiple(layout: Any) -> int:
     rows over tp and the FSDP ranks (dp_shard x cp; ep's edp for experts is coarser). LocalTensorMode holds
     every rank's shard at one shape, so an uneven last shard (FSDP2's padding) is not simulated."""
     return layout.tp * layout.dp_shard * layout.cp * layout.dp_replicate
+
+
+def uneven_shards(cfg: Any, layout: Any) -> list[str]:
+    """The parameters of a llama-family `cfg` whose rows (after tp's split) the FSDP ranks (dp_shard x cp) do
+    not split evenly, as `name rows`: LocalTensorMode holds every rank's shard at one shape, so FSDP2's padded
+    last shard (an empty one at large worlds) is not simulated."""
+    from tessera.topology.shapes import kv_heads_split  # lazy: (torch-free; kept beside its one caller)
+
+    fsdp, tp = layout.dp_shard * layout.cp, layout.tp
+    head_dim = cfg.dim // cfg.n_heads
+    kv = cfg.n_kv_heads * head_dim // (tp if kv_heads_split(cfg.n_kv_heads, tp) else 1)
+    rows = {
+        "dim (norms, wo, w2)": cfg.dim,
+        "wq": cfg.n_heads * head_dim // tp,
+        "wk, wv": kv,
+        "w1, w3": cfg.ffn_dim // tp,
+    }
+    return [f"{name} {n}" for name, n in rows.items() if n % fsdp or n < fsdp]
+
+
+def sized_model(base: Any, layout: Any) -> Any:
+    """The smallest llama-family model like `base` (its layers, GQA ratio and MLP ratio) that `layout` shards
+    evenly: `base` itself where it does; else heads that tp splits and widths the FSDP ranks split, the
+    fewest parameters first. Its vocabulary is rounded up to shard_multiple's."""
+    import dataclasses  # lazy: (as above)
+
+    from tessera.topology.shapes import check_tensor_parallel, kv_heads_fit  # lazy: (as above)
+
+    multiple = shard_multiple(layout)
+    vocab = -(-base.vocab_size // multiple) * multiple
+    group, ratio = base.n_heads // base.n_kv_heads, base.ffn_dim / base.dim
+    options = [dataclasses.replace(base, vocab_size=vocab)]
+    unit = layout.tp * layout.dp_shard * layout.cp
+    for head_dim in (16, 32, 64, 128):
+        for n_kv in range(base.n_kv_heads, 4 * unit + 1):
+            if not kv_heads_fit(n_kv, layout.tp):
+                continue
+            n_heads = n_kv * group
+            ffn = -(-int(ratio * n_heads * head_dim) // unit) * unit
+            options.append(
+                dataclasses.replace(
+                    base, dim=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=ffn, vocab_size=vocab
+                )
+            )
+    # the base first, then the fewest parameters (a layer's matrices) first
+    for cfg in options[:1] + sorted(options[1:], key=lambda c: c.dim * (2 * c.dim + 3 * c.ffn_dim)):
+        try:
+            check_tensor_parallel(cfg, layout.tp)
+        except ValueError:
+            continue
+        if not uneven_shards(cfg, layout):
+            return cfg
+    raise ValueError(f"no model of up to {4 * unit} kv heads shards evenly over {layout}; name one with --model")
+
+
+# what a simulated run adds to the process beyond its tensors (the Trainer's modules, the allocator's pools, the
+# one-process run after it): measured here as 137-153 MB of peak growth at 4-8 ranks of the debug model
+RUN_BYTES = 160e6
+
+
+def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int) -> float:
+    """The memory a simulated world of a llama-family `cfg` holds at its peak, every rank's at once: the model's
+    fp32 states (weight, gradient, AdamW's two moments) once per replica group; on each rank, FSDP2's gathered
+    layers (two: the one computing and the one prefetched) and the embedding and output, with their unsharded
+    gradients; each rank's activations (fp32, the attention's scores at the reference kernel's size); and the
+    run's own modules and buffers (RUN_BYTES). tests/test_simulated_world.py holds it against the growth of the
+    process's peak memory."""
+    head_dim = cfg.dim // cfg.n_heads
+    layer = 2 * cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * cfg.n_kv_heads * head_dim + 3 * cfg.dim * cfg.ffn_dim
+    ends = 2 * cfg.vocab_size * cfg.dim
+    params = cfg.n_layers * layer + ends
+    states = 16 * params * layout.dp_replicate
+    gathered = 8 * (2 * layer + ends) / layout.tp
+    rows = global_batch / (layout.dp_replicate * layout.dp_shard)
+    tokens = rows * seq_len / layout.cp
+    per_token = cfg.n_layers * (12 * cfg.dim + 4 * cfg.ffn_dim / layout.tp) + 3 * cfg.vocab_size / layout.tp
+    scores = cfg.n_layers * 3 * rows * cfg.n_heads / layout.tp * (seq_len / layout.cp) * seq_len
+    return RUN_BYTES + states + layout.world_size * (gathered + 4 * (tokens * per_token + scores))
+
+
+def available_bytes() -> float:
+    """The memory this machine can give a new run now (/proc/meminfo's MemAvailable; inf where unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return float(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return float("inf")
 
 
 @contextlib.contextmanager
@@ -85,6 +180,52 @@ def fsdp2_storage_per_rank() -> Iterator[None]:
         setattr(fsdp_param, "free_storage", free)
 
 
+@contextlib.contextmanager
+def mesh_coordinates_once() -> Iterator[None]:
+    """torch 2.13's LocalTensorMode finds every rank's coordinate in a new mesh (FSDP2 and DTensor slice them
+    all along) by re-deriving the mesh's whole rank tensor once per rank, each op dispatched through the mode:
+    O(world^2) work, 46 of the 83 s of a 64-rank check. For the block, the rank tensor is derived once, outside
+    the mode, and read for every rank; the coordinates are the same (the same remap, the same uniqueness
+    check), and cached by mesh as torch caches them."""
+    from torch.distributed._local_tensor import LocalIntNode, _LocalDeviceMesh, enabled_local_tensor_mode
+
+    derive = _LocalDeviceMesh.__dict__["get_coordinate"]
+
+    def get_coordinate(mesh: Any) -> list[Any]:
+        import torch  # lazy: (as in trace)
+
+        lm = enabled_local_tensor_mode()
+        if lm is None:
+            raise AssertionError("Unexpectedly not in LocalTensorMode")
+        cached = lm._coordinate_cache.get(id(mesh))
+        if cached is not None:
+            return cached
+        with lm._coordinate_cache_lock, lm.disable():
+            ranks = mesh._layout.remap_to_tensor(mesh._rank_map.clone())
+            sizes = tuple(ranks.shape[1:])
+            rows = ranks.reshape(ranks.shape[0], -1).tolist()
+        where: dict[int, list[int]] = {}
+        for row in rows:
+            for flat, rank in enumerate(row):
+                where.setdefault(rank, []).append(flat)
+        coords: list[dict[int, int]] = [{} for _ in sizes]
+        for rank in lm.ranks:
+            if len(where.get(rank, ())) != 1:  # torch's own check: each rank once in the mesh's layout
+                raise AssertionError(f"rank {rank} is {len(where.get(rank, ()))} times in the mesh")
+            flat = where[rank][0]
+            for d in reversed(range(len(sizes))):
+                flat, coords[d][rank] = divmod(flat, sizes[d])
+        out = [torch.SymInt(LocalIntNode(c)) for c in coords]
+        lm._coordinate_cache[id(mesh)] = out
+        return out
+
+    setattr(_LocalDeviceMesh, "get_coordinate", staticmethod(get_coordinate))
+    try:
+        yield
+    finally:
+        setattr(_LocalDeviceMesh, "get_coordinate", derive)
+
+
 def check_simulated(config: Any, world: int) -> None:
     """ValueError naming what a simulated world of `world` ranks cannot run of `config`, before anything is
     built: a world that is not the layout's, an axis UNSIMULATED names, a vocabulary the shards do not split
@@ -105,9 +246,10 @@ def check_simulated(config: Any, world: int) -> None:
 
 
 def trace(config: Any, world: int) -> dict[str, Any]:
-    """{"losses", "grad_norms", "grads"} of `config` trained for its steps on `world` simulated ranks (1: one
-    process) in this process, on the fake process group: each step's loss and grad norm, and its gradients
-    before clipping, whole, by their one-process names."""
+    """{"losses", "grad_norms", "grads", "build_s", "steps_s"} of `config` trained for its steps on `world`
+    simulated ranks (1: one process) in this process, on the fake process group: each step's loss and grad
+    norm, its gradients before clipping, whole, by their one-process names, and the seconds building the
+    Trainer and training."""
     import torch  # lazy: a simulated run needs torch (tessera check's parser does not)
     import torch.distributed as dist
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
@@ -129,10 +271,12 @@ def trace(config: Any, world: int) -> dict[str, Any]:
     grads: list[dict[str, torch.Tensor]] = []
     try:
         mode = LocalTensorMode(world) if world > 1 else contextlib.nullcontext()
-        with warnings.catch_warnings(), mode, fsdp2_storage_per_rank():
+        with warnings.catch_warnings(), mesh_coordinates_once(), mode, fsdp2_storage_per_rank():
             # the fake backend takes no timeout (each collective is computed here, nothing waits)
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+            started = time.perf_counter()
             trainer = Trainer(config, torch.device("cpu"), mesh=config.layout.build_mesh("cpu"))
+            built = time.perf_counter()
 
             def keep(parts: list) -> None:
                 step: dict[str, torch.Tensor] = {}
@@ -150,6 +294,7 @@ def trace(config: Any, world: int) -> dict[str, Any]:
                 record = trainer.train_step(on_grads=keep).record()
                 losses.append(float(record["loss"]))
                 norms.append(float(record["grad_norm"]))
+            seconds = {"build_s": built - started, "steps_s": time.perf_counter() - built}
     finally:
         dist.destroy_process_group()
-    return {"losses": losses, "grad_norms": norms, "grads": grads}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, **seconds}

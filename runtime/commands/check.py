@@ -1,0 +1,53 @@
+"""`tessera check`: prove a layout equal to one process at its real world size, every rank simulated in this
+one process (tessera.testing.prove_layout, runtime/testing/simulated_world.py); one verdict line ends it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tessera.testing.simulated_world import MAX_STEPS, prove_layout
+from tessera.training.config import said
+
+
+def add_check_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check",
+        help="prove a layout equal to one process at its real world size, every rank simulated in this process",
+    )
+    p.add_argument("--layout", required=True, help="the layout, as tessera bench names it (e.g. dp32xtp8+sp)")
+    p.add_argument("--world", type=int, help="the world size to simulate (default: the layout's; it must be that)")
+    p.add_argument(
+        "--model",
+        help="a llama-family preset the layout shards evenly (default: the debug model, sized for the layout)",
+    )
+    p.add_argument("--steps", type=int, default=2, help=f"training steps to compare (default 2, at most {MAX_STEPS})")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per data-parallel rank)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="the optimizer (default adamw)")
+    p.add_argument("--json", action="store_true", help="print the record, verdict included, as one JSON object")
+    p.set_defaults(func=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """0 with the verdict when the layout equals one process, 1 naming what differs, 2 for input it refuses."""
+    from tessera.testing.equivalence import LayoutsDiverge  # lazy: torch
+
+    try:
+        record = _prove(args)
+    except LayoutsDiverge as e:
+        record = getattr(e, "record", {"verdict": f"differs from one process: {e}"})
+        print(json.dumps(record) if args.json else f"tessera check: {record['verdict']}")
+        return 1
+    except ValueError as e:
+        print(f"tessera check: error: {said(e, args)}", file=sys.stderr)
+        return 2
+    print(json.dumps(record) if args.json else record["verdict"])
+    return 0
+
+
+def _prove(args: argparse.Namespace) -> dict:
+    return prove_layout(
+        args.layout, args.world, args.model, args.steps, args.seq_len, args.global_batch, args.optimizer
+    )
