@@ -183,3 +183,56 @@ def test_a_torch_before_2_13_is_refused_naming_the_version_needed(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu128")
     with pytest.raises(ValueError, match=r"needs torch 2.13 or later .* this torch is 2.11.0\+cu128"):
         require_local_tensor()
+
+
+# planted bugs that real ranks (at most 16 here, every FSDP degree a power of two) never show: each passes the
+# simulated world at a size the real-rank tests run and fails it, by name, at the size where it bites
+PLANTED = {
+    # a shard's tile index kept in 4 bits: shards 16 and up initialize shard (index mod 16)'s region
+    "init-index-wraps-at-16": (
+        "import tessera.models.init as m\n"
+        "real = m._init_shard\n"
+        "def wrapped(name, shape, local, offset, size, std, seed):\n"
+        "    if size[0] and offset[0] // size[0] >= 16:\n"
+        "        offset = (offset[0] - 16 * size[0], *offset[1:])\n"
+        "    real(name, shape, local, offset, size, std, seed)\n"
+        "m._init_shard = wrapped\n"
+    ),
+    # the loss scale that undoes FSDP2's averaging rounded to a power of two
+    "grad-scale-a-power-of-two": (
+        "import math\n"
+        "from tessera.topology.mesh import Meshes\n"
+        "real = Meshes.fsdp_size.fget\n"
+        "Meshes.fsdp_size = property(lambda self: 2 ** int(math.log2(real(self))))\n"
+    ),
+}
+PLANTED_CHILD = """
+import json, sys
+{plant}
+from tessera.testing import LayoutsDiverge, prove_layout
+def proved(layout):
+    try:
+        return {{"equal": True, "verdict": prove_layout(layout)["verdict"]}}
+    except LayoutsDiverge as e:
+        return {{"equal": False, "verdict": str(e)}}
+print(json.dumps([proved(layout) for layout in sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "bug, passes, fails, named",
+    [
+        ("init-index-wraps-at-16", "dp16", "dp32", "step 1: gradient of parameter"),
+        ("grad-scale-a-power-of-two", "dp8", "dp24", "step 1: gradient of parameter"),
+    ],
+)
+def test_a_planted_bug_passes_at_the_real_ranks_size_and_is_caught_by_name_at_scale(bug, passes, fails, named):
+    child = PLANTED_CHILD.format(plant=PLANTED[bug])
+    out = subprocess.run(
+        [sys.executable, "-c", child, passes, fails], capture_output=True, text=True, timeout=600
+    )  # both worlds in one interpreter: a simulated run leaves no process group behind
+    assert out.returncode == 0, out.stderr[-3000:]
+    small, large = json.loads(out.stdout.strip().splitlines()[-1])
+    assert small["equal"], small
+    assert not large["equal"] and named in large["verdict"], large
