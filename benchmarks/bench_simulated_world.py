@@ -1,11 +1,13 @@
-"""What a simulated world costs: `tessera check` (every rank of a layout in one process, torch's
-LocalTensorMode) at growing world sizes, each in a fresh process, on this machine's CPU. Per layout: the
-verdict, the simulated run's seconds split into building the Trainer (mesh, init, FSDP2 and tp) and training,
-the one-process run's, the process's peak memory against the estimate it was admitted by, and the model
-tessera sized for the layout.
+"""What a simulated world costs and what it proves: `tessera check` (every rank of a layout in one process,
+torch's LocalTensorMode) at growing world sizes, each in a fresh process, on this machine's CPU. Per layout:
+the verdict, the simulated run's seconds split into building the Trainer (mesh, init, FSDP2 and tp) and
+training, the process's peak memory against the estimate it was admitted by, and the model tessera sized for
+the layout. `--published`: every distinct layout of benchmarks/published/runs.json (torchtitan's and
+Megatron-Bridge's multi-GPU runs), each proved or refused with the reason (pp, cp and ep are not simulated yet).
 
-    python benchmarks/bench_simulated_world.py --smoke   # 4 and 64 ranks, about a minute
-    python benchmarks/bench_simulated_world.py           # 4, 64, 256 and 512 ranks
+    python benchmarks/bench_simulated_world.py --smoke      # 4 and 64 ranks, about a minute
+    python benchmarks/bench_simulated_world.py              # 4 to 512 ranks
+    python benchmarks/bench_simulated_world.py --published  # the published runs' layouts
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ SMOKE = ["dp2xtp2+sp", "dp16xtp4+sp"]
 FULL = [*SMOKE, "dp64", "dp32xtp8+sp", "dp64xtp8+sp"]
 
 
+PUBLISHED = Path(__file__).resolve().parent / "published" / "runs.json"
+
+
+def published_layouts() -> dict[str, list[str]]:
+    """Each distinct multi-GPU layout of the published runs -> the ids of the runs that used it."""
+    out: dict[str, list[str]] = {}
+    for row in json.loads(PUBLISHED.read_text())["rows"]:
+        if row["gpus"] > 1:
+            out.setdefault(row["layout"], []).append(row["id"])
+    return out
+
+
 def check(layout: str, steps: int, timeout: float) -> dict:
     """`tessera check --layout L --json`'s record, with the command's wall-clock seconds."""
     started = time.perf_counter()
@@ -34,8 +48,9 @@ def check(layout: str, steps: int, timeout: float) -> dict:
         timeout=timeout,
     )
     wall = time.perf_counter() - started
-    if out.returncode not in (0, 1):
-        return {"layout": layout, "error": out.stderr.strip().splitlines()[-1:], "wall_seconds": round(wall, 1)}
+    if out.returncode not in (0, 1):  # refused (exit 2): its one line says why
+        why = (out.stderr.strip().splitlines() or [""])[-1].removeprefix("tessera check: error: ")
+        return {"layout": layout, "refused": why, "wall_seconds": round(wall, 1)}
     record = json.loads(out.stdout)
     record.pop("losses", None), record.pop("one_process_losses", None)
     return {**record, "wall_seconds": round(wall, 1)}
@@ -45,17 +60,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="4 and 64 ranks only")
     parser.add_argument("--layouts", help="comma-separated layout names (default: the sweep)")
+    parser.add_argument("--published", action="store_true", help="the published runs' layouts")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per layout")
     parser.add_argument("--out", help="a JSON file or a directory (default benchmarks/results/)")
     args = parser.parse_args()
-    layouts = args.layouts.split(",") if args.layouts else SMOKE if args.smoke else FULL
+    runs = published_layouts() if args.published else {}
+    layouts = args.layouts.split(",") if args.layouts else list(runs) if runs else SMOKE if args.smoke else FULL
     rows = []
     for layout in layouts:
-        row = check(layout, args.steps, args.timeout)
+        row = {**check(layout, args.steps, args.timeout), **({"runs": runs[layout]} if layout in runs else {})}
         rows.append(row)
-        print(json.dumps({k: row.get(k) for k in ("layout", "world", "simulated_seconds", "peak_rss_bytes")}))
-    name = "simulated-world-smoke" if args.smoke else "simulated-world"
+        keys = ("layout", "world", "simulated_seconds", "peak_rss_bytes", "refused")
+        print(json.dumps({k: row[k] for k in keys if k in row}), flush=True)
+    name = (
+        "simulated-world-published" if args.published else "simulated-world-smoke" if args.smoke else "simulated-world"
+    )
     path = write_results(name, {"layouts": layouts, "steps": args.steps}, rows, args.out)
     print(f"wrote {path}")
 
