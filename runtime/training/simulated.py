@@ -124,7 +124,7 @@ def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int) -> fl
     """The memory a simulated world of a llama-family `cfg` holds at its peak, every rank's at once: the model's
     fp32 states (weight, gradient, AdamW's two moments) once per replica group; on each rank, FSDP2's gathered
     layers (two: the one computing and the one prefetched) and the embedding and output, with their unsharded
-    gradients; each rank's activations (fp32, the attention's scores at the reference kernel's size); and the
+    gradients, and the largest gradient gathered whole for the comparison; each rank's activations (fp32, the attention's scores at the reference kernel's size); and the
     run's own modules and buffers (RUN_BYTES). tests/test_simulated_world.py holds it against the growth of the
     process's peak memory."""
     head_dim = cfg.dim // cfg.n_heads
@@ -137,7 +137,9 @@ def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int) -> fl
     tokens = rows * seq_len / layout.cp
     per_token = cfg.n_layers * (12 * cfg.dim + 4 * cfg.ffn_dim / layout.tp) + 3 * cfg.vocab_size / layout.tp
     scores = cfg.n_layers * 3 * rows * cfg.n_heads / layout.tp * (seq_len / layout.cp) * seq_len
-    return RUN_BYTES + states + layout.world_size * (gathered + 4 * (tokens * per_token + scores))
+    # the comparison gathers each gradient whole on every rank, one parameter at a time: the largest's
+    largest = 4 * max(cfg.ffn_dim * cfg.dim, cfg.vocab_size * cfg.dim)
+    return RUN_BYTES + states + layout.world_size * (gathered + largest + 4 * (tokens * per_token + scores))
 
 
 def available_bytes() -> float:
