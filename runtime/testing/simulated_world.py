@@ -67,7 +67,7 @@ def _prepare(
 ) -> tuple[dict, dict, int, Any, float]:
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
-    from tessera.config import Config  # lazy: torch
+    from tessera.training.config import Config  # lazy: torch
     from tessera.training.simulated import available_bytes, check_simulated, estimate_bytes, require_local_tensor
 
     options = [o for o in layout_name.split("+")[1:] if o in REFUSED_OPTIONS]
@@ -175,7 +175,7 @@ def prove_layout(
     seconds, the process's peak memory beside the estimate it was admitted by, a verdict line), or
     LayoutsDiverge naming the first step and parameter that differ. ValueError, before anything is built, for a
     layout or world it cannot simulate (naming why and the fix). Needs a process with no process group."""
-    from tessera.config import Config  # lazy: (as in _prepare)
+    from tessera.training.config import Config  # lazy: (as in _prepare)
     from tessera.training.simulated import trace
 
     from .equivalence import LayoutsDiverge

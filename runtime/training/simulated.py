@@ -63,8 +63,8 @@ def shard_multiple(layout: Any) -> int:
 
 
 def uneven_shards(cfg: Any, layout: Any) -> list[str]:
-    """The parameters of a llama-family `cfg` whose rows (after tp's split) the FSDP ranks (dp_shard x cp) do
-    not split evenly, as `name rows`: LocalTensorMode holds every rank's shard at one shape, so FSDP2's padded
+    """The parameters of a dense decoder `cfg` whose rows (after tp's split) the FSDP ranks (dp_shard x cp) do
+    not split evenly, as `what rows`: LocalTensorMode holds every rank's shard at one shape, so FSDP2's padded
     last shard (an empty one at large worlds) is not simulated."""
     from tessera.topology.shapes import kv_heads_split  # lazy: (torch-free; kept beside its one caller)
 
@@ -72,10 +72,10 @@ def uneven_shards(cfg: Any, layout: Any) -> list[str]:
     head_dim = cfg.dim // cfg.n_heads
     kv = cfg.n_kv_heads * head_dim // (tp if kv_heads_split(cfg.n_kv_heads, tp) else 1)
     rows = {
-        "dim (norms, wo, w2)": cfg.dim,
-        "wq": cfg.n_heads * head_dim // tp,
-        "wk, wv": kv,
-        "w1, w3": cfg.ffn_dim // tp,
+        "the model width (norms, attention and MLP outputs)": cfg.dim,
+        "the query projection": cfg.n_heads * head_dim // tp,
+        "the key and value projections": kv,
+        "the MLP's hidden width": cfg.ffn_dim // tp,
     }
     return [f"{name} {n}" for name, n in rows.items() if n % fsdp or n < fsdp]
 
@@ -190,6 +190,7 @@ def mesh_coordinates_once() -> Iterator[None]:
     O(world^2) work, 46 of the 83 s of a 64-rank check. For the block, the rank tensor is derived once, outside
     the mode, and read for every rank; the coordinates are the same (the same remap, the same uniqueness
     check), and cached by mesh as torch caches them."""
+    # lazy: torch's simulated world, patched only around a simulated run
     from torch.distributed._local_tensor import LocalIntNode, _LocalDeviceMesh, enabled_local_tensor_mode
 
     derive = _LocalDeviceMesh.__dict__["get_coordinate"]
