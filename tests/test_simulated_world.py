@@ -137,6 +137,9 @@ def _one_error(capsys, *argv: str) -> str:
     [
         (["--layout", "dp4", "--world", "8"], "--world 8 is not the world of --layout dp4 (4 ranks)"),
         (["--layout", "pp2xdp4"], "pp=2 is not simulated yet"),
+        # refused for the axis, before the model's own checks (8 stages need 8 layers, ep a model with experts)
+        (["--layout", "pp8xdp8xtp8+sp"], "pp=8 is not simulated yet"),
+        (["--layout", "dp16xep16"], "ep=16 is not simulated yet"),
         (["--layout", "dp8+compile"], "+compile: torch.compile is not traced under LocalTensorMode"),
         (["--layout", "dp8", "--steps", "0"], "--steps 0 must be 1..20"),
         (["--layout", "dp8", "--seq-len", "100000"], "--seq-len 100000 must be 1..2048"),

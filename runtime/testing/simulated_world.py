@@ -68,7 +68,14 @@ def _prepare(
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
     from tessera.training.config import Config  # lazy: torch
-    from tessera.training.simulated import available_bytes, check_simulated, estimate_bytes, require_local_tensor
+    from tessera.training.simulated import (
+        UNSIMULATED,
+        available_bytes,
+        check_simulated,
+        estimate_bytes,
+        require_local_tensor,
+        unsimulated_axes,
+    )
 
     options = [o for o in layout_name.split("+")[1:] if o in REFUSED_OPTIONS]
     if options:
@@ -83,6 +90,9 @@ def _prepare(
             f"world={world} is not the world of layout={layout_name} ({probe.world_size} ranks): name a layout "
             f"of {world} ranks, or leave the world out"
         )
+    off = unsimulated_axes(probe)  # before the model's own checks (a pp 8 layout needs 8 layers, ep experts)
+    if off:
+        raise ValueError(f"{off[0]}={getattr(probe, off[0])} is not simulated yet: {UNSIMULATED[off[0]]}")
     require_local_tensor()
     name, cfg = _model_of(model, probe, scratch)
     if not 1 <= seq_len <= cfg.max_seq_len:
