@@ -25,7 +25,6 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=2, help=f"training steps to compare (default 2, at most {MAX_STEPS})")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per data-parallel rank)")
-    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="the optimizer (default adamw)")
     p.add_argument("--json", action="store_true", help="print the record, verdict included, as one JSON object")
     p.set_defaults(func=run_check)
 
@@ -48,6 +47,4 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def _prove(args: argparse.Namespace) -> dict:
-    return prove_layout(
-        args.layout, args.world, args.model, args.steps, args.seq_len, args.global_batch, args.optimizer
-    )
+    return prove_layout(args.layout, args.world, args.model, args.steps, args.seq_len, args.global_batch)

@@ -62,7 +62,6 @@ def _prepare(
     steps: int,
     seq_len: int,
     global_batch: int | None,
-    optimizer: str,
     scratch: Path,
 ) -> tuple[dict, dict, int, Any, float]:
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
@@ -105,7 +104,6 @@ def _prepare(
         steps=steps,
         lr=3e-3,
         warmup=1,
-        optimizer=optimizer,
         device="cpu",
         mixed_precision="fp32",
         quiet=True,
@@ -178,7 +176,6 @@ def prove_layout(
     steps: int = 2,
     seq_len: int = 32,
     global_batch: int | None = None,
-    optimizer: str = "adamw",
 ) -> dict[str, Any]:
     """Train `layout` (a tessera bench name, e.g. "dp32xtp8+sp") on its `world` simulated ranks and one process
     alone, and compare them at 1e-5: the record (losses, grad norms, the model's shape, the simulated run's
@@ -192,7 +189,7 @@ def prove_layout(
 
     with tempfile.TemporaryDirectory(prefix="tessera-check-") as scratch:
         one_kw, layout_kw, world, cfg, estimate = _prepare(
-            layout, world, model, steps, seq_len, global_batch, optimizer, Path(scratch)
+            layout, world, model, steps, seq_len, global_batch, Path(scratch)
         )
         before = _rss_bytes()
         started = time.perf_counter()
