@@ -68,12 +68,11 @@ def _prepare(
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
     from tessera.training.config import Config  # lazy: torch
     from tessera.training.simulated import (
-        UNSIMULATED,
         available_bytes,
         check_simulated,
         estimate_bytes,
+        refuse_unsimulated,
         require_local_tensor,
-        unsimulated_axes,
     )
 
     options = [o for o in layout_name.split("+")[1:] if o in REFUSED_OPTIONS]
@@ -89,9 +88,7 @@ def _prepare(
             f"world={world} is not the world of layout={layout_name} ({probe.world_size} ranks): name a layout "
             f"of {world} ranks, or leave the world out"
         )
-    off = unsimulated_axes(probe)  # before the model's own checks (a pp 8 layout needs 8 layers, ep experts)
-    if off:
-        raise ValueError(f"{off[0]}={getattr(probe, off[0])} is not simulated yet: {UNSIMULATED[off[0]]}")
+    refuse_unsimulated(probe)  # before the model's own checks (a pp 8 layout needs 8 layers, ep experts)
     require_local_tensor()
     name, cfg = _model_of(model, probe, scratch)
     if not 1 <= seq_len <= cfg.max_seq_len:

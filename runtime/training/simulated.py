@@ -50,9 +50,11 @@ def require_local_tensor() -> None:
         )
 
 
-def unsimulated_axes(layout: Any) -> list[str]:
-    """The layout's axes a simulated world cannot run yet (UNSIMULATED's)."""
-    return [axis for axis in UNSIMULATED if getattr(layout, axis) > 1]
+def refuse_unsimulated(layout: Any) -> None:
+    """ValueError naming the first of the layout's axes a simulated world cannot run yet, and why (UNSIMULATED)."""
+    off = [axis for axis in UNSIMULATED if getattr(layout, axis) > 1]
+    if off:
+        raise ValueError(f"{off[0]}={getattr(layout, off[0])} is not simulated yet: {UNSIMULATED[off[0]]}")
 
 
 def shard_multiple(layout: Any) -> int:
@@ -63,21 +65,15 @@ def shard_multiple(layout: Any) -> int:
 
 
 def uneven_shards(cfg: Any, layout: Any) -> list[str]:
-    """The parameters of a dense decoder `cfg` whose rows (after tp's split) the FSDP ranks (dp_shard x cp) do
-    not split evenly, as `what rows`: LocalTensorMode holds every rank's shard at one shape, so FSDP2's padded
-    last shard (an empty one at large worlds) is not simulated."""
-    from tessera.topology.shapes import kv_heads_split  # lazy: (torch-free; kept beside its one caller)
+    """A block's parameters of `cfg` whose rows on a tp rank (topology's layer_param_shapes, the rows FSDP2
+    shards) the FSDP ranks (dp_shard x cp) do not split evenly, as `rows x cols`: LocalTensorMode holds every
+    rank's shard at one shape, so FSDP2's padded last shard (an empty one at large worlds) is not simulated."""
+    from tessera.models.spec import spec_of  # lazy: (as in trace)
+    from tessera.topology.shapes import layer_param_shapes
 
-    fsdp, tp = layout.dp_shard * layout.cp, layout.tp
-    head_dim = cfg.dim // cfg.n_heads
-    kv = cfg.n_kv_heads * head_dim // (tp if kv_heads_split(cfg.n_kv_heads, tp) else 1)
-    rows = {
-        "the model width (norms, attention and MLP outputs)": cfg.dim,
-        "the query projection": cfg.n_heads * head_dim // tp,
-        "the key and value projections": kv,
-        "the MLP's hidden width": cfg.ffn_dim // tp,
-    }
-    return [f"{name} {n}" for name, n in rows.items() if n % fsdp or n < fsdp]
+    fsdp = layout.dp_shard * layout.cp
+    shapes = dict.fromkeys(layer_param_shapes(spec_of(cfg).shape(cfg), layout.tp))  # distinct, in order
+    return [f"{rows} x {cols}" for rows, cols in shapes if rows % fsdp or rows < fsdp]
 
 
 def sized_model(base: Any, layout: Any) -> Any:
@@ -128,10 +124,11 @@ def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int) -> fl
     attention's scores at the reference kernel's size); and the run's own modules and buffers (RUN_BYTES).
     Measured against the growth of the process's peak (bench_simulated_world.py): 0.14-7.4 GB at 4-512 ranks,
     within -3..+21% of it; tests/test_simulated_world.py holds it at 4 ranks."""
-    head_dim = cfg.dim // cfg.n_heads
-    layer = 2 * cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * cfg.n_kv_heads * head_dim + 3 * cfg.dim * cfg.ffn_dim
-    ends = 2 * cfg.vocab_size * cfg.dim
-    params = cfg.n_layers * layer + ends
+    from tessera.models.spec import spec_of  # lazy: (as in trace)
+
+    shape = spec_of(cfg).shape(cfg)
+    layer, params = shape.block_params(), shape.num_params()
+    ends = params - cfg.n_layers * layer  # the embedding, the output and the final norm
     states = 16 * params * layout.dp_replicate
     gathered = 8 * (2 * layer + ends) / layout.tp
     rows = global_batch / (layout.dp_replicate * layout.dp_shard)
@@ -237,9 +234,7 @@ def check_simulated(config: Any, world: int) -> None:
     layout = config.layout
     if world != layout.world_size:
         raise ValueError(f"world={world} is not the world of {layout} ({layout.world_size} ranks)")
-    off = unsimulated_axes(layout)
-    if off:
-        raise ValueError(f"{off[0]}={getattr(layout, off[0])} is not simulated yet: {UNSIMULATED[off[0]]}")
+    refuse_unsimulated(layout)
     vocab, multiple = config.model_config.vocab_size, shard_multiple(layout)
     if vocab % multiple:
         raise ValueError(
