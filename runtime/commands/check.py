@@ -34,7 +34,7 @@ def run_check(args: argparse.Namespace) -> int:
     from tessera.testing.equivalence import LayoutsDiverge  # lazy: torch
 
     try:
-        record = _prove(args)
+        record = prove_layout(args.layout, args.world, args.model, args.steps, args.seq_len, args.global_batch)
     except LayoutsDiverge as e:
         record = getattr(e, "record", {"verdict": f"differs from one process: {e}"})
         print(json.dumps(record) if args.json else f"tessera check: {record['verdict']}")
@@ -44,7 +44,3 @@ def run_check(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(record) if args.json else record["verdict"])
     return 0
-
-
-def _prove(args: argparse.Namespace) -> dict:
-    return prove_layout(args.layout, args.world, args.model, args.steps, args.seq_len, args.global_batch)
