@@ -55,6 +55,7 @@ def hardware_of(row: dict, source: dict, efficiency: float) -> Hardware:
         compile=row["compile"],
         async_tp=row["async_tp"],
         ep_overlap=row["ep_overlap"],
+        ep_over_tp=row["ep_over_tp"],
         attention=source["attention"],
         loss=row["loss"],
         ac_policy="torchtitan" if source["framework"] == "torchtitan" else "tessera",
@@ -103,6 +104,7 @@ def rank_authors_layout(row: dict, source: dict, efficiency: float, plans: dict,
         "compile",
         "async_tp",
         "ep_overlap",
+        "ep_over_tp",
         "loss",
     )
     key = (*(row[f] for f in fields), source["attention"], efficiency)

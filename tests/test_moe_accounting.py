@@ -13,6 +13,7 @@ parameter shapes the memory model counts and the planner's layouts know experts 
 from __future__ import annotations
 
 import functools
+import json
 import shlex
 from unittest import mock
 
@@ -383,3 +384,54 @@ def test_expert_parallel_shrinks_a_ranks_parameters_and_the_memory_model_agrees(
             assert ep8["parameters"] == pytest.approx(numel[8] * 2)
     with pytest.raises(ValueError, match="ep=3 must divide the 8 ranks"):
         model_state_bytes(1e9, dp=8, zero_stage=3, ep=3, expert_params=1e8)
+
+
+# ----------------------------------------------------------------------------- another framework's expert group
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([2, 4, 8]), st.sampled_from([2, 4]), st.sampled_from([0.25, 0.5, 1.0]))
+def test_an_expert_group_over_tp_moves_a_tp_th_of_the_rows_over_ep_x_tp_ranks(ep, tp, routed):
+    """`ep_over_tp` (tessera plan's Megatron folding): each rank dispatches its own sequence shard, so a
+    dispatch's rows are 1/tp of the tp-sharded experts' at the same routed share, the counts all-to-all spans
+    ep x tp ranks, and the MoE block's tp gathers are not issued (the router's gradient still is)."""
+    from tessera.commands.plan import model_shape
+
+    cfg = model_shape("qwen3-moe-debug")
+    lay = Layout(dp_shard=ep, tp=tp, ep=ep)
+    kw = dict(microbatches=2, sequence_parallel=True, routed_fraction=routed)
+    plain = comm_bytes_per_step(cfg, lay, 64, 2 * ep, **kw)
+    folded = comm_bytes_per_step(cfg, lay, 64, 2 * ep, ep_over_tp=True, **kw)
+    counts = lambda n: 2 * cfg.n_layers * comm_model.wire_bytes("all_to_all", cfg.n_experts * 8, n)  # noqa: E731
+    assert folded["ep"] - counts(ep * tp) == pytest.approx((plain["ep"] - counts(ep)) / tp)
+    assert folded["tp"] < plain["tp"]
+    for name in ("cp", "pp", "dp_shard_cp", "dp_replicate"):
+        assert folded[name] == plain[name]
+
+
+@pytest.mark.parametrize(
+    "layout, sp",
+    [(Layout(dp_shard=4, ep=4), True), (Layout(dp_shard=2, tp=2), True), (Layout(dp_shard=2, tp=2, ep=2), False)],
+)
+def test_an_expert_group_over_tp_needs_ep_tp_and_sequence_parallel(layout, sp):
+    from tessera.commands.plan import model_shape
+
+    cfg = model_shape("qwen3-moe-debug")
+    with pytest.raises(ValueError, match="ep_over_tp=True folds tp into the expert group"):
+        comm_bytes_per_step(cfg, layout, 64, 8, sequence_parallel=sp, ep_over_tp=True)
+
+
+def test_tessera_plan_scores_an_expert_group_over_tp_as_asked():
+    """`+ep_over_tp` is recorded in the request and halves a tp 2 layout's expert bytes: each rank sends its
+    own sequence shard over an ep x tp group (balanced routing: (16-1)/16 of it against (8-1)/8)."""
+    got = {}
+    for option in ("", "+ep_over_tp"):
+        out = cli_here(
+            "plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "64",
+            "--layout", f"dp8xtp2xep8+sp{option}", "--top", "0", "--json",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        got[option] = json.loads(out.stdout)
+    assert got["+ep_over_tp"]["request"]["ep_over_tp"] and not got[""]["request"]["ep_over_tp"]
+    plain, folded = (got[o]["layout"]["estimate"] for o in ("", "+ep_over_tp"))
+    ratio = folded["comm_bytes"]["ep"] / plain["comm_bytes"]["ep"]
+    assert ratio == pytest.approx(0.5 * (15 / 16) / (7 / 8), rel=0.01)
+    assert folded["split_s"]["ep"] < plain["split_s"]["ep"]

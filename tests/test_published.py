@@ -63,6 +63,7 @@ def test_a_users_profile_file_takes_a_base_and_overrides_a_figure(tmp_path):
         (["--layout", "dp8", "--top", "0", "--schedule", "1f1b"], r"--layout dp8 has none \(pp 1\); drop them"),
         (["--layout", "pp2xdp4", "--top", "0", "--virtual", "0"], r"--virtual 0 must be at least 1"),
         (["--layout", "dp8+async_tp", "--top", "0"], r"\+async_tp overlaps tensor-parallel traffic, and tp is 1"),
+        (["--layout", "dp4xtp2+sp+ep_over_tp", "--top", "0"], r"\+ep_over_tp folds tp into the expert group, which"),
         (["--layout", "pp2xdp4", "--top", "0", "--schedule", "nope"], r"unknown pipeline --schedule nope"),
         (["--layout", "dp8", "--efficiency", "2"], r"--efficiency 2 must be in \(0, 1\]: the framework's software"),
     ],
@@ -130,9 +131,10 @@ def test_a_hugging_face_config_of_an_unknown_family_is_refused_naming_it(tmp_pat
     assert out.returncode == 2 and "model_type 'mamba'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_bench_refuses_async_tp_which_tessera_does_not_run(tmp_path):
-    out = cli_here("bench", "--model", "debug", "--layouts", "tp2+async_tp", "--steps", "4", "--out", str(tmp_path))
-    assert out.returncode == 2 and "+async_tp is a `tessera plan` option" in out.stderr
+@pytest.mark.parametrize("option", ["async_tp", "ep_over_tp"])
+def test_bench_refuses_what_tessera_does_not_run(tmp_path, option):
+    out = cli_here("bench", "--model", "debug", "--layouts", f"tp2+{option}", "--steps", "4", "--out", str(tmp_path))
+    assert out.returncode == 2 and f"+{option} is a `tessera plan` option" in out.stderr
 
 
 # ----------------------------------------------------------------------------- the step model's pure parts

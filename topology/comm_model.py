@@ -35,7 +35,11 @@ ep      each MoE block's three all-to-alls of parallel/expert.py: the E int64 ex
         their splits swapped, a recomputed block all three forward. What a dispatch or a combine sends is
         the routed fraction of the b s k assignments (`routed_fraction`: those of other ranks' experts, and
         those other ranks sent; (ep-1)/ep when routing is balanced, the planner's assumption; a run's
-        measured routing gives its exact value). Every tp rank exchanges its own copy of the tokens
+        measured routing gives its exact value). Every tp rank exchanges its own copy of the tokens.
+        `ep_over_tp` (`tessera plan` only: another framework's expert layout, Megatron's MoE parallel
+        folding with expert tp 1) scores an expert group of ep x tp ranks holding whole experts: each rank
+        dispatches its own sequence-parallel shard (s / tp tokens), (ep tp - 1) / (ep tp) of it off-rank, and
+        the MoE block's tp gathers (its input, output and routing) are not issued
 fsdp    per FSDP unit: all-gathers of the padded flat parameters (once a step inside a pipeline, where
         units stay gathered across microbatches; twice per microbatch under FULL_SHARD, once under
         SHARD_GRAD_OP), one reduce-scatter of the gradients (fp32), and under HSDP one all-reduce of the
@@ -144,6 +148,7 @@ class StepTraffic:
     routed_fraction: float | None = None  # ep: share of assignments moved off-rank; None: balanced routing
     placement: str = "loop"  # where the stages live (topology/schedule.py's stage_rank)
     documents: bool = False  # packed documents: cp attention gathers the shards' document ids (int64) per layer
+    ep_over_tp: bool = False  # the expert group is ep x tp ranks of whole experts (module docstring; plan only)
 
     @property
     def first(self) -> bool:
@@ -187,6 +192,7 @@ def comm_bytes_per_step(
     routed_fraction: float | None = None,
     placement: str = "loop",
     documents: bool = False,
+    ep_over_tp: bool = False,
 ) -> dict[str, float]:
     """Bytes `rank` sends per step, by the accounting names of topology/axes.py's table (COMM_AXES: "tp", "cp",
     "pp", FSDP's "dp_shard_cp", HSDP's "dp_replicate", "ep"), in the order of the volumes below.
@@ -194,7 +200,12 @@ def comm_bytes_per_step(
     dtype); reduce_bytes: the gradient reduction's dtype (tessera reduces in fp32). `shape` is the model's
     ModelShape. routed_fraction: the share of this rank's expert assignments its dispatches and combines
     move to other ranks over the step (`routed_fraction_of` a run's measured rows; None: balanced routing,
-    (ep-1)/ep)."""
+    (ep-1)/ep). ep_over_tp: the expert group spans tp too (the module docstring's; `tessera plan` only)."""
+    if ep_over_tp and (layout.ep == 1 or layout.tp == 1 or not sequence_parallel):
+        raise ValueError(
+            f"ep_over_tp=True folds tp into the expert group, which needs ep, tp and sequence parallel: "
+            f"ep={layout.ep}, tp={layout.tp}, sequence_parallel={sequence_parallel}"
+        )
     if routed_fraction is not None and not 0 <= routed_fraction <= 1:
         raise ValueError(f"routed_fraction={routed_fraction!r} is a share of the assignments: give a number in [0, 1]")
     cfg = as_shape(shape)
@@ -228,6 +239,7 @@ def comm_bytes_per_step(
         routed_fraction,
         placement,
         documents,
+        ep_over_tp,
     )
     return {name: fn(step) for name, fn in VOLUMES.items()}
 
@@ -280,7 +292,12 @@ def tp_bytes(x: StepTraffic) -> float:
     # a recomputed block reissues its forward collectives but the last: torch's checkpoint stops once the
     # last saved tensor is rebuilt, and the block's output collective feeds nothing saved
     again = 3 * unit if sp else wire_bytes("all_reduce", act, t)
-    if cfg.n_experts:
+    if cfg.n_experts and x.ep_over_tp:  # each rank routes its own shard: only the router's gradient is summed
+        per_block += weight_grads(cfg.n_experts * h)
+        if cfg.shared_ffn_dim:  # a dense MLP beside the experts stays tp-sharded: input and output
+            per_block += 4 * unit
+            again += 2 * unit
+    elif cfg.n_experts:
         per_block += 4 * unit  # the MoE block's input and output
         k_tokens = b * s * cfg.top_k
         if sp:  # each token's k routing weights (and their gradient) and k expert ids gathered
@@ -397,8 +414,11 @@ def ep_bytes(x: StepTraffic) -> float:
     cfg, ep = x.cfg, x.layout.ep
     if ep == 1 or not cfg.n_experts:
         return 0.0
+    tokens: float = x.tokens
+    if x.ep_over_tp:  # an ep x tp group, each rank dispatching its sequence-parallel shard
+        ep, tokens = ep * x.layout.tp, x.tokens / x.layout.tp
     share = balanced_routed_fraction(ep) if x.routed_fraction is None else x.routed_fraction
-    moved = x.rows * x.tokens * cfg.top_k * share * cfg.dim * x.act_bytes  # one dispatch's or combine's
+    moved = x.rows * tokens * cfg.top_k * share * cfg.dim * x.act_bytes  # one dispatch's or combine's
     counts = wire_bytes("all_to_all", cfg.n_experts * INT64_BYTES, ep)
     forward = counts + 2 * moved
     return x.microbatches * (x.n_blocks * (forward + 2 * moved) + x.recomputed * forward)

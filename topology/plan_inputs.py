@@ -90,6 +90,9 @@ class Hardware:
     compile: bool = False  # torch.compile's fusion of the elementwise work (the profile's compiled_elementwise)
     async_tp: bool = False  # the tp collectives overlapped with the matmuls they feed
     ep_overlap: bool = False  # the expert all-to-alls overlapped with another microbatch's compute
+    # the expert group folds tp in: ep x tp ranks of whole experts (Megatron's MoE parallel folding, expert tp 1;
+    # topology/comm_model.py's ep_over_tp)
+    ep_over_tp: bool = False
     attention: str = "cudnn"  # the attention kernels' backend (the profile's attention_share)
     # `tessera train --loss`: chunked (never the whole logits) or logits; compiled-logits: the whole logits with a
     # compiled cross-entropy (another framework's, for predicting its runs)

@@ -128,6 +128,13 @@ def expert_weight_seconds(
 
 
 # ----------------------------------------------------------------------------- one estimate
+def ep_over_tp(hw: Hardware, cand: Candidate) -> bool:
+    """Whether `cand` is scored with an expert group of ep x tp ranks (hw.ep_over_tp, where the layout has ep,
+    tp and sequence parallel: each rank dispatches its own sequence shard)."""
+    lay = cand.layout
+    return hw.ep_over_tp and lay.ep > 1 and lay.tp > 1 and cand.sequence_parallel
+
+
 def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int) -> Estimate:
     """Per-rank memory, step time, traffic and MFU of one candidate for a model of `shape` (a ModelShape)."""
     cfg = as_shape(shape)
@@ -165,6 +172,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         param_bytes=fsdp_param_bytes(cfg, e, hw.fp8, lay.tp),
         reduce_bytes=4,
         placement=placement_of(cand.schedule),
+        ep_over_tp=ep_over_tp(hw, cand),
     )
     # step time
     tokens = global_batch * seq_len
@@ -348,8 +356,12 @@ def physics_time(
         if name == "ep" and inter and lay.ep > 1:
             # an all-to-all sends to each peer directly: to those in its node over NVLink, to the rest over
             # the network, at once (the ep group is ep consecutive coordinates of dp_shard x cp, tp apart)
-            local = max(1, min(lay.ep, hw.gpus_per_node // lay.tp))
-            remote = (lay.ep - local) / (lay.ep - 1)
+            if ep_over_tp(hw, cand):  # ep x tp members, consecutive ranks
+                members = lay.ep * lay.tp
+                local = min(members, hw.gpus_per_node)
+            else:
+                members, local = lay.ep, max(1, min(lay.ep, hw.gpus_per_node // lay.tp))
+            remote = (members - local) / (members - 1)
             wire = max(sent * (1 - remote) / (hw.intra_node_gbps * GB), sent * remote / bandwidth)
         seconds[name] = wire + latency_seconds(counts.get(name, 0.0), inter, profile)
     replicas = _replica_seconds(seconds, hw, lay)

@@ -175,7 +175,7 @@ def run_bench(args: argparse.Namespace) -> int:
             )
         layouts = [parse_layout(name) for name, _ in runs]
         for (name, _), kw in zip(runs, layouts):
-            for option in ("async_tp", "ep_overlap"):
+            for option in ("async_tp", "ep_overlap", "ep_over_tp"):
                 if kw.pop(option, False):
                     raise ValueError(
                         f"layout {name!r}: +{option} is a `tessera plan` option (it predicts other frameworks' "

@@ -122,7 +122,9 @@ def add_plan_parser(sub) -> None:
         help="also score this layout (tessera bench's names: pp2xdp4xtp8, dpr2xdp4xtp2+sp, with +ac_op, "
         "+ac_full, +ac_selective or +zero2 to fix a setting, +compile, +async_tp to plan the tp collectives "
         "overlapped with the matmuls as torchtitan's and Megatron's are, +ep_overlap the expert all-to-alls beside "
-        "another microbatch's compute as Megatron's): its rank, and why it is slower or does not fit; its estimate "
+        "another microbatch's compute as Megatron's, +ep_over_tp an expert group of ep x tp ranks holding "
+        "whole experts as Megatron's MoE parallel folding (its TP 2 EP 32 is tp2xep16+sp+ep_over_tp)): its rank, "
+        "and why it is slower or does not fit; its estimate "
         "under layout.estimate in --json",
     )
     p.add_argument(
@@ -303,6 +305,11 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise PlanError(f"--layout {args.layout}: +async_tp overlaps tensor-parallel traffic, and tp is 1")
             if fixed.get("ep_overlap") and lay.ep == 1:
                 raise PlanError(f"--layout {args.layout}: +ep_overlap overlaps expert all-to-alls, and ep is 1")
+            if fixed.get("ep_over_tp") and (lay.ep == 1 or lay.tp == 1 or not fixed.get("sequence_parallel")):
+                raise PlanError(
+                    f"--layout {args.layout}: +ep_over_tp folds tp into the expert group, which needs ep > 1, "
+                    f"tp > 1 and +sp (each rank dispatches its sequence shard): ep={lay.ep}, tp={lay.tp}"
+                )
         if args.top == 0 and named is None:
             raise PlanError("--top 0 scores --layout's layout alone; name one, or show at least one layout")
         profile = load_profile(args.hardware)
@@ -337,6 +344,7 @@ def run_plan(args: argparse.Namespace) -> int:
             compile=args.compile or bool(fixed.pop("compile", False)),
             async_tp=bool(fixed.pop("async_tp", False)),
             ep_overlap=bool(fixed.pop("ep_overlap", False)),
+            ep_over_tp=bool(fixed.pop("ep_over_tp", False)),
             attention=args.attention,
             ac_policy=args.ac_policy,
             fault_tolerant=args.fault_tolerant,

@@ -57,6 +57,7 @@ def print_alone(args: argparse.Namespace, hw: Hardware, shape, record: dict, sta
         "compile": hw.compile,
         "async_tp": hw.async_tp,
         "ep_overlap": hw.ep_overlap,
+        "ep_over_tp": hw.ep_over_tp,
     }
     if args.json:
         print(

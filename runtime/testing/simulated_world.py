@@ -27,6 +27,7 @@ REFUSED_OPTIONS = {
     "compile": "torch.compile is not traced under LocalTensorMode; check the layout without +compile",
     "async_tp": "tessera's tp collectives are not asynchronous (+async_tp is tessera plan's only)",
     "ep_overlap": "tessera's all-to-alls are not overlapped (+ep_overlap is tessera plan's only)",
+    "ep_over_tp": "tessera's experts are tp-sharded inside ep (+ep_over_tp is tessera plan's only)",
 }
 
 

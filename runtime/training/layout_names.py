@@ -15,6 +15,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "compile": dict(compile=True),
     "async_tp": dict(async_tp=True),  # `tessera plan` only: tessera's tp collectives are not asynchronous
     "ep_overlap": dict(ep_overlap=True),  # `tessera plan` only: tessera's all-to-alls are not overlapped
+    "ep_over_tp": dict(ep_over_tp=True),  # `tessera plan` only: tessera's experts are tp-sharded inside ep
 }
 
 
