@@ -46,6 +46,8 @@ from tessera.models.spec import spec_of
 
 from .comm import collective
 from .context_allgather import allgather_attention
+from .context_simulated import SIMULATED_DOCUMENTS, simulated_ring_backward, simulated_ring_forward
+from .local_world import simulated_world
 from .plan import find_modules, replace_module
 from .zigzag import (  # the layout and the merge, named here too (tessera.parallel.context is their public home)
     METHODS,
@@ -180,87 +182,171 @@ def _block_inputs(t: Tensor, acc: torch.dtype) -> Tensor:
     return t if t.is_cuda else t.to(acc)
 
 
+def _forward_blocks(qb, kv, k, v, acc, blocks, out, lse, scale, window, docs, all_docs, src) -> None:
+    """One ring step of the forward: this rank's `blocks` against the K/V `kv` of rank `src`, merged into
+    (out, lse) in place."""
+    k_s, v_s = (_block_inputs(t, acc) for t in unpack(kv, k.shape, v.shape))
+    for rows, cols, block_causal, q_offset in blocks:
+        o_b, lse_b = flash_attention(
+            qb[:, :, rows],
+            k_s[:, :, cols],
+            v_s[:, :, cols],
+            causal=block_causal,
+            scale=scale,
+            return_lse=True,
+            window=window,
+            q_offset=q_offset,
+            **_block_docs(docs, all_docs, rows, cols, src),
+        )
+        out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+
+
+def _backward_blocks(doutb, qb, outb, lse, dlse, kv, k, v, acc, blocks, dq, scale, window, docs, all_docs, src):
+    """One ring step of the backward: dq of this rank's `blocks` against rank `src`'s K/V added in place;
+    returns the step's (key rows, dk, dv) shares for src's accumulator."""
+    k_s, v_s = (_block_inputs(t, acc) for t in unpack(kv, k.shape, v.shape))
+    shares = []
+    for rows, cols, block_causal, q_offset in blocks:
+        dq_b, dk_b, dv_b = flash_attention_backward(
+            doutb[:, :, rows],
+            qb[:, :, rows],
+            k_s[:, :, cols],
+            v_s[:, :, cols],
+            outb[:, :, rows],
+            lse[:, :, rows],
+            None if dlse is None else dlse[:, :, rows],
+            causal=block_causal,
+            scale=scale,
+            window=window,
+            q_offset=q_offset,
+            **_block_docs(docs, all_docs, rows, cols, src),
+        )
+        dq[:, :, rows] += dq_b.to(acc)
+        shares.append((cols, dk_b, dv_b))
+    return shares
+
+
+def _add_shares(dkv, shares, k, v, acc) -> None:
+    """A step's dk/dv shares added to the accumulator of the block they belong to, in place."""
+    dk_acc, dv_acc = unpack(dkv, k.shape, v.shape)
+    for cols, dk_b, dv_b in shares:
+        dk_acc[:, :, cols] += dk_b.to(acc)
+        dv_acc[:, :, cols] += dv_b.to(acc)
+
+
 class _RingAttention(Function):
+    """`plans`: each ring position's blocks per step (this rank's alone on real ranks; every position's in a
+    simulated world, where context_simulated.py runs every rank of every cp group here)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, timeout, plan, window, docs=None, all_docs=None):
+    def forward(ctx, q, k, v, group, scale, timeout, plans, window, docs=None, all_docs=None):
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None: the kernels' faster path
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merges (fp64 stays fp64)
-        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        kv = pack(k, v)  # one message per step; kv heads, never repeated
-        qb = _block_inputs(q, acc)
-        for step in range(size):
-            ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
-            k_s, v_s = (_block_inputs(t, acc) for t in unpack(kv, k.shape, v.shape))
-            for rows, cols, block_causal, q_offset in plan[step]:
-                o_b, lse_b = flash_attention(
-                    qb[:, :, rows],
-                    k_s[:, :, cols],
-                    v_s[:, :, cols],
-                    causal=block_causal,
-                    scale=scale,
-                    return_lse=True,
-                    window=window,
-                    q_offset=q_offset,
-                    **_block_docs(docs, all_docs, rows, cols, (rank - step) % size),
-                )
-                out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
-            if ring is not None:
-                kv = ring.wait()
-        out = out.to(q.dtype)
+        if simulated_world() is not None:
+
+            def rank_forward(i, size, q_r, k_r, v_r, kvs):  # step t's K/V: position i - t's, unchanged
+                acc = torch.promote_types(q_r.dtype, torch.float32)
+                out = torch.zeros((*q_r.shape[:3], v_r.shape[-1]), dtype=acc, device=q_r.device)
+                lse = torch.full(q_r.shape[:3], float("-inf"), dtype=acc, device=q_r.device)
+                qb = _block_inputs(q_r, acc)
+                for step, blocks in enumerate(plans[i]):
+                    src = (i - step) % size
+                    _forward_blocks(qb, kvs[src], k_r, v_r, acc, blocks, out, lse, scale, window, None, None, src)
+                return out.to(q_r.dtype), lse
+
+            out, lse = simulated_ring_forward(q, k, v, group, rank_forward)
+        else:
+            out, lse = _ring_forward(q, k, v, group, scale, timeout, plans, window, docs, all_docs)
         ctx.save_for_backward(q, k, v, out, lse, docs, all_docs)
-        ctx.group, ctx.scale, ctx.timeout, ctx.plan, ctx.window = group, scale, timeout, plan, window
+        ctx.group, ctx.scale, ctx.timeout, ctx.plans, ctx.window = group, scale, timeout, plans, window
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, docs, all_docs = ctx.saved_tensors
-        group, scale, timeout, plan, window = ctx.group, ctx.scale, ctx.timeout, ctx.plan, ctx.window
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
         dout = torch.zeros_like(out) if dout is None else dout
-        acc = torch.promote_types(q.dtype, torch.float32)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = pack(k, v)
-        dkv_pass: _RingPass | None = None
-        dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
-        qb, outb, doutb = (_block_inputs(t, acc) for t in (q, out, dout))
-        for step in range(size):
-            ring = _RingPass(kv, group, "K/V (backward)", timeout) if step + 1 < size else None
-            k_s, v_s = (_block_inputs(t, acc) for t in unpack(kv, k.shape, v.shape))
-            shares = []
-            for rows, cols, block_causal, q_offset in plan[step]:
-                dq_b, dk_b, dv_b = flash_attention_backward(
-                    doutb[:, :, rows],
-                    qb[:, :, rows],
-                    k_s[:, :, cols],
-                    v_s[:, :, cols],
-                    outb[:, :, rows],
-                    lse[:, :, rows],
-                    None if dlse is None else dlse[:, :, rows],
-                    causal=block_causal,
-                    scale=scale,
-                    window=window,
-                    q_offset=q_offset,
-                    **_block_docs(docs, all_docs, rows, cols, (rank - step) % size),
-                )
-                dq[:, :, rows] += dq_b.to(acc)
-                shares.append((cols, dk_b, dv_b))
-            # the dk/dv of the block held now: what the ranks before added, plus this rank's share
-            if dkv_pass is not None:
-                dkv = dkv_pass.wait()
-            dk_acc, dv_acc = unpack(dkv, k.shape, v.shape)
-            for cols, dk_b, dv_b in shares:
-                dk_acc[:, :, cols] += dk_b.to(acc)
-                dv_acc[:, :, cols] += dv_b.to(acc)
-            if size > 1:  # on to the next holder; home after `size` passes
-                dkv_pass = _RingPass(dkv, group, "dK/dV", timeout)
-            if ring is not None:
-                kv = ring.wait()
+        scale, plans, window = ctx.scale, ctx.plans, ctx.window
+        if simulated_world() is None:
+            dq, dk, dv = _ring_backward(
+                q, k, v, out, lse, dout, dlse, ctx.group, scale, ctx.timeout, plans, window, docs, all_docs
+            )
+            return dq, dk, dv, None, None, None, None, None, None, None
+
+        def rank_shares(i, size, q_r, k_r, v_r, out_r, lse_r, dout_r, dlse_r, kvs):
+            acc = torch.promote_types(q_r.dtype, torch.float32)
+            dq = torch.zeros(q_r.shape, dtype=acc, device=q_r.device)
+            qb, outb, doutb = (_block_inputs(t, acc) for t in (q_r, out_r, dout_r))
+            shares = [
+                _backward_blocks(
+                    doutb,
+                    qb,
+                    outb,
+                    lse_r,
+                    dlse_r,
+                    kvs[(i - step) % size],
+                    k_r,
+                    v_r,
+                    acc,
+                    plans[i][step],
+                    dq,
+                    scale,
+                    window,
+                    None,
+                    None,
+                    (i - step) % size,
+                )  # fmt: skip
+                for step in range(size)
+            ]
+            return dq.to(q_r.dtype), shares
+
+        dq, dk, dv = simulated_ring_backward(q, k, v, out, lse, dout, dlse, ctx.group, rank_shares, _add_shares)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _ring_forward(q, k, v, group, scale, timeout, plans, window, docs, all_docs):
+    """(out, lse) of this rank's queries over the ring."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    plan = plans[rank]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merges (fp64 stays fp64)
+    out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    kv = pack(k, v)  # one message per step; kv heads, never repeated
+    qb = _block_inputs(q, acc)
+    for step in range(size):
+        src = (rank - step) % size
+        ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
+        _forward_blocks(qb, kv, k, v, acc, plan[step], out, lse, scale, window, docs, all_docs, src)
+        if ring is not None:
+            kv = ring.wait()
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(q, k, v, out, lse, dout, dlse, group, scale, timeout, plans, window, docs, all_docs):
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    plan = plans[rank]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = pack(k, v)
+    dkv_pass: _RingPass | None = None
+    dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
+    qb, outb, doutb = (_block_inputs(t, acc) for t in (q, out, dout))
+    for step in range(size):
+        ring = _RingPass(kv, group, "K/V (backward)", timeout) if step + 1 < size else None
+        src = (rank - step) % size
+        shares = _backward_blocks(
+            doutb, qb, outb, lse, dlse, kv, k, v, acc, plan[step], dq, scale, window, docs, all_docs, src
+        )
+        # the dk/dv of the block held now: what the ranks before added, plus this rank's share
         if dkv_pass is not None:
             dkv = dkv_pass.wait()
-        dk, dv = unpack(dkv, k.shape, v.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        _add_shares(dkv, shares, k, v, acc)
+        if size > 1:  # on to the next holder; home after `size` passes
+            dkv_pass = _RingPass(dkv, group, "dK/dV", timeout)
+        if ring is not None:
+            kv = ring.wait()
+    if dkv_pass is not None:
+        dkv = dkv_pass.wait()
+    dk, dv = unpack(dkv, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _block_docs(docs: Tensor | None, all_docs: Tensor | None, rows: slice, cols: slice, src: int) -> dict:
@@ -347,14 +433,20 @@ def ring_attention(
     check_sinks(sinks, q)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     all_docs = None
-    if docs is not None:
-        all_docs = gather_documents(docs, group)
-    plan = _ring_plan(rank, size, causal, q.shape[SEQ_DIM], window, docs, all_docs)
+    if simulated_world() is not None:  # every ring position's plan: the simulated ranks step in lockstep
+        if docs is not None:
+            raise ValueError(SIMULATED_DOCUMENTS)
+        plans = {i: _ring_plan(i, size, causal, q.shape[SEQ_DIM], window) for i in range(size)}
+    else:
+        if docs is not None:
+            all_docs = gather_documents(docs, group)
+        plans = {rank: _ring_plan(rank, size, causal, q.shape[SEQ_DIM], window, docs, all_docs)}
     if stats is not None and (docs is not None or window is not None):
+        plan = plans[rank] if rank in plans else plans[0]
         stats["ring_steps"] = stats.get("ring_steps", 0) + len(plan)
         stats["ring_steps_skipped"] = stats.get("ring_steps_skipped", 0) + sum(not blocks for blocks in plan)
     out, lse = _RingAttention.apply(
-        q, k, v, group, scale, None if timeout is None else timedelta(seconds=timeout), plan, window, docs, all_docs
+        q, k, v, group, scale, None if timeout is None else timedelta(seconds=timeout), plans, window, docs, all_docs
     )
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)

@@ -14,6 +14,7 @@ from tessera.kernels import apply_sinks, flash_attention, flash_attention_backwa
 from tessera.kernels.checks import check_sinks, check_window
 
 from .comm import collective
+from .local_world import simulated_world
 from .tensor import _all_gather_flat, _reduce_scatter_flat
 from .zigzag import SEQ_DIM, documents_meet, gather_documents, merge_partial, pack, unpack, zigzag_shard, zigzag_unshard
 
@@ -43,6 +44,10 @@ class _AllGatherAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, window=None, docs=None, full_docs=None):
         ctx.set_materialize_grads(False)
+        if simulated_world() is not None:  # each rank's blocks follow its place: rank 0's would be every rank's
+            raise ValueError(
+                "cp_method=allgather is not simulated yet: check cp_method=ring, or prove it on real ranks"
+            )
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         kv = pack(k, v)
         gathered = kv.new_empty((size * kv.numel(),))

@@ -4,9 +4,10 @@ runs once, over every rank's values; the few places where tessera's own Python d
 reads, its positions under cp, the region of a parameter it initializes) ask parallel/local_world.py and run once per
 simulated rank. `trace` trains a layout so at its real world size, or one process (tests/test_simulated_world.py).
 
-What it cannot run yet (refused by name, UNSIMULATED): point-to-point sends (the pipeline's stages, the cp ring),
-which torch's LocalTensorMode takes only inside its LocalRunnerMode threads, one per rank, and the experts'
-all-to-all, whose split sizes differ by rank."""
+The cp ring, whose K/V passes are sends torch's LocalTensorMode takes only inside its LocalRunnerMode threads
+(one per rank), runs every rank's ring steps here (parallel/context_simulated.py). What it cannot run yet
+(refused by name, UNSIMULATED): the pipeline's stages, handed on by send/recv, and the experts' all-to-all,
+whose split sizes differ by rank; and of cp, the all-gather method and packed documents."""
 
 from __future__ import annotations
 
@@ -17,14 +18,13 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tessera.parallel.context_simulated import SIMULATED_DOCUMENTS
 from tessera.parallel.local_world import world_disabled
 
 # the ranks' degrees a simulated world refuses, with why (each a send/recv between ranks)
 UNSIMULATED = {
     "pp": "the pipeline's stages hand activations on with send/recv, which LocalTensorMode runs only in a thread "
     "per rank (LocalRunnerMode); prove pp on real ranks (tessera.testing, tests/test_contract.py)",
-    "cp": "the cp ring passes K/V with send/recv, which LocalTensorMode runs only in a thread per rank "
-    "(LocalRunnerMode); prove cp on real ranks (tessera.testing, tests/test_contract.py)",
     "ep": "the experts' dispatch is an all-to-all whose split sizes differ by rank, which LocalTensorMode's "
     "collectives do not take (torch 2.13); prove ep on real ranks (tessera.testing, tests/test_contract_moe.py)",
 }
@@ -235,6 +235,13 @@ def check_simulated(config: Any, world: int) -> None:
     if world != layout.world_size:
         raise ValueError(f"world={world} is not the world of {layout} ({layout.world_size} ranks)")
     refuse_unsimulated(layout)
+    if layout.cp > 1 and (config.parallel.cp_method or "ring") != "ring":
+        raise ValueError(
+            f"cp_method={config.parallel.cp_method} is not simulated yet (its blocks follow each rank's place, "
+            f"which the simulated world runs for the ring only): check cp_method=ring, or prove it on real ranks"
+        )
+    if layout.cp > 1 and config.data.pack_documents:
+        raise ValueError(f"pack_documents=True with cp={layout.cp}: {SIMULATED_DOCUMENTS}")
     vocab, multiple = config.model_config.vocab_size, shard_multiple(layout)
     if vocab % multiple:
         raise ValueError(

@@ -1,0 +1,91 @@
+"""The cp ring in a simulated world (torch's LocalTensorMode: every rank's tensors held in this one process,
+runtime/training/simulated.py). A real ring passes K/V forward, and K/V with the dK/dV accumulators backward,
+by send/recv, which LocalTensorMode takes only in a thread per rank. Here no message is sent: every rank of
+every cp group computes its ring steps on its own tensors, with the K/V its ring would have handed it at each
+step (rank i - step's: K/V travel unchanged), and each block's dK/dV accumulator is summed in the order the
+ring visits its holders (its owner first, then the next rank, ...), as the real passes would sum it. The
+arithmetic of a step is context.py's (`rank_forward`, `rank_shares`), with each rank's own ring plan, so a
+simulated rank computes what a real one does.
+
+Packed documents are refused here (SIMULATED_DOCUMENTS): their plan needs every rank's document ids first."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .local_world import simulated_world
+from .zigzag import pack, unpack
+
+SIMULATED_DOCUMENTS = (
+    "packed documents under cp are not simulated yet (a ring plan reads every rank's document ids): prove "
+    "them on real ranks (tessera.testing, tests/test_contract.py)"
+)
+
+
+def cp_groups(group: Any) -> list[list[int]]:
+    """Every cp group of the simulated world, as global ranks in ring order: under LocalTensorMode one group
+    object stands for all of them, and torch's own simulated collectives derive them so (its c10d layer)."""
+    # lazy: torch's simulated world, read only inside one
+    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+    ranks, offsets, _ = _prepare_collective_groups(group)
+    return [[offset + r for r in ranks] for offset in offsets]
+
+
+def _of(t: Tensor | None, rank: int) -> Tensor | None:
+    return None if t is None else t._local_tensors[rank]  # type: ignore[attr-defined]
+
+
+def simulated_ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, group: Any, rank_forward: Callable[..., tuple[Tensor, Tensor]]
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of every simulated rank: `rank_forward(position, size, q, k, v, kvs)` on each rank's own
+    tensors, `kvs` its group's packed K/V by ring position."""
+    world = simulated_world()
+    outs: dict[int, tuple[Tensor, Tensor]] = {}
+    with world.disable():
+        for members in cp_groups(group):
+            kvs = [pack(k._local_tensors[r], v._local_tensors[r]) for r in members]  # type: ignore[attr-defined]
+            for i, r in enumerate(members):
+                outs[r] = rank_forward(i, len(members), _of(q, r), _of(k, r), _of(v, r), kvs)
+        return world.rank_map(lambda r: outs[r][0]), world.rank_map(lambda r: outs[r][1])
+
+
+def simulated_ring_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    group: Any,
+    rank_shares: Callable[..., tuple[Tensor, list]],
+    add_shares: Callable[..., None],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of every simulated rank. `rank_shares(position, size, q, k, v, out, lse, dout, dlse, kvs)`
+    gives a rank's dq and, per ring step, its dK/dV shares of the block it held; block j's accumulator then
+    sums the shares of its holders in ring order (rank j at step 0, rank j + 1 at step 1, ...), as the
+    real ring passes it on, with `add_shares(dkv, shares, k, v, acc)`."""
+    world = simulated_world()
+    grads: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+    with world.disable():
+        for members in cp_groups(group):
+            size = len(members)
+            kvs = [pack(k._local_tensors[r], v._local_tensors[r]) for r in members]  # type: ignore[attr-defined]
+            dqs, shares = {}, {}
+            for i, r in enumerate(members):
+                tensors = (_of(t, r) for t in (q, k, v, out, lse, dout, dlse))
+                dqs[i], shares[i] = rank_shares(i, size, *tensors, kvs)
+            for j, r in enumerate(members):
+                k_r, v_r = _of(k, r), _of(v, r)
+                acc = torch.promote_types(q.dtype, torch.float32)
+                dkv = torch.zeros(kvs[j].shape, dtype=acc, device=kvs[j].device)
+                for step in range(size):
+                    add_shares(dkv, shares[(j + step) % size][step], k_r, v_r, acc)
+                dk, dv = unpack(dkv, k_r.shape, v_r.shape)  # type: ignore[union-attr]
+                grads[r] = (dqs[j], dk.to(k.dtype), dv.to(v.dtype))
+        return tuple(world.rank_map(lambda r, n=n: grads[r][n]) for n in range(3))  # type: ignore[return-value]
