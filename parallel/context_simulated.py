@@ -16,23 +16,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .local_world import simulated_world
+from .local_world import group_members, simulated_world
 from .zigzag import pack, unpack
 
 SIMULATED_DOCUMENTS = (
     "packed documents under cp are not simulated yet (a ring plan reads every rank's document ids): prove "
     "them on real ranks (tessera.testing, tests/test_contract.py)"
 )
-
-
-def cp_groups(group: Any) -> list[list[int]]:
-    """Every cp group of the simulated world, as global ranks in ring order: under LocalTensorMode one group
-    object stands for all of them, and torch's own simulated collectives derive them so (its c10d layer)."""
-    # lazy: torch's simulated world, read only inside one
-    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
-
-    ranks, offsets, _ = _prepare_collective_groups(group)
-    return [[offset + r for r in ranks] for offset in offsets]
 
 
 def _of(t: Tensor | None, rank: int) -> Tensor | None:
@@ -47,7 +37,7 @@ def simulated_ring_forward(
     world = simulated_world()
     outs: dict[int, tuple[Tensor, Tensor]] = {}
     with world.disable():
-        for members in cp_groups(group):
+        for members in group_members(group):
             kvs = [pack(k._local_tensors[r], v._local_tensors[r]) for r in members]  # type: ignore[attr-defined]
             for i, r in enumerate(members):
                 outs[r] = rank_forward(i, len(members), _of(q, r), _of(k, r), _of(v, r), kvs)
@@ -73,7 +63,7 @@ def simulated_ring_backward(
     world = simulated_world()
     grads: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
     with world.disable():
-        for members in cp_groups(group):
+        for members in group_members(group):
             size = len(members)
             kvs = [pack(k._local_tensors[r], v._local_tensors[r]) for r in members]  # type: ignore[attr-defined]
             dqs, shares = {}, {}

@@ -37,6 +37,8 @@ from tessera.models.moe import MoE, moe_blocks, update_expert_bias
 from tessera.topology.shapes import check_expert_parallel  # re-exported: the rule lives with the shapes
 
 from .comm import collective
+from .expert_simulated import simulated_dispatch
+from .local_world import simulated_world
 from .tensor import BlockInput, _all_gather, copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 
 SEQ_DIM = 1
@@ -78,6 +80,9 @@ class AllToAllDispatch(nn.Module):
         self.sent, self.received = 0, 0
 
     def forward(self, x: Tensor, counts: Tensor, run_experts) -> Tensor:
+        if simulated_world() is not None:  # every rank's routing held here: equal splits, padded (module doc)
+            out, (self.sent, self.received) = simulated_dispatch(x, counts, run_experts, self.group, self.n_experts)
+            return out
         P, local = self.size, self.n_experts // self.size
         # how many rows each rank sends me for each of my experts: (P, local)
         recv_counts = counts.new_empty(P * local)

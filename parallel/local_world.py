@@ -23,3 +23,14 @@ def world_disabled() -> Any:
     """The simulated world switched off for a block (plain tensors inside), or a no-op outside one."""
     world = simulated_world()
     return contextlib.nullcontext() if world is None else world.disable()
+
+
+def group_members(group: Any) -> list[list[int]]:
+    """Every group `group` stands for in the simulated world, as global ranks in group order: under
+    LocalTensorMode one group object stands for all of them, and torch's own simulated collectives derive
+    them so (its c10d layer's _prepare_collective_groups)."""
+    # lazy: torch's simulated world, read only inside one
+    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+    ranks, offsets, _ = _prepare_collective_groups(group)
+    return [[offset + r for r in ranks] for offset in offsets]

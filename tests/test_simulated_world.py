@@ -65,18 +65,23 @@ def check(*argv: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_the_cp_ring_on_simulated_ranks_equals_one_process():
-    """cp 2 inside FSDP2 over tp 2 with sequence parallel (8 ranks): the ring's K/V and dK/dV passes, sends
-    LocalTensorMode does not take, run as every rank's ring steps (parallel/context_simulated.py)."""
-    record = check("--layout", "dp2xcp2xtp2+sp")
-    assert record["verdict"].startswith("equal to one process: dp2xcp2xtp2+sp on 8 simulated ranks")
+def test_the_cp_ring_and_expert_parallel_on_simulated_ranks_equal_one_process():
+    """cp 2 and ep 4 inside FSDP2 over tp 2 with sequence parallel (8 ranks): the ring's K/V and dK/dV passes,
+    sends LocalTensorMode does not take, run as every rank's ring steps (parallel/context_simulated.py), and
+    the experts' all-to-all of uneven splits as padded equal ones (parallel/expert_simulated.py), on the MoE
+    debug model an ep layout takes unless one is named."""
+    record = check("--layout", "dp2xcp2xtp2xep4+sp")
+    assert record["verdict"].startswith("equal to one process: dp2xcp2xtp2xep4+sp on 8 simulated ranks")
+    assert record["shape"]["n_experts"] == 8 and "8 experts (top 2)" in record["verdict"]
     for a, b in zip(record["grad_norms"], record["one_process_grad_norms"]):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["cp8", "dp2xcp4xtp2+sp"])
-def test_the_cp_ring_at_eight_and_beside_dp_and_tp_equals_one_process(layout):
+@pytest.mark.parametrize("layout", ["cp8", "dp2xcp4xtp2+sp", "dp16xep16", "dp4xtp2xep4+sp"])
+def test_the_cp_ring_and_expert_parallel_at_scale_equal_one_process(layout):
+    """The cp ring at 8 and beside dp and tp; ep 16 (Megatron-Bridge's Qwen3-30B-A3B layout, its experts
+    raised to 16 so each rank holds one) and ep beside tp + SP."""
     assert check("--layout", layout)["verdict"].startswith(f"equal to one process: {layout} on ")
 
 
@@ -163,9 +168,9 @@ def _one_error(capsys, *argv: str) -> str:
     [
         (["--layout", "dp4", "--world", "8"], "--world 8 is not the world of --layout dp4 (4 ranks)"),
         (["--layout", "pp2xdp4"], "pp=2 is not simulated yet"),
-        # refused for the axis, before the model's own checks (8 stages need 8 layers, ep a model with experts)
+        # refused for the axis, before the model's own checks (8 stages need 8 layers)
         (["--layout", "pp8xdp8xtp8+sp"], "pp=8 is not simulated yet"),
-        (["--layout", "dp16xep16"], "ep=16 is not simulated yet"),
+        (["--layout", "dp2xep2", "--model", "debug"], "--ep 2 needs a mixture-of-experts model"),
         (["--layout", "dp8+compile"], "+compile: torch.compile is not traced under LocalTensorMode"),
         (["--layout", "dp8", "--steps", "0"], "--steps 0 must be 1..20"),
         (["--layout", "dp8", "--seq-len", "100000"], "--seq-len 100000 must be 1..2048"),

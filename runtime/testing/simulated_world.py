@@ -10,6 +10,7 @@ name) at the fp32 contract's 1e-5. `tessera check` is its command line; `prove_l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import tempfile
@@ -21,6 +22,7 @@ from tessera.topology.memory import GB
 from tessera.training.layout_names import parse_layout
 
 RTOL = 1e-5  # the fp32 contract's (tests/test_contract.py)
+MOE_MODEL = "qwen3-moe-debug"  # an ep layout's model unless one is named: experts to dispatch
 MAX_STEPS = 20  # a proof needs a few steps; AdamW's normalization amplifies reassociation past 1e-5 over tens
 # layout options a simulated world does not run (why)
 REFUSED_OPTIONS = {
@@ -38,10 +40,22 @@ def _model_of(model: str | None, layout: Any, scratch: Path) -> tuple[str, Any]:
     from tessera.models.hf import hf_config_dict
     from tessera.training.simulated import shard_multiple, sized_model, uneven_shards
 
+    if model is None and layout.ep > 1:  # experts to dispatch: the MoE debug model, its vocabulary rounded up
+        base = get_preset(MOE_MODEL)
+        multiple = shard_multiple(layout)
+        experts = -(-max(base.n_experts, layout.ep) // layout.ep) * layout.ep  # at least one on every ep rank
+        cfg = dataclasses.replace(base, n_experts=experts, vocab_size=-(-base.vocab_size // multiple) * multiple)
+        if uneven_shards(cfg, layout):
+            raise ValueError(
+                f"{layout} does not shard {MOE_MODEL}'s {', '.join(uneven_shards(cfg, layout))} evenly over its FSDP "
+                f"ranks (LocalTensorMode holds one shape per rank); name an MoE preset it divides with model="
+            )
+        (scratch / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+        return f"hf:{scratch}", cfg
     if model is not None:
         cfg = get_preset(model)  # its ValueError names the presets
-        if not hasattr(cfg, "ffn_dim") or getattr(cfg, "n_experts", None):
-            raise ValueError(f"model={model}: a simulated world sizes llama-family dense models; use the debug model")
+        if not hasattr(cfg, "ffn_dim") and not getattr(cfg, "n_experts", None):
+            raise ValueError(f"model={model}: a simulated world runs llama-family and MoE models; use the debug model")
         uneven = uneven_shards(cfg, layout)
         multiple = shard_multiple(layout)
         if uneven or cfg.vocab_size % multiple:
@@ -195,14 +209,20 @@ def prove_layout(
         simulated_s = time.perf_counter() - started
         one = trace(Config.create(**one_kw), 1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    shape = f"dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}"
+    experts = getattr(cfg, "n_experts", 0)
+    ffn = f"{experts} experts (top {cfg.top_k}) of ffn {cfg.moe_ffn_dim}" if experts else f"ffn {cfg.ffn_dim}"
+    shape = f"dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), {ffn}, vocab {cfg.vocab_size}"
     norm_error = max(abs(a - b) / abs(b) for a, b in zip(simulated["grad_norms"], one["grad_norms"]))
     record: dict[str, Any] = {
         "layout": layout,
         "world": world,
         "steps": steps,
         "model": model or "debug, sized for the layout",
-        "shape": {k: getattr(cfg, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")},
+        "shape": {
+            k: getattr(cfg, k)
+            for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "n_experts", "moe_ffn_dim", "vocab_size")
+            if hasattr(cfg, k)
+        },
         "losses": simulated["losses"],
         "one_process_losses": one["losses"],
         "grad_norms": simulated["grad_norms"],

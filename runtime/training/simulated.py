@@ -5,9 +5,10 @@ reads, its positions under cp, the region of a parameter it initializes) ask par
 simulated rank. `trace` trains a layout so at its real world size, or one process (tests/test_simulated_world.py).
 
 The cp ring, whose K/V passes are sends torch's LocalTensorMode takes only inside its LocalRunnerMode threads
-(one per rank), runs every rank's ring steps here (parallel/context_simulated.py). What it cannot run yet
-(refused by name, UNSIMULATED): the pipeline's stages, handed on by send/recv, and the experts' all-to-all,
-whose split sizes differ by rank; and of cp, the all-gather method and packed documents."""
+(one per rank), runs every rank's ring steps here (parallel/context_simulated.py); the experts' all-to-all,
+whose split sizes differ by rank, runs padded to equal splits (parallel/expert_simulated.py). What it cannot
+run yet (refused by name, UNSIMULATED): the pipeline's stages, handed on by send/recv between different
+programs; and of cp, the all-gather method and packed documents."""
 
 from __future__ import annotations
 
@@ -25,8 +26,6 @@ from tessera.parallel.local_world import world_disabled
 UNSIMULATED = {
     "pp": "the pipeline's stages hand activations on with send/recv, which LocalTensorMode runs only in a thread "
     "per rank (LocalRunnerMode); prove pp on real ranks (tessera.testing, tests/test_contract.py)",
-    "ep": "the experts' dispatch is an all-to-all whose split sizes differ by rank, which LocalTensorMode's "
-    "collectives do not take (torch 2.13); prove ep on real ranks (tessera.testing, tests/test_contract_moe.py)",
 }
 
 
@@ -125,6 +124,7 @@ def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int) -> fl
     Measured against the growth of the process's peak (bench_simulated_world.py): 0.14-7.4 GB at 4-512 ranks,
     within -3..+21% of it; tests/test_simulated_world.py holds it at 4 ranks."""
     from tessera.models.spec import spec_of  # lazy: (as in trace)
+    from tessera.topology.shapes import layer_param_shapes
 
     shape = spec_of(cfg).shape(cfg)
     layer, params = shape.block_params(), shape.num_params()
@@ -133,10 +133,12 @@ def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int) -> fl
     gathered = 8 * (2 * layer + ends) / layout.tp
     rows = global_batch / (layout.dp_replicate * layout.dp_shard)
     tokens = rows * seq_len / layout.cp
-    per_token = cfg.n_layers * (12 * cfg.dim + 4 * cfg.ffn_dim / layout.tp) + 3 * cfg.vocab_size / layout.tp
+    # a token's MLP width: the dense one, or its top_k experts' (each padded no wider: simulated dispatch)
+    ffn = getattr(cfg, "ffn_dim", 0) or 2 * cfg.top_k * cfg.moe_ffn_dim
+    per_token = cfg.n_layers * (12 * cfg.dim + 4 * ffn / layout.tp) + 3 * cfg.vocab_size / layout.tp
     scores = cfg.n_layers * 3 * rows * cfg.n_heads / layout.tp * (seq_len / layout.cp) * seq_len
     # the comparison gathers each gradient whole on every rank, one parameter at a time: the largest's
-    largest = 4 * max(cfg.ffn_dim * cfg.dim, cfg.vocab_size * cfg.dim)
+    largest = 4 * max([cfg.vocab_size * cfg.dim] + [r * c for r, c in layer_param_shapes(shape, 1)])
     return RUN_BYTES + states + layout.world_size * (gathered + largest + 4 * (tokens * per_token + scores))
 
 
