@@ -65,6 +65,7 @@ def check(*argv: str) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_the_cp_ring_and_expert_parallel_on_simulated_ranks_equal_one_process():
     """cp 2 and ep 4 inside FSDP2 over tp 2 with sequence parallel (8 ranks): the ring's K/V and dK/dV passes,
     sends LocalTensorMode does not take, run as every rank's ring steps (parallel/context_simulated.py), and
@@ -75,6 +76,27 @@ def test_the_cp_ring_and_expert_parallel_on_simulated_ranks_equal_one_process():
     assert record["shape"]["n_experts"] == 8 and "8 experts (top 2)" in record["verdict"]
     for a, b in zip(record["grad_norms"], record["one_process_grad_norms"]):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_layout_in_fp8_is_held_to_the_fp8_contract(recipe):
+    """--fp8: both sides in FP8 (torchao's float8 emulated), the layout within 2 E of one-process FP8, E one
+    process's own FP8 error (its runs on 1, 2 and 4 microbatches against fp32), the records saying FP8."""
+    pytest.importorskip("torchao")
+    record = check("--layout", "dp2xtp2+sp", "--fp8", recipe)
+    assert record["verdict"].startswith(f"equal to one process: dp2xtp2+sp on 4 simulated ranks in FP8 ({recipe})")
+    assert set(record["compute_dtypes"]) == {"float8_emulated"}
+    assert 0 < record["fp8_error"]["loss"] and 0 < record["fp8_error"]["grad norm"]
+    for a, b in zip(record["losses"], record["one_process_losses"]):
+        assert abs(a - b) <= 2 * record["fp8_error"]["loss"]
+
+
+def test_an_unknown_fp8_recipe_is_refused_before_anything_is_built():
+    from tessera.testing import prove_layout
+
+    with pytest.raises(ValueError, match="fp8='nope' is not an FP8 recipe: use one of tensorwise, rowwise"):
+        prove_layout("dp2", fp8="nope")
 
 
 @pytest.mark.slow

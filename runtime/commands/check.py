@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from tessera.testing.simulated_world import MAX_STEPS, prove_layout
+from tessera.testing.simulated_world import FP8_RECIPES, MAX_STEPS, prove_layout
 from tessera.training.config import said
 
 
@@ -25,6 +25,12 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=2, help=f"training steps to compare (default 2, at most {MAX_STEPS})")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per data-parallel rank)")
+    p.add_argument(
+        "--fp8",
+        choices=FP8_RECIPES,
+        help="train both sides in FP8 (torchao's float8, emulated on the CPU) and hold the layout to the FP8 "
+        "contract: within 2 E of one-process FP8, E one process's own FP8 error",
+    )
     p.add_argument("--json", action="store_true", help="print the record, verdict included, as one JSON object")
     p.set_defaults(func=run_check)
 
@@ -34,7 +40,9 @@ def run_check(args: argparse.Namespace) -> int:
     from tessera.testing.equivalence import LayoutsDiverge  # lazy: torch
 
     try:
-        record = prove_layout(args.layout, args.world, args.model, args.steps, args.seq_len, args.global_batch)
+        record = prove_layout(
+            args.layout, args.world, args.model, args.steps, args.seq_len, args.global_batch, fp8=args.fp8
+        )
     except LayoutsDiverge as e:
         record = getattr(e, "record", {"verdict": f"differs from one process: {e}"})
         print(json.dumps(record) if args.json else f"tessera check: {record['verdict']}")

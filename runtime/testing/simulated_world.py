@@ -23,6 +23,10 @@ from tessera.training.layout_names import parse_layout
 
 RTOL = 1e-5  # the fp32 contract's (tests/test_contract.py)
 MOE_MODEL = "qwen3-moe-debug"  # an ep layout's model unless one is named: experts to dispatch
+FP8_RECIPES = ("tensorwise", "rowwise")
+# the FP8 contract's (tests/test_fp8_contract.py): one process's own FP8 error E is measured on its FP8 runs at
+# these microbatch counts (their casts scale all, half or a quarter of the tokens, as dp 1, 2 and 4 ranks do)
+REROUNDED = (1, 2, 4)
 MAX_STEPS = 20  # a proof needs a few steps; AdamW's normalization amplifies reassociation past 1e-5 over tens
 # layout options a simulated world does not run (why)
 REFUSED_OPTIONS = {
@@ -78,6 +82,7 @@ def _prepare(
     seq_len: int,
     global_batch: int | None,
     scratch: Path,
+    fp8: str | None = None,
 ) -> tuple[dict, dict, int, Any, float]:
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
@@ -96,6 +101,8 @@ def _prepare(
     kw = parse_layout(layout_name)  # its ValueError: "layout 'xx': ..."
     if not 1 <= steps <= MAX_STEPS:
         raise ValueError(f"steps={steps} must be 1..{MAX_STEPS} (a proof needs a few steps), e.g. steps=2")
+    if fp8 is not None and fp8 not in FP8_RECIPES:
+        raise ValueError(f"fp8={fp8!r} is not an FP8 recipe: use one of {', '.join(FP8_RECIPES)}, or leave it out")
     probe = Config.create(model="debug", quiet=True, **kw).layout
     world = probe.world_size if world is None else world
     if world != probe.world_size:
@@ -120,6 +127,7 @@ def _prepare(
         mixed_precision="fp32",
         quiet=True,
         force=True,  # the host-memory check of real ranks (a runtime each): the simulated world's is below
+        **({} if fp8 is None else {"fp8": fp8}),
     )
     config = Config.create(**common, **kw)
     config.check()
@@ -181,6 +189,39 @@ def judge(one: dict, simulated: dict, where: str) -> None:
             )
 
 
+def judge_fp8(one: dict, simulated: dict, fp32: dict, rerounded: list[dict], where: str) -> dict[str, float]:
+    """The FP8 contract (tests/test_fp8_contract.py's): an FP8 run is the fp32 trajectory plus FP8 rounding, and
+    a layout rounds the same quantities elsewhere (each rank's tokens scaled as their own batch), so it is held
+    within 2 E of one-process FP8, E the largest distance to fp32 of one process's FP8 runs that differ only by
+    where they round (`rerounded`): every step's loss and grad norm, and step 1's gradients tensor by tensor
+    (||g - g_fp8|| <= 2 max ||g_fp8' - g_fp32||); every step's matmuls recorded in FP8. The E of the loss and
+    grad norm, or LayoutsDiverge naming what differs."""
+    from .equivalence import LayoutsDiverge  # lazy: (as in prove_layout)
+
+    ran = set(simulated["compute_dtypes"])
+    if not ran <= {"float8", "float8_emulated"} and not any("float8" in k for k in simulated["flops_by_dtype"]):
+        raise LayoutsDiverge(f"{where}: the records say the matmuls ran in {sorted(ran)}, not FP8")
+    errors = {}
+    for what, key in (("loss", "losses"), ("grad norm", "grad_norms")):
+        tol = 2 * max(abs(a - b) for r in rerounded for a, b in zip(r[key], fp32[key]))
+        errors[what] = tol / 2
+        for step, (got, want) in enumerate(zip(simulated[key], one[key]), start=1):
+            if abs(got - want) > tol:
+                raise LayoutsDiverge(
+                    f"{where}, step {step}: {what} {got:.8g} differs from one-process FP8's {want:.8g} by "
+                    f"{abs(got - want):.3e} > 2 E = {tol:.3e} (E: one process's own FP8 error)"
+                )
+    for name, want in one["grads"][0].items():
+        tol = 2 * max(float((r["grads"][0][name] - fp32["grads"][0][name]).norm()) for r in rerounded)
+        err = float((simulated["grads"][0][name] - want).norm())
+        if err > tol:
+            raise LayoutsDiverge(
+                f"{where}, step 1: gradient of parameter {name!r} differs from one-process FP8: ||g - g_fp8|| "
+                f"{err:.3e} > 2 E = {tol:.3e} (E: one process's own FP8 error in it)"
+            )
+    return errors
+
+
 def prove_layout(
     layout: str,
     world: int | None = None,
@@ -188,12 +229,16 @@ def prove_layout(
     steps: int = 2,
     seq_len: int = 32,
     global_batch: int | None = None,
+    fp8: str | None = None,
 ) -> dict[str, Any]:
     """Train `layout` (a tessera bench name, e.g. "dp32xtp8+sp") on its `world` simulated ranks and one process
     alone, and compare them at 1e-5: the record (losses, grad norms, the model's shape, the simulated run's
     seconds, the process's peak memory beside the estimate it was admitted by, a verdict line), or
     LayoutsDiverge naming the first step and parameter that differ. ValueError, before anything is built, for a
-    layout or world it cannot simulate (naming why and the fix). Needs a process with no process group."""
+    layout or world it cannot simulate (naming why and the fix). Needs a process with no process group.
+    `fp8` ("tensorwise" or "rowwise", torchao's float8 emulated on the CPU): both sides train in FP8 and the
+    layout is held to the FP8 contract (judge_fp8) against one-process FP8 runs on 1, 2 and 4 microbatches
+    and one in fp32."""
     from tessera.training.config import Config  # lazy: (as in _prepare)
     from tessera.training.simulated import trace
 
@@ -201,13 +246,19 @@ def prove_layout(
 
     with tempfile.TemporaryDirectory(prefix="tessera-check-") as scratch:
         one_kw, layout_kw, world, cfg, estimate = _prepare(
-            layout, world, model, steps, seq_len, global_batch, Path(scratch)
+            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8
         )
         before = _rss_bytes()
         started = time.perf_counter()
         simulated = trace(Config.create(**layout_kw), world)
         simulated_s = time.perf_counter() - started
         one = trace(Config.create(**one_kw), 1)
+        if fp8 is not None:  # E: one process's FP8 runs at other microbatch counts, against its fp32 run
+            fp32 = trace(Config.create(**{k: v for k, v in one_kw.items() if k != "fp8"}), 1)
+            batch = one_kw["global_batch"]
+            rerounded = [one] + [
+                trace(Config.create(**one_kw, microbatches=mb), 1) for mb in REROUNDED[1:] if batch % mb == 0
+            ]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     experts = getattr(cfg, "n_experts", 0)
     ffn = f"{experts} experts (top {cfg.top_k}) of ffn {cfg.moe_ffn_dim}" if experts else f"ffn {cfg.ffn_dim}"
@@ -236,14 +287,25 @@ def prove_layout(
         "estimated_bytes": round(estimate),
     }
     record["gradient_error_by_step"] = gradient_errors(one, simulated)
+    record["compute_dtypes"] = simulated["compute_dtypes"]  # what the records' dtype probe read, step by step
+    where = f"{layout} on {world} simulated ranks" + ("" if fp8 is None else f" in FP8 ({fp8})")
     try:
-        judge(one, simulated, f"{layout} on {world} simulated ranks")
+        if fp8 is None:
+            judge(one, simulated, where)
+        else:
+            record["fp8_error"] = judge_fp8(one, simulated, fp32, rerounded, where)
     except LayoutsDiverge as e:
         e.record = {**record, "verdict": f"differs from one process: {e}"}  # type: ignore[attr-defined]
         raise
+    within = (
+        f"within {RTOL:g} (grad norm off by at most {norm_error:.1e})"
+        if fp8 is None
+        else f"within 2 E of one-process FP8, E its own FP8 error on {len(rerounded)} microbatch counts against fp32 "
+        f"(loss E {record['fp8_error']['loss']:.1e}, grad norm E {record['fp8_error']['grad norm']:.1e}); matmuls "
+        f"recorded {'/'.join(sorted(set(simulated['compute_dtypes'])))}"
+    )
     record["verdict"] = (
-        f"equal to one process: {layout} on {world} simulated ranks, {steps} steps of {shape}: every step's loss "
-        f"and grad norm and all {len(one['grads'][0])} gradients of step 1 within {RTOL:g} (grad norm off by at most "
-        f"{norm_error:.1e}); {simulated_s:.1f} s, peak memory {peak / GB:.2f} GB"
+        f"equal to one process: {where}, {steps} steps of {shape}: every step's loss and grad norm and all "
+        f"{len(one['grads'][0])} gradients of step 1 {within}; {simulated_s:.1f} s, peak memory {peak / GB:.2f} GB"
     )
     return record

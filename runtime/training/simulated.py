@@ -254,10 +254,11 @@ def check_simulated(config: Any, world: int) -> None:
 
 
 def trace(config: Any, world: int) -> dict[str, Any]:
-    """{"losses", "grad_norms", "grads", "build_s", "steps_s"} of `config` trained for its steps on `world`
-    simulated ranks (1: one process) in this process, on the fake process group: each step's loss and grad
-    norm, its gradients before clipping, whole, by their one-process names, and the seconds building the
-    Trainer and training."""
+    """{"losses", "grad_norms", "grads", "compute_dtypes", "flops_by_dtype", "build_s", "steps_s"} of `config`
+    trained for its steps on `world` simulated ranks (1: one process) in this process, on the fake process
+    group: each step's loss and grad norm, its gradients before clipping, whole, by their one-process names,
+    each step's recorded matmul dtype and step 1's matmul FLOPs by dtype, and the seconds building the Trainer
+    and training."""
     import torch  # lazy: a simulated run needs torch (tessera check's parser does not)
     import torch.distributed as dist
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
@@ -276,6 +277,8 @@ def trace(config: Any, world: int) -> dict[str, Any]:
     dist.init_process_group("fake", rank=0, world_size=world)
     losses: list[float] = []
     norms: list[float] = []
+    dtypes: list[str] = []  # each step's record: the dtype its matmuls ran in (the dtype probe's)
+    flops_by_dtype: dict = {}
     grads: list[dict[str, torch.Tensor]] = []
     try:
         mode = LocalTensorMode(world) if world > 1 else contextlib.nullcontext()
@@ -302,7 +305,16 @@ def trace(config: Any, world: int) -> dict[str, Any]:
                 record = trainer.train_step(on_grads=keep).record()
                 losses.append(float(record["loss"]))
                 norms.append(float(record["grad_norm"]))
+                dtypes.append(str(record.get("compute_dtype")))
+                flops_by_dtype = flops_by_dtype or dict(record.get("matmul_flops_by_dtype") or {})
             seconds = {"build_s": built - started, "steps_s": time.perf_counter() - built}
     finally:
         dist.destroy_process_group()
-    return {"losses": losses, "grad_norms": norms, "grads": grads, **seconds}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "grads": grads,
+        "compute_dtypes": dtypes,
+        "flops_by_dtype": flops_by_dtype,
+        **seconds,
+    }
