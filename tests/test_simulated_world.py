@@ -79,7 +79,7 @@ def test_the_cp_ring_and_expert_parallel_on_simulated_ranks_equal_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise"])  # rowwise: the same path with torchao's other recipe
 def test_a_layout_in_fp8_is_held_to_the_fp8_contract(recipe):
     """--fp8: both sides in FP8 (torchao's float8 emulated), the layout within 2 E of one-process FP8, E one
     process's own FP8 error (its runs on 1, 2 and 4 microbatches against fp32), the records saying FP8."""
@@ -100,10 +100,10 @@ def test_an_unknown_fp8_recipe_is_refused_before_anything_is_built():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["cp8", "dp2xcp4xtp2+sp", "dp16xep16", "dp4xtp2xep4+sp"])
+@pytest.mark.parametrize("layout", ["cp8", "dp16xep16"])
 def test_the_cp_ring_and_expert_parallel_at_scale_equal_one_process(layout):
-    """The cp ring at 8 and beside dp and tp; ep 16 (Megatron-Bridge's Qwen3-30B-A3B layout, its experts
-    raised to 16 so each rank holds one) and ep beside tp + SP."""
+    """The cp ring at 8 (torchtitan's 256k layout) and ep 16 (Megatron-Bridge's Qwen3-30B-A3B layout, its
+    experts raised to 16 so each rank holds one)."""
     assert check("--layout", layout)["verdict"].startswith(f"equal to one process: {layout} on ")
 
 
