@@ -433,7 +433,8 @@ def ring_attention(
     check_sinks(sinks, q)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     all_docs = None
-    if simulated_world() is not None:  # every ring position's plan: the simulated ranks step in lockstep
+    simulated = simulated_world() is not None
+    if simulated:  # every ring position's plan: each simulated rank runs its own (context_simulated.py)
         if docs is not None:
             raise ValueError(SIMULATED_DOCUMENTS)
         plans = {i: _ring_plan(i, size, causal, q.shape[SEQ_DIM], window) for i in range(size)}
@@ -442,7 +443,7 @@ def ring_attention(
             all_docs = gather_documents(docs, group)
         plans = {rank: _ring_plan(rank, size, causal, q.shape[SEQ_DIM], window, docs, all_docs)}
     if stats is not None and (docs is not None or window is not None):
-        plan = plans[rank] if rank in plans else plans[0]
+        plan = plans[0 if simulated else rank]  # simulated: position 0's counts stand for the group's
         stats["ring_steps"] = stats.get("ring_steps", 0) + len(plan)
         stats["ring_steps_skipped"] = stats.get("ring_steps_skipped", 0) + sum(not blocks for blocks in plan)
     out, lse = _RingAttention.apply(
