@@ -304,3 +304,36 @@ def test_a_planted_bug_passes_at_the_real_ranks_size_and_is_caught_by_name_at_sc
     small, large = json.loads(out.stdout.strip().splitlines()[-1])
     assert small["equal"], small
     assert not large["equal"] and named in large["verdict"], large
+
+
+SAME_COORDINATES = """
+import gc, json, weakref
+import torch.distributed as dist
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from tessera.training.simulated import mesh_coordinates_once
+SHAPES = ((8,), (2, 4), (2, 2, 2))
+def coordinates():
+    return {str(s): [c.node._local_ints for c in init_device_mesh("cpu", s).get_coordinate()] for s in SHAPES}
+dist.init_process_group("fake", rank=0, world_size=8)
+with LocalTensorMode(8):
+    plain = coordinates()
+with mesh_coordinates_once(), LocalTensorMode(8):  # as trace enters them
+    fast = coordinates()
+    m = init_device_mesh("cpu", (4, 2))
+    m.get_coordinate()
+    gone = weakref.ref(m)
+    del m
+    gc.collect()
+    held = gone() is not None
+print(json.dumps({"same": plain == fast, "held": held}))
+"""
+
+
+def test_the_coordinates_derived_once_are_torchs_and_their_mesh_is_held():
+    """mesh_coordinates_once gives torch's own coordinates, and holds each mesh it derived them for: torch's
+    cache keys them by id(mesh) alone, and a mesh freed mid-run can hand its id to a new mesh of another shape
+    (an IndexError in DTensor's shard offsets, seen once in the suite at dp4 x tp2 x ep4)."""
+    out = subprocess.run([sys.executable, "-c", SAME_COORDINATES], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "held": True}

@@ -188,11 +188,14 @@ def mesh_coordinates_once() -> Iterator[None]:
     all along) by re-deriving the mesh's whole rank tensor once per rank, each op dispatched through the mode:
     O(world^2) work, 46 of the 83 s of a 64-rank check. For the block, the rank tensor is derived once, outside
     the mode, and read for every rank; the coordinates are the same (the same remap, the same uniqueness
-    check), and cached by mesh as torch caches them."""
+    check). They are cached by mesh, holding the mesh: torch's own cache is keyed by id(mesh) alone, so a mesh
+    freed mid-run (a slice FSDP2 or DTensor made) can hand its id, and its coordinates, to a new mesh of
+    another shape (seen once in the suite: an IndexError in DTensor's shard offsets at dp4 x tp2 x ep4)."""
     # lazy: torch's simulated world, patched only around a simulated run
     from torch.distributed._local_tensor import LocalIntNode, _LocalDeviceMesh, enabled_local_tensor_mode
 
     derive = _LocalDeviceMesh.__dict__["get_coordinate"]
+    known: dict[int, tuple[Any, list[Any]]] = {}
 
     def get_coordinate(mesh: Any) -> list[Any]:
         import torch  # lazy: (as in trace)
@@ -200,9 +203,9 @@ def mesh_coordinates_once() -> Iterator[None]:
         lm = enabled_local_tensor_mode()
         if lm is None:
             raise AssertionError("Unexpectedly not in LocalTensorMode")
-        cached = lm._coordinate_cache.get(id(mesh))
-        if cached is not None:
-            return cached
+        held = known.get(id(mesh))
+        if held is not None and held[0] is mesh:
+            return held[1]
         with lm._coordinate_cache_lock, lm.disable():
             ranks = mesh._layout.remap_to_tensor(mesh._rank_map.clone())
             sizes = tuple(ranks.shape[1:])
@@ -219,7 +222,7 @@ def mesh_coordinates_once() -> Iterator[None]:
             for d in reversed(range(len(sizes))):
                 flat, coords[d][rank] = divmod(flat, sizes[d])
         out = [torch.SymInt(LocalIntNode(c)) for c in coords]
-        lm._coordinate_cache[id(mesh)] = out
+        known[id(mesh)] = (mesh, out)  # the mesh held: its id stays its own while the run lasts
         return out
 
     setattr(_LocalDeviceMesh, "get_coordinate", staticmethod(get_coordinate))
