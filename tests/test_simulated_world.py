@@ -330,6 +330,7 @@ print(json.dumps({"same": plain == fast, "held": held}))
 """
 
 
+@pytest.mark.slow
 def test_the_coordinates_derived_once_are_torchs_and_their_mesh_is_held():
     """mesh_coordinates_once gives torch's own coordinates, and holds each mesh it derived them for: torch's
     cache keys them by id(mesh) alone, and a mesh freed mid-run can hand its id to a new mesh of another shape
