@@ -190,7 +190,8 @@ def mesh_coordinates_once() -> Iterator[None]:
     the mode, and read for every rank; the coordinates are the same (the same remap, the same uniqueness
     check). They are cached by mesh, holding the mesh: torch's own cache is keyed by id(mesh) alone, so a mesh
     freed mid-run (a slice FSDP2 or DTensor made) can hand its id, and its coordinates, to a new mesh of
-    another shape (seen once in the suite: an IndexError in DTensor's shard offsets at dp4 x tp2 x ep4)."""
+    another shape (seen once in the suite: an IndexError in DTensor's shard offsets at dp4 x tp2 x ep4; torch's
+    issue pytorch/pytorch#184526, fixed upstream by #187052, after the 2.13.0 wheel this project pins)."""
     # lazy: torch's simulated world, patched only around a simulated run
     from torch.distributed._local_tensor import LocalIntNode, _LocalDeviceMesh, enabled_local_tensor_mode
 
