@@ -234,6 +234,35 @@ def _add_shares(dkv, shares, k, v, acc) -> None:
         dv_acc[:, :, cols] += dv_b.to(acc)
 
 
+def _ring_kvs(kv: Tensor, group: dist.ProcessGroup, size: int, what: str, timeout):
+    """Each ring step's K/V on real ranks: the next block's send/receive is posted before the step computes
+    (the caller runs between the yield and the wait) and waited for after it."""
+    for step in range(size):
+        ring = _RingPass(kv, group, what, timeout) if step + 1 < size else None  # overlaps the block
+        yield kv
+        if ring is not None:
+            kv = ring.wait()
+
+
+def _ring_forward(q, k, v, kvs, position, size, plan, scale, window, docs, all_docs):
+    """(out, lse) of one rank's queries over the ring; `kvs` yields each step's K/V (rank position - step's)."""
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merges (fp64 stays fp64)
+    out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    qb = _block_inputs(q, acc)
+    for step, kv in enumerate(kvs):
+        src = (position - step) % size
+        _forward_blocks(qb, kv, k, v, acc, plan[step], out, lse, scale, window, docs, all_docs, src)
+    return out.to(q.dtype), lse
+
+
+def _backward_state(q, out, dout):
+    """(acc, dq, and the block inputs of q, out, dout) a rank's ring backward starts from."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    return (acc, dq, *(_block_inputs(t, acc) for t in (q, out, dout)))
+
+
 class _RingAttention(Function):
     """`plans`: each ring position's blocks per step (this rank's alone on real ranks; every position's in a
     simulated world, where context_simulated.py runs every rank of every cp group here)."""
@@ -244,18 +273,14 @@ class _RingAttention(Function):
         if simulated_world() is not None:
 
             def rank_forward(i, size, q_r, k_r, v_r, kvs):  # step t's K/V: position i - t's, unchanged
-                acc = torch.promote_types(q_r.dtype, torch.float32)
-                out = torch.zeros((*q_r.shape[:3], v_r.shape[-1]), dtype=acc, device=q_r.device)
-                lse = torch.full(q_r.shape[:3], float("-inf"), dtype=acc, device=q_r.device)
-                qb = _block_inputs(q_r, acc)
-                for step, blocks in enumerate(plans[i]):
-                    src = (i - step) % size
-                    _forward_blocks(qb, kvs[src], k_r, v_r, acc, blocks, out, lse, scale, window, None, None, src)
-                return out.to(q_r.dtype), lse
+                steps = (kvs[(i - step) % size] for step in range(size))
+                return _ring_forward(q_r, k_r, v_r, steps, i, size, plans[i], scale, window, None, None)
 
             out, lse = simulated_ring_forward(q, k, v, group, rank_forward)
         else:
-            out, lse = _ring_forward(q, k, v, group, scale, timeout, plans, window, docs, all_docs)
+            rank, size = dist.get_rank(group), dist.get_world_size(group)
+            kvs = _ring_kvs(pack(k, v), group, size, "K/V", timeout)  # one message a step; kv heads, never repeated
+            out, lse = _ring_forward(q, k, v, kvs, rank, size, plans[rank], scale, window, docs, all_docs)
         ctx.save_for_backward(q, k, v, out, lse, docs, all_docs)
         ctx.group, ctx.scale, ctx.timeout, ctx.plans, ctx.window = group, scale, timeout, plans, window
         return out, lse
@@ -272,65 +297,26 @@ class _RingAttention(Function):
             return dq, dk, dv, None, None, None, None, None, None, None
 
         def rank_shares(i, size, q_r, k_r, v_r, out_r, lse_r, dout_r, dlse_r, kvs):
-            acc = torch.promote_types(q_r.dtype, torch.float32)
-            dq = torch.zeros(q_r.shape, dtype=acc, device=q_r.device)
-            qb, outb, doutb = (_block_inputs(t, acc) for t in (q_r, out_r, dout_r))
-            shares = [
-                _backward_blocks(
-                    doutb,
-                    qb,
-                    outb,
-                    lse_r,
-                    dlse_r,
-                    kvs[(i - step) % size],
-                    k_r,
-                    v_r,
-                    acc,
-                    plans[i][step],
-                    dq,
-                    scale,
-                    window,
-                    None,
-                    None,
-                    (i - step) % size,
-                )  # fmt: skip
-                for step in range(size)
-            ]
+            acc, dq, qb, outb, doutb = _backward_state(q_r, out_r, dout_r)
+            shares = []  # by step; context_simulated.py sums them in the ring's order of holders
+            for step, blocks in enumerate(plans[i]):
+                src = (i - step) % size
+                args = (doutb, qb, outb, lse_r, dlse_r, kvs[src], k_r, v_r, acc, blocks, dq, scale, window)
+                shares.append(_backward_blocks(*args, None, None, src))
             return dq.to(q_r.dtype), shares
 
         dq, dk, dv = simulated_ring_backward(q, k, v, out, lse, dout, dlse, ctx.group, rank_shares, _add_shares)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def _ring_forward(q, k, v, group, scale, timeout, plans, window, docs, all_docs):
-    """(out, lse) of this rank's queries over the ring."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    plan = plans[rank]
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merges (fp64 stays fp64)
-    out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    kv = pack(k, v)  # one message per step; kv heads, never repeated
-    qb = _block_inputs(q, acc)
-    for step in range(size):
-        src = (rank - step) % size
-        ring = _RingPass(kv, group, "K/V", timeout) if step + 1 < size else None  # overlaps the block
-        _forward_blocks(qb, kv, k, v, acc, plan[step], out, lse, scale, window, docs, all_docs, src)
-        if ring is not None:
-            kv = ring.wait()
-    return out.to(q.dtype), lse
-
-
 def _ring_backward(q, k, v, out, lse, dout, dlse, group, scale, timeout, plans, window, docs, all_docs):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     plan = plans[rank]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    acc, dq, qb, outb, doutb = _backward_state(q, out, dout)
     kv = pack(k, v)
     dkv_pass: _RingPass | None = None
     dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
-    qb, outb, doutb = (_block_inputs(t, acc) for t in (q, out, dout))
-    for step in range(size):
-        ring = _RingPass(kv, group, "K/V (backward)", timeout) if step + 1 < size else None
+    for step, kv in enumerate(_ring_kvs(kv, group, size, "K/V (backward)", timeout)):
         src = (rank - step) % size
         shares = _backward_blocks(
             doutb, qb, outb, lse, dlse, kv, k, v, acc, plan[step], dq, scale, window, docs, all_docs, src
@@ -341,8 +327,6 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, group, scale, timeout, plans, 
         _add_shares(dkv, shares, k, v, acc)
         if size > 1:  # on to the next holder; home after `size` passes
             dkv_pass = _RingPass(dkv, group, "dK/dV", timeout)
-        if ring is not None:
-            kv = ring.wait()
     if dkv_pass is not None:
         dkv = dkv_pass.wait()
     dk, dv = unpack(dkv, k.shape, v.shape)

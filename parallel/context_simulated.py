@@ -70,9 +70,9 @@ def simulated_ring_backward(
             for i, r in enumerate(members):
                 tensors = (_of(t, r) for t in (q, k, v, out, lse, dout, dlse))
                 dqs[i], shares[i] = rank_shares(i, size, *tensors, kvs)
+            acc = torch.promote_types(q.dtype, torch.float32)
             for j, r in enumerate(members):
                 k_r, v_r = _of(k, r), _of(v, r)
-                acc = torch.promote_types(q.dtype, torch.float32)
                 dkv = torch.zeros(kvs[j].shape, dtype=acc, device=kvs[j].device)
                 for step in range(size):
                     add_shares(dkv, shares[(j + step) % size][step], k_r, v_r, acc)

@@ -241,9 +241,10 @@ def check_simulated(config: Any, world: int) -> None:
     if world != layout.world_size:
         raise ValueError(f"world={world} is not the world of {layout} ({layout.world_size} ranks)")
     refuse_unsimulated(layout)
-    if layout.cp > 1 and (config.parallel.cp_method or "ring") != "ring":
+    cp_method = config.parallel_config().cp_method  # the method the run takes (its default resolved)
+    if layout.cp > 1 and cp_method != "ring":
         raise ValueError(
-            f"cp_method={config.parallel.cp_method} is not simulated yet (its blocks follow each rank's place, "
+            f"cp_method={cp_method} is not simulated yet (its blocks follow each rank's place, "
             f"which the simulated world runs for the ring only): check cp_method=ring, or prove it on real ranks"
         )
     if layout.cp > 1 and config.data.pack_documents:
