@@ -173,6 +173,12 @@ def volume(name: str):
     return register
 
 
+def ep_over_tp_applies(layout: Layout, sequence_parallel: bool) -> bool:
+    """Whether an expert group can fold tp in (`ep_over_tp`): ep and tp both, and sequence parallel, each rank
+    dispatching its own sequence shard."""
+    return layout.ep > 1 and layout.tp > 1 and bool(sequence_parallel)
+
+
 def comm_bytes_per_step(
     shape,
     layout: Layout,
@@ -201,7 +207,7 @@ def comm_bytes_per_step(
     ModelShape. routed_fraction: the share of this rank's expert assignments its dispatches and combines
     move to other ranks over the step (`routed_fraction_of` a run's measured rows; None: balanced routing,
     (ep-1)/ep). ep_over_tp: the expert group spans tp too (the module docstring's; `tessera plan` only)."""
-    if ep_over_tp and (layout.ep == 1 or layout.tp == 1 or not sequence_parallel):
+    if ep_over_tp and not ep_over_tp_applies(layout, sequence_parallel):
         raise ValueError(
             f"ep_over_tp=True folds tp into the expert group, which needs ep, tp and sequence parallel: "
             f"ep={layout.ep}, tp={layout.tp}, sequence_parallel={sequence_parallel}"

@@ -14,7 +14,7 @@ from .axes import (
     OVERLAPPED,
     TABLE,
 )
-from .comm_model import comm_bytes_per_step, stage_layer_counts
+from .comm_model import comm_bytes_per_step, ep_over_tp_applies, stage_layer_counts
 from .fp8_model import (
     cast_bytes_per_step,
     fp8_flop_share,
@@ -131,8 +131,7 @@ def expert_weight_seconds(
 def ep_over_tp(hw: Hardware, cand: Candidate) -> bool:
     """Whether `cand` is scored with an expert group of ep x tp ranks (hw.ep_over_tp, where the layout has ep,
     tp and sequence parallel: each rank dispatches its own sequence shard)."""
-    lay = cand.layout
-    return hw.ep_over_tp and lay.ep > 1 and lay.tp > 1 and cand.sequence_parallel
+    return hw.ep_over_tp and ep_over_tp_applies(cand.layout, cand.sequence_parallel)
 
 
 def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int) -> Estimate:

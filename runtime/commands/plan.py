@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from tessera.paths import calibration_path, read_calibration
+from tessera.topology.comm_model import ep_over_tp_applies
 from tessera.topology.errors import with_flags
 from tessera.topology.memory import GB
 from tessera.topology.muon_memory import MUON_RECIPES, recipe_for
@@ -305,7 +306,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise PlanError(f"--layout {args.layout}: +async_tp overlaps tensor-parallel traffic, and tp is 1")
             if fixed.get("ep_overlap") and lay.ep == 1:
                 raise PlanError(f"--layout {args.layout}: +ep_overlap overlaps expert all-to-alls, and ep is 1")
-            if fixed.get("ep_over_tp") and (lay.ep == 1 or lay.tp == 1 or not fixed.get("sequence_parallel")):
+            if fixed.get("ep_over_tp") and not ep_over_tp_applies(lay, fixed.get("sequence_parallel", False)):
                 raise PlanError(
                     f"--layout {args.layout}: +ep_over_tp folds tp into the expert group, which needs ep > 1, "
                     f"tp > 1 and +sp (each rank dispatches its sequence shard): ep={lay.ep}, tp={lay.tp}"

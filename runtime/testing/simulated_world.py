@@ -49,9 +49,10 @@ def _model_of(model: str | None, layout: Any, scratch: Path) -> tuple[str, Any]:
         multiple = shard_multiple(layout)
         experts = -(-max(base.n_experts, layout.ep) // layout.ep) * layout.ep  # at least one on every ep rank
         cfg = dataclasses.replace(base, n_experts=experts, vocab_size=-(-base.vocab_size // multiple) * multiple)
-        if uneven_shards(cfg, layout):
+        uneven = uneven_shards(cfg, layout)
+        if uneven:
             raise ValueError(
-                f"{layout} does not shard {MOE_MODEL}'s {', '.join(uneven_shards(cfg, layout))} evenly over its FSDP "
+                f"{layout} does not shard {MOE_MODEL}'s {', '.join(uneven)} evenly over its FSDP "
                 f"ranks (LocalTensorMode holds one shape per rank); name an MoE preset it divides with model="
             )
         (scratch / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
