@@ -6,17 +6,26 @@ per simulated rank."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import functools
+from typing import Any, Callable
+
+
+@functools.cache
+def _enabled_mode() -> Callable[[], Any] | None:
+    """torch's lookup of the enabled LocalTensorMode, found once (None on a torch without it): every attention
+    call and expert dispatch asks, and a failed import would search the path again each time."""
+    try:
+        # lazy: torch's simulated world, loaded where a rank first asks whether it is in one
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:
+        return None
+    return enabled_local_tensor_mode
 
 
 def simulated_world() -> Any:
     """The enabled LocalTensorMode, or None (a real process group, or a torch without it)."""
-    try:
-        # lazy: torch's simulated world, loaded where a rank asks whether it is in one
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
-    except ImportError:
-        return None
-    return enabled_local_tensor_mode()
+    lookup = _enabled_mode()
+    return None if lookup is None else lookup()
 
 
 def world_disabled() -> Any:
