@@ -40,8 +40,8 @@ class _EqualAllToAll(Function):
 def simulated_dispatch(
     x: Tensor, counts: Tensor, run_experts: Callable[[Tensor, Tensor], Tensor], group: Any, n_experts: int
 ) -> tuple[Tensor, tuple[int, int]]:
-    """(the experts' outputs for x's rows, in x's order; the (sent, received) rows of global rank 0's real
-    dispatch). x (N, dim): every rank's assignments sorted by global expert, counts (E,) of them per expert."""
+    """(the experts' outputs for x's rows, in x's order; the (sent, received) rows of the first simulated rank's
+    real dispatch (global rank 0, or a simulated pipeline stage's first)). x (N, dim): every rank's assignments sorted by global expert, counts (E,) of them per expert."""
     world = simulated_world()
     size = dist.get_world_size(group)
     local = n_experts // size
@@ -55,10 +55,11 @@ def simulated_dispatch(
             first = torch.cumsum(c, 0) - c
             slots[r] = (expert * block + torch.arange(rows) - first[expert]).to(x.device)
         slot = world.rank_map(lambda r: slots[r])
-        members = next(m for m in group_members(group) if 0 in m)
-        c0 = per_rank[0].view(size, local).sum(1)
-        received0 = sum(int(per_rank[r].view(size, local)[members.index(0)].sum()) for r in members)
-        record = (int(c0.sum() - c0[members.index(0)]), received0)
+        origin = min(world.ranks)
+        members = next(m for m in group_members(group) if origin in m)
+        c0 = per_rank[origin].view(size, local).sum(1)
+        received0 = sum(int(per_rank[r].view(size, local)[members.index(origin)].sum()) for r in members)
+        record = (int(c0.sum() - c0[members.index(origin)]), received0)
     # (E M, dim) in global expert order = (peer, its local expert, M): M rows per expert to every peer
     padded = x.new_zeros((n_experts * block, *x.shape[1:])).index_copy(0, slot, x)
     received = _EqualAllToAll.apply(padded, group)  # (source, my local expert, M)

@@ -37,9 +37,13 @@ def world_disabled() -> Any:
 def group_members(group: Any) -> list[list[int]]:
     """Every group `group` stands for in the simulated world, as global ranks in group order: under
     LocalTensorMode one group object stands for all of them, and torch's own simulated collectives derive
-    them so (its c10d layer's _prepare_collective_groups)."""
+    them so (its c10d layer's _prepare_collective_groups). Only the groups whose ranks this world holds: a
+    simulated pipeline's stage holds its own ranks alone (parallel/pipeline_simulated.py)."""
     # lazy: torch's simulated world, read only inside one
+    from torch.distributed._local_tensor import local_tensor_mode
     from torch.distributed._local_tensor._c10d import _prepare_collective_groups
 
     ranks, offsets, _ = _prepare_collective_groups(group)
-    return [[offset + r for r in ranks] for offset in offsets]
+    held = local_tensor_mode().ranks  # enabled or not (asked from blocks that disable it, too)
+    groups = [[offset + r for r in ranks] for offset in offsets]
+    return [g for g in groups if set(g) <= held]

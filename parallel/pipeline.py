@@ -40,6 +40,7 @@ from tessera.topology.shapes import split_layers  # the stage split's one rule (
 
 from .comm import collective
 from .loss import LinearCrossEntropyHead, model_loss
+from .pipeline_simulated import simulated_pipeline
 from .tied import shared_parameters
 
 from .schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule, simulate, validate
@@ -197,7 +198,9 @@ class PipelineRunner:
         self.stages, self.group = stages, pp_group
         self.pp = dist.get_world_size(pp_group)
         self.n_stages = self.pp * virtual
-        self.me = dist.get_rank(pp_group)
+        # a simulated pipeline runs each pp rank's stages in a thread of its own; their messages are its posts
+        self.simulated = simulated_pipeline()
+        self.me = dist.get_rank(pp_group) if self.simulated is None else self.simulated[1]
         self.peers = dist.get_process_group_ranks(pp_group)  # pp rank -> global rank
         self.loss_fn, self.activation, self.device = loss_fn, activation, device
         self.positions_of = positions  # tokens -> their global positions (context parallel); default 0..S-1
@@ -385,6 +388,8 @@ class PipelineRunner:
                     x = inputs
                 elif self.rank_of_stage(stage - 1) == self.me:
                     x = local.pop(stage)
+                elif self.simulated is not None:
+                    x = self.simulated[0].take(self.me, ("act", mb, stage))
                 else:
                     x = torch.empty(shape, dtype=dtype, device=self.device)
                     with collective(f"recv act of microbatch {mb} for stage {stage} (eval)", "pp", self.group):
@@ -399,6 +404,8 @@ class PipelineRunner:
                 out = part(x, positions)
                 if self.rank_of_stage(stage + 1) == self.me:
                     local[stage + 1] = out
+                elif self.simulated is not None:
+                    self.simulated[0].post(self.me, self.rank_of_stage(stage + 1), ("act", mb, stage + 1), out)
                 else:
                     with collective(f"send act of microbatch {mb} for stage {stage + 1} (eval)", "pp", self.group):
                         to = self.peers[self.rank_of_stage(stage + 1)]
@@ -420,11 +427,14 @@ class PipelineRunner:
         if to == self.me:
             self.local[key] = tensor.detach()
             return
+        if self.simulated is not None:
+            self.simulated[0].post(self.me, to, key, tensor)
+            return
         self.outbox.append((dist.P2POp(dist.isend, tensor.contiguous(), self.peers[to], self.group), None))
 
     def _queue_receive_for(self, a: Action) -> None:
         key = self._input_key(a)
-        if key is not None and self._sender(key) != self.me:
+        if key is not None and self._sender(key) != self.me and self.simulated is None:
             self._queue_receives_up_to(key)
 
     def _sender(self, key: tuple) -> int:
@@ -472,6 +482,10 @@ class PipelineRunner:
     def _receive(self, key: tuple) -> Tensor:
         if key in self.local:
             tensor = self.local.pop(key)
+        elif self.simulated is not None:
+            waiting = time.perf_counter()
+            tensor = self.simulated[0].take(self.me, key)
+            self.waited += time.perf_counter() - waiting
         else:
             if key not in self.posted:
                 self._queue_receives_up_to(key)

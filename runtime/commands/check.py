@@ -31,6 +31,17 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
         help="train both sides in FP8 (torchao's float8, emulated on the CPU) and hold the layout to the FP8 "
         "contract: within 2 E of one-process FP8, E one process's own FP8 error",
     )
+    p.add_argument(
+        "--schedule",
+        help="a pp layout's pipeline schedule, as tessera train takes it (default 1f1b; every kind runs)",
+    )
+    p.add_argument("--virtual", type=int, help="a pp layout's virtual stages per pp rank, as tessera train takes it")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        help="a pp layout's microbatches per step (default: the fewest its schedule needs); one process trains "
+        "the step's rows in one pass",
+    )
     p.add_argument("--json", action="store_true", help="print the record, verdict included, as one JSON object")
     p.set_defaults(func=run_check)
 
@@ -41,7 +52,16 @@ def run_check(args: argparse.Namespace) -> int:
 
     try:
         record = prove_layout(
-            args.layout, args.world, args.model, args.steps, args.seq_len, args.global_batch, fp8=args.fp8
+            args.layout,
+            args.world,
+            args.model,
+            args.steps,
+            args.seq_len,
+            args.global_batch,
+            fp8=args.fp8,
+            schedule=args.schedule,
+            virtual=args.virtual,
+            microbatches=args.microbatches,
         )
     except LayoutsDiverge as e:
         record = getattr(e, "record", {"verdict": f"differs from one process: {e}"})

@@ -37,18 +37,22 @@ REFUSED_OPTIONS = {
 }
 
 
-def _model_of(model: str | None, layout: Any, scratch: Path) -> tuple[str, Any]:
+def _model_of(model: str | None, layout: Any, scratch: Path, virtual: int = 1) -> tuple[str, Any]:
     """(the model's name for Config.create, its config): the user's preset if the layout shards it evenly, else
-    the debug model sized for the layout, written as a config.json under `scratch` (hf:DIR)."""
+    the debug model sized for the layout (and layers for its pp x `virtual` stages), written as a config.json
+    under `scratch` (hf:DIR)."""
     from tessera.models import get_preset  # lazy: tessera.models imports torch
     from tessera.models.hf import hf_config_dict
-    from tessera.training.simulated import shard_multiple, sized_model, uneven_shards
+    from tessera.training.simulated import pipeline_layers, shard_multiple, sized_model, uneven_shards
 
     if model is None and layout.ep > 1:  # experts to dispatch: the MoE debug model, its vocabulary rounded up
         base = get_preset(MOE_MODEL)
         multiple = shard_multiple(layout)
         experts = -(-max(base.n_experts, layout.ep) // layout.ep) * layout.ep  # at least one on every ep rank
-        cfg = dataclasses.replace(base, n_experts=experts, vocab_size=-(-base.vocab_size // multiple) * multiple)
+        layers = pipeline_layers(base.n_layers, layout.pp, virtual)
+        cfg = dataclasses.replace(
+            base, n_experts=experts, n_layers=layers, vocab_size=-(-base.vocab_size // multiple) * multiple
+        )
         uneven = uneven_shards(cfg, layout)
         if uneven:
             raise ValueError(
@@ -70,7 +74,7 @@ def _model_of(model: str | None, layout: Any, scratch: Path) -> tuple[str, Any]:
                 f"one shape per rank); use the debug model, sized to {layout}"
             )
         return model, cfg
-    cfg = sized_model(get_preset("debug"), layout)
+    cfg = sized_model(get_preset("debug"), layout, virtual)
     (scratch / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
     return f"hf:{scratch}", cfg
 
@@ -84,6 +88,7 @@ def _prepare(
     global_batch: int | None,
     scratch: Path,
     fp8: str | None = None,
+    pipeline: dict[str, Any] | None = None,
 ) -> tuple[dict, dict, int, Any, float]:
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
@@ -100,11 +105,17 @@ def _prepare(
     if options:
         raise ValueError(f"layout={layout_name}: +{options[0]}: {REFUSED_OPTIONS[options[0]]}")
     kw = parse_layout(layout_name)  # its ValueError: "layout 'xx': ..."
+    pipeline = {k: v for k, v in (pipeline or {}).items() if v is not None}
+    if pipeline and kw.get("pp", 1) == 1:
+        named = ", ".join(f"{k}={v}" for k, v in pipeline.items())
+        raise ValueError(f"{named} with layout={layout_name}: a pipeline option needs a pp layout (e.g. pp2x...)")
+    kw.update(pipeline)
     if not 1 <= steps <= MAX_STEPS:
         raise ValueError(f"steps={steps} must be 1..{MAX_STEPS} (a proof needs a few steps), e.g. steps=2")
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8={fp8!r} is not an FP8 recipe: use one of {', '.join(FP8_RECIPES)}, or leave it out")
-    probe = Config.create(model="debug", quiet=True, **kw).layout
+    probing = Config.create(model="debug", quiet=True, **kw)
+    probe = probing.layout
     world = probe.world_size if world is None else world
     if world != probe.world_size:
         raise ValueError(
@@ -113,10 +124,18 @@ def _prepare(
         )
     refuse_unsimulated(probe)  # before the model's own checks (a pp 8 layout needs 8 layers, ep experts)
     require_local_tensor()
-    name, cfg = _model_of(model, probe, scratch)
+    virtual = probing.parallel_config().pipeline.virtual if probe.pp > 1 else 1
+    name, cfg = _model_of(model, probe, scratch, virtual)
     if not 1 <= seq_len <= cfg.max_seq_len:
         raise ValueError(f"seq_len={seq_len} must be 1..{cfg.max_seq_len} (the model's max_seq_len), e.g. 32")
-    batch = 2 * probe.dp_replicate * probe.dp_shard if global_batch is None else global_batch
+    # 2 rows per data-parallel rank, and with pp a row per microbatch (those named, or the fewest its schedule runs)
+    least = 1
+    if probe.pp > 1:
+        from tessera.topology.schedule import fewest_microbatches  # lazy: (as above)
+
+        least = fewest_microbatches(probing.parallel_config().pipeline.kind or "1f1b", probe.pp, virtual)
+    rows = max(2, pipeline.get("microbatches", least))
+    batch = rows * probe.dp_replicate * probe.dp_shard if global_batch is None else global_batch
     common = dict(
         model=name,
         seq_len=seq_len,
@@ -231,6 +250,9 @@ def prove_layout(
     seq_len: int = 32,
     global_batch: int | None = None,
     fp8: str | None = None,
+    schedule: str | None = None,
+    virtual: int | None = None,
+    microbatches: int | None = None,
 ) -> dict[str, Any]:
     """Train `layout` (a tessera bench name, e.g. "dp32xtp8+sp") on its `world` simulated ranks and one process
     alone, and compare them at 1e-5: the record (losses, grad norms, the model's shape, the simulated run's
@@ -239,15 +261,18 @@ def prove_layout(
     layout or world it cannot simulate (naming why and the fix). Needs a process with no process group.
     `fp8` ("tensorwise" or "rowwise", torchao's float8 emulated on the CPU): both sides train in FP8 and the
     layout is held to the FP8 contract (judge_fp8) against one-process FP8 runs on 1, 2 and 4 microbatches
-    and one in fp32."""
+    and one in fp32. `schedule`, `virtual`, `microbatches`: a pp layout's pipeline (tessera train's
+    options; by default 1f1b over the fewest microbatches it needs); one process trains the same
+    microbatches' rows in one pass."""
     from tessera.training.config import Config  # lazy: (as in _prepare)
     from tessera.training.simulated import trace
 
     from .equivalence import LayoutsDiverge
 
     with tempfile.TemporaryDirectory(prefix="tessera-check-") as scratch:
+        pipeline = {"schedule": schedule, "virtual": virtual, "microbatches": microbatches}
         one_kw, layout_kw, world, cfg, estimate = _prepare(
-            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8
+            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8, pipeline
         )
         before = _rss_bytes()
         started = time.perf_counter()

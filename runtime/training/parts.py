@@ -20,6 +20,7 @@ from tessera.parallel import materialize, parallelize
 from tessera.parallel.data import PRECISIONS
 from tessera.parallel.offload import move_buffers
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank
+from tessera.parallel.pipeline_simulated import this_rank
 from tessera.parallel.tied import TiedGradients, no_tied_gradients, pipeline_tied_group, shared_parameters
 from tessera.topology import Meshes
 from torch import Tensor, nn
@@ -51,7 +52,7 @@ def build_parts(
     on `meshes` and initialized from `seed` (the one-process values, shard by shard). `global_rows`: the
     global batch's sequences, which an MoE block's auxiliary loss is the mean over (models/moe.py)."""
     layout = meshes.layout
-    rank = torch.distributed.get_rank()
+    rank = this_rank(torch.distributed.get_rank)  # a simulated pipeline: its stage's first rank
     # --offload params: FSDP2 wants its offloaded shards materialized on the host; the buffers go to `device`
     states_on = torch.device("cpu") if parallel.data.offload == "params" else device
 

@@ -22,11 +22,8 @@ from typing import Any
 from tessera.parallel.context_simulated import SIMULATED_DOCUMENTS
 from tessera.parallel.local_world import world_disabled
 
-# the ranks' degrees a simulated world refuses, with why (each a send/recv between ranks)
-UNSIMULATED = {
-    "pp": "the pipeline's stages hand activations on with send/recv, which LocalTensorMode runs only in a thread "
-    "per rank (LocalRunnerMode); prove pp on real ranks (tessera.testing, tests/test_contract.py)",
-}
+# the ranks' degrees a simulated world refuses, with why (none now: every axis runs)
+UNSIMULATED: dict[str, str] = {}
 
 
 def require_local_tensor() -> None:
@@ -75,10 +72,18 @@ def uneven_shards(cfg: Any, layout: Any) -> list[str]:
     return [f"{rows} x {cols}" for rows, cols in shapes if rows % fsdp or rows < fsdp]
 
 
-def sized_model(base: Any, layout: Any) -> Any:
-    """The smallest llama-family model like `base` (its layers, GQA ratio and MLP ratio) that `layout` shards
-    evenly: `base` itself where it does; else heads that tp splits and widths the FSDP ranks split, the
-    fewest parameters first. Its vocabulary is rounded up to shard_multiple's."""
+def pipeline_layers(n_layers: int, pp: int, virtual: int = 1) -> int:
+    """`n_layers`, or the fewest layers pp x virtual stages split evenly (a multiple of their count) where it
+    has too few or an uneven split."""
+    stages = pp * virtual
+    return n_layers if n_layers >= stages and n_layers % stages == 0 else -(-n_layers // stages) * stages
+
+
+def sized_model(base: Any, layout: Any, virtual: int = 1) -> Any:
+    """The smallest llama-family model like `base` (its GQA ratio and MLP ratio; its layers, or the fewest
+    that `virtual` stages per pp rank split evenly) that `layout` shards evenly: `base` itself where it does;
+    else heads that tp splits and widths the FSDP ranks split, the fewest parameters first. Its vocabulary is
+    rounded up to shard_multiple's."""
     import dataclasses  # lazy: (as above)
 
     from tessera.topology.shapes import check_tensor_parallel, kv_heads_fit  # lazy: (as above)
@@ -86,6 +91,7 @@ def sized_model(base: Any, layout: Any) -> Any:
     multiple = shard_multiple(layout)
     vocab = -(-base.vocab_size // multiple) * multiple
     group, ratio = base.n_heads // base.n_kv_heads, base.ffn_dim / base.dim
+    base = dataclasses.replace(base, n_layers=pipeline_layers(base.n_layers, layout.pp, virtual))
     options = [dataclasses.replace(base, vocab_size=vocab)]
     unit = layout.tp * layout.dp_shard * layout.cp
     for head_dim in (16, 32, 64, 128):
@@ -196,7 +202,7 @@ def mesh_coordinates_once() -> Iterator[None]:
     from torch.distributed._local_tensor import LocalIntNode, _LocalDeviceMesh, enabled_local_tensor_mode
 
     derive = _LocalDeviceMesh.__dict__["get_coordinate"]
-    known: dict[int, tuple[Any, list[Any]]] = {}
+    known: dict[tuple[int, int], tuple[Any, Any, list[Any]]] = {}
 
     def get_coordinate(mesh: Any) -> list[Any]:
         import torch  # lazy: (as in trace)
@@ -204,9 +210,9 @@ def mesh_coordinates_once() -> Iterator[None]:
         lm = enabled_local_tensor_mode()
         if lm is None:
             raise AssertionError("Unexpectedly not in LocalTensorMode")
-        held = known.get(id(mesh))
-        if held is not None and held[0] is mesh:
-            return held[1]
+        held = known.get((id(mesh), id(lm)))  # a simulated pipeline's stages: a mode per thread, its own ranks
+        if held is not None and held[0] is mesh and held[1] is lm:
+            return held[2]
         with lm._coordinate_cache_lock, lm.disable():
             ranks = mesh._layout.remap_to_tensor(mesh._rank_map.clone())
             sizes = tuple(ranks.shape[1:])
@@ -223,7 +229,7 @@ def mesh_coordinates_once() -> Iterator[None]:
             for d in reversed(range(len(sizes))):
                 flat, coords[d][rank] = divmod(flat, sizes[d])
         out = [torch.SymInt(LocalIntNode(c)) for c in coords]
-        known[id(mesh)] = (mesh, out)  # the mesh held: its id stays its own while the run lasts
+        known[(id(mesh), id(lm))] = (mesh, lm, out)  # both held: their ids stay their own while the run lasts
         return out
 
     setattr(_LocalDeviceMesh, "get_coordinate", staticmethod(get_coordinate))
@@ -270,6 +276,12 @@ def trace(config: Any, world: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from tessera.models.init import one_process_name
+    from tessera.parallel.pipeline_simulated import (
+        SimulatedPipeline,
+        modes_per_thread,
+        stage_crossing_collectives,
+        stage_ranks,
+    )
 
     from .trainer import Trainer
 
@@ -280,41 +292,67 @@ def trace(config: Any, world: int) -> dict[str, Any]:
     # gathering FSDP-over-tp gradients whole makes DTensor note its two all-gathers once per parameter
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dist.init_process_group("fake", rank=0, world_size=world)
-    losses: list[float] = []
-    norms: list[float] = []
-    dtypes: list[str] = []  # each step's record: the dtype its matmuls ran in (the dtype probe's)
-    flops_by_dtype: dict = {}
-    grads: list[dict[str, torch.Tensor]] = []
+
+    def train() -> dict[str, Any]:
+        """This world's (or pipeline stage's) Trainer built and trained for the config's steps."""
+        out: dict[str, Any] = {"losses": [], "grad_norms": [], "grads": [], "compute_dtypes": [], "flops": {}}
+        started = time.perf_counter()
+        trainer = Trainer(config, torch.device("cpu"), mesh=config.layout.build_mesh("cpu"))
+        built = time.perf_counter()
+
+        def keep(parts: list) -> None:
+            step: dict[str, torch.Tensor] = {}
+            for part in parts:
+                for name, p in part.named_parameters():
+                    g = p.grad
+                    full = torch.zeros(p.shape) if g is None else (g.full_tensor() if isinstance(g, DTensor) else g)
+                    if isinstance(full, LocalTensor):  # every simulated rank holds it whole: one rank's copy
+                        with world_disabled():
+                            full = next(iter(full._local_tensors.values()))
+                    step[one_process_name(name)] = full.detach().clone()
+            out["grads"].append(step)
+
+        for _ in range(config.runtime.steps):
+            record = trainer.train_step(on_grads=keep).record()
+            out["losses"].append(float(record["loss"]))
+            out["grad_norms"].append(float(record["grad_norm"]))
+            out["compute_dtypes"].append(str(record.get("compute_dtype")))  # the dtype probe's
+            out["flops"] = out["flops"] or dict(record.get("matmul_flops_by_dtype") or {})
+        out["seconds"] = {"build_s": built - started, "steps_s": time.perf_counter() - built}
+        return out
+
+    layout = config.layout
     try:
-        mode = LocalTensorMode(world) if world > 1 else contextlib.nullcontext()
-        with warnings.catch_warnings(), mesh_coordinates_once(), mode, fsdp2_storage_per_rank():
+        with warnings.catch_warnings(), mesh_coordinates_once(), fsdp2_storage_per_rank():
             # the fake backend takes no timeout (each collective is computed here, nothing waits)
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
-            started = time.perf_counter()
-            trainer = Trainer(config, torch.device("cpu"), mesh=config.layout.build_mesh("cpu"))
-            built = time.perf_counter()
+            if world == 1:
+                ran = [train()]
+            elif layout.pp == 1:
+                with LocalTensorMode(world):
+                    ran = [train()]
+            else:  # a thread per pp rank, each simulating its stage's ranks (parallel/pipeline_simulated.py)
+                pipeline = SimulatedPipeline(stage_ranks(layout))
 
-            def keep(parts: list) -> None:
-                step: dict[str, torch.Tensor] = {}
-                for part in parts:
-                    for name, p in part.named_parameters():
-                        g = p.grad
-                        full = torch.zeros(p.shape) if g is None else (g.full_tensor() if isinstance(g, DTensor) else g)
-                        if isinstance(full, LocalTensor):  # every simulated rank holds it whole: rank 0's copy
-                            with world_disabled():
-                                full = full._local_tensors[0]
-                        step[one_process_name(name)] = full.detach().clone()
-                grads.append(step)
+                def stage(p: int) -> dict[str, Any]:
+                    with LocalTensorMode(frozenset(pipeline.stage_ranks[p])):
+                        return train()
 
-            for _ in range(config.runtime.steps):
-                record = trainer.train_step(on_grads=keep).record()
-                losses.append(float(record["loss"]))
-                norms.append(float(record["grad_norm"]))
-                dtypes.append(str(record.get("compute_dtype")))
-                flops_by_dtype = flops_by_dtype or dict(record.get("matmul_flops_by_dtype") or {})
-            seconds = {"build_s": built - started, "steps_s": time.perf_counter() - built}
+                with modes_per_thread(), stage_crossing_collectives():
+                    ran = pipeline.run(stage)
     finally:
         dist.destroy_process_group()
+    first = ran[0]  # the loss and grad norm are reduced over pp: every stage's are the run's
+    losses, norms, dtypes = first["losses"], first["grad_norms"], first["compute_dtypes"]
+    grads = [{name: g for part in ran for name, g in part["grads"][k].items()} for k in range(len(first["grads"]))]
+    flops_by_dtype: dict = {}
+    for part in ran:  # a stage's matmuls are its layers': the model's are every stage's
+        for dtype, flops in part["flops"].items():
+            flops_by_dtype[dtype] = flops_by_dtype.get(dtype, 0) + flops
+    seconds = {
+        "build_s": sum(part["seconds"]["build_s"] for part in ran),
+        "steps_s": sum(part["seconds"]["steps_s"] for part in ran),
+    }
     return {
         "losses": losses,
         "grad_norms": norms,

@@ -30,6 +30,7 @@ from tessera.models.spec import shape_of, spec_of
 from tessera.parallel import checkpoint
 from tessera.parallel.clip import clip_coefficient, global_grad_norm, scale_gradients_
 from tessera.parallel.offload import offload_report
+from tessera.parallel.pipeline_simulated import this_rank
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
 from tessera.parallel.comm_stats import CommCounter
 from tessera.parallel.data import PRECISIONS, layout_for_strategy
@@ -96,7 +97,7 @@ class Trainer:
         self._mark: Callable[[str], None] = _no_mark  # a phase of the step ends (--profile-summary's memory)
         self.layout = config.layout
         self.meshes = Meshes(self.layout, self.device.type, mesh=mesh, timeout=config.runtime.timeout)
-        self.rank = dist.get_rank()
+        self.rank = this_rank(dist.get_rank)  # a simulated pipeline: its stage's first rank
         self.model_config = config.model_config
         self.spec = spec_of(self.model_config)
         self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
