@@ -3,7 +3,9 @@ torch's LocalTensorMode) at growing world sizes, each in a fresh process, on thi
 the verdict, the simulated run's seconds split into building the Trainer (mesh, init, FSDP2 and tp) and
 training, the process's peak memory against the estimate it was admitted by, and the model tessera sized for
 the layout. `--published`: every distinct layout of benchmarks/published/runs.json (torchtitan's and
-Megatron-Bridge's multi-GPU runs), each proved or refused with the reason (pp, cp and ep are not simulated yet).
+Megatron-Bridge's multi-GPU runs) with its pipeline schedule and virtual stages, each proved or refused with
+the reason; a pipeline runs the fewest microbatches its schedule needs (the published runs' 8-512 would only
+repeat the same messages).
 
     python benchmarks/bench_simulated_world.py --smoke      # 4 and 64 ranks, about a minute
     python benchmarks/bench_simulated_world.py              # 4 to 512 ranks
@@ -30,19 +32,23 @@ PUBLISHED = Path(__file__).resolve().parent / "published" / "runs.json"
 
 
 def published_layouts() -> dict[str, list[str]]:
-    """Each distinct multi-GPU layout of the published runs -> the ids of the runs that used it."""
+    """Each distinct multi-GPU layout of the published runs, with its pipeline as `tessera check` takes it
+    ("pp8xdp8xtp8+sp --schedule interleaved-1f1b --virtual 2") -> the ids of the runs that used it."""
     out: dict[str, list[str]] = {}
     for row in json.loads(PUBLISHED.read_text())["rows"]:
         if row["gpus"] > 1:
-            out.setdefault(row["layout"], []).append(row["id"])
+            pipeline = f" --schedule {row['schedule']} --virtual {row['virtual']}" if "pp" in row["layout"] else ""
+            out.setdefault(row["layout"] + pipeline, []).append(row["id"])
     return out
 
 
 def check(layout: str, steps: int, timeout: float) -> dict:
-    """`tessera check --layout L --json`'s record, with the command's wall-clock seconds."""
+    """`tessera check --layout L --json`'s record, with the command's wall-clock seconds (`layout` may carry
+    the pipeline's options after it)."""
     started = time.perf_counter()
+    name, *options = layout.split()
     out = subprocess.run(
-        [sys.executable, "-m", "tessera", "check", "--layout", layout, "--steps", str(steps), "--json"],
+        [sys.executable, "-m", "tessera", "check", "--layout", name, *options, "--steps", str(steps), "--json"],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -69,9 +75,10 @@ def main() -> None:
     layouts = args.layouts.split(",") if args.layouts else list(runs) if runs else SMOKE if args.smoke else FULL
     rows = []
     for layout in layouts:
-        row = {**check(layout, args.steps, args.timeout), **({"runs": runs[layout]} if layout in runs else {})}
+        row = {**check(layout, args.steps, args.timeout), "checked": layout}
+        row.update({"runs": runs[layout]} if layout in runs else {})
         rows.append(row)
-        keys = ("layout", "world", "simulated_seconds", "peak_rss_bytes", "refused")
+        keys = ("checked", "world", "simulated_seconds", "peak_rss_bytes", "refused")
         print(json.dumps({k: row[k] for k in keys if k in row}), flush=True)
     name = (
         "simulated-world-published" if args.published else "simulated-world-smoke" if args.smoke else "simulated-world"

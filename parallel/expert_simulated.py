@@ -41,7 +41,8 @@ def simulated_dispatch(
     x: Tensor, counts: Tensor, run_experts: Callable[[Tensor, Tensor], Tensor], group: Any, n_experts: int
 ) -> tuple[Tensor, tuple[int, int]]:
     """(the experts' outputs for x's rows, in x's order; the (sent, received) rows of the first simulated rank's
-    real dispatch (global rank 0, or a simulated pipeline stage's first)). x (N, dim): every rank's assignments sorted by global expert, counts (E,) of them per expert."""
+    real dispatch (global rank 0, or a simulated pipeline stage's first)). x (N, dim): every rank's assignments
+    sorted by global expert, counts (E,) of them per expert."""
     world = simulated_world()
     size = dist.get_world_size(group)
     local = n_experts // size

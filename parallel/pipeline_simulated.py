@@ -107,7 +107,9 @@ class SimulatedPipeline:
 
         from .local_world import world_disabled
 
-        self._wait(receiver, f"{key[0]} of microbatch {key[1]} for stage {key[2]}", lambda: (receiver, key) in self.mail)
+        self._wait(
+            receiver, f"{key[0]} of microbatch {key[1]} for stage {key[2]}", lambda: (receiver, key) in self.mail
+        )
         sender, values = self.mail.pop((receiver, key))
         moved = {self.stage_ranks[receiver][self.stage_ranks[sender].index(r)]: t for r, t in values.items()}
         with world_disabled():
@@ -230,7 +232,12 @@ def modes_per_thread() -> Iterator[None]:
         saved_random[path] = getattr(importlib.import_module(module), attr)
     saved_mode = {
         name: lt.LocalTensorMode.__dict__[name]
-        for name in ("_patch_device_mesh", "_unpatch_device_mesh", "_patch_random_functions", "_unpatch_random_functions")
+        for name in (
+            "_patch_device_mesh",
+            "_unpatch_device_mesh",
+            "_patch_random_functions",
+            "_unpatch_random_functions",
+        )
     }
 
     def dispatching(name: str) -> Callable[..., Any]:

@@ -61,7 +61,7 @@ def _model_of(model: str | None, layout: Any, scratch: Path, virtual: int = 1) -
             )
         (scratch / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
         return f"hf:{scratch}", cfg
-    if model is not None:
+    if model is not None and model != "debug":  # the debug model named: sized like the default
         cfg = get_preset(model)  # its ValueError names the presets
         if not hasattr(cfg, "ffn_dim") and not getattr(cfg, "n_experts", None):
             raise ValueError(f"model={model}: a simulated world runs llama-family and MoE models; use the debug model")
@@ -71,7 +71,7 @@ def _model_of(model: str | None, layout: Any, scratch: Path, virtual: int = 1) -
             why = ", ".join(uneven) or f"vocab_size {cfg.vocab_size} (not a multiple of {multiple})"
             raise ValueError(
                 f"model={model}: {layout} does not shard {why} evenly over its FSDP ranks (LocalTensorMode holds "
-                f"one shape per rank); use the debug model, sized to {layout}"
+                f"one shape per rank); leave the model out (or name debug) for the debug model, sized to {layout}"
             )
         return model, cfg
     cfg = sized_model(get_preset("debug"), layout, virtual)
@@ -152,7 +152,7 @@ def _prepare(
     config = Config.create(**common, **kw)
     config.check()
     check_simulated(config, world)
-    need, have = estimate_bytes(cfg, probe, seq_len, batch), available_bytes()
+    need, have = estimate_bytes(cfg, probe, seq_len, batch, config.data.microbatches), available_bytes()
     if need > 0.8 * have:
         raise ValueError(
             f"layout={layout_name} on {world} simulated ranks needs about {need / GB:.1f} GB here (every rank's "
@@ -276,7 +276,9 @@ def prove_layout(
         )
         before = _rss_bytes()
         started = time.perf_counter()
-        simulated = trace(Config.create(**layout_kw), world)
+        layout_config = Config.create(**layout_kw)
+        ran = layout_config.parallel_config().pipeline if world > 1 and layout_config.layout.pp > 1 else None
+        simulated = trace(layout_config, world)
         simulated_s = time.perf_counter() - started
         one = trace(Config.create(**one_kw), 1)
         if fp8 is not None:  # E: one process's FP8 runs at other microbatch counts, against its fp32 run
@@ -294,12 +296,16 @@ def prove_layout(
         "layout": layout,
         "world": world,
         "steps": steps,
-        "model": model or "debug, sized for the layout",
+        "model": "debug, sized for the layout" if model in (None, "debug") else model,
         "shape": {
             k: getattr(cfg, k)
             for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "n_experts", "moe_ffn_dim", "vocab_size")
             if hasattr(cfg, k)
         },
+        # a pp layout's pipeline as it ran (its schedule, virtual stages per rank, microbatches)
+        "pipeline": None
+        if ran is None
+        else {"schedule": ran.kind, "virtual": ran.virtual, "microbatches": ran.microbatches},
         "losses": simulated["losses"],
         "one_process_losses": one["losses"],
         "grad_norms": simulated["grad_norms"],

@@ -121,14 +121,15 @@ def sized_model(base: Any, layout: Any, virtual: int = 1) -> Any:
 RUN_BYTES = 160e6
 
 
-def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int) -> float:
+def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int, microbatches: int = 1) -> float:
     """The memory a simulated world of a llama-family `cfg` holds at its peak, every rank's at once: the model's
     fp32 states (weight, gradient, AdamW's two moments) once per replica group; on each rank, FSDP2's gathered
     layers (two: the one computing and the one prefetched) and the embedding and output, with their unsharded
     gradients, and the largest gradient gathered whole for the comparison; each rank's activations (fp32, the
     attention's scores at the reference kernel's size); and the run's own modules and buffers (RUN_BYTES).
     Measured against the growth of the process's peak (bench_simulated_world.py): 0.14-7.4 GB at 4-512 ranks,
-    within -3..+21% of it; tests/test_simulated_world.py holds it at 4 ranks."""
+    within -3..+21% of it; tests/test_simulated_world.py holds it at 4 ranks. `microbatches`: the step's
+    gradient-accumulation steps (the activations of one, or of the pipeline's in flight, are held at once)."""
     from tessera.models.spec import spec_of  # lazy: (as in trace)
     from tessera.topology.shapes import layer_param_shapes
 
@@ -137,7 +138,10 @@ def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int) -> fl
     ends = params - cfg.n_layers * layer  # the embedding, the output and the final norm
     states = 16 * params * layout.dp_replicate
     gathered = 8 * (2 * layer + ends) / layout.tp
-    rows = global_batch / (layout.dp_replicate * layout.dp_shard)
+    # the rows a rank holds activations of at once, on its layers (a pp stage's 1 / pp of them): one microbatch,
+    # or under pp as many as the schedule keeps in flight on the first stage (up to pp)
+    rows = global_batch / (layout.dp_replicate * layout.dp_shard) / microbatches * min(microbatches, layout.pp)
+    rows /= layout.pp
     tokens = rows * seq_len / layout.cp
     # a token's MLP width: the dense one, or its top_k experts' (each padded no wider: simulated dispatch)
     ffn = getattr(cfg, "ffn_dim", 0) or 2 * cfg.top_k * cfg.moe_ffn_dim
@@ -318,7 +322,7 @@ def trace(config: Any, world: int) -> dict[str, Any]:
             out["grad_norms"].append(float(record["grad_norm"]))
             out["compute_dtypes"].append(str(record.get("compute_dtype")))  # the dtype probe's
             out["flops"] = out["flops"] or dict(record.get("matmul_flops_by_dtype") or {})
-        out["seconds"] = {"build_s": built - started, "steps_s": time.perf_counter() - built}
+        out["clock"] = (started, built, time.perf_counter())  # a pipeline's stages interleave: read together
         return out
 
     layout = config.layout
@@ -349,10 +353,9 @@ def trace(config: Any, world: int) -> dict[str, Any]:
     for part in ran:  # a stage's matmuls are its layers': the model's are every stage's
         for dtype, flops in part["flops"].items():
             flops_by_dtype[dtype] = flops_by_dtype.get(dtype, 0) + flops
-    seconds = {
-        "build_s": sum(part["seconds"]["build_s"] for part in ran),
-        "steps_s": sum(part["seconds"]["steps_s"] for part in ran),
-    }
+    # from the first stage's start to the last one built (the stages build in turn), then to the last one done
+    began, built, ended = (f([part["clock"][i] for part in ran]) for i, f in enumerate((min, max, max)))
+    seconds = {"build_s": built - began, "steps_s": ended - built}
     return {
         "losses": losses,
         "grad_norms": norms,
