@@ -44,6 +44,8 @@ def group_members(group: Any) -> list[list[int]]:
     from torch.distributed._local_tensor._c10d import _prepare_collective_groups
 
     ranks, offsets, _ = _prepare_collective_groups(group)
-    held = local_tensor_mode().ranks  # enabled or not (asked from blocks that disable it, too)
+    mode = local_tensor_mode()  # enabled or not (asked from blocks that disable it, too)
+    assert mode is not None, "group_members is asked inside a simulated world only"
+    held = mode.ranks
     groups = [[offset + r for r in ranks] for offset in offsets]
     return [g for g in groups if set(g) <= held]

@@ -136,7 +136,6 @@ def test_a_bug_only_a_world_of_eight_shows_is_caught_by_name():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(pp=2, microbatches=2), "pp=2 is not simulated yet"),
         (dict(cp=2, cp_method="allgather"), "cp_method=allgather is not simulated yet"),
         (dict(cp=2, pack_documents=True), "pack_documents=True with cp=2: packed documents under cp are not"),
         (dict(dp=4), "vocab_size=258 does not split evenly over"),
@@ -189,9 +188,9 @@ def _one_error(capsys, *argv: str) -> str:
     "argv, message",
     [
         (["--layout", "dp4", "--world", "8"], "--world 8 is not the world of --layout dp4 (4 ranks)"),
-        (["--layout", "pp2xdp4"], "pp=2 is not simulated yet"),
-        # refused for the axis, before the model's own checks (8 stages need 8 layers)
-        (["--layout", "pp8xdp8xtp8+sp"], "pp=8 is not simulated yet"),
+        (["--layout", "dp2", "--schedule", "zbv"], "a pipeline option needs a pp layout"),
+        # a preset named is taken as it is: 4 stages need 4 layers
+        (["--layout", "pp4", "--model", "qwen3-debug"], "4 pipeline stages (pp x virtual) but only 2 layers"),
         (["--layout", "dp2xep2", "--model", "debug"], "--ep 2 needs a mixture-of-experts model"),
         (["--layout", "dp8+compile"], "+compile: torch.compile is not traced under LocalTensorMode"),
         (["--layout", "dp8", "--steps", "0"], "--steps 0 must be 1..20"),
@@ -208,6 +207,7 @@ def test_tessera_check_refuses_what_it_cannot_prove_in_one_line(capsys, argv, me
 
 LAYOUTS = st.builds(
     dict,
+    pp=st.sampled_from([1, 2, 4, 8]),
     tp=st.sampled_from([1, 2, 3, 4, 8]),
     dp_shard=st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
     dp_replicate=st.sampled_from([1, 2]),
@@ -218,18 +218,20 @@ LAYOUTS = st.builds(
 @settings(max_examples=60, deadline=None)
 def test_the_sized_model_is_the_debug_model_where_it_divides_and_else_the_smallest_that_shards_evenly(degrees):
     """sized_model (pure): every parameter's rows split evenly over the FSDP ranks after tp's split, the heads
-    over tp, the vocabulary over every shard; the debug model itself where that already holds."""
+    over tp, the vocabulary over every shard, the layers over the pp stages; the debug model's widths where
+    that already holds."""
     from tessera.models import get_preset
     from tessera.topology import Layout
     from tessera.topology.shapes import check_tensor_parallel
-    from tessera.training.simulated import shard_multiple, sized_model, uneven_shards
+    from tessera.training.simulated import pipeline_layers, shard_multiple, sized_model, uneven_shards
 
     layout = Layout(**degrees)
     base = get_preset("debug")
     cfg = sized_model(base, layout)
     check_tensor_parallel(cfg, layout.tp)
     assert uneven_shards(cfg, layout) == [] and cfg.vocab_size % shard_multiple(layout) == 0
-    assert cfg.n_heads // cfg.n_kv_heads == base.n_heads // base.n_kv_heads and cfg.n_layers == base.n_layers
+    assert cfg.n_heads // cfg.n_kv_heads == base.n_heads // base.n_kv_heads
+    assert cfg.n_layers == pipeline_layers(base.n_layers, layout.pp)  # a layer or more per stage, evenly
     fits = not uneven_shards(base, layout) and base.n_heads % layout.tp == 0
     assert (cfg.dim, cfg.ffn_dim) == (base.dim, base.ffn_dim) if fits else cfg.dim > base.dim
 

@@ -97,7 +97,6 @@ def _prepare(
         available_bytes,
         check_simulated,
         estimate_bytes,
-        refuse_unsimulated,
         require_local_tensor,
     )
 
@@ -122,7 +121,6 @@ def _prepare(
             f"world={world} is not the world of layout={layout_name} ({probe.world_size} ranks): name a layout "
             f"of {world} ranks, or leave the world out"
         )
-    refuse_unsimulated(probe)  # before the model's own checks (a pp 8 layout needs 8 layers, ep experts)
     require_local_tensor()
     virtual = probing.parallel_config().pipeline.virtual if probe.pp > 1 else 1
     name, cfg = _model_of(model, probe, scratch, virtual)
@@ -152,7 +150,7 @@ def _prepare(
     config = Config.create(**common, **kw)
     config.check()
     check_simulated(config, world)
-    need, have = estimate_bytes(cfg, probe, seq_len, batch, config.data.microbatches), available_bytes()
+    need, have = estimate_bytes(cfg, probe, seq_len, batch, config.data.microbatches or 1), available_bytes()
     if need > 0.8 * have:
         raise ValueError(
             f"layout={layout_name} on {world} simulated ranks needs about {need / GB:.1f} GB here (every rank's "

@@ -6,9 +6,10 @@ simulated rank. `trace` trains a layout so at its real world size, or one proces
 
 The cp ring, whose K/V passes are sends torch's LocalTensorMode takes only inside its LocalRunnerMode threads
 (one per rank), runs every rank's ring steps here (parallel/context_simulated.py); the experts' all-to-all,
-whose split sizes differ by rank, runs padded to equal splits (parallel/expert_simulated.py). What it cannot
-run yet (refused by name, UNSIMULATED): the pipeline's stages, handed on by send/recv between different
-programs; and of cp, the all-gather method and packed documents."""
+whose split sizes differ by rank, runs padded to equal splits (parallel/expert_simulated.py). A pipeline's
+stages are different programs: each pp rank runs in a thread of its own, under a LocalTensorMode over its
+stage's ranks, its messages and cross-stage all-reduces handled in this process (parallel/pipeline_simulated.py).
+What it cannot run yet (refused by name in check_simulated): of cp, the all-gather method and packed documents."""
 
 from __future__ import annotations
 
@@ -21,9 +22,6 @@ from typing import Any
 
 from tessera.parallel.context_simulated import SIMULATED_DOCUMENTS
 from tessera.parallel.local_world import world_disabled
-
-# the ranks' degrees a simulated world refuses, with why (none now: every axis runs)
-UNSIMULATED: dict[str, str] = {}
 
 
 def require_local_tensor() -> None:
@@ -44,13 +42,6 @@ def require_local_tensor() -> None:
             f"is what was checked); this torch is {torch.__version__}: upgrade torch, or prove the layout on real "
             f"ranks (tessera.testing)"
         )
-
-
-def refuse_unsimulated(layout: Any) -> None:
-    """ValueError naming the first of the layout's axes a simulated world cannot run yet, and why (UNSIMULATED)."""
-    off = [axis for axis in UNSIMULATED if getattr(layout, axis) > 1]
-    if off:
-        raise ValueError(f"{off[0]}={getattr(layout, off[0])} is not simulated yet: {UNSIMULATED[off[0]]}")
 
 
 def shard_multiple(layout: Any) -> int:
@@ -245,12 +236,11 @@ def mesh_coordinates_once() -> Iterator[None]:
 
 def check_simulated(config: Any, world: int) -> None:
     """ValueError naming what a simulated world of `world` ranks cannot run of `config`, before anything is
-    built: a world that is not the layout's, an axis UNSIMULATED names, a vocabulary the shards do not split
-    evenly, a torch without LocalTensorMode."""
+    built: a world that is not the layout's, a cp method or packed documents it does not run, a vocabulary the
+    shards do not split evenly, a torch without LocalTensorMode."""
     layout = config.layout
     if world != layout.world_size:
         raise ValueError(f"world={world} is not the world of {layout} ({layout.world_size} ranks)")
-    refuse_unsimulated(layout)
     cp_method = config.parallel_config().cp_method  # the method the run takes (its default resolved)
     if layout.cp > 1 and cp_method != "ring":
         raise ValueError(
