@@ -29,6 +29,18 @@ def buildable(kind, p, m, v):
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(KINDS), stages, microbatches, virtuals)
 def test_every_microbatch_runs_each_op_once_per_stage_in_dependency_order(kind, p, m, v):
+    assert_runs_each_op_once_per_stage_in_dependency_order(kind, p, m, v)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(KINDS), st.sampled_from([8, 16]), st.integers(8, 128), st.integers(1, 8))
+def test_schedules_at_production_sizes_run_each_op_once_in_dependency_order(kind, p, m, v):
+    """The published runs' pipelines and beyond: pp 8 and 16, up to 8 virtual stages per rank (Megatron-Bridge's
+    pp 8 x vp 5 and pp 8 x vp 8), up to 128 microbatches."""
+    assert_runs_each_op_once_per_stage_in_dependency_order(kind, p, m, v)
+
+
+def assert_runs_each_op_once_per_stage_in_dependency_order(kind: str, p: int, m: int, v: int) -> None:
     assume(buildable(kind, p, m, v))
     schedule = build_schedule(kind, p, m, v)
     assert len(schedule) == p

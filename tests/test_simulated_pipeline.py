@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torch
+from tessera.topology import Layout
 
 pytest.importorskip("torch.distributed._local_tensor", reason="a simulated world needs torch's LocalTensorMode")
 pytestmark = pytest.mark.skipif(
@@ -177,3 +178,32 @@ def test_a_pipeline_option_without_a_pp_layout_is_refused_before_anything_is_bui
 
     with pytest.raises(ValueError, match="schedule=zbv with layout=dp2: a pipeline option needs a pp layout"):
         prove_layout("dp2", schedule="zbv")
+
+
+big_degree = st.sampled_from([1, 2, 4, 8])
+
+
+@given(
+    st.builds(
+        Layout,
+        pp=st.sampled_from([2, 4, 8, 16]),
+        dp_replicate=big_degree,
+        dp_shard=big_degree,
+        cp=big_degree,
+        tp=big_degree,
+    ).filter(lambda layout: layout.world_size <= 4096)
+)
+@settings(max_examples=60, deadline=None)
+def test_the_stages_ranks_are_aligned_by_every_other_coordinate_at_production_sizes(layout):
+    """stage_ranks (pure): pp rank p's ranks are exactly those with pp coordinate p, and entry i of every stage
+    differs from entry i of the first only in pp (a message moves each rank's value to its own pipeline's
+    next stage), up to 4,096 ranks."""
+    from tessera.parallel.pipeline_simulated import stage_ranks
+
+    stages = stage_ranks(layout)
+    assert len(stages) == layout.pp and sorted(r for s in stages for r in s) == list(range(layout.world_size))
+    for p, ranks in enumerate(stages):
+        assert {layout.coords(r)["pp"] for r in ranks} == {p}
+        for i in range(0, len(ranks), max(1, len(ranks) // 16)):  # a spread of them: the check is O(world)
+            want = {**layout.coords(stages[0][i]), "pp": p}
+            assert layout.coords(ranks[i]) == want
