@@ -100,6 +100,14 @@ def test_an_unknown_fp8_recipe_is_refused_before_anything_is_built():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout, fsdp", [("dp4", "NO_SHARD"), ("dpr2xdp2", "HYBRID_SHARD"), ("dp4+zero2", None)])
+def test_every_fsdp2_strategy_on_simulated_ranks_equals_one_process(layout, fsdp):
+    """FSDP2's strategies as tessera train's --fsdp takes them: DDP-like NO_SHARD, HSDP, SHARD_GRAD_OP."""
+    record = check("--layout", layout, *(["--fsdp", fsdp] if fsdp else []))
+    assert record["verdict"].startswith(f"equal to one process: {layout} on 4 simulated ranks"), record["verdict"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["cp8", "dp16xep16"])
 def test_the_cp_ring_and_expert_parallel_at_scale_equal_one_process(layout):
     """The cp ring at 8 (torchtitan's 256k layout) and ep 16 (Megatron-Bridge's Qwen3-30B-A3B layout, its
@@ -189,6 +197,8 @@ def _one_error(capsys, *argv: str) -> str:
     [
         (["--layout", "dp4", "--world", "8"], "--world 8 is not the world of --layout dp4 (4 ranks)"),
         (["--layout", "dp2", "--schedule", "zbv"], "a pipeline option needs a pp layout"),
+        (["--layout", "dp2+zero2", "--fsdp", "NO_SHARD"], "whose +zero2 is SHARD_GRAD_OP: name one of them"),
+        (["--layout", "dp2", "--fsdp", "BOGUS"], "unknown FSDP strategy 'BOGUS'"),
         # a preset named is taken as it is: 4 stages need 4 layers
         (["--layout", "pp4", "--model", "qwen3-debug"], "4 pipeline stages (pp x virtual) but only 2 layers"),
         (["--layout", "dp2xep2", "--model", "debug"], "--ep 2 needs a mixture-of-experts model"),

@@ -32,6 +32,12 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
         "contract: within 2 E of one-process FP8, E one process's own FP8 error",
     )
     p.add_argument(
+        "--fsdp",
+        metavar="STRATEGY",
+        help="the data axis's FSDP2 strategy, as tessera train takes it: FULL_SHARD (default), SHARD_GRAD_OP, "
+        "NO_SHARD or HYBRID_SHARD",
+    )
+    p.add_argument(
         "--schedule",
         help="a pp layout's pipeline schedule, as tessera train takes it (default 1f1b; every kind runs)",
     )
@@ -62,6 +68,7 @@ def run_check(args: argparse.Namespace) -> int:
             schedule=args.schedule,
             virtual=args.virtual,
             microbatches=args.microbatches,
+            fsdp=args.fsdp,
         )
     except LayoutsDiverge as e:
         record = getattr(e, "record", {"verdict": f"differs from one process: {e}"})

@@ -89,6 +89,7 @@ def _prepare(
     scratch: Path,
     fp8: str | None = None,
     pipeline: dict[str, Any] | None = None,
+    fsdp: str | None = None,
 ) -> tuple[dict, dict, int, Any, float]:
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
@@ -109,6 +110,10 @@ def _prepare(
         named = ", ".join(f"{k}={v}" for k, v in pipeline.items())
         raise ValueError(f"{named} with layout={layout_name}: a pipeline option needs a pp layout (e.g. pp2x...)")
     kw.update(pipeline)
+    if fsdp is not None:
+        if kw.get("fsdp", fsdp) != fsdp:
+            raise ValueError(f"fsdp={fsdp} with layout={layout_name}, whose +zero2 is SHARD_GRAD_OP: name one of them")
+        kw["fsdp"] = fsdp
     if not 1 <= steps <= MAX_STEPS:
         raise ValueError(f"steps={steps} must be 1..{MAX_STEPS} (a proof needs a few steps), e.g. steps=2")
     if fp8 is not None and fp8 not in FP8_RECIPES:
@@ -251,6 +256,7 @@ def prove_layout(
     schedule: str | None = None,
     virtual: int | None = None,
     microbatches: int | None = None,
+    fsdp: str | None = None,
 ) -> dict[str, Any]:
     """Train `layout` (a tessera bench name, e.g. "dp32xtp8+sp") on its `world` simulated ranks and one process
     alone, and compare them at 1e-5: the record (losses, grad norms, the model's shape, the simulated run's
@@ -261,7 +267,8 @@ def prove_layout(
     layout is held to the FP8 contract (judge_fp8) against one-process FP8 runs on 1, 2 and 4 microbatches
     and one in fp32. `schedule`, `virtual`, `microbatches`: a pp layout's pipeline (tessera train's
     options; by default 1f1b over the fewest microbatches it needs); one process trains the same
-    microbatches' rows in one pass."""
+    microbatches' rows in one pass. `fsdp`: the data axis's FSDP2 strategy (FULL_SHARD by default,
+    SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD, as tessera train's --fsdp)."""
     from tessera.training.config import Config  # lazy: (as in _prepare)
     from tessera.training.simulated import trace
 
@@ -270,7 +277,7 @@ def prove_layout(
     with tempfile.TemporaryDirectory(prefix="tessera-check-") as scratch:
         pipeline = {"schedule": schedule, "virtual": virtual, "microbatches": microbatches}
         one_kw, layout_kw, world, cfg, estimate = _prepare(
-            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8, pipeline
+            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8, pipeline, fsdp
         )
         before = _rss_bytes()
         started = time.perf_counter()
