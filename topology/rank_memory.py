@@ -218,10 +218,12 @@ def _rank_memory(
 
     def act(ac: str, layer: int) -> float:
         # compiled blocks: inductor's partitioner recomputes the elementwise ops in the backward, so a block
-        # keeps what the op policy keeps (the matmul and attention outputs, the block input)
+        # keeps what tessera's op policy keeps (every matmul and attention output, the block input): the
+        # partitioner never recomputes a matmul, unlike torchtitan's per-op SAC, which keeps every other one
+        policy = hw.ac_policy
         if ac == "none" and hw.compile and not per_kind:
-            ac = "op"
-        key = (ac, layer_kind(cfg, layer) if per_kind and ac == "none" else None)
+            ac, policy = "op", "tessera"
+        key = (ac, policy, layer_kind(cfg, layer) if per_kind and ac == "none" else None)
         if key not in counted:
             counted[key] = layer_activation_bytes(
                 cfg,
@@ -234,7 +236,7 @@ def _rank_memory(
                 cp=lay.cp,
                 layer=layer,
                 cpu=cpu,
-                op_policy=hw.ac_policy,
+                op_policy=policy,
             )
         return counted[key]
 
