@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from .comm import collective
+from .local_world import group_members, simulated_world
 
 ADJUST_LR = ("original", "match_rms_adamw")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -156,10 +157,13 @@ def _plan(p: Tensor, group: dist.ProcessGroup | None, owner_in_group: int, flops
     assert isinstance(p, DTensor)
     mine = _local_indices(p)
     size, me = dist.get_world_size(group), dist.get_rank(group)
+    owner = dist.get_global_rank(group, owner_in_group)
+    if simulated_world() is not None:  # every simulated rank receives what the owner would (a gather is MPMD)
+        # the shards are even there (a simulated world holds one shape per rank): no padding
+        return _Plan(group, size, owner, True, mine.numel(), mine.numel(), _all_gathered(mine, group, size), flops)
     sizes = [torch.zeros((), dtype=torch.long) for _ in range(size)]
     dist.all_gather(sizes, torch.tensor(mine.numel(), dtype=torch.long), group=group)
     width = max(int(s) for s in sizes)
-    owner = dist.get_global_rank(group, owner_in_group)
     padded = torch.full((width,), -1, dtype=torch.long, device=mine.device)
     padded[: mine.numel()] = mine
     gathered = [torch.empty_like(padded) for _ in range(size)] if me == owner_in_group else None
@@ -270,9 +274,13 @@ class Muon(torch.optim.Optimizer):
         piece = torch.zeros(offsets[-1], dtype=dtype, device=device)
         for plan, u, at in zip(plans, updates, offsets):
             piece[at : at + plan.local_numel] = u.reshape(-1)
+        world = simulated_world()
         pieces = [torch.empty_like(piece) for _ in range(first.size)] if first.is_owner else None
         with collective("gather (muon update)", COMM_AXIS, first.group):
-            dist.gather(piece, pieces, dst=first.owner, group=first.group)
+            if world is not None:  # a simulated world: every rank receives the owner's pieces, and computes its part
+                pieces = _all_gathered(piece, first.group, first.size)
+            else:
+                dist.gather(piece, pieces, dst=first.owner, group=first.group)
         chunks = None
         if first.is_owner:
             assert pieces is not None
@@ -286,9 +294,24 @@ class Muon(torch.optim.Optimizer):
                 for chunk, where in zip(chunks, plan.indices):
                     chunk[at : at + where.numel()] = ortho[where]
         mine = torch.empty_like(piece)
-        with collective("scatter (muon update)", COMM_AXIS, first.group):
-            dist.scatter(mine, chunks, src=first.owner, group=first.group)
+        if world is not None:  # what the owner's scatter hands each rank: its own chunk, by its place in the group
+            assert chunks is not None
+            with world.disable():
+                place = {r: torch.tensor([g.index(r)], device=device) for g in group_members(first.group) for r in g}
+            mine = torch.stack(chunks).index_select(0, world.rank_map(lambda r: place[r]))[0]
+        else:
+            with collective("scatter (muon update)", COMM_AXIS, first.group):
+                dist.scatter(mine, chunks, src=first.owner, group=first.group)
         return [mine[at : at + plan.local_numel].view(u.shape) for plan, u, at in zip(plans, updates, offsets)]
+
+
+def _all_gathered(t: Tensor, group: dist.ProcessGroup, size: int) -> list[Tensor]:
+    """Every group rank's `t` (1-D, one length on all), for the simulated world's stand-in of a gather to the
+    owner: all_gather_into_tensor, whose simulated form serves a world holding some groups only (a simulated
+    pipeline's stage), where torch 2.13's list all_gather indexes every group's ranks and fails."""
+    out = torch.empty(size * t.numel(), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return list(out.view(size, t.numel()).unbind(0))
 
 
 def _ns_stack(u: Tensor, ns: tuple) -> Tensor:

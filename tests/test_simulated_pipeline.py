@@ -207,3 +207,23 @@ def test_the_stages_ranks_are_aligned_by_every_other_coordinate_at_production_si
         for i in range(0, len(ranks), max(1, len(ranks) // 16)):  # a spread of them: the check is O(world)
             want = {**layout.coords(stages[0][i]), "pp": p}
             assert layout.coords(ranks[i]) == want
+
+
+@pytest.mark.slow
+def test_muon_in_a_simulated_world_equals_one_process_and_a_shard_orthogonalized_alone_is_caught():
+    """--optimizer muon: each sharded matrix gathered whole to its owner, whose gather every simulated rank
+    receives (an all-gather) and whose scatter each rank reads its own part of; over tp + SP, inside a
+    pipeline's stages, and over experts. The planted bug of tests/test_muon_contract.py (each rank
+    orthogonalizing its own shard) is named at step 2, the first step Muon moved the weights."""
+    runs = [
+        ("dp2xtp2+sp", {"optimizer": "muon"}),
+        ("pp2xdp2", {"optimizer": "muon"}),
+        ("dp4xep2", {"optimizer": "muon"}),
+    ]
+    for (layout, _), record in zip(runs, prove(runs)):
+        assert_equal(record, layout)
+        assert "with Muon" in record["verdict"]
+    (planted,) = prove(
+        [("dp2xtp2+sp", {"optimizer": "muon"})], "import tessera.parallel.muon as m\nm.SHARD_ALONE = True\n"
+    )
+    assert not planted["equal"] and "with Muon, step 2: loss" in planted["verdict"], planted

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from tessera.testing.simulated_world import FP8_RECIPES, MAX_STEPS, prove_layout
+from tessera.testing.simulated_world import FP8_RECIPES, MAX_STEPS, OPTIMIZERS, prove_layout
 from tessera.training.config import said
 
 
@@ -36,6 +36,12 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
         metavar="STRATEGY",
         help="the data axis's FSDP2 strategy, as tessera train takes it: FULL_SHARD (default), SHARD_GRAD_OP, "
         "NO_SHARD or HYBRID_SHARD",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="the optimizer both sides train with, as tessera train takes it (muon: Muon on the hidden matrices)",
     )
     p.add_argument(
         "--schedule",
@@ -69,6 +75,7 @@ def run_check(args: argparse.Namespace) -> int:
             virtual=args.virtual,
             microbatches=args.microbatches,
             fsdp=args.fsdp,
+            optimizer=args.optimizer,
         )
     except LayoutsDiverge as e:
         record = getattr(e, "record", {"verdict": f"differs from one process: {e}"})

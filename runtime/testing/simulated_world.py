@@ -24,6 +24,7 @@ from tessera.training.layout_names import parse_layout
 RTOL = 1e-5  # the fp32 contract's (tests/test_contract.py)
 MOE_MODEL = "qwen3-moe-debug"  # an ep layout's model unless one is named: experts to dispatch
 FP8_RECIPES = ("tensorwise", "rowwise")
+OPTIMIZERS = ("adamw", "muon")  # tessera train's --optimizer
 # the FP8 contract's (tests/test_fp8_contract.py): one process's own FP8 error E is measured on its FP8 runs at
 # these microbatch counts (their casts scale all, half or a quarter of the tokens, as dp 1, 2 and 4 ranks do)
 REROUNDED = (1, 2, 4)
@@ -90,6 +91,7 @@ def _prepare(
     fp8: str | None = None,
     pipeline: dict[str, Any] | None = None,
     fsdp: str | None = None,
+    optimizer: str = "adamw",
 ) -> tuple[dict, dict, int, Any, float]:
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
@@ -116,6 +118,8 @@ def _prepare(
         kw["fsdp"] = fsdp
     if not 1 <= steps <= MAX_STEPS:
         raise ValueError(f"steps={steps} must be 1..{MAX_STEPS} (a proof needs a few steps), e.g. steps=2")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8={fp8!r} is not an FP8 recipe: use one of {', '.join(FP8_RECIPES)}, or leave it out")
     probing = Config.create(model="debug", quiet=True, **kw)
@@ -149,6 +153,7 @@ def _prepare(
         device="cpu",
         mixed_precision="fp32",
         quiet=True,
+        optimizer=optimizer,
         force=True,  # the host-memory check of real ranks (a runtime each): the simulated world's is below
         **({} if fp8 is None else {"fp8": fp8}),
     )
@@ -257,6 +262,7 @@ def prove_layout(
     virtual: int | None = None,
     microbatches: int | None = None,
     fsdp: str | None = None,
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
     """Train `layout` (a tessera bench name, e.g. "dp32xtp8+sp") on its `world` simulated ranks and one process
     alone, and compare them at 1e-5: the record (losses, grad norms, the model's shape, the simulated run's
@@ -268,7 +274,9 @@ def prove_layout(
     and one in fp32. `schedule`, `virtual`, `microbatches`: a pp layout's pipeline (tessera train's
     options; by default 1f1b over the fewest microbatches it needs); one process trains the same
     microbatches' rows in one pass. `fsdp`: the data axis's FSDP2 strategy (FULL_SHARD by default,
-    SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD, as tessera train's --fsdp)."""
+    SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD, as tessera train's --fsdp). `optimizer`: "adamw" or "muon"
+    (tessera train's --optimizer: Muon on the hidden matrices, each orthogonalized whole by its owner, whose
+    gather every simulated rank receives as an all-gather and whose scatter each rank reads its part of)."""
     from tessera.training.config import Config  # lazy: (as in _prepare)
     from tessera.training.simulated import trace
 
@@ -277,7 +285,7 @@ def prove_layout(
     with tempfile.TemporaryDirectory(prefix="tessera-check-") as scratch:
         pipeline = {"schedule": schedule, "virtual": virtual, "microbatches": microbatches}
         one_kw, layout_kw, world, cfg, estimate = _prepare(
-            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8, pipeline, fsdp
+            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8, pipeline, fsdp, optimizer
         )
         before = _rss_bytes()
         started = time.perf_counter()
@@ -301,6 +309,7 @@ def prove_layout(
         "layout": layout,
         "world": world,
         "steps": steps,
+        "optimizer": optimizer,
         "model": "debug, sized for the layout" if model in (None, "debug") else model,
         "shape": {
             k: getattr(cfg, k)
@@ -326,6 +335,7 @@ def prove_layout(
     record["gradient_error_by_step"] = gradient_errors(one, simulated)
     record["compute_dtypes"] = simulated["compute_dtypes"]  # what the records' dtype probe read, step by step
     where = f"{layout} on {world} simulated ranks" + ("" if fp8 is None else f" in FP8 ({fp8})")
+    where += " with Muon" if optimizer == "muon" else ""
     try:
         if fp8 is None:
             judge(one, simulated, where)
