@@ -268,6 +268,7 @@ class Muon(torch.optim.Optimizer):
         results back in one scatter."""
         plans = [self.plans[p] for p, _ in members]
         first, dtype, device = plans[0], updates[0].dtype, updates[0].device
+        assert first.group is not None  # a bucket holds sharded matrices only
         offsets = [0]
         for plan in plans:
             offsets.append(offsets[-1] + plan.width)
