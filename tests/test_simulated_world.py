@@ -205,7 +205,11 @@ def _one_error(capsys, *argv: str) -> str:
         (["--layout", "dp8+compile"], "+compile: torch.compile is not traced under LocalTensorMode"),
         (["--layout", "dp8", "--steps", "0"], "--steps 0 must be 1..20"),
         (["--layout", "dp8", "--seq-len", "100000"], "--seq-len 100000 must be 1..2048"),
-        (["--layout", "dp8", "--model", "qwen3-debug"], "does not shard vocab_size 258 (not a multiple of 8)"),
+        (
+            ["--layout", "dp8", "--model", "qwen3-debug"],
+            "does not shard vocab_size 258 (not a multiple of 8) evenly over its FSDP ranks (LocalTensorMode holds one "
+            "shape per rank), the smallest like it that does: dim 64, 4 heads (2 kv), ffn 192, vocab 264, 2 layers",
+        ),
         (["--layout", "dp2xtp2", "--model", "8b"], "GB here (every rank's shards"),
         (["--layout", "dp8", "--global-batch", "1000000000"], "lower --global-batch 1000000000"),
         (["--layout", "xx"], "layout 'xx'"),

@@ -72,12 +72,30 @@ def _model_of(model: str | None, layout: Any, scratch: Path, virtual: int = 1) -
             why = ", ".join(uneven) or f"vocab_size {cfg.vocab_size} (not a multiple of {multiple})"
             raise ValueError(
                 f"model={model}: {layout} does not shard {why} evenly over its FSDP ranks (LocalTensorMode holds "
-                f"one shape per rank); leave the model out (or name debug) for the debug model, sized to {layout}"
+                f"one shape per rank){_smallest_like(cfg, layout, virtual)}; leave the model out (or name debug) "
+                f"for the debug model, sized to {layout}"
             )
         return model, cfg
     cfg = sized_model(get_preset("debug"), layout, virtual)
     (scratch / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
     return f"hf:{scratch}", cfg
+
+
+def _smallest_like(cfg: Any, layout: Any, virtual: int) -> str:
+    """ ", the smallest like it that does: dim ..." naming the smallest llama-family model of `cfg`'s ratios that
+    `layout` shards evenly (sized_model), or "" where there is none (an MoE preset, none within reach)."""
+    from tessera.training.simulated import sized_model  # lazy: (as in _model_of)
+
+    if not hasattr(cfg, "ffn_dim"):
+        return ""
+    try:
+        s = sized_model(cfg, layout, virtual)
+    except ValueError:
+        return ""
+    return (
+        f", the smallest like it that does: dim {s.dim}, {s.n_heads} heads ({s.n_kv_heads} kv), ffn {s.ffn_dim}, "
+        f"vocab {s.vocab_size}, {s.n_layers} layers"
+    )
 
 
 def _prepare(
