@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import subprocess
 import sys
 import time
@@ -42,17 +44,27 @@ def published_layouts() -> dict[str, list[str]]:
     return out
 
 
+def cost(layout: str) -> tuple[int, int]:
+    """The order a sweep runs layouts in, cheapest first: (world size, virtual stages)."""
+    name, *options = layout.split()
+    # ep divides the data axis's ranks (dp16xep16 is 16 ranks), so it is no factor of the world
+    world = math.prod(
+        int(d) for axis, d in re.findall(r"([a-z_]+?)(\d+)", name.split("+")[0].replace("x", " ")) if axis != "ep"
+    )
+    virtual = int(options[options.index("--virtual") + 1]) if "--virtual" in options else 1
+    return world, virtual
+
+
 def check(layout: str, steps: int, timeout: float) -> dict:
     """`tessera check --layout L --json`'s record, with the command's wall-clock seconds (`layout` may carry
     the pipeline's options after it)."""
     started = time.perf_counter()
     name, *options = layout.split()
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera", "check", "--layout", name, *options, "--steps", str(steps), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, "-m", "tessera", "check", "--layout", name, *options, "--steps", str(steps), "--json"]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # stated, not dropped: the sweep goes on to the next layout
+        return {"layout": layout, "timed_out": f"no verdict within {timeout:.0f} s", "wall_seconds": round(timeout, 1)}
     wall = time.perf_counter() - started
     if out.returncode not in (0, 1):  # refused (exit 2): its one line says why
         why = (out.stderr.strip().splitlines() or [""])[-1].removeprefix("tessera check: error: ")
@@ -72,18 +84,21 @@ def main() -> None:
     parser.add_argument("--out", help="a JSON file or a directory (default benchmarks/results/)")
     args = parser.parse_args()
     runs = published_layouts() if args.published else {}
-    layouts = args.layouts.split(",") if args.layouts else list(runs) if runs else SMOKE if args.smoke else FULL
+    layouts = (
+        args.layouts.split(",") if args.layouts else sorted(runs, key=cost) if runs else SMOKE if args.smoke else FULL
+    )
+    name = (
+        "simulated-world-published" if args.published else "simulated-world-smoke" if args.smoke else "simulated-world"
+    )
     rows = []
     for layout in layouts:
         row = {**check(layout, args.steps, args.timeout), "checked": layout}
         row.update({"runs": runs[layout]} if layout in runs else {})
         rows.append(row)
-        keys = ("checked", "world", "simulated_seconds", "peak_rss_bytes", "refused")
+        keys = ("checked", "world", "simulated_seconds", "peak_rss_bytes", "refused", "timed_out")
         print(json.dumps({k: row[k] for k in keys if k in row}), flush=True)
-    name = (
-        "simulated-world-published" if args.published else "simulated-world-smoke" if args.smoke else "simulated-world"
-    )
-    path = write_results(name, {"layouts": layouts, "steps": args.steps}, rows, args.out)
+        # written after every layout: a sweep of hours keeps what it proved if it is stopped
+        path = write_results(name, {"layouts": layouts, "steps": args.steps, "timeout_s": args.timeout}, rows, args.out)
     print(f"wrote {path}")
 
 

@@ -250,6 +250,54 @@ def test_the_sized_model_is_the_debug_model_where_it_divides_and_else_the_smalle
     assert (cfg.dim, cfg.ffn_dim) == (base.dim, base.ffn_dim) if fits else cfg.dim > base.dim
 
 
+MOE_LAYOUTS = st.fixed_dictionaries(
+    dict(
+        pp=st.sampled_from([1, 2, 4, 8]),
+        tp=st.sampled_from([1, 2, 4]),
+        dp_shard=st.sampled_from([1, 2, 4, 8, 16, 32]),
+        ep=st.sampled_from([2, 4, 8, 16, 32]),
+    )
+).filter(lambda d: d["dp_shard"] % d["ep"] == 0)
+
+
+@given(MOE_LAYOUTS)
+@settings(max_examples=60, deadline=None)
+def test_the_sized_moe_model_has_the_fewest_experts_every_shard_splits(degrees):
+    """sized_moe_model (pure): experts a multiple of ep (one or more per ep rank), every tensor even over the
+    FSDP ranks, the layers over the pp stages, and no smaller multiple of ep that would do."""
+    import dataclasses
+
+    from tessera.models import get_preset
+    from tessera.topology import Layout
+    from tessera.training.simulated import pipeline_layers, shard_multiple, sized_moe_model, uneven_shards
+
+    layout = Layout(**degrees)
+    base = get_preset("qwen3-moe-debug")
+    cfg = sized_moe_model(base, layout)
+    assert cfg is not None, layout
+    assert cfg.n_experts % layout.ep == 0 and cfg.n_experts >= max(base.n_experts, layout.ep)
+    assert uneven_shards(cfg, layout) == [] and cfg.vocab_size % shard_multiple(layout) == 0
+    assert cfg.n_layers == pipeline_layers(base.n_layers, layout.pp)
+    for fewer in range(layout.ep, cfg.n_experts, layout.ep):
+        if fewer >= base.n_experts:
+            assert uneven_shards(dataclasses.replace(cfg, n_experts=fewer), layout), fewer
+
+
+@given(cp=st.sampled_from([1, 2, 3, 4, 8, 16]), tp=st.sampled_from([1, 2, 4, 8]), sp=st.booleans())
+def test_the_default_sequence_is_the_least_from_32_the_layout_splits(cp, tp, sp):
+    """least_seq_len (pure) against parallel/zigzag.py's own check: it passes, and no shorter sequence of at
+    least 32 tokens does."""
+    from tessera.parallel.zigzag import check_context
+    from tessera.testing.simulated_world import least_seq_len
+
+    seq = least_seq_len(cp, tp, sp)
+    assert seq >= 32
+    check_context(seq, cp, tp=tp, sequence_parallel=sp)
+    for shorter in range(32, seq):
+        with pytest.raises(ValueError):
+            check_context(shorter, cp, tp=tp, sequence_parallel=sp)
+
+
 def test_a_torch_before_2_13_is_refused_naming_the_version_needed(monkeypatch):
     from tessera.training.simulated import require_local_tensor
 

@@ -23,7 +23,12 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
         help="a llama-family preset the layout shards evenly (default: the debug model, sized for the layout)",
     )
     p.add_argument("--steps", type=int, default=2, help=f"training steps to compare (default 2, at most {MAX_STEPS})")
-    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sequence (default: 32, or the least above it the layout splits: 2 x cp chunks, each "
+        "rank's share over tp under sequence parallel)",
+    )
     p.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per data-parallel rank)")
     p.add_argument(
         "--fp8",

@@ -10,8 +10,8 @@ name) at the fp32 contract's 1e-5. `tessera check` is its command line; `prove_l
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import math
 import resource
 import tempfile
 import time
@@ -28,6 +28,7 @@ OPTIMIZERS = ("adamw", "muon")  # tessera train's --optimizer
 # the FP8 contract's (tests/test_fp8_contract.py): one process's own FP8 error E is measured on its FP8 runs at
 # these microbatch counts (their casts scale all, half or a quarter of the tokens, as dp 1, 2 and 4 ranks do)
 REROUNDED = (1, 2, 4)
+DEFAULT_SEQ_LEN = 32  # tokens per sequence unless the layout needs more (least_seq_len)
 MAX_STEPS = 20  # a proof needs a few steps; AdamW's normalization amplifies reassociation past 1e-5 over tens
 # layout options a simulated world does not run (why)
 REFUSED_OPTIONS = {
@@ -44,21 +45,16 @@ def _model_of(model: str | None, layout: Any, scratch: Path, virtual: int = 1) -
     under `scratch` (hf:DIR)."""
     from tessera.models import get_preset  # lazy: tessera.models imports torch
     from tessera.models.hf import hf_config_dict
-    from tessera.training.simulated import pipeline_layers, shard_multiple, sized_model, uneven_shards
+    from tessera.training.simulated import shard_multiple, sized_model, sized_moe_model, uneven_shards
 
-    if model is None and layout.ep > 1:  # experts to dispatch: the MoE debug model, its vocabulary rounded up
-        base = get_preset(MOE_MODEL)
-        multiple = shard_multiple(layout)
-        experts = -(-max(base.n_experts, layout.ep) // layout.ep) * layout.ep  # at least one on every ep rank
-        layers = pipeline_layers(base.n_layers, layout.pp, virtual)
-        cfg = dataclasses.replace(
-            base, n_experts=experts, n_layers=layers, vocab_size=-(-base.vocab_size // multiple) * multiple
-        )
-        uneven = uneven_shards(cfg, layout)
-        if uneven:
+    if model is None and layout.ep > 1:  # experts to dispatch: the MoE debug model, sized for the layout
+        cfg = sized_moe_model(get_preset(MOE_MODEL), layout, virtual)
+        if cfg is None:
+            tensors = ", ".join(uneven_shards(get_preset(MOE_MODEL), layout))
             raise ValueError(
-                f"{layout} does not shard {MOE_MODEL}'s {', '.join(uneven)} evenly over its FSDP "
-                f"ranks (LocalTensorMode holds one shape per rank); name an MoE preset it divides with model="
+                f"{layout} does not shard {MOE_MODEL}'s {tensors} evenly over its FSDP ranks with any expert "
+                f"count up to 4 x {shard_multiple(layout)} (LocalTensorMode holds one shape per rank); name an "
+                f"MoE preset it divides with model="
             )
         (scratch / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
         return f"hf:{scratch}", cfg
@@ -98,12 +94,19 @@ def _smallest_like(cfg: Any, layout: Any, virtual: int) -> str:
     )
 
 
+def least_seq_len(cp: int, tp: int, sequence_parallel: bool, at_least: int = DEFAULT_SEQ_LEN) -> int:
+    """The shortest sequence of at least `at_least` tokens a layout splits: 2 x cp zigzag chunks, and under
+    sequence parallel each rank's S / cp tokens over tp (parallel/zigzag.py's check_context)."""
+    multiple = math.lcm(2 * cp if cp > 1 else 1, cp * tp if sequence_parallel and tp > 1 else 1)
+    return -(-at_least // multiple) * multiple
+
+
 def _prepare(
     layout_name: str,
     world: int | None,
     model: str | None,
     steps: int,
-    seq_len: int,
+    seq_len: int | None,
     global_batch: int | None,
     scratch: Path,
     fp8: str | None = None,
@@ -151,6 +154,8 @@ def _prepare(
     require_local_tensor()
     virtual = probing.parallel_config().pipeline.virtual if probe.pp > 1 else 1
     name, cfg = _model_of(model, probe, scratch, virtual)
+    if seq_len is None:
+        seq_len = least_seq_len(probe.cp, probe.tp, bool(probing.parallel_config().sequence_parallel))
     if not 1 <= seq_len <= cfg.max_seq_len:
         raise ValueError(f"seq_len={seq_len} must be 1..{cfg.max_seq_len} (the model's max_seq_len), e.g. 32")
     # 2 rows per data-parallel rank, and with pp a row per microbatch (those named, or the fewest its schedule runs)
@@ -273,7 +278,7 @@ def prove_layout(
     world: int | None = None,
     model: str | None = None,
     steps: int = 2,
-    seq_len: int = 32,
+    seq_len: int | None = None,
     global_batch: int | None = None,
     fp8: str | None = None,
     schedule: str | None = None,
@@ -328,6 +333,8 @@ def prove_layout(
         "world": world,
         "steps": steps,
         "optimizer": optimizer,
+        "seq_len": one_kw["seq_len"],
+        "global_batch": one_kw["global_batch"],
         "model": "debug, sized for the layout" if model in (None, "debug") else model,
         "shape": {
             k: getattr(cfg, k)
@@ -370,7 +377,8 @@ def prove_layout(
         f"recorded {'/'.join(sorted(set(simulated['compute_dtypes'])))}"
     )
     record["verdict"] = (
-        f"equal to one process: {where}, {steps} steps of {shape}: every step's loss and grad norm and all "
-        f"{len(one['grads'][0])} gradients of step 1 {within}; {simulated_s:.1f} s, peak memory {peak / GB:.2f} GB"
+        f"equal to one process: {where}, {steps} steps of {shape}, seq {one_kw['seq_len']}: every step's loss and "
+        f"grad norm and all {len(one['grads'][0])} gradients of step 1 {within}; {simulated_s:.1f} s, peak "
+        f"memory {peak / GB:.2f} GB"
     )
     return record

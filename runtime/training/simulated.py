@@ -107,6 +107,23 @@ def sized_model(base: Any, layout: Any, virtual: int = 1) -> Any:
     raise ValueError(f"no model of up to {4 * unit} kv heads shards evenly over {layout}; name one with --model")
 
 
+def sized_moe_model(base: Any, layout: Any, virtual: int = 1) -> Any | None:
+    """The MoE model `base` with the fewest experts (a multiple of ep, at least one per ep rank) whose router and
+    expert-wide tensors `layout`'s FSDP ranks split evenly, its layers split over pp x `virtual` stages and its
+    vocabulary rounded up to shard_multiple's; None where no count up to 4 x shard_multiple does."""
+    import dataclasses  # lazy: (as above)
+
+    multiple = shard_multiple(layout)
+    least = -(-max(base.n_experts, layout.ep) // layout.ep) * layout.ep
+    layers = pipeline_layers(base.n_layers, layout.pp, virtual)
+    vocab = -(-base.vocab_size // multiple) * multiple
+    for experts in range(least, max(least, 4 * multiple) + 1, layout.ep):
+        cfg = dataclasses.replace(base, n_experts=experts, n_layers=layers, vocab_size=vocab)
+        if not uneven_shards(cfg, layout):
+            return cfg
+    return None
+
+
 # what a simulated run adds to the process beyond its tensors (the Trainer's modules, the allocator's pools, the
 # one-process run after it): measured here as 137-153 MB of peak growth at 4-8 ranks of the debug model
 RUN_BYTES = 160e6
