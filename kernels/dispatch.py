@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cudnn_attention
-from .attention import (
+from .attention_reference import (
     apply_sinks,
     attention_backward_reference,
     attention_reference,

@@ -30,7 +30,7 @@ from torch import Tensor
 from tessera.topology.errors import ConfigError  # the hierarchy's: a ValueError too
 
 from .chat import ChatRenderer
-from .data import IGNORE_INDEX
+from .corpus import IGNORE_INDEX
 
 PREFIX = "hf:"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}

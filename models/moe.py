@@ -126,7 +126,7 @@ class GroupedExperts(nn.Module):
                     nn.Parameter(torch.empty(n_experts, dim if down else ffn_dim * (1 + fused_gate_up))),
                 )
                 self.ffn_dims[f"{name}_bias"] = None if down else 1
-        # the down bias as each rank adds it: itself on one process; under tp its 1/tp share (parallel/plan.py)
+        # the down bias as each rank adds it: itself on one process; under tp its 1/tp share (parallel/tp_plan.py)
         self.down_bias_comm: nn.Module | None = nn.Identity() if bias else None
         self.dispatch: nn.Module = ExpertDispatch()
         self.use_grouped_mm: bool | None = None  # None: torch._grouped_mm where supported (grouped_mm_supported)

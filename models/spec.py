@@ -39,7 +39,7 @@ from tessera.topology.shapes import ModelShape
 
 from .init import Init, init_parameters
 
-# The tensor-parallel styles a spec's plan may name (parallel/plan.py turns each into its Style):
+# The tensor-parallel styles a spec's plan may name (parallel/tp_plan.py turns each into its Style):
 TP_STYLES = {
     "embedding": "nn.Embedding split over vocabulary rows; partial lookups summed (scattered under SP)",
     "block_input": "a block's input copied to (or gathered over) the tp ranks once, for every column layer inside",

@@ -48,7 +48,7 @@ from .comm import collective
 from .context_allgather import allgather_attention
 from .context_simulated import SIMULATED_DOCUMENTS, simulated_ring_backward, simulated_ring_forward
 from .local_world import simulated_world
-from .plan import find_modules, replace_module
+from .tp_plan import find_modules, replace_module
 from .zigzag import (  # the layout and the merge, named here too (tessera.parallel.context is their public home)
     METHODS,
     SEQ_DIM,

@@ -292,7 +292,7 @@ def apply_fp8(
     `float8_all_gather` (tensorwise, FSDP2 without tp): their weights all-gather in FP8."""
     from tessera.models.moe import moe_blocks  # lazy: keeps this module's import light for preflight
 
-    from .plan import find_modules, replace_module  # lazy: as above
+    from .tp_plan import find_modules, replace_module  # lazy: as above
     from .tensor import ColumnParallelLinear, ReplicatedHeadsLinear, RowParallelLinear  # lazy: as above
 
     config = float8_config(recipe, emulate)

@@ -26,7 +26,7 @@ from tessera.topology.memory import SHARDED_BY_STAGE, get_recipe, zero_stage_of
 from tessera.topology.shapes import ModelShape, fsdp_shard_numel
 
 from .context import apply_cp, check_context
-from .data import (
+from .fsdp import (
     DataParallelConfig,
     apply_activation_checkpointing,
     apply_fsdp,
@@ -37,7 +37,7 @@ from .fp8 import FP8_RECIPES, apply_fp8
 from .expert import apply_ep, apply_sequence_sum, check_expert_parallel
 from .loss import apply_loss_head, check_loss
 from .pipeline import PipelineConfig, build_stage, check_pipeline, split_layers, stages_of_rank
-from .plan import ColwiseParallel, Plan, PrepareInput, apply_plan, apply_tp, find_modules, spec_plan
+from .tp_plan import ColwiseParallel, Plan, PrepareInput, apply_plan, apply_tp, find_modules, spec_plan
 from .tensor import check_tensor_parallel
 from .tied import retie, shared_parameters
 

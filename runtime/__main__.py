@@ -1,5 +1,5 @@
 """`python -m tessera ...` is the `tessera` command."""
 
-from tessera.commands.cli import run
+from tessera.commands.main import run
 
 run()

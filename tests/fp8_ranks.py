@@ -126,7 +126,7 @@ def precomputed_scales_run(kw: dict, precompute: bool, plant_scaled: bool = Fals
     or off. The all-gather's own scale: torchao's tensor_to_scale of the whole weight, as one process casts it.
     `plant_scaled` multiplies every precomputed scale by 0.7 (a planted bug; not by a power of two, which FP8 would
     represent exactly: the all-gathers must then cast differently)."""
-    import tessera.training.trainer as trainer_module
+    import tessera.training.training_loop as trainer_module
     from torchao.float8.float8_utils import tensor_to_scale
 
     trainer = trainer_for(small_config(**kw))

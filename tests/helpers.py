@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tessera.config import Config
-from tessera.models.data import TokenStream
+from tessera.models.corpus import TokenStream
 from tessera.parallel.tensor import full_tensor
 from tessera.trainer import Trainer
 
@@ -132,7 +132,7 @@ def train_losses_and_grads(config: Config, masked: bool = False):
 def measured_model_states(config: Config):
     """Per-rank bytes held: parameters right after forward (gathered if the strategy keeps them so),
     gradients after backward, optimizer state after the step."""
-    from tessera.parallel.data import model_state_bytes_on_rank
+    from tessera.parallel.fsdp import model_state_bytes_on_rank
 
     trainer = trainer_for(config)
     inputs, targets = trainer.local_batch(*trainer.data.next_global_batch())
@@ -308,7 +308,7 @@ def cli_here(
     meanwhile (the command reads it; ranks forked from the running forkserver do not see it).
     A fresh interpreter costs ~5 s a call here (its imports, then the forkserver's); the tests that are
     about the interpreter (`python -m tessera`, the console script, torchrun, signals) still start one."""
-    from tessera.commands.cli import exit_code, main  # lazy: the rank functions above are pickled without the CLI
+    from tessera.commands.main import exit_code, main  # lazy: the rank functions above are pickled without the CLI
 
     with _captured_here(cwd, env) as texts:
         try:
@@ -332,7 +332,7 @@ def script_here(
     process beyond that (bench_planner_check.py starts a process group here and adds presets to tessera's
     table: tests/test_calibration.py runs it as a command); a script run as `python SCRIPT`, whose ranks
     import it as `__mp_main__`, stays tested by gpu_suite.py's and the examples' tests."""
-    from tessera.commands.cli import exit_code  # lazy: as in cli_here
+    from tessera.commands.main import exit_code  # lazy: as in cli_here
 
     path = BENCHMARKS / f"{name}.py"
     module = sys.modules.get(name)
@@ -405,7 +405,7 @@ def round_like_tp(trainer: Trainer, tp: int) -> None:
     rowwise layers in the forward, colwise ones (and the K/V projections where tp splits the kv heads) in the
     backward. Not emulated: the output head (the fused loss multiplies by its weight without calling it) and
     K/V projections that tp replicates (tp beyond the kv heads), whose input gradients tp ranks also add up."""
-    from tessera.parallel.plan import matches
+    from tessera.parallel.tp_plan import matches
 
     if trainer.layout.world_size != 1:
         raise ValueError(f"round_like_tp emulates tp ranks in one process; this trainer has {trainer.layout}")

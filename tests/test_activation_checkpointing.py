@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.models import build_model, get_preset, init_weights
-from tessera.parallel.data import apply_activation_checkpointing, check_data_parallel, DataParallelConfig
+from tessera.parallel.fsdp import apply_activation_checkpointing, check_data_parallel, DataParallelConfig
 from tessera.topology import Layout
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera.kernels import apply_sinks, dispatch, flash_attention, flash_attention_backward
-from tessera.kernels.attention import attention_backward_reference, attention_reference, key_range
+from tessera.kernels.attention_reference import attention_backward_reference, attention_reference, key_range
 from tessera.models.layers import CausalAttention
 
 interpreted = pytest.mark.skipif(

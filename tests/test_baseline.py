@@ -12,7 +12,7 @@ def _first_steps(steps: int):
     """On one rank: tessera's one-process losses and the baseline's, same seed, data, sequence and batch (fp32)."""
     import torch
 
-    from tessera import baseline
+    from tessera.commands import baseline
     from tessera.config import Config
     from tessera.trainer import Trainer
 

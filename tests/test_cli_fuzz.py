@@ -292,7 +292,7 @@ def cheap_cli(workspace):
     import importlib
 
     import tessera.commands.bench
-    import tessera.commands.cli
+    import tessera.commands.main
     import tessera.commands.calibrate
     import tessera.training.simulated
     import tessera.commands.generate
@@ -316,7 +316,7 @@ def cheap_cli(workspace):
         # one parser for every example: building it is the same every time (16 ms, 10 of this test's 16 s),
         # and argparse keeps no state from one parse to the next
         mp.setattr(
-            tessera.commands.cli, "build_parser", functools.lru_cache(maxsize=1)(tessera.commands.cli.build_parser)
+            tessera.commands.main, "build_parser", functools.lru_cache(maxsize=1)(tessera.commands.main.build_parser)
         )
         mp.setenv("TESSERA_CALIBRATION", str(workspace / "calibration.json"))
         mp.chdir(workspace)

@@ -268,7 +268,7 @@ def test_the_command_exits_without_the_teardown_yet_joins_threads_runs_atexit_an
     after another thread's last write and the atexit handlers, as a normal exit would."""
     script = f"""
 import atexit, pathlib, sys, threading, time
-from tessera.commands.cli import run
+from tessera.commands.main import run
 out = pathlib.Path({str(tmp_path)!r})
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("joined"))).start()

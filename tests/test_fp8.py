@@ -257,7 +257,7 @@ def test_an_fp8_run_prints_nothing_of_torchaos_enum_registration(tmp_path):
     import subprocess
     import sys
 
-    code = "import sys; from tessera.commands.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from tessera.commands.main import main; sys.exit(main(sys.argv[1:]))"
     argv = ["train", "--fp8", "tensorwise", "--steps", "1", "--quiet", "--seq-len", "32", "--global-batch", "2"]
     out = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -109,6 +109,25 @@ def test_the_contracts_catch_a_torch_import_in_topology_and_an_upward_import(tmp
     assert "tessera.topology._probe -> tessera.config" in out.stdout, out.stdout[-4000:]
 
 
+def library_files(root: Path = ROOT) -> list[Path]:
+    """Every module of the installed package, from the folders pyproject maps into it (their subpackages too)."""
+    return sorted({f for folder in package_dirs(root).values() for f in folder.rglob("*.py")})
+
+
+def test_no_two_library_files_share_a_name_and_none_is_over_600_lines():
+    """A file's name says what it holds: no second config.py, data.py, plan.py ... in another folder (an
+    __init__.py aside), so a name in a traceback or a review is one file; and none grows past 600 lines."""
+    seen: dict[str, Path] = {}
+    for f in library_files():
+        if f.name == "__init__.py":
+            continue
+        assert f.name not in seen, f"{f.relative_to(ROOT)} and {seen[f.name].relative_to(ROOT)} share a name"
+        seen[f.name] = f
+        lines = len(f.read_text().splitlines())
+        assert lines <= 600, f"{f.relative_to(ROOT)} has {lines} lines; split it by what it does"
+    assert len(seen) > 100  # the walk saw the library
+
+
 if __name__ == "__main__":  # CI: the contracts' report, and lint-imports' exit status
     with tempfile.TemporaryDirectory() as tmp:
         tree = link_tree(Path(tmp))

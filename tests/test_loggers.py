@@ -27,7 +27,7 @@ RUN = ["train", "--steps", "3", "--dp", "2", "--global-batch", "4", "--seq-len",
 
 
 def _tessera(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    code = "import sys; from tessera.commands.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from tessera.commands.main import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run(
         [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.models.spec import families, get_preset
-from tessera.parallel.plan import matches
+from tessera.parallel.tp_plan import matches
 
 DATA = Path(__file__).resolve().parent / "data" / "model_families.json"
 LLAMA3_ROPE = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 64}

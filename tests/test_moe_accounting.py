@@ -278,10 +278,10 @@ def test_the_dry_runs_expert_count_is_fully_shards():
     from torch.distributed.tensor import DTensor
 
     from tessera.models import build_model, get_preset
-    from tessera.parallel.data import DataParallelConfig, apply_fsdp
+    from tessera.parallel.fsdp import DataParallelConfig, apply_fsdp
     from tessera.parallel.expert import apply_ep
     from tessera.parallel.parallelize import dry_run_model_states
-    from tessera.parallel.plan import apply_tp
+    from tessera.parallel.tp_plan import apply_tp
     from tessera.topology import Meshes, dry_run
 
     for layout in (

@@ -45,7 +45,7 @@ def test_pipeline_is_bitwise_the_one_process_run_with_the_same_microbatches(uncl
 
 def _stage_model_state_bytes(config):
     """(this rank's stages, bytes of parameters + gradients + AdamW state it holds after one step)."""
-    from tessera.parallel.data import model_state_bytes_on_rank
+    from tessera.parallel.fsdp import model_state_bytes_on_rank
     from tessera.trainer import Trainer
 
     trainer = Trainer(config, torch.device("cpu"))
@@ -292,7 +292,7 @@ def _custom_schedule_gradients(schedule):
 
 def test_a_hand_written_schedule_runs_and_a_deadlocking_one_is_refused():
     from tessera.models import build_model, get_preset
-    from tessera.parallel.schedule import Action
+    from tessera.topology.schedule import Action
 
     # depth-first over 4 virtual stages on 2 ranks: microbatch 0 all the way down and back, then microbatch 1
     def rank_actions(r):
@@ -326,7 +326,7 @@ def _module_outputs_alive_at_each_w():
 
     from tessera.models import get_preset
     from tessera.parallel import materialize
-    from tessera.parallel.schedule import Action
+    from tessera.topology.schedule import Action
 
     cfg = get_preset("debug", n_layers=2)
     part = materialize(build_stage(cfg, 0, 1, range(2)), "cpu", seed=0)

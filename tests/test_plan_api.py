@@ -19,7 +19,7 @@ from tessera.parallel.invariants import (
     check_state_preserved,
 )
 from tessera.parallel.launch import RankFailure, run_ranks
-from tessera.parallel.plan import ColwiseParallel, Plan, ReplicatedNorm, RowwiseParallel
+from tessera.parallel.tp_plan import ColwiseParallel, Plan, ReplicatedNorm, RowwiseParallel
 from tessera.testing import LayoutsDiverge, assert_layouts_equivalent
 from tessera.topology import Layout
 from tessera.topology.strategies import divisible_shapes, layouts, placements, schedules
@@ -132,7 +132,7 @@ def test_a_plan_rule_that_matches_nothing_or_the_wrong_kind_is_a_clear_error():
 
 def test_tesseras_llama_goes_through_the_same_plan_mechanism():
     from tessera.models import build_model, get_preset, spec_of
-    from tessera.parallel.plan import ColwiseLinear, RowwiseLinear, apply_tp, spec_plan
+    from tessera.parallel.tp_plan import ColwiseLinear, RowwiseLinear, apply_tp, spec_plan
     from tessera.topology import dry_run
 
     cfg = get_preset("debug")
@@ -154,7 +154,7 @@ class RowwiseSkippingForwardReduce(RowwiseParallel):
 
 class ColwiseSkippingBackwardReduce(ColwiseParallel):
     def apply(self, module, tp_mesh, sequence_parallel):
-        from tessera.parallel.plan import ColwiseLinear
+        from tessera.parallel.tp_plan import ColwiseLinear
 
         return ColwiseLinear(module.weight, tp_mesh, None, module.bias)  # no copy_to_tp: no all-reduce of dx
 
@@ -319,7 +319,7 @@ def test_every_built_schedule_is_sound(case):
 
 
 def test_a_schedule_missing_one_backward_is_named():
-    from tessera.parallel.schedule import build_schedule
+    from tessera.topology.schedule import build_schedule
 
     schedule = build_schedule("1f1b", stages=2, microbatches=3)
     schedule[1] = [a for a in schedule[1] if not (a.op == "B" and a.microbatch == 2)]

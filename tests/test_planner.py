@@ -113,9 +113,9 @@ def test_the_dry_runs_fsdp_count_is_fully_shards(tmp_path):
     from torch.distributed.tensor import DTensor
 
     from tessera.models import build_model
-    from tessera.parallel.data import DataParallelConfig, apply_fsdp
+    from tessera.parallel.fsdp import DataParallelConfig, apply_fsdp
     from tessera.parallel.parallelize import dry_run_model_states
-    from tessera.parallel.plan import apply_tp
+    from tessera.parallel.tp_plan import apply_tp
     from tessera.topology import Meshes, dry_run
 
     for layout in (Layout(dp_shard=3, tp=2), Layout(dp_replicate=2, dp_shard=2, cp=2, tp=4)):
@@ -153,7 +153,7 @@ def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_ex
     except PlanError as e:
         assert "short by" in str(e) and "closest" in str(e)
         return
-    from tessera.parallel.data import DataParallelConfig
+    from tessera.parallel.fsdp import DataParallelConfig
     from tessera.parallel.parallelize import ParallelConfig
     from tessera.parallel.pipeline import PipelineConfig
 
@@ -667,7 +667,7 @@ def test_the_planners_validity_checks_are_tesseras_own(
     model, tp, cp, pp, dp, strategy, ac, schedule, mb, virtual, sp, seq, batch
 ):
     """The planner decides what runs without importing tessera.parallel: the same answer as ParallelConfig.check."""
-    from tessera.parallel.data import DataParallelConfig
+    from tessera.parallel.fsdp import DataParallelConfig
     from tessera.parallel.parallelize import ParallelConfig
     from tessera.parallel.pipeline import PipelineConfig
 
@@ -687,7 +687,7 @@ def test_the_planners_validity_checks_are_tesseras_own(
 
 def test_the_candidates_of_a_preset_are_those_tessera_runs():
     """Every candidate passes ParallelConfig.check; the count is today's for the 8b preset on 16 GPUs."""
-    from tessera.parallel.data import DataParallelConfig
+    from tessera.parallel.fsdp import DataParallelConfig
     from tessera.parallel.parallelize import ParallelConfig
     from tessera.parallel.pipeline import PipelineConfig
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import cli_here
-from tessera.commands.cli import main
+from tessera.commands.main import main
 from tessera.commands.plot import read_run
 
 

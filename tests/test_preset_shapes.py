@@ -21,7 +21,7 @@ def test_plan_resolves_a_preset_without_importing_torch():
     import subprocess
 
     code = (
-        "import sys; from tessera.commands.cli import main; "
+        "import sys; from tessera.commands.main import main; "
         "code = main(['plan', '--model', '8b', '--gpus', '8', '--seq-len', '8192', '--global-batch', '16', "
         "'--layout', 'dp8+ac_op', '--top', '0', '--json']); "
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)"

@@ -1,7 +1,6 @@
-"""The names users import survive milestone 4's split of the runtime into folders (tessera.training,
-.metrics, .commands, .testing): tessera.config, tessera.trainer, tessera.cli and tessera.testing are
-modules of their own; every other module's old name (tessera.run, tessera.bench, ...) imports the module
-where it lives now, the same object, so a monkeypatch through the old name patches what runs."""
+"""The names users import: tessera.config, tessera.trainer, tessera.cli and tessera.testing are modules of
+their own, the objects that run. The runtime's names from before milestone 4's split (tessera.run,
+tessera.bench, ...) are gone (docs/repository.md's release note names where each lives now)."""
 
 from __future__ import annotations
 
@@ -17,33 +16,24 @@ import pytest
 import tessera
 
 
-@pytest.mark.parametrize("old, new", sorted(tessera.MOVED.items()))
-def test_an_old_module_name_is_the_module_where_it_lives_now(old, new):
-    module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert module.__name__ == new and sys.modules[old] is module
+@pytest.mark.parametrize("old", ["tessera.run", "tessera.bench", "tessera.memtrack", "tessera.pytest_plugin"])
+def test_an_old_module_name_is_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
 def test_the_public_names_are_the_objects_that_run():
     from tessera.cli import build_parser, main
-    from tessera.commands import cli
+    from tessera.commands import main as command
     from tessera.config import Config
     from tessera.testing import assert_layouts_equivalent
     from tessera.testing import equivalence
     from tessera.trainer import Trainer
-    from tessera.training import config, trainer
+    from tessera.training import run_config, training_loop
 
-    assert Config is config.Config and Trainer is trainer.Trainer
-    assert main is cli.main and build_parser is cli.build_parser
+    assert Config is run_config.Config and Trainer is training_loop.Trainer
+    assert main is command.main and build_parser is command.build_parser
     assert assert_layouts_equivalent is equivalence.assert_layouts_equivalent
-
-
-def test_a_monkeypatch_through_an_old_name_reaches_the_new_module(monkeypatch):
-    import tessera.run
-    import tessera.training.run
-
-    monkeypatch.setattr(tessera.run, "under_torchrun", lambda: "patched")
-    assert tessera.training.run.under_torchrun() == "patched"
 
 
 def test_an_unknown_name_is_still_an_import_error():
@@ -53,7 +43,7 @@ def test_an_unknown_name_is_still_an_import_error():
 
 def test_the_pytest_plugin_loads_no_torch():
     # pytest loads the plugin in every session of a machine where tessera is installed
-    code = "import sys, tessera.testing.pytest_plugin, tessera.pytest_plugin; print('torch' in sys.modules)"
+    code = "import sys, tessera.testing.pytest_plugin; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -83,7 +73,7 @@ def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_
         "    return name in sys.modules, valid_vec_isa_list.cache_info().currsize\n"
     )
     code = (
-        "import sys, multiprocessing.forkserver as fs, tessera.commands.cli; "
+        "import sys, multiprocessing.forkserver as fs, tessera.commands.main; "
         "from tessera.training.rank_server import start_rank_server; "
         "start_rank_server(compiles=True); print('torch' in sys.modules, fs._forkserver._forkserver_pid is not None); "
         "import loaded; from tessera.parallel.launch import run_ranks; "
@@ -100,13 +90,13 @@ def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_
     "argv", [["train", "--compile"], ["train"], ["bench", "--layouts", "one,tp2+compile", "--out", "unused"]]
 )
 def test_the_rank_server_preloads_inductor_for_the_runs_that_compile_only(argv):
-    from tessera.commands.cli import main
+    from tessera.commands.main import main
 
     class Started(Exception):
         pass
 
     with (
-        mock.patch("tessera.commands.cli.start_rank_server", side_effect=Started) as train,
+        mock.patch("tessera.commands.main.start_rank_server", side_effect=Started) as train,
         mock.patch("tessera.commands.bench.start_rank_server", side_effect=Started) as bench,
         pytest.raises(Started),
     ):

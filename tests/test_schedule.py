@@ -8,7 +8,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tessera.parallel.pipeline import build_schedule
-from tessera.parallel.schedule import KINDS, SPLIT_BACKWARD, Action, check_schedule, render, simulate, validate
+from tessera.topology.schedule import KINDS, SPLIT_BACKWARD, Action, check_schedule
+from tessera.topology.simulator import render, simulate, validate
 from tessera.topology.errors import ConfigError
 from tessera.topology.schedule import VIRTUAL_KINDS, DEFAULT_COSTS, fill_weight_passes, placement_of, stage_rank
 from tessera.topology.simulator import fused_backwards

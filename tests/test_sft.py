@@ -15,7 +15,7 @@ from packing import SEED, build_small, one_process_model, run_alone
 
 from helpers import cli_here, small_config
 from tessera.models.chat import ChatRenderer, messages_of
-from tessera.models.data import IGNORE_INDEX, pack_documents
+from tessera.models.corpus import IGNORE_INDEX, pack_documents
 from tessera.models.hf_data import HFStream
 from tessera.models.spec import get_spec
 from tessera.parallel.launch import run_ranks

@@ -8,7 +8,7 @@ The attention core takes one of these paths (`attention_path`, as kernels/dispat
 - a fused kernel, which saves q, k, v, its output and the LSE: the GPU's Triton kernel; on CPU ATen's flash
   attention where it applies (fp32, one head dim for q, k and v, no window; k and v repeated to the query
   heads), and with sinks ATen's op inside one autograd function (q, k and v at their own heads);
-- the blockwise torch reference (kernels/attention.py's `attention_reference`), differentiated by autograd
+- the blockwise torch reference (kernels/attention_reference.py's `attention_reference`), differentiated by autograd
   through its loop: on CPU with a window or a value head dim apart from q's. Each (query block, key block)
   pair keeps its scores and their exponentials (heads x rows x cols, fp32), its running output and row
   statistics; with grouped-query heads the broadcast matmuls copy k and v to the query heads for every pair.
@@ -24,7 +24,9 @@ import functools
 
 from .shapes import ModelShape, as_shape, kv_heads_split
 
-REFERENCE_BLOCK = 128  # kernels/attention.py's REFERENCE_BLOCK: the reference's key (and windowed query) blocks
+REFERENCE_BLOCK = (
+    128  # kernels/attention_reference.py's REFERENCE_BLOCK: the reference's key (and windowed query) blocks
+)
 ACC = 4  # the reference's accumulation dtype (fp32), and the router's scores and weights
 INDEX = 8  # int64: the routing's expert ids and sort orders
 

@@ -61,7 +61,7 @@ SHARDED_BY_STAGE: dict[int, frozenset[str]] = {
     3: frozenset({"optimizer", "gradients", "parameters"}),
 }
 
-# the FSDP strategies tessera runs (parallel/data.py) and the ZeRO stage each is; the activation checkpointing
+# the FSDP strategies tessera runs (parallel/fsdp.py) and the ZeRO stage each is; the activation checkpointing
 # modes (none, every block, every other block, every block keeping its matmuls): one list for the training
 # checks, the planner and the memory model
 FSDP_STRATEGIES: dict[str, int] = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}

@@ -179,7 +179,7 @@ class Meshes:
             else:
                 setattr(self, flat.purpose, on(layout.degree(flat.name), flat.name))
         # the degree-1 data mesh where FSDP2 is off: FSDP2 on it shards nothing and applies only the
-        # mixed-precision policy, so every layout computes in the same dtype (parallel/data.py)
+        # mixed-precision policy, so every layout computes in the same dtype (parallel/fsdp.py)
         self.precision = self.fsdp if self.fsdp is not None else submesh(self.world, FLATTENED_BY_PURPOSE["fsdp"].name)
         # expert parallel borrows dp_shard x cp: its 1-D mesh and the experts' FSDP2 mesh (None when ep is 1)
         self.ep, self.expert_fsdp = expert_meshes(self.world, layout) if layout.ep > 1 else (None, None)

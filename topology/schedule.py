@@ -46,8 +46,7 @@ counted from 0).
 
 Schedules as files (`tessera train --schedule-file`): topology/schedule_files.py.
 
-Pure Python (no torch): the planner simulates schedules with it, and tessera.parallel.pipeline runs them
-(`tessera.parallel.schedule` re-exports both modules' public names).
+Pure Python (no torch): the planner simulates schedules with it, and tessera.parallel.pipeline runs them.
 """
 
 from __future__ import annotations

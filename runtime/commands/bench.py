@@ -54,7 +54,7 @@ from typing import Any
 
 from tessera.topology.step_estimate import model_flops_per_token
 from tessera.topology.step_time import Calibration
-from tessera.training.config import Config, said
+from tessera.training.run_config import Config, said
 from tessera.training.layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
 from tessera.training.rank_server import start_rank_server
 
@@ -217,7 +217,7 @@ def calibrate_rank(config, quick: bool = True) -> dict:
     dp rank's microbatch (tessera.commands.calibrate.measure)."""
     # lazy: torch, and these modules that import it, stay out of `tessera --help`
     import torch
-    from tessera.training.trainer import current_device
+    from tessera.training.training_loop import current_device
 
     from .calibrate import measure
 
@@ -244,7 +244,7 @@ def baseline_rank(config, compile: bool, steps: int, attention: str = "best") ->
     sequence, global batch, mixed precision and optimizer; its step records."""
     # lazy: torch, and these modules that import it, stay out of `tessera --help`
     import torch
-    from tessera.training.trainer import current_device
+    from tessera.training.training_loop import current_device
 
     from . import baseline
 

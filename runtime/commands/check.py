@@ -8,7 +8,7 @@ import json
 import sys
 
 from tessera.testing.simulated_world import FP8_RECIPES, MAX_STEPS, OPTIMIZERS, prove_layout
-from tessera.training.config import said
+from tessera.training.run_config import said
 
 
 def add_check_parser(sub: argparse._SubParsersAction) -> None:

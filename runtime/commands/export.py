@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from safetensors import SafetensorError
-from tessera.training.config import said
+from tessera.training.run_config import said
 
 
 def _export(args: argparse.Namespace) -> int:

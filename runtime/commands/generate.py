@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessera.training.config import said
+from tessera.training.run_config import said
 from tessera.training.rank_server import start_rank_server
 
 HF_PREFIX = "hf:"
@@ -137,7 +137,7 @@ def _stop_ids(args: argparse.Namespace, folder: str | None) -> tuple[int, ...]:
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> tuple[int, ...]:
     # lazy: tessera.models imports torch
-    from tessera.models.data import BOS, BYTE_VOCAB
+    from tessera.models.corpus import BOS, BYTE_VOCAB
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -371,7 +371,7 @@ def generate_job(job: Job) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- the command
 def _text(tokenizer: Any, ids: list[int], vocab_size: int) -> str | None:
-    from tessera.models.data import BYTE_VOCAB, decode  # lazy: tessera.models imports torch
+    from tessera.models.corpus import BYTE_VOCAB, decode  # lazy: tessera.models imports torch
 
     if tokenizer is not None:
         return str(tokenizer.decode(ids, skip_special_tokens=True))

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from tessera.models.init import one_process_name
 from tessera.parallel import ParallelConfig, parallelize
-from tessera.parallel.data import DataParallelConfig, check_data_parallel
+from tessera.parallel.fsdp import DataParallelConfig, check_data_parallel
 from tessera.parallel.launch import run_ranks
 from tessera.parallel.loss import CrossEntropySum, count_valid
 from tessera.parallel.pipeline import PipelineConfig
@@ -249,13 +249,13 @@ def assert_layouts_equivalent(
     builds; the loss is the cross-entropy over the targets (`loss_fn` must be None), and every layout,
     one process included, starts from the spec's seeded init.
 
-    Without a spec, `plan` is the tessera.parallel.plan.Plan for the user's model (None: a registered
+    Without a spec, `plan` is the tessera.parallel.tp_plan.Plan for the user's model (None: a registered
     family's model). Layouts may then use dp_replicate, dp_shard and tp (FSDP2 over dp with strategy
     `fsdp`); the model's output must be whole on every rank (end on a RowwiseParallel layer or a
     replicated one). Either way the batch's rows must split over each layout's dp.
 
     Packed documents (with `spec`): batch=(inputs, targets, positions), positions (B, S) restarting at each
-    document (tessera.models.data.pack_documents), so each token attends only to its own document."""
+    document (tessera.models.corpus.pack_documents), so each token attends only to its own document."""
     resolved = [lay if isinstance(lay, Layout) else Layout(**lay) for lay in layouts]
     if len(batch) not in (2, 3) or (len(batch) == 3 and spec is None):
         raise ValueError(

@@ -116,7 +116,7 @@ def _prepare(
 ) -> tuple[dict, dict, int, Any, float]:
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
-    from tessera.training.config import Config  # lazy: torch
+    from tessera.training.run_config import Config  # lazy: torch
     from tessera.training.simulated import (
         available_bytes,
         check_simulated,
@@ -300,7 +300,7 @@ def prove_layout(
     SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD, as tessera train's --fsdp). `optimizer`: "adamw" or "muon"
     (tessera train's --optimizer: Muon on the hidden matrices, each orthogonalized whole by its owner, whose
     gather every simulated rank receives as an all-gather and whose scatter each rank reads its part of)."""
-    from tessera.training.config import Config  # lazy: (as in _prepare)
+    from tessera.training.run_config import Config  # lazy: (as in _prepare)
     from tessera.training.simulated import trace
 
     from .equivalence import LayoutsDiverge

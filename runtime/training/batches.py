@@ -8,7 +8,7 @@
 
 A token-file stream hands each dp rank only its rows (the counts over the global batch then need one
 all-reduce over dp x cp); the shipped text hands every rank the whole global batch. With --pack-documents
-the rows are packed (models/data.py's pack_documents) before any sequence sharding, so the positions
+the rows are packed (models/corpus.py's pack_documents) before any sequence sharding, so the positions
 travel with the tokens to every cp shard and pipeline stage.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tessera.models.data import IGNORE_INDEX, pack_documents
+from tessera.models.corpus import IGNORE_INDEX, pack_documents
 from tessera.parallel.comm import collective
 from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.local_world import simulated_world

@@ -11,7 +11,7 @@ from tessera.models.tokens import TokenFileStream
 from tessera.parallel import checkpoint
 
 if TYPE_CHECKING:  # annotations only
-    from .config import Config
+    from .run_config import Config
 
 FIELDS = ("path", "eval_data")  # the config fields that may name hf: data
 

@@ -23,7 +23,7 @@ def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
     schedule, microbatches, virtual stages and sequence parallel, at its dtype and optimizer (fp32 on CPU: fp32
     Adam; under --optimizer muon the Muon recipe: one momentum on the matrices, the owner's gathered matrix);
     its step time at a calibration's measured rates when one is given (topology/step_time.py)."""
-    from tessera.parallel.data import PRECISIONS, layout_for_strategy  # lazy: tessera.parallel imports torch
+    from tessera.parallel.fsdp import PRECISIONS, layout_for_strategy  # lazy: tessera.parallel imports torch
 
     p = config.parallel_config()
     layout = layout_for_strategy(config.layout, p.data.strategy)

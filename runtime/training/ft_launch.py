@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import Config
+from .run_config import Config
 from .replicas import OUTAGE_ENV, drill_faults
 
 POLL_S = 0.2

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from tessera.models.moe import set_aux_weight
 from tessera.parallel import materialize, parallelize
-from tessera.parallel.data import PRECISIONS
+from tessera.parallel.fsdp import PRECISIONS
 from tessera.parallel.offload import move_buffers
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank
 from tessera.parallel.pipeline_simulated import this_rank

@@ -25,7 +25,7 @@ from tessera.parallel.fault_tolerance import (
     rank_state,
 )
 
-from .config import Config
+from .run_config import Config
 
 DRILL_ENV = "TESSERA_FT_DRILL"  # fault drills (runtime/training/ft_launch.py's docstring)
 LAUNCH_ENV = "TESSERA_FT_LAUNCH"  # which launch of its group a process is (0: the first)

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from tessera import __version__
 from tessera.parallel.pipeline import split_layers
-from tessera.parallel.schedule import simulate
+from tessera.topology.simulator import simulate
 from tessera.topology import Layout
 from torch.distributed.tensor import DTensor
 
-from .config import Config
+from .run_config import Config
 from .rank_server import speaks_for_the_job, under_torchrun
 from .straggler import Straggler
 

@@ -36,7 +36,7 @@ from tessera.parallel.locks import RunLock, directory_lock, metrics_lock, pinned
 from tessera.topology import Layout
 from tessera.topology.step_estimate import model_flops_per_token
 
-from .config import Config
+from .run_config import Config
 from .ft_launch import replica_config, train_fault_tolerant
 from .preflight import resolve_checkpoint
 from .replicas import LAUNCH_ENV, group_config
@@ -56,7 +56,7 @@ from .report import (  # noqa: F401  (re-exported: the commands and tests import
     startup_line,
     stopped_message,
 )
-from .trainer import Trainer
+from .training_loop import Trainer
 
 RESUME_PIN_ENV = "TESSERA_RESUME_PIN"  # the ranks' environment: the launcher's pin of the resumed step
 

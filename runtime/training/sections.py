@@ -1,6 +1,6 @@
 """The sections of a training configuration: nested frozen dataclasses whose fields carry their flag and a
 one-line doc in their metadata (`opt`), so that `tessera train`'s command line is built from them
-(tessera.training.config.add_arguments) and defaults are written here and nowhere else.
+(tessera.training.run_config.add_arguments) and defaults are written here and nowhere else.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class ParallelSection:
     def layout_for(self, global_batch: int | None = None) -> Layout:
         """`layout`; given the `global_batch`, degrees that do not make one are answered with a fix that also
         splits it (--dp 4 --dp-replicate 3 suggested --dp 3, which the batch of 8 then refused)."""
-        from tessera.parallel.data import layout_for_strategy  # lazy: torch stays out of `tessera --help`
+        from tessera.parallel.fsdp import layout_for_strategy  # lazy: torch stays out of `tessera --help`
 
         flags = {name: getattr(self, name) for name in DEGREE_FLAGS}
         layout = Layout(**_axes.degrees_from_flags(flags, global_batch=global_batch))

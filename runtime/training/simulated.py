@@ -294,7 +294,7 @@ def trace(config: Any, world: int) -> dict[str, Any]:
         stage_ranks,
     )
 
-    from .trainer import Trainer
+    from .training_loop import Trainer
 
     if dist.is_initialized():
         raise RuntimeError("a simulated world runs in a process with no process group of its own")

@@ -1,5 +1,5 @@
 """What one training step reports: its figures (StepResult, read into a record at logging time) and the run's
-progress counters (Progress), both apart from the Trainer that produces them (runtime/training/trainer.py)."""
+progress counters (Progress), both apart from the Trainer that produces them (runtime/training/training_loop.py)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from tessera.metrics.dtype_probe import NOT_MEASURED, MatmulDtypes
 from tessera.metrics.memtrack import LiveTensorBytes
 from tessera.metrics.kernel_kinds import CLIP_RANGE, OPTIMIZER_RANGE
 from tessera.metrics.step_profile import ProfiledStep
-from tessera.models.data import TokenStream
+from tessera.models.corpus import TokenStream
 from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
 from tessera.models.spec import shape_of, spec_of
@@ -33,7 +33,7 @@ from tessera.parallel.offload import offload_report
 from tessera.parallel.pipeline_simulated import this_rank
 from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
 from tessera.parallel.comm_stats import CommCounter
-from tessera.parallel.data import PRECISIONS, layout_for_strategy
+from tessera.parallel.fsdp import PRECISIONS, layout_for_strategy
 from tessera.parallel.expert import expert_load, load_report, update_biases
 from tessera.parallel.fault_tolerance import ReplicaSync, gradient_shards, weights_bits
 from tessera.parallel.fp8 import clear_float8_scales, float8_gathered_weights, precompute_float8_scales
@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .batches import StepData
-from .config import Config
+from .run_config import Config
 from .data_sources import open_data
 from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
 from .parts import build_parts

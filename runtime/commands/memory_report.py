@@ -15,7 +15,7 @@ from tessera.topology.fp8_model import FP8_RECIPES, fp8_summary
 from tessera.topology.memory import GB, get_recipe
 from tessera.topology.muon_memory import MUON_RECIPES, muon_extra_bytes
 from tessera.topology.rank_memory import rank_params_of
-from tessera.training.config import said
+from tessera.training.run_config import said
 
 from .plan import model_shape
 

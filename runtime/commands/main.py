@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from tessera import __version__
 from tessera.topology.errors import with_flags
-from tessera.training.config import add_arguments, config_from_args, flag_names, parser_flags, said
+from tessera.training.run_config import add_arguments, config_from_args, flag_names, parser_flags, said
 from tessera.training.rank_server import collector_paused, start_rank_server, under_torchrun
 
 from .bench import add_bench_parser
@@ -21,8 +21,8 @@ from .check import add_check_parser
 from .export import add_export_parsers
 from .generate import add_generate_parser
 from .lighthouse import add_lighthouse_parser
-from .memory import add_memory_parser
-from .plan import add_plan_parser
+from .memory_report import add_memory_parser
+from .plan_parser import add_plan_parser
 from .plot import add_plot_parser
 
 

@@ -33,7 +33,7 @@ from tessera.topology import Layout
 from tessera.topology.memory import AC_MODES, FSDP_STRATEGIES
 
 from .offload import check_offload, fsdp_offload_policy
-from .plan import find_modules, replace_module, spec_plan
+from .tp_plan import find_modules, replace_module, spec_plan
 
 STRATEGIES = tuple(FSDP_STRATEGIES)  # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (topology/memory.py)
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}

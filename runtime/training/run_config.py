@@ -211,7 +211,7 @@ class Config:
     def _build_parallel_config(self):
         # lazy: tessera.parallel imports torch, which stays out of `tessera --help`
         from tessera.parallel import ParallelConfig
-        from tessera.parallel.data import DataParallelConfig
+        from tessera.parallel.fsdp import DataParallelConfig
         from tessera.parallel.pipeline import PipelineConfig
 
         p = self.parallel
