@@ -14,6 +14,7 @@ from tessera.kernels import apply_sinks, flash_attention, flash_attention_backwa
 from tessera.kernels.checks import check_sinks, check_window
 
 from .comm import collective
+from .context_simulated import SIMULATED_DOCUMENTS, simulated_allgather_backward, simulated_allgather_forward
 from .local_world import simulated_world
 from .tensor import _all_gather_flat, _reduce_scatter_flat
 from .zigzag import SEQ_DIM, documents_meet, gather_documents, merge_partial, pack, unpack, zigzag_shard, zigzag_unshard
@@ -40,14 +41,81 @@ def _allgather_blocks(
     return blocks
 
 
+def _rank_forward(q, full_k, full_v, rank, size, causal, scale, window, docs, full_docs):
+    """(out, lse, blocks) of the rank at cp position `rank` of `size`: its queries over the gathered K/V."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros((*q.shape[:3], full_v.shape[-1]), dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full_k.shape[SEQ_DIM], window)
+    if docs is not None:  # blocks whose queries share no document with their keys are skipped
+        meets = torch.stack([documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]).tolist()
+        blocks = [block for block, meet in zip(blocks, meets) if meet]
+    for rows, cols, block_causal in blocks:
+        o_b, lse_b = flash_attention(
+            q[:, :, rows],
+            full_k[:, :, cols],
+            full_v[:, :, cols],
+            causal=block_causal,
+            scale=scale,
+            return_lse=True,
+            window=window,
+            **_gathered_docs(docs, full_docs, rows, cols),
+        )
+        out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+    return out.to(q.dtype), lse, blocks
+
+
+def _rank_backward(q, full_k, full_v, out, lse, dout, dlse, blocks, size, scale, window, docs, full_docs):
+    """(dq, every cp rank's packed zigzag share of this rank's dK/dV, in rank order): what its reduce-scatter
+    sends (in fp32)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dfull_k = torch.zeros(full_k.shape, dtype=acc, device=q.device)
+    dfull_v = torch.zeros(full_v.shape, dtype=acc, device=q.device)
+    for rows, cols, block_causal in blocks:
+        dq_b, dk_b, dv_b = flash_attention_backward(
+            dout[:, :, rows],
+            q[:, :, rows],
+            full_k[:, :, cols],
+            full_v[:, :, cols],
+            out[:, :, rows],
+            lse[:, :, rows],
+            None if dlse is None else dlse[:, :, rows],
+            causal=block_causal,
+            scale=scale,
+            window=window,
+            **_gathered_docs(docs, full_docs, rows, cols),
+        )
+        dq[:, :, rows] += dq_b.to(acc)
+        dfull_k[:, :, cols] += dk_b.to(acc)
+        dfull_v[:, :, cols] += dv_b.to(acc)
+    shares = torch.cat(
+        [pack(zigzag_shard(dfull_k, SEQ_DIM, r, size), zigzag_shard(dfull_v, SEQ_DIM, r, size)) for r in range(size)]
+    )
+    return dq.to(q.dtype), shares
+
+
+def _local_kv(mine: Tensor, full_k: Tensor, full_v: Tensor, local: int) -> tuple[Tensor, Tensor]:
+    """This rank's dK and dV from its reduced share (the full shapes with its `local` positions)."""
+    return unpack(
+        mine,
+        torch.Size((*full_k.shape[:2], local, full_k.shape[3])),
+        torch.Size((*full_v.shape[:2], local, full_v.shape[3])),
+    )
+
+
 class _AllGatherAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, window=None, docs=None, full_docs=None):
         ctx.set_materialize_grads(False)
-        if simulated_world() is not None:  # each rank's blocks follow its place: rank 0's would be every rank's
-            raise ValueError(
-                "cp_method=allgather is not simulated yet: check cp_method=ring, or prove it on real ranks"
-            )
+        ctx.group, ctx.scale, ctx.window, ctx.causal = group, scale, window, causal
+        ctx.simulated = simulated_world() is not None
+        if ctx.simulated:  # every rank of every cp group here, each over its group's gathered K/V
+            if docs is not None:
+                raise ValueError(SIMULATED_DOCUMENTS)
+            out, lse = simulated_allgather_forward(q, k, v, group, causal, scale, window, _rank_forward)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out, lse
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         kv = pack(k, v)
         gathered = kv.new_empty((size * kv.numel(),))
@@ -56,75 +124,32 @@ class _AllGatherAttention(Function):
         shards = [unpack(part, k.shape, v.shape) for part in gathered.view(size, -1).unbind(0)]
         full_k = zigzag_unshard([ks for ks, _ in shards], dim=SEQ_DIM)  # sequence order
         full_v = zigzag_unshard([vs for _, vs in shards], dim=SEQ_DIM)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full_k.shape[SEQ_DIM], window)
-        if docs is not None:  # blocks whose queries share no document with their keys are skipped
-            meets = torch.stack(
-                [documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]
-            ).tolist()
-            blocks = [block for block, meet in zip(blocks, meets) if meet]
-        for rows, cols, block_causal in blocks:
-            o_b, lse_b = flash_attention(
-                q[:, :, rows],
-                full_k[:, :, cols],
-                full_v[:, :, cols],
-                causal=block_causal,
-                scale=scale,
-                return_lse=True,
-                window=window,
-                **_gathered_docs(docs, full_docs, rows, cols),
-            )
-            out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
-        out = out.to(q.dtype)
+        out, lse, ctx.blocks = _rank_forward(q, full_k, full_v, rank, size, causal, scale, window, docs, full_docs)
         ctx.save_for_backward(q, full_k, full_v, out, lse, docs, full_docs)
-        ctx.group, ctx.scale, ctx.blocks, ctx.window = group, scale, blocks, window
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if ctx.simulated:
+            q, k, v, out, lse = ctx.saved_tensors
+            dout = torch.zeros_like(out) if dout is None else dout
+            rank_args = (ctx.causal, ctx.scale, ctx.window)
+            dq, dk, dv = simulated_allgather_backward(
+                q, k, v, out, lse, dout, dlse, ctx.group, rank_args, _rank_forward, _rank_backward, _local_kv
+            )
+            return dq, dk, dv, None, None, None, None, None, None
         q, full_k, full_v, out, lse, docs, full_docs = ctx.saved_tensors
         group, size = ctx.group, dist.get_world_size(ctx.group)
         dout = torch.zeros_like(out) if dout is None else dout
-        acc = torch.promote_types(q.dtype, torch.float32)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dfull_k = torch.zeros(full_k.shape, dtype=acc, device=q.device)
-        dfull_v = torch.zeros(full_v.shape, dtype=acc, device=q.device)
-        for rows, cols, block_causal in ctx.blocks:
-            dq_b, dk_b, dv_b = flash_attention_backward(
-                dout[:, :, rows],
-                q[:, :, rows],
-                full_k[:, :, cols],
-                full_v[:, :, cols],
-                out[:, :, rows],
-                lse[:, :, rows],
-                None if dlse is None else dlse[:, :, rows],
-                causal=block_causal,
-                scale=ctx.scale,
-                window=ctx.window,
-                **_gathered_docs(docs, full_docs, rows, cols),
-            )
-            dq[:, :, rows] += dq_b.to(acc)
-            dfull_k[:, :, cols] += dk_b.to(acc)
-            dfull_v[:, :, cols] += dv_b.to(acc)
-        # every rank's zigzag share of dK/dV, summed over the ranks onto its owner (in fp32)
-        shares = torch.cat(
-            [
-                pack(zigzag_shard(dfull_k, SEQ_DIM, r, size), zigzag_shard(dfull_v, SEQ_DIM, r, size))
-                for r in range(size)
-            ]
+        dq, shares = _rank_backward(
+            q, full_k, full_v, out, lse, dout, dlse, ctx.blocks, size, ctx.scale, ctx.window, docs, full_docs
         )
+        # every rank's zigzag share of dK/dV, summed over the ranks onto its owner (in fp32)
         mine = shares.new_empty(shares.shape[0] // size)
         with collective("reduce_scatter (dK/dV)", "cp", group):
             _reduce_scatter_flat(mine, shares, group=group)
-        local = q.shape[SEQ_DIM]
-        dk, dv = unpack(
-            mine,
-            torch.Size((*full_k.shape[:2], local, full_k.shape[3])),
-            torch.Size((*full_v.shape[:2], local, full_v.shape[3])),
-        )
-        return dq.to(q.dtype), dk.to(full_k.dtype), dv.to(full_v.dtype), None, None, None, None, None, None
+        dk, dv = _local_kv(mine, full_k, full_v, q.shape[SEQ_DIM])
+        return dq, dk.to(full_k.dtype), dv.to(full_v.dtype), None, None, None, None, None, None
 
 
 def _gathered_docs(docs: Tensor | None, full_docs: Tensor | None, rows: slice, cols: slice) -> dict:

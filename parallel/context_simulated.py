@@ -7,6 +7,10 @@ ring visits its holders (its owner first, then the next rank, ...), as the real 
 arithmetic of a step is context.py's (`rank_forward`, `rank_shares`), with each rank's own ring plan, so a
 simulated rank computes what a real one does.
 
+All-gather attention (context_allgather.py) likewise: each rank attends over its group's K/V in sequence order
+(what the all-gather hands every member), and each rank's dK/dV is the sum of every member's share of it in
+rank order, as the reduce-scatter adds them.
+
 Packed documents are refused here (SIMULATED_DOCUMENTS): their plan needs every rank's document ids first."""
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .local_world import group_members, simulated_world
-from .zigzag import pack, unpack
+from .zigzag import SEQ_DIM, pack, unpack, zigzag_unshard
 
 SIMULATED_DOCUMENTS = (
     "packed documents under cp are not simulated yet (a ring plan reads every rank's document ids): prove "
@@ -77,5 +81,66 @@ def simulated_ring_backward(
                 for step in range(size):
                     add_shares(dkv, shares[(j + step) % size][step], k_r, v_r, acc)
                 dk, dv = unpack(dkv, k_r.shape, v_r.shape)  # type: ignore[union-attr]
+                grads[r] = (dqs[j], dk.to(k.dtype), dv.to(v.dtype))
+        return tuple(world.rank_map(lambda r, n=n: grads[r][n]) for n in range(3))  # type: ignore[return-value]
+
+
+def _gathered(k: Tensor, v: Tensor, members: list[int]) -> tuple[Tensor, Tensor]:
+    """A cp group's K and V in sequence order: what the all-gather hands each of its members."""
+    full_k = zigzag_unshard([k._local_tensors[r] for r in members], dim=SEQ_DIM)  # type: ignore[attr-defined]
+    full_v = zigzag_unshard([v._local_tensors[r] for r in members], dim=SEQ_DIM)  # type: ignore[attr-defined]
+    return full_k, full_v
+
+
+def simulated_allgather_forward(
+    q: Tensor, k: Tensor, v: Tensor, group: Any, causal: bool, scale: Any, window: Any, rank_forward: Callable
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of every simulated rank: `rank_forward(q, full_k, full_v, position, size, causal, scale,
+    window, None, None)` on each rank's queries over its group's gathered K/V."""
+    world = simulated_world()
+    outs: dict[int, tuple[Tensor, Tensor]] = {}
+    with world.disable():
+        for members in group_members(group):
+            full_k, full_v = _gathered(k, v, members)
+            for i, r in enumerate(members):
+                out, lse, _ = rank_forward(
+                    _of(q, r), full_k, full_v, i, len(members), causal, scale, window, None, None
+                )
+                outs[r] = (out, lse)
+        return world.rank_map(lambda r: outs[r][0]), world.rank_map(lambda r: outs[r][1])
+
+
+def simulated_allgather_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    group: Any,
+    rank_args: tuple,
+    rank_forward: Callable,
+    rank_backward: Callable,
+    local_kv: Callable,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of every simulated rank: each member's blocks (as its forward ran them) give its dq and
+    every member's share of its dK/dV; a rank's dK/dV is its shares summed over the members in rank order."""
+    causal, scale, window = rank_args
+    world = simulated_world()
+    grads: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+    with world.disable():
+        for members in group_members(group):
+            size = len(members)
+            full_k, full_v = _gathered(k, v, members)
+            dqs, shares = {}, {}
+            for i, r in enumerate(members):
+                q_r = _of(q, r)
+                blocks = rank_forward(q_r, full_k, full_v, i, size, causal, scale, window, None, None)[2]
+                tensors = (q_r, full_k, full_v, _of(out, r), _of(lse, r), _of(dout, r), _of(dlse, r), blocks)
+                dqs[i], shares[i] = rank_backward(*tensors, size, scale, window, None, None)
+            for j, r in enumerate(members):
+                mine = sum(shares[i].chunk(size)[j] for i in range(size))
+                dk, dv = local_kv(mine, full_k, full_v, _of(q, r).shape[SEQ_DIM])  # type: ignore[union-attr]
                 grads[r] = (dqs[j], dk.to(k.dtype), dv.to(v.dtype))
         return tuple(world.rank_map(lambda r, n=n: grads[r][n]) for n in range(3))  # type: ignore[return-value]

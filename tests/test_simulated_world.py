@@ -116,6 +116,37 @@ def test_the_cp_ring_and_expert_parallel_at_scale_equal_one_process(layout):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2xcp4", "cp4xtp2+sp"])
+def test_all_gather_context_parallel_on_simulated_ranks_equals_one_process(layout):
+    """cp_method=allgather: each simulated rank attends over its group's gathered K/V by its own blocks, and
+    its dK/dV is every member's share of it summed (context_simulated.py); with tp + SP too."""
+    record = check("--layout", layout, "--cp-method", "allgather")
+    assert record["cp_method"] == "allgather"
+    assert record["verdict"].startswith(f"equal to one process: {layout} on 8 simulated ranks"), record["verdict"]
+
+
+@pytest.mark.slow
+def test_an_all_gather_bug_only_a_rank_past_the_first_shows_is_caught_by_name():
+    """A planted bug: every rank attends with position 0's blocks (its own chunks' place ignored). The
+    simulated world runs each rank's own blocks, so the first wrong gradient is named."""
+    child = (
+        "import tessera.parallel.context_allgather as a\n"
+        "from tessera.testing.equivalence import LayoutsDiverge\n"
+        "from tessera.testing.simulated_world import prove_layout\n"
+        "honest = a._rank_forward\n"
+        "a._rank_forward = lambda q, k, v, rank, size, *rest: honest(q, k, v, 0, size, *rest)\n"
+        "try:\n"
+        "    prove_layout('dp2xcp2', cp_method='allgather', steps=1)\n"
+        "    print('not caught')\n"
+        "except LayoutsDiverge as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 1: gradient of parameter" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw", [dict(dp=8, dp_replicate=2), dict(dp=16, tp=4, sequence_parallel=True)], ids=["hsdp-8", "dp16xtp4-64"]
 )
@@ -197,6 +228,10 @@ def _one_error(capsys, *argv: str) -> str:
     [
         (["--layout", "dp4", "--world", "8"], "--world 8 is not the world of --layout dp4 (4 ranks)"),
         (["--layout", "dp2", "--schedule", "zbv"], "a pipeline option needs a pp layout"),
+        (
+            ["--layout", "dp2", "--cp-method", "allgather"],
+            "--cp-method allgather with --layout dp2: it needs a cp layout",
+        ),
         (["--layout", "dp2+zero2", "--fsdp", "NO_SHARD"], "whose +zero2 is SHARD_GRAD_OP: name one of them"),
         (["--layout", "dp2", "--fsdp", "BOGUS"], "unknown FSDP strategy 'BOGUS'"),
         # a preset named is taken as it is: 4 stages need 4 layers

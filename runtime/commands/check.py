@@ -49,6 +49,11 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
         help="the optimizer both sides train with, as tessera train takes it (muon: Muon on the hidden matrices)",
     )
     p.add_argument(
+        "--cp-method",
+        choices=("ring", "allgather"),
+        help="a cp layout's attention, as tessera train takes it: ring (default) or allgather",
+    )
+    p.add_argument(
         "--schedule",
         help="a pp layout's pipeline schedule, as tessera train takes it (default 1f1b; every kind runs)",
     )
@@ -81,6 +86,7 @@ def run_check(args: argparse.Namespace) -> int:
             microbatches=args.microbatches,
             fsdp=args.fsdp,
             optimizer=args.optimizer,
+            cp_method=args.cp_method,
         )
     except LayoutsDiverge as e:
         record = getattr(e, "record", {"verdict": f"differs from one process: {e}"})

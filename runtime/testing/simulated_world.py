@@ -113,6 +113,7 @@ def _prepare(
     pipeline: dict[str, Any] | None = None,
     fsdp: str | None = None,
     optimizer: str = "adamw",
+    cp_method: str | None = None,
 ) -> tuple[dict, dict, int, Any, float]:
     """(one process's Config.create keywords, the layout's, the world, the model's config, the memory estimate):
     every input checked, ValueError naming the parameter and the fix, before anything is built."""
@@ -137,6 +138,10 @@ def _prepare(
         if kw.get("fsdp", fsdp) != fsdp:
             raise ValueError(f"fsdp={fsdp} with layout={layout_name}, whose +zero2 is SHARD_GRAD_OP: name one of them")
         kw["fsdp"] = fsdp
+    if cp_method is not None:
+        if kw.get("cp", 1) == 1:
+            raise ValueError(f"cp_method={cp_method} with layout={layout_name}: it needs a cp layout (e.g. dp2xcp2)")
+        kw["cp_method"] = cp_method
     if not 1 <= steps <= MAX_STEPS:
         raise ValueError(f"steps={steps} must be 1..{MAX_STEPS} (a proof needs a few steps), e.g. steps=2")
     if optimizer not in OPTIMIZERS:
@@ -286,6 +291,7 @@ def prove_layout(
     microbatches: int | None = None,
     fsdp: str | None = None,
     optimizer: str = "adamw",
+    cp_method: str | None = None,
 ) -> dict[str, Any]:
     """Train `layout` (a tessera bench name, e.g. "dp32xtp8+sp") on its `world` simulated ranks and one process
     alone, and compare them at 1e-5: the record (losses, grad norms, the model's shape, the simulated run's
@@ -299,7 +305,8 @@ def prove_layout(
     microbatches' rows in one pass. `fsdp`: the data axis's FSDP2 strategy (FULL_SHARD by default,
     SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD, as tessera train's --fsdp). `optimizer`: "adamw" or "muon"
     (tessera train's --optimizer: Muon on the hidden matrices, each orthogonalized whole by its owner, whose
-    gather every simulated rank receives as an all-gather and whose scatter each rank reads its part of)."""
+    gather every simulated rank receives as an all-gather and whose scatter each rank reads its part of).
+    `cp_method`: a cp layout's attention, "ring" (the default) or "allgather" (tessera train's --cp-method)."""
     from tessera.training.run_config import Config  # lazy: (as in _prepare)
     from tessera.training.simulated import trace
 
@@ -308,7 +315,7 @@ def prove_layout(
     with tempfile.TemporaryDirectory(prefix="tessera-check-") as scratch:
         pipeline = {"schedule": schedule, "virtual": virtual, "microbatches": microbatches}
         one_kw, layout_kw, world, cfg, estimate = _prepare(
-            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8, pipeline, fsdp, optimizer
+            layout, world, model, steps, seq_len, global_batch, Path(scratch), fp8, pipeline, fsdp, optimizer, cp_method
         )
         before = _rss_bytes()
         started = time.perf_counter()
@@ -333,6 +340,7 @@ def prove_layout(
         "world": world,
         "steps": steps,
         "optimizer": optimizer,
+        "cp_method": layout_config.parallel_config().cp_method if layout_config.layout.cp > 1 else None,
         "seq_len": one_kw["seq_len"],
         "global_batch": one_kw["global_batch"],
         "model": "debug, sized for the layout" if model in (None, "debug") else model,

@@ -253,17 +253,11 @@ def mesh_coordinates_once() -> Iterator[None]:
 
 def check_simulated(config: Any, world: int) -> None:
     """ValueError naming what a simulated world of `world` ranks cannot run of `config`, before anything is
-    built: a world that is not the layout's, a cp method or packed documents it does not run, a vocabulary the
+    built: a world that is not the layout's, packed documents under cp (not run yet), a vocabulary the
     shards do not split evenly, a torch without LocalTensorMode."""
     layout = config.layout
     if world != layout.world_size:
         raise ValueError(f"world={world} is not the world of {layout} ({layout.world_size} ranks)")
-    cp_method = config.parallel_config().cp_method  # the method the run takes (its default resolved)
-    if layout.cp > 1 and cp_method != "ring":
-        raise ValueError(
-            f"cp_method={cp_method} is not simulated yet (its blocks follow each rank's place, "
-            f"which the simulated world runs for the ring only): check cp_method=ring, or prove it on real ranks"
-        )
     if layout.cp > 1 and config.data.pack_documents:
         raise ValueError(f"pack_documents=True with cp={layout.cp}: {SIMULATED_DOCUMENTS}")
     vocab, multiple = config.model_config.vocab_size, shard_multiple(layout)
