@@ -5,7 +5,7 @@ The optimizer step is timed alone: each rank waits at a barrier after its backwa
 its optimizer step(s) (Muon on the spec's matrices beside AdamW on the rest, or AdamW on everything); a
 step's time is the slowest rank's. Bytes are what --comm-stats counts during step 1 under 'muon' (Muon's
 gathers and scatters; AdamW's step moves none: its collectives are FSDP's and clipping's, outside the step),
-beside topology/comm_model.py's prediction. The whole training step's median is kept for scale.
+beside topology/estimators/comm_model.py's prediction. The whole training step's median is kept for scale.
 
     python benchmarks/bench_muon.py                    # small preset: benchmarks/results/muon-small-cpu.json and .png
     python benchmarks/bench_muon.py --model debug --steps 2 --warmup 1 --out /tmp   # seconds

@@ -36,10 +36,10 @@ from tessera.models import get_preset  # noqa: E402
 from tessera.parallel import materialize  # noqa: E402
 from tessera.parallel.loss import CrossEntropySum  # noqa: E402
 from tessera.parallel.pipeline import PipelineRunner, build_stage, split_layers, stages_of_rank  # noqa: E402
-from tessera.topology.schedule import build_schedule  # noqa: E402
-from tessera.topology.simulator import simulate  # noqa: E402
-from tessera.topology.schedule import VIRTUAL_KINDS, V_KINDS, Action, placement_of  # noqa: E402
-from tessera.topology.simulator import bubble_of  # noqa: E402
+from tessera.topology.schedules.schedule import build_schedule  # noqa: E402
+from tessera.topology.schedules.simulator import simulate  # noqa: E402
+from tessera.topology.schedules.schedule import VIRTUAL_KINDS, V_KINDS, Action, placement_of  # noqa: E402
+from tessera.topology.schedules.simulator import bubble_of  # noqa: E402
 
 TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",

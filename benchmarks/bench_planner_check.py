@@ -3,7 +3,7 @@
 For each model size and batch: build tessera's Trainer in this process (one rank, the device's compute
 dtype), warm it up, then repeat ROUNDS times, back to back: calibrate this device at the model's shapes
 (tessera.commands.calibrate.measure, what `tessera plan --calibrate --quick` measures), predict the step with the
-planner (topology/planner.py estimate with that calibration: topology/step_time.py), and time STEPS real
+planner (topology/estimators/planner.py estimate with that calibration: step_time.py), and time STEPS real
 training steps. Reported per configuration: the medians of the predicted and the measured step and of
 their per-round ratio (measured / predicted), with the predicted components. Calibrating in every round,
 next to the steps it predicts, keeps both under the same machine load (a shared CPU drifts by 2x within
@@ -73,7 +73,7 @@ def check_one(
     from tessera.training.estimate import planner_estimate
     from tessera.commands.calibrate import measure
     from tessera.config import Config
-    from tessera.topology.step_time import Calibration
+    from tessera.topology.estimators.step_time import Calibration
     from tessera.trainer import Trainer
 
     config = Config.create(

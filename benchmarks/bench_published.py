@@ -4,8 +4,8 @@ from its hardware profile, model, layout, batch, sequence and techniques, and pr
 published figures and the error.
 
 One software-efficiency constant per source (a framework's distance from the kernels' rates the profiles
-state, topology/step_model.py) is fitted on that source's one named anchor row, so that the anchor is predicted
-exactly; every other figure of the model is held fixed across rows. No row has a constant of its own.
+state, topology/estimators/step_model.py) is fitted on that source's one named anchor row, so that the anchor is
+predicted exactly; every other figure of the model is held fixed across rows. No row has a constant of its own.
 
     python benchmarks/bench_published.py                 # writes results/published.json and published.png
     python benchmarks/bench_published.py --out DIR       # another folder
@@ -32,8 +32,8 @@ from tessera.commands.plan import model_shape  # noqa: E402
 from tessera.commands.plan_layout import parse_named_layout  # noqa: E402
 from tessera.topology.errors import PlanError  # noqa: E402
 from tessera.topology.hardware import load_profile  # noqa: E402
-from tessera.topology.planner import Hardware, gain_text, plan  # noqa: E402
-from tessera.topology.scoring import estimate_record, score_one  # noqa: E402
+from tessera.topology.estimators.planner import Hardware, gain_text, plan  # noqa: E402
+from tessera.topology.estimators.scoring import estimate_record, score_one  # noqa: E402
 
 RUNS = Path(__file__).resolve().parent / "published" / "runs.json"
 NAME = "published"
@@ -85,7 +85,7 @@ def authors_estimate(row: dict, source: dict, efficiency: float):
 
 
 def predict(row: dict, source: dict, efficiency: float) -> dict:
-    """The row's estimate at a source's software efficiency (topology/scoring.py's record)."""
+    """The row's estimate at a source's software efficiency (topology/estimators/scoring.py's record)."""
     x, hw = authors_estimate(row, source, efficiency)
     return estimate_record(x, hw, model_shape(row["model"]), row["seq_len"], row["global_batch"])
 

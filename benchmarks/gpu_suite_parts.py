@@ -371,7 +371,7 @@ def part_planner(suite: Suite, cap: float) -> dict:
     from tessera.training.estimate import planner_estimate
     from tessera.commands.calibrate import describe
     from tessera.parallel.launch import run_ranks
-    from tessera.topology.step_time import Calibration
+    from tessera.topology.estimators.step_time import Calibration
 
     sizes = suite.sizes
     config = train_config(sizes, sizes["calibrate_batch"], False, suite.smoke)

@@ -6,7 +6,7 @@ functional-collective op (DTensor's), so counting there sees all of them, wherev
 including inside autograd's backward. Each op's process group is mapped to the mesh axis with the same
 members (`axis_of_group`; tessera's own collectives name their axis in `comm.collective`, which
 settles groups two axes share, such as cp's and FSDP's when dp_shard is 1), and its payload to the bytes
-this rank puts on the wire with a ring algorithm (the same convention as topology/comm_model.py, which
+this rank puts on the wire with a ring algorithm (the same convention as topology/estimators/comm_model.py, which
 predicts them):
 
     all-reduce 2 (n-1)/n x payload; all-gather (n-1)/n x output; reduce-scatter (n-1)/n x input; send: payload
@@ -18,7 +18,7 @@ predicts them):
 
 Received bytes are the senders' and are not counted twice. The names bytes are accounted under are the
 axes table's (topology/axes.py: each axis's `comm`, FSDP's traffic under its flattened mesh), the same names
-topology/comm_model.py predicts. Under expert parallel the experts' FSDP2 group (edp: the ranks of this
+topology/estimators/comm_model.py predicts. Under expert parallel the experts' FSDP2 group (edp: the ranks of this
 rank's dp_shard x cp group that hold the same experts) is FSDP's too, counted under the flattened mesh's name
 as comm_model accounts it. The mode adds a Python call per operator, so it runs only when asked
 (`tessera train --comm-stats`, and `tessera bench` for one counted step).
@@ -35,7 +35,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.topology.axes import COMM_AXES, FLATTENED_BY_PURPOSE
-from tessera.topology.comm_model import wire_bytes
+from tessera.topology.estimators.comm_model import wire_bytes
 
 from .comm import CURRENT_AXIS, axis_of_group
 

@@ -97,11 +97,12 @@ def _rank_backward(q, full_k, full_v, out, lse, dout, dlse, blocks, size, scale,
 
 def _local_kv(mine: Tensor, full_k: Tensor, full_v: Tensor, local: int) -> tuple[Tensor, Tensor]:
     """This rank's dK and dV from its reduced share (the full shapes with its `local` positions)."""
-    return unpack(
+    dk, dv = unpack(
         mine,
         torch.Size((*full_k.shape[:2], local, full_k.shape[3])),
         torch.Size((*full_v.shape[:2], local, full_v.shape[3])),
     )
+    return dk, dv
 
 
 class _AllGatherAttention(Function):

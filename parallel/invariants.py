@@ -26,7 +26,7 @@ from tessera.kernels import flash_attention
 from tessera.models.init import one_process_name
 
 from .context import merge_partial
-from tessera.topology.simulator import simulate, validate
+from tessera.topology.schedules.simulator import simulate, validate
 from .tensor import shard_range
 
 

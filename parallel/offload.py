@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from tessera.topology.offload_model import check_offload_mode as check_offload
+from tessera.topology.estimators.offload_model import check_offload_mode as check_offload
 
 HOST = torch.device("cpu")
 

@@ -4,7 +4,7 @@
     build_stage         the one-process model with only stage s's blocks (the spec's first-stage modules on
                         the first stage, its last-stage modules on the last), built on the meta device;
                         names unchanged, so block 5's parameters have one name on every pp degree
-    PipelineRunner      runs this rank's actions of a schedule (`tessera.topology.schedule`): F, B and W
+    PipelineRunner      runs this rank's actions of a schedule (`tessera.topology.schedules.schedule`): F, B and W
                         over batched isend/irecv on the pp group
 
 The schedule says only what to compute; the messages follow from it. F of stage s sends its output to
@@ -33,9 +33,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.fsdp import FSDPModule
 
 from tessera.models.spec import spec_of
-from tessera.topology.schedule import placement_of, stage_rank, stages_on_rank
-from tessera.topology.simulator import fused_backwards
-from tessera.topology.schedule_files import action_text, check_fits
+from tessera.topology.schedules.schedule import placement_of, stage_rank, stages_on_rank
+from tessera.topology.schedules.simulator import fused_backwards
+from tessera.topology.schedules.schedule_files import action_text, check_fits
 from tessera.topology.shapes import split_layers  # the stage split's one rule (re-exported here)
 
 from .comm import collective
@@ -43,9 +43,9 @@ from .loss import LinearCrossEntropyHead, model_loss
 from .pipeline_simulated import simulated_pipeline
 from .tied import shared_parameters
 
-from tessera.topology.schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule
+from tessera.topology.schedules.schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule
 
-from tessera.topology.simulator import simulate, validate
+from tessera.topology.schedules.simulator import simulate, validate
 
 __all__ = [
     "build_schedule",

@@ -32,7 +32,14 @@ def test_the_flattened_meshes_and_the_accounting_come_from_the_entries():
         "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     }
     assert list(FLATTENED) == ["dp", "dp_shard_cp", "dp_cp"]  # build_mesh flattens in this order
-    assert COMM_AXES == ("pp", "dp_replicate", "dp_shard_cp", "cp", "tp", "ep")  # topology/comm_model.py's keys
+    assert COMM_AXES == (
+        "pp",
+        "dp_replicate",
+        "dp_shard_cp",
+        "cp",
+        "tp",
+        "ep",
+    )  # topology/estimators/comm_model.py's keys
     purposes = {f.purpose: f.name for f in axes.FLATTENED_MESHES}
     assert purposes == {"batch": "dp", "fsdp": "dp_shard_cp", "loss": "dp_cp"}
     assert {a.mesh for a in TABLE if a.mesh} == {"tp", "pp", "cp", "ep"}
@@ -220,7 +227,7 @@ def _extra_axis() -> Axis:
 def test_the_planner_enumerates_the_axes_of_the_table_it_is_given():
     """An extra entry is enumerated with no change to the planner: its degrees within its cap, the ranks left
     over still going to dp_shard, and the layouts with it at 1 exactly the table's own."""
-    from tessera.topology.planner import Hardware, layout_degrees
+    from tessera.topology.estimators.planner import Hardware, layout_degrees
 
     shape = SimpleNamespace(n_heads=8, n_kv_heads=2, ffn_dim=64, n_layers=4)
     hw = Hardware(gpus=16)
@@ -239,7 +246,7 @@ def test_the_planner_enumerates_the_axes_of_the_table_it_is_given():
 def test_a_borrowed_axis_is_enumerated_over_the_dimensions_it_borrows():
     """Expert parallel's entry: no ranks of its own, its degree a power of two dividing dp_shard x cp and the
     experts; a dense model (n_experts 0) gets ep 1 only."""
-    from tessera.topology.planner import Hardware, layout_degrees
+    from tessera.topology.estimators.planner import Hardware, layout_degrees
 
     shape = SimpleNamespace(n_heads=8, n_kv_heads=8, ffn_dim=64, n_layers=4, n_experts=4)
     found = layout_degrees(shape, Hardware(gpus=16), 256, 32)
@@ -256,7 +263,7 @@ def test_a_candidates_flags_give_back_its_layout():
     import shlex
 
     from tessera.commands.plan import model_shape
-    from tessera.topology.planner import Hardware, candidates
+    from tessera.topology.estimators.planner import Hardware, candidates
 
     for cand in candidates(model_shape("8b"), Hardware(gpus=16), 4096, 64)[::17]:
         words = shlex.split(cand.flags())
@@ -272,8 +279,8 @@ def test_the_accounting_names_are_the_tables():
     """comm_model gives bytes under every accounting name of the table (one volume each) and the planner
     times each over its group's links, overlapping the ones the table says overlap compute."""
     from tessera.commands.plan import model_shape
-    from tessera.topology import comm_model
-    from tessera.topology.planner import Candidate, Hardware, estimate
+    from tessera.topology.estimators import comm_model
+    from tessera.topology.estimators.planner import Candidate, Hardware, estimate
 
     assert set(comm_model.VOLUMES) == set(COMM_AXES)
     assert axes.COMM_GROUPS == {
@@ -321,14 +328,18 @@ def test_the_planner_and_the_comm_model_spell_out_no_axes(tmp_path):
     """Their axes, caps, rest axis, flags and accounting names come from the table: no literal listing axes."""
     from pathlib import Path
 
-    import tessera.topology.comm_model
-    import tessera.topology.plan_inputs
-    import tessera.topology.planner
-    import tessera.topology.rank_memory
-    import tessera.topology.step_estimate
+    import tessera.topology.estimators.comm_model
+    import tessera.topology.estimators.plan_inputs
+    import tessera.topology.estimators.planner
+    import tessera.topology.estimators.rank_memory
+    import tessera.topology.estimators.step_estimate
 
-    modules = (tessera.topology.planner, tessera.topology.plan_inputs, tessera.topology.rank_memory)
-    for module in (*modules, tessera.topology.step_estimate, tessera.topology.comm_model):
+    modules = (
+        tessera.topology.estimators.planner,
+        tessera.topology.estimators.plan_inputs,
+        tessera.topology.estimators.rank_memory,
+    )
+    for module in (*modules, tessera.topology.estimators.step_estimate, tessera.topology.estimators.comm_model):
         assert _axis_listings(Path(module.__file__)) == []
     # the check finds what it looks for: the planner's and the comm model's former spellings
     probe = tmp_path / "probe.py"

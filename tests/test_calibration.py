@@ -15,8 +15,8 @@ from helpers import cli_here
 from tessera.models import get_preset
 from tessera.commands.plan import model_shape
 from tessera.topology import Layout
-from tessera.topology.planner import Candidate, Hardware, estimate
-from tessera.topology.step_time import (
+from tessera.topology.estimators.planner import Candidate, Hardware, estimate
+from tessera.topology.estimators.step_time import (
     OPS_PER_BLOCK,
     SCHEMA,
     Calibration,
@@ -105,7 +105,7 @@ def test_the_step_time_model_reads_the_shape():
     from dataclasses import replace
 
     from tessera.commands.calibrate import linear_shapes
-    from tessera.topology.step_time import attention_flops_per_token
+    from tessera.topology.estimators.step_time import attention_flops_per_token
 
     qwen = model_shape("qwen3-0.6b")
     assert attention_flops_per_token(qwen, 4096) == 6 * 28 * 16 * 128 * 4096
@@ -271,7 +271,7 @@ def test_the_optimizer_bytes_the_step_time_model_states_hold_for_tesseras_clip_a
     from tessera.models import build_model
     from tessera.training.optim import build_adamw
     from tessera.parallel.clip import clip_grad_norm_
-    from tessera.topology.step_time import OPTIMIZER_BYTES_PER_PARAM
+    from tessera.topology.estimators.step_time import OPTIMIZER_BYTES_PER_PARAM
 
     model = build_model(get_preset("small"), seed=0)
     params = list(model.parameters())

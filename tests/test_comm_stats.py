@@ -1,5 +1,5 @@
 """Communication accounting (--comm-stats): the bytes each mesh axis moved in a step, counted at the
-dispatcher (tessera's collectives and FSDP2's), equal the analytic volumes of topology/comm_model.py."""
+dispatcher (tessera's collectives and FSDP2's), equal the analytic volumes of topology/estimators/comm_model.py."""
 
 import sys
 

@@ -18,8 +18,8 @@ from tessera.models.corpus import TokenStream
 from tessera.models.spec import shape_of
 from tessera.parallel.fault_tolerance import ReplicaRows
 from tessera.topology import Layout
-from tessera.topology.plan_inputs import Candidate, Hardware
-from tessera.topology.step_estimate import estimate
+from tessera.topology.estimators.plan_inputs import Candidate, Hardware
+from tessera.topology.estimators.step_estimate import estimate
 
 torchft = pytest.importorskip("torchft")  # the transport subclasses torchft's CheckpointTransport
 

@@ -18,8 +18,8 @@ pytestmark = NEEDS_TORCHAO
 from tessera.models.spec import get_preset, spec_of  # noqa: E402
 from tessera.topology import Layout  # noqa: E402
 from tessera.topology.errors import PlanError  # noqa: E402
-from tessera.topology.fp8_model import cast_bytes_per_step, fp8_flop_share, fp8_params, fp8_summary  # noqa: E402
-from tessera.topology.planner import Candidate, Hardware, estimate  # noqa: E402
+from tessera.topology.estimators.fp8_model import cast_bytes_per_step, fp8_flop_share, fp8_params, fp8_summary  # noqa: E402
+from tessera.topology.estimators.planner import Candidate, Hardware, estimate  # noqa: E402
 from tessera.metrics.dtype_probe import MatmulDtypes  # noqa: E402
 from tessera.parallel.fp8 import (  # noqa: E402
     FP8_RECIPES,
@@ -117,7 +117,8 @@ def test_a_model_with_no_qualifying_layer_is_refused_naming_why():
 
 @pytest.mark.parametrize("model", ["debug", "qwen3-moe-debug", "qwen3-moe-shared-debug", "1b"])
 def test_the_planners_fp8_layers_are_the_ones_parallelize_converts(model):
-    """topology/fp8_model.py's torch-free rule counts the layers parallel/fp8.py converts, parameter for parameter."""
+    """topology/estimators/fp8_model.py's torch-free rule counts the layers parallel/fp8.py converts, parameter
+    for parameter."""
     cfg = get_preset(model)
     spec = spec_of(cfg)
     built = spec.build_model(cfg, device="meta") if model != "1b" else None

@@ -28,7 +28,7 @@ from tessera.parallel.loss import check_loss
 from tessera.parallel.pipeline import PipelineConfig, check_pipeline
 from tessera.topology import Layout
 from tessera.topology.errors import ConfigError, with_flags
-from tessera.topology.planner import Candidate, Hardware, why_not_runnable
+from tessera.topology.estimators.planner import Candidate, Hardware, why_not_runnable
 from tessera.topology.shapes import ModelShape, split_layers
 
 ROOT = Path(__file__).resolve().parents[1]

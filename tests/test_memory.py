@@ -154,7 +154,7 @@ def test_the_memory_command_agrees_with_the_planner():
 
     from tessera.commands.plan import model_shape
     from tessera.topology import Layout
-    from tessera.topology.planner import Candidate, Hardware, estimate
+    from tessera.topology.estimators.planner import Candidate, Hardware, estimate
 
     out = cli_here("memory", "--model", "8b", "--json", "--dp", "4", "--tp", "16", "--pp", "2")
     assert out.returncode == 0, out.stderr

@@ -2,7 +2,7 @@
 parameter shapes the memory model counts and the planner's layouts know experts and expert parallelism.
 
     counted   parallel/comm_stats.py: an all-to-all's bytes are exactly the rows a rank sends to the others
-    analytic  topology/comm_model.py: the ep volume for the routing the step measured (routed_fraction),
+    analytic  topology/estimators/comm_model.py: the ep volume for the routing the step measured (routed_fraction),
               and FSDP's (the experts' own unit over edp), tp's, cp's and pp's for MoE layouts, within 2%
               as tests/test_comm_stats.py holds dense layouts
     shapes    topology/shapes.py: every rank's parameters of an MoE model, summed over a layout, are the
@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 
 from helpers import small_config, cli_here
 from shared_spawns import SharedSpawns, selected_keys
-from tessera.topology import Layout, axes, comm_model
-from tessera.topology.comm_model import balanced_routed_fraction, comm_bytes_per_step, routed_fraction_of
+from tessera.topology import Layout, axes
+from tessera.topology.estimators import comm_model
+from tessera.topology.estimators.comm_model import balanced_routed_fraction, comm_bytes_per_step, routed_fraction_of
 from tessera.topology.shapes import (
     ModelShape,
     expert_param_shapes,
@@ -128,7 +129,7 @@ def test_the_planner_uses_the_balanced_routing_volume():
     """The planner's ep bytes are comm_model's with routed_fraction None, which is (ep-1)/ep; the exact
     volume of another routing scales the dispatch and combine rows by it (the counts all-to-all does not)."""
     from tessera.commands.plan import model_shape
-    from tessera.topology.planner import Candidate, Hardware, estimate
+    from tessera.topology.estimators.planner import Candidate, Hardware, estimate
 
     shape = model_shape("qwen3-moe-debug")
     for layout, sp in ((Layout(dp_shard=2, ep=2), False), (Layout(dp_shard=4, tp=2, ep=4), True)):
@@ -306,7 +307,7 @@ def test_the_dry_runs_expert_count_is_fully_shards():
 @pytest.fixture(scope="module")
 def moe_plan():
     from tessera.commands.plan import model_shape
-    from tessera.topology.planner import Hardware, plan
+    from tessera.topology.estimators.planner import Hardware, plan
 
     return plan(model_shape("qwen3-30b-a3b"), Hardware(gpus=64), 4096, 256)
 
@@ -353,7 +354,7 @@ def test_tessera_plan_prints_the_best_expert_parallel_layout_and_its_flags():
 
 def test_the_planner_never_offers_expert_parallel_for_a_dense_model():
     from tessera.commands.plan import model_shape
-    from tessera.topology.planner import Candidate, Hardware, candidates, why_not_runnable
+    from tessera.topology.estimators.planner import Candidate, Hardware, candidates, why_not_runnable
 
     for model in ("8b", "qwen3-0.6b"):
         found = candidates(model_shape(model), Hardware(gpus=16), 4096, 64)
@@ -368,7 +369,7 @@ def test_the_planner_never_offers_expert_parallel_for_a_dense_model():
 def test_expert_parallel_shrinks_a_ranks_parameters_and_the_memory_model_agrees():
     from tessera.commands.plan import model_shape
     from tessera.topology.memory import model_state_bytes
-    from tessera.topology.rank_memory import rank_params
+    from tessera.topology.estimators.rank_memory import rank_params
 
     shape = model_shape("qwen3-30b-a3b")
     numel = {ep: rank_params(shape, 1, 1, 1, 8, ep)[0] for ep in (1, 2, 8)}

@@ -15,7 +15,7 @@ from tessera.models.spec import get_spec, shape_of
 from tessera.parallel.launch import run_ranks
 from tessera.parallel.muon import Muon, ns_flops
 from tessera.topology.memory import muon_gather_bytes
-from tessera.topology.muon_memory import largest_matrix_numel
+from tessera.topology.estimators.muon_memory import largest_matrix_numel
 from tessera.training.estimate import planner_estimate
 
 CASES = {

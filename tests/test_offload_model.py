@@ -20,9 +20,9 @@ from tessera.parallel.offload import HostAdamW
 from tessera.topology import Layout
 from tessera.topology.errors import PlanError
 from tessera.topology.memory import RECIPES, model_state_bytes, offload_split
-from tessera.topology.offload_model import gathers_per_step, offload_seconds
-from tessera.topology.planner import Candidate, Hardware, estimate, plan
-from tessera.topology.scoring import estimate_record, score_one
+from tessera.topology.estimators.offload_model import gathers_per_step, offload_seconds
+from tessera.topology.estimators.planner import Candidate, Hardware, estimate, plan
+from tessera.topology.estimators.scoring import estimate_record, score_one
 
 GB = 10**9
 

@@ -292,7 +292,7 @@ def _custom_schedule_gradients(schedule):
 
 def test_a_hand_written_schedule_runs_and_a_deadlocking_one_is_refused():
     from tessera.models import build_model, get_preset
-    from tessera.topology.schedule import Action
+    from tessera.topology.schedules.schedule import Action
 
     # depth-first over 4 virtual stages on 2 ranks: microbatch 0 all the way down and back, then microbatch 1
     def rank_actions(r):
@@ -326,7 +326,7 @@ def _module_outputs_alive_at_each_w():
 
     from tessera.models import get_preset
     from tessera.parallel import materialize
-    from tessera.topology.schedule import Action
+    from tessera.topology.schedules.schedule import Action
 
     cfg = get_preset("debug", n_layers=2)
     part = materialize(build_stage(cfg, 0, 1, range(2)), "cpu", seed=0)
@@ -374,7 +374,7 @@ def _this_ranks_runner(cfg, kind: str, pp: int, virtual: int, microbatches: int)
     import torch.distributed as dist
 
     from tessera.parallel import materialize
-    from tessera.topology.schedule import placement_of
+    from tessera.topology.schedules.schedule import placement_of
 
     n_stages = pp * virtual
     mine = stages_of_rank(dist.get_rank(), pp, virtual, placement_of(kind))
@@ -427,8 +427,8 @@ def test_every_kind_holds_the_activations_the_simulator_says_and_computes_the_on
     not yet) equals the simulator's for every schedule kind, V placement included; and every kind's
     gradients equal one process's."""
     from tessera.models import build_model, get_preset
-    from tessera.topology.schedule import build_schedule
-    from tessera.topology.simulator import simulate
+    from tessera.topology.schedules.schedule import build_schedule
+    from tessera.topology.schedules.simulator import simulate
 
     results = run_ranks(_peak_held_by_kind, pp, pp, KINDS_RUN, timeout=300)[0]
     for kind, virtual, microbatches in KINDS_RUN:
@@ -501,8 +501,8 @@ def test_every_kinds_measured_bubble_is_the_simulated_one():
     the simulator's for the same schedule with each action's measured duration (a full backward run with its
     W: the W costs nothing), within 0.03 -- message latency and the executor's own bookkeeping are all that
     the simulator leaves out. Of two steps the faster is judged (the one least disturbed by the machine)."""
-    from tessera.topology.schedule import Action, build_schedule
-    from tessera.topology.simulator import bubble_of, simulate
+    from tessera.topology.schedules.schedule import Action, build_schedule
+    from tessera.topology.schedules.simulator import bubble_of, simulate
 
     kinds = [(kind, virtual, 2 * m if kind == "dualpipev" else m) for kind, virtual, m in KINDS_RUN]
     results = run_ranks(_traces_by_kind, 2, 2, kinds, timeout=600)[0]

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import cli_here, small_config
-from tessera.topology.schedule import KINDS, V_KINDS, VIRTUAL_KINDS, check_schedule, fewest_microbatches
+from tessera.topology.schedules.schedule import KINDS, V_KINDS, VIRTUAL_KINDS, check_schedule, fewest_microbatches
 
 
 @given(st.sampled_from(KINDS), st.integers(1, 8))

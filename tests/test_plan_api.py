@@ -319,7 +319,7 @@ def test_every_built_schedule_is_sound(case):
 
 
 def test_a_schedule_missing_one_backward_is_named():
-    from tessera.topology.schedule import build_schedule
+    from tessera.topology.schedules.schedule import build_schedule
 
     schedule = build_schedule("1f1b", stages=2, microbatches=3)
     schedule[1] = [a for a in schedule[1] if not (a.op == "B" and a.microbatch == 2)]

@@ -1,4 +1,4 @@
-"""The layout planner (topology/planner.py) and `tessera plan`: exact parameter counts against the fake-backend
+"""The layout planner (topology/estimators/) and `tessera plan`: exact parameter counts against the fake-backend
 build, the reference chapter's figures, the constraints every ranked layout keeps, the CLI's answers, and
 the model shapes (topology/shapes.py) it counts with: every family's tensors, FLOPs, torch-free validity."""
 
@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from tessera.models import get_preset
 from tessera.commands.plan import model_shape
 from tessera.topology import Layout
-from tessera.topology.comm_model import stage_layer_counts
+from tessera.topology.estimators.comm_model import stage_layer_counts
 from tessera.topology.memory import GB, min_gpus, model_state_bytes
-from tessera.topology.planner import (
+from tessera.topology.estimators.planner import (
     AC_MODES,
     STRATEGIES,
     Candidate,
@@ -32,9 +32,9 @@ from tessera.topology.planner import (
     why_not_runnable,
     wins_by,
 )
-from tessera.topology.plan_inputs import SCHEDULES
-from tessera.topology.step_estimate import model_flops_per_token
-from tessera.topology.rank_memory import rank_params, rank_params_of
+from tessera.topology.estimators.plan_inputs import SCHEDULES
+from tessera.topology.estimators.step_estimate import model_flops_per_token
+from tessera.topology.estimators.rank_memory import rank_params, rank_params_of
 from tessera.topology.shapes import ModelShape, as_shape, fsdp_shard_numel, layer_param_shapes, stage_param_shapes
 
 
@@ -180,8 +180,8 @@ def test_every_ranked_layout_is_runnable_and_fits(model, nodes, per_node, seq_ex
 
 def _activations_block_by_block(cfg, cand: Candidate, hw: Hardware, pp_rank: int, in_flight: int, seq_len, batch):
     """A rank's activation bytes as the sum of every block's own count (no grouping of alike blocks)."""
-    from tessera.topology.rank_memory import layer_activation_bytes
-    from tessera.topology.schedule import placement_of, stages_on_rank
+    from tessera.topology.estimators.rank_memory import layer_activation_bytes
+    from tessera.topology.schedules.schedule import placement_of, stages_on_rank
     from tessera.topology.shapes import split_layers
 
     lay, e = cand.layout, hw.dtype_bytes
@@ -212,9 +212,9 @@ def _candidates_on_8(name: str) -> list:
 @given(data=st.data())
 def test_the_planner_counts_a_ranks_activations_as_the_sum_of_its_blocks(data):
     """The planner counts one block of each kind and multiplies; the sum over every block is the same bytes."""
-    from tessera.topology.planner import fsdp_degree
-    from tessera.topology.rank_memory import _rank_memory
-    from tessera.topology.step_estimate import pipeline_profile
+    from tessera.topology.estimators.planner import fsdp_degree
+    from tessera.topology.estimators.rank_memory import _rank_memory
+    from tessera.topology.estimators.step_estimate import pipeline_profile
 
     name = data.draw(st.sampled_from(ALIKE_BLOCKS))
     cand = data.draw(st.sampled_from(_candidates_on_8(name)))
@@ -305,7 +305,7 @@ def test_plan_scores_a_named_layout_beside_the_ranking():
     settings, with what the best gains over it; one that cannot fit says its shortfall; one tessera would not
     run says why. One plan (8b on 16 GPUs of 40 GB), scored in process; the CLI prints the same verdict."""
     from tessera.commands.plan_layout import parse_named_layout, score_layout
-    from tessera.topology.planner import plan
+    from tessera.topology.estimators.planner import plan
 
     shape, hw = model_shape("8b"), Hardware.from_profile("h100-sxm-80gb", 16, gpu_memory_gb=40)  # the CLI's default
     ranked = plan(shape, hw, 4096, 32).ranked  # every fitting layout, best first
@@ -474,7 +474,7 @@ CPU_CALIBRATION = dict(
 
 @pytest.fixture
 def cpu_calibration(tmp_path):
-    from tessera.topology.step_time import SCHEMA
+    from tessera.topology.estimators.step_time import SCHEMA
 
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"schema": SCHEMA, "entries": {"cpu: Test CPU | float32": CPU_CALIBRATION}}))
@@ -514,8 +514,8 @@ def test_a_cpu_calibrated_plan_says_what_it_planned_and_shows_no_false_mfu(cpu_c
 def test_the_reason_a_layout_wins_names_what_differs_in_it():
     """ "less recomputation" only where the faster layout's checkpointing recomputes less; every reason names
     the settings that differ (calibrated and not)."""
-    from tessera.topology.planner import RECOMPUTE, gain_text
-    from tessera.topology.step_time import Calibration
+    from tessera.topology.estimators.planner import RECOMPUTE, gain_text
+    from tessera.topology.estimators.step_time import Calibration
 
     shape = model_shape("small")
     for hw in (Hardware(gpus=2), Hardware(gpus=2, calibration=Calibration(**CPU_CALIBRATION))):
@@ -622,7 +622,7 @@ def test_a_gelu_mlp_counts_two_matrices():
     lookups = 100 * 64 + 32 * 64
     assert model_flops_per_token(gelu, 1) == 6 * (gelu.num_params() - lookups) + 6 * 2 * 64
     # a GELU MLP keeps two ffn-wide activations for backward where SwiGLU keeps four
-    from tessera.topology.rank_memory import layer_activation_bytes
+    from tessera.topology.estimators.rank_memory import layer_activation_bytes
 
     acts = {s.mlp: layer_activation_bytes(s, 1, 8, 1, False, "none", 4) for s in (swiglu, gelu)}
     assert acts["swiglu"] - acts["gelu"] > 2 * 8 * 256 * 4
@@ -709,8 +709,9 @@ def test_topology_counts_without_torch_or_the_layers_above_it():
     tessera.models, no tessera.parallel and nothing of the runtime."""
     code = (
         "import sys\n"
-        "import tessera.topology.planner, tessera.topology.comm_model, tessera.topology.step_time\n"
-        "import tessera.topology.memory, tessera.topology.schedule, tessera.topology.shapes, tessera.topology.layout\n"
+        "import tessera.topology.estimators.planner, tessera.topology.estimators.comm_model\n"
+        "import tessera.topology.estimators.step_time, tessera.topology.memory, tessera.topology.schedules.schedule\n"
+        "import tessera.topology.shapes, tessera.topology.layout\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('tessera.models', "
         "'tessera.parallel', 'tessera.kernels')) or m.count('.') == 1 and m.startswith('tessera.') and "
         "not m.startswith('tessera.topology')))"
@@ -773,7 +774,7 @@ def test_a_sliding_window_never_raises_the_attention_flops(n_layers, heads, head
 def test_latent_and_sliding_attention_flops():
     """DeepSeek-V3's scores run at the qk head dim (128 + 64 = 192), its weighted sum at v_head_dim 128;
     gpt-oss's sliding blocks attend to at most 128 keys."""
-    from tessera.topology.step_time import attention_flops_per_token
+    from tessera.topology.estimators.step_time import attention_flops_per_token
 
     v3 = model_shape("deepseek-v3-671b")
     assert (v3.head_dim, v3.v_head_dim) == (192, 128)

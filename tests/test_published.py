@@ -16,9 +16,9 @@ from tessera.models.spec import shape_of
 from tessera.topology import Layout
 from tessera.topology.errors import PlanError
 from tessera.topology.hardware import load_profile, profile_names
-from tessera.topology.planner import Candidate, Hardware, estimate
-from tessera.topology.scoring import score_one
-from tessera.topology.step_model import exposed_comm, gemm_share
+from tessera.topology.estimators.planner import Candidate, Hardware, estimate
+from tessera.topology.estimators.scoring import score_one
+from tessera.topology.estimators.step_model import exposed_comm, gemm_share
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = json.loads((ROOT / "benchmarks" / "published" / "runs.json").read_text())

@@ -71,7 +71,7 @@ def test_the_schedule_snippet_runs_and_draws_the_timeline_shown():
     drawn = out.getvalue().splitlines()
     assert len(drawn) == 4 and all(line in shown.splitlines() for line in drawn), out.getvalue()
     from tessera.parallel.pipeline import build_schedule
-    from tessera.topology.simulator import render, simulate
+    from tessera.topology.schedules.simulator import render, simulate
 
     one_f_one_b = render(simulate(build_schedule("1f1b", 4, 8)), width=3).splitlines()
     assert all(line in shown.splitlines() for line in one_f_one_b)

@@ -8,11 +8,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tessera.parallel.pipeline import build_schedule
-from tessera.topology.schedule import KINDS, SPLIT_BACKWARD, Action, check_schedule
-from tessera.topology.simulator import render, simulate, validate
+from tessera.topology.schedules.schedule import KINDS, SPLIT_BACKWARD, Action, check_schedule
+from tessera.topology.schedules.simulator import render, simulate, validate
 from tessera.topology.errors import ConfigError
-from tessera.topology.schedule import VIRTUAL_KINDS, DEFAULT_COSTS, fill_weight_passes, placement_of, stage_rank
-from tessera.topology.simulator import fused_backwards
+from tessera.topology.schedules.schedule import (
+    VIRTUAL_KINDS,
+    DEFAULT_COSTS,
+    fill_weight_passes,
+    placement_of,
+    stage_rank,
+)
+from tessera.topology.schedules.simulator import fused_backwards
 
 stages = st.integers(1, 8)
 microbatches = st.integers(1, 32)

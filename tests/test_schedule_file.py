@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from helpers import small_config, train_losses_and_grads
 from tessera.config import add_arguments, config_from_args
-from tessera.topology.schedule import KINDS, Action, build_schedule, check_schedule
-from tessera.topology.schedule_files import action_text, parse_action, read_schedule_file, write_schedule_file
+from tessera.topology.schedules.schedule import KINDS, Action, build_schedule, check_schedule
+from tessera.topology.schedules.schedule_files import action_text, parse_action, read_schedule_file, write_schedule_file
 
 
 def buildable(kind: str, p: int, m: int, v: int) -> bool:

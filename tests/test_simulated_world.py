@@ -175,7 +175,6 @@ def test_a_bug_only_a_world_of_eight_shows_is_caught_by_name():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(cp=2, cp_method="allgather"), "cp_method=allgather is not simulated yet"),
         (dict(cp=2, pack_documents=True), "pack_documents=True with cp=2: packed documents under cp are not"),
         (dict(dp=4), "vocab_size=258 does not split evenly over"),
     ],

@@ -1,14 +1,16 @@
 """Layouts of the five mesh axes (the axes as data: topology/axes.py), DeviceMesh construction, memory
 models and dry runs."""
 
-from .layout import AXES, FLATTENED, Layout
+from tessera.topology.layout import AXES, FLATTENED, Layout
 
 __all__ = ["AXES", "FLATTENED", "Layout", "Meshes", "submesh", "dry_run", "mesh_group_ranks"]
 
 
 def __getattr__(name: str):  # the mesh helpers import torch; keep `import topology` light
     if name in ("Meshes", "submesh", "dry_run", "mesh_group_ranks"):
-        from . import mesh  # lazy: the mesh helpers import torch, which `import tessera.topology` does not
+        from tessera.topology import (
+            mesh,
+        )  # lazy: the mesh helpers import torch, which `import tessera.topology` does not
 
         return getattr(mesh, name)
     raise AttributeError(name)

@@ -14,13 +14,13 @@ Each `Axis` says
                    the axes whose product the flag gives (--dp is dp_replicate x dp_shard)
     mesh, meshes   the purpose mesh of its own 1-D group in `Meshes` (tp, pp, cp), and the flattened meshes
                    it is part of (`FLATTENED_MESHES`: batch, fsdp, loss)
-    comm           the name its traffic is accounted under (parallel/comm_stats.py, topology/comm_model.py)
+    comm           the name its traffic is accounted under (parallel/comm_stats.py, topology/estimators/comm_model.py)
     planner        the planner's choices: degree caps, the options it enumerates with the axis on, whether the
                    axis takes the ranks left over, and whether its traffic overlaps compute in the step time
 
 A new axis is one entry here, a field of that name on `Layout` (an import-time check says so), its apply
-function in parallel/ and the volume of its traffic in topology/comm_model.py (another import-time check);
-the planner enumerates its degrees from the entry (topology/planner.py's `layout_degrees`). Expert parallelism
+function in parallel/ and the volume of its traffic in topology/estimators/comm_model.py (another import-time check);
+the planner enumerates its degrees from the entry (planner.py's `layout_degrees`). Expert parallelism
 has no dimension of its own: its entry borrows dp_shard x cp (`borrows=("dp_shard", "cp")`, as torchtitan
 does), so the mesh's shape and `MESH_AXES` stay as they are; it is applied beside tp (step "tp", as
 torchtitan's apply_moe_ep_tp), by parallel/expert.py.
@@ -33,7 +33,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from .shapes import kv_heads_fit
+from tessera.topology.shapes import kv_heads_fit
 
 # the order parallel axes and the other steps are applied in: pp keeps a rank's stage(s) when the model is
 # built; parallelize (parallel/parallelize.py) then applies the rest in this order

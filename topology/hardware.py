@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanError
+from tessera.topology.errors import PlanError
 
 PROFILES_FILE = Path(__file__).with_name("hardware_profiles.json")
 DEFAULT_PROFILE = "h100-sxm-80gb"

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from .axes import FLATTENED, MESH_AXES, TABLE, check_degree, divisors, problems, rest_axes
+from tessera.topology.axes import FLATTENED, MESH_AXES, TABLE, check_degree, divisors, problems, rest_axes
 
 if TYPE_CHECKING:  # torch is imported lazily so `tessera memory` and pure tests start fast
     from torch.distributed.device_mesh import DeviceMesh
@@ -217,7 +217,9 @@ class Layout:
         subgroup of the mesh: torch creates them with its own default (30 minutes on gloo, 10 on NCCL),
         not the world group's timeout, so a stalled tp or FSDP collective would otherwise hang that long.
         """
-        from .mesh import build_mesh  # lazy: the DeviceMesh side imports torch; the rest of topology is torch-free
+        from tessera.topology.mesh import (
+            build_mesh,
+        )  # lazy: the DeviceMesh side imports torch; the rest of topology is torch-free
 
         return build_mesh(self, device_type, gpus_per_node, timeout)
 

@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .axes import FLATTENED_BY_PURPOSE, FLATTENED_MESHES, MESH_AXES, TABLE
+from tessera.topology.axes import FLATTENED_BY_PURPOSE, FLATTENED_MESHES, MESH_AXES, TABLE
 
 if TYPE_CHECKING:
-    from .layout import Layout
+    from tessera.topology.layout import Layout
 
 
 def build_mesh(

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .shapes import ModelShape
+from tessera.topology.shapes import ModelShape
 
 SHAPES_FILE = Path(__file__).with_name("preset_shapes.json")
 

@@ -9,7 +9,7 @@ import functools
 import math
 from dataclasses import dataclass, fields
 
-from .errors import ConfigError
+from tessera.topology.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class ModelShape:
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
     # the experts' SwiGLU clamped (gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), gate and up clamped), which
-    # keeps more for backward than silu(gate) * up (topology/activations.py)
+    # keeps more for backward than silu(gate) * up (topology/estimators/activations.py)
     swiglu_clamp: bool = False
 
     def __post_init__(self) -> None:

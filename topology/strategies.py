@@ -19,9 +19,9 @@ from typing import NamedTuple, Sequence
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from .axes import problems, values_of
-from .layout import Layout
-from .schedule import KINDS, VIRTUAL_KINDS, build_schedule, check_schedule
+from tessera.topology.axes import problems, values_of
+from tessera.topology.layout import Layout
+from tessera.topology.schedules.schedule import KINDS, VIRTUAL_KINDS, build_schedule, check_schedule
 
 AXES = Layout.AXES
 

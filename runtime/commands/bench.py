@@ -27,7 +27,7 @@ moved in the first step, counted and predicted; rank 0's peak tensor memory
 (the CUDA allocator's torch.cuda.max_memory_allocated, or peak RSS on CPU);
 beside them the planner's step time and memory, its step time at rates
 calibrated on this device at the start (tessera plan --calibrate's
-measurement, topology/step_time.py), with measured / predicted.
+measurement, topology/estimators/step_time.py), with measured / predicted.
 
 A mixture-of-experts model (e.g. --model qwen3-moe-debug) adds each layout's
 expert load: "moe" in its row holds every measured step's record entry (tokens
@@ -52,8 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tessera.topology.step_estimate import model_flops_per_token
-from tessera.topology.step_time import Calibration
+from tessera.topology.estimators.step_estimate import model_flops_per_token
+from tessera.topology.estimators.step_time import Calibration
 from tessera.training.run_config import Config, said
 from tessera.training.layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
 from tessera.training.rank_server import start_rank_server
@@ -357,8 +357,8 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
     config["attention_flops_included"] = True
     config["peak_flops_per_device"] = per_device_peak
     config["predicted_step_time"] = (
-        "the planner's estimate (topology/planner.py) at rates measured on this device at the start "
-        "(topology/step_time.py: matmuls, attention, elementwise traffic, loss, optimizer, "
+        "the planner's estimate (topology/estimators/planner.py) at rates measured on this device at the start "
+        "(topology/estimators/step_time.py: matmuls, attention, elementwise traffic, loss, optimizer, "
         "host dispatch); ratios are measured / predicted"
         if calibration
         else "the planner's uncalibrated estimate (FLOPs at its efficiency of the H100 bf16 peak)"

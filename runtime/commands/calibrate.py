@@ -1,6 +1,6 @@
 """Calibrating the planner's step-time model on this device (`tessera plan --calibrate`).
 
-Measures, at a model's own shapes and in the compute dtype, the four figures topology/step_time.py uses: the
+Measures, at a model's own shapes and in the compute dtype, the four figures topology/estimators/step_time.py uses: the
 achieved matmul rate of the model's linear layers (forward and both backward matmuls), tessera's attention
 forward + backward, the memory bandwidth the step's elementwise operators reach (a copy of an
 activation-sized tensor and the operator mix a block runs on such tensors: broadcast multiplies as RMSNorm
@@ -29,7 +29,7 @@ from tessera.metrics.results import cpu_name, versions
 from tessera.models.spec import shape_of as model_shape
 from tessera.paths import calibration_path as default_path
 from tessera.paths import read_calibration as load  # noqa: F401  (tessera.commands.calibrate.load, as before)
-from tessera.topology.step_time import SCHEMA, Calibration, attention_flops_per_token, entry_key
+from tessera.topology.estimators.step_time import SCHEMA, Calibration, attention_flops_per_token, entry_key
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .baseline import Block, Shape

@@ -11,10 +11,10 @@ from typing import Any
 
 from tessera.topology import Layout, memory
 from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_from_flags, values_of
-from tessera.topology.fp8_model import FP8_RECIPES, fp8_summary
+from tessera.topology.estimators.fp8_model import FP8_RECIPES, fp8_summary
 from tessera.topology.memory import GB, get_recipe
-from tessera.topology.muon_memory import MUON_RECIPES, muon_extra_bytes
-from tessera.topology.rank_memory import rank_params_of
+from tessera.topology.estimators.muon_memory import MUON_RECIPES, muon_extra_bytes
+from tessera.topology.estimators.rank_memory import rank_params_of
 from tessera.training.run_config import said
 
 from .plan import model_shape
@@ -159,7 +159,7 @@ def _memory_table(num_params: float, dp: int, recipe: str) -> str:
     )
 
 
-# the table's recipes count every parameter alike; under Muon they are not (topology/muon_memory.py)
+# the table's recipes count every parameter alike; under Muon they are not (topology/estimators/muon_memory.py)
 MUON_NOTE = (
     "Muon recipe: every parameter above counts Muon's one momentum; the parameters AdamW keeps (embeddings, head, "
     "norms, routers) hold Adam's two moments, and a matrix's owner gathers it whole at the step: with --model the "
@@ -291,7 +291,8 @@ def _offload_line(mode: str, params: float, shard_group: int, recipe: str) -> st
 
 
 def _fp8_summary(args: argparse.Namespace, tp: int, shard_group: int) -> dict[str, float] | None:
-    """--fp8's figures for the preset (topology/fp8_model.py), None without --fp8; it needs --model's shape."""
+    """--fp8's figures for the preset (topology/estimators/fp8_model.py), None without --fp8; it needs --model's
+    shape."""
     if args.fp8 is None:
         return None
     if args.fp8 not in FP8_RECIPES:

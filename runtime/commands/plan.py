@@ -1,4 +1,5 @@
-"""`tessera plan`: ranked layouts for a model on N GPUs, with the per-rank memory breakdown (topology/planner.py).
+"""`tessera plan`: ranked layouts for a model on N GPUs, with the per-rank memory breakdown
+(topology/estimators/planner.py).
 
 The planner counts with a ModelShape (plain numbers, topology/shapes.py); `model_shape` is where a preset
 name or a family's config becomes one (its spec's `shape`), here in the runtime, so topology/ never imports
@@ -13,23 +14,23 @@ import time
 from pathlib import Path
 
 from tessera.paths import calibration_path, read_calibration
-from tessera.topology.comm_model import ep_over_tp_applies
+from tessera.topology.estimators.comm_model import ep_over_tp_applies
 from tessera.topology.errors import with_flags
 from tessera.topology.memory import GB
-from tessera.topology.muon_memory import MUON_RECIPES, recipe_for
+from tessera.topology.estimators.muon_memory import MUON_RECIPES, recipe_for
 from tessera.topology.hardware import (
     load_profile,
     with_calibration,
 )
-from tessera.topology.planner import (
+from tessera.topology.estimators.planner import (
     Estimate,
     Hardware,
     PlanError,
     plan,
 )
 from tessera.topology.preset_shapes import preset_shape
-from tessera.topology.scoring import estimate_record, score_one
-from tessera.topology.step_time import Calibration, find_entry
+from tessera.topology.estimators.scoring import estimate_record, score_one
+from tessera.topology.estimators.step_time import Calibration, find_entry
 from tessera.training.run_config import said
 from tessera.commands.plan_layout import parse_named_layout, print_alone, score_layout, train_command
 

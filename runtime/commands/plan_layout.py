@@ -10,8 +10,8 @@ import time
 
 from tessera.topology import Layout
 from tessera.topology.memory import GB
-from tessera.topology.muon_memory import MUON_RECIPES
-from tessera.topology.planner import (
+from tessera.topology.estimators.muon_memory import MUON_RECIPES
+from tessera.topology.estimators.planner import (
     Candidate,
     Estimate,
     Hardware,

@@ -9,7 +9,7 @@ from tessera.topology.hardware import (
     DEFAULT_PROFILE,
     profile_names,
 )
-from tessera.topology.plan_inputs import AC_POLICIES, TESSERA_EFFICIENCY
+from tessera.topology.estimators.plan_inputs import AC_POLICIES, TESSERA_EFFICIENCY
 
 
 from .plan import run_plan
@@ -174,7 +174,7 @@ def add_plan_parser(sub) -> None:
         "matmul at the model's shapes in the compute dtype, tessera's attention, the bandwidth a block's "
         "elementwise operators reach beside a plain copy, the host's "
         "cost per operator) and stores the figures by device kind; --device-kind plans with a stored kind "
-        "(topology/step_time.py states what the step-time model counts)",
+        "(topology/estimators/step_time.py states what the step-time model counts)",
     )
     cal.add_argument(
         "--calibrate",

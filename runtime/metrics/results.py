@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tessera.topology.fp8_model import blended_peak
+from tessera.topology.estimators.fp8_model import blended_peak
 
 # peak HBM bandwidth in bytes/s, by a substring of torch.cuda.get_device_name()
 HBM_BANDWIDTH = {

@@ -166,7 +166,7 @@ def _prepare(
     # 2 rows per data-parallel rank, and with pp a row per microbatch (those named, or the fewest its schedule runs)
     least = 1
     if probe.pp > 1:
-        from tessera.topology.schedule import fewest_microbatches  # lazy: (as above)
+        from tessera.topology.schedules.schedule import fewest_microbatches  # lazy: (as above)
 
         least = fewest_microbatches(probing.parallel_config().pipeline.kind or "1f1b", probe.pp, virtual)
     rows = max(2, pipeline.get("microbatches", least))

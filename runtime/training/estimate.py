@@ -1,5 +1,5 @@
 """The planner's estimate of the run a training config describes: its layout, strategy, checkpointing,
-schedule, microbatches and dtype as the config runs them (topology/planner.py's `estimate`). The bench puts
+schedule, microbatches and dtype as the config runs them (topology/estimators/planner.py's `estimate`). The bench puts
 it beside its measurements; the pre-run checks refuse a run whose estimated memory this machine lacks."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 from tessera.models.spec import shape_of
 from tessera.topology.memory import GB
-from tessera.topology.muon_memory import recipe_for
-from tessera.topology.planner import Candidate, Estimate, Hardware, estimate
+from tessera.topology.estimators.muon_memory import recipe_for
+from tessera.topology.estimators.planner import Candidate, Estimate, Hardware, estimate
 
 # the torch runtime of one CPU rank beside its tensors: a debug rank of two layers peaks at 330 MiB of RSS
 # (measured here: `tessera train --model debug`), nearly all of it torch, gloo and Python
@@ -22,7 +22,7 @@ def planner_estimate(config: Any, calibration: Any = None) -> Estimate:
     it, every dp rank on dp_replicate; HYBRID_SHARD is FULL_SHARD on that 2-D mesh), checkpointing,
     schedule, microbatches, virtual stages and sequence parallel, at its dtype and optimizer (fp32 on CPU: fp32
     Adam; under --optimizer muon the Muon recipe: one momentum on the matrices, the owner's gathered matrix);
-    its step time at a calibration's measured rates when one is given (topology/step_time.py)."""
+    its step time at a calibration's measured rates when one is given (topology/estimators/step_time.py)."""
     from tessera.parallel.fsdp import PRECISIONS, layout_for_strategy  # lazy: tessera.parallel imports torch
 
     p = config.parallel_config()

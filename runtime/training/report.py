@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tessera import __version__
 from tessera.parallel.pipeline import split_layers
-from tessera.topology.simulator import simulate
+from tessera.topology.schedules.simulator import simulate
 from tessera.topology import Layout
 from torch.distributed.tensor import DTensor
 

@@ -34,7 +34,7 @@ from tessera.parallel import checkpoint
 from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
 from tessera.parallel.locks import RunLock, directory_lock, metrics_lock, pinned
 from tessera.topology import Layout
-from tessera.topology.step_estimate import model_flops_per_token
+from tessera.topology.estimators.step_estimate import model_flops_per_token
 
 from .run_config import Config
 from .ft_launch import replica_config, train_fault_tolerant

@@ -19,8 +19,8 @@ from tessera.metrics.loggers import check_loggers
 from tessera.topology import Layout
 from tessera.topology import axes as _axes
 from tessera.topology.errors import TesseraError, with_flags
-from tessera.topology.schedule import V_KINDS, fewest_microbatches
-from tessera.topology.schedule_files import read_schedule_file
+from tessera.topology.schedules.schedule import V_KINDS, fewest_microbatches
+from tessera.topology.schedules.schedule_files import read_schedule_file
 
 
 from .sections import (  # noqa: F401  (re-exported: tessera.config's names, as before the split)

@@ -39,7 +39,8 @@ from tessera.parallel.fault_tolerance import ReplicaSync, gradient_shards, weigh
 from tessera.parallel.fp8 import clear_float8_scales, float8_gathered_weights, precompute_float8_scales
 from tessera.parallel.loss import CrossEntropySum
 from tessera.parallel.pipeline import PipelineRunner
-from tessera.topology import Meshes, comm_model
+from tessera.topology import Meshes
+from tessera.topology.estimators import comm_model
 from tessera.topology.errors import NonFiniteError  # named by step, rank and parameter
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh

@@ -59,10 +59,10 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from .axes import COMM_AXES, FLATTENED_BY_PURPOSE
-from .layout import Layout
-from .schedule import stage_rank, stages_on_rank
-from .shapes import (
+from tessera.topology.axes import COMM_AXES, FLATTENED_BY_PURPOSE
+from tessera.topology.layout import Layout
+from tessera.topology.schedules.schedule import stage_rank, stages_on_rank
+from tessera.topology.shapes import (
     ModelShape,
     as_shape,
     fsdp_shard_numel,
@@ -146,7 +146,7 @@ class StepTraffic:
     param_bytes: float
     reduce_bytes: int
     routed_fraction: float | None = None  # ep: share of assignments moved off-rank; None: balanced routing
-    placement: str = "loop"  # where the stages live (topology/schedule.py's stage_rank)
+    placement: str = "loop"  # where the stages live (topology/schedules/schedule.py's stage_rank)
     documents: bool = False  # packed documents: cp attention gathers the shards' document ids (int64) per layer
     ep_over_tp: bool = False  # the expert group is ep x tp ranks of whole experts (module docstring; plan only)
 
@@ -433,7 +433,7 @@ def ep_bytes(x: StepTraffic) -> float:
 # every accounting name of the table has its volume (a new axis: register one above with @volume(its comm name))
 if set(VOLUMES) != set(COMM_AXES):
     raise ImportError(
-        f"topology/comm_model.py's volumes {sorted(VOLUMES)} differ from topology/axes.py's accounting "
+        f"topology/estimators/comm_model.py's volumes {sorted(VOLUMES)} differ from topology/axes.py's accounting "
         f"names {sorted(COMM_AXES)}: give each name of COMM_AXES a @volume(name) function"
     )
 

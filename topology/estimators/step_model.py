@@ -4,12 +4,12 @@ profile (`tessera plan --hardware NAME|FILE`, the default h100-sxm-80gb).
 
 compute    every linear layer's three GEMMs (forward x @ W^T, the input gradient, the weight gradient) at its
            tp-local shape, each at the large-GEMM share of the peak times d / (d + gemm_half_dim) for its
-           smallest dimension d (small GEMMs do not fill the machine); FP8 layers (topology/fp8_model.py's
+           smallest dimension d (small GEMMs do not fill the machine); FP8 layers (topology/estimators/fp8_model.py's
            rule) at the FP8 peak's share under tensorwise, at fp8_rowwise_speedup x the bf16 rate under
            rowwise; an MoE block's routed experts as grouped GEMMs of the tokens each expert receives
            (balanced routing), never faster than streaming their weights from HBM; causal attention's FLOPs
            at its backend's share of the bf16 peak (cuDNN or FlashAttention-2); the elementwise work of an
-           eager block (topology/step_time.py's counted bytes) at the elementwise share of HBM bandwidth,
+           eager block (topology/estimators/step_time.py's counted bytes) at the elementwise share of HBM bandwidth,
            what compile's fusion leaves of it when compiled; the GPU loss's bytes per logit; FP8's casts
            (fp8_model's bytes: fused, as compiled blocks fuse the rest; eager, torchao's separate ops).
            Under sequence parallel the residual-wide elementwise work runs on seq / tp tokens. Attention's
@@ -18,7 +18,7 @@ recompute  activation checkpointing reruns forwards: full every block's (its GEM
            forward, a third of the elementwise bytes), selective every other block's, op the elementwise
            forward only (tessera's op policy keeps the matmul and attention outputs; torchtitan's per-op SAC
            keeps every other matmul's output, so it reruns half the GEMMs' forwards too)
-comm       each accounting name's bytes (topology/comm_model.py, the counted volumes of --comm-stats) over
+comm       each accounting name's bytes (topology/estimators/comm_model.py, the counted volumes of --comm-stats) over
            the link its group takes at link_share of the datasheet, plus a latency per collective.
            Exposure: FSDP's and HSDP's traffic is prefetched behind compute (one unit's gather and one
            reduce-scatter are exposed, and whatever exceeds the compute); ring K/V behind attention;
@@ -28,7 +28,7 @@ comm       each accounting name's bytes (topology/comm_model.py, the counted vol
            or with ep overlap behind another microbatch's compute
 bubble     the schedule simulator's idle share of the pipelined compute
 optimizer  the clip and a fused AdamW over the rank's sharded parameters at the HBM share (40 B a
-           parameter, 32 more for mixed precision's casts: topology/step_time.py)
+           parameter, 32 more for mixed precision's casts: topology/estimators/step_time.py)
 
 One software-efficiency constant (Hardware.efficiency) divides every compute time: the framework's distance
 from the kernels' rates above (dispatch, stream syncs, kernels slower than the best). It is fitted once per
@@ -40,9 +40,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .fp8_model import cast_bytes_per_step, fp8_layers
-from .schedule import stages_on_rank
-from .shapes import as_shape, layer_param_shapes, split_layer_counts
-from .step_time import (
+from tessera.topology.schedules.schedule import stages_on_rank
+from tessera.topology.shapes import as_shape, layer_param_shapes, split_layer_counts
+from tessera.topology.estimators.step_time import (
     MIXED_PRECISION_BYTES_PER_PARAM,
     OPTIMIZER_BYTES_PER_PARAM,
     attention_flops_per_token,
@@ -50,7 +50,7 @@ from .step_time import (
 )
 
 if TYPE_CHECKING:  # the planner imports this module; its types only for the annotations
-    from .hardware import HardwareProfile
+    from tessera.topology.hardware import HardwareProfile
 
 # `--loss logits`: the whole logits in the compute dtype, their fp32 upcast, log-softmax and its gradient
 # (written, read back and cast down): about 30 bytes a logit, as torch's eager cross-entropy runs it

@@ -1,6 +1,6 @@
-"""The step time of one candidate (topology/planner.py's step paragraph), and `estimate`, which puts it beside the
+"""The step time of one candidate (planner.py's step paragraph), and `estimate`, which puts it beside the
 rank's memory: at a calibration's rates or `efficiency` x the peak without a profile (`_rated_time`), or the
-physics of topology/step_model.py from a hardware profile (`physics_time`); the pipeline bubble from the
+physics of topology/estimators/step_model.py from a hardware profile (`physics_time`); the pipeline bubble from the
 schedule simulator, each axis's traffic exposed or overlapped, --offload's copies and host step."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from __future__ import annotations
 import functools
 import math
 
-from .axes import (
+from tessera.topology.axes import (
     COMM_AXES,
     COMM_GROUPS,
     OVERLAPPED,
     TABLE,
 )
-from .comm_model import comm_bytes_per_step, ep_over_tp_applies, stage_layer_counts
+from tessera.topology.estimators.comm_model import comm_bytes_per_step, ep_over_tp_applies, stage_layer_counts
 from .fp8_model import (
     cast_bytes_per_step,
     fp8_flop_share,
@@ -22,33 +22,39 @@ from .fp8_model import (
     fp8_time_factor,
     fsdp_param_bytes,
 )
-from .comm_model import HSDP_REPLICATE
-from .layout import AXES, Layout
-from .memory import GB
-from .offload_model import fits_host, gathers_per_step, offload_seconds
+from tessera.topology.estimators.comm_model import HSDP_REPLICATE
+from tessera.topology.layout import AXES, Layout
+from tessera.topology.memory import GB
+from tessera.topology.estimators.offload_model import fits_host, gathers_per_step, offload_seconds
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
-from .plan_inputs import (
+from tessera.topology.estimators.plan_inputs import (
     RECOMPUTE,
     Candidate,
     Estimate,
     Hardware,
     fsdp_degree,
 )
-from .rank_memory import (
+from tessera.topology.estimators.rank_memory import (
     _rank_memory,
     rank_params_of,
 )
-from .schedule import build_schedule, placement_of, stages_on_rank
-from .shapes import (
+from tessera.topology.schedules.schedule import build_schedule, placement_of, stages_on_rank
+from tessera.topology.shapes import (
     ModelShape,
     as_shape,
     layer_param_shapes,
     stage_param_shapes,
 )
-from .simulator import simulate
-from .step_model import busiest_blocks, collective_counts, compute_parts, exposed_comm, latency_seconds
-from .step_time import attention_flops_per_token, step_parts
+from tessera.topology.schedules.simulator import simulate
+from tessera.topology.estimators.step_model import (
+    busiest_blocks,
+    collective_counts,
+    compute_parts,
+    exposed_comm,
+    latency_seconds,
+)
+from tessera.topology.estimators.step_time import attention_flops_per_token, step_parts
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -191,7 +197,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
 
 
 def _with_offload(time: dict[str, float], cfg: ModelShape, cand: Candidate, hw: Hardware) -> dict[str, float]:
-    """The step with --offload's copies and host optimizer (topology/offload_model.py) in place of the GPU's
+    """The step with --offload's copies and host optimizer (topology/estimators/offload_model.py) in place of the GPU's
     optimizer, for the pp rank holding the most sharded parameters."""
     lay = cand.layout
     placement = placement_of(cand.schedule)
@@ -292,7 +298,7 @@ def physics_time(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(the step split into compute, recompute, optimizer, bubble and each axis's exposed traffic, "step" their
     sum; the compute's parts and each name's traffic seconds) of one candidate on a hardware profile
-    (topology/step_model.py's physics), for the pp rank whose step is longest; `comm`: the bytes each accounting
+    (step_model.py's physics), for the pp rank whose step is longest; `comm`: the bytes each accounting
     name sends (comm_bytes_per_step)."""
     profile = hw.profile
     if profile is None:
@@ -392,7 +398,7 @@ def calibrated_compute(
 ) -> dict[str, float]:
     """One rank's compute (no communication, no bubble) at the calibration's rates: every rank does
     1 / gpus of the model's FLOPs and activation traffic; its optimizer steps its own (sharded) parameters;
-    its host dispatches the operators of its stage's blocks (topology/step_time.py)."""
+    its host dispatches the operators of its stage's blocks (topology/estimators/step_time.py)."""
     calibration = hw.calibration
     if calibration is None:
         raise ValueError("calibrated_compute needs a Hardware with a calibration (tessera plan --calibrate)")

@@ -1,4 +1,4 @@
-"""What --optimizer muon changes in a rank's memory, for the planner (topology/planner.py's `_rank_memory`).
+"""What --optimizer muon changes in a rank's memory, for the planner (topology/estimators/planner.py's `_rank_memory`).
 
 Muon (parallel/muon.py) keeps one momentum buffer per hidden weight matrix (the memory recipes mixed_muon and
 fp32_muon count that on every parameter), but the parameters that stay on AdamW (embeddings, learned
@@ -10,10 +10,10 @@ experts, gathered whole as parallel/muon.py does) whose transient topology.memor
 
 from __future__ import annotations
 
-from .comm_model import stage_layer_counts
-from .memory import get_recipe, muon_gather_bytes
-from .schedule import stages_on_rank
-from .shapes import as_shape, fsdp_shard_numel, layer_shard_groups, stage_param_shapes
+from tessera.topology.estimators.comm_model import stage_layer_counts
+from tessera.topology.memory import get_recipe, muon_gather_bytes
+from tessera.topology.schedules.schedule import stages_on_rank
+from tessera.topology.shapes import as_shape, fsdp_shard_numel, layer_shard_groups, stage_param_shapes
 
 # each Muon recipe, and the AdamW recipe its non-matrix parameters follow
 MUON_RECIPES = {"mixed_muon": "mixed_adam", "fp32_muon": "fp32_adam"}

@@ -21,7 +21,7 @@ step    model FLOPs (6 N per token, N an MoE model's active parameters, plus cau
         in `model_flops_per_token`; MFU counts the same) and
         recomputation at `efficiency` x `peak_tflops` (or, with a calibration of the device kind, matmuls,
         attention, elementwise memory traffic, the loss, the optimizer and the host's dispatch at the
-        measured rates: topology/step_time.py), stretched by the pipeline bubble from the simulator;
+        measured rates: topology/estimators/step_time.py), stretched by the pipeline bubble from the simulator;
         the experts' grouped GEMMs at their roofline (`expert_weight_seconds`: few tokens per expert make
         them stream weights, not compute); tp, pp and ep (the all-to-alls, balanced routing) traffic
         exposed; FSDP and ring K/V traffic overlapped with compute (only their excess over compute is
@@ -45,18 +45,18 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from .axes import (
+from tessera.topology.axes import (
     TABLE,
     Axis,
     planner_degrees,
     values_of,
 )
-from .errors import PlanError  # no layout fits, or a request it cannot plan
-from .layout import Layout
-from .memory import GB, OFFLOAD_MODES, min_gpus
+from tessera.topology.errors import PlanError  # no layout fits, or a request it cannot plan
+from tessera.topology.layout import Layout
+from tessera.topology.memory import GB, OFFLOAD_MODES, min_gpus
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
-from .plan_inputs import (
+from tessera.topology.estimators.plan_inputs import (
     AC_MODES,
     RECOMPUTE,
     STRATEGIES,
@@ -66,13 +66,13 @@ from .plan_inputs import (
     fsdp_degree,
     plural,
 )
-from .schedule import SPLIT_BACKWARD, check_schedule
-from .shapes import (
+from tessera.topology.schedules.schedule import SPLIT_BACKWARD, check_schedule
+from tessera.topology.shapes import (
     as_shape,
     check_expert_parallel,
     check_tensor_parallel,
 )
-from .step_estimate import (
+from tessera.topology.estimators.step_estimate import (
     estimate,
 )
 

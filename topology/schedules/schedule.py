@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (topology/simulator.py proves them).
+"""Pipeline schedules as data (topology/schedules/simulator.py proves them).
 
 A schedule is one list of actions per pipeline rank, run in order. An action is (op, microbatch, stage):
 F runs a stage's forward on a microbatch, B its backward (input and weight gradients, or only the input
@@ -38,13 +38,13 @@ stage s needs B of stage s + 1 (its output gradient), or its own F on the last s
 
 Placement: stage s runs on rank `stage_rank(s, pp, placement)`: s % pp for every kind but the V kinds' "v".
 
-topology/simulator.py: `simulate` runs a schedule with per-op costs (no compute is done): each rank's timeline,
+simulator.py: `simulate` runs a schedule with per-op costs (no compute is done): each rank's timeline,
 the makespan, the bubble fraction, the peak activations in flight, and a clear error if the schedule would
 deadlock; `bubble_of` measures a run's bubble from the executor's trace the same way; `render` draws the
 timeline as text. Errors name the first bad action by its rank and its position in that rank's list (both
 counted from 0).
 
-Schedules as files (`tessera train --schedule-file`): topology/schedule_files.py.
+Schedules as files (`tessera train --schedule-file`): topology/schedules/schedule_files.py.
 
 Pure Python (no torch): the planner simulates schedules with it, and tessera.parallel.pipeline runs them.
 """
@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-from .errors import ConfigError
+from tessera.topology.errors import ConfigError
 
 KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 # kinds whose backward is B (input gradient) + W (weight gradient); dualpipev's full backwards are a B with its W

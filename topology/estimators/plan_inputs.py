@@ -1,4 +1,4 @@
-"""What a plan is asked and what it answers, for topology/planner.py: the machine and the run's settings
+"""What a plan is asked and what it answers, for topology/estimators/planner.py: the machine and the run's settings
 (`Hardware`), one configuration of a model's run (`Candidate`: layout, FSDP strategy, checkpointing, schedule,
 microbatches, offload), and what is estimated of it (`Estimate`); the defaults they start from."""
 
@@ -7,22 +7,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .axes import (
+from tessera.topology.axes import (
     AXIS,
     FLATTENED_BY_PURPOSE,
     TABLE,
     Axis,
     rest_axes,
 )
-from .errors import PlanError  # no layout fits, or a request it cannot plan
+from tessera.topology.errors import PlanError  # no layout fits, or a request it cannot plan
 from .fp8_model import (
     FP8_RECIPES,
 )
-from .hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
-from .layout import Layout
-from .memory import AC_MODES as MEMORY_AC_MODES
-from .memory import FSDP_STRATEGIES, GB, get_recipe
-from .step_time import Calibration
+from tessera.topology.hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
+from tessera.topology.layout import Layout
+from tessera.topology.memory import AC_MODES as MEMORY_AC_MODES
+from tessera.topology.memory import FSDP_STRATEGIES, GB, get_recipe
+from tessera.topology.estimators.step_time import Calibration
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
 
@@ -33,7 +33,7 @@ DEFAULT_EFFICIENCY = 0.40  # share of peak that the matmuls reach in a real step
 DEFAULT_INTRA_GBPS = 360.0  # GB/s per GPU inside a node (NVLink 4: 450 GB/s per direction, ~80% reached)
 DEFAULT_INTER_GBPS = 40.0  # GB/s per GPU across nodes (400 Gb/s = 50 GB/s, ~80% reached)
 DEFAULT_HBM_GBPS = 3000.0  # GB/s of a GPU's own memory (H100 SXM's HBM3: 3.35 TB/s, ~90% reached streaming)
-# tessera's own software efficiency under a hardware profile (topology/step_model.py): fitted once, on the lent
+# tessera's own software efficiency under a hardware profile (step_model.py): fitted once, on the lent
 # H200's eager 1b row (benchmarks/bench_published.py's "tessera" source, anchor "tessera-h200-1b-eager")
 TESSERA_EFFICIENCY = 1.0
 
@@ -82,16 +82,16 @@ class Hardware:
     # measured rates of the device kind (tessera plan --calibrate): they replace peak x efficiency
     calibration: Calibration | None = None
     # --fp8's recipe (None: off): FP8 matmuls at FP8_MATMUL_SPEEDUP x the bf16 (or calibrated) rate, their
-    # casts' memory traffic, and FSDP2's float8 all-gather under tensorwise (topology/fp8_model.py)
+    # casts' memory traffic, and FSDP2's float8 all-gather under tensorwise (topology/estimators/fp8_model.py)
     fp8: str | None = None
     # a machine's datasheet (topology/hardware.py): with it, and without a calibration, the step is
-    # topology/step_model.py's physics and `efficiency` is the framework's software efficiency
+    # topology/estimators/step_model.py's physics and `efficiency` is the framework's software efficiency
     profile: HardwareProfile | None = None
     compile: bool = False  # torch.compile's fusion of the elementwise work (the profile's compiled_elementwise)
     async_tp: bool = False  # the tp collectives overlapped with the matmuls they feed
     ep_overlap: bool = False  # the expert all-to-alls overlapped with another microbatch's compute
     # the expert group folds tp in: ep x tp ranks of whole experts (Megatron's MoE parallel folding, expert tp 1;
-    # topology/comm_model.py's ep_over_tp)
+    # topology/estimators/comm_model.py's ep_over_tp)
     ep_over_tp: bool = False
     attention: str = "cudnn"  # the attention kernels' backend (the profile's attention_share)
     # `tessera train --loss`: chunked (never the whole logits) or logits; compiled-logits: the whole logits with a
@@ -99,11 +99,11 @@ class Hardware:
     loss: str = "chunked"
     # whose per-op checkpointing `ac op` is: tessera's (every matmul output kept) or torchtitan's (every other)
     ac_policy: str = "tessera"
-    # --offload's links (topology/offload_model.py), at the shares a copy and the host step reach: PCIe per GPU
+    # --offload's links (offload_model.py), at the shares a copy and the host step reach: PCIe per GPU
     # and direction (H100's Gen5 x16, 64 GB/s, at 0.8), the host's DRAM per node (DGX H100's 614 GB/s at 0.5),
     # and the host memory per node the offloaded states must fit in (None: unknown, not checked)
-    # --fault-tolerant: the replicate axis through torchft (topology/step_estimate.py's _replica_seconds), its
-    # gradient buffer counted (topology/rank_memory.py)
+    # --fault-tolerant: the replicate axis through torchft (step_estimate.py's _replica_seconds), its
+    # gradient buffer counted (topology/estimators/rank_memory.py)
     fault_tolerant: bool = False
     # the ranks' device when it is known to be a CPU (a run's own estimate, runtime/training/estimate.py): its
     # attention and norms take the CPU's paths whatever the dtype (None: GPU paths below fp32, CPU's in fp32)
@@ -231,7 +231,7 @@ class Candidate:
     microbatches: int = 1
     virtual: int = 1
     sp: bool | None = None  # sequence parallel; None: on whenever tp > 1
-    offload: str = "none"  # --offload: model states in host memory (topology/offload_model.py)
+    offload: str = "none"  # --offload: model states in host memory (topology/estimators/offload_model.py)
 
     @property
     def sequence_parallel(self) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 
-from .shapes import ModelShape, as_shape, kv_heads_split
+from tessera.topology.shapes import ModelShape, as_shape, kv_heads_split
 
 REFERENCE_BLOCK = (
     128  # kernels/attention_reference.py's REFERENCE_BLOCK: the reference's key (and windowed query) blocks

@@ -1,4 +1,4 @@
-"""The memory of one rank of a candidate (topology/planner.py's memory paragraph): the model states of the rank
+"""The memory of one rank of a candidate (planner.py's memory paragraph): the model states of the rank
 holding the most, FSDP2's gathered copy and the unsharded gradients, the activations a block keeps for backward
 times the microbatches in flight, the loss's logits, the buffers; and where --offload puts the states."""
 
@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import functools
 
-from .activations import block_activation_bytes, layer_kind, uses_block_model
-from .comm_model import stage_layer_counts
-from .memory import get_recipe, offload_split
-from .muon_memory import MUON_RECIPES, muon_extra_bytes
+from tessera.topology.estimators.activations import block_activation_bytes, layer_kind, uses_block_model
+from tessera.topology.estimators.comm_model import stage_layer_counts
+from tessera.topology.memory import get_recipe, offload_split
+from tessera.topology.estimators.muon_memory import MUON_RECIPES, muon_extra_bytes
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
-from .plan_inputs import (
+from tessera.topology.estimators.plan_inputs import (
     Candidate,
     Hardware,
 )
-from .schedule import placement_of, stages_on_rank
-from .shapes import (
+from tessera.topology.schedules.schedule import placement_of, stages_on_rank
+from tessera.topology.shapes import (
     ModelShape,
     as_shape,
     chunk_tokens,
@@ -94,7 +94,7 @@ def layer_activation_bytes(
     tensors each (ffn / tp wide) plus their dispatched input and combined output (dim wide), the router's
     fp32 scores (n_experts per token), and a shared expert a dense MLP's.
     Blocks of another kind (latent attention, sinks, sliding windows, dense layers beside MoE ones, biased or
-    clamped experts) are counted per block `layer` without checkpointing by topology/activations.py, whose
+    clamped experts) are counted per block `layer` without checkpointing by topology/estimators/activations.py, whose
     attention takes the CPU's paths when `cpu` (None: for fp32 compute, as tessera's CPU runs are).
     """
     cfg = as_shape(shape)
@@ -291,7 +291,7 @@ def _rank_memory(
         held = max(m["activations"], m["activations"] - max(chunk_bytes(c) for c in chunks) + m["unsharded_grads"])
     backward_start = held + max(m["logits"], m["backward_transient"]) + m["gathered_params"]
     optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
-    if hw.recipe in MUON_RECIPES:  # Muon's own accounting (topology/muon_memory.py)
+    if hw.recipe in MUON_RECIPES:  # Muon's own accounting (topology/estimators/muon_memory.py)
         optimizer_step += _muon_memory(m, cfg, cand, hw, pp_rank, fsdp, stage, n_blocks=sum(layers[s] for s in stages))
     if cand.offload != "none":  # the states that leave the GPU (topology/memory.py's offload_split)
         split = offload_split({k: m[k] for k in ("parameters", "gradients", "optimizer")}, cand.offload, hw.recipe)

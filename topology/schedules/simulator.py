@@ -1,4 +1,4 @@
-"""The simulator that proves pipeline schedules (topology/schedule.py builds them): pure Python, no torch.
+"""The simulator that proves pipeline schedules (topology/schedules/schedule.py builds them): pure Python, no torch.
 
 validate        every (microbatch, stage) has one F, one B (and one W for split kinds), each stage on one
                 rank, F before B before W; errors name the first bad action by rank and position
@@ -14,7 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .schedule import DEFAULT_COSTS, OPS, Action, Namer, Schedule, dependency, held_peak, stage_rank
+from tessera.topology.schedules.schedule import (
+    DEFAULT_COSTS,
+    OPS,
+    Action,
+    Namer,
+    Schedule,
+    dependency,
+    held_peak,
+    stage_rank,
+)
 
 
 @dataclass

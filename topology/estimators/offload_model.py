@@ -14,7 +14,7 @@ direction, host_memory_gbps x host_memory_share per node).
 
 from __future__ import annotations
 
-from .memory import GB, OFFLOAD_MODES
+from tessera.topology.memory import GB, OFFLOAD_MODES
 
 HOST_ADAMW_BYTES = 28  # fp32: parameter, gradient, two moments read; parameter and moments written
 COPY_BYTES = 4  # each element crosses PCIe as fp32 (the shard, its gradient)

@@ -15,7 +15,7 @@ twice (its amax, then the scaled cast) and writing one byte an element.
 
 from __future__ import annotations
 
-from .shapes import ModelShape, as_shape
+from tessera.topology.shapes import ModelShape, as_shape
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_MATMUL_SPEEDUP = 2.0

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .errors import PlanError
+from tessera.topology.errors import PlanError
 from .fp8_model import blended_peak, fp8_flop_share
-from .layout import Layout
-from .memory import GB
-from .offload_model import check_offload_mode, host_bytes_per_node
-from .planner import Candidate, Estimate, Hardware, candidates_of_layout, estimate
-from .step_estimate import model_flops_per_token
-from .planner import why_not_runnable
-from .shapes import as_shape
+from tessera.topology.layout import Layout
+from tessera.topology.memory import GB
+from tessera.topology.estimators.offload_model import check_offload_mode, host_bytes_per_node
+from tessera.topology.estimators.planner import Candidate, Estimate, Hardware, candidates_of_layout, estimate
+from tessera.topology.estimators.step_estimate import model_flops_per_token
+from tessera.topology.estimators.planner import why_not_runnable
+from tessera.topology.shapes import as_shape
 
 GIB = 2**30
 

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .shapes import as_shape
+from tessera.topology.shapes import as_shape
 
 SCHEMA = 1
 # clip 12 + fused AdamW (runtime/training/optim.py): 32 counted at the dispatcher on CPU, the CUDA kernel's 28

@@ -3,7 +3,7 @@ rank of actions written STAGE OP MICROBATCH (0F1: stage 0's forward of microbatc
 pipelining CSVs write them), or JSON ({"ranks": [["0F0", ...], ...]}, or lists of {"op", "stage",
 "microbatch"}); `write_schedule_file` writes either (a built-in kind dumped as a starting point to edit);
 `check_fits` proves one (validate, simulate) and checks it against the run's pp, virtual and microbatches.
-Files are parsed, never evaluated. Pure Python, as topology/schedule.py.
+Files are parsed, never evaluated. Pure Python, as topology/schedules/schedule.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 import re
 from typing import Any
 
-from .schedule import OPS, Action, Namer, Schedule
-from .simulator import at_position, simulate, validate
+from tessera.topology.schedules.schedule import OPS, Action, Namer, Schedule
+from tessera.topology.schedules.simulator import at_position, simulate, validate
 
 _ACTION = re.compile(r"(-?\d+)\s*([A-Za-z]+)\s*(-?\d+)")  # STAGE OP MICROBATCH; signs only to name them
 
