@@ -39,7 +39,7 @@ def build_and_measure(config):
 
 def main(argv=None) -> int:
     from tessera.config import Config
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="8b")

@@ -25,7 +25,7 @@ from common import write_results  # noqa: E402
 import torch  # noqa: E402
 
 from tessera.models.llama import ModelConfig, hf_config_dict  # noqa: E402
-from tessera.parallel.launch import run_ranks  # noqa: E402
+from tessera.launching.launch import run_ranks  # noqa: E402
 
 
 def model(quick: bool) -> ModelConfig:
@@ -39,7 +39,7 @@ def _saves(model_dir: str, out: str, rounds: int) -> dict | None:
     import torch.distributed as dist
 
     from tessera.config import Config
-    from tessera.parallel.checkpoint import CheckpointManager
+    from tessera.checkpointing.checkpoint import CheckpointManager
     from tessera.trainer import Trainer
 
     config = Config.create(

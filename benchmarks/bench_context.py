@@ -123,7 +123,7 @@ def balance(seq, heads, kv_heads, head_dim, cp, steps):
 
 
 def main(argv=None) -> int:
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=2048)

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tessera.kernels import document_ids, flash_attention  # noqa: E402
-from tessera.models.corpus import pack_documents  # noqa: E402
+from tessera.data.corpus import pack_documents  # noqa: E402
 from tessera.parallel.context import causal_pairs, ring_attention, zigzag_indices, zigzag_shard  # noqa: E402
 
 SEPARATOR = 257
@@ -183,7 +183,7 @@ def ring_rank(seq, rows, heads, kv_heads, head_dim, mean, steps, warmup):
 
 
 def ring_rows(args) -> list[dict]:
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     out = []
     for cp in args.cp:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 from tessera.config import Config  # noqa: E402
-from tessera.parallel.launch import run_ranks  # noqa: E402
+from tessera.launching.launch import run_ranks  # noqa: E402
 from tessera.trainer import Trainer  # noqa: E402
 
 

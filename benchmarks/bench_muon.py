@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, plot_loss_curves, write_results  # noqa: E402
 
 from tessera.config import Config  # noqa: E402
-from tessera.parallel.launch import run_ranks  # noqa: E402
+from tessera.launching.launch import run_ranks  # noqa: E402
 from tessera.trainer import Trainer  # noqa: E402
 
 LAYOUTS = {"one": dict(), "dp2xtp2": dict(dp=2, tp=2), "dp4": dict(dp=4)}

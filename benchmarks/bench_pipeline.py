@@ -246,7 +246,7 @@ def measured_bubble(traces: list[list]) -> tuple[float, dict[str, float]]:
 
 
 def main(argv=None) -> int:
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")

@@ -139,7 +139,7 @@ def train_row(
     kernels: str = "auto",
 ) -> dict:
     from tessera.commands.bench import _row
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
     from tessera.training.run import run_rank
 
     config = train_config(sizes, batch, compile, smoke, fp8, kernels)
@@ -158,7 +158,7 @@ def baseline_row(
     sizes: dict, batch: int, compile: bool, smoke: bool, peak: float | None, timeout: float, attention: str = "best"
 ) -> dict:
     from tessera.commands.bench import _baseline_row, baseline_rank
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     config = train_config(sizes, batch, False, smoke)
     records = run_ranks(
@@ -370,7 +370,7 @@ def part_planner(suite: Suite, cap: float) -> dict:
     from tessera.commands.bench import calibrate_rank
     from tessera.training.estimate import planner_estimate
     from tessera.commands.calibrate import describe
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
     from tessera.topology.estimators.step_time import Calibration
 
     sizes = suite.sizes

@@ -23,7 +23,7 @@ from torch import nn
 from tessera.topology.shapes import ModelShape
 
 from .attention import LatentAttention, latent_attention_tp_plan
-from .corpus import BYTE_VOCAB
+from .spec import BYTE_VOCAB
 from .decoder import DecoderLM, DecoderNames, DepthScaledInit, decoder_shape, decoder_spec, decoder_tp_plan
 from .hf_adapter import check_architecture, decoder_entries, off, refuse, require, rope_theta, scaled_rope, silu_only
 from .layers import Rotary, yarn_mscale

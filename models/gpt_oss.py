@@ -28,7 +28,7 @@ from torch import nn
 from tessera.topology.shapes import ModelShape
 
 from .attention import AttentionNames, GroupedQueryAttention, attention_tp_plan, check_heads
-from .corpus import BYTE_VOCAB
+from .spec import BYTE_VOCAB
 from .decoder import DecoderLM, DecoderNames, DepthScaledInit, decoder_shape, decoder_spec, decoder_tp_plan
 from .hf_adapter import NamesUnderModel, check_architecture, decoder_entries, refuse, require
 from .hf_adapter import scaled_rope

@@ -22,7 +22,7 @@ from torch import nn
 from tessera.topology.shapes import ModelShape
 
 from .attention import AttentionNames, GroupedQueryAttention, attention_tp_plan, check_heads
-from .corpus import BYTE_VOCAB  # noqa: F401  (the debug presets' vocabulary; imported from here too)
+from .spec import BYTE_VOCAB  # noqa: F401  (the debug presets' vocabulary; imported from here too)
 from .decoder import DecoderLM, DecoderNames, DepthScaledInit, decoder_shape, decoder_spec, decoder_tp_plan
 from .hf_adapter import check_architecture, decoder_entries, off, refuse, rope_theta, scaled_rope, silu_only
 from .layers import Rotary

@@ -25,7 +25,7 @@ from torch import nn
 from tessera.topology.shapes import ModelShape
 
 from .attention import AttentionNames, GroupedQueryAttention, attention_tp_plan, check_heads
-from .corpus import BYTE_VOCAB
+from .spec import BYTE_VOCAB
 from .decoder import DecoderLM, DecoderNames, DecoderSizes, DepthScaledInit, decoder_shape, decoder_spec
 from .decoder import decoder_tp_plan
 from .hf_adapter import NamesUnderModel, check_architecture, decoder_entries, off, plain_rope_only, refuse

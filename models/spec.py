@@ -40,6 +40,10 @@ from tessera.topology.shapes import ModelShape
 from .init import Init, init_parameters
 
 # The tensor-parallel styles a spec's plan may name (parallel/tp_plan.py turns each into its Style):
+# the byte-level vocabulary (tessera.data.corpus): 256 byte values + BOS + EOS, that of the families' debug presets
+BOS, EOS = 256, 257
+BYTE_VOCAB = 258
+
 TP_STYLES = {
     "embedding": "nn.Embedding split over vocabulary rows; partial lookups summed (scattered under SP)",
     "block_input": "a block's input copied to (or gathered over) the tp ranks once, for every column layer inside",

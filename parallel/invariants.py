@@ -1,6 +1,6 @@
 """Sharding invariants as public checks: each raises InvariantError naming the tensor or parameter and the
 layout, or returns None. Users call them on their own tensors, meshes and models (inside ranks started by
-`tessera.parallel.launch.run_ranks` or the pytest fixtures of `tessera.testing.pytest_plugin`).
+`tessera.launching.launch.run_ranks` or the pytest fixtures of `tessera.testing.pytest_plugin`).
 
     check_shard_gather(tensor, mesh, placements, name)     shard then gather is the identity
     check_reduce_scatter_all_gather(tensor, group, name)   reduce-scatter then all-gather == all-reduce

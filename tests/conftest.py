@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 # --cpu-report PATH (with -n 0): each test's machine-wide CPU seconds, where the CPU-bound suite's time goes
 from cpu_report import pytest_addoption, pytest_configure  # noqa: E402, F401
 
-from tessera.training.rank_server import COMPILE_PRELOAD  # noqa: E402
+from tessera.launching.rank_server import COMPILE_PRELOAD  # noqa: E402
 
 
 # modules whose tests start ranks or the CLI (seconds each): the slow tier; `-m 'not slow'` is the fast one
@@ -226,27 +226,27 @@ RANK_HEAVY = {
 }
 
 
-# what the ranks of the tests import beside tessera's own list (tessera.parallel.launch.PRELOAD): the tests'
+# what the ranks of the tests import beside tessera's own list (tessera.launching.launch.PRELOAD): the tests'
 # rank functions and torchao's FP8 (a missing module is skipped), once in each worker's forkserver instead of
 # once in each rank (test_contract's 21 pipeline rows on 4 ranks: 61.6 -> 55.6 CPU seconds); and inductor's
 # compiler, as `tessera train --compile`'s server has (rank_server.COMPILE_PRELOAD): a compiled row's ranks no
 # longer import it (pp2-interleaved+compile, cold cache: 37.7 -> 34.1 machine CPU-s, 3 runs each). It once made
 # every eager rank slower (test_contract's 21 pipeline rows 54.8 -> 66.8), by the collections that walked its
-# objects in every rank; frozen in the server since (tessera.training.rank_server), test_contract's 40 rows on 4
+# objects in every rank; frozen in the server since (tessera.launching.rank_server), test_contract's 40 rows on 4
 # ranks measured 64.0 without it and 62.2 with (5 runs each, 54-72 CPU-s: no difference)
 TEST_PRELOAD = ["helpers", "shared_spawns", "torchao.float8", *COMPILE_PRELOAD]
 
 
 def pytest_sessionstart(session):
     """Start this test process's forkserver with the test imports (not in an xdist controller, which runs no
-    test). tessera.parallel.launch finds it running and forks the ranks from it."""
+    test). tessera.launching.launch finds it running and forks the ranks from it."""
     autotune_choice()  # a misspelt setting stops the run before any test
     if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
         return
     import multiprocessing
     from multiprocessing import forkserver
 
-    from tessera.parallel import launch
+    from tessera.launching import launch
 
     # the benchmark scripts the tests run in this process (helpers.script_here) define rank functions that the
     # ranks import by module name: from benchmarks/, on the path the forkserver hands its ranks (this one's now)
@@ -382,7 +382,7 @@ def attention_autotune(request, monkeypatch):
 def reference():
     """The one-process run every layout is compared with: (losses, grad norms, gradients of step 1)."""
     from helpers import small_config, train_losses_and_grads
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     return run_ranks(train_losses_and_grads, 1, small_config(), timeout=120)[0]
 
@@ -391,7 +391,7 @@ def reference():
 def masked_reference():
     """The one-process run on targets masked unevenly across rows."""
     from helpers import small_config, train_losses_and_grads
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     return run_ranks(train_losses_and_grads, 1, small_config(), True, timeout=120)[0]
 
@@ -403,7 +403,7 @@ PIPELINE_BASE = dict(n_layers=8, global_batch=8)  # deep enough for 8 virtual st
 def deep_reference():
     """The one-process run the pipeline layouts are compared with (8 layers, 8 rows per step)."""
     from helpers import small_config, train_losses_and_grads
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     return run_ranks(train_losses_and_grads, 1, small_config(**PIPELINE_BASE), timeout=120)[0]
 

@@ -80,7 +80,7 @@ def checkpoints(root: str, kw: dict):
     step 3, "resumed": the same after resuming its step-2 checkpoint with --fp8, "saved": the parameters at
     step 2, "without_fp8": (parameters as loaded, step 3's loss) resuming it without --fp8, "bf16_with_fp8": the
     same for a bf16 run's step-2 checkpoint resumed with --fp8, "path": the FP8 checkpoint}."""
-    from tessera.parallel.checkpoint import CheckpointManager  # lazy: only this case saves
+    from tessera.checkpointing.checkpoint import CheckpointManager  # lazy: only this case saves
 
     def run(config_kw: dict, directory: str):
         trainer = trainer_for(small_config(**config_kw, checkpoint_dir=directory))

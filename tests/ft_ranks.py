@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from helpers import small_config, trainer_for
-from tessera.models.corpus import IGNORE_INDEX, TokenStream
+from tessera.data.corpus import IGNORE_INDEX, TokenStream
 
 
 class RowsRead(TokenStream):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tessera.config import Config
-from tessera.models.corpus import TokenStream
+from tessera.data.corpus import TokenStream
 from tessera.parallel.tensor import full_tensor
 from tessera.trainer import Trainer
 
@@ -163,7 +163,7 @@ def _first_batch_loss(trainer: Trainer) -> float:
 
 def first_loss(config: Config):
     """The loss of the first batch, no step taken (after --init-from, if set)."""
-    from tessera.parallel import checkpoint
+    from tessera.checkpointing import checkpoint
 
     trainer = trainer_for(config)
     if config.checkpoint.init_from:
@@ -214,7 +214,7 @@ def peak_tensor_bytes(config: Config) -> float:
 
 def train_losses_and_grads_saving(config: Config, save_after: int):
     """`train_losses_and_grads`, also saving a checkpoint into config's --checkpoint-dir after step `save_after`."""
-    from tessera.parallel.checkpoint import CheckpointManager
+    from tessera.checkpointing.checkpoint import CheckpointManager
 
     trainer = trainer_for(config)
     manager = CheckpointManager(config.checkpoint.dir, keep=config.checkpoint.keep)
@@ -273,7 +273,7 @@ def train_with_records(config: Config):
 def _captured_here(cwd: str | os.PathLike | None, env: dict[str, str] | None) -> Iterator[list[str]]:
     """This process's fds 1 and 2 (and sys.stdout, sys.stderr) into files meanwhile, in `cwd` if given, with `env`
     added to the environment; the list it yields holds (stdout, stderr) after. The ranks a run starts write to
-    fds 1 and 2 (tessera.parallel.launch hands them over), so they are captured too."""
+    fds 1 and 2 (tessera.launching.launch hands them over), so they are captured too."""
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:

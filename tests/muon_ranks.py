@@ -14,7 +14,7 @@ def muon_run(kw: dict, shard_alone: bool = False, save_after: int | None = None)
     small_config(**kw), on rank 0 (None elsewhere). `shard_alone` plants the bug of orthogonalizing each
     rank's shard alone. With kw's checkpoint_dir, a checkpoint is saved after step `save_after`; with kw's
     resume, the run starts from that checkpoint (saved on any layout) and takes the steps left."""
-    from tessera.parallel.checkpoint import CheckpointManager  # lazy: only the checkpoint rows save
+    from tessera.checkpointing.checkpoint import CheckpointManager  # lazy: only the checkpoint rows save
 
     muon.SHARD_ALONE = shard_alone
     try:
@@ -42,7 +42,7 @@ def muon_run(kw: dict, shard_alone: bool = False, save_after: int | None = None)
 def resume_bitwise(root: str):
     """(every parameter after step 3 of a run, the same after resuming its step-2 checkpoint) on rank 0:
     dp2 Muon, saved and resumed on the same layout."""
-    from tessera.parallel.checkpoint import CheckpointManager
+    from tessera.checkpointing.checkpoint import CheckpointManager
 
     config = small_config(optimizer="muon", dp=2, checkpoint_dir=root)
     trainer = trainer_for(config)

@@ -36,7 +36,7 @@ def offload_resume(kw: dict, saved_with: str, resumed_with: str, root: str):
     """A run of small_config(**kw) saved after step 2 under --offload `saved_with`, and step 3 taken by a new
     Trainer under --offload `resumed_with` from that checkpoint: (step 3's loss and grad norm, every full
     parameter after it) on rank 0."""
-    from tessera.parallel.checkpoint import CheckpointManager  # lazy: only these rows save
+    from tessera.checkpointing.checkpoint import CheckpointManager  # lazy: only these rows save
 
     config = small_config(offload=saved_with, checkpoint_dir=root, **kw)
     trainer = trainer_for(config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.models.corpus import IGNORE_INDEX, pack_documents
+from tessera.data.corpus import IGNORE_INDEX, pack_documents
 from tessera.models.init import one_process_name
 from tessera.models.spec import get_spec
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import pytest
 import torch.distributed as dist
 
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.topology.errors import RankFailure, RankTimeout
 
 

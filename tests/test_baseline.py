@@ -43,7 +43,7 @@ def _first_steps(steps: int):
 
 
 def test_baseline_first_loss_is_tesseras_for_the_same_weights_and_batch():
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     ours, theirs = run_ranks(_first_steps, 1, 2, timeout=180)[0]
     assert len(theirs) == 2

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from helpers import full_parameters, measured_model_states, small_config
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_sum
 from tessera.parallel.tensor import shard_range
 from tessera.topology.memory import model_state_bytes

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import cli_here, first_loss, small_config
-from tessera.parallel import checkpoint
-from tessera.parallel.launch import run_ranks
+from tessera.checkpointing import checkpoint
+from tessera.launching.launch import run_ranks
 from tessera.training.run import train
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import script_here, small_config
-from tessera.parallel.launch import RankFailure, run_ranks
+from tessera.launching.launch import RankFailure, run_ranks
 from tessera.training.run import train
 
 BASE = dict(steps=4, checkpoint_every=2)
@@ -35,7 +35,7 @@ def _killed_while_writing(config, root):
     files are being written (the writes made slow)."""
     import torch.distributed.checkpoint.filesystem as fs
 
-    from tessera.parallel.checkpoint import CheckpointManager
+    from tessera.checkpointing.checkpoint import CheckpointManager
     from tessera.trainer import Trainer
 
     trainer = Trainer(config, torch.device("cpu"))

@@ -255,7 +255,7 @@ def workspace(tmp_path_factory):
 
     from tessera.models import get_preset
     from tessera.models.hf import hf_config_dict
-    from tessera.models.tokens import write_shard
+    from tessera.data.tokens import write_shard
 
     root = tmp_path_factory.mktemp("fuzz")
     d = root / "in"

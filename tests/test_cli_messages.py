@@ -189,7 +189,7 @@ def test_out_on_a_read_only_file_system_is_named(tmp_path, capsys, monkeypatch, 
 
 
 def test_a_shard_description_with_a_bad_field_names_the_file_and_the_field(tmp_path, capsys, tokenizer_file):
-    from tessera.models.tokens import open_dataset, write_shard
+    from tessera.data.tokens import open_dataset, write_shard
 
     write_shard(tmp_path / "shard_00000", [1, 2, 3, 1], 60, 1)
     meta_path = tmp_path / "shard_00000.json"

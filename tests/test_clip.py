@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from helpers import small_config
 from tessera.parallel.clip import clip_grad_norm_, global_grad_norm
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 
 def _reference_norm(grads) -> float:
@@ -137,7 +137,7 @@ def _trainer_norm_and_calls(config):
     from tessera.parallel.clip import _sharded_groups
     from tessera.parallel.loss import count_valid
     from tessera.parallel.tensor import full_tensor
-    from tessera.training.runners import split_microbatches
+    from tessera.data.batches import split_microbatches
     from tessera.topology import Meshes
     from tessera.trainer import Trainer
 

@@ -175,7 +175,7 @@ def test_init_from_a_file_of_another_models_shapes_is_refused(tmp_path):
     import torch
 
     from tessera.models import build_model
-    from tessera.parallel.checkpoint import write_safetensors
+    from tessera.checkpointing.checkpoint import write_safetensors
 
     small = {k: v for k, v in build_model("small", seed=0).state_dict().items()}
     write_safetensors(small, tmp_path / "small.safetensors")

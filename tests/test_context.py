@@ -20,7 +20,7 @@ from tessera.parallel.context import (
     zigzag_shard,
     zigzag_unshard,
 )
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from helpers import cli_here
 
 

@@ -25,7 +25,7 @@ from tessera.parallel.context import (
     zigzag_indices,
     zigzag_shard,
 )
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from test_attention_variants import definition
 
 CHUNK = 8  # tokens per zigzag chunk: windows of 3 (inside one) and 13 (spanning two)

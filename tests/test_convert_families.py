@@ -13,8 +13,8 @@ from helpers import cli_here
 from tessera.models import get_preset
 from tessera.models.hf import save_hf
 from tessera.models.spec import build_model
-from tessera.parallel.checkpoint import check_full_state_dict_file, tied_aliases
-from tessera.parallel.safe_io import read_safetensors
+from tessera.checkpointing.checkpoint import check_full_state_dict_file, tied_aliases
+from tessera.checkpointing.safe_io import read_safetensors
 
 PRESETS = ("debug", "qwen3-debug", "qwen3-moe-debug", "deepseek-v3-debug", "gpt-oss-debug")
 

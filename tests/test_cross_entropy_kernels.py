@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_fused_loss import _close, _float64_definition, _problem
 from tessera.kernels import set_default_backend
 from tessera.kernels.dispatch import cross_entropy_grad_, cross_entropy_row_stats, fused_cross_entropy
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.parallel.loss import linear_cross_entropy_sum
 from tessera.parallel.tensor import copy_to_tp, shard_range
 

@@ -133,7 +133,7 @@ def test_triton_block_backward_with_empty_rows():
 # ----------------------------------------------------------------------------- the model on one process
 from packing import SEPARATOR, one_process_model, packed_batch, packed_row, run_alone  # noqa: E402
 
-from tessera.models.corpus import IGNORE_INDEX, pack_documents  # noqa: E402
+from tessera.data.corpus import IGNORE_INDEX, pack_documents  # noqa: E402
 
 
 @settings(max_examples=30, deadline=None)

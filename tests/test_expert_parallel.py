@@ -7,7 +7,7 @@ backward)."""
 import pytest
 import torch
 
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 
 def _block(top_k: int, force: int | None):

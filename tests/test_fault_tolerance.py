@@ -19,7 +19,7 @@ import pytest
 
 from ft_ranks import one_process_on_rows_read
 from helpers import cli_here
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft (the ft extra)")
 

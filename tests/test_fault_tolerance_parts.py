@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from helpers import cli_here
 from tessera.config import Config
 from tessera.models import get_preset
-from tessera.models.corpus import TokenStream
+from tessera.data.corpus import TokenStream
 from tessera.models.spec import shape_of
 from tessera.parallel.fault_tolerance import ReplicaRows
 from tessera.topology import Layout

@@ -215,7 +215,7 @@ def test_the_per_step_scale_precompute_gives_the_all_gathers_own_scales_and_chan
     """dp2 tensorwise (FSDP2 all-gathers the weights in FP8): each step's precomputed scale of every such weight
     is the one the all-gather computes from the whole weight, the run trains bitwise as it does without the
     precompute, and no scale outlives its step."""
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     from fp8_ranks import precomputed_scales_run
 

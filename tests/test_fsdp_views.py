@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from helpers import small_config
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 
 def _warnings_of_a_step(config):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.parallel.loss import (
     CrossEntropySum,
     LinearCrossEntropyHead,

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from helpers import small_config
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 degrees = st.integers(0, 4)
 FLAGS = dict(

@@ -252,7 +252,7 @@ def _job(checkpoint: str, tp: int = 2):
 
 
 def test_greedy_tokens_equal_transformers_on_tp2_ranks_for_every_family(capsys, hf_dirs):
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     jobs = [_job(f"hf:{hf_dirs[f]}") for f in FAMILIES]
     results = run_ranks(_on_tp_ranks, 2, jobs, timeout=180)[0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
+from tessera.launching.launch import RankFailure, RankTimeout, run_ranks
 
 
 def _sum_of_ranks():
@@ -99,7 +99,7 @@ def _collector_state():
 
 def test_a_rank_starts_with_the_preloaded_imports_frozen_out_of_the_collectors_reach():
     """The forkserver imports with its collector paused and freezes its objects before each fork
-    (tessera.training.rank_server): a rank, collector on, inherits ~300,000 objects its full collections never
+    (tessera.launching.rank_server): a rank, collector on, inherits ~300,000 objects its full collections never
     walk, and the server's young collections while importing (its counters, inherited: ~680 unpaused) are few."""
     for enabled, frozen, tracked, young in run_ranks(_collector_state, 2, timeout=60):
         assert enabled and frozen > 100_000 and tracked < frozen / 10, (enabled, frozen, tracked)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import NEEDS_TRANSFORMERS, small_config, cli_here
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 pytestmark = NEEDS_TRANSFORMERS
 
@@ -130,7 +130,7 @@ def test_train_from_hf_then_export_to_hf_loads_back_into_transformers(hf_dir, tm
     from tessera.cli import main
     from tessera.training.run import train
 
-    from tessera.models.tokens import write_shard
+    from tessera.data.tokens import write_shard
 
     ckpt = tmp_path / "ckpt"
     (tmp_path / "tokens").mkdir()
@@ -162,7 +162,7 @@ def test_train_from_hf_then_export_to_hf_loads_back_into_transformers(hf_dir, tm
 
 def test_convert_writes_tesseras_names(hf_dir, tmp_path):
     from tessera.cli import main
-    from tessera.parallel.checkpoint import read_safetensors
+    from tessera.checkpointing.checkpoint import read_safetensors
 
     assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "t.safetensors")]) == 0
     tensors = read_safetensors(tmp_path / "t.safetensors")
@@ -282,7 +282,7 @@ def test_export_to_hf_names_the_familys_architecture_and_writes_readable_files(
     LlamaForCausalLM.from_pretrained loads it", and its model.safetensors was -rw------- beside a -rw-r--r--
     config.json. The checkpoint's sharded read (DCP, tested in test_checkpoint.py) is stood in for by the full
     state dict it gives, so that the command runs in process."""
-    import tessera.parallel.checkpoint as checkpoint
+    import tessera.checkpointing.checkpoint as checkpoint
     from tessera.models import get_preset
     from tessera.models.safetensors_io import write_safetensors
     from tessera.models.spec import spec_of

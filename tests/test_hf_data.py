@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import script_here, small_config
-from tessera.models.hf_data import HFStream, parse_spec
+from tessera.data.hf_data import HFStream, parse_spec
 
 WORDS = "the quick brown fox jumps over the lazy dog a stitch in time saves nine".split()
 
@@ -60,7 +60,8 @@ def stream(spec, tokenizer_file, seq=16, batch=4, **kw) -> HFStream:
 
 
 def definition(docs, tokenizer_file, tokens: int) -> np.ndarray:
-    """The global stream as written in models/hf_data.py: each document's ids and the separator, epoch after epoch."""
+    """The global stream as written in runtime/data/hf_data.py: each document's ids and the separator, epoch
+    after epoch."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_file))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.parallel.locks import directory_lock, metrics_lock, pinned, pinned_steps
+from tessera.checkpointing.locks import directory_lock, metrics_lock, pinned, pinned_steps
 from tessera.topology.errors import CheckpointError
 
 TINY = ["--model", "debug", "--seq-len", "16", "--global-batch", "2", "--quiet"]
@@ -203,8 +203,8 @@ def test_a_killed_rank_without_restarts_ends_in_one_line_with_where_to_resume(tm
 
 
 def test_a_rank_killed_while_the_oom_killer_struck_is_named_out_of_memory(tmp_path):
-    from tessera.parallel.host_memory import available_bytes, oom_kills
-    from tessera.parallel.launch import died_message
+    from tessera.launching.host_memory import available_bytes, oom_kills
+    from tessera.launching.launch import died_message
 
     assert died_message(1, 2, -9, 3, 3) == "rank 1 of 2 died without a result (exit code -9)"
     assert died_message(1, 2, -9, 3, 4).endswith(

@@ -17,10 +17,10 @@ import pytest
 
 from tessera.cli import build_parser
 from tessera.config import flag_names
-from tessera.models.corpus import TokenStream
+from tessera.data.corpus import TokenStream
 from tessera.models.hf import read_hf_config
-from tessera.models.tokens import TokenFileStream, open_dataset
-from tessera.parallel import checkpoint
+from tessera.data.tokens import TokenFileStream, open_dataset
+from tessera.checkpointing import checkpoint
 from tessera.parallel.context import check_context
 from tessera.parallel.fsdp import DataParallelConfig, check_data_parallel
 from tessera.parallel.expert import check_expert_parallel

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.topology import AXES, FLATTENED, Layout, dry_run, mesh_group_ranks, submesh
 
 NAMES = list(AXES) + list(FLATTENED)

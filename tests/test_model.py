@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from tessera.kernels import attention_reference, flash_attention, naive_attention, rms_norm
 from tessera.models import PRESETS, build_model, get_preset
-from tessera.models.corpus import TokenStream, decode, encode
+from tessera.data.corpus import TokenStream, decode, encode
 
 
 @pytest.mark.parametrize("name, published", [("8b", 8.03e9), ("70b", 70.6e9), ("405b", 405.9e9)])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import resumed_full_parameters, small_config, cli_here
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.training.run import train
 
 BASE = dict(model="qwen3-moe-debug", global_batch=8, steps=6, moe_aux_loss=0.1, moe_bias_rate=0.01)

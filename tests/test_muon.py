@@ -12,7 +12,7 @@ import torch
 from helpers import measured_model_states, script_here, small_config
 from muon_ranks import muon_comm, resume_bitwise
 from tessera.models.spec import get_spec, shape_of
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.parallel.muon import Muon, ns_flops
 from tessera.topology.memory import muon_gather_bytes
 from tessera.topology.estimators.muon_memory import largest_matrix_numel

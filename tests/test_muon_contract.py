@@ -33,7 +33,7 @@ import torch
 from muon_ranks import muon_run
 from shared_spawns import each_in_turn
 from tessera.models.spec import get_spec
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 MOE = dict(model="qwen3-moe-debug")
 PP = dict(microbatches=2)

@@ -97,7 +97,7 @@ def test_offloaded_layout_trains_like_the_same_layout_without(runs, case):
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
     from shared_spawns import each_in_turn
 
     root = tmp_path_factory.mktemp("offload-checkpoints")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import cli_here, script_here, small_config
-from tessera.models.tokens import TokenFileStream, write_shard
+from tessera.data.tokens import TokenFileStream, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 SEPARATOR = 1

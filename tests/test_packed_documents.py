@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from packing import SEED, build_small, one_process_model, packed_batch, packed_row, run_alone
 
 from tessera.models.spec import get_spec
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.testing import RunSpec, compare_runs, train_spec_on_layout
 from tessera.topology import Layout
 

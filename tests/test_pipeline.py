@@ -9,7 +9,7 @@ import torch
 
 from conftest import PIPELINE_BASE
 from helpers import cli_here, script_here, small_config, train_losses_and_grads
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.parallel.pipeline import build_stage, split_layers, stages_of_rank
 from tessera.training.run import train
 
@@ -170,7 +170,7 @@ def test_stage_split_is_even_or_as_listed_and_keeps_the_one_process_names():
 
 def _init_from(config, file):
     from helpers import gather_by_name, named_full_parameters
-    from tessera.parallel import checkpoint
+    from tessera.checkpointing import checkpoint
     from tessera.trainer import Trainer
 
     trainer = Trainer(config, torch.device("cpu"))
@@ -182,7 +182,7 @@ def _init_from(config, file):
 
 def test_init_from_a_full_state_dict_fills_every_stage(tmp_path):
     from tessera.models import build_model
-    from tessera.parallel.checkpoint import write_safetensors
+    from tessera.checkpointing.checkpoint import write_safetensors
 
     config = small_config(**PIPELINE_BASE, pp=2, tp=2, microbatches=2)
     source = build_model(config.model_config, seed=7)

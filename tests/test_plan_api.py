@@ -18,7 +18,7 @@ from tessera.parallel.invariants import (
     check_shard_gather,
     check_state_preserved,
 )
-from tessera.parallel.launch import RankFailure, run_ranks
+from tessera.launching.launch import RankFailure, run_ranks
 from tessera.parallel.tp_plan import ColwiseParallel, Plan, ReplicatedNorm, RowwiseParallel
 from tessera.testing import LayoutsDiverge, assert_layouts_equivalent
 from tessera.topology import Layout

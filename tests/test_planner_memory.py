@@ -89,7 +89,7 @@ def test_accumulated_gradients_are_held_unsharded_in_fp32_under_bf16(tmp_path):
     to its reduce dtype (fp32), until the last backward reduces them. Measured as the difference between that
     run and one microbatch of the same rows (everything else equal), against the planner's unsharded_grads
     (the bf16 figure would be half)."""
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     one = small_config(**{**BASE, "global_batch": 4}, dp=2, mixed_precision="bf16")
     two = small_config(**BASE, dp=2, microbatches=2, mixed_precision="bf16")

@@ -122,7 +122,7 @@ def test_only_rank_0_which_writes_the_records_measures_the_matmul_dtypes():
     it did not measure rather than repeat rank 0's."""
     from helpers import small_config
     from tessera.metrics.dtype_probe import NOT_MEASURED
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     (report, dtypes, has_flops), (other, other_dtypes, other_flops) = run_ranks(
         _dtype_reports, 2, small_config(dp=2, mixed_precision="bf16")

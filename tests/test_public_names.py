@@ -58,8 +58,8 @@ def test_python_m_tessera_cli_is_the_command():
 
 
 def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_torch_of_its_own(tmp_path):
-    from tessera.parallel import launch
-    from tessera.training import rank_server
+    from tessera.launching import launch
+    from tessera.launching import rank_server
 
     assert rank_server.PRELOAD == launch.PRELOAD
     # the whole command module too: `tessera train` starts the server after parsing, so torch imported by the
@@ -74,9 +74,9 @@ def test_tessera_train_starts_the_rank_server_with_the_launchers_imports_and_no_
     )
     code = (
         "import sys, multiprocessing.forkserver as fs, tessera.commands.main; "
-        "from tessera.training.rank_server import start_rank_server; "
+        "from tessera.launching.rank_server import start_rank_server; "
         "start_rank_server(compiles=True); print('torch' in sys.modules, fs._forkserver._forkserver_pid is not None); "
-        "import loaded; from tessera.parallel.launch import run_ranks; "
+        "import loaded; from tessera.launching.launch import run_ranks; "
         "print('torch._inductor.compile_fx' in sys.modules, run_ranks(loaded.loaded, 1, 'torch._inductor.compile_fx'))"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
@@ -107,19 +107,19 @@ def test_the_rank_server_preloads_inductor_for_the_runs_that_compile_only(argv):
 
 @pytest.mark.parametrize("quick_exit", [True, False])
 def test_the_rank_server_leaves_without_the_interpreters_shutdown(tmp_path, quick_exit):
-    """Preloaded first, tessera.training.rank_server ends the forkserver before any shutdown work once it has
+    """Preloaded first, tessera.launching.rank_server ends the forkserver before any shutdown work once it has
     forked a rank: an atexit handler preloaded after it never runs (without it, it does). Imported anywhere else
     it does nothing."""
-    from tessera.parallel import launch
+    from tessera.launching import launch
 
-    assert launch.PRELOAD[0] == "tessera.training.rank_server"
+    assert launch.PRELOAD[0] == "tessera.launching.rank_server"
     (tmp_path / "leave_a_mark.py").write_text(
         "import atexit, os\natexit.register(lambda: open(os.environ['MARK'], 'w').write('shut down'))\n"
     )
-    preload = ["tessera.training.rank_server"] * quick_exit + ["leave_a_mark"]
+    preload = ["tessera.launching.rank_server"] * quick_exit + ["leave_a_mark"]
     code = (
         "import atexit, os, multiprocessing as mp, multiprocessing.forkserver as fs; n = atexit._ncallbacks(); "
-        "import tessera.training.rank_server; assert atexit._ncallbacks() == n, 'a handler outside the forkserver'; "
+        "import tessera.launching.rank_server; assert atexit._ncallbacks() == n, 'a handler outside the forkserver'; "
         f"ctx = mp.get_context('forkserver'); ctx.set_forkserver_preload({preload!r}); fs.ensure_running(); "
         "p = ctx.Process(target=os.getpid); p.start(); p.join(); assert p.exitcode == 0"
     )
@@ -130,14 +130,14 @@ def test_the_rank_server_leaves_without_the_interpreters_shutdown(tmp_path, quic
 
 
 def test_a_process_another_forkserver_forked_keeps_its_collector_when_it_imports_the_rank_server(tmp_path):
-    """Only the server that preloads tessera.training.rank_server pauses its collector: a process forked by another
+    """Only the server that preloads tessera.launching.rank_server pauses its collector: a process forked by another
     forkserver (a user's worker, a server started without tessera's preload) that imports it first keeps the
     collector on and registers no exit handler (its stack holds forkserver.main too, under its own _serve_one)."""
     (tmp_path / "first_import.py").write_text(
         "import atexit, gc\n"
         "def run():\n"
         "    n = atexit._ncallbacks()\n"
-        "    import tessera.training.rank_server as rs\n"
+        "    import tessera.launching.rank_server as rs\n"
         "    return gc.isenabled(), rs._server_pid, atexit._ncallbacks() - n\n"
     )
     code = (
@@ -151,7 +151,7 @@ def test_a_process_another_forkserver_forked_keeps_its_collector_when_it_imports
 
 
 def test_the_commands_imports_run_with_the_collector_paused_and_leave_it_as_it_was():
-    from tessera.training.rank_server import collector_paused
+    from tessera.launching.rank_server import collector_paused
 
     for before in (True, False):
         (gc.enable if before else gc.disable)()
@@ -168,7 +168,7 @@ def test_the_commands_imports_run_with_the_collector_paused_and_leave_it_as_it_w
 def test_the_command_and_the_models_import_no_dynamo_while_the_ranks_preload_it():
     """torch._dynamo costs 1.7 CPU seconds to import: a `tessera` command that only checks, plans or launches
     never needs it (its ranks, whose meta builds do, have it from the rank server's preload)."""
-    from tessera.parallel import launch
+    from tessera.launching import launch
 
     assert "torch._dynamo" in launch.PRELOAD
     code = "import sys, tessera.cli, tessera.models, tessera.config; print('torch._dynamo' in sys.modules)"

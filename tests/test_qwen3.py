@@ -250,12 +250,12 @@ def test_an_unknown_model_type_names_the_families_tessera_reads(tmp_path):
 
 def test_a_tied_checkpoint_with_only_the_heads_name_still_loads(tmp_path):
     """Some tied checkpoints store the shared matrix as lm_head.weight only: it fills the embedding."""
-    from tessera.parallel.safe_io import write_safetensors
+    from tessera.checkpointing.safe_io import write_safetensors
 
     cfg = Qwen3Config(**TINY, tie_word_embeddings=True)
     src = QWEN3.build_model(cfg, seed=2)
     save_hf(src.state_dict(), cfg, tmp_path)
-    from tessera.parallel.safe_io import read_safetensors_slice
+    from tessera.checkpointing.safe_io import read_safetensors_slice
 
     tensors = {
         n: read_safetensors_slice(tmp_path / "model.safetensors", n, (slice(None),)) for n in weight_files(tmp_path)
@@ -276,7 +276,7 @@ def test_a_tied_checkpoint_with_only_the_heads_name_still_loads(tmp_path):
 
 def test_convert_writes_tesseras_names_once_for_a_tied_head(tmp_path):
     from tessera.cli import main
-    from tessera.parallel.checkpoint import read_safetensors
+    from tessera.checkpointing.checkpoint import read_safetensors
 
     _hf_model(tmp_path / "hf", tied=True)
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "t.safetensors")]) == 0

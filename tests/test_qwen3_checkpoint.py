@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import resumed_full_parameters, small_config, cli_here
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.training.run import train
 
 BASE = dict(model="qwen3-debug", n_layers=4, global_batch=8, steps=6)

@@ -286,7 +286,7 @@ def _load_sharded(hf_path):
 
 
 def test_expert_parallel_and_tp_shards_load_their_own_block(tmp_path):
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     cfg = Qwen3MoeConfig(**TINY)
     src = QWEN3_MOE.build_model(cfg, seed=6)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from helpers import small_config, cli_here
-from tessera.parallel import checkpoint
-from tessera.parallel.launch import run_ranks
+from tessera.checkpointing import checkpoint
+from tessera.launching.launch import run_ranks
 
 
 def _rank_one_freezes(config):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import cli_here, small_config
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 
 FAST = ["--seq-len", "32", "--global-batch", "4"]
 
@@ -360,7 +360,7 @@ def test_the_stop_message_suggests_resume_only_where_a_checkpoint_is_saved(tmp_p
 
 
 def test_the_restart_message_names_the_cause():
-    from tessera.parallel.launch import RankFailure
+    from tessera.launching.launch import RankFailure
     from tessera.training.run import failure_cause
 
     assert (

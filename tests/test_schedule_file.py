@@ -231,7 +231,7 @@ def test_1f1b_read_from_a_file_trains_exactly_like_schedule_1f1b(tmp_path):
 def test_a_hand_written_gpipe_schedule_trains_like_one_process(tmp_path, reference):
     import torch
 
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     path = tmp_path / "gpipe-by-hand.csv"
     path.write_text(

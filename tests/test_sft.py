@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from packing import SEED, build_small, one_process_model, run_alone
 
 from helpers import cli_here, small_config
-from tessera.models.chat import ChatRenderer, messages_of
-from tessera.models.corpus import IGNORE_INDEX, pack_documents
-from tessera.models.hf_data import HFStream
+from tessera.data.chat import ChatRenderer, messages_of
+from tessera.data.corpus import IGNORE_INDEX, pack_documents
+from tessera.data.hf_data import HFStream
 from tessera.models.spec import get_spec
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.testing import RunSpec, compare_runs, train_spec_on_layout
 from tessera.topology import Layout
 

@@ -160,7 +160,7 @@ def test_a_bug_only_a_world_of_eight_shows_is_caught_by_name():
     test up to dp 4 reads the right rows; the simulated dp 8 world names the first differing gradient."""
     child = CHILD.replace(
         "kw = json.loads(sys.argv[1])",
-        "import tessera.training.batches as b\n"
+        "import tessera.data.batches as b\n"
         "real = b.rank_rows\n"
         "b.rank_rows = lambda batch, layout, i, c: real(batch, layout, i % 4, c)\n"
         "kw = json.loads(sys.argv[1])",
@@ -357,7 +357,7 @@ PLANTED = {
     # chunk 7 - i twice instead of chunk 15 - i, and its tokens no longer sit where their positions say
     "zigzag-chunk-wraps-at-8": (
         "import torch\n"
-        "import tessera.training.batches as b\n"
+        "import tessera.data.batches as b\n"
         "def shard(x, dim, rank, size):\n"
         "    chunks = x.chunk(2 * size, dim=dim)\n"
         "    return torch.cat([chunks[rank], chunks[(2 * size - 1 - rank) % 8]], dim=dim)\n"

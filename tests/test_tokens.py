@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import small_config
-from tessera.models.tokens import TokenFileStream, open_dataset, write_shard
+from tessera.data.tokens import TokenFileStream, open_dataset, write_shard
 
 TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. " * 40).split(". ")
 
@@ -143,7 +143,7 @@ def test_the_vocabulary_check_and_the_data_source_switch_are_refused(data_dir, t
     stream = TokenFileStream(data_dir, 16, 4)
     with pytest.raises(ValueError, match="trained on the text shipped with tessera"):
         stream.load_state_dict({"cursor": 8, "seq_len": 16, "global_batch": 4})
-    from tessera.models.corpus import TokenStream
+    from tessera.data.corpus import TokenStream
 
     with pytest.raises(ValueError, match="trained on token files"):
         TokenStream(16, 4).load_state_dict(stream.state_dict())

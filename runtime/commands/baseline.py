@@ -353,7 +353,7 @@ def tessera_batches(cfg: Any, seq_len: int, global_batch: int) -> Callable[[int]
     """Step -> (inputs, targets) of tessera's default token stream (the shipped text, byte-tokenized; token
     ids folded into the vocabulary for presets wider than bytes are not needed: ids < 258 always fit)."""
     # lazy: the baseline itself imports torch only (never tessera's kernels, which tessera.models loads)
-    from tessera.models.corpus import TokenStream
+    from tessera.data.corpus import TokenStream
 
     stream = TokenStream(seq_len, global_batch)
     return lambda step: stream.global_batch_at(step * global_batch)

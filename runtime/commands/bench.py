@@ -56,7 +56,7 @@ from tessera.topology.estimators.step_estimate import model_flops_per_token
 from tessera.topology.estimators.step_time import Calibration
 from tessera.training.run_config import Config, said
 from tessera.training.layout_names import AXIS_OF, OPTIONS, parse_layout  # noqa: F401  (the names bench and plan take)
-from tessera.training.rank_server import start_rank_server
+from tessera.launching.rank_server import start_rank_server
 
 from . import bench_plots
 from .plan import model_shape
@@ -203,7 +203,7 @@ def run_bench(args: argparse.Namespace) -> int:
             )
             config.check(flags={})  # a layout is a name here, not --tp/--pp flags
             configs.append((name, config))
-        from .tokenize import check_out_dir  # lazy: it imports torch (tessera.models.tokens)
+        from .tokenize import check_out_dir  # lazy: it imports torch (tessera.data.tokens)
 
         out = check_out_dir("--out", args.out)  # ValueError naming --out and the fix, never a bare [Errno]
     except (ValueError, OSError) as e:
@@ -270,7 +270,7 @@ def baseline_rank(config, compile: bool, steps: int, attention: str = "best") ->
 
 
 def _one_rank(fn, config, *args):
-    from tessera.parallel.launch import run_ranks  # lazy: tessera.parallel imports torch
+    from tessera.launching.launch import run_ranks  # lazy: tessera.parallel imports torch
 
     backend = "nccl" if config.device_type() == "cuda" else "gloo"
     return run_ranks(fn, 1, config, *args, timeout=None, backend=backend)[0]

@@ -16,7 +16,7 @@ from tessera.training.run_config import said
 
 def _export(args: argparse.Namespace) -> int:
     # lazy: tessera.parallel imports torch, which stays out of `tessera --help` and the torch-free commands
-    from tessera.parallel.checkpoint import CheckpointError, export_checkpoint
+    from tessera.checkpointing.checkpoint import CheckpointError, export_checkpoint
 
     if (args.out is None) == (args.to_hf is None):
         print("tessera export: error: give one of --out FILE.safetensors or --to-hf DIR", file=sys.stderr)
@@ -93,7 +93,7 @@ def _export_hf(checkpoint_path: str, directory: str) -> tuple[dict, str]:
     # lazy: tessera.models and tessera.parallel import torch, which stays out of the torch-free commands
     from tessera.models.hf import config_from_manifest, save_hf
     from tessera.models.spec import spec_of
-    from tessera.parallel.checkpoint import export_checkpoint, read_safetensors
+    from tessera.checkpointing.checkpoint import export_checkpoint, read_safetensors
 
     with tempfile.TemporaryDirectory() as tmp:
         manifest = export_checkpoint(checkpoint_path, os.path.join(tmp, "full.safetensors"))
@@ -107,7 +107,7 @@ def _export_hf(checkpoint_path: str, directory: str) -> tuple[dict, str]:
 def _convert(args: argparse.Namespace) -> int:
     # lazy: tessera.models and tessera.parallel import torch, which stays out of the torch-free commands
     from tessera.models.hf import check_hf_weights, hf_weight_map, read_hf_config, read_hf_parameter
-    from tessera.parallel.safe_io import write_safetensors
+    from tessera.checkpointing.safe_io import write_safetensors
 
     try:
         _check_out_path("--out", args.out)

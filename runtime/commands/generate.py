@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.training.run_config import said
-from tessera.training.rank_server import start_rank_server
+from tessera.launching.rank_server import start_rank_server
 
 HF_PREFIX = "hf:"
 PROGRESS_EVERY = 16  # tokens per progress line (stderr)
@@ -66,7 +66,7 @@ def _model_source(checkpoint: str) -> tuple[str, bool, Any, str | None]:
     folder."""
     # lazy: tessera.models and tessera.parallel import torch, which stays out of `tessera --help`
     from tessera.models.hf import config_from_manifest, read_hf_config, weight_files
-    from tessera.parallel.checkpoint import read_manifest, resolve
+    from tessera.checkpointing.checkpoint import read_manifest, resolve
 
     if checkpoint.startswith(HF_PREFIX):
         folder = checkpoint[len(HF_PREFIX) :]
@@ -137,7 +137,7 @@ def _stop_ids(args: argparse.Namespace, folder: str | None) -> tuple[int, ...]:
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> tuple[int, ...]:
     # lazy: tessera.models imports torch
-    from tessera.models.corpus import BOS, BYTE_VOCAB
+    from tessera.data.corpus import BOS, BYTE_VOCAB
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -240,8 +240,8 @@ def load_model(job: Job, meshes: Any = None) -> Any:
     from tessera.models.hf import load_hf_weights  # lazy: as torch
     from tessera.models.spec import spec_of  # lazy: as torch
     from tessera.parallel import ParallelConfig, materialize, parallelize  # lazy: as torch
-    from tessera.parallel.checkpoint import SHARDED_KEY, SafeFileSystemReader, SafeLoadPlanner  # lazy: as torch
-    from tessera.parallel.checkpoint import read_manifest, verify_files  # lazy: as torch
+    from tessera.checkpointing.checkpoint import SHARDED_KEY, SafeFileSystemReader, SafeLoadPlanner  # lazy: as torch
+    from tessera.checkpointing.checkpoint import read_manifest, verify_files  # lazy: as torch
     from tessera.topology import Layout  # lazy: as torch
 
     spec = spec_of(job.config)
@@ -258,7 +258,7 @@ def load_model(job: Job, meshes: Any = None) -> Any:
         reader = SafeFileSystemReader(str(path / "state"))
         reader.read_metadata()  # a crafted metadata pickle fails here, with its own message
         state = get_model_state_dict(model)
-        # the model's half of what training saved (parallel/checkpoint.py's ModelOptimizerState), resharded
+        # the model's half of what training saved (runtime/checkpointing/checkpoint.py's ModelOptimizerState), resharded
         with warnings.catch_warnings():  # one process: DCP says it loads without a process group, as meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({SHARDED_KEY: {"model": state}}, storage_reader=reader, planner=SafeLoadPlanner())
@@ -360,7 +360,7 @@ def generate_job(job: Job) -> dict[str, Any]:
     """Run the job: in this process (tp 1), or on tp spawned ranks."""
     if job.tp == 1:
         return run(job)
-    from tessera.parallel.launch import run_ranks  # lazy: it imports torch
+    from tessera.launching.launch import run_ranks  # lazy: it imports torch
 
     backend = "nccl" if job.device == "cuda" else "gloo"
     result = run_ranks(_rank_main, job.tp, job, timeout=None, collective_timeout=600.0, backend=backend)[0]
@@ -371,7 +371,7 @@ def generate_job(job: Job) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- the command
 def _text(tokenizer: Any, ids: list[int], vocab_size: int) -> str | None:
-    from tessera.models.corpus import BYTE_VOCAB, decode  # lazy: tessera.models imports torch
+    from tessera.data.corpus import BYTE_VOCAB, decode  # lazy: tessera.models imports torch
 
     if tokenizer is not None:
         return str(tokenizer.decode(ids, skip_special_tokens=True))
@@ -382,7 +382,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.tp > 1:  # the ranks' forkserver imports torch beside this process's own imports, as train's does
         start_rank_server()
     # lazy: these import torch
-    from tessera.parallel.launch import RankFailure
+    from tessera.launching.launch import RankFailure
 
     try:
         job, tokenizer = preflight(args)

@@ -14,7 +14,7 @@ from typing import NoReturn
 from tessera import __version__
 from tessera.topology.errors import with_flags
 from tessera.training.run_config import add_arguments, config_from_args, flag_names, parser_flags, said
-from tessera.training.rank_server import collector_paused, start_rank_server, under_torchrun
+from tessera.launching.rank_server import collector_paused, start_rank_server, under_torchrun
 
 from .bench import add_bench_parser
 from .check import add_check_parser
@@ -27,7 +27,7 @@ from .plot import add_plot_parser
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from .tokenize import tokenize  # lazy: it imports torch (tessera.models.tokens)
+    from .tokenize import tokenize  # lazy: it imports torch (tessera.data.tokens)
 
     try:
         written = tokenize(
@@ -36,7 +36,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"tessera tokenize: error: {said(e, args)}", file=sys.stderr)
         return 2
-    from tessera.models.tokens import open_dataset  # lazy: tessera.models imports torch
+    from tessera.data.tokens import open_dataset  # lazy: tessera.models imports torch
 
     total = sum(len(s.tokens) for s in open_dataset(args.out))
     print(f"wrote {len(written)} shard(s), {total:,} tokens, to {args.out}: train on them with --data {args.out}")
@@ -104,8 +104,8 @@ def _train(args: argparse.Namespace) -> int:
         start_rank_server(compiles=bool(vars(args).get("parallel.compile")))
     with collector_paused():
         # lazy: these import torch, which stays out of `tessera --help` and the torch-free commands
-        from tessera.parallel.checkpoint import CheckpointError
-        from tessera.parallel.launch import Interrupted, RankFailure
+        from tessera.checkpointing.checkpoint import CheckpointError
+        from tessera.launching.launch import Interrupted, RankFailure
         from tessera.training.report import refusal_exit
         from tessera.training.replicas import group_config
         from tessera.training.run import done_line, error_exit, failed_message, stopped_message, train

@@ -1,4 +1,4 @@
-"""`tessera tokenize`: text or JSONL files to token files (models/tokens.py) with a tokenizer.json.
+"""`tessera tokenize`: text or JSONL files to token files (runtime/data/tokens.py) with a tokenizer.json.
 
 The user provides the tokenizer file (Hugging Face `tokenizers` format); nothing is downloaded. A .txt
 file is one document; a .jsonl file holds one document per line, in the field `--field` (default
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from tessera.models.tokens import write_shard
+from tessera.data.tokens import write_shard
 from tessera.paths import check_writable_dir
 
 SEPARATORS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")

@@ -25,15 +25,15 @@ import torch.distributed as dist
 from tessera.models.init import one_process_name
 from tessera.parallel import ParallelConfig, parallelize
 from tessera.parallel.fsdp import DataParallelConfig, check_data_parallel
-from tessera.parallel.launch import run_ranks
+from tessera.launching.launch import run_ranks
 from tessera.parallel.loss import CrossEntropySum, count_valid
 from tessera.parallel.pipeline import PipelineConfig
 from tessera.topology import Layout, Meshes
-from tessera.training.batches import StepData
+from tessera.data.batches import StepData
 from tessera.training.parts import build_parts
 from tessera.training.preflight import check_document_masking
 from tessera.training.run import train
-from tessera.training.runners import split_microbatches
+from tessera.data.batches import split_microbatches
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -255,7 +255,7 @@ def assert_layouts_equivalent(
     replicated one). Either way the batch's rows must split over each layout's dp.
 
     Packed documents (with `spec`): batch=(inputs, targets, positions), positions (B, S) restarting at each
-    document (tessera.models.corpus.pack_documents), so each token attends only to its own document."""
+    document (tessera.data.corpus.pack_documents), so each token attends only to its own document."""
     resolved = [lay if isinstance(lay, Layout) else Layout(**lay) for lay in layouts]
     if len(batch) not in (2, 3) or (len(batch) == 3 and spec is None):
         raise ValueError(

@@ -30,7 +30,7 @@ def pytest_addoption(parser):
 def tessera_run_ranks(request):
     """run_ranks(fn, world_size, *args, **kwargs) -> per-rank results, with the suite's deadline."""
     # lazy: pytest loads this plugin in every session once tessera is installed; torch only when a test asks
-    from tessera.parallel.launch import run_ranks
+    from tessera.launching.launch import run_ranks
 
     return functools.partial(run_ranks, timeout=request.config.getoption("--tessera-timeout"))
 

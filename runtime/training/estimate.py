@@ -83,7 +83,7 @@ def fit_problem(config: Any, available: int | None, local_ranks: int, per_device
     if per_device is not None:
         if per_rank > per_device:
             return f"{what}, more than a GPU's {per_device / GB:,.2f} GB; {fix}"
-        from tessera.parallel.host_memory import available_bytes  # lazy: tessera.parallel imports torch
+        from tessera.launching.host_memory import available_bytes  # lazy: tessera.parallel imports torch
 
         host_available = available_bytes() if host else None
         if host_available is not None and local_ranks * host > host_available:

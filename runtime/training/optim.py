@@ -7,7 +7,7 @@ also one sharding decision per group instead of one per foreach op (eight): 19% 
 4-rank contract rows of 3 steps each, most of it in their first step. These kernels refuse plain tensors
 beside DTensors in one call, and torch before 2.9 refuses DTensors of different meshes, so each part's
 parameters are split into param groups by mesh. The groups do not reach checkpoints: optimizer state is saved
-flattened by parameter name (parallel/checkpoint.py), so any grouping loads any other.
+flattened by parameter name (runtime/checkpointing/checkpoint.py), so any grouping loads any other.
 
 AdamW is elementwise, so a rank's update of its own shards is the whole update of those elements: where every
 parameter of a group and its gradient are DTensors placed alike (no Partial sum pending, plain local tensors),

@@ -21,20 +21,20 @@ from typing import TYPE_CHECKING
 
 import torch
 from tessera.metrics.profiling import check_profile, check_profile_summary, profile_window
-from tessera.models.corpus import BOS, EOS
+from tessera.data.corpus import BOS, EOS
 from tessera.models.hf import check_hf_weights
-from tessera.models.hf_data import is_hf
+from tessera.data.hf_data import is_hf
 from tessera.models.spec import spec_of
-from tessera.models.tokens import TokenFileStream
-from tessera.parallel import checkpoint
+from tessera.data.tokens import TokenFileStream
+from tessera.checkpointing import checkpoint
 from tessera.parallel.fp8 import check_fp8
 from tessera.parallel.fault_tolerance import FT_EXTRA, require_torchft
-from tessera.parallel.host_memory import available_bytes
+from tessera.launching.host_memory import available_bytes
 from tessera.parallel.muon import ADJUST_LR
 from tessera.parallel.tp_plan import find_modules
 from tessera.paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 
-from .data_sources import check_hf_data
+from tessera.data.data_sources import check_hf_data
 from .estimate import fit_problem, local_ranks
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.check), not the other way round
@@ -151,7 +151,7 @@ def check_document_masking(model_config, spec=None) -> None:
 
 
 def builtin_data_vocab() -> int:
-    """The vocabulary the built-in data needs: 256 byte values, then BOS and EOS (tessera.models.corpus)."""
+    """The vocabulary the built-in data needs: 256 byte values, then BOS and EOS (tessera.data.corpus)."""
     return max(BOS, EOS) + 1
 
 

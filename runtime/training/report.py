@@ -20,7 +20,7 @@ from tessera.topology import Layout
 from torch.distributed.tensor import DTensor
 
 from .run_config import Config
-from .rank_server import speaks_for_the_job, under_torchrun
+from tessera.launching.rank_server import speaks_for_the_job, under_torchrun
 from .straggler import Straggler
 
 

@@ -1,7 +1,7 @@
 """Running a training job: validate, then join the torchrun job or spawn the layout's ranks locally;
 on each rank, the loop with its logging, metrics file and checkpoints.
 
-Outside torchrun, `train` spawns pp*dp*cp*tp ranks on this machine with tessera.parallel.launch: NCCL
+Outside torchrun, `train` spawns pp*dp*cp*tp ranks on this machine with tessera.launching.launch: NCCL
 with one GPU per rank when the machine has enough GPUs (else the config refuses), gloo on CPU.
 """
 
@@ -30,9 +30,9 @@ from tessera.metrics.results import strict_json
 from tessera.metrics.step_profile import describe as describe_profile
 from tessera.models.hf import load_hf_weights
 from tessera.models.spec import shape_of
-from tessera.parallel import checkpoint
-from tessera.parallel.launch import RankFailure, RankTimeout, run_ranks
-from tessera.parallel.locks import RunLock, directory_lock, metrics_lock, pinned
+from tessera.checkpointing import checkpoint
+from tessera.launching.launch import RankFailure, RankTimeout, run_ranks
+from tessera.checkpointing.locks import RunLock, directory_lock, metrics_lock, pinned
 from tessera.topology import Layout
 from tessera.topology.estimators.step_estimate import model_flops_per_token
 
@@ -40,8 +40,8 @@ from .run_config import Config
 from .ft_launch import replica_config, train_fault_tolerant
 from .preflight import resolve_checkpoint
 from .replicas import LAUNCH_ENV, group_config
-from .rank_server import speaks_for_the_job
-from .rank_server import under_torchrun  # noqa: F401  (tessera.training.run.under_torchrun, as before)
+from tessera.launching.rank_server import speaks_for_the_job
+from tessera.launching.rank_server import under_torchrun  # noqa: F401  (tessera.training.run.under_torchrun, as before)
 from .report import (  # noqa: F401  (re-exported: the commands and tests import them from here)
     compute_dtype_summary,
     done_line,

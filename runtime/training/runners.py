@@ -22,7 +22,8 @@ from torch.distributed.fsdp import FSDPModule
 
 # (inputs, targets) of shape (rows, seq), or (inputs, targets, positions) with packed documents' per-row
 # positions (rows, seq), which the model's attention masks each document by
-Microbatch = tuple[Tensor, ...]
+from tessera.data.batches import Microbatch
+
 LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (logits, targets) -> (sum, count)
 
 
@@ -95,13 +96,3 @@ def positions_of(microbatch: Microbatch, positions: Callable[[Tensor], Tensor | 
     if len(microbatch) > 2:
         return microbatch[2]
     return positions(microbatch[0]) if positions is not None else None
-
-
-def split_microbatches(
-    inputs: Tensor, targets: Tensor, count: int, positions: Tensor | None = None
-) -> list[Microbatch]:
-    """Rows cut into `count` equal microbatches (the config checks that they divide), each with its rows'
-    positions when given (packed documents)."""
-    if positions is None:
-        return list(zip(inputs.chunk(count), targets.chunk(count)))
-    return list(zip(inputs.chunk(count), targets.chunk(count), positions.chunk(count)))

@@ -23,11 +23,11 @@ from tessera.metrics.dtype_probe import NOT_MEASURED, MatmulDtypes
 from tessera.metrics.memtrack import LiveTensorBytes
 from tessera.metrics.kernel_kinds import CLIP_RANGE, OPTIMIZER_RANGE
 from tessera.metrics.step_profile import ProfiledStep
-from tessera.models.corpus import TokenStream
+from tessera.data.corpus import TokenStream
 from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
 from tessera.models.spec import shape_of, spec_of
-from tessera.parallel import checkpoint
+from tessera.checkpointing import checkpoint
 from tessera.parallel.clip import clip_coefficient, global_grad_norm, scale_gradients_
 from tessera.parallel.offload import offload_report
 from tessera.parallel.pipeline_simulated import this_rank
@@ -47,13 +47,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from .batches import StepData
+from tessera.data.batches import StepData
 from .run_config import Config
-from .data_sources import open_data
+from tessera.data.data_sources import open_data
 from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
 from .parts import build_parts
 from .replicas import NothingToRejoin, drill, is_replacement, rejoin_step, replica_rows, replica_sync
-from .runners import LocalRunner, forward_only, split_microbatches
+from tessera.data.batches import split_microbatches
+
+from .runners import LocalRunner, forward_only
 from .step_result import Progress, StepResult, peak_memory_bytes  # noqa: F401  (public here before the split)
 from .straggler import StragglerWatch
 
@@ -199,7 +201,7 @@ class Trainer:
         return self.tied.for_norm(self.parameters())
 
     def local_batch(self, *batch: Tensor) -> tuple[Tensor, ...]:
-        """This rank's part of a global batch, on its device (runtime/training/batches.py)."""
+        """This rank's part of a global batch, on its device (runtime/data/batches.py)."""
         return self.batches.of_global_batch(*batch)
 
     def evaluate(self) -> float:

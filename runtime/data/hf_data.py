@@ -2,8 +2,8 @@
 Parquet, Arrow, a save_to_disk folder), streamed and tokenized on the fly with a `tokenizers` tokenizer.
 
 The global stream is the data set's documents in order, each tokenized (its text field, or with --sft its
-conversation rendered by models/chat.py) and ended by the separator token, then the next epoch's. Its
-sequences are read as the token files' are (models/tokens.py): sequence n is stream tokens n*S .. n*S+S
+conversation rendered by runtime/data/chat.py) and ended by the separator token, then the next epoch's. Its
+sequences are read as the token files' are (runtime/data/tokens.py): sequence n is stream tokens n*S .. n*S+S
 (S+1 tokens: inputs and targets), step s reads sequences s*G .. s*G+G-1, and a dp rank keeps its rows.
 Every rank reads the whole global batch, so the position is one global one: (epoch, documents consumed
 in it, tokens consumed of the next), saved in the checkpoint; a resume on any layout skips that many
@@ -29,8 +29,8 @@ from torch import Tensor
 
 from tessera.topology.errors import ConfigError  # the hierarchy's: a ValueError too
 
-from .chat import ChatRenderer
-from .corpus import IGNORE_INDEX
+from tessera.data.chat import ChatRenderer
+from tessera.data.corpus import IGNORE_INDEX
 
 PREFIX = "hf:"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}

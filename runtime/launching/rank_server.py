@@ -1,7 +1,7 @@
 """Where `tessera train` runs, and the rank server started before the command imports torch.
 
 Outside torchrun, `tessera train` forks its ranks from a forkserver that imports torch and tessera once
-(tessera.parallel.launch). Started here, before the command's own imports, the server's imports (seconds)
+(tessera.launching.launch). Started here, before the command's own imports, the server's imports (seconds)
 run on another core beside the command's instead of after them. This module imports no torch.
 
 Imported by the forkserver (the first of its preload), it pauses Python's garbage collector while the rest of
@@ -32,10 +32,10 @@ from collections.abc import Iterator
 from multiprocessing import forkserver
 from types import FrameType
 
-# the modules tessera.parallel.launch has its forkserver import (tests/test_public_names.py: the same list);
+# the modules tessera.launching.launch has its forkserver import (tests/test_public_names.py: the same list);
 # this one first: the collector is paused for the others (above)
 PRELOAD = [
-    "tessera.training.rank_server",
+    "tessera.launching.rank_server",
     "torch",
     "torch.distributed",
     "torch.distributed.tensor",

@@ -16,8 +16,7 @@ from torch import Tensor
 
 from tessera.topology.errors import ConfigError  # the hierarchy's: a ValueError too
 
-BOS, EOS = 256, 257
-BYTE_VOCAB = 258  # 256 byte values + BOS + EOS: the vocabulary of the families' debug presets
+from tessera.models.spec import BOS, BYTE_VOCAB, EOS  # noqa: F401  (the byte vocabulary the families' presets name)
 
 
 def encode(text: str) -> list[int]:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from tessera.topology.errors import RankFailure, RankTimeout, TesseraError, is_restartable
 
-from .host_memory import oom_kills
+from tessera.launching.host_memory import oom_kills
 
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others may take to report their own errors
 # after every rank returned, how long they may take to exit before they are killed: a rank shuts its compile
@@ -51,9 +51,9 @@ EXIT_GRACE_S = 30.0
 # and one stuck in a collective never would (it is killed after)
 STOP_GRACE_S = 2.0
 # what the forkserver imports once, so that each rank starts with torch and tessera loaded (`tessera train`
-# starts it with the same list before its own imports: tessera.training.rank_server.PRELOAD). First the rank
+# starts it with the same list before its own imports: tessera.launching.rank_server.PRELOAD). First the rank
 # server: it pauses the collector for the rest, and ends the server without the interpreter's shutdown
-PRELOAD = ["tessera.training.rank_server"]
+PRELOAD = ["tessera.launching.rank_server"]
 PRELOAD += ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 PRELOAD += ["tessera", "tessera.parallel", "tessera.topology", "tessera.models", "tessera.kernels"]
 # and the trainer every rank imports (DCP, the metrics): each of N ranks importing it alone cost N x ~1 CPU second

@@ -6,12 +6,12 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from tessera.models.hf_data import HFStream, is_hf
-from tessera.models.tokens import TokenFileStream
-from tessera.parallel import checkpoint
+from tessera.data.hf_data import HFStream, is_hf
+from tessera.data.tokens import TokenFileStream
+from tessera.checkpointing import checkpoint
 
 if TYPE_CHECKING:  # annotations only
-    from .run_config import Config
+    from tessera.training.run_config import Config
 
 FIELDS = ("path", "eval_data")  # the config fields that may name hf: data
 

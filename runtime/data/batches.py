@@ -8,7 +8,7 @@
 
 A token-file stream hands each dp rank only its rows (the counts over the global batch then need one
 all-reduce over dp x cp); the shipped text hands every rank the whole global batch. With --pack-documents
-the rows are packed (models/corpus.py's pack_documents) before any sequence sharding, so the positions
+the rows are packed (runtime/data/corpus.py's pack_documents) before any sequence sharding, so the positions
 travel with the tokens to every cp shard and pipeline stage.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tessera.models.corpus import IGNORE_INDEX, pack_documents
+from tessera.data.corpus import IGNORE_INDEX, pack_documents
 from tessera.parallel.comm import collective
 from tessera.parallel.context import zigzag_indices, zigzag_shard
 from tessera.parallel.local_world import simulated_world
@@ -28,7 +28,20 @@ from tessera.topology import Layout, Meshes
 from tessera.topology.axes import FLATTENED_BY_PURPOSE
 from torch import Tensor
 
-from .runners import Microbatch, split_microbatches
+
+# (inputs, targets) of shape (rows, seq), or (inputs, targets, positions) with packed documents' per-row
+# positions (rows, seq), which the model's attention masks each document by
+Microbatch = tuple[Tensor, ...]
+
+
+def split_microbatches(
+    inputs: Tensor, targets: Tensor, count: int, positions: Tensor | None = None
+) -> list[Microbatch]:
+    """Rows cut into `count` equal microbatches (the config checks that they divide), each with its rows'
+    positions when given (packed documents)."""
+    if positions is None:
+        return list(zip(inputs.chunk(count), targets.chunk(count)))
+    return list(zip(inputs.chunk(count), targets.chunk(count), positions.chunk(count)))
 
 
 def rank_rows(batch: tuple[Tensor, ...], layout: Layout, batch_index: int, cp_index: int) -> tuple[Tensor, ...]:
