@@ -178,32 +178,44 @@ def _shard_param(weight: Tensor, mesh: DeviceMesh, placement: Placement) -> DTen
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x @ W_local.T with W split on its output features (dim 0). The input must already be
-    replicated over tp (the caller's BlockInput), unless `input_comm` is given."""
+    """y_local = x @ W_local.T (+ b_local) with W, and the optional bias, split on the output features
+    (dim 0). The input must already be replicated over tp (the caller's BlockInput), unless `input_comm`
+    is given. The plan style that builds it is ColwiseParallel (parallel/tp_plan.py)."""
 
-    def __init__(self, weight: Tensor, tp_mesh: DeviceMesh, input_comm: nn.Module | None = None):
+    def __init__(
+        self, weight: Tensor, tp_mesh: DeviceMesh, input_comm: nn.Module | None = None, bias: Tensor | None = None
+    ):
         super().__init__()
         self.weight = _shard_param(weight, tp_mesh, Shard(0))
+        self.bias = None if bias is None else _shard_param(bias, tp_mesh, Shard(0))
         self.input_comm = input_comm if input_comm is not None else nn.Identity()
         self.matmul: Callable[[Tensor, Tensor], Tensor] = F.linear  # the local matmul (FP8: parallel/fp8.py)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.matmul(self.input_comm(x), self.weight.to_local())
+        y = self.matmul(self.input_comm(x), self.weight.to_local())
+        return y if self.bias is None else y + self.bias.to_local()
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over tp of x_local @ W_local.T with W split on its input features (dim 1); the sum is an
-    all-reduce, or a reduce-scatter onto sequence shards under sequence parallel."""
+    """y = sum over tp of x_local @ W_local.T (+ b) with W split on its input features (dim 1); the sum is an
+    all-reduce, or a reduce-scatter onto sequence shards under sequence parallel. The optional bias is
+    replicated and added once, after the sum; under sequence parallel each rank adds it to its own tokens, so
+    its gradient is all-reduced. The plan style that builds it is RowwiseParallel (parallel/tp_plan.py)."""
 
-    def __init__(self, weight: Tensor, tp_mesh: DeviceMesh, sequence_parallel: bool):
+    def __init__(self, weight: Tensor, tp_mesh: DeviceMesh, sequence_parallel: bool, bias: Tensor | None = None):
         super().__init__()
         self.weight = _shard_param(weight, tp_mesh, Shard(1))
+        self.bias = None if bias is None else _shard_param(bias, tp_mesh, Replicate())
         self.group, self.sequence_parallel = tp_mesh.get_group(), sequence_parallel
         self.matmul: Callable[[Tensor, Tensor], Tensor] = F.linear  # the local matmul (FP8: parallel/fp8.py)
 
     def forward(self, x: Tensor) -> Tensor:
         partial = self.matmul(x, self.weight.to_local())
-        return scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+        y = scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+        if self.bias is None:
+            return y
+        b = self.bias.to_local()
+        return y + (copy_weight_to_tp(b, self.group) if self.sequence_parallel else b)
 
 
 class ReplicatedHeadsLinear(nn.Module):

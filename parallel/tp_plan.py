@@ -118,34 +118,6 @@ def _bias_of(module: nn.Module) -> torch.Tensor | None:
     return getattr(module, "bias", None)
 
 
-class ColwiseLinear(ColumnParallelLinear):
-    """ColumnParallelLinear with an optional bias split like the output features."""
-
-    def __init__(self, weight, tp_mesh, input_comm=None, bias=None):
-        super().__init__(weight, tp_mesh, input_comm)
-        self.bias = None if bias is None else _shard_param(bias, tp_mesh, Shard(0))
-
-    def forward(self, x):
-        y = super().forward(x)
-        return y if self.bias is None else y + self.bias.to_local()
-
-
-class RowwiseLinear(RowParallelLinear):
-    """RowParallelLinear with an optional bias, replicated and added once, after the sum over tp. Under
-    sequence parallel each rank adds it to its own tokens, so its gradient is all-reduced."""
-
-    def __init__(self, weight, tp_mesh, sequence_parallel, bias=None):
-        super().__init__(weight, tp_mesh, sequence_parallel)
-        self.bias = None if bias is None else _shard_param(bias, tp_mesh, Replicate())
-
-    def forward(self, x):
-        y = super().forward(x)
-        if self.bias is None:
-            return y
-        b = self.bias.to_local()
-        return y + (copy_weight_to_tp(b, self.group) if self.sequence_parallel else b)
-
-
 @dataclass(repr=False)
 class ColwiseParallel(Style):
     gather_input: bool = True
@@ -153,7 +125,7 @@ class ColwiseParallel(Style):
 
     def apply(self, module, tp_mesh, sequence_parallel):
         comm = BlockInput(tp_mesh.get_group(), sequence_parallel) if self.gather_input else None
-        return ColwiseLinear(_linear_weight(module), tp_mesh, comm, _bias_of(module))
+        return ColumnParallelLinear(_linear_weight(module), tp_mesh, comm, _bias_of(module))
 
 
 @dataclass(repr=False)
@@ -161,7 +133,7 @@ class RowwiseParallel(Style):
     takes = (nn.Linear,)
 
     def apply(self, module, tp_mesh, sequence_parallel):
-        return RowwiseLinear(_linear_weight(module), tp_mesh, sequence_parallel, _bias_of(module))
+        return RowParallelLinear(_linear_weight(module), tp_mesh, sequence_parallel, _bias_of(module))
 
 
 @dataclass(repr=False)

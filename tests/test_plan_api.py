@@ -132,7 +132,8 @@ def test_a_plan_rule_that_matches_nothing_or_the_wrong_kind_is_a_clear_error():
 
 def test_tesseras_llama_goes_through_the_same_plan_mechanism():
     from tessera.models import build_model, get_preset, spec_of
-    from tessera.parallel.tp_plan import ColwiseLinear, RowwiseLinear, apply_tp, spec_plan
+    from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from tessera.parallel.tp_plan import apply_tp, spec_plan
     from tessera.topology import dry_run
 
     cfg = get_preset("debug")
@@ -140,8 +141,8 @@ def test_tesseras_llama_goes_through_the_same_plan_mechanism():
     assert {"layers.*.attention.wq", "layers.*.feed_forward.w2", "output", "tok_embeddings"} <= set(plan.rules)
     with dry_run(Layout(tp=2)) as mesh:
         model = apply_tp(build_model(cfg, device="meta"), mesh["tp"])
-    assert isinstance(model.layers["0"].attention.wq, ColwiseLinear)
-    assert isinstance(model.layers["1"].feed_forward.w2, RowwiseLinear)
+    assert isinstance(model.layers["0"].attention.wq, ColumnParallelLinear)
+    assert isinstance(model.layers["1"].feed_forward.w2, RowParallelLinear)
 
 
 # ----------------------------------------------------------------------------- planted bugs in layers
@@ -154,9 +155,9 @@ class RowwiseSkippingForwardReduce(RowwiseParallel):
 
 class ColwiseSkippingBackwardReduce(ColwiseParallel):
     def apply(self, module, tp_mesh, sequence_parallel):
-        from tessera.parallel.tp_plan import ColwiseLinear
+        from tessera.parallel.tensor import ColumnParallelLinear
 
-        return ColwiseLinear(module.weight, tp_mesh, None, module.bias)  # no copy_to_tp: no all-reduce of dx
+        return ColumnParallelLinear(module.weight, tp_mesh, None, module.bias)  # no copy_to_tp: no all-reduce of dx
 
 
 def _planted(style_name, style):
