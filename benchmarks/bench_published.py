@@ -57,6 +57,8 @@ def hardware_of(row: dict, source: dict, efficiency: float) -> Hardware:
         ep_overlap=row["ep_overlap"],
         ep_over_tp=row["ep_over_tp"],
         attention=source["attention"],
+        cp_kv_heads=source["cp_kv_heads"],
+        cp_overlap=source["cp_overlap"],
         loss=row["loss"],
         ac_policy="torchtitan" if source["framework"] == "torchtitan" else "tessera",
         headroom=0.0,  # the published peak is what ran: nothing is held back

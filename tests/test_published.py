@@ -176,6 +176,47 @@ def test_exposed_traffic_is_never_more_than_the_traffic(seconds, matmul, attenti
         assert exposed["tp"] <= sync["tp"] + 1e-12
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.floats(0, 10),
+    st.floats(0.0, 5),
+    st.sampled_from([2, 4, 8, 16]),
+    st.sampled_from([2, 4]),
+    st.booleans(),
+)
+def test_a_gather_hidden_by_the_first_step_alone_exposes_at_least_the_ring_and_at_most_the_traffic(
+    t_cp, attention, cp, dtype_bytes, recomputed
+):
+    """torch's all-gather rotater (cp_overlap first_step): its K/V gathers hide behind one of cp steps, so it
+    exposes no less than tessera's ring (every pass behind its step's attention) and never more than the
+    traffic; the gathers' share is comm_model's ring volumes' (cp - 1) K/V passes beside cp dK/dV passes."""
+    from tessera.topology.estimators.step_estimate import cp_gather_share
+
+    share = cp_gather_share(cp, dtype_bytes, recomputed)
+    passes = 3 if recomputed else 2
+    assert math.isclose(share, (cp - 1) * dtype_bytes * passes / ((cp - 1) * dtype_bytes * passes + 4 * cp))
+    parts = {"matmul": 1.0, "attention": attention, "optimizer": 0.1, "compute": 1.1 + attention}
+    kw = dict(tp=1, pp=1, microbatches=1, units=34, async_tp=False, cp=cp)
+    ring = exposed_comm({"cp": t_cp}, parts, **kw)["cp"]
+    first = exposed_comm({"cp": t_cp}, parts, **kw, cp_overlap="first_step", cp_gather_share=share)["cp"]
+    assert ring - 1e-12 <= first <= t_cp + 1e-12
+
+
+def test_cp_passes_of_query_heads_carry_n_heads_over_n_kv_heads_times_the_kv_bytes():
+    """cp_kv_heads "query" (torchtitan's Llama repeats K/V to the query heads before attention): 8B's cp
+    traffic is n_heads / n_kv_heads = 4 times tessera's own, at tp 1 and tp 2."""
+    from tessera.topology.estimators.comm_model import comm_bytes_per_step
+    from tessera.topology.preset_shapes import preset_shape
+
+    shape = preset_shape("8b")
+    for layout in (Layout(dp_shard=2, cp=4), Layout(cp=4, tp=2)):
+        own = comm_bytes_per_step(shape, layout, 131072, 2, ac="full", act_bytes=2)["cp"]
+        repeated = comm_bytes_per_step(shape, layout, 131072, 2, ac="full", act_bytes=2, cp_kv_heads="query")["cp"]
+        assert own > 0 and math.isclose(repeated, own * shape.n_heads / shape.n_kv_heads)
+    with pytest.raises(ValueError, match="cp_kv_heads='heads'"):
+        comm_bytes_per_step(shape, Layout(cp=2), 8192, 2, cp_kv_heads="heads")
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from([40.0, 100.0, 360.0, 720.0]), st.sampled_from([5.0, 25.0, 50.0, 100.0]))
 def test_faster_links_never_slow_a_step(intra, inter):

@@ -149,6 +149,7 @@ class StepTraffic:
     placement: str = "loop"  # where the stages live (topology/schedules/schedule.py's stage_rank)
     documents: bool = False  # packed documents: cp attention gathers the shards' document ids (int64) per layer
     ep_over_tp: bool = False  # the expert group is ep x tp ranks of whole experts (module docstring; plan only)
+    cp_kv_heads: str = "kv"  # cp's passes carry the kv heads ("kv") or K/V repeated to the query heads ("query")
 
     @property
     def first(self) -> bool:
@@ -199,6 +200,7 @@ def comm_bytes_per_step(
     placement: str = "loop",
     documents: bool = False,
     ep_over_tp: bool = False,
+    cp_kv_heads: str = "kv",
 ) -> dict[str, float]:
     """Bytes `rank` sends per step, by the accounting names of topology/axes.py's table (COMM_AXES: "tp", "cp",
     "pp", FSDP's "dp_shard_cp", HSDP's "dp_replicate", "ep"), in the order of the volumes below.
@@ -206,7 +208,11 @@ def comm_bytes_per_step(
     dtype); reduce_bytes: the gradient reduction's dtype (tessera reduces in fp32). `shape` is the model's
     ModelShape. routed_fraction: the share of this rank's expert assignments its dispatches and combines
     move to other ranks over the step (`routed_fraction_of` a run's measured rows; None: balanced routing,
-    (ep-1)/ep). ep_over_tp: the expert group spans tp too (the module docstring's; `tessera plan` only)."""
+    (ep-1)/ep). ep_over_tp: the expert group spans tp too (the module docstring's; `tessera plan` only).
+    cp_kv_heads: "query" where another framework repeats K/V to the query heads before attention, so that its cp
+    passes carry n_heads / tp heads (`tessera plan` only; tessera's carry the kv heads)."""
+    if cp_kv_heads not in ("kv", "query"):
+        raise ValueError(f"cp_kv_heads={cp_kv_heads!r}: use kv (the model's kv heads) or query (repeated)")
     if ep_over_tp and not ep_over_tp_applies(layout, sequence_parallel):
         raise ValueError(
             f"ep_over_tp=True folds tp into the expert group, which needs ep, tp and sequence parallel: "
@@ -246,6 +252,7 @@ def comm_bytes_per_step(
         placement,
         documents,
         ep_over_tp,
+        cp_kv_heads,
     )
     return {name: fn(step) for name, fn in VOLUMES.items()}
 
@@ -337,6 +344,8 @@ def cp_bytes(x: StepTraffic) -> float:
     if cp == 1:
         return 0.0
     heads = cfg.n_kv_heads // t if kv_heads_split(cfg.n_kv_heads, t) else 1
+    if x.cp_kv_heads == "query":  # K/V repeated to the query heads before attention (another framework's)
+        heads = cfg.n_heads // t
     kv = 2 * x.rows * heads * x.tokens * cfg.head_dim
     acc = max(4, e)
     per_block: float

@@ -94,6 +94,13 @@ class Hardware:
     # topology/estimators/comm_model.py's ep_over_tp)
     ep_over_tp: bool = False
     attention: str = "cudnn"  # the attention kernels' backend (the profile's attention_share)
+    # context parallel as a framework runs it (for predicting its runs): the K/V heads its passes carry, "kv"
+    # (tessera's, the model's own kv heads) or "query" (repeated to the query heads before attention, as
+    # torchtitan's Llama does), and what hides them, "attention" (each pass behind its step's attention,
+    # tessera's ring) or "first_step" (torch's all-gather rotater: each gather waited for before the second
+    # step, hidden by the first step alone; the dK/dV passes behind their own steps)
+    cp_kv_heads: str = "kv"
+    cp_overlap: str = "attention"
     # `tessera train --loss`: chunked (never the whole logits) or logits; compiled-logits: the whole logits with a
     # compiled cross-entropy (another framework's, for predicting its runs)
     loss: str = "chunked"

@@ -140,6 +140,15 @@ def ep_over_tp(hw: Hardware, cand: Candidate) -> bool:
     return hw.ep_over_tp and ep_over_tp_applies(cand.layout, cand.sequence_parallel)
 
 
+def cp_gather_share(cp: int, dtype_bytes: int, recomputed: bool) -> float:
+    """The K/V gathers' share of cp's bytes (comm_model's ring volumes): (cp - 1) K/V passes forward, again in
+    backward and, recomputed, in the forward's rerun, beside cp passes of the fp32 dK/dV accumulators."""
+    if cp == 1:
+        return 1.0
+    gathers = (cp - 1) * dtype_bytes * (3 if recomputed else 2)
+    return gathers / (gathers + cp * max(4, dtype_bytes))
+
+
 def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: int) -> Estimate:
     """Per-rank memory, step time, traffic and MFU of one candidate for a model of `shape` (a ModelShape)."""
     cfg = as_shape(shape)
@@ -178,6 +187,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         reduce_bytes=4,
         placement=placement_of(cand.schedule),
         ep_over_tp=ep_over_tp(hw, cand),
+        cp_kv_heads=hw.cp_kv_heads,
     )
     # step time
     tokens = global_batch * seq_len
@@ -379,6 +389,9 @@ def physics_time(
         units=busiest + 2,
         async_tp=hw.async_tp,
         ep_overlap=hw.ep_overlap,
+        cp=lay.cp,
+        cp_overlap=hw.cp_overlap,
+        cp_gather_share=cp_gather_share(lay.cp, hw.dtype_bytes, cand.ac == "full"),
     )
     exposed.update(replicas)
     pipelined = parts["compute"] - parts["optimizer"]

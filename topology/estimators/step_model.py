@@ -21,7 +21,9 @@ recompute  activation checkpointing reruns forwards: full every block's (its GEM
 comm       each accounting name's bytes (topology/estimators/comm_model.py, the counted volumes of --comm-stats) over
            the link its group takes at link_share of the datasheet, plus a latency per collective.
            Exposure: FSDP's and HSDP's traffic is prefetched behind compute (one unit's gather and one
-           reduce-scatter are exposed, and whatever exceeds the compute); ring K/V behind attention;
+           reduce-scatter are exposed, and whatever exceeds the compute); ring K/V behind attention
+           (another framework's as it runs it: torch's all-gather rotater hides each gather behind the
+           first of cp steps alone, Hardware.cp_overlap; torchtitan's K/V at the query heads, cp_kv_heads);
            tensor parallel exposed, or with async TP behind the matmuls it feeds but for its first chunk
            (1 / tp of it); pipeline P2P on the fill and drain (2 (pp - 1) microbatch transfers); expert
            all-to-alls exposed (to the peers of its node over NVLink, to the rest over the network, at once),
@@ -258,9 +260,14 @@ def exposed_comm(
     units: int,
     async_tp: bool,
     ep_overlap: bool = False,
+    cp: int = 1,
+    cp_overlap: str = "attention",
+    cp_gather_share: float = 1.0,
 ) -> dict[str, float]:
     """The exposed part of each accounting name's traffic time (module doc): "tp", "pp", "ep", "cp" and
-    "fsdp" (FSDP's and HSDP's together)."""
+    "fsdp" (FSDP's and HSDP's together). cp_overlap "first_step" (torch's all-gather rotater): the K/V
+    gathers, `cp_gather_share` of cp's time, hide behind the first of a pass's cp steps alone, the dK/dV
+    passes behind the backward's other steps."""
     compute = parts["compute"] - parts["optimizer"]
     t_tp = seconds.get("tp", 0.0)
     if async_tp and tp > 1:
@@ -271,9 +278,18 @@ def exposed_comm(
     data_exposed = (2 * data / max(units, 1)) + max(0.0, data - compute) if data else 0.0
     t_pp = seconds.get("pp", 0.0)
     pp_exposed = t_pp * min(1.0, 2 * (pp - 1) / max(1, 2 * microbatches)) if pp > 1 else 0.0
+    if cp_overlap not in ("attention", "first_step"):
+        raise ValueError(f"cp_overlap={cp_overlap!r}: use attention (tessera's ring) or first_step (torch's gather)")
+    t_cp = seconds.get("cp", 0.0)
+    if cp_overlap == "first_step" and cp > 1:
+        gathers, passes = t_cp * cp_gather_share, t_cp * (1 - cp_gather_share)
+        backward = parts["attention"] * 2 / 3  # the backward's share of attention's forward + backward FLOPs
+        cp_exposed = max(0.0, gathers - parts["attention"] / cp) + max(0.0, passes - backward * (cp - 1) / cp)
+    else:
+        cp_exposed = max(0.0, t_cp - parts["attention"])
     return {
         "tp": tp_exposed,
-        "cp": max(0.0, seconds.get("cp", 0.0) - parts["attention"]),
+        "cp": cp_exposed,
         "pp": pp_exposed,
         # overlapped (Megatron's overlap_moe_expert_parallel_comm: one microbatch's all-to-alls beside another's
         # compute), only what exceeds the compute is exposed
