@@ -136,7 +136,7 @@ class _AllGatherAttention(Function):
             dout = torch.zeros_like(out) if dout is None else dout
             rank_args = (ctx.causal, ctx.scale, ctx.window)
             dq, dk, dv = simulated_allgather_backward(
-                q, k, v, out, lse, dout, dlse, ctx.group, rank_args, _rank_forward, _rank_backward, _local_kv
+                q, k, v, out, lse, dout, dlse, ctx.group, rank_args, _allgather_blocks, _rank_backward, _local_kv
             )
             return dq, dk, dv, None, None, None, None, None, None
         q, full_k, full_v, out, lse, docs, full_docs = ctx.saved_tensors

@@ -120,12 +120,13 @@ def simulated_allgather_backward(
     dlse: Tensor | None,
     group: Any,
     rank_args: tuple,
-    rank_forward: Callable,
+    rank_blocks: Callable,
     rank_backward: Callable,
     local_kv: Callable,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of every simulated rank: each member's blocks (as its forward ran them) give its dq and
-    every member's share of its dK/dV; a rank's dK/dV is its shares summed over the members in rank order."""
+    """(dq, dk, dv) of every simulated rank: each member's blocks (`rank_blocks(position, size, causal, local,
+    seq, window)`, as its forward ran them) give its dq and every member's share of its dK/dV; a rank's dK/dV
+    is its shares summed over the members in rank order."""
     causal, scale, window = rank_args
     world = simulated_world()
     grads: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
@@ -136,7 +137,7 @@ def simulated_allgather_backward(
             dqs, shares = {}, {}
             for i, r in enumerate(members):
                 q_r = _of(q, r)
-                blocks = rank_forward(q_r, full_k, full_v, i, size, causal, scale, window, None, None)[2]
+                blocks = rank_blocks(i, size, causal, q_r.shape[SEQ_DIM], full_k.shape[SEQ_DIM], window)  # type: ignore[union-attr]
                 tensors = (q_r, full_k, full_v, _of(out, r), _of(lse, r), _of(dout, r), _of(dlse, r), blocks)
                 dqs[i], shares[i] = rank_backward(*tensors, size, scale, window, None, None)
             for j, r in enumerate(members):
