@@ -12,6 +12,7 @@ pytest: `python tests/test_layering.py`, whose exit status is lint-imports'.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -126,6 +127,88 @@ def test_no_two_library_files_share_a_name_and_none_is_over_600_lines():
         lines = len(f.read_text().splitlines())
         assert lines <= 600, f"{f.relative_to(ROOT)} has {lines} lines; split it by what it does"
     assert len(seen) > 100  # the walk saw the library
+
+
+def module_imports(root: Path = ROOT) -> dict[str, set[str]]:
+    """Every library module -> the library modules it imports anywhere in its file: at the top, inside a
+    function (a lazy import) or under `if TYPE_CHECKING:` (annotations), each read from the source's syntax."""
+    files: dict[str, Path] = {}
+    for name, folder in package_dirs(root).items():
+        for f in folder.rglob("*.py"):
+            if "__pycache__" not in f.parts:
+                parts = list(f.relative_to(folder).with_suffix("").parts)
+                files[".".join([name] + (parts[:-1] if parts[-1] == "__init__" else parts))] = f
+
+    def known(name: str) -> str | None:  # a module, or the nearest enclosing one (`from pkg import name`)
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, f in files.items():
+        package = module if f.name == "__init__.py" else module.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([base] if base else []))
+                targets.update(known(f"{base}.{a.name}") for a in node.names)
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_module_imports_itself_back_even_lazily_or_for_annotations():
+    """import-linter's contract reads run-time imports (TYPE_CHECKING ones excluded) between siblings; a
+    circle closed by an annotation-only import and a function-level one is still a circle a reader follows:
+    none, at module level, counting every import written."""
+    graph = module_imports()
+    assert len(graph) > 100 and sum(map(len, graph.values())) > 300  # the walk saw the library's imports
+    assert import_cycles(graph) == []
+    # the finder finds one: the layout importing back the module that annotates it
+    planted = {**graph, "tessera.topology.layout": graph["tessera.topology.layout"] | {"tessera.topology.mesh"}}
+    assert ["tessera.topology.layout", "tessera.topology.mesh"] in import_cycles(planted)
 
 
 if __name__ == "__main__":  # CI: the contracts' report, and lint-imports' exit status

@@ -7,10 +7,14 @@ __all__ = ["AXES", "FLATTENED", "Layout", "Meshes", "submesh", "dry_run", "mesh_
 
 
 def __getattr__(name: str):  # the mesh helpers import torch; keep `import topology` light
-    if name in ("Meshes", "submesh", "dry_run", "mesh_group_ranks"):
+    if name in ("Meshes", "dry_run"):
         from tessera.topology import (
             mesh,
         )  # lazy: the mesh helpers import torch, which `import tessera.topology` does not
 
         return getattr(mesh, name)
+    if name in ("submesh", "mesh_group_ranks"):
+        from tessera.topology import device_mesh  # lazy: (as above) torch
+
+        return getattr(device_mesh, name)
     raise AttributeError(name)

@@ -4,7 +4,7 @@ The axes, their order and their flattened submeshes are the table of topology/ax
 "dp_replicate", "dp_shard", "cp", "tp"). tp is innermost, so a tp group is a run of consecutive ranks (one
 node, fastest links); pp is outermost. A rank's coordinate is the row-major unravel of the rank over
 `shape`. Everything here is pure arithmetic, so it is cheap to property-test; `build_mesh` is the one
-method that talks to torch.distributed (through topology/mesh.py, imported when it is called).
+method that talks to torch.distributed (through topology/device_mesh.py, imported when it is called).
 """
 
 from __future__ import annotations
@@ -217,11 +217,12 @@ class Layout:
         subgroup of the mesh: torch creates them with its own default (30 minutes on gloo, 10 on NCCL),
         not the world group's timeout, so a stalled tp or FSDP collective would otherwise hang that long.
         """
-        from tessera.topology.mesh import (
-            build_mesh,
-        )  # lazy: the DeviceMesh side imports torch; the rest of topology is torch-free
+        from tessera.topology import device_mesh  # lazy: the DeviceMesh side imports torch; this module does not
 
-        return build_mesh(self, device_type, gpus_per_node, timeout)
+        self.check_world_size(device_mesh.world_size())
+        if gpus_per_node is not None:
+            self.check_nodes(gpus_per_node)
+        return device_mesh.init_mesh(self.shape, device_type, timeout)
 
     def check_nodes(self, gpus_per_node: int) -> None:
         """Warn when a tp group would cross a node boundary (tp traffic then leaves NVLink)."""

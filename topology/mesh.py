@@ -1,7 +1,7 @@
-"""The DeviceMesh side of topology: building and slicing the mesh of `Layout.build_mesh`, the meshes by
-purpose, and dry runs on the fake backend. The axes, their order and the flattened submeshes are read from
-topology/axes.py's table; this module imports no other part of topology (Layout only for annotations), so
-layout.py can load it lazily without an import cycle.
+"""A layout's meshes: the meshes by purpose (`Meshes`), the expert meshes unflattened from the data axes,
+the check that a mesh handed in is the layout's, and dry runs on the fake backend. The DeviceMesh of a shape
+itself (built, flattened, given its timeout, sliced) is topology/device_mesh.py's, which `Layout.build_mesh`
+calls; this module sits above both, so no import runs back.
 
 A dry run builds the mesh of any layout (thousands of ranks) in one process on torch's fake process
 group: collectives are no-ops, so layouts, sharding plans and meta-device models can be checked far
@@ -11,42 +11,21 @@ beyond the ranks this machine can run.
 from __future__ import annotations
 
 import contextlib
-import warnings
-from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tessera.topology.axes import FLATTENED_BY_PURPOSE, FLATTENED_MESHES, MESH_AXES, TABLE
+from tessera.topology.device_mesh import mesh_group_ranks, set_mesh_timeout, submesh
+from tessera.topology.layout import Layout
 
-if TYPE_CHECKING:
-    from tessera.topology.layout import Layout
-
-
-def build_mesh(
-    layout: "Layout", device_type: str, gpus_per_node: int | None = None, timeout: float | None = None
-) -> DeviceMesh:
-    """`Layout.build_mesh`: one DeviceMesh over the mesh axes, with the flattened submeshes of the table."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "build_mesh needs an initialized process group; call torch.distributed.init_process_group first"
-        )
-    layout.check_world_size(dist.get_world_size())
-    if gpus_per_node is not None:
-        layout.check_nodes(gpus_per_node)
-    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
-    for flat in FLATTENED_MESHES:
-        mesh[flat.axes]._flatten(flat.name)
-    if timeout is not None:
-        set_mesh_timeout(mesh, timeout)
-    return mesh
+__all__ = ["Meshes", "check_world_mesh", "dry_run", "expert_meshes", "mesh_group_ranks", "submesh"]
 
 
-def check_world_mesh(mesh: DeviceMesh, layout: "Layout", device_type: str) -> None:
+def check_world_mesh(mesh: DeviceMesh, layout: Layout, device_type: str) -> None:
     """A mesh handed in for `layout` must be one `build_mesh` made for a layout of its shape, on the device
     type the run computes on."""
     names, shape = tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
@@ -62,34 +41,8 @@ def check_world_mesh(mesh: DeviceMesh, layout: "Layout", device_type: str) -> No
         )
 
 
-def set_mesh_timeout(mesh: DeviceMesh, timeout: float) -> None:
-    """Give every process group of `mesh` (each axis and each flattened submesh) `timeout` seconds."""
-    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
-    groups += [submesh(mesh, flat.name).get_group() for flat in FLATTENED_MESHES]
-    seen: set[int] = set()
-    for group in groups:
-        if id(group) not in seen and dist.get_world_size(group) > 1:
-            seen.add(id(group))
-            _set_pg_timeout(timedelta(seconds=timeout), group)
-
-
-def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
-    """`mesh[names]` for axis or flattened names, e.g. submesh(mesh, "tp") or ("dp_replicate", "dp_shard_cp")."""
-    key = names[0] if len(names) == 1 else names
-    with warnings.catch_warnings():
-        # torch >= 2.11 warns that slicing flattened dims from the root will change; both 2.11 and 2.13
-        # still support it, and it keeps build_mesh returning a plain DeviceMesh as the contract says.
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return mesh[key]
-
-
-def mesh_group_ranks(mesh: DeviceMesh, *names: str) -> list[int]:
-    """Global ranks of this rank's group on the (possibly flattened, 1-D) submesh `names`."""
-    return dist.get_process_group_ranks(submesh(mesh, *names).get_group())
-
-
 @contextlib.contextmanager
-def dry_run(layout: "Layout", rank: int = 0, device_type: str = "cpu") -> Iterator[DeviceMesh]:
+def dry_run(layout: Layout, rank: int = 0, device_type: str = "cpu") -> Iterator[DeviceMesh]:
     """Build `layout`'s mesh as `rank` on the fake backend, in this process; destroyed on exit.
 
     >>> with dry_run(Layout.infer(4096, tp=8, pp=4, cp=2)) as mesh:
@@ -105,7 +58,7 @@ def dry_run(layout: "Layout", rank: int = 0, device_type: str = "cpu") -> Iterat
         dist.destroy_process_group()
 
 
-def expert_meshes(world: DeviceMesh, layout: "Layout") -> tuple[DeviceMesh, DeviceMesh]:
+def expert_meshes(world: DeviceMesh, layout: Layout) -> tuple[DeviceMesh, DeviceMesh]:
     """(the 1-D ep mesh, the experts' FSDP2 mesh): the flattened dp_shard x cp mesh unflattened into
     (edp, ep), ep innermost (consecutive cp ranks first, as torchtitan takes them); the FSDP2 mesh is edp,
     or (dp_replicate, edp) under HSDP."""
@@ -157,7 +110,7 @@ class Meshes:
     loss: DeviceMesh | None
 
     def __init__(
-        self, layout: "Layout", device_type: str = "cpu", mesh: DeviceMesh | None = None, timeout: float | None = None
+        self, layout: Layout, device_type: str = "cpu", mesh: DeviceMesh | None = None, timeout: float | None = None
     ):
         self.layout = layout
         self.device_type = device_type

@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from pathlib import Path
 from urllib.parse import urlparse
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from tessera.metrics.profiling import check_profile, check_profile_summary, profile_window
@@ -34,81 +34,81 @@ from tessera.parallel.muon import ADJUST_LR
 from tessera.parallel.tp_plan import find_modules
 from tessera.paths import check_writable_dir  # noqa: F401  (re-exported: tests and callers import it from here)
 
-from tessera.data.data_sources import check_hf_data
+from tessera.topology import Layout
+
+from .data_sources import check_hf_data
 from .estimate import fit_problem, local_ranks
 
-if TYPE_CHECKING:  # annotations only: config.py imports this module (Config.check), not the other way round
-    from .run_config import Config
+from .sections import (
+    CheckpointSection,
+    DataSection,
+    FaultToleranceSection,
+    ModelSection,
+    OptimizerSection,
+    ParallelSection,
+    RuntimeSection,
+)
 
 
-def check(config: Config) -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # a job already launched (the quick start under torchrun): the wrong process count is the first error,
-        # in one line, before a mesh of the wrong shape fails deep inside torch on every rank
-        layout = config.layout
-        if config.ft.fault_tolerant and not config.ft.ft_replica_groups:  # a fault-tolerant job: one group
-            degrees = layout.as_dict()
-            degrees.update(dp_replicate=1)
-            layout = type(layout)(**degrees)
-        layout.check_world_size(torch.distributed.get_world_size())
-    _check_numbers(config)
-    _check_drift_flag(config)
-    model = _check_model(config)
-    check_optimizer(config, model)
-    layout = config.layout  # degrees, dp_replicate vs dp
-    _check_pipeline_flags(config)  # and --cp-method without --cp
-    config.parallel_config().check(model, config.data.seq_len, config.data.global_batch, config.data.microbatches)
-    _check_device(config, layout.world_size)
-    check_fp8(config.parallel.fp8, model, spec_of(model), layout.tp, config.device_type())
-    _check_offload(config)
-    _check_fault_tolerance(config)
-    _check_fits(config, layout.world_size)
-    _check_paths(config, model)
-    _check_profile(config)
-    if config.runtime.comm_stats not in (None, "every", "first"):
-        raise ValueError(
-            f"--comm-stats {config.runtime.comm_stats!r}: use every (each step) or first (the first step only)"
-        )
-    d = config.data
+def check_launched_world(layout: Layout, ft: FaultToleranceSection) -> None:
+    """A job already launched (the quick start under torchrun): the wrong process count is the first error,
+    in one line, before a mesh of the wrong shape fails deep inside torch on every rank."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if ft.fault_tolerant and not ft.ft_replica_groups:  # a fault-tolerant job: one replica group
+        degrees = layout.as_dict()
+        degrees.update(dp_replicate=1)
+        layout = type(layout)(**degrees)
+    layout.check_world_size(torch.distributed.get_world_size())
+
+
+def check_data(
+    data: DataSection, runtime: RuntimeSection, model: ModelSection, model_name: str, model_config, resume: str | None
+) -> None:
+    """The streams a run reads: --eval-*, the hf: data sets (their flags, split, fields and tokenizer), packed
+    documents, and the vocabulary of the built-in text or of the token files against the model's."""
+    d = data
+    if runtime.comm_stats not in (None, "every", "first"):
+        raise ValueError(f"--comm-stats {runtime.comm_stats!r}: use every (each step) or first (the first step only)")
     if d.eval_every < 0 or d.eval_batches < 1:
         raise ValueError(f"--eval-every {d.eval_every} must be >= 0 and --eval-batches {d.eval_batches} >= 1")
     if d.eval_every and not d.eval_data:
         raise ValueError(f"--eval-every {d.eval_every} needs --eval-data PATH (held-out token files)")
     if d.eval_data and not d.eval_every:
         raise ValueError(f"--eval-data {d.eval_data} is read only with --eval-every N; add it (or drop --eval-data)")
-    check_hf_data(config, model.vocab_size)  # hf: data sets: their flags, split, fields and tokenizer
+    check_hf_data(d, model_config.vocab_size, resume)
     if d.eval_data and not is_hf(d.eval_data):
         held_out = TokenFileStream(d.eval_data, d.seq_len, d.global_batch, name="eval_data")
-        if held_out.vocab_size > model.vocab_size:
+        if held_out.vocab_size > model_config.vocab_size:
             raise ValueError(
                 f"--eval-data {d.eval_data}: its vocab_size {held_out.vocab_size} "
-                f"exceeds the model's {model.vocab_size}"
+                f"exceeds the model's {model_config.vocab_size}"
             )
     if d.pack_documents:
-        check_document_masking(model)
-    if not config.data.path:  # the built-in text, byte-tokenized: ids up to EOS must be rows of the embedding
-        _check_builtin_data_vocab(config, model)
-    if config.data.path and not is_hf(config.data.path):  # the files open, sizes match, the vocabulary fits
-        data = TokenFileStream(config.data.path, config.data.seq_len, config.data.global_batch)
-        if data.vocab_size > model.vocab_size:
+        check_document_masking(model_config)
+    if not d.path:  # the built-in text, byte-tokenized: ids up to EOS must be rows of the embedding
+        _check_builtin_data_vocab(model, model_name, model_config)
+    if d.path and not is_hf(d.path):  # the files open, sizes match, the vocabulary fits
+        stream = TokenFileStream(d.path, d.seq_len, d.global_batch)
+        if stream.vocab_size > model_config.vocab_size:
             raise ValueError(
-                f"--data {config.data.path}: its vocab_size {data.vocab_size} exceeds the {config.model.preset} "
-                f"model's {model.vocab_size}; add --vocab-size {data.vocab_size}"
+                f"--data {d.path}: its vocab_size {stream.vocab_size} exceeds the {model.preset} "
+                f"model's {model_config.vocab_size}; add --vocab-size {stream.vocab_size}"
             )
 
 
-def _check_drift_flag(config: Config) -> None:
-    if not config.runtime.check_drift:
+def check_drift_flag(runtime: RuntimeSection, checkpoint: CheckpointSection, data: DataSection) -> None:
+    if not runtime.check_drift:
         return
-    if config.checkpoint.resume is not None:
+    if checkpoint.resume is not None:
         raise ValueError(
             "--check-drift compares the run from step 0 with one process's: drop --resume (or check "
             "the records with tessera.testing.judge_drift)"
         )
-    if config.data.global_batch % 2:
+    if data.global_batch % 2:
         raise ValueError(
-            f"--check-drift runs one process at 1 and 2 microbatches: --global-batch {config.data.global_batch} "
-            f"must be even; use --global-batch {config.data.global_batch + 1}"
+            f"--check-drift runs one process at 1 and 2 microbatches: --global-batch {data.global_batch} "
+            f"must be even; use --global-batch {data.global_batch + 1}"
         )
 
 
@@ -155,18 +155,18 @@ def builtin_data_vocab() -> int:
     return max(BOS, EOS) + 1
 
 
-def _check_builtin_data_vocab(config: Config, model) -> None:
+def _check_builtin_data_vocab(section: ModelSection, model_name: str, model) -> None:
     """Without --data the run reads the shipped text byte-tokenized (ids 0..257). A smaller vocabulary
     would fail on one rank (an embedding index out of range) or, vocab-parallel over tp, silently zero
     the embedding of every id past it and train on nothing."""
     needed = builtin_data_vocab()
     if model.vocab_size >= needed:
         return
-    if config.model.vocab_size is not None:
-        given = f"--vocab-size {config.model.vocab_size}"
+    if section.vocab_size is not None:
+        given = f"--vocab-size {section.vocab_size}"
         fix = f"use --vocab-size {needed} or more"
     else:
-        given = f"the {config.model_name} model's vocab_size {model.vocab_size}"
+        given = f"the {model_name} model's vocab_size {model.vocab_size}"
         fix = f"use a model with a vocabulary of {needed} or more"
     raise ValueError(
         f"{given} is below the token ids of the built-in data (byte-level: ids 0-{needed - 1}, "
@@ -177,15 +177,18 @@ def _check_builtin_data_vocab(config: Config, model) -> None:
 MAX_STEPS = 10**10  # ten billion optimizer steps: beyond any training run (and what a step counter means)
 
 
-def _check_numbers(config: Config) -> None:
-    d, o, r, c = config.data, config.optimizer, config.runtime, config.checkpoint
+def check_numbers(
+    data: DataSection, optimizer: OptimizerSection, runtime: RuntimeSection, checkpoint: CheckpointSection
+) -> None:
+    """The numbers and names of the flags, each in its range."""
+    d, o, r, c = data, optimizer, runtime, checkpoint
     for flag, value in (
         ("--steps", r.steps),
         ("--seq-len", d.seq_len),
         ("--global-batch", d.global_batch),
-        ("--microbatches", config.microbatches),
+        ("--microbatches", d.microbatches),
     ):
-        if value <= 0:
+        if value is not None and value <= 0:  # microbatches: None only before Config fills it in
             raise ValueError(f"{flag} {value} must be positive")
     if r.steps > MAX_STEPS:  # 10^20 was accepted with an eta of 413,313,689,980,057 hours
         raise ValueError(
@@ -255,10 +258,9 @@ def _check_numbers(config: Config) -> None:
         )
 
 
-def _check_pipeline_flags(config: Config) -> None:
+def check_pipeline_flags(p: ParallelSection) -> None:
     """Pipeline flags without a pipeline would do nothing: refused, not ignored; --schedule with
     --schedule-file would be two schedules."""
-    p = config.parallel
     if not isinstance(p.virtual, int) or p.virtual < 1:
         raise ValueError(f"--virtual {p.virtual} must be a positive integer (stages per pp rank)")
     if p.sequence_parallel and p.tp == 1:
@@ -292,10 +294,9 @@ def _check_pipeline_flags(config: Config) -> None:
             )
 
 
-def check_optimizer(config: Config, model) -> None:
+def check_optimizer(o: OptimizerSection, model) -> None:
     """--optimizer and Muon's options: a known update scale, 1-99 Newton-Schulz steps, three coefficients, and
     a model whose spec marks the matrices Muon takes (its `matrices` rule, matching a parameter)."""
-    o = config.optimizer
     if o.optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer={o.optimizer!r} is not one of adamw, muon")
     if o.optimizer != "muon":
@@ -331,38 +332,36 @@ def check_optimizer(config: Config, model) -> None:
         )
 
 
-def _check_model(config: Config):
-    if config.model.n_layers is not None and config.model.n_layers < 1:
-        raise ValueError(f"--n-layers {config.model.n_layers} must be at least 1")
-    if config.model.vocab_size is not None and config.model.vocab_size < 2:
-        raise ValueError(f"--vocab-size {config.model.vocab_size} must be at least 2")
-    model = config.model_config  # unknown preset -> ValueError naming the presets
-    if config.data.seq_len > model.max_seq_len:
+def check_model_flags(model: ModelSection) -> None:
+    """--n-layers and --vocab-size, before the model's config is read with them."""
+    if model.n_layers is not None and model.n_layers < 1:
+        raise ValueError(f"--n-layers {model.n_layers} must be at least 1")
+    if model.vocab_size is not None and model.vocab_size < 2:
+        raise ValueError(f"--vocab-size {model.vocab_size} must be at least 2")
+
+
+def check_seq_len(data: DataSection, preset: str, model) -> None:
+    if data.seq_len > model.max_seq_len:
         raise ValueError(
-            f"--seq-len {config.data.seq_len} exceeds the {config.model.preset} preset's "
+            f"--seq-len {data.seq_len} exceeds the {preset} preset's "
             f"max_seq_len={model.max_seq_len}; "
             f"use --seq-len {model.max_seq_len} or less"
         )
-    return model
 
 
-def _check_device(config: Config, world: int) -> None:
-    if (
-        config.runtime.kernels == "triton"
-        and config.device_type() != "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-    ):
+def check_device(runtime: RuntimeSection, parallel: ParallelSection, device_type: str, world: int) -> None:
+    if runtime.kernels == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "--kernels triton on CPU ranks: the Triton kernels need CUDA tensors; use --kernels auto or torch "
             "(or set TRITON_INTERPRET=1 to run them through Triton's slow interpreter)"
         )
-    if config.parallel.compile and config.device_type() == "cpu":
+    if parallel.compile and device_type == "cpu":
         if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
             raise ValueError(
                 "--compile on CPU ranks: torch.compile's CPU backend needs a C++ compiler (c++, g++ or "
                 "clang++) on PATH; install one, or drop --compile"
             )
-    if config.runtime.device == "cuda":
+    if runtime.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
                 "--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is False); use --device cpu"
@@ -375,28 +374,32 @@ def _check_device(config: Config, world: int) -> None:
             )
 
 
-def _check_offload(config: Config) -> None:
+def check_precision(parallel: ParallelSection, model, tp: int, device_type: str) -> None:
+    """--fp8: torchao installed, a device it runs on, and linears of the model the recipe can take at this tp."""
+    check_fp8(parallel.fp8, model, spec_of(model), tp, device_type)
+
+
+def check_offload(parallel: ParallelSection, optimizer: OptimizerSection) -> None:
     """--offload's combinations that tessera does not run, each refused in one line (the mode itself:
     DataParallelConfig's check)."""
-    offload = config.parallel.offload
+    offload = parallel.offload
     if offload == "none":
         return
-    if config.optimizer.optimizer == "muon":
+    if optimizer.optimizer == "muon":
         raise ValueError(
             f"--offload {offload} with --optimizer muon: offload steps AdamW on the host shard by shard, and Muon "
             f"orthogonalizes whole matrices gathered on the device; use --optimizer adamw, or drop --offload"
         )
-    if offload == "optimizer" and config.parallel.fp8 == "tensorwise":
+    if offload == "optimizer" and parallel.fp8 == "tensorwise":
         raise ValueError(
             "--offload optimizer with --fp8 tensorwise: FSDP2's float8 all-gather wraps each weight shard in "
             "torchao's subclass, which the host step cannot copy; use --fp8 rowwise or --offload params"
         )
 
 
-def _check_fault_tolerance(config: Config) -> None:
+def check_fault_tolerance(f: FaultToleranceSection, p: ParallelSection, optimizer: OptimizerSection) -> None:
     """--fault-tolerant: torchft installed, a replicate axis to make fault-tolerant, a group id in range, a
     lighthouse that answers; and what is not proven under it yet, refused."""
-    f, p = config.ft, config.parallel
     given = [
         flag for flag, on in (("--ft-replica-id", f.ft_replica_id is not None), ("--lighthouse", f.lighthouse)) if on
     ]
@@ -423,7 +426,7 @@ def _check_fault_tolerance(config: Config) -> None:
     if f.ft_timeout <= 0 or f.ft_replacements < 0:
         raise ValueError(f"--ft-timeout {f.ft_timeout} must be > 0 and --ft-replacements {f.ft_replacements} >= 0")
     for flag, on in (
-        ("--optimizer muon", config.optimizer.optimizer == "muon"),
+        ("--optimizer muon", optimizer.optimizer == "muon"),
         ("--offload", p.offload != "none"),
         ("--fsdp HYBRID_SHARD or NO_SHARD", p.fsdp.upper() in ("HYBRID_SHARD", "NO_SHARD")),
     ):
@@ -450,9 +453,10 @@ def check_reachable(address: str, timeout: float) -> None:
         ) from None
 
 
-def _check_fits(config: Config, world: int) -> None:
+def check_fits(config: Any, world: int) -> None:
     """The run fits this machine's memory by the planner's estimate (--force skips it): a run that would
-    grow until the kernel kills it, or fork more ranks than the host can hold, is refused before it starts."""
+    grow until the kernel kills it, or fork more ranks than the host can hold, is refused before it starts.
+    `config` is the whole Config: the planner's estimate reads it all (estimate.planner_estimate)."""
     if config.runtime.force:
         return
     local = local_ranks(world)
@@ -531,15 +535,24 @@ def _check_metrics_is_new(path: str, resuming: bool) -> None:
     )
 
 
-def _check_paths(config: Config, model) -> None:
-    r, c = config.runtime, config.checkpoint
+def check_paths(
+    r: RuntimeSection,
+    c: CheckpointSection,
+    resume: str | None,
+    model_name: str,
+    model,
+    data: DataSection,
+    optimizer: OptimizerSection,
+) -> None:
+    """What the run writes and reads: --metrics, --checkpoint-dir, a --resume checkpoint that fits this run
+    (`resume`: its path, None when not resuming), --init-from and --init-from-hf files of this model."""
     if r.metrics:
         _check_writable_file("--metrics", r.metrics)
         _check_metrics_is_new(r.metrics, c.resume is not None)
     if c.dir:
         check_writable_dir("--checkpoint-dir", c.dir)
-    if c.resume is not None:
-        path, _ = resolve_checkpoint(config.resume_path)  # a fallback is announced once, by run.train
+    if resume is not None:
+        path, _ = resolve_checkpoint(resume)  # a fallback is announced once, by run.train
         problem = checkpoint.structural_problem(path)  # missing or truncated files, before any rank starts
         if problem is not None:
             raise checkpoint.CheckpointError(problem)
@@ -547,14 +560,14 @@ def _check_paths(config: Config, model) -> None:
         checkpoint.check_compatible(
             path,
             manifest,
-            config.model_name,
+            model_name,
             model.as_dict(),
-            config.data.seq_len,
-            config.data.global_batch,
-            config.runtime.steps,
-            dataclasses.asdict(config.optimizer),
+            data.seq_len,
+            data.global_batch,
+            r.steps,
+            dataclasses.asdict(optimizer),
         )
-        checkpoint.check_optimizer(path, manifest, config.optimizer.optimizer)
+        checkpoint.check_optimizer(path, manifest, optimizer.optimizer)
     if c.init_from is not None:
         checkpoint.check_full_state_dict_file(c.init_from, model)
     if c.init_from_hf is not None:
@@ -566,15 +579,14 @@ def _check_paths(config: Config, model) -> None:
         check_hf_weights(c.init_from_hf, model)
 
 
-def _check_profile(config: Config) -> None:
+def check_profile_flags(r: RuntimeSection, resume: str | None) -> None:
     """--profile DIR is writable and --profile-steps A:B are steps this run takes (a resumed run starts
-    after its checkpoint's step)."""
-    r = config.runtime
+    after its checkpoint's step; `resume`: its path, None when not resuming)."""
     if r.profile_shapes and r.profile is None:
         raise ValueError("--profile-shapes applies to --profile DIR; add --profile DIR (or drop --profile-shapes)")
     done = 0
-    if (r.profile is not None or r.profile_summary is not None) and config.checkpoint.resume is not None:
-        done = int(checkpoint.read_manifest(resolve_checkpoint(config.resume_path)[0])["step"])
+    if (r.profile is not None or r.profile_summary is not None) and resume is not None:
+        done = int(checkpoint.read_manifest(resolve_checkpoint(resume)[0])["step"])
     check_profile(r.profile, r.profile_steps, r.steps, done)
     check_profile_summary(
         r.profile_summary, r.steps, done, profile_window(r.profile_steps, r.steps, done) if r.profile else None

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tessera.metrics.loggers import check_loggers
@@ -37,6 +38,9 @@ from .sections import (  # noqa: F401  (re-exported: tessera.config's names, as 
     SECTIONS,
     DEGREE_FLAGS,
 )
+
+
+DERIVED = ("layout", "model_config", "_parallel_config")  # Config's held derived values (cached_property)
 
 
 @dataclass(frozen=True)
@@ -110,14 +114,13 @@ class Config:
         return dataclasses.asdict(self)
 
     # ------------------------------------------------------------------ derived values
-    @property
+    # The derived values are computed once per config and held (functools.cached_property writes the
+    # instance's __dict__, not a field: frozen stays frozen, to_dict() and the manifest omit them);
+    # `dataclasses.replace` makes a new config, which computes its own.
+    @cached_property
     def layout(self) -> Layout:
-        """The mesh shape this config runs, computed once per config (its degrees and batch are frozen)."""
-        built = self.__dict__.get("_layout")
-        if built is None:
-            built = self.parallel.layout_for(self.data.global_batch)
-            object.__setattr__(self, "_layout", built)  # a cache, not a field, as parallel_config's
-        return built
+        """The mesh shape this config runs (its degrees and batch are frozen)."""
+        return self.parallel.layout_for(self.data.global_batch)
 
     @property
     def virtual(self) -> int:
@@ -136,8 +139,8 @@ class Config:
         """The preset's name, or hf:DIR for a model read from a Hugging Face config.json."""
         return f"hf:{self.checkpoint.init_from_hf}" if self.checkpoint.init_from_hf else self.model.preset
 
-    @property
-    def model_config(self):
+    @cached_property
+    def model_config(self) -> Any:
         """The model's config: any registered family's preset (models.spec.get_preset), with --n-layers /
         --vocab-size applied, or the config.json of --init-from-hf / --model hf:DIR read by the family its
         model_type names (models.hf.read_hf_config)."""
@@ -195,20 +198,17 @@ class Config:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.layout.world_size))
         return "cuda" if torch.cuda.device_count() >= local else "cpu"
 
-    def parallel_config(self):
-        """The ParallelConfig this config runs, built once per config (a schedule file is read once) and kept
-        on it; `dataclasses.replace` makes a new config, which builds its own."""
-        built = self.__dict__.get("_parallel_config")
-        if built is None:
-            built = self._build_parallel_config()
-            object.__setattr__(self, "_parallel_config", built)  # a cache, not a field: frozen stays frozen
-        return built
+    def parallel_config(self) -> Any:
+        """The ParallelConfig this config runs, built once per config (a schedule file is read once)."""
+        return self._parallel_config
 
     def __getstate__(self) -> dict[str, Any]:
-        # the ranks receive the fields only and build the view again (a schedule file is read on every rank)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_parallel_config", "_layout")}
+        # the ranks receive the fields only and compute the derived values again (a schedule file, a
+        # config.json are read on every rank)
+        return {k: v for k, v in self.__dict__.items() if k not in DERIVED}
 
-    def _build_parallel_config(self):
+    @cached_property
+    def _parallel_config(self) -> Any:
         # lazy: tessera.parallel imports torch, which stays out of `tessera --help`
         from tessera.parallel import ParallelConfig
         from tessera.parallel.fsdp import DataParallelConfig
@@ -221,11 +221,11 @@ class Config:
                 tuple(map(tuple, read_schedule_file(p.schedule_file))),
                 self.virtual,
                 p.layers_per_stage,
-                self.data.microbatches,
+                self.microbatches,
                 source=f"schedule_file={p.schedule_file}",
             )
         else:
-            pipeline = PipelineConfig(p.schedule or "1f1b", self.virtual, p.layers_per_stage, self.data.microbatches)
+            pipeline = PipelineConfig(p.schedule or "1f1b", self.virtual, p.layers_per_stage, self.microbatches)
         return ParallelConfig(
             layout=self.layout,
             sequence_parallel=p.sequence_parallel,
@@ -247,19 +247,52 @@ class Config:
 
     # ------------------------------------------------------------------ validation
     def check(self, flags: Mapping[str, str] | None = None) -> None:
-        """Every input error, raised before any rank starts (ValueError naming the value and the fix). The
-        library's checks name their parameters (microbatches=2); here they name `flags` instead (default:
-        `tessera train`'s, --microbatches 2; `tessera bench`, whose layouts are names, passes none)."""
-        from . import preflight  # lazy: preflight imports torch, which stays out of `tessera --help`
-
+        """Every input error, raised before any rank starts (ValueError naming the value and the fix): one pass
+        over the sections, each check given the sections it reads (tessera.training.preflight). The library's
+        checks name their parameters (microbatches=2); here they name `flags` instead (default: `tessera
+        train`'s, --microbatches 2; `tessera bench`, whose layouts are names, passes none). Checks that only a
+        rank can make (its device, its mesh) stay on the rank."""
         try:
             check_loggers(self.runtime.tensorboard, self.runtime.wandb)  # a library missing: before anything slow
-            preflight.check(self)
+            self._check_sections()
         except ValueError as e:  # ConfigError, CheckpointError, and the plain ValueErrors of the library's checks
             message = with_flags(str(e), flag_names() if flags is None else flags)
             if message == str(e) or not (type(e) is ValueError or isinstance(e, TesseraError)):
                 raise
             raise type(e)(message) from None
+
+    def _check_sections(self) -> None:
+        from . import preflight  # lazy: preflight imports torch, which stays out of `tessera --help`
+
+        m, p, o, d, c, r, ft = (
+            self.model,
+            self.parallel,
+            self.optimizer,
+            self.data,
+            self.checkpoint,
+            self.runtime,
+            self.ft,
+        )
+        preflight.check_launched_world(self.layout, ft)
+        preflight.check_numbers(d, o, r, c)
+        preflight.check_drift_flag(r, c, d)
+        preflight.check_model_flags(m)
+        model = self.model_config  # an unknown preset: a ValueError naming the presets
+        preflight.check_seq_len(d, m.preset, model)
+        preflight.check_optimizer(o, model)
+        layout = self.layout  # degrees, dp_replicate vs dp
+        preflight.check_pipeline_flags(p)  # and --cp-method without --cp
+        self.parallel_config().check(model, d.seq_len, d.global_batch, d.microbatches)
+        device_type = self.device_type()
+        preflight.check_device(r, p, device_type, layout.world_size)
+        preflight.check_precision(p, model, layout.tp, device_type)
+        preflight.check_offload(p, o)
+        preflight.check_fault_tolerance(ft, p, o)
+        preflight.check_fits(self, layout.world_size)
+        resume = self.resume_path if c.resume is not None else None
+        preflight.check_paths(r, c, resume, self.model_name, model, d, o)
+        preflight.check_profile_flags(r, resume)
+        preflight.check_data(d, r, m, self.model_name, model, resume)
 
 
 def parser_flags(parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -49,8 +49,8 @@ from torch.profiler import record_function
 
 from tessera.data.batches import StepData
 from .run_config import Config
-from tessera.data.data_sources import open_data
 from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
+from .data_sources import open_data
 from .parts import build_parts
 from .replicas import NothingToRejoin, drill, is_replacement, rejoin_step, replica_rows, replica_sync
 from tessera.data.batches import split_microbatches
@@ -157,7 +157,7 @@ class Trainer:
         def open_stream(global_batch: int) -> Any:
             c = dataclasses.replace(config, data=dataclasses.replace(config.data, global_batch=global_batch))
             if c.data.path:
-                return open_data(c, "path", self.model_config.vocab_size)  # token files or an hf: data set
+                return open_data(c.data, "path", self.model_config.vocab_size)  # token files or an hf: data set
             return TokenStream(c.data.seq_len, global_batch, documents=c.data.pack_documents)
 
         if config.ft.fault_tolerant:  # a replica group reads its share of the whole run's batches
@@ -210,7 +210,7 @@ class Trainer:
         d = self.config.data
         if d.eval_data is None:
             raise ValueError("evaluate() reads --eval-data PATH (held-out token files); none was given")
-        held_out = open_data(self.config, "eval_data", self.model_config.vocab_size)
+        held_out = open_data(self.config.data, "eval_data", self.model_config.vocab_size)
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
         was_training = self.parts[0].training
         for part in self.parts:
