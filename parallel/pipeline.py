@@ -20,17 +20,17 @@ Each microbatch's activations are dropped when its backward (W for split kinds) 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.distributed.fsdp import FSDPModule
+from torch.autograd.graph import GradientEdge
 
 from tessera.models.spec import spec_of
 from tessera.topology.schedules.schedule import placement_of, stage_rank, stages_on_rank
@@ -41,6 +41,7 @@ from tessera.topology.shapes import split_layers  # the stage split's one rule (
 from .comm import collective
 from .loss import LinearCrossEntropyHead, model_loss
 from .pipeline_simulated import simulated_pipeline
+from .split_backward import capture_weight_users, reduce_gradients_now, set_gradient_sync
 from .tied import shared_parameters
 
 from tessera.topology.schedules.schedule import SPLIT_BACKWARD, Action, build_schedule, check_schedule
@@ -182,6 +183,8 @@ class PipelineRunner:
     gradients are those of the one-process global-batch mean. `activation` gives the (shape, dtype) of
     the hidden states between stages for a microbatch of `rows` x `seq` tokens."""
 
+    now: PipelineStep  # set by forward_backward: the step running, or the last one run
+
     def __init__(
         self,
         stages: dict[int, nn.Module],
@@ -234,7 +237,6 @@ class PipelineRunner:
         # as its action's work and the trace's idle time is the bubble as the simulator counts it (host
         # clock: meaningful on CPU ranks; on a GPU the kernels run asynchronously); off by default
         self.record_trace = False
-        self.trace: list[tuple[float, float, Action]] = []
         # what each peer sends this rank, in its order (its receives must be posted in that order)
         self.incoming: dict[int, list[tuple]] = defaultdict(list)
         for peer, actions in enumerate(schedule):
@@ -260,25 +262,33 @@ class PipelineRunner:
     def rank_of_stage(self, stage: int) -> int:
         return stage_rank(stage, self.pp, self.placement)
 
+    @property
+    def trace(self) -> list[tuple[float, float, Action]]:
+        """(start, end, action) of each action of the last step, with record_trace on (else empty)."""
+        last = self.__dict__.get("now")
+        return [] if last is None else last.trace
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most microbatch-stages whose activations this rank held at once in the last step."""
+        last = self.__dict__.get("now")
+        return 0 if last is None else last.peak_in_flight
+
     # ------------------------------------------------------------------ one step
     def forward_backward(self, microbatches: Sequence[Microbatch], global_valid_tokens: int) -> Tensor:
         if len(microbatches) != self.microbatches:
             raise ValueError(f"the schedule was built for {self.microbatches} microbatches, got {len(microbatches)}")
-        self.scale = self.grad_scale / max(1, global_valid_tokens)
-        self.data = microbatches
         rows, seq = microbatches[0][0].shape
-        self.positions = self._positions(microbatches)
-        self.act_shape, self.act_dtype = self.activation(rows, seq)
-        self.posted: dict[tuple, tuple[Tensor, dist.Work]] = {}  # receives issued, by message
-        self.next_to_post: dict[int, int] = defaultdict(int)  # per peer: how many of its messages are posted
-        self.local: dict[tuple, Tensor] = {}  # messages between two stages of this rank
-        self.outbox: list[tuple[dist.P2POp, tuple | None]] = []  # (op, key of a receive) not yet issued
-        self.sends: list[tuple[dist.Work, Tensor]] = []  # sends issued, with the tensors they read
-        self.saved: dict[tuple[int, int], dict] = {}
-        self.peak_in_flight = 0  # the most microbatch-stages whose activations this rank held at once, this step
-        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.trace = []
-        self.waited, previous_end = 0.0, time.perf_counter()
+        act_shape, act_dtype = self.activation(rows, seq)
+        self.now = now = PipelineStep(
+            microbatches,
+            self._positions(microbatches),
+            self.grad_scale / max(1, global_valid_tokens),
+            tuple(act_shape),
+            act_dtype,
+            torch.zeros((), dtype=torch.float32, device=self.device),
+        )
+        previous_end = time.perf_counter()
         for k, action in enumerate(self.actions):
             following = self.actions[k + 1] if k + 1 < len(self.actions) else None
             if action.op == "W" and k in self.fused:
@@ -294,17 +304,17 @@ class PipelineRunner:
             self._flush()
             if self.record_trace:
                 end = time.perf_counter()
-                self.trace.append((previous_end + self.waited, end, action))
-                self.waited, previous_end = 0.0, end
-        for work, _ in self.sends:
+                now.trace.append((previous_end + now.waited, end, action))
+                now.waited, previous_end = 0.0, end
+        for work, _ in self.now.sends:
             with collective("send (pipeline)", "pp", self.group):
                 work.wait(self.timeout)
-        self.sends.clear()
+        self.now.sends.clear()
         if self.split:  # every W has run: now FSDP2 reduces each stage's accumulated gradients
             for part in self.stages.values():
-                _reduce_gradients_now(part)
-        assert not self.saved and not self.posted, "every activation is consumed by the end of the step"
-        return self.loss
+                reduce_gradients_now(part)
+        assert not self.now.saved and not self.now.posted, "every activation is consumed by the end of the step"
+        return self.now.loss
 
     def _positions(self, microbatches: Sequence[Microbatch]) -> list[Tensor]:
         """Each microbatch's token positions, which every stage rotates (and packed documents mask) by:
@@ -321,34 +331,36 @@ class PipelineRunner:
 
     def _F(self, a: Action, k: int, received: Tensor | None) -> None:
         part = self.stages[a.stage]
-        inputs, targets = self.data[a.microbatch][:2]
-        positions = self.positions[a.microbatch]
+        inputs, targets = self.now.data[a.microbatch][:2]
+        positions = self.now.positions[a.microbatch]
         x = inputs if a.stage == 0 else received
         assert x is not None  # a stage past the first receives its input
         captured: list[tuple[GradientEdge, list[nn.Parameter]]] = []
         last = a.stage == self.n_stages - 1
-        with _capture_weight_users(part, captured) if self.split else _nothing():
+        with capture_weight_users(part, captured) if self.split else contextlib.nullcontext():
             if last:  # through the fused loss head when the stage has one (no full logits)
                 loss_sum, _ = model_loss(self.loss_fn, part, x, positions, targets)
             else:
                 out = part(x, positions)
         if last:
-            self.loss += loss_sum.detach().float()
-            out = loss_sum * self.scale  # backward starts here, with no output gradient
+            self.now.loss += loss_sum.detach().float()
+            out = loss_sum * self.now.scale  # backward starts here, with no output gradient
         else:
             self._send(out.detach(), ("act", a.microbatch, a.stage + 1))
-        self.saved[(a.microbatch, a.stage)] = {
+        self.now.saved[(a.microbatch, a.stage)] = {
             "input": x if a.stage > 0 else None,
             "output": out,
             "weight_users": captured,
         }
-        self.peak_in_flight = max(self.peak_in_flight, len(self.saved))  # activations held: F run, B (or W) not yet
+        self.now.peak_in_flight = max(
+            self.now.peak_in_flight, len(self.now.saved)
+        )  # activations held: F run, B (or W) not yet
 
     def _B(self, a: Action, k: int, grad: Tensor | None) -> None:
-        saved = self.saved[(a.microbatch, a.stage)]
+        saved = self.now.saved[(a.microbatch, a.stage)]
         part, x, out = self.stages[a.stage], saved["input"], saved["output"]
         # split kinds: FSDP2 would reduce when the input gradient is ready, before W; they reduce after W
-        _set_gradient_sync(part, k == self.last_backward[a.stage] and not self.split)
+        set_gradient_sync(part, k == self.last_backward[a.stage] and not self.split)
         if self.split and k + 1 not in self.fused:  # input gradient now; the weight gradient waits for W
             users = [edge for edge, _ in saved["weight_users"]]
             wanted = ([x] if x is not None else []) + users
@@ -361,13 +373,13 @@ class PipelineRunner:
         else:  # the whole backward: a kind without W, or a B whose W follows it at once
             torch.autograd.backward(out, grad)
             input_grad = x.grad if x is not None else None
-            del self.saved[(a.microbatch, a.stage)]
+            del self.now.saved[(a.microbatch, a.stage)]
         if a.stage > 0:
             assert input_grad is not None  # the stage's input requires grad (_receive)
             self._send(input_grad, ("grad", a.microbatch, a.stage - 1))
 
     def _W(self, a: Action, k: int, received: None) -> None:
-        saved = self.saved.pop((a.microbatch, a.stage))
+        saved = self.now.saved.pop((a.microbatch, a.stage))
         for (edge, params), dy in zip(saved["weight_users"], saved["weight_grads"]):
             if dy is not None:  # only this module's own weights: the path from its output to them, nothing upstream
                 torch.autograd.backward(edge, dy, inputs=params)
@@ -419,20 +431,20 @@ class PipelineRunner:
     # ------------------------------------------------------------------ messages
     def _send(self, tensor: Tensor, key: tuple) -> None:
         kind, mb, stage = key
-        if tuple(tensor.shape) != tuple(self.act_shape) or tensor.dtype != self.act_dtype:
+        if tuple(tensor.shape) != tuple(self.now.act_shape) or tensor.dtype != self.now.act_dtype:
             raise RuntimeError(
                 f"pipeline stage {stage - 1 if kind == 'act' else stage + 1} produced {kind} of "
                 f"{tuple(tensor.shape)} {tensor.dtype} for microbatch {mb}; stage boundaries carry "
-                f"{tuple(self.act_shape)} {self.act_dtype}"
+                f"{tuple(self.now.act_shape)} {self.now.act_dtype}"
             )
         to = self.rank_of_stage(stage)
         if to == self.me:
-            self.local[key] = tensor.detach()
+            self.now.local[key] = tensor.detach()
             return
         if self.simulated is not None:
             self.simulated[0].post(self.me, to, key, tensor)
             return
-        self.outbox.append((dist.P2POp(dist.isend, tensor.contiguous(), self.peers[to], self.group), None))
+        self.now.outbox.append((dist.P2POp(dist.isend, tensor.contiguous(), self.peers[to], self.group), None))
 
     def _queue_receive_for(self, a: Action) -> None:
         key = self._input_key(a)
@@ -452,118 +464,78 @@ class PipelineRunner:
     def _queue_receives_up_to(self, key: tuple) -> None:
         """Queue receives from the key's sender, in its send order, up to and including `key`."""
         peer = self._sender(key)
-        queued = {k for _, k in self.outbox}
-        if key in self.posted or key in queued:
+        queued = {k for _, k in self.now.outbox}
+        if key in self.now.posted or key in queued:
             return
         queue = self.incoming[peer]
         while True:
-            nxt = queue[self.next_to_post[peer]]
-            self.next_to_post[peer] += 1
-            buffer = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-            self.outbox.append((dist.P2POp(dist.irecv, buffer, self.peers[peer], self.group), nxt))
+            nxt = queue[self.now.next_to_post[peer]]
+            self.now.next_to_post[peer] += 1
+            buffer = torch.empty(self.now.act_shape, dtype=self.now.act_dtype, device=self.device)
+            self.now.outbox.append((dist.P2POp(dist.irecv, buffer, self.peers[peer], self.group), nxt))
             if nxt == key:
                 return
 
     def _flush(self) -> None:
         """Issue the queued sends and receives as one batch (on NCCL one group: sends and receives of
         neighbouring ranks cannot block each other)."""
-        if not self.outbox:
+        if not self.now.outbox:
             return
-        ops = [op for op, _ in self.outbox]
+        ops = [op for op, _ in self.now.outbox]
         with collective("send/recv (post)", "pp", self.group):
             works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # backends that return one work for the batch: wait on it for all
             works = [works[-1]] * len(ops)
-        for (op, key), work in zip(self.outbox, works):
+        for (op, key), work in zip(self.now.outbox, works):
             if key is None:
-                self.sends.append((work, op.tensor))  # the tensor must live until the send completes
+                self.now.sends.append((work, op.tensor))  # the tensor must live until the send completes
             else:
-                self.posted[key] = (op.tensor, work)
-        self.outbox.clear()
+                self.now.posted[key] = (op.tensor, work)
+        self.now.outbox.clear()
 
     def _receive(self, key: tuple) -> Tensor:
-        if key in self.local:
-            tensor = self.local.pop(key)
+        if key in self.now.local:
+            tensor = self.now.local.pop(key)
         elif self.simulated is not None:
             waiting = time.perf_counter()
             tensor = self.simulated[0].take(self.me, key)
-            self.waited += time.perf_counter() - waiting
+            self.now.waited += time.perf_counter() - waiting
         else:
-            if key not in self.posted:
+            if key not in self.now.posted:
                 self._queue_receives_up_to(key)
                 self._flush()
-            tensor, work = self.posted.pop(key)
+            tensor, work = self.now.posted.pop(key)
             kind, mb, stage = key
             waiting = time.perf_counter()
             with collective(f"recv {kind} of microbatch {mb} for stage {stage}", "pp", self.group):
                 work.wait(self.timeout)
-            self.waited += time.perf_counter() - waiting
+            self.now.waited += time.perf_counter() - waiting
         return tensor.requires_grad_() if key[0] == "act" else tensor
+
+
+@dataclass
+class PipelineStep:
+    """One forward_backward's state, made fresh for each step: its microbatches (data), their positions and
+    the loss scale, the activations' shape and dtype between stages, the messages in flight, the saved
+    activations of the F's whose B (or W) has not run, and what the step measured."""
+
+    data: Sequence[Microbatch]
+    positions: list[Tensor]
+    scale: float
+    act_shape: tuple[int, ...]
+    act_dtype: torch.dtype
+    loss: Tensor  # the last stage's loss sum over valid targets
+    posted: dict[tuple, tuple[Tensor, dist.Work]] = field(default_factory=dict)  # receives issued, by message
+    next_to_post: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # per peer: messages posted
+    local: dict[tuple, Tensor] = field(default_factory=dict)  # messages between two stages of this rank
+    outbox: list[tuple[dist.P2POp, tuple | None]] = field(default_factory=list)  # (op, key of a receive) to issue
+    sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)  # sends issued, with the tensors they read
+    saved: dict[tuple[int, int], dict] = field(default_factory=dict)  # (microbatch, stage) -> F's activations
+    peak_in_flight: int = 0  # the most microbatch-stages whose activations this rank held at once
+    trace: list[tuple[float, float, Action]] = field(default_factory=list)  # with record_trace on
+    waited: float = 0.0  # seconds waited for messages since the last action ended
 
 
 def _wait(work: dist.Work | None, timeout: timedelta) -> None:
     assert work is not None, "this rank is in the pp group"  # torch returns None to ranks outside the group
     work.wait(timeout)
-
-
-def _set_gradient_sync(part: nn.Module, last: bool) -> None:
-    if isinstance(part, FSDPModule):  # FSDP2: reduce once per step, keep gathered until then
-        part.set_requires_gradient_sync(last)
-        part.set_reshard_after_backward(last)
-
-
-def _reduce_gradients_now(part: nn.Module) -> None:
-    """FSDP2's post-backward for every unit of `part`, run by hand (torch.distributed.pipelining's
-    REDUCE_GRAD does the same): the split schedules compute weight gradients in W passes that FSDP2's
-    autograd hooks never see, so each unit's gradients (accumulated unsharded, with sync off) are reduced
-    here, after the last W, and the units resharded."""
-    if not isinstance(part, FSDPModule):
-        return
-    part.set_requires_gradient_sync(True)
-    part.set_reshard_after_backward(True)
-    if hasattr(part, "set_is_last_backward"):  # not in every torch this runs on
-        part.set_is_last_backward(True)
-    state = part._get_fsdp_state()
-    for unit in state._state_ctx.all_states:
-        groups = getattr(unit, "_fsdp_param_groups", None)  # torch 2.13; 2.11 holds one group
-        if groups is None:
-            groups = [g for g in [getattr(unit, "_fsdp_param_group", None)] if g is not None]
-        for group in groups:
-            group.post_backward()
-    state._root_post_backward_final_callback()
-
-
-class _capture_weight_users:
-    """Record where the output of every module that owns parameters enters the autograd graph, during one
-    forward: B asks for the gradient there and W runs the backward from it to that module's own weights
-    only (ZB's weight-gradient pass). The gradient edge, not the output tensor: holding a tensor that no
-    backward saves (the attention and MLP outputs, added to the residual) would keep it alive from F to W,
-    and an in-place op on it later would move its grad_fn. A module returning a tuple (the fused loss head:
-    loss sum, count) is recorded by its first tensor."""
-
-    def __init__(self, part: nn.Module, out: list[tuple[GradientEdge, list[nn.Parameter]]]):
-        self.modules = [m for m in part.modules() if any(True for _ in m.parameters(recurse=False))]
-        self.out = out
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    def _hook(self, module: nn.Module, args, output) -> None:
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if isinstance(output, tuple):
-            output = next((o for o in output if isinstance(o, Tensor)), None)
-        if isinstance(output, Tensor) and output.requires_grad and params:
-            self.out.append((get_gradient_edge(output), params))
-
-    def __enter__(self):
-        self.handles = [m.register_forward_hook(self._hook) for m in self.modules]
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None

@@ -15,14 +15,12 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from tessera.metrics.dtype_probe import NOT_MEASURED, MatmulDtypes
-from tessera.metrics.memtrack import LiveTensorBytes
+from tessera.metrics.dtype_probe import NOT_MEASURED
 from tessera.metrics.kernel_kinds import CLIP_RANGE, OPTIMIZER_RANGE
-from tessera.metrics.step_profile import ProfiledStep
 from tessera.data.corpus import TokenStream
 from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
@@ -31,9 +29,8 @@ from tessera.checkpointing import checkpoint
 from tessera.parallel.clip import clip_coefficient, global_grad_norm, scale_gradients_
 from tessera.parallel.offload import offload_report
 from tessera.parallel.pipeline_simulated import this_rank
-from tessera.parallel.comm import WAIT_SECONDS, CollectiveTimeout, collective, is_timeout, stalled_collective
-from tessera.parallel.comm_stats import CommCounter
-from tessera.parallel.fsdp import PRECISIONS, layout_for_strategy
+from tessera.parallel.comm import CollectiveTimeout, collective, is_timeout, stalled_collective
+from tessera.parallel.fsdp import PRECISIONS
 from tessera.parallel.expert import expert_load, load_report, update_biases
 from tessera.parallel.fault_tolerance import ReplicaSync, gradient_shards, weights_bits
 from tessera.parallel.fp8 import clear_float8_scales, float8_gathered_weights, precompute_float8_scales
@@ -56,6 +53,7 @@ from .replicas import NothingToRejoin, drill, is_replacement, rejoin_step, repli
 from tessera.data.batches import split_microbatches
 
 from .runners import LocalRunner, forward_only
+from .step_measures import StepMeasures, no_mark
 from .step_result import Progress, StepResult, peak_memory_bytes  # noqa: F401  (public here before the split)
 from .straggler import StragglerWatch
 
@@ -69,8 +67,26 @@ def _params_of(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _no_mark(phase: str) -> None:
-    """Trainer._mark outside a profiled step: the phases are measured only under --profile-summary."""
+@contextlib.contextmanager
+def stalls_named(layout: Any, rank: int, step: int) -> Iterator[None]:
+    """A collective that runs past --timeout inside the block: CollectiveTimeout naming this rank and the step
+    (and, for tessera's own collectives, the axis and the operation; for torch's, which it may be)."""
+    try:
+        yield
+    except CollectiveTimeout as e:
+        named = str(e).replace(f"rank {rank} stalled in", f"rank {rank} stalled at training step {step} in", 1)
+        raise CollectiveTimeout(named) from e
+    except RuntimeError as e:
+        if not is_timeout(e):
+            raise
+        where = stalled_collective(e, layout, rank) or (
+            "a collective that torch issued (an FSDP2 all-gather or reduce-scatter over the data axes, a "
+            "DTensor redistribution, or with --compile a tp or cp collective inside a compiled block's graph)"
+        )
+        raise CollectiveTimeout(
+            f"rank {rank} stalled at training step {step} in {where}: a peer never joined; "
+            f"look for a rank that raised, exited or froze. Underlying error: {e}"
+        ) from e
 
 
 def current_device() -> torch.device:
@@ -97,7 +113,8 @@ class Trainer:
         another in a process (a sweep over configs); by default each Trainer builds its own."""
         self.config = config
         self.device = device or current_device()
-        self._mark: Callable[[str], None] = _no_mark  # a phase of the step ends (--profile-summary's memory)
+        # a phase of the step ends (--profile-summary's memory; StepMeasures sets it for a profiled step)
+        self.phase_mark: Callable[[str], None] = no_mark
         self.layout = config.layout
         self.meshes = Meshes(self.layout, self.device.type, mesh=mesh, timeout=config.runtime.timeout)
         self.rank = this_rank(dist.get_rank)  # a simulated pipeline: its stage's first rank
@@ -241,79 +258,19 @@ class Trainer:
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def train_step(self, on_grads: Callable[[list[nn.Module]], None] | None = None) -> StepResult:
-        """One optimizer step. `on_grads(parts)` runs after backward, before clipping (tests read grads).
-        A collective that runs past --timeout raises CollectiveTimeout naming this rank and the step (and,
-        for tessera's own collectives, the axis and the operation)."""
+        """One optimizer step, inside the measuring modes it asks for (StepMeasures). `on_grads(parts)` runs
+        after backward, before clipping (tests read grads). A collective that runs past --timeout raises
+        CollectiveTimeout naming this rank and the step (and, for tessera's own collectives, the axis and the
+        operation)."""
         step = self.progress.step + 1
-        try:
-            return self._measured_step(step, on_grads)
-        except CollectiveTimeout as e:
-            named = str(e).replace(
-                f"rank {self.rank} stalled in", f"rank {self.rank} stalled at training step {step} in", 1
-            )
-            raise CollectiveTimeout(named) from e
-        except RuntimeError as e:
-            if not is_timeout(e):
-                raise
-            where = stalled_collective(e, self.layout, self.rank) or (
-                "a collective that torch issued (an FSDP2 all-gather or reduce-scatter over the data axes, a "
-                "DTensor redistribution, or with --compile a tp or cp collective inside a compiled block's graph)"
-            )
-            raise CollectiveTimeout(
-                f"rank {self.rank} stalled at training step {step} in {where}: a peer never joined; "
-                f"look for a rank that raised, exited or froze. Underlying error: {e}"
-            ) from e
-
-    def _measured_step(self, step: int, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
-        """`_train_step`, inside the measuring modes this step asks for: --comm-stats (every step, or the
-        first) and --track-memory (step 2, once the optimizer state exists). Both can run together."""
-        runtime = self.config.runtime
-        counting = runtime.comm_stats == "every" or (runtime.comm_stats == "first" and step == 1)
-        tracking = runtime.track_memory and step == 2
-        profiling = runtime.profile_summary == step
-        report = self.dtype_report
-        probing = report is None  # rank 0's first step: what the matmuls ran in
-        if report is not None and not (counting or tracking or profiling):
-            result = self._train_step(on_grads)
-            result.compute_dtype = report["compute_dtype"]
-            return result
-        with contextlib.ExitStack() as modes:
-            if probing:
-                probe = modes.enter_context(MatmulDtypes())
-            if tracking:
-                tracker = modes.enter_context(LiveTensorBytes())
-                tracker.track_existing(self.parts, self.optimizer.optimizers)
-            if counting:
-                data_layout = layout_for_strategy(self.layout, self.config.parallel_config().data.strategy)
-                counter = modes.enter_context(CommCounter(data_layout, self.rank))
-            if profiling:  # innermost: the other modes' own work stays out of its figures
-                profiled = modes.enter_context(ProfiledStep(self.device, self.parts, self.optimizer.optimizers))
-                self._mark = profiled.mark
+        with stalls_named(self.layout, self.rank, step), StepMeasures(self, step) as measured:
             try:
-                result = self._train_step(on_grads)
+                measured.result = self._step(on_grads)
             finally:
-                self._mark = _no_mark
-        if report is None:
-            report = self.dtype_report = probe.report()
-        if self.config.parallel.compile:
-            # dynamo skips (and marks skipped for good) a frame first seen under a dispatch mode: forget
-            # that, so the blocks compile from the next step on
-            torch._dynamo.reset()
-        if probing:
-            result.matmul_flops_by_dtype = report["matmul_flops_by_dtype"]
-        result.compute_dtype = report["compute_dtype"]
-        if tracking:
-            result.peak_tensor_bytes = tracker.peak
-        if counting:
-            analytic = self.analytic_comm()
-            if self.optimizer.muon():  # Muon's gathers and scatters, by the matrices it plans
-                analytic["muon"] = comm_model.muon_bytes(
-                    [(p.numel(), plan.size) for o in self.optimizer.muon() for p, plan in o.plans.items()]
-                )
-            result.comm = {**counter.report(), "analytic_bytes_by_axis": analytic}
-        if profiling:
-            result.profile = profiled.summary()
-        return result
+                clear_float8_scales(
+                    self.float8_weights
+                )  # a forward outside a step (eval, generate) casts by its own amax
+        return measured.result
 
     def analytic_comm(self) -> dict[str, float]:
         """This rank's bytes per step by axis as topology.comm_model predicts them for this run."""
@@ -343,17 +300,6 @@ class Trainer:
         """--offload: what this rank holds in host memory, measured from its tensors (parallel/offload.py)."""
         return offload_report(self.config.parallel.offload, self.parts, self.optimizer.optimizers, self.device)
 
-    def _train_step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
-        waits: dict[str, float] = {}
-        token = WAIT_SECONDS.set(waits)
-        try:
-            result = self._train_step_inner(on_grads)
-        finally:
-            WAIT_SECONDS.reset(token)
-            clear_float8_scales(self.float8_weights)  # a forward outside a step (eval, generate) casts by its own amax
-        result.collective_wait_s = waits
-        return result
-
     def _forward_backward(self, on_grads: Callable[[list[nn.Module]], None] | None) -> tuple[Any, Tensor, Any]:
         """(the step's batch, its loss sum over this group's ranks, the replicate axis's ReplicaStep or None):
         the quorum (a group that is behind takes a peer's state there), the forward and backward, the loss over
@@ -378,10 +324,10 @@ class Trainer:
         step = self.batches.next_step(self.data)
         for part in self.parts if self.spec.moe else ():
             reset_counters(part)  # the MoE blocks' load counters: this step's only
-        precompute_float8_scales(self.float8_weights)  # cleared after the step (_train_step): never stale
+        precompute_float8_scales(self.float8_weights)  # cleared after the step (train_step): never stale
         loss_sum = self.runner.forward_backward(step.microbatches, step.valid)
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
-        self._mark("backward")
+        self.phase_mark("backward")
         if on_grads is not None:
             on_grads(self.parts)
         if self.meshes.pp is not None:  # only the last stage computed it: every rank reports the true loss
@@ -395,7 +341,7 @@ class Trainer:
             replica = self.replicas.reduce(loss_sum, step.valid, gradient_shards(self.parts))
         return step, loss_sum, replica
 
-    def _train_step_inner(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
+    def _step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         started = time.perf_counter()
         for attempt in range(MAX_REPLICA_RETRIES + 1):
             step, loss_sum, replica = self._forward_backward(on_grads)
@@ -410,20 +356,7 @@ class Trainer:
             loss_sum, valid = replica.loss_sum, int(replica.valid)
             global_tokens *= len(replica.replicas)
             replica.retries = attempt
-            left = sorted(set(self._replicas_before) - set(replica.replicas)) if replica.committed else []
-            if left and self.rank == 0:
-                print(
-                    f"tessera: step {self.progress.step + 1}: replica group(s) {left} left the quorum (died, or "
-                    f"stalled past --ft-timeout {self.config.ft.ft_timeout:g} s); "
-                    + (
-                        f"the step was taken again with {replica.replicas}"
-                        if attempt
-                        else f"it ran with {replica.replicas}"
-                    ),
-                    file=sys.stderr,
-                    flush=True,
-                )
-            self._replicas_before = replica.replicas if replica.committed else self._replicas_before
+            self._announce_quorum(replica, attempt)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         with record_function(CLIP_RANGE):
             grad_norm = global_grad_norm(self.norm_parameters(), Meshes.group(self.meshes.pp))
@@ -433,38 +366,8 @@ class Trainer:
                 [p for o in self.optimizer.optimizers if not self.optimizer.folds_scale(o) for p in _params_of(o)],
                 coef,
             )
-        self._mark("clip")
-        # one host sync: the loss and the norm are reduced over every rank, so all ranks decide alike
-        skipped = not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
-        skip_report = None
-        if replica is not None and not replica.committed and not skipped:  # a replica group failed mid-step
-            skipped = True
-            self.progress.skipped_steps += 1
-            skip_report = (
-                f"step {self.progress.step + 1}: the replica groups did not all commit (a group failed during "
-                f"it); its update was dropped on every group, its rows read by none"
-            )
-        elif skipped:
-            report = self._nonfinite_report(self.progress.step + 1, loss_sum / max(1, valid), grad_norm)
-            runtime = self.config.runtime
-            if runtime.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    report + "; stopped before the update (nothing poisoned was applied or saved); "
-                    "--on-nonfinite skip drops such steps instead"
-                )
-            limit = runtime.skip_limit
-            if self.progress.skipped_in_a_row >= limit:  # the run is not recovering: stop as `stop` does
-                raise NonFiniteError(
-                    f"{report}; stopped before the update after {self.progress.skipped_in_a_row} skipped steps in a "
-                    f"row (--max-skipped-steps {limit}): nothing poisoned was applied or saved; lower --lr, or allow "
-                    f"more with --max-skipped-steps N"
-                )
-            self.progress.skipped_steps += 1
-            self.progress.skipped_in_a_row += 1
-            skip_report = (
-                f"{report}; the step's update was skipped (--on-nonfinite skip: {self.progress.skipped_in_a_row} "
-                f"of at most {limit} in a row)"
-            )
+        self.phase_mark("clip")
+        skipped, skip_report = self._skip_decision(loss_sum, grad_norm, valid, replica)
         load = self._expert_load()
         if not skipped:
             self.progress.skipped_in_a_row = 0
@@ -472,7 +375,7 @@ class Trainer:
                 self.optimizer.step(grad_scale=coef.reciprocal())
             if load is not None and self.spec.moe:  # the auxiliary-loss-free bias follows the step it was measured in
                 update_biases(self.parts, self.spec.moe, load[0])
-        self._mark("optimizer")
+        self.phase_mark("optimizer")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         straggler = self.straggler_watch.observe(time.perf_counter() - started)
@@ -502,6 +405,58 @@ class Trainer:
                 "weights_bits": weights_bits(self.parts),
                 "ended_unix": time.time(),
             },
+        )
+
+    def _announce_quorum(self, replica: Any, attempt: int) -> None:
+        """Rank 0 says which replica groups left the quorum during a step, and how the step ran without them."""
+        left = sorted(set(self._replicas_before) - set(replica.replicas)) if replica.committed else []
+        if left and self.rank == 0:
+            print(
+                f"tessera: step {self.progress.step + 1}: replica group(s) {left} left the quorum (died, or "
+                f"stalled past --ft-timeout {self.config.ft.ft_timeout:g} s); "
+                + (
+                    f"the step was taken again with {replica.replicas}"
+                    if attempt
+                    else f"it ran with {replica.replicas}"
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
+        self._replicas_before = replica.replicas if replica.committed else self._replicas_before
+
+    def _skip_decision(self, loss_sum: Tensor, grad_norm: Tensor, valid: int, replica: Any) -> tuple[bool, str | None]:
+        """(whether the update is dropped, the line saying why): a non-finite loss or norm under
+        --on-nonfinite skip (stop raises, as does a run that keeps skipping), or a replica group that failed
+        during the step. One host sync: the loss and the norm are reduced over every rank, so all ranks
+        decide alike."""
+        skipped = not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        if replica is not None and not replica.committed and not skipped:  # a replica group failed mid-step
+            self.progress.skipped_steps += 1
+            return True, (
+                f"step {self.progress.step + 1}: the replica groups did not all commit (a group failed during "
+                f"it); its update was dropped on every group, its rows read by none"
+            )
+        if not skipped:
+            return False, None
+        report = self._nonfinite_report(self.progress.step + 1, loss_sum / max(1, valid), grad_norm)
+        runtime = self.config.runtime
+        if runtime.on_nonfinite == "stop":
+            raise NonFiniteError(
+                report + "; stopped before the update (nothing poisoned was applied or saved); "
+                "--on-nonfinite skip drops such steps instead"
+            )
+        limit = runtime.skip_limit
+        if self.progress.skipped_in_a_row >= limit:  # the run is not recovering: stop as `stop` does
+            raise NonFiniteError(
+                f"{report}; stopped before the update after {self.progress.skipped_in_a_row} skipped steps in a "
+                f"row (--max-skipped-steps {limit}): nothing poisoned was applied or saved; lower --lr, or allow "
+                f"more with --max-skipped-steps N"
+            )
+        self.progress.skipped_steps += 1
+        self.progress.skipped_in_a_row += 1
+        return True, (
+            f"{report}; the step's update was skipped (--on-nonfinite skip: {self.progress.skipped_in_a_row} "
+            f"of at most {limit} in a row)"
         )
 
     def _expert_load(self) -> tuple[Tensor, Tensor] | None:
