@@ -71,23 +71,26 @@ def whole_batch_checksum(inputs: Tensor, targets: Tensor) -> int:
     return int((tokens * weights).sum())
 
 
-class StepData:
-    """Turns a data stream's next global batch into this rank's microbatches (see the module docstring)."""
+@dataclass(frozen=True)
+class BatchShape:
+    """What a step reads: sequences of `seq_len` tokens, `global_batch` of them over every data-parallel rank,
+    each rank's share split into `microbatches`; `pack`: packed documents (positions restart at each)."""
 
-    def __init__(
-        self,
-        layout: Layout,
-        meshes: Meshes,
-        rank: int,
-        device: torch.device,
-        seq_len: int,
-        global_batch: int,
-        microbatches: int,
-        pack: bool,
-    ):
-        self.layout, self.meshes, self.device = layout, meshes, device
-        self.cp_index = layout.index("cp", rank)
-        self.seq_len, self.global_batch, self.microbatches, self.pack = seq_len, global_batch, microbatches, pack
+    seq_len: int
+    global_batch: int
+    microbatches: int
+    pack: bool = False
+
+
+class StepData:
+    """Turns a data stream's next global batch into this rank's microbatches (see the module docstring):
+    `meshes` say which rows and chunks are this rank's (`rank`'s coordinates in meshes.layout)."""
+
+    def __init__(self, meshes: Meshes, rank: int, device: torch.device, shape: BatchShape):
+        self.layout, self.meshes, self.device, self.shape = meshes.layout, meshes, device, shape
+        self.cp_index = self.layout.index("cp", rank)
+        self.seq_len, self.global_batch = shape.seq_len, shape.global_batch
+        self.microbatches, self.pack = shape.microbatches, shape.pack
 
     def positions_of(self, inputs: Tensor) -> Tensor | None:
         """The global positions of this rank's tokens `inputs` (rows, S / cp): its zigzag chunks under

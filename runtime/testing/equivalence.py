@@ -29,7 +29,7 @@ from tessera.launching.launch import run_ranks
 from tessera.parallel.loss import CrossEntropySum, count_valid
 from tessera.parallel.pipeline import PipelineConfig
 from tessera.topology import Layout, Meshes
-from tessera.data.batches import StepData
+from tessera.data.batches import BatchShape, StepData
 from tessera.training.parts import build_parts
 from tessera.training.preflight import check_document_masking
 from tessera.training.run import train
@@ -119,16 +119,8 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
         pipeline=PipelineConfig(schedule=spec.schedule, microbatches=spec.microbatches),
     )
     inputs, targets = spec.batch[:2]
-    data = StepData(
-        layout,
-        meshes,
-        rank,
-        torch.device("cpu"),
-        inputs.shape[1],
-        inputs.shape[0],
-        spec.microbatches,
-        pack=len(spec.batch) > 2,
-    )
+    shape = BatchShape(inputs.shape[1], inputs.shape[0], spec.microbatches, pack=len(spec.batch) > 2)
+    data = StepData(meshes, rank, torch.device("cpu"), shape)
     loss_fn = CrossEntropySum(model_config.vocab_size, meshes.tp)
     built = build_parts(
         spec.model_spec,
@@ -136,10 +128,9 @@ def train_spec_on_layout(spec: RunSpec) -> dict[str, Any] | None:
         meshes,
         parallel,
         torch.device("cpu"),
-        spec.seed,
-        spec.microbatches,
-        loss_fn,
-        data.positions_of,
+        seed=spec.seed,
+        loss_fn=loss_fn,
+        positions=data.positions_of,
         global_rows=spec.batch[0].shape[0],
     )
     params = [p for part in built.parts for p in part.parameters()]

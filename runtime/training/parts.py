@@ -1,7 +1,7 @@
 """This rank's parts of a spec'd model and the runner that steps them: what the Trainer and the equivalence
 runner (tessera.testing) both build, so users' models and tessera's families go through one path.
 
-    build_parts(spec, model_config, meshes, parallel, ...) -> Parts(parts, runner, tied)
+    build_parts(spec, model_config, meshes, parallel, device, seed=, loss_fn=, positions=) -> Parts(parts, runner, tied)
 
 Without pp: the whole model, built on the meta device, parallelized, materialized, and a LocalRunner.
 With pp: only this rank's stage(s) (parallel/pipeline.py's build_stage by the spec's split), each
@@ -41,16 +41,17 @@ def build_parts(
     meshes: Meshes,
     parallel: Any,
     device: torch.device,
+    *,
     seed: int,
-    microbatches: int,
     loss_fn: Callable,
     positions: Callable[[Tensor], Tensor | None],
-    timeout: float = 600.0,
     global_rows: int | None = None,
 ) -> Parts:
-    """This rank's parts of `spec`'s model for `model_config`, parallelized by `parallel` (a ParallelConfig)
-    on `meshes` and initialized from `seed` (the one-process values, shard by shard). `global_rows`: the
-    global batch's sequences, which an MoE block's auxiliary loss is the mean over (models/moe.py)."""
+    """This rank's parts of `spec`'s model for `model_config`, parallelized by `parallel` (a ParallelConfig: its
+    pipeline's schedule, virtual stages and microbatches, its timeout) on `meshes` and initialized from `seed`
+    (the one-process values, shard by shard). `global_rows`: the global batch's sequences, which an MoE
+    block's auxiliary loss is the mean over (models/moe.py)."""
+    timeout = parallel.timeout if parallel.timeout is not None else 600.0  # None: the process group's default
     layout = meshes.layout
     rank = this_rank(torch.distributed.get_rank)  # a simulated pipeline: its stage's first rank
     # --offload params: FSDP2 wants its offloaded shards materialized on the host; the buffers go to `device`
@@ -96,7 +97,7 @@ def build_parts(
         stages,
         parallel.pipeline.schedule,
         Meshes.group(meshes.pp),
-        microbatches,
+        parallel.pipeline.microbatches,
         virtual,
         loss_fn,
         activation,

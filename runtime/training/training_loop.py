@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from tessera.data.batches import StepData
+from tessera.data.batches import BatchShape, StepData
 from .run_config import Config
 from .optim import PartOptimizers, PartSchedulers, build_adamw, build_muon, lr_lambda
 from .data_sources import open_data
@@ -122,27 +122,17 @@ class Trainer:
         self.spec = spec_of(self.model_config)
         self.loss_fn = CrossEntropySum(self.model_config.vocab_size, self.meshes.tp)
         d = config.data
-        self.batches = StepData(
-            self.layout,
-            self.meshes,
-            self.rank,
-            self.device,
-            d.seq_len,
-            d.global_batch,
-            config.microbatches,
-            d.pack_documents,
-        )
+        shape = BatchShape(d.seq_len, d.global_batch, config.microbatches, d.pack_documents)
+        self.batches = StepData(self.meshes, self.rank, self.device, shape)
         built = build_parts(
             self.spec,
             self.model_config,
             self.meshes,
             config.parallel_config(),
             self.device,
-            config.runtime.seed,
-            config.microbatches,
-            self.loss_fn,
-            self.batches.positions_of,
-            timeout=config.runtime.timeout,
+            seed=config.runtime.seed,
+            loss_fn=self.loss_fn,
+            positions=self.batches.positions_of,
             global_rows=config.data.global_batch,
         )
         self.parts, self.runner, self.tied = built.parts, built.runner, built.tied
@@ -283,12 +273,12 @@ class Trainer:
             c.data.global_batch,
             c.microbatches,
             p.sequence_parallel,
-            p.data.strategy,
-            p.pipeline.virtual,
-            p.data.activation_checkpointing,
-            p.cp_method,
-            self.rank,
-            p.pipeline.layers_per_stage,
+            strategy=p.data.strategy,
+            virtual=p.pipeline.virtual,
+            ac=p.data.activation_checkpointing,
+            cp_method=p.cp_method,
+            rank=self.rank,
+            layers_per_stage=p.pipeline.layers_per_stage,
             act_bytes=act,
             param_bytes=act,
             reduce_bytes=4,

@@ -187,6 +187,7 @@ def comm_bytes_per_step(
     global_batch: int,
     microbatches: int = 1,
     sequence_parallel: bool = False,
+    *,
     strategy: str = "FULL_SHARD",
     virtual: int = 1,
     ac: str = "none",
