@@ -31,6 +31,7 @@ the merge live in zigzag.py, all-gather attention in context_allgather.py; both 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, overload
 
@@ -41,6 +42,7 @@ from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.kernels import apply_sinks, document_ids, flash_attention, flash_attention_backward
+from tessera.kernels.attention_mask import AttentionMask
 from tessera.kernels.checks import check_sinks, check_window
 from tessera.models.spec import spec_of
 
@@ -119,6 +121,21 @@ class _RingPass:
 Block = tuple[slice, slice, bool, "int | None"]  # (query rows, key rows, causal, q_offset: None is bottom-right)
 
 
+@dataclass(frozen=True)
+class RingMask:
+    """The ring's attention mask as one value: a sliding `window` (tokens) and packed documents, `docs` this
+    rank's tokens' ids and `all_docs` every cp rank's (both or neither); `at(src)`: the mask of the step that
+    reads rank `src`'s K/V, which each block slices (AttentionMask.block)."""
+
+    window: int | None = None
+    docs: Tensor | None = None
+    all_docs: Tensor | None = None
+
+    def at(self, src: int) -> AttentionMask:
+        keys = None if self.all_docs is None else self.all_docs[src]
+        return AttentionMask(self.docs, keys, self.window)
+
+
 def _window_blocks(step: int, rank: int, size: int, local: int, window: int) -> list[Block]:
     """A sliding window's blocks at `step`: one per (query chunk, key chunk) pair of this rank's two zigzag
     chunks and rank - step's, placed at their true positions (q_offset), and only those some query's window
@@ -182,10 +199,11 @@ def _block_inputs(t: Tensor, acc: torch.dtype) -> Tensor:
     return t if t.is_cuda else t.to(acc)
 
 
-def _forward_blocks(qb, kv, k, v, acc, blocks, out, lse, scale, window, docs, all_docs, src) -> None:
+def _forward_blocks(qb, kv, k, v, acc, blocks, out, lse, scale, mask: RingMask, src) -> None:
     """One ring step of the forward: this rank's `blocks` against the K/V `kv` of rank `src`, merged into
     (out, lse) in place."""
     k_s, v_s = (_block_inputs(t, acc) for t in unpack(kv, k.shape, v.shape))
+    step_mask = mask.at(src)
     for rows, cols, block_causal, q_offset in blocks:
         o_b, lse_b = flash_attention(
             qb[:, :, rows],
@@ -194,17 +212,16 @@ def _forward_blocks(qb, kv, k, v, acc, blocks, out, lse, scale, window, docs, al
             causal=block_causal,
             scale=scale,
             return_lse=True,
-            window=window,
-            q_offset=q_offset,
-            **_block_docs(docs, all_docs, rows, cols, src),
+            **step_mask.block(rows, cols, q_offset).kwargs(),
         )
         out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
 
 
-def _backward_blocks(doutb, qb, outb, lse, dlse, kv, k, v, acc, blocks, dq, scale, window, docs, all_docs, src):
+def _backward_blocks(doutb, qb, outb, lse, dlse, kv, k, v, acc, blocks, dq, scale, mask: RingMask, src):
     """One ring step of the backward: dq of this rank's `blocks` against rank `src`'s K/V added in place;
     returns the step's (key rows, dk, dv) shares for src's accumulator."""
     k_s, v_s = (_block_inputs(t, acc) for t in unpack(kv, k.shape, v.shape))
+    step_mask = mask.at(src)
     shares = []
     for rows, cols, block_causal, q_offset in blocks:
         dq_b, dk_b, dv_b = flash_attention_backward(
@@ -217,9 +234,7 @@ def _backward_blocks(doutb, qb, outb, lse, dlse, kv, k, v, acc, blocks, dq, scal
             None if dlse is None else dlse[:, :, rows],
             causal=block_causal,
             scale=scale,
-            window=window,
-            q_offset=q_offset,
-            **_block_docs(docs, all_docs, rows, cols, src),
+            **step_mask.block(rows, cols, q_offset).kwargs(),
         )
         dq[:, :, rows] += dq_b.to(acc)
         shares.append((cols, dk_b, dv_b))
@@ -244,7 +259,7 @@ def _ring_kvs(kv: Tensor, group: dist.ProcessGroup, size: int, what: str, timeou
             kv = ring.wait()
 
 
-def _ring_forward(q, k, v, kvs, position, size, plan, scale, window, docs, all_docs):
+def _ring_forward(q, k, v, kvs, position, size, plan, scale, mask: RingMask):
     """(out, lse) of one rank's queries over the ring; `kvs` yields each step's K/V (rank position - step's)."""
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merges (fp64 stays fp64)
     out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
@@ -252,7 +267,7 @@ def _ring_forward(q, k, v, kvs, position, size, plan, scale, window, docs, all_d
     qb = _block_inputs(q, acc)
     for step, kv in enumerate(kvs):
         src = (position - step) % size
-        _forward_blocks(qb, kv, k, v, acc, plan[step], out, lse, scale, window, docs, all_docs, src)
+        _forward_blocks(qb, kv, k, v, acc, plan[step], out, lse, scale, mask, src)
     return out.to(q.dtype), lse
 
 
@@ -268,48 +283,46 @@ class _RingAttention(Function):
     simulated world, where context_simulated.py runs every rank of every cp group here)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, timeout, plans, window, docs=None, all_docs=None):
+    def forward(ctx, q, k, v, group, scale, timeout, plans, mask: RingMask):
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None: the kernels' faster path
         if simulated_world() is not None:
 
             def rank_forward(i, size, q_r, k_r, v_r, kvs):  # step t's K/V: position i - t's, unchanged
                 steps = (kvs[(i - step) % size] for step in range(size))
-                return _ring_forward(q_r, k_r, v_r, steps, i, size, plans[i], scale, window, None, None)
+                return _ring_forward(q_r, k_r, v_r, steps, i, size, plans[i], scale, mask)
 
             out, lse = simulated_ring_forward(q, k, v, group, rank_forward)
         else:
             rank, size = dist.get_rank(group), dist.get_world_size(group)
             kvs = _ring_kvs(pack(k, v), group, size, "K/V", timeout)  # one message a step; kv heads, never repeated
-            out, lse = _ring_forward(q, k, v, kvs, rank, size, plans[rank], scale, window, docs, all_docs)
-        ctx.save_for_backward(q, k, v, out, lse, docs, all_docs)
-        ctx.group, ctx.scale, ctx.timeout, ctx.plans, ctx.window = group, scale, timeout, plans, window
+            out, lse = _ring_forward(q, k, v, kvs, rank, size, plans[rank], scale, mask)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.timeout, ctx.plans, ctx.mask = group, scale, timeout, plans, mask
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, docs, all_docs = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
-        scale, plans, window = ctx.scale, ctx.plans, ctx.window
+        scale, plans, mask = ctx.scale, ctx.plans, ctx.mask
         if simulated_world() is None:
-            dq, dk, dv = _ring_backward(
-                q, k, v, out, lse, dout, dlse, ctx.group, scale, ctx.timeout, plans, window, docs, all_docs
-            )
-            return dq, dk, dv, None, None, None, None, None, None, None
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, dlse, ctx.group, scale, ctx.timeout, plans, mask)
+            return dq, dk, dv, None, None, None, None, None
 
         def rank_shares(i, size, q_r, k_r, v_r, out_r, lse_r, dout_r, dlse_r, kvs):
             acc, dq, qb, outb, doutb = _backward_state(q_r, out_r, dout_r)
             shares = []  # by step; context_simulated.py sums them in the ring's order of holders
             for step, blocks in enumerate(plans[i]):
                 src = (i - step) % size
-                args = (doutb, qb, outb, lse_r, dlse_r, kvs[src], k_r, v_r, acc, blocks, dq, scale, window)
-                shares.append(_backward_blocks(*args, None, None, src))
+                args = (doutb, qb, outb, lse_r, dlse_r, kvs[src], k_r, v_r, acc, blocks, dq, scale, mask)
+                shares.append(_backward_blocks(*args, src))
             return dq.to(q_r.dtype), shares
 
         dq, dk, dv = simulated_ring_backward(q, k, v, out, lse, dout, dlse, ctx.group, rank_shares, _add_shares)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _ring_backward(q, k, v, out, lse, dout, dlse, group, scale, timeout, plans, window, docs, all_docs):
+def _ring_backward(q, k, v, out, lse, dout, dlse, group, scale, timeout, plans, mask: RingMask):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     plan = plans[rank]
     acc, dq, qb, outb, doutb = _backward_state(q, out, dout)
@@ -318,9 +331,7 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, group, scale, timeout, plans, 
     dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
     for step, kv in enumerate(_ring_kvs(kv, group, size, "K/V (backward)", timeout)):
         src = (rank - step) % size
-        shares = _backward_blocks(
-            doutb, qb, outb, lse, dlse, kv, k, v, acc, plan[step], dq, scale, window, docs, all_docs, src
-        )
+        shares = _backward_blocks(doutb, qb, outb, lse, dlse, kv, k, v, acc, plan[step], dq, scale, mask, src)
         # the dk/dv of the block held now: what the ranks before added, plus this rank's share
         if dkv_pass is not None:
             dkv = dkv_pass.wait()
@@ -331,15 +342,6 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, group, scale, timeout, plans, 
         dkv = dkv_pass.wait()
     dk, dv = unpack(dkv, k.shape, v.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _block_docs(docs: Tensor | None, all_docs: Tensor | None, rows: slice, cols: slice, src: int) -> dict:
-    """The document ids of one block's queries (this rank's `rows`) and keys (rank `src`'s `cols`)."""
-    if docs is None and all_docs is None:
-        return {}
-    if docs is None or all_docs is None:
-        raise ValueError("a block's document ids need this rank's and every rank's (or neither)")
-    return {"q_docs": docs[:, rows], "k_docs": all_docs[src][:, cols]}
 
 
 @overload
@@ -430,8 +432,9 @@ def ring_attention(
         plan = plans[0 if simulated else rank]  # simulated: position 0's counts stand for the group's
         stats["ring_steps"] = stats.get("ring_steps", 0) + len(plan)
         stats["ring_steps_skipped"] = stats.get("ring_steps_skipped", 0) + sum(not blocks for blocks in plan)
+    mask = RingMask(window, docs, all_docs)
     out, lse = _RingAttention.apply(
-        q, k, v, group, scale, None if timeout is None else timedelta(seconds=timeout), plans, window, docs, all_docs
+        q, k, v, group, scale, None if timeout is None else timedelta(seconds=timeout), plans, mask
     )
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)

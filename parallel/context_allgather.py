@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from tessera.kernels import apply_sinks, flash_attention, flash_attention_backward
+from tessera.kernels.attention_mask import AttentionMask
 from tessera.kernels.checks import check_sinks, check_window
 
 from .comm import collective
@@ -41,13 +42,15 @@ def _allgather_blocks(
     return blocks
 
 
-def _rank_forward(q, full_k, full_v, rank, size, causal, scale, window, docs, full_docs):
-    """(out, lse, blocks) of the rank at cp position `rank` of `size`: its queries over the gathered K/V."""
+def _rank_forward(q, full_k, full_v, rank, size, causal, scale, mask: AttentionMask):
+    """(out, lse, blocks) of the rank at cp position `rank` of `size`: its queries over the gathered K/V, under
+    `mask` (its queries' and the gathered keys' document ids, the window)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros((*q.shape[:3], full_v.shape[-1]), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full_k.shape[SEQ_DIM], window)
-    if docs is not None:  # blocks whose queries share no document with their keys are skipped
+    blocks = _allgather_blocks(rank, size, causal, q.shape[SEQ_DIM], full_k.shape[SEQ_DIM], mask.window)
+    docs, full_docs = mask.q_docs, mask.k_docs
+    if docs is not None and full_docs is not None:  # blocks whose queries share no document with their keys: skipped
         meets = torch.stack([documents_meet(docs[:, rows], full_docs[:, cols]) for rows, cols, _ in blocks]).tolist()
         blocks = [block for block, meet in zip(blocks, meets) if meet]
     for rows, cols, block_causal in blocks:
@@ -58,14 +61,13 @@ def _rank_forward(q, full_k, full_v, rank, size, causal, scale, window, docs, fu
             causal=block_causal,
             scale=scale,
             return_lse=True,
-            window=window,
-            **_gathered_docs(docs, full_docs, rows, cols),
+            **mask.block(rows, cols).kwargs(),
         )
         out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
     return out.to(q.dtype), lse, blocks
 
 
-def _rank_backward(q, full_k, full_v, out, lse, dout, dlse, blocks, size, scale, window, docs, full_docs):
+def _rank_backward(q, full_k, full_v, out, lse, dout, dlse, blocks, size, scale, mask: AttentionMask):
     """(dq, every cp rank's packed zigzag share of this rank's dK/dV, in rank order): what its reduce-scatter
     sends (in fp32)."""
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -83,8 +85,7 @@ def _rank_backward(q, full_k, full_v, out, lse, dout, dlse, blocks, size, scale,
             None if dlse is None else dlse[:, :, rows],
             causal=block_causal,
             scale=scale,
-            window=window,
-            **_gathered_docs(docs, full_docs, rows, cols),
+            **mask.block(rows, cols).kwargs(),
         )
         dq[:, :, rows] += dq_b.to(acc)
         dfull_k[:, :, cols] += dk_b.to(acc)
@@ -107,14 +108,14 @@ def _local_kv(mine: Tensor, full_k: Tensor, full_v: Tensor, local: int) -> tuple
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, window=None, docs=None, full_docs=None):
+    def forward(ctx, q, k, v, group, causal, scale, mask: AttentionMask):
         ctx.set_materialize_grads(False)
-        ctx.group, ctx.scale, ctx.window, ctx.causal = group, scale, window, causal
+        ctx.group, ctx.scale, ctx.mask, ctx.causal = group, scale, mask, causal
         ctx.simulated = simulated_world() is not None
         if ctx.simulated:  # every rank of every cp group here, each over its group's gathered K/V
-            if docs is not None:
+            if mask.q_docs is not None:
                 raise ValueError(SIMULATED_DOCUMENTS)
-            out, lse = simulated_allgather_forward(q, k, v, group, causal, scale, window, _rank_forward)
+            out, lse = simulated_allgather_forward(q, k, v, group, causal, scale, mask, _rank_forward)
             ctx.save_for_backward(q, k, v, out, lse)
             return out, lse
         rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -125,8 +126,8 @@ class _AllGatherAttention(Function):
         shards = [unpack(part, k.shape, v.shape) for part in gathered.view(size, -1).unbind(0)]
         full_k = zigzag_unshard([ks for ks, _ in shards], dim=SEQ_DIM)  # sequence order
         full_v = zigzag_unshard([vs for _, vs in shards], dim=SEQ_DIM)
-        out, lse, ctx.blocks = _rank_forward(q, full_k, full_v, rank, size, causal, scale, window, docs, full_docs)
-        ctx.save_for_backward(q, full_k, full_v, out, lse, docs, full_docs)
+        out, lse, ctx.blocks = _rank_forward(q, full_k, full_v, rank, size, causal, scale, mask)
+        ctx.save_for_backward(q, full_k, full_v, out, lse)
         return out, lse
 
     @staticmethod
@@ -134,31 +135,21 @@ class _AllGatherAttention(Function):
         if ctx.simulated:
             q, k, v, out, lse = ctx.saved_tensors
             dout = torch.zeros_like(out) if dout is None else dout
-            rank_args = (ctx.causal, ctx.scale, ctx.window)
+            rank_args = (ctx.causal, ctx.scale, ctx.mask)
             dq, dk, dv = simulated_allgather_backward(
                 q, k, v, out, lse, dout, dlse, ctx.group, rank_args, _allgather_blocks, _rank_backward, _local_kv
             )
-            return dq, dk, dv, None, None, None, None, None, None
-        q, full_k, full_v, out, lse, docs, full_docs = ctx.saved_tensors
+            return dq, dk, dv, None, None, None, None
+        q, full_k, full_v, out, lse = ctx.saved_tensors
         group, size = ctx.group, dist.get_world_size(ctx.group)
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, shares = _rank_backward(
-            q, full_k, full_v, out, lse, dout, dlse, ctx.blocks, size, ctx.scale, ctx.window, docs, full_docs
-        )
+        dq, shares = _rank_backward(q, full_k, full_v, out, lse, dout, dlse, ctx.blocks, size, ctx.scale, ctx.mask)
         # every rank's zigzag share of dK/dV, summed over the ranks onto its owner (in fp32)
         mine = shares.new_empty(shares.shape[0] // size)
         with collective("reduce_scatter (dK/dV)", "cp", group):
             _reduce_scatter_flat(mine, shares, group=group)
         dk, dv = _local_kv(mine, full_k, full_v, q.shape[SEQ_DIM])
-        return dq, dk.to(full_k.dtype), dv.to(full_v.dtype), None, None, None, None, None, None
-
-
-def _gathered_docs(docs: Tensor | None, full_docs: Tensor | None, rows: slice, cols: slice) -> dict:
-    if docs is None and full_docs is None:
-        return {}
-    if docs is None or full_docs is None:
-        raise ValueError("a block's document ids need this rank's and the gathered ones (or neither)")
-    return {"q_docs": docs[:, rows], "k_docs": full_docs[:, cols]}
+        return dq, dk.to(full_k.dtype), dv.to(full_v.dtype), None, None, None, None
 
 
 @overload
@@ -224,7 +215,8 @@ def allgather_attention(
     if docs is not None:
         gathered = gather_documents(docs, group)
         full_docs = zigzag_unshard(list(gathered.unbind(0)), dim=1)  # sequence order
-    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale, window, docs, full_docs)
+    mask = AttentionMask(docs, full_docs, window)
+    out, lse = _AllGatherAttention.apply(q, k, v, group, causal, scale, mask)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

@@ -93,19 +93,17 @@ def _gathered(k: Tensor, v: Tensor, members: list[int]) -> tuple[Tensor, Tensor]
 
 
 def simulated_allgather_forward(
-    q: Tensor, k: Tensor, v: Tensor, group: Any, causal: bool, scale: Any, window: Any, rank_forward: Callable
+    q: Tensor, k: Tensor, v: Tensor, group: Any, causal: bool, scale: Any, mask: Any, rank_forward: Callable
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of every simulated rank: `rank_forward(q, full_k, full_v, position, size, causal, scale,
-    window, None, None)` on each rank's queries over its group's gathered K/V."""
+    mask)` on each rank's queries over its group's gathered K/V (`mask`: the window alone; no documents)."""
     world = simulated_world()
     outs: dict[int, tuple[Tensor, Tensor]] = {}
     with world.disable():
         for members in group_members(group):
             full_k, full_v = _gathered(k, v, members)
             for i, r in enumerate(members):
-                out, lse, _ = rank_forward(
-                    _of(q, r), full_k, full_v, i, len(members), causal, scale, window, None, None
-                )
+                out, lse, _ = rank_forward(_of(q, r), full_k, full_v, i, len(members), causal, scale, mask)
                 outs[r] = (out, lse)
         return world.rank_map(lambda r: outs[r][0]), world.rank_map(lambda r: outs[r][1])
 
@@ -125,9 +123,9 @@ def simulated_allgather_backward(
     local_kv: Callable,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of every simulated rank: each member's blocks (`rank_blocks(position, size, causal, local,
-    seq, window)`, as its forward ran them) give its dq and every member's share of its dK/dV; a rank's dK/dV
-    is its shares summed over the members in rank order."""
-    causal, scale, window = rank_args
+    seq, window)`, as its forward ran them; rank_args: (causal, scale, mask)) give its dq and every member's
+    share of its dK/dV; a rank's dK/dV is its shares summed over the members in rank order."""
+    causal, scale, mask = rank_args
     world = simulated_world()
     grads: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
     with world.disable():
@@ -137,9 +135,9 @@ def simulated_allgather_backward(
             dqs, shares = {}, {}
             for i, r in enumerate(members):
                 q_r = _of(q, r)
-                blocks = rank_blocks(i, size, causal, q_r.shape[SEQ_DIM], full_k.shape[SEQ_DIM], window)  # type: ignore[union-attr]
+                blocks = rank_blocks(i, size, causal, q_r.shape[SEQ_DIM], full_k.shape[SEQ_DIM], mask.window)  # type: ignore[union-attr]
                 tensors = (q_r, full_k, full_v, _of(out, r), _of(lse, r), _of(dout, r), _of(dlse, r), blocks)
-                dqs[i], shares[i] = rank_backward(*tensors, size, scale, window, None, None)
+                dqs[i], shares[i] = rank_backward(*tensors, size, scale, mask)
             for j, r in enumerate(members):
                 mine = sum(shares[i].chunk(size)[j] for i in range(size))
                 dk, dv = local_kv(mine, full_k, full_v, _of(q, r).shape[SEQ_DIM])  # type: ignore[union-attr]
