@@ -12,6 +12,7 @@ its axis is off). The model is normally built on the meta device; parallelize al
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -70,10 +71,15 @@ class ParallelConfig:
         spec=None,
     ) -> None:
         """Every check that can fail, before any process group starts. `model_config` is a family's config
-        (its spec found by its `family`, or given as `spec`) or a ModelShape."""
+        (its spec found by its `family`, or given as `spec`) or a ModelShape. Each runs once per config and
+        shape: a call that asks no more than one that passed (parallelize's, per pipeline stage, after the
+        run's own check) returns at once."""
         layout = self.layout
         model_config = model_shape_of(model_config, spec)
         microbatches = microbatches or self.pipeline.microbatches
+        asked = (model_config, seq_len, global_batch, microbatches)
+        if asked in self._passed or (seq_len is None and global_batch is None and model_config in self._passed_shapes):
+            return
         check_context(seq_len, layout.cp, self.cp_method, layout.tp, self.sequence_parallel)
         check_loss(self.loss)
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
@@ -110,6 +116,18 @@ class ParallelConfig:
                 f"(global batch {global_batch} / dp {layout.dp}); use a divisor of {rows} or global_batch="
                 f"{layout.dp * microbatches * max(1, rows // microbatches)}"
             )
+        self._passed.add(asked)
+        self._passed_shapes.add(model_config)
+
+    # the checks passed, held on the config (cached_property writes the instance's __dict__: not a field, so
+    # equality, hashing and pickling see the degrees alone, and a new config checks afresh)
+    @cached_property
+    def _passed(self) -> set[tuple]:
+        return set()
+
+    @cached_property
+    def _passed_shapes(self) -> set[ModelShape]:
+        return set()
 
     @property
     def uses_fsdp(self) -> bool:

@@ -391,3 +391,31 @@ def _fails_on_rank_1():
 def test_rank_failures_inside_the_runner_are_reported():
     with pytest.raises(RankFailure, match="planted failure"):
         assert_layouts_equivalent(_fails_on_rank_1, [Layout(tp=2)], batch(), plan=PLAN)
+
+
+def test_a_parallel_config_checks_a_shape_once_and_a_failure_every_time(monkeypatch):
+    """The run's check, then parallelize's on every pipeline stage: the checks run once per config and shape
+    (a call asking no more than one that passed returns at once); a call that fails fails each time."""
+    import importlib
+
+    from tessera.parallel import ParallelConfig
+    from tessera.topology.preset_shapes import preset_shape
+
+    composition = importlib.import_module(
+        "tessera.parallel.parallelize"
+    )  # the module (the package exports the function)
+    calls = []
+    real = composition.check_context
+    monkeypatch.setattr(composition, "check_context", lambda *a: (calls.append(a), real(*a))[1])
+    config, shape = ParallelConfig(Layout(dp_shard=2, cp=2)), preset_shape("debug")
+    config.check(shape, 64, 8, 1)
+    config.check(shape, 64, 8, 1)
+    config.check(shape)  # parallelize's, per stage: the shape alone, which the run's check covered
+    assert len(calls) == 1
+    config.check(shape, 128, 8, 1)  # another sequence: checked
+    assert len(calls) == 2
+    for _ in range(2):
+        with pytest.raises(ValueError, match="63"):
+            config.check(shape, 63, 8, 1)  # not divisible by 2 x cp
+    assert len(calls) == 4
+    assert ParallelConfig(Layout(dp_shard=2, cp=2)) == config  # what passed is no field of the config
