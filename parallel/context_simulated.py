@@ -33,19 +33,29 @@ def _of(t: Tensor | None, rank: int) -> Tensor | None:
     return None if t is None else t._local_tensors[rank]  # type: ignore[attr-defined]
 
 
+def _every_group(group: Any, per_group: Callable[[list[int]], dict[int, tuple]], outputs: int) -> tuple:
+    """The loop every simulated cp path shares: `per_group(members)` (each member's outputs by global rank) run
+    for every cp group with the world's dispatch off (plain tensors: each rank's own), and each of the
+    `outputs` returned as one simulated tensor holding every rank's."""
+    world = simulated_world()
+    results: dict[int, tuple] = {}
+    with world.disable():
+        for members in group_members(group):
+            results.update(per_group(members))
+        return tuple(world.rank_map(lambda r, n=n: results[r][n]) for n in range(outputs))
+
+
 def simulated_ring_forward(
     q: Tensor, k: Tensor, v: Tensor, group: Any, rank_forward: Callable[..., tuple[Tensor, Tensor]]
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of every simulated rank: `rank_forward(position, size, q, k, v, kvs)` on each rank's own
     tensors, `kvs` its group's packed K/V by ring position."""
-    world = simulated_world()
-    outs: dict[int, tuple[Tensor, Tensor]] = {}
-    with world.disable():
-        for members in group_members(group):
-            kvs = [pack(k._local_tensors[r], v._local_tensors[r]) for r in members]  # type: ignore[attr-defined]
-            for i, r in enumerate(members):
-                outs[r] = rank_forward(i, len(members), _of(q, r), _of(k, r), _of(v, r), kvs)
-        return world.rank_map(lambda r: outs[r][0]), world.rank_map(lambda r: outs[r][1])
+
+    def per_group(members: list[int]) -> dict[int, tuple]:
+        kvs = [pack(k._local_tensors[r], v._local_tensors[r]) for r in members]  # type: ignore[attr-defined]
+        return {r: rank_forward(i, len(members), _of(q, r), _of(k, r), _of(v, r), kvs) for i, r in enumerate(members)}
+
+    return _every_group(group, per_group, 2)  # type: ignore[return-value]
 
 
 def simulated_ring_backward(
@@ -64,25 +74,26 @@ def simulated_ring_backward(
     gives a rank's dq and, per ring step, its dK/dV shares of the block it held; block j's accumulator then
     sums the shares of its holders in ring order (rank j at step 0, rank j + 1 at step 1, ...), as the
     real ring passes it on, with `add_shares(dkv, shares, k, v, acc)`."""
-    world = simulated_world()
-    grads: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-    with world.disable():
-        for members in group_members(group):
-            size = len(members)
-            kvs = [pack(k._local_tensors[r], v._local_tensors[r]) for r in members]  # type: ignore[attr-defined]
-            dqs, shares = {}, {}
-            for i, r in enumerate(members):
-                tensors = (_of(t, r) for t in (q, k, v, out, lse, dout, dlse))
-                dqs[i], shares[i] = rank_shares(i, size, *tensors, kvs)
-            acc = torch.promote_types(q.dtype, torch.float32)
-            for j, r in enumerate(members):
-                k_r, v_r = _of(k, r), _of(v, r)
-                dkv = torch.zeros(kvs[j].shape, dtype=acc, device=kvs[j].device)
-                for step in range(size):
-                    add_shares(dkv, shares[(j + step) % size][step], k_r, v_r, acc)
-                dk, dv = unpack(dkv, k_r.shape, v_r.shape)  # type: ignore[union-attr]
-                grads[r] = (dqs[j], dk.to(k.dtype), dv.to(v.dtype))
-        return tuple(world.rank_map(lambda r, n=n: grads[r][n]) for n in range(3))  # type: ignore[return-value]
+
+    def per_group(members: list[int]) -> dict[int, tuple]:
+        size = len(members)
+        kvs = [pack(k._local_tensors[r], v._local_tensors[r]) for r in members]  # type: ignore[attr-defined]
+        dqs, shares = {}, {}
+        for i, r in enumerate(members):
+            tensors = (_of(t, r) for t in (q, k, v, out, lse, dout, dlse))
+            dqs[i], shares[i] = rank_shares(i, size, *tensors, kvs)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        grads = {}
+        for j, r in enumerate(members):
+            k_r, v_r = _of(k, r), _of(v, r)
+            dkv = torch.zeros(kvs[j].shape, dtype=acc, device=kvs[j].device)
+            for step in range(size):
+                add_shares(dkv, shares[(j + step) % size][step], k_r, v_r, acc)
+            dk, dv = unpack(dkv, k_r.shape, v_r.shape)  # type: ignore[union-attr]
+            grads[r] = (dqs[j], dk.to(k.dtype), dv.to(v.dtype))
+        return grads
+
+    return _every_group(group, per_group, 3)  # type: ignore[return-value]
 
 
 def _gathered(k: Tensor, v: Tensor, members: list[int]) -> tuple[Tensor, Tensor]:
@@ -97,15 +108,15 @@ def simulated_allgather_forward(
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of every simulated rank: `rank_forward(q, full_k, full_v, position, size, causal, scale,
     mask)` on each rank's queries over its group's gathered K/V (`mask`: the window alone; no documents)."""
-    world = simulated_world()
-    outs: dict[int, tuple[Tensor, Tensor]] = {}
-    with world.disable():
-        for members in group_members(group):
-            full_k, full_v = _gathered(k, v, members)
-            for i, r in enumerate(members):
-                out, lse, _ = rank_forward(_of(q, r), full_k, full_v, i, len(members), causal, scale, mask)
-                outs[r] = (out, lse)
-        return world.rank_map(lambda r: outs[r][0]), world.rank_map(lambda r: outs[r][1])
+
+    def per_group(members: list[int]) -> dict[int, tuple]:
+        full_k, full_v = _gathered(k, v, members)
+        size = len(members)
+        return {
+            r: rank_forward(_of(q, r), full_k, full_v, i, size, causal, scale, mask)[:2] for i, r in enumerate(members)
+        }
+
+    return _every_group(group, per_group, 2)  # type: ignore[return-value]
 
 
 def simulated_allgather_backward(
@@ -126,20 +137,21 @@ def simulated_allgather_backward(
     seq, window)`, as its forward ran them; rank_args: (causal, scale, mask)) give its dq and every member's
     share of its dK/dV; a rank's dK/dV is its shares summed over the members in rank order."""
     causal, scale, mask = rank_args
-    world = simulated_world()
-    grads: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-    with world.disable():
-        for members in group_members(group):
-            size = len(members)
-            full_k, full_v = _gathered(k, v, members)
-            dqs, shares = {}, {}
-            for i, r in enumerate(members):
-                q_r = _of(q, r)
-                blocks = rank_blocks(i, size, causal, q_r.shape[SEQ_DIM], full_k.shape[SEQ_DIM], mask.window)  # type: ignore[union-attr]
-                tensors = (q_r, full_k, full_v, _of(out, r), _of(lse, r), _of(dout, r), _of(dlse, r), blocks)
-                dqs[i], shares[i] = rank_backward(*tensors, size, scale, mask)
-            for j, r in enumerate(members):
-                mine = sum(shares[i].chunk(size)[j] for i in range(size))
-                dk, dv = local_kv(mine, full_k, full_v, _of(q, r).shape[SEQ_DIM])  # type: ignore[union-attr]
-                grads[r] = (dqs[j], dk.to(k.dtype), dv.to(v.dtype))
-        return tuple(world.rank_map(lambda r, n=n: grads[r][n]) for n in range(3))  # type: ignore[return-value]
+
+    def per_group(members: list[int]) -> dict[int, tuple]:
+        size = len(members)
+        full_k, full_v = _gathered(k, v, members)
+        dqs, shares = {}, {}
+        for i, r in enumerate(members):
+            q_r = _of(q, r)
+            blocks = rank_blocks(i, size, causal, q_r.shape[SEQ_DIM], full_k.shape[SEQ_DIM], mask.window)  # type: ignore[union-attr]
+            tensors = (q_r, full_k, full_v, _of(out, r), _of(lse, r), _of(dout, r), _of(dlse, r), blocks)
+            dqs[i], shares[i] = rank_backward(*tensors, size, scale, mask)
+        grads = {}
+        for j, r in enumerate(members):
+            mine = sum(shares[i].chunk(size)[j] for i in range(size))
+            dk, dv = local_kv(mine, full_k, full_v, _of(q, r).shape[SEQ_DIM])  # type: ignore[union-attr]
+            grads[r] = (dqs[j], dk.to(k.dtype), dv.to(v.dtype))
+        return grads
+
+    return _every_group(group, per_group, 3)  # type: ignore[return-value]
