@@ -78,7 +78,8 @@ class ParallelConfig:
         model_config = model_shape_of(model_config, spec)
         microbatches = microbatches or self.pipeline.microbatches
         asked = (model_config, seq_len, global_batch, microbatches)
-        if asked in self._passed or (seq_len is None and global_batch is None and model_config in self._passed_shapes):
+        shape_only = seq_len is None and global_batch is None
+        if asked in self._passed or (shape_only and any(passed[0] == model_config for passed in self._passed)):
             return
         check_context(seq_len, layout.cp, self.cp_method, layout.tp, self.sequence_parallel)
         check_loss(self.loss)
@@ -117,16 +118,12 @@ class ParallelConfig:
                 f"{layout.dp * microbatches * max(1, rows // microbatches)}"
             )
         self._passed.add(asked)
-        self._passed_shapes.add(model_config)
 
     # the checks passed, held on the config (cached_property writes the instance's __dict__: not a field, so
     # equality, hashing and pickling see the degrees alone, and a new config checks afresh)
     @cached_property
     def _passed(self) -> set[tuple]:
-        return set()
-
-    @cached_property
-    def _passed_shapes(self) -> set[ModelShape]:
+        """(shape, seq_len, global_batch, microbatches) of each check that passed."""
         return set()
 
     @property

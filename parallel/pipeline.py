@@ -306,15 +306,15 @@ class PipelineRunner:
                 end = time.perf_counter()
                 now.trace.append((previous_end + now.waited, end, action))
                 now.waited, previous_end = 0.0, end
-        for work, _ in self.now.sends:
+        for work, _ in now.sends:
             with collective("send (pipeline)", "pp", self.group):
                 work.wait(self.timeout)
-        self.now.sends.clear()
+        now.sends.clear()
         if self.split:  # every W has run: now FSDP2 reduces each stage's accumulated gradients
             for part in self.stages.values():
                 reduce_gradients_now(part)
-        assert not self.now.saved and not self.now.posted, "every activation is consumed by the end of the step"
-        return self.now.loss
+        assert not now.saved and not now.posted, "every activation is consumed by the end of the step"
+        return now.loss
 
     def _positions(self, microbatches: Sequence[Microbatch]) -> list[Tensor]:
         """Each microbatch's token positions, which every stage rotates (and packed documents mask) by:
@@ -352,9 +352,8 @@ class PipelineRunner:
             "output": out,
             "weight_users": captured,
         }
-        self.now.peak_in_flight = max(
-            self.now.peak_in_flight, len(self.now.saved)
-        )  # activations held: F run, B (or W) not yet
+        # activations held: F run, B (or W) not yet
+        self.now.peak_in_flight = max(self.now.peak_in_flight, len(self.now.saved))
 
     def _B(self, a: Action, k: int, grad: Tensor | None) -> None:
         saved = self.now.saved[(a.microbatch, a.stage)]
@@ -431,11 +430,11 @@ class PipelineRunner:
     # ------------------------------------------------------------------ messages
     def _send(self, tensor: Tensor, key: tuple) -> None:
         kind, mb, stage = key
-        if tuple(tensor.shape) != tuple(self.now.act_shape) or tensor.dtype != self.now.act_dtype:
+        if tuple(tensor.shape) != self.now.act_shape or tensor.dtype != self.now.act_dtype:
             raise RuntimeError(
                 f"pipeline stage {stage - 1 if kind == 'act' else stage + 1} produced {kind} of "
                 f"{tuple(tensor.shape)} {tensor.dtype} for microbatch {mb}; stage boundaries carry "
-                f"{tuple(self.now.act_shape)} {self.now.act_dtype}"
+                f"{self.now.act_shape} {self.now.act_dtype}"
             )
         to = self.rank_of_stage(stage)
         if to == self.me:

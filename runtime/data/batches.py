@@ -89,8 +89,6 @@ class StepData:
     def __init__(self, meshes: Meshes, rank: int, device: torch.device, shape: BatchShape):
         self.layout, self.meshes, self.device, self.shape = meshes.layout, meshes, device, shape
         self.cp_index = self.layout.index("cp", rank)
-        self.seq_len, self.global_batch = shape.seq_len, shape.global_batch
-        self.microbatches, self.pack = shape.microbatches, shape.pack
 
     def positions_of(self, inputs: Tensor) -> Tensor | None:
         """The global positions of this rank's tokens `inputs` (rows, S / cp): its zigzag chunks under
@@ -109,7 +107,7 @@ class StepData:
         """With --pack-documents: (inputs, targets with each separator's target masked, per-document
         positions) of whole rows, before any sequence sharding; else (inputs, targets). `ends`: the
         documents' last tokens where the stream gives them (an hf: stream's)."""
-        if not self.pack:
+        if not self.shape.pack:
             return inputs, targets
         targets, positions = pack_documents(inputs, targets, data.separator, ends)
         return inputs, targets, positions
@@ -147,7 +145,7 @@ class StepData:
             rows_in, rows_tg, valid = data.next_local_batch(self.meshes.batch_index, self.layout.dp)
             checksum = self.tokens_checksum(rows_in, rows_tg)
             rows = self.packed(rows_in, rows_tg, data)
-            if self.pack:  # documents and targets left out, counted over the global batch
+            if self.shape.pack:  # documents and targets left out, counted over the global batch
                 counts = self.global_counts([int((rows[2] == 0).sum()), int((rows[1] == IGNORE_INDEX).sum())])
                 documents, valid = self.documents(*counts), valid - counts[1]
             local = self.to_rank(*rows)
@@ -158,11 +156,11 @@ class StepData:
             valid = count_valid(batch[1])  # over the whole global batch: the denominator on every rank
             if getattr(data, "sft", False):  # the targets the loss counts (the assistants'), and the rest
                 loss_targets = {"kept": valid, "masked": batch[1].numel() - valid}
-            if self.pack:
+            if self.shape.pack:
                 documents = self.documents(int((batch[2] == 0).sum()), int((batch[1] == IGNORE_INDEX).sum()))
             local = self.of_global_batch(*batch)
         return StepBatch(
-            split_microbatches(local[0], local[1], self.microbatches, *local[2:]),
+            split_microbatches(local[0], local[1], self.shape.microbatches, *local[2:]),
             valid,
             checksum,
             documents,
@@ -181,7 +179,7 @@ class StepData:
     def documents(self, documents: int, left_out: int) -> dict[str, Any]:
         """The step's packing, as its record reports it: documents (a document cut by a row's end counts in
         each row it reaches), their mean length, and the targets left out of the loss (each separator's)."""
-        tokens = self.global_batch * self.seq_len
+        tokens = self.shape.global_batch * self.shape.seq_len
         return {"documents": documents, "mean_length": tokens / max(1, documents), "targets_left_out": left_out}
 
     def tokens_checksum(self, inputs: Tensor, targets: Tensor) -> int:

@@ -51,7 +51,8 @@ def build_parts(
     pipeline's schedule, virtual stages and microbatches, its timeout) on `meshes` and initialized from `seed`
     (the one-process values, shard by shard). `global_rows`: the global batch's sequences, which an MoE
     block's auxiliary loss is the mean over (models/moe.py)."""
-    timeout = parallel.timeout if parallel.timeout is not None else 600.0  # None: the process group's default
+    # the pipeline's P2P and tied-weight waits: the run's --timeout; a ParallelConfig built without one: 600 s
+    timeout = parallel.timeout if parallel.timeout is not None else 600.0
     layout = meshes.layout
     rank = this_rank(torch.distributed.get_rank)  # a simulated pipeline: its stage's first rank
     # --offload params: FSDP2 wants its offloaded shards materialized on the host; the buffers go to `device`

@@ -62,14 +62,10 @@ def check_launched_world(layout: Layout, ft: FaultToleranceSection) -> None:
     layout.check_world_size(torch.distributed.get_world_size())
 
 
-def check_data(
-    data: DataSection, runtime: RuntimeSection, model: ModelSection, model_name: str, model_config, resume: str | None
-) -> None:
+def check_data(data: DataSection, model: ModelSection, model_name: str, model_config, resume: str | None) -> None:
     """The streams a run reads: --eval-*, the hf: data sets (their flags, split, fields and tokenizer), packed
     documents, and the vocabulary of the built-in text or of the token files against the model's."""
     d = data
-    if runtime.comm_stats not in (None, "every", "first"):
-        raise ValueError(f"--comm-stats {runtime.comm_stats!r}: use every (each step) or first (the first step only)")
     if d.eval_every < 0 or d.eval_batches < 1:
         raise ValueError(f"--eval-every {d.eval_every} must be >= 0 and --eval-batches {d.eval_batches} >= 1")
     if d.eval_every and not d.eval_data:
@@ -579,9 +575,10 @@ def check_paths(
         check_hf_weights(c.init_from_hf, model)
 
 
-def check_profile_flags(r: RuntimeSection, resume: str | None) -> None:
-    """--profile DIR is writable and --profile-steps A:B are steps this run takes (a resumed run starts
-    after its checkpoint's step; `resume`: its path, None when not resuming)."""
+def check_measuring_flags(r: RuntimeSection, resume: str | None) -> None:
+    """What the run measures: --profile DIR is writable and --profile-steps A:B are steps this run takes (a
+    resumed run starts after its checkpoint's step; `resume`: its path, None when not resuming), and
+    --comm-stats names when it counts."""
     if r.profile_shapes and r.profile is None:
         raise ValueError("--profile-shapes applies to --profile DIR; add --profile DIR (or drop --profile-shapes)")
     done = 0
@@ -591,3 +588,5 @@ def check_profile_flags(r: RuntimeSection, resume: str | None) -> None:
     check_profile_summary(
         r.profile_summary, r.steps, done, profile_window(r.profile_steps, r.steps, done) if r.profile else None
     )
+    if r.comm_stats not in (None, "every", "first"):
+        raise ValueError(f"--comm-stats {r.comm_stats!r}: use every (each step) or first (the first step only)")

@@ -40,9 +40,6 @@ from .sections import (  # noqa: F401  (re-exported: tessera.config's names, as 
 )
 
 
-DERIVED = ("layout", "model_config", "_parallel_config")  # Config's held derived values (cached_property)
-
-
 @dataclass(frozen=True)
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
@@ -205,7 +202,8 @@ class Config:
     def __getstate__(self) -> dict[str, Any]:
         # the ranks receive the fields only and compute the derived values again (a schedule file, a
         # config.json are read on every rank)
-        return {k: v for k, v in self.__dict__.items() if k not in DERIVED}
+        derived = {name for name, value in vars(Config).items() if isinstance(value, cached_property)}
+        return {k: v for k, v in self.__dict__.items() if k not in derived}
 
     @cached_property
     def _parallel_config(self) -> Any:
@@ -291,8 +289,8 @@ class Config:
         preflight.check_fits(self, layout.world_size)
         resume = self.resume_path if c.resume is not None else None
         preflight.check_paths(r, c, resume, self.model_name, model, d, o)
-        preflight.check_profile_flags(r, resume)
-        preflight.check_data(d, r, m, self.model_name, model, resume)
+        preflight.check_measuring_flags(r, resume)
+        preflight.check_data(d, m, self.model_name, model, resume)
 
 
 def parser_flags(parser: argparse.ArgumentParser) -> dict[str, str]:

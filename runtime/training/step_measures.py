@@ -33,7 +33,7 @@ class StepMeasures:
 
     def __init__(self, trainer: Any, step: int):
         runtime = trainer.config.runtime
-        self.trainer, self.step = trainer, step
+        self.trainer = trainer
         self.counting = runtime.comm_stats == "every" or (runtime.comm_stats == "first" and step == 1)
         self.tracking = runtime.track_memory and step == 2
         self.profiling = runtime.profile_summary == step

@@ -256,10 +256,8 @@ class Trainer:
         with stalls_named(self.layout, self.rank, step), StepMeasures(self, step) as measured:
             try:
                 measured.result = self._step(on_grads)
-            finally:
-                clear_float8_scales(
-                    self.float8_weights
-                )  # a forward outside a step (eval, generate) casts by its own amax
+            finally:  # a forward outside a step (eval, generate) casts by its own amax
+                clear_float8_scales(self.float8_weights)
         return measured.result
 
     def analytic_comm(self) -> dict[str, float]:
