@@ -22,6 +22,7 @@ from tessera.topology.hardware import ATTENTION_BACKENDS, HardwareProfile, load_
 from tessera.topology.layout import Layout
 from tessera.topology.memory import AC_MODES as MEMORY_AC_MODES
 from tessera.topology.memory import FSDP_STRATEGIES, GB, get_recipe
+from tessera.topology.estimators.ring_merge import RING_MERGES
 from tessera.topology.estimators.step_time import Calibration
 
 # Defaults, documented in `tessera plan --help`: one H100 SXM (bf16 dense peak), NVLink 4 and 400 Gb/s
@@ -101,6 +102,9 @@ class Hardware:
     # step, hidden by the first step alone; the dK/dV passes behind their own steps)
     cp_kv_heads: str = "kv"
     cp_overlap: str = "attention"
+    # whose ring merges the cp steps' partial outputs and gradients (topology/estimators/ring_merge.py):
+    # tessera's, torch's templated ring (torchtitan's), or fused kernels (Transformer Engine's)
+    cp_merge: str = "tessera"
     # `tessera train --loss`: chunked (never the whole logits) or logits; compiled-logits: the whole logits with a
     # compiled cross-entropy (another framework's, for predicting its runs)
     loss: str = "chunked"
@@ -166,6 +170,8 @@ class Hardware:
             raise PlanError(f"ac_policy={self.ac_policy!r}: use one of {', '.join(AC_POLICIES)}")
         if self.loss not in LOSS_MODES:
             raise PlanError(f"loss={self.loss!r}: use one of {', '.join(LOSS_MODES)}")
+        if self.cp_merge not in RING_MERGES:
+            raise PlanError(f"cp_merge={self.cp_merge!r}: use one of {', '.join(RING_MERGES)}")
         if self.attention not in ATTENTION_BACKENDS:
             raise PlanError(f"attention={self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
         if self.fp8 is not None and self.profile is not None and self.profile.fp8_tflops is None:

@@ -358,11 +358,23 @@ def _setting_differences(a: Candidate, b: Candidate) -> str:
     return ", ".join(f"{x} against {y}" for x, y in zip(settings(a), settings(b)) if x != y) or "the same settings"
 
 
+# the compute parts of a profile's step (step_model.compute_parts) and what a layout gains by each
+PHYSICS_PART_GAINS = {
+    "matmul": "less matmul time per rank",
+    "attention": "less attention time per rank",
+    "elementwise": "less elementwise memory traffic per rank",
+    "loss": "a cheaper loss per rank",
+    "fp8_casts": "fewer FP8 casts per rank",
+    "ring_merges": "fewer context-parallel ring merges per rank",
+}
+
+
 def _compute_gain(faster: Estimate, slower: Estimate) -> tuple[str, str]:
     """(label, the detail before the settings) of what makes `faster`'s compute shorter: less recomputation
     only where its checkpointing recomputes less; with a calibration, the part of the compute (host dispatch,
-    memory traffic, matmuls, attention) that differs most; else the MoE experts' weight streaming
-    (`expert_weight_seconds`), the rest of the compute that settings change."""
+    memory traffic, matmuls, attention) that differs most; on a profile's physics, its part that differs most
+    (PHYSICS_PART_GAINS); else the MoE experts' weight streaming (`expert_weight_seconds`), the rest of the
+    compute that settings change."""
     if RECOMPUTE[faster.candidate.ac] < RECOMPUTE[slower.candidate.ac]:
         return "less recomputation", ""
     mine, theirs = faster.compute_parts, slower.compute_parts
@@ -379,7 +391,16 @@ def _compute_gain(faster: Estimate, slower: Estimate) -> tuple[str, str]:
                 "matmul": "fewer matmul FLOPs per rank",
                 "attention": "fewer attention FLOPs per rank",
             }[key], ""
-    if theirs.get("step", 0.0) - mine.get("step", 0.0) < slower.time["compute"] - faster.time["compute"]:
+    if all(k in mine and k in theirs for k in PHYSICS_PART_GAINS):  # a profile's physics (step_model.py)
+        parts = {k: theirs[k] - mine[k] for k in PHYSICS_PART_GAINS}
+        key = max(parts, key=lambda k: parts[k])
+        if parts[key] > 0:
+            return PHYSICS_PART_GAINS[key], ""
+    if (
+        "step" in mine
+        and "step" in theirs
+        and theirs["step"] - mine["step"] < (slower.time["compute"] - faster.time["compute"])
+    ):
         return "less expert weight streaming", ""
     return "less compute per rank", ""
 

@@ -346,6 +346,9 @@ def physics_time(
             dtype_bytes=hw.dtype_bytes,
             sharded_params=sharded,
             efficiency=hw.efficiency,
+            cp=lay.cp,
+            cp_merge=hw.cp_merge,
+            cp_kv_heads=hw.cp_kv_heads,
         )
 
     parts = max((rank_parts(r) for r in sorted({0, lay.pp - 1})), key=lambda p: p["compute"])

@@ -13,11 +13,14 @@ compute    every linear layer's three GEMMs (forward x @ W^T, the input gradient
            what compile's fusion leaves of it when compiled; the GPU loss's bytes per logit; FP8's casts
            (fp8_model's bytes: fused, as compiled blocks fuse the rest; eager, torchao's separate ops).
            Under sequence parallel the residual-wide elementwise work runs on seq / tp tokens. Attention's
-           share rises with the sequence and the head dim (the profile's `attention`)
+           share rises with the sequence and the head dim (the profile's `attention`). Under context
+           parallel, the ring's merges of its cp steps' outputs and gradients (ring_merge.py's counted
+           bytes of the ring that runs: tessera's, torch's, or fused kernels'), eager at the elementwise share
 recompute  activation checkpointing reruns forwards: full every block's (its GEMMs' forward, attention's
-           forward, a third of the elementwise bytes), selective every other block's, op the elementwise
-           forward only (tessera's op policy keeps the matmul and attention outputs; torchtitan's per-op SAC
-           keeps every other matmul's output, so it reruns half the GEMMs' forwards too)
+           forward and its ring merges, a third of the elementwise bytes), selective every other block's, op
+           the elementwise forward only (tessera's op policy keeps the matmul and attention outputs;
+           torchtitan's per-op SAC keeps every other matmul's output, so it reruns half the GEMMs' forwards
+           too)
 comm       each accounting name's bytes (topology/estimators/comm_model.py, the counted volumes of --comm-stats) over
            the link its group takes at link_share of the datasheet, plus a latency per collective.
            Exposure: FSDP's and HSDP's traffic is prefetched behind compute (one unit's gather and one
@@ -42,8 +45,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .fp8_model import cast_bytes_per_step, fp8_layers
+from .ring_merge import ring_merge_bytes
 from tessera.topology.schedules.schedule import stages_on_rank
-from tessera.topology.shapes import as_shape, layer_param_shapes, split_layer_counts
+from tessera.topology.shapes import as_shape, kv_heads_split, layer_param_shapes, split_layer_counts
 from tessera.topology.estimators.step_time import (
     MIXED_PRECISION_BYTES_PER_PARAM,
     OPTIMIZER_BYTES_PER_PARAM,
@@ -117,11 +121,15 @@ def compute_parts(
     dtype_bytes: int,
     sharded_params: float,
     efficiency: float,
+    cp: int = 1,
+    cp_merge: str = "tessera",
+    cp_kv_heads: str = "kv",
 ) -> dict[str, float]:
     """Seconds of one rank's compute in a step, by part (module doc): matmul, attention, elementwise, loss,
     fp8_casts, recompute, optimizer, and "compute" (their sum). `mb_tokens`: the tokens one microbatch puts
     through this rank's GEMMs (gathered over tp under sequence parallel: the whole cp-local sequence);
-    `attention_tokens`: the tokens of the step whose attention this rank computes (its heads are 1 / tp)."""
+    `attention_tokens`: the tokens of the step whose attention this rank computes (its heads are 1 / tp);
+    `cp`, `cp_merge`, `cp_kv_heads`: the context-parallel ring whose merges this rank runs (ring_merge.py)."""
     cfg = as_shape(shape)
     a = profile.achieved
     bf16 = profile.bf16_tflops * 1e12
@@ -189,8 +197,19 @@ def compute_parts(
         # compiled, the casts fuse into the ops that produce their inputs as the rest of the elementwise work does
         unfused = (5 * dtype_bytes + 25) / (2 * dtype_bytes + 1)
         casts = casts * (fusion if compiled else unfused) / hbm_elementwise
+    # the ring's merges of cp steps' partial outputs and gradients, eager at the elementwise share
+    kv_heads = (
+        cfg.n_heads // tp
+        if cp_kv_heads == "query"
+        else (cfg.n_kv_heads // tp if kv_heads_split(cfg.n_kv_heads, tp) else 1)
+    )
+    merge_fwd, merge_bwd = ring_merge_bytes(
+        cp_merge, cp, cfg.n_heads * (cfg.v_head_dim or cfg.head_dim) // tp, kv_heads * cfg.head_dim, dtype_bytes
+    )
+    merge_forward = merge_fwd * attention_tokens * blocks / hbm_elementwise
+    ring_merges = merge_forward + merge_bwd * attention_tokens * blocks / hbm_elementwise
     block_fwd = fwd + attn / microbatches / max(blocks, 1) / 3 if blocks else 0.0
-    rerun_full = microbatches * blocks * block_fwd + FORWARD_ELEMENTWISE_SHARE * (elementwise + casts)
+    rerun_full = microbatches * blocks * block_fwd + FORWARD_ELEMENTWISE_SHARE * (elementwise + casts) + merge_forward
     op = FORWARD_ELEMENTWISE_SHARE * (elementwise + casts)
     if ac_policy == "torchtitan":  # its per-op SAC reruns every other matmul's forward too
         op += microbatches * blocks * fwd / 2
@@ -210,6 +229,7 @@ def compute_parts(
         "elementwise": elementwise,
         "loss": loss_s,
         "fp8_casts": casts,
+        "ring_merges": ring_merges,
         "recompute": recompute,
         "optimizer": optimizer,
     }
