@@ -339,15 +339,20 @@ def tp_bytes(x: StepTraffic) -> float:
     return x.microbatches * tp
 
 
+def cp_pass_heads(cfg, tp: int, cp_kv_heads: str) -> int:
+    """The K (or V) heads one rank's cp passes carry: its kv heads (one, replicated, where tp exceeds them), or
+    its query heads where another framework repeats K/V to them before attention (cp_kv_heads "query")."""
+    if cp_kv_heads == "query":
+        return cfg.n_heads // tp
+    return cfg.n_kv_heads // tp if kv_heads_split(cfg.n_kv_heads, tp) else 1
+
+
 @volume("cp")
 def cp_bytes(x: StepTraffic) -> float:
     cfg, t, cp, e = x.cfg, x.layout.tp, x.layout.cp, x.act_bytes
     if cp == 1:
         return 0.0
-    heads = cfg.n_kv_heads // t if kv_heads_split(cfg.n_kv_heads, t) else 1
-    if x.cp_kv_heads == "query":  # K/V repeated to the query heads before attention (another framework's)
-        heads = cfg.n_heads // t
-    kv = 2 * x.rows * heads * x.tokens * cfg.head_dim
+    kv = 2 * x.rows * cp_pass_heads(cfg, t, x.cp_kv_heads) * x.tokens * cfg.head_dim
     acc = max(4, e)
     per_block: float
     per_recompute: float

@@ -396,11 +396,7 @@ def _compute_gain(faster: Estimate, slower: Estimate) -> tuple[str, str]:
         key = max(parts, key=lambda k: parts[k])
         if parts[key] > 0:
             return PHYSICS_PART_GAINS[key], ""
-    if (
-        "step" in mine
-        and "step" in theirs
-        and theirs["step"] - mine["step"] < (slower.time["compute"] - faster.time["compute"])
-    ):
+    if theirs.get("step", 0.0) - mine.get("step", 0.0) < slower.time["compute"] - faster.time["compute"]:
         return "less expert weight streaming", ""
     return "less compute per rank", ""
 

@@ -44,10 +44,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .comm_model import cp_pass_heads
 from .fp8_model import cast_bytes_per_step, fp8_layers
 from .ring_merge import ring_merge_bytes
 from tessera.topology.schedules.schedule import stages_on_rank
-from tessera.topology.shapes import as_shape, kv_heads_split, layer_param_shapes, split_layer_counts
+from tessera.topology.shapes import as_shape, layer_param_shapes, split_layer_counts
 from tessera.topology.estimators.step_time import (
     MIXED_PRECISION_BYTES_PER_PARAM,
     OPTIMIZER_BYTES_PER_PARAM,
@@ -126,7 +127,7 @@ def compute_parts(
     cp_kv_heads: str = "kv",
 ) -> dict[str, float]:
     """Seconds of one rank's compute in a step, by part (module doc): matmul, attention, elementwise, loss,
-    fp8_casts, recompute, optimizer, and "compute" (their sum). `mb_tokens`: the tokens one microbatch puts
+    fp8_casts, ring_merges, recompute, optimizer, and "compute" (their sum). `mb_tokens`: the tokens one microbatch puts
     through this rank's GEMMs (gathered over tp under sequence parallel: the whole cp-local sequence);
     `attention_tokens`: the tokens of the step whose attention this rank computes (its heads are 1 / tp);
     `cp`, `cp_merge`, `cp_kv_heads`: the context-parallel ring whose merges this rank runs (ring_merge.py)."""
@@ -198,13 +199,12 @@ def compute_parts(
         unfused = (5 * dtype_bytes + 25) / (2 * dtype_bytes + 1)
         casts = casts * (fusion if compiled else unfused) / hbm_elementwise
     # the ring's merges of cp steps' partial outputs and gradients, eager at the elementwise share
-    kv_heads = (
-        cfg.n_heads // tp
-        if cp_kv_heads == "query"
-        else (cfg.n_kv_heads // tp if kv_heads_split(cfg.n_kv_heads, tp) else 1)
-    )
     merge_fwd, merge_bwd = ring_merge_bytes(
-        cp_merge, cp, cfg.n_heads * (cfg.v_head_dim or cfg.head_dim) // tp, kv_heads * cfg.head_dim, dtype_bytes
+        cp_merge,
+        cp,
+        cfg.n_heads * (cfg.v_head_dim or cfg.head_dim) // tp,
+        cp_pass_heads(cfg, tp, cp_kv_heads) * cfg.head_dim,
+        dtype_bytes,
     )
     merge_forward = merge_fwd * attention_tokens * blocks / hbm_elementwise
     ring_merges = merge_forward + merge_bwd * attention_tokens * blocks / hbm_elementwise
