@@ -34,6 +34,8 @@ python -m pytest -q -p no:cacheprovider -m "not slow"
 # fakes, what torch imports, DeviceMesh on gloo ranks)
 python -m pytest -q -p no:cacheprovider -m slow tests/test_kernels.py tests/test_public_names.py tests/test_mesh.py \
   -k "custom_ops_have_fake or import_no_dynamo or gloo_ranks or sharing_one_world_mesh"
+# torchtitan's peer (benchmarks/bench_peer.py --check): the release the GPU machines' torch 2.11 runs
+python -m pytest -q -p no:cacheprovider tests/test_peer.py
 python -m pytest -q -p no:cacheprovider tests/test_contract.py tests/test_contract_bf16.py tests/test_muon_contract.py tests/test_fp8_contract.py
 # the new families and the attention variants under cp, fp32 rows (their bf16 rows run on 2.13 above; on 2.11 gpt-oss's
 # tp2 + SP rows exceed the derived bound on one sinks gradient: open, in the stop note)
