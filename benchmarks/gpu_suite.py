@@ -19,7 +19,7 @@ Parts, in the order of what they tell a user (--parts a,b,... runs a subset, in 
                      (`sdpa_default`); each row records the backend that ran; tessera / baseline step time
   compiled  (130 s)  the same row with --compile (60% of the part), then the baseline compiled per block at
                      that batch; compiled / baseline
-  fp8       (95 s)   --fp8 tensorwise (torchao's float8; FSDP2's degree-1 mesh, no float8 all-gather to
+  fp8       (95 s)   --fp8 tensorwise (torchao's float8; one rank, no data axis: no float8 all-gather to
                      make) at that batch, eager, then compiled while time is left: tokens/s over the bf16
                      eager and compiled rows above, and the dtype the records say the matmuls ran in (the
                      smoke runs the eager row only, emulated: a CPU compile takes minutes)

@@ -156,7 +156,7 @@ def apply_fsdp(
     if expert_mesh is not None:  # expert parallel: each MoE block's experts, sharded over what ep leaves
         for _, moe in moe_blocks(model):
             fully_shard(moe.experts, mesh=expert_mesh, **options)
-    units = _without_shared(plan.units(model))
+    units = without_shared(plan.units(model))
     for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=fsdp_mesh, **options)
     fully_shard(model, mesh=fsdp_mesh, **options)
@@ -184,7 +184,7 @@ def _fsdp_units(modules: list[nn.Module]) -> list[FSDPModule]:
     return [m for m in modules if isinstance(m, FSDPModule)]
 
 
-def _without_shared(units: list[list[nn.Module]]) -> list[list[nn.Module]]:
+def without_shared(units: list[list[nn.Module]]) -> list[list[nn.Module]]:
     owners: dict[int, set[int]] = {}
     for i, unit in enumerate(units):
         for m in unit:

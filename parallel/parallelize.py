@@ -28,19 +28,27 @@ from tessera.topology.shapes import ModelShape, fsdp_shard_numel
 
 from .context import apply_cp, check_context
 from .fsdp import (
+    PRECISIONS,
     DataParallelConfig,
     apply_activation_checkpointing,
     apply_fsdp,
     check_data_parallel,
     layout_for_strategy,
+    without_shared,
 )
 from .fp8 import FP8_RECIPES, apply_fp8
 from .expert import apply_ep, apply_sequence_sum, check_expert_parallel
 from .loss import apply_loss_head, check_loss
+from .mixed_precision import apply_compute_copies
 from .pipeline import PipelineConfig, build_stage, check_pipeline, split_layers, stages_of_rank
 from .tp_plan import ColwiseParallel, Plan, PrepareInput, apply_plan, apply_tp, find_modules, spec_plan
 from .tensor import check_tensor_parallel
 from .tied import retie, shared_parameters
+
+
+# how a layout without data axes computes in bf16: "copies" (parallel/mixed_precision.py) or "fsdp2", FSDP2 on
+# the degree-1 data mesh, the bit-for-bit reference tests/test_mixed_precision.py holds the copies to
+PRECISION_ALONE = "copies"
 
 
 def model_shape_of(model_config, spec=None):
@@ -178,12 +186,13 @@ def parallelize(
         apply_fsdp(
             model, meshes.fsdp, config.data, pipelined=meshes.pp is not None, plan=plan, expert_mesh=meshes.expert_fsdp
         )
-    elif config.data.mixed_precision != "fp32" or config.data.offload == "params":
-        # no data axes to shard over, but the same precision policy as every other layout: FSDP2 on the
-        # degree-1 data mesh casts the fp32 master weights to the compute dtype once per step (gathered
-        # for the whole step, as nothing is saved by resharding) and reduces gradients in fp32; and its
-        # CPUOffloadPolicy is what --offload params runs on
+    elif config.data.offload == "params" or (config.data.mixed_precision != "fp32" and PRECISION_ALONE == "fsdp2"):
+        # --offload params runs on FSDP2's CPUOffloadPolicy, on the degree-1 data mesh
         apply_fsdp(model, meshes.precision, config.data, pipelined=True, plan=plan)
+    elif config.data.mixed_precision != "fp32":
+        # no data axes to shard over, but the same precision policy as every other layout, bit for bit
+        # FSDP2's on a degree-1 mesh, without its gather and reduce copies (parallel/mixed_precision.py)
+        apply_compute_copies(model, PRECISIONS[config.data.mixed_precision], without_shared(plan.units(model)))
     return model
 
 

@@ -26,6 +26,7 @@ from tessera.models.init import one_process_name
 from tessera.models.moe import reset_counters
 from tessera.models.spec import shape_of, spec_of
 from tessera.checkpointing import checkpoint
+from tessera.parallel.mixed_precision import release_copies
 from tessera.parallel.clip import clip_coefficient, global_grad_norm, scale_gradients_
 from tessera.parallel.offload import offload_report
 from tessera.parallel.pipeline_simulated import this_rank
@@ -314,6 +315,7 @@ class Trainer:
             reset_counters(part)  # the MoE blocks' load counters: this step's only
         precompute_float8_scales(self.float8_weights)  # cleared after the step (train_step): never stale
         loss_sum = self.runner.forward_backward(step.microbatches, step.valid)
+        release_copies(self.parts)  # the bf16 copies of a layout without data axes, until the next forward
         self.tied.synchronize()  # a tied weight's gradient: the first and last stages' parts summed
         self.phase_mark("backward")
         if on_grads is not None:
