@@ -24,15 +24,15 @@ from common import write_results  # noqa: E402
 
 import torch  # noqa: E402
 
-from tessera.models.llama import ModelConfig, hf_config_dict  # noqa: E402
+from tessera.models.llama import LlamaConfig, hf_config_dict  # noqa: E402
 from tessera.launching.launch import run_ranks  # noqa: E402
 
 
-def model(quick: bool) -> ModelConfig:
+def model(quick: bool) -> LlamaConfig:
     # 35.4M parameters: 142 MB of fp32 weights, 425 MB with AdamW's moments (quick: 4.3M, 52 MB)
     if quick:
-        return ModelConfig(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=4096, ffn_dim=768, max_seq_len=256)
-    return ModelConfig(dim=512, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=16000, ffn_dim=1536, max_seq_len=256)
+        return LlamaConfig(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=4096, ffn_dim=768, max_seq_len=256)
+    return LlamaConfig(dim=512, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=16000, ffn_dim=1536, max_seq_len=256)
 
 
 def _saves(model_dir: str, out: str, rounds: int) -> dict | None:

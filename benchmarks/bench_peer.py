@@ -57,7 +57,7 @@ def check(preset: str = "1b", batch: int = 16, seq_len: int = 2048) -> dict[str,
     import torch
     from torchtitan.config import ConfigManager
 
-    from tessera.models import Transformer, get_preset
+    from tessera.models import Llama, get_preset
 
     parsed = {}
     with tempfile.TemporaryDirectory() as dump:
@@ -80,7 +80,7 @@ def check(preset: str = "1b", batch: int = 16, seq_len: int = 2048) -> dict[str,
             assert got == want, f"torchtitan read the {precision} row as {got}, not {want}"
             parsed[precision] = got
     with torch.device("meta"):
-        ours = Transformer(get_preset(preset))
+        ours = Llama(get_preset(preset))
     theirs = peer.build_model(preset)
     shapes = sorted(tuple(p.shape) for p in ours.parameters())
     assert shapes == sorted(tuple(p.shape) for p in theirs.parameters()), "torchtitan's model differs in shapes"

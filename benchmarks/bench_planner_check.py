@@ -32,14 +32,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
-from tessera.models import PRESETS, ModelConfig  # noqa: E402
+from tessera.models import PRESETS, LlamaConfig  # noqa: E402
 from tessera.models.llama import BYTE_VOCAB  # noqa: E402
 
 EXTRA_PRESETS = {
-    "check-512": ModelConfig(
+    "check-512": LlamaConfig(
         dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=1536, max_seq_len=4096
     ),
-    "check-768": ModelConfig(
+    "check-768": LlamaConfig(
         dim=768, n_layers=4, n_heads=12, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=2304, max_seq_len=4096
     ),
 }

@@ -13,7 +13,7 @@ from . import qwen3_moe  # noqa: F401  (registers the family)
 from . import deepseek_v3  # noqa: F401  (registers the family)
 from . import gpt_oss  # noqa: F401  (registers the family)
 from .init import init_parameters
-from .llama import PRESETS, ModelConfig, Transformer
+from .llama import PRESETS, Llama, LlamaConfig, ModelConfig, Transformer
 from .qwen3 import Qwen3, Qwen3Config
 from .spec import (
     HFAdapter,
@@ -30,7 +30,9 @@ from .spec import (
 
 __all__ = [
     "PRESETS",
-    "ModelConfig",
+    "Llama",
+    "LlamaConfig",
+    "ModelConfig",  # Llama's former names (models/llama.py)
     "Transformer",
     "build_model",
     "get_preset",

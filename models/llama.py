@@ -31,7 +31,7 @@ from .spec import HFAdapter, get_preset, register
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class LlamaConfig:
     family = "llama"  # the registered spec (models/spec.py); a class attribute, not a field
     dim: int
     n_layers: int
@@ -76,19 +76,19 @@ class ModelConfig:
         return out
 
 
-PRESETS: dict[str, ModelConfig] = {
+PRESETS: dict[str, LlamaConfig] = {
     # runs on a laptop CPU in seconds; heads/kv/ffn divide tp in {1, 2, 4}, vocab 258 exercises padding
-    "debug": ModelConfig(
+    "debug": LlamaConfig(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=BYTE_VOCAB, ffn_dim=192, max_seq_len=2048
     ),
-    "small": ModelConfig(
+    "small": LlamaConfig(
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=BYTE_VOCAB, ffn_dim=768, max_seq_len=4096
     ),
-    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192),
+    "1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192),
     # the published Llama 3 / 3.1 shapes
-    "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336),
-    "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672),
-    "405b": ModelConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248),
+    "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336),
+    "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672),
+    "405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248),
 }
 
 
@@ -106,7 +106,7 @@ ATTENTION = AttentionNames(q="wq", k="wk", v="wv", o="wo")
 MLP = MLPNames(gate="w1", up="w3", down="w2")
 
 
-class Transformer(DecoderLM):
+class Llama(DecoderLM):
     """The one-process Llama: GQA attention and a SwiGLU MLP in every block, RoPE with Llama 3.1's scaling."""
 
     names = NAMES
@@ -114,13 +114,13 @@ class Transformer(DecoderLM):
     norm: nn.Module | None  # these two: None on a stage before the last
     output: nn.Module | None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__(cfg, Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling))
 
-    def build_attention(self, cfg: ModelConfig, layer: int) -> nn.Module:
+    def build_attention(self, cfg: LlamaConfig, layer: int) -> nn.Module:
         return GroupedQueryAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ATTENTION)
 
-    def build_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+    def build_mlp(self, cfg: LlamaConfig, layer: int) -> nn.Module:
         return SwiGLU(cfg.dim, cfg.ffn_dim, MLP)
 
 
@@ -128,7 +128,7 @@ class Transformer(DecoderLM):
 param_init_std = DepthScaledInit((ATTENTION.o, MLP.down))
 
 
-def model_shape(cfg: ModelConfig) -> ModelShape:
+def model_shape(cfg: LlamaConfig) -> ModelShape:
     return decoder_shape(cfg, family="llama")
 
 
@@ -173,8 +173,8 @@ def tessera_to_hf_name(name: str) -> str:
     raise ValueError(f"parameter {name!r} has no Hugging Face Llama name")
 
 
-def read_hf_config(c: dict, path: str) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json's contents; ValueError naming the file and the field for
+def read_hf_config(c: dict, path: str) -> LlamaConfig:
+    """LlamaConfig from a Hugging Face config.json's contents; ValueError naming the file and the field for
     what tessera's Llama cannot represent."""
     check_architecture(c, path, "llama", "llama", "LlamaForCausalLM")
     field, rope, rope_kind = scaled_rope(c) or ("rope_scaling", {}, "default")
@@ -199,7 +199,7 @@ def read_hf_config(c: dict, path: str) -> ModelConfig:
             f"({c['hidden_size']} / {heads}); not supported"
         )
     scaling_keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return ModelConfig(
+    return LlamaConfig(
         dim=c["hidden_size"],
         n_layers=c["num_hidden_layers"],
         n_heads=heads,
@@ -213,7 +213,7 @@ def read_hf_config(c: dict, path: str) -> ModelConfig:
     )
 
 
-def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+def hf_config_dict(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
     return {
         **decoder_entries(cfg, "LlamaForCausalLM", "llama", dtype),
         "intermediate_size": cfg.ffn_dim,
@@ -231,10 +231,15 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 
 TP_PLAN = decoder_tp_plan(NAMES, attention_tp_plan(ATTENTION), swiglu_tp_plan(MLP))
 HF = HFAdapter("llama", "LlamaForCausalLM", read_hf_config, hf_config_dict, tessera_to_hf_name, hf_to_tessera_name)
-LLAMA = register(decoder_spec("llama", ModelConfig, Transformer, TP_PLAN, param_init_std, model_shape, PRESETS, HF))
+LLAMA = register(decoder_spec("llama", LlamaConfig, Llama, TP_PLAN, param_init_std, model_shape, PRESETS, HF))
 
 
-def build_model(cfg: ModelConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
+def build_model(cfg: LlamaConfig | str, device: torch.device | str = "cpu", seed: int | None = 0) -> Llama:
     """Build the one-process model on `device` and initialize it from `seed`; on "meta" nothing is
     allocated (parallelize it, `to_empty` on the real device, then `init_weights`)."""
-    return cast(Transformer, LLAMA.build_model(get_preset(cfg) if isinstance(cfg, str) else cfg, device, seed))
+    return cast(Llama, LLAMA.build_model(get_preset(cfg) if isinstance(cfg, str) else cfg, device, seed))
+
+
+# the names before the families were named one way (2026-12): Llama's config and model, as users' code imports them
+ModelConfig = LlamaConfig
+Transformer = Llama

@@ -364,7 +364,7 @@ class LinearCrossEntropyHead(nn.Module):
     a plain tensor), so the parameter is still `output.weight`, and runs inside this module's forward, so
     FSDP2 has gathered (and cast) the weight before and reduces its gradient after."""
 
-    takes_targets = True  # models.Transformer.forward(targets=...) looks for this
+    takes_targets = True  # models.Llama.forward(targets=...) looks for this
     reuse_backward = False  # True: the backward may run twice (PipelineRunner sets it for zero-bubble kinds)
 
     def __init__(

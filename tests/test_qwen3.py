@@ -193,7 +193,7 @@ def test_hf_dir_config_json_gives_a_qwen3_config(tmp_path):
     ) == get_preset("qwen3-debug", n_layers=1)
     assert (
         type(config_from_manifest({"preset": "debug", "config": get_preset("debug").as_dict()})).__name__
-        == "ModelConfig"
+        == "LlamaConfig"
     )
 
 

@@ -166,7 +166,7 @@ _OPTIONAL = tuple(
 
 def as_shape(model) -> ModelShape:
     """`model` as a ModelShape: a ModelShape as it is; any other object read by ModelShape's field names
-    (tessera's Llama ModelConfig has them all but the optional ones, whose defaults are Llama's). Another
+    (tessera's LlamaConfig has them all but the optional ones, whose defaults are Llama's). Another
     family's config is refused: its sizes are what its spec says (`spec_of(config).shape(config)`)."""
     if isinstance(model, ModelShape):
         return model

@@ -59,7 +59,7 @@ def layouts(
     tp_divides: int | None = None,
 ) -> Layout:
     """A Layout over `axes` (the others 1) with min_world <= world_size <= max_world that the model
-    (a ModelShape, a tessera ModelConfig, or anything with n_heads, n_kv_heads, ffn_dim and n_layers), the sequence
+    (a ModelShape, tessera's LlamaConfig, or anything with n_heads, n_kv_heads, ffn_dim and n_layers), the sequence
     length and the global batch allow; `tp_divides`: tp must divide it (a user model's head count)."""
     unknown = [a for a in axes if a not in AXES]
     if unknown:

@@ -76,7 +76,7 @@ def sdpa_choice(q: Tensor, k: Tensor, v: Tensor) -> str:
 
 @dataclass(frozen=True)
 class Shape:
-    """The model's shape: the fields of tessera.models.ModelConfig the baseline reads (that config
+    """The model's shape: the fields of tessera.models.LlamaConfig the baseline reads (that config
     itself can be passed)."""
 
     dim: int
@@ -152,7 +152,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Parameter names as tessera's Transformer (tok_embeddings, layers.N.attention.wq, ..., norm, output)."""
+    """Parameter names as tessera's Llama (tok_embeddings, layers.N.attention.wq, ..., norm, output)."""
 
     def __init__(self, s: Shape, cudnn: bool = False):
         super().__init__()

@@ -50,7 +50,7 @@ fsdp    per FSDP unit: all-gathers of the padded flat parameters (once a step in
         separate name would split one overlapped stream of FSDP traffic in two (parallel/comm_stats.py
         counts the edp group's collectives under "dp_shard_cp" too)
 Scalars (loss sums, grad-norm partials, the straggler watch's step times) are left out: bytes per step.
-The model is a ModelShape (topology/shapes.py; tessera's Llama ModelConfig is read by the same names).
+The model is a ModelShape (topology/shapes.py; tessera's LlamaConfig is read by the same names).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ step    model FLOPs (6 N per token, N an MoE model's active parameters, plus cau
         else over the inter-node bandwidth.
 
 The model is a `ModelShape` (topology/shapes.py: plain numbers a family's spec gives, `spec.shape(config)`;
-tessera's Llama ModelConfig is read by the same field names): its matrices (two or three in the MLP),
+tessera's LlamaConfig is read by the same field names): its matrices (two or three in the MLP),
 head_dim, qk-norm, norms, biases, tied head and position table are what the counts above count. Nothing
 here imports torch, tessera.models or tessera.parallel: `tessera plan` resolves a preset name to a shape.
 

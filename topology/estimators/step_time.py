@@ -28,7 +28,7 @@ and the step of one rank is
 
 What it counts, per step (T tokens, L layers, D = dim, Q = heads x head dim, K = kv heads x head dim,
 F = ffn dim, V = vocab, P = parameters, e = bytes of the compute dtype), for a model given as a ModelShape
-(topology/shapes.py; tessera's Llama ModelConfig is read by the same names):
+(topology/shapes.py; tessera's LlamaConfig is read by the same names):
 
     matmul FLOPs     6 x (parameters in matmuls: all but the lookup tables) x T; the output head (the
                      loss's matmul) included, tied or not
