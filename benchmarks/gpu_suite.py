@@ -6,7 +6,8 @@ model builds and compiles included (--budget-s, default 420), results written af
 
 Parts, in the order of what they tell a user (--parts a,b,... runs a subset, in this order):
   triton    (15 s)   every Triton kernel compiled on this machine's triton and checked against a float64
-                     definition, before anything else (a version break shows here, not mid-run)
+                     definition (the FP8 cast against torch's own cast, bit for bit), before anything else (a
+                     version break shows here, not mid-run)
   eager     (75 s)   the 1b preset at seq 2048, eager, at the largest batch that fits: the first try is the
                      largest power of two the planner's memory estimate fits on this GPU, halved on
                      out-of-memory (doubled while the measured peak leaves room); every attempt recorded.

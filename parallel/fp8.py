@@ -108,6 +108,9 @@ class Float8Matmul:
     split: str | None = None
     record: bool = False
     scales: list = field(default_factory=list)
+    # the one-pass Triton cast (kernels/triton_fp8_cast.py, torchao's bits) and a one-kernel amax; None: on CUDA in
+    # eager steps, where torchao's eager cast runs four kernels (under torch.compile inductor fuses torchao's)
+    fused_cast: bool | None = None
 
     def __post_init__(self) -> None:
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig  # lazy: optional dependency
@@ -133,9 +136,17 @@ class Float8Matmul:
         }
         return splits.get((self.split, operand))
 
+    def fused(self, t: Tensor) -> bool:
+        """Whether `t` is cast by the one-pass kernel (the field's comment)."""
+        from torch.distributed.tensor import DTensor  # lazy: as in float8_gathered_weights
+
+        if isinstance(t, DTensor) or not t.is_floating_point():
+            return False
+        return (t.is_cuda and not torch.compiler.is_compiling()) if self.fused_cast is None else self.fused_cast
+
     def cast(self, t: Tensor, cc: Any, operand: str, gemm: str, axis: int) -> Tensor:
         """t in FP8 as torchao's hp_tensor_to_float8_dynamic casts it, the amax over the tp group where
-        the scale covers the split dim."""
+        the scale covers the split dim; the same bits by the one-pass kernel where `fused` says so."""
         from torchao.float8.config import ScalingGranularity, ScalingType  # lazy: optional dependency
         from torchao.float8.distributed_utils import tensor_already_casted_to_fp8  # lazy: as above
         from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8  # lazy
@@ -145,7 +156,11 @@ class Float8Matmul:
             return t
         axiswise = cc.scaling_granularity is ScalingGranularity.AXISWISE
         dim = axis if axiswise else None
-        amax = tensor_to_amax(t, scaling_granularity=cc.scaling_granularity, axiswise_dim=dim)
+        fused = self.fused(t)
+        if fused:  # max |t| in one reduction (torchao's takes abs into a temporary, then its max): the same value
+            amax = torch.linalg.vector_norm(t, ord=math.inf, dim=dim, keepdim=dim is not None)
+        else:
+            amax = tensor_to_amax(t, scaling_granularity=cc.scaling_granularity, axiswise_dim=dim)
         split = self.split_dim(operand)
         covers_split = split is not None and (not axiswise or axis - (t.dim() if axis >= 0 else 0) == split)
         if covers_split and self.group is not None and not PER_SHARD:
@@ -156,6 +171,13 @@ class Float8Matmul:
         if self.record:
             self.scales.append((gemm, operand, scale.detach().clone()))
         role = {"input": GemmInputRole.INPUT, "weight": GemmInputRole.WEIGHT}.get(operand, GemmInputRole.GRAD_OUTPUT)
+        if fused:
+            from torchao.float8.float8_training_tensor import Float8TrainingTensor  # lazy: optional dependency
+
+            from tessera.kernels.triton_fp8_cast import scaled_cast_fp8  # lazy: Triton, where FP8 runs
+
+            bits = scaled_cast_fp8(t, scale, cc.target_dtype)
+            return Float8TrainingTensor(bits, scale, t.dtype, self.mm_config, role, dim)
         return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, self.mm_config, role, dim)
 
 

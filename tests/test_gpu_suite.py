@@ -82,7 +82,11 @@ def test_smoke_runs_every_part_and_writes_the_json_and_pngs(smoke):
     assert data["device"]["device"] and data["versions"]["torch"] and data["config"]["smoke"] is True
     r = data["results"]
     assert r["parts_done"] == list(PARTS) and r["skipped"] == []
-    assert r["triton"]["all_ok"] and {c["kernel"] for c in r["triton"]["checks"]} == {"attention", "rms_norm"}
+    assert r["triton"]["all_ok"] and {c["kernel"] for c in r["triton"]["checks"]} == {
+        "attention",
+        "rms_norm",
+        "fp8_cast",
+    }
     assert "causal attention" in r["mfu_formula"]
     eager = r["eager"]
     assert eager["planner_start"] == 2 and [a["outcome"] for a in eager["attempts"]] == ["ran"]

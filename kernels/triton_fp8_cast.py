@@ -1,0 +1,80 @@
+"""An FP8 matmul operand's scaled cast in one pass: y = fp8(clamp(x * scale, -max, max)), rounded to nearest,
+ties to even, the scale one for the tensor or one per row or column (tensorwise and rowwise scaling).
+
+torchao's eager cast (float8_training_tensor._ToFloat8ConstrFunc with float8_utils.to_fp8_saturated) runs it as
+four kernels with fp32 intermediates, the upcast, the multiply, the clamp and the convert: 27 bytes moved an
+element of a bf16 input, where this kernel reads 2 and writes 1 (on the H200's FP8 eager step the casts took
+57.9 ms, 14.5%). Under torch.compile inductor fuses torchao's cast itself, so parallel/fp8.py takes this kernel
+in eager steps only.
+
+The rounding is done in fp32 arithmetic before the store, so the store converts a value fp8 holds exactly: the
+same bits on a GPU, whose conversion rounds to nearest even, and in Triton's CPU interpreter, whose conversion
+rounds ties away from zero. Each value v is divided by its fp8 quantum q (a power of two: 2^(e - mantissa bits),
+e its exponent, at least the format's least normal one), rounded to an integer by the 1.5 x 2^23 trick (fp32
+addition rounds to nearest even, and |v / q| < 2^(mantissa bits + 1) is far below 2^22), and multiplied back; a
+zero keeps the sign of v. tests/test_fp8_cast.py holds it to torch's own eager cast bit for bit and to a float64
+definition (the nearest of the format's 256 values, ties to the even one).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .triton_compat import INTERPRET  # noqa: F401  (importing it also fixes triton < 3.8's interpreter)
+
+# (mantissa bits, least normal exponent, largest finite value) of each FP8 format torchao trains in
+FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
+BLOCK_ROWS, BLOCK_COLS = 16, 256
+_ROUNDER = 12582912.0  # 1.5 x 2^23: v + it - it rounds v to an integer, ties to even, for |v| < 2^22
+
+
+@triton.jit
+def _scaled_cast_kernel(
+    X, S, Y, M, N, stride_xm, stride_sm, stride_sn, stride_ym,
+    MANTISSA: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    inside = (rows < M) & (cols < N)
+    x = tl.load(X + rows * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)
+    s = tl.load(S + rows * stride_sm + cols * stride_sn, mask=inside, other=1.0)
+    v = tl.minimum(tl.maximum(x * s, -FMAX), FMAX)
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    q = ((e - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((v / q + _ROUNDER) - _ROUNDER) * q
+    y = tl.where(r == 0.0, v * 0.0, r)  # -0.0 stays negative, as torch's convert keeps it
+    tl.store(Y + rows * stride_ym + cols, y.to(Y.dtype.element_ty), mask=inside)
+
+
+def scaled_cast_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Tensor:
+    """x * scale in `dtype`, saturated at its largest finite value, rounded to nearest even; `scale` (fp32)
+    broadcasts to x's last two dims: one element, one per row (..., M, 1) or one per column (1, N). The bits
+    torchao's eager `to_fp8_saturated(x.to(float32) * scale, dtype)` gives (module doc)."""
+    if dtype not in FORMATS:
+        raise ValueError(f"scaled_cast_fp8: dtype {dtype} is not one of {', '.join(map(str, FORMATS))}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scaled_cast_fp8: scale is {scale.dtype}; torchao's scales are float32")
+    if x.dim() == 2 and x.stride(0) == 1 and x.stride(1) != 1:  # column-major (a weight's transpose): cast its
+        # row-major transpose and hand back the transpose, in the layout torchao's elementwise cast keeps
+        return scaled_cast_fp8(x.t(), scale.t() if scale.dim() == 2 else scale, dtype).t()
+    mantissa, emin, fmax = FORMATS[dtype]
+    n = x.shape[-1] if x.dim() else 1
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    s2 = scale.expand(x.shape).reshape(-1, n) if scale.numel() > 1 else scale.reshape(1, 1).expand(x2.shape)
+    # a broadcast scale keeps stride 0 along what it repeats over; a per-row one (..., M, 1) reshapes to (rows, n)
+    # with a stride along the rows only
+    y = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    m = x2.shape[0]
+    grid = (triton.cdiv(m, BLOCK_ROWS), triton.cdiv(n, BLOCK_COLS))
+    _scaled_cast_kernel[grid](
+        x2, s2, y, m, n, x2.stride(0), s2.stride(0), s2.stride(1), y.stride(0),
+        MANTISSA=mantissa, EMIN=emin, FMAX=fmax, BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_COLS,
+    )  # fmt: skip
+    return y.reshape(x.shape)
