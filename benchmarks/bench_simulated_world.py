@@ -8,7 +8,7 @@ the reason; a pipeline runs the fewest microbatches its schedule needs (the publ
 repeat the same messages).
 
     python benchmarks/bench_simulated_world.py --smoke      # 4 and 64 ranks, about a minute
-    python benchmarks/bench_simulated_world.py              # 4 to 512 ranks
+    python benchmarks/bench_simulated_world.py              # 4 to 1,024 ranks
     python benchmarks/bench_simulated_world.py --published  # the published runs' layouts
 """
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 SMOKE = ["dp2xtp2+sp", "dp16xtp4+sp"]
-FULL = [*SMOKE, "dp64", "dp32xtp8+sp", "dp64xtp8+sp"]
+FULL = [*SMOKE, "dp64", "dp32xtp8+sp", "dp64xtp8+sp", "pp8xdp16xtp8"]
 
 
 PUBLISHED = Path(__file__).resolve().parent / "published" / "runs.json"

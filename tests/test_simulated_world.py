@@ -253,6 +253,17 @@ def test_tessera_check_refuses_what_it_cannot_prove_in_one_line(capsys, argv, me
     assert message in _one_error(capsys, *argv)
 
 
+def test_a_world_too_large_whose_batch_and_sequence_are_already_the_least_names_the_memory_it_needs(capsys):
+    from tessera.training.simulated import available_bytes
+
+    if available_bytes() > 80e9:  # admitted there: it would run (for hours), not refuse
+        pytest.skip("this machine has the memory for the 4,096-rank layout")
+    said = _one_error(capsys, "--layout", "pp8xdp64xtp8", "--world", "4096")
+    assert "on 4096 simulated ranks needs about" in said and "GB here" in said, said
+    assert "--global-batch 512 and --seq-len 32 are the least this layout's proof runs: it needs a machine" in said
+    assert "lower" not in said  # no fix that would not lower the estimate
+
+
 LAYOUTS = st.builds(
     dict,
     pp=st.sampled_from([1, 2, 4, 8]),

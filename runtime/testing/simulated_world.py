@@ -170,7 +170,8 @@ def _prepare(
 
         least = fewest_microbatches(probing.parallel_config().pipeline.kind or "1f1b", probe.pp, virtual)
     rows = max(2, pipeline.get("microbatches", least))
-    batch = rows * probe.dp_replicate * probe.dp_shard if global_batch is None else global_batch
+    default_batch = rows * probe.dp_replicate * probe.dp_shard
+    batch = default_batch if global_batch is None else global_batch
     common = dict(
         model=name,
         seq_len=seq_len,
@@ -190,11 +191,22 @@ def _prepare(
     check_simulated(config, world)
     need, have = estimate_bytes(cfg, probe, seq_len, batch, config.data.microbatches or 1), available_bytes()
     if need > 0.8 * have:
+        # only the fixes that lower the estimate: the proof's defaults are already the least it runs
+        default_seq = least_seq_len(probe.cp, probe.tp, bool(probing.parallel_config().sequence_parallel))
+        fixes = ["the debug model"] if model and model != "debug" else []
+        if batch > default_batch:
+            fixes.append(f"lower global_batch={batch} (the default here: {default_batch})")
+        if seq_len > default_seq:
+            fixes.append(f"lower seq_len={seq_len} (the default here: {default_seq})")
+        fix = (
+            f"use {' or '.join(fixes)}, or a machine with more memory"
+            if fixes
+            else f"global_batch={batch} and seq_len={seq_len} are the least this layout's proof runs: it needs a "
+            f"machine with about {need / 0.8 / GB:.0f} GB free"
+        )
         raise ValueError(
             f"layout={layout_name} on {world} simulated ranks needs about {need / GB:.1f} GB here (every rank's "
-            f"shards, gathered layers and activations), and this machine has {have / GB:.1f} GB free: use "
-            f"{'the debug model, ' if model else ''}lower global_batch={batch} or seq_len={seq_len}, or a machine with "
-            f"more memory"
+            f"shards, gathered layers and activations), and this machine has {have / GB:.1f} GB free: {fix}"
         )
     return common, {**common, **kw}, world, cfg, need
 
