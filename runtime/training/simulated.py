@@ -23,6 +23,8 @@ from typing import Any
 from tessera.parallel.context_simulated import SIMULATED_DOCUMENTS
 from tessera.parallel.local_world import world_disabled
 
+from .local_dispatch import per_rank_dispatch_without_copies
+
 
 def require_local_tensor() -> None:
     """ValueError naming the torch a simulated world needs, when this one lacks LocalTensorMode."""
@@ -328,7 +330,12 @@ def trace(config: Any, world: int) -> dict[str, Any]:
 
     layout = config.layout
     try:
-        with warnings.catch_warnings(), mesh_coordinates_once(), fsdp2_storage_per_rank():
+        with (
+            warnings.catch_warnings(),
+            mesh_coordinates_once(),
+            fsdp2_storage_per_rank(),
+            per_rank_dispatch_without_copies(),
+        ):
             # the fake backend takes no timeout (each collective is computed here, nothing waits)
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             if world == 1:
