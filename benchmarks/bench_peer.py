@@ -49,8 +49,9 @@ WARMUP = 3  # steps before the timed ones, for both frameworks (the first compil
 CPU_STEPS = 3  # the checks' run of torchtitan's trainer on the CPU
 
 
-def check(preset: str = "1b", batch: int = 16, seq_len: int = 2048) -> dict[str, Any]:
-    """What can be checked of the peer without a GPU (module doc); AssertionError naming what differs."""
+def check(preset: str = "1b", batch: int = 16, seq_len: int = 2048, train_on_cpu: bool = True) -> dict[str, Any]:
+    """What can be checked of the peer without a GPU (module doc); AssertionError naming what differs.
+    `train_on_cpu` False: the commands and shapes only (the GPU run's record: seconds of a lease, not minutes)."""
     import importlib.metadata
 
     import peer_torchtitan as peer  # lazy: imports torchtitan
@@ -84,8 +85,8 @@ def check(preset: str = "1b", batch: int = 16, seq_len: int = 2048) -> dict[str,
     theirs = peer.build_model(preset)
     shapes = sorted(tuple(p.shape) for p in ours.parameters())
     assert shapes == sorted(tuple(p.shape) for p in theirs.parameters()), "torchtitan's model differs in shapes"
-    trained = {}
-    for precision, fp8 in PRECISIONS.items():
+    trained: dict[str, list[float]] = {}
+    for precision, fp8 in PRECISIONS.items() if train_on_cpu else ():
         fp8 = fp8 and "tensorwise"  # the form torchtitan emulates (peer_torchtitan.command_args)
         row = peer.PeerRow("debug", 2, 32, CPU_STEPS, compile=False, fp8=fp8, emulate=fp8 is not None)
         run = torchtitan_row(row, timeout=300.0, on_cpu=True)
@@ -151,20 +152,26 @@ def torchtitan_row(row: Any, timeout: float, on_cpu: bool = False) -> dict[str, 
         entry = [str(HERE / "bench_peer.py"), "--torchtitan-on-cpu"] if on_cpu else ["-m", "torchtitan.train"]
         cmd = [sys.executable, *entry, *peer.command_args(row, dump)]
         began = time.perf_counter()
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    log = done.stdout + done.stderr
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            log, returncode = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as e:  # recorded with what it logged; the next rows still run
+            out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+            log, returncode = "".join(out) + f"\n(killed after {timeout:.0f} s)", None
     steps = peer.parse_steps(log)
-    timed = [s["tps"] for s in steps if s["step"] > WARMUP]
+    # the steps after the warmup, of a run that ended well (a crashed or killed run's figures are not a row's)
+    # (steps WARMUP+1 .. the last but one: the ones tessera's row times, its last being profiled)
+    timed = [s["tps"] for s in steps if WARMUP < s["step"] < row.steps] if returncode == 0 else []
     out: dict[str, Any] = {
         "command": "python -m torchtitan.train " + " ".join(cmd[1 + len(entry) :]),
-        "returncode": done.returncode,
+        "returncode": returncode,
         "run_seconds": time.perf_counter() - began,
         "steps": steps,
         "tokens_per_s": statistics.median(timed) if timed else None,
         "peak_reserved_gib": max((s["memory_gib"] for s in steps), default=None),
         "float8_linears": "Swapped to Float8Linear layers" in log,  # torchtitan's converter's own log line
     }
-    if done.returncode != 0 or not timed:
+    if returncode != 0 or not timed:
         out["log_tail"] = log[-3000:]
     return out
 
@@ -184,14 +191,18 @@ def run_rows(args: argparse.Namespace, precisions: list[str]) -> None:
     sizes = dict(SMOKE if smoke else FULL, model=preset, seq_len=seq_len, steps=args.steps, warmup=WARMUP)
     results: dict[str, Any] = {"rows": {}}
     config = vars(args) | {"warmup": WARMUP, "preset": preset, "batch": batch, "seq_len": seq_len}
-    if not smoke:
-        config["check"] = check(preset, batch, seq_len)
+    if not smoke:  # the commands and shapes, recorded; a difference is the record's, not the run's end
+        try:
+            config["check"] = check(preset, batch, seq_len, train_on_cpu=False)
+        except AssertionError as e:
+            config["check"] = {"failed": str(e)[:500]}
     name = "peer-torchtitan-smoke-cpu" if smoke else f"peer-torchtitan-{device_slug(info['device'])}"
     for precision in precisions:
         fp8 = PRECISIONS[precision]
         try:
             ours = train_row(sizes, batch, not smoke, smoke, peak, args.timeout, fp8=fp8)
-            tessera = {k: ours.get(k) for k in ("tokens_per_s", "step_time_s", "mfu", "compute_dtype", "final_loss")}
+            kept = ("tokens_per_s", "step_time_s", "mfu", "mfu_fp8_peak", "mfu_fp8_blended_peak", "compute_dtype")
+            tessera = {k: ours.get(k) for k in (*kept, "final_loss")}
             tessera |= {
                 "fp8": fp8,
                 "peak_allocated_bytes": ours.get("peak_bytes"),
@@ -225,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         torchtitan_on_cpu(argv[1:])
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="1b", help="tessera's llama preset both train (default 1b)")
+    p.add_argument(
+        "--preset", default="1b", choices=("1b", "debug"), help="tessera's llama preset both train (default 1b)"
+    )
     p.add_argument("--batch", type=int, default=16, help="sequences a step (the GPU suite's fit on an H200: 16)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=8, help=f"steps a row; the first {WARMUP} are not timed")
@@ -239,11 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     precisions = args.precisions.split(",")
     unknown = [x for x in precisions if x not in PRECISIONS]
-    if unknown or args.steps <= WARMUP:
+    if unknown or args.steps <= WARMUP + 1:
         raise SystemExit(
             f"bench_peer: precision {unknown[0]!r} is not one of {', '.join(PRECISIONS)}"
             if unknown
-            else f"bench_peer: --steps {args.steps} leaves no timed step after the {WARMUP} warmup steps"
+            else f"bench_peer: --steps {args.steps} leaves no timed step after the {WARMUP} warmup steps and "
+            f"tessera's profiled last one: use --steps {WARMUP + 2} or more"
         )
     if args.check:
         record = check(args.preset, args.batch, args.seq_len)

@@ -13,7 +13,7 @@ rounds ties away from zero. Each value v is divided by its fp8 quantum q (a powe
 e its exponent, at least the format's least normal one), rounded to an integer by the 1.5 x 2^23 trick (fp32
 addition rounds to nearest even, and |v / q| < 2^(mantissa bits + 1) is far below 2^22), and multiplied back; a
 zero keeps the sign of v. tests/test_fp8_cast.py holds it to torch's own eager cast bit for bit and to a float64
-definition (the nearest of the format's 256 values, ties to the even one).
+definition (the nearest of the format's 256 values, ties to the even one), and a NaN to torch's NaN.
 """
 
 from __future__ import annotations
@@ -37,18 +37,23 @@ def _scaled_cast_kernel(
     MANTISSA: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # 64-bit: 2^31 elements and more
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     inside = (rows < M) & (cols < N)
     x = tl.load(X + rows * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)
     s = tl.load(S + rows * stride_sm + cols * stride_sn, mask=inside, other=1.0)
-    v = tl.minimum(tl.maximum(x * s, -FMAX), FMAX)
+    p = x * s
+    v = tl.where(p != p, p, tl.minimum(tl.maximum(p, -FMAX), FMAX))  # a NaN stays NaN, as torch's clamp keeps it
     e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, EMIN)
     q = ((e - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
     r = ((v / q + _ROUNDER) - _ROUNDER) * q
     y = tl.where(r == 0.0, v * 0.0, r)  # -0.0 stays negative, as torch's convert keeps it
-    tl.store(Y + rows * stride_ym + cols, y.to(Y.dtype.element_ty), mask=inside)
+    bits = y.to(Y.dtype.element_ty).to(tl.uint8, bitcast=True)
+    # a NaN is torch's NaN of its sign (0x7F, 0xFF in both formats): the interpreter's convert gives a number
+    negative = p.to(tl.int32, bitcast=True) < 0
+    bits = tl.where(p != p, tl.where(negative, 0xFF, 0x7F).to(tl.uint8), bits)
+    tl.store(Y + rows * stride_ym + cols, bits.to(Y.dtype.element_ty, bitcast=True), mask=inside)
 
 
 def scaled_cast_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Tensor:

@@ -83,6 +83,17 @@ def test_the_cast_is_the_float64_definition_ties_and_signed_zeros_included(dtype
     assert bad.numel() == 0, [(v[i].item(), _bits(got)[i].item(), want[i].item()) for i in bad[:5]]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["e4m3", "e5m2"])
+def test_a_nan_stays_nan_as_torchaos_cast_keeps_it(dtype):
+    x = torch.tensor([1.0, float("nan"), -float("nan"), -3.0])
+    got = scaled_cast_fp8(x, torch.tensor(2.0), dtype).float()
+    want = to_fp8_saturated(x * 2.0, dtype).float()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[1:3]).all()
+    assert torch.equal(got[[0, 3]], want[[0, 3]])
+    bits = scaled_cast_fp8(x, torch.tensor(2.0), dtype).view(torch.uint8)
+    assert torch.equal(bits, to_fp8_saturated(x * 2.0, dtype).view(torch.uint8))  # NaN's sign too
+
+
 def test_bad_input_gets_one_line():
     with pytest.raises(ValueError, match="scaled_cast_fp8: dtype torch.bfloat16 is not one of"):
         scaled_cast_fp8(torch.ones(4), torch.ones(()), torch.bfloat16)

@@ -119,3 +119,37 @@ def test_one_process_bf16_equals_fsdp2s_degree_one_policy_bit_for_bit_and_copies
 def test_layouts_without_data_axes_equal_fsdp2s_policy_bit_for_bit(world, kw):
     reference, copies = _both(world, **kw)
     _assert_bitwise(reference, copies)
+
+
+def _with_weights_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The two-layer model's output computed from its fp32 masters cast to bf16 now (the definition)."""
+    h = x.to(torch.bfloat16)
+    for layer in model:
+        h = torch.nn.functional.linear(
+            h, layer._parameters["weight"].to(h.dtype), layer._parameters["bias"].to(h.dtype)
+        )
+    return h
+
+
+def test_a_loop_of_ones_own_computes_with_the_weights_an_optimizer_or_a_load_just_changed():
+    from tessera.parallel.mixed_precision import apply_compute_copies
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    apply_compute_copies(model, torch.bfloat16, [[m] for m in model])
+    # torch's fused AdamW writes the parameters in place without bumping their version counters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    x = torch.randn(2, 8)
+    for _ in range(2):
+        out = model(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, _with_weights_of(model, x))
+        out.float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():  # an evaluation, a checkpoint loaded, another evaluation: no backward between them
+        model(x)
+        changed = {k: v + 1 for k, v in model.state_dict().items()}
+        model.load_state_dict(changed)
+        assert torch.equal(model(x), _with_weights_of(model, x))
+    assert model[0].weight is model[0]._parameters["weight"] or model[0].weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters, for the optimizer and state

@@ -119,7 +119,11 @@ def test_the_peer_builds_tessera_presets_and_refuses_a_width_torchtitan_cannot()
     "argv, message",
     [
         (["--precisions", "bf16,fp4"], "precision 'fp4' is not one of bf16, fp8"),
-        (["--steps", "3"], "--steps 3 leaves no timed step after the 3 warmup steps"),
+        (
+            ["--steps", "4"],
+            "--steps 4 leaves no timed step after the 3 warmup steps and tessera's profiled last one: use --steps 5 "
+            "or more",
+        ),
         ([], "no CUDA device here (torchtitan's trainer runs on CUDA); --check runs on CPU"),
     ],
 )

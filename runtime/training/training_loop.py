@@ -241,6 +241,7 @@ class Trainer:
                     loss_sum, count = forward_only(self.parts[0], self.loss_fn, [local], self.runner.positions)
                 totals += torch.stack([loss_sum, count])
         finally:
+            release_copies(self.parts)  # the evaluation's bf16 copies (no gradients), until the next forward
             for part in self.parts:
                 part.train(was_training)
         if self.meshes.loss is not None:
