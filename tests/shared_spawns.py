@@ -125,6 +125,10 @@ class SpawnPool:
                 m.ran_worlds.add(world)
 
 
+# each shared spawn that failed (its rows then trained by file, then by row), with why: a test's message
+FALLBACKS: list[str] = []
+
+
 def spawn_together(world: int, parts: list[tuple[SharedSpawns, list[Any]]]) -> bool:
     """The rows `keys` of each (SharedSpawns, keys) in one spawn of `world` ranks, in order, each keeping its
     results; False, keeping nothing, if the spawn failed."""
@@ -133,7 +137,8 @@ def spawn_together(world: int, parts: list[tuple[SharedSpawns, list[Any]]]) -> b
     timeout = 60.0 + sum(m.timeout_per_row * len(keys) for m, keys in parts)
     try:
         by_rank = run_ranks(each_in_turn, world, cases, every, timeout=timeout, collective_timeout=COLLECTIVE_TIMEOUT)
-    except (RankFailure, RankTimeout):
+    except (RankFailure, RankTimeout) as e:
+        FALLBACKS.append(f"{world} ranks: {type(e).__name__}: {str(e)[:500]}")  # why the rows trained apart
         return False
     start = 0
     for m, keys in parts:

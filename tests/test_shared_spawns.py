@@ -53,7 +53,7 @@ def test_pooled_files_train_each_world_size_in_one_spawn(spawns):
     assert pool.spawns_of(b).result("b2") == [6, 6]  # every rank's, as file b asks
     assert pool.spawns_of(a).result("a2") == 4
     assert pool.spawns_of(a).result("a1") == 2 and pool.spawns_of(b).result("b1") == [8]
-    assert spawns == [(2, 2), (1, 2)]
+    assert spawns == [(2, 2), (1, 2)], shared_spawns.FALLBACKS  # a fallback names the spawn's failure
 
 
 def test_files_not_pooled_train_by_themselves(spawns):
