@@ -422,8 +422,12 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from tessera.training.simulated import mesh_coordinates_once
 SHAPES = ((8,), (2, 4), (2, 2, 2))
+KEPT = []  # every mesh alive to the end: torch's own cache (the reference) keys coordinates by id(mesh), and a
+# freed mesh's id handed to the next mesh gave the reference its coordinates once under load (pytorch/pytorch#184526)
 def coordinates():
-    return {str(s): [c.node._local_ints for c in init_device_mesh("cpu", s).get_coordinate()] for s in SHAPES}
+    meshes = [init_device_mesh("cpu", s) for s in SHAPES]
+    KEPT.extend(meshes)
+    return {str(s): [c.node._local_ints for c in m.get_coordinate()] for s, m in zip(SHAPES, meshes)}
 dist.init_process_group("fake", rank=0, world_size=8)
 with LocalTensorMode(8):
     plain = coordinates()
