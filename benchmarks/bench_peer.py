@@ -87,8 +87,7 @@ def check(preset: str = "1b", batch: int = 16, seq_len: int = 2048, train_on_cpu
     assert shapes == sorted(tuple(p.shape) for p in theirs.parameters()), "torchtitan's model differs in shapes"
     trained: dict[str, list[float]] = {}
     for precision, fp8 in PRECISIONS.items() if train_on_cpu else ():
-        fp8 = fp8 and "tensorwise"  # the form torchtitan emulates (peer_torchtitan.command_args)
-        row = peer.PeerRow("debug", 2, 32, CPU_STEPS, compile=False, fp8=fp8, emulate=fp8 is not None)
+        row = peer.cpu_row("debug", 2, 32, CPU_STEPS, fp8)
         run = torchtitan_row(row, timeout=300.0, on_cpu=True)
         steps = run["steps"]
         assert run["returncode"] == 0 and [s["step"] for s in steps] == list(range(1, CPU_STEPS + 1)), (
@@ -96,7 +95,7 @@ def check(preset: str = "1b", batch: int = 16, seq_len: int = 2048, train_on_cpu
             + run.get("log_tail", "")[-600:]
         )
         assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in steps), steps
-        assert run["float8_linears"] == (fp8 is not None), f"{precision}: float8 linears {run['float8_linears']}"
+        assert run["float8_linears"] == (row.fp8 is not None), f"{precision}: float8 linears {run['float8_linears']}"
         trained[precision] = [s["loss"] for s in steps]
     return dict(
         torchtitan=importlib.metadata.version("torchtitan"),
@@ -212,9 +211,11 @@ def run_rows(args: argparse.Namespace, precisions: list[str]) -> None:
             tessera = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         import peer_torchtitan as peer  # lazy: imports torchtitan
 
-        theirs = (fp8 and "tensorwise") if smoke else fp8  # the form torchtitan emulates on CPU
-        row = peer.PeerRow(preset, batch, seq_len, args.steps, not smoke, theirs, emulate=smoke and fp8 is not None)
-        titan = torchtitan_row(row, args.timeout, on_cpu=smoke) | {"fp8": theirs}
+        if smoke:
+            row = peer.cpu_row(preset, batch, seq_len, args.steps, fp8)
+        else:
+            row = peer.PeerRow(preset, batch, seq_len, args.steps, compile=True, fp8=fp8)
+        titan = torchtitan_row(row, args.timeout, on_cpu=smoke) | {"fp8": row.fp8}
         ratio = (
             tessera["tokens_per_s"] / titan["tokens_per_s"]
             if tessera.get("tokens_per_s") and titan.get("tokens_per_s")

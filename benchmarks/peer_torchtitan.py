@@ -138,6 +138,13 @@ class PeerRow:
     emulate: bool = False  # torchao's float8 emulated, tensorwise (the CPU checks), not the hardware's
 
 
+def cpu_row(preset: str, batch: int, seq_len: int, steps: int, fp8: str | None) -> PeerRow:
+    """The row a CPU runs for `fp8`'s: eager, and an FP8 row in the tensorwise form torchtitan emulates (its
+    recipes by name are never emulated: command_args)."""
+    form = fp8 and "tensorwise"
+    return PeerRow(preset, batch, seq_len, steps, compile=False, fp8=form, emulate=form is not None)
+
+
 def command_args(row: PeerRow, dump_folder: str) -> list[str]:
     """torchtitan.train's arguments for `row`: tessera's defaults where torchtitan's differ (no activation
     checkpointing, a log line every step, no checkpoint or validation), the output head left in bf16 under FP8

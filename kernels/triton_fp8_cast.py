@@ -43,7 +43,7 @@ def _scaled_cast_kernel(
     x = tl.load(X + rows * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)
     s = tl.load(S + rows * stride_sm + cols * stride_sn, mask=inside, other=1.0)
     p = x * s
-    v = tl.where(p != p, p, tl.minimum(tl.maximum(p, -FMAX), FMAX))  # a NaN stays NaN, as torch's clamp keeps it
+    v = tl.minimum(tl.maximum(p, -FMAX), FMAX)  # (a NaN may come out a number here: its bits are set below)
     e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, EMIN)
     q = ((e - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)

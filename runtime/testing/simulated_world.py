@@ -159,8 +159,9 @@ def _prepare(
     require_local_tensor()
     virtual = probing.parallel_config().pipeline.virtual if probe.pp > 1 else 1
     name, cfg = _model_of(model, probe, scratch, virtual)
+    default_seq = least_seq_len(probe.cp, probe.tp, bool(probing.parallel_config().sequence_parallel))
     if seq_len is None:
-        seq_len = least_seq_len(probe.cp, probe.tp, bool(probing.parallel_config().sequence_parallel))
+        seq_len = default_seq
     if not 1 <= seq_len <= cfg.max_seq_len:
         raise ValueError(f"seq_len={seq_len} must be 1..{cfg.max_seq_len} (the model's max_seq_len), e.g. 32")
     # 2 rows per data-parallel rank, and with pp a row per microbatch (those named, or the fewest its schedule runs)
@@ -192,7 +193,6 @@ def _prepare(
     need, have = estimate_bytes(cfg, probe, seq_len, batch, config.data.microbatches or 1), available_bytes()
     if need > 0.8 * have:
         # only the fixes that lower the estimate: the proof's defaults are already the least it runs
-        default_seq = least_seq_len(probe.cp, probe.tp, bool(probing.parallel_config().sequence_parallel))
         fixes = ["the debug model"] if model and model != "debug" else []
         if batch > default_batch:
             fixes.append(f"lower global_batch={batch} (the default here: {default_batch})")
