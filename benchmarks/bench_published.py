@@ -60,6 +60,7 @@ def hardware_of(row: dict, source: dict, efficiency: float) -> Hardware:
         cp_kv_heads=source["cp_kv_heads"],
         cp_overlap=source["cp_overlap"],
         cp_merge=source["cp_merge"],
+        data_parallel=source["data_parallel"],
         loss=row["loss"],
         ac_policy="torchtitan" if source["framework"] == "torchtitan" else "tessera",
         headroom=0.0,  # the published peak is what ran: nothing is held back

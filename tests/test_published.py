@@ -245,6 +245,38 @@ def test_every_published_row_names_its_source_and_what_it_assumes():
         assert s["repository"] and s["file"] and s["commit"] and r["published_tokens_per_s_per_gpu"] > 0
         load_profile(r["hardware"])
         assert isinstance(r["assumptions"], list)
+        assert s["data_parallel"] == ("megatron" if s["framework"] == "Megatron-Bridge" else "fsdp2")
+
+
+@settings(max_examples=40, deadline=None)
+@given(dp=st.sampled_from([2, 4, 8, 16]), tp=st.sampled_from([1, 2, 4]), microbatches=st.sampled_from([1, 4]))
+def test_megatrons_distributed_optimizer_holds_6_plus_12_over_dp_bytes_a_parameter(dp, tp, microbatches):
+    """Megatron's DDP with its distributed optimizer and fp32 gradients (its docs' table: 6 + 12/d bytes a
+    parameter): one bf16 parameter buffer, one fp32 gradient buffer held the whole step, the master and Adam
+    moments sharded; FSDP2's SHARD_GRAD_OP, accumulating, holds a sharded copy beside the gathered one, the
+    unsharded fp32 gradients and then sharded ones: 6 + 16/d (without accumulation no fp32 buffer, which
+    Megatron's keeps)."""
+    shape = shape_of("8b")
+    cand = Candidate(Layout(dp_shard=dp, tp=tp), "SHARD_GRAD_OP", "full", None, microbatches)
+    seen = {}
+    for states in ("fsdp2", "megatron"):
+        hw = Hardware.from_profile("dgx-h100", dp * tp, data_parallel=states)
+        seen[states] = estimate(shape, cand, hw, 4096, dp * microbatches).memory
+    m, f = seen["megatron"], seen["fsdp2"]
+    params = f["gathered_params"] / 2  # this rank's parameters after tp (the gathered bf16 copy holds them)
+    assert m["parameters"] == 2 * params and m["gradients"] == 4 * params and m["gathered_params"] == 0
+    assert m["optimizer"] == f["optimizer"] and m["unsharded_grads"] == 0
+    states = m["parameters"] + m["gradients"] + m["optimizer"]
+    assert states == pytest.approx((6 + 12 / dp) * params, rel=0.01)  # (FSDP2's padding of the shards)
+    assert m["activations"] == f["activations"]
+    if microbatches > 1:  # FSDP2 accumulates in unsharded fp32 gradients beside its two parameter copies
+        fsdp2 = sum(f[k] for k in ("parameters", "gathered_params", "unsharded_grads", "gradients", "optimizer"))
+        assert fsdp2 == pytest.approx((6 + 16 / dp) * params, rel=0.01) and m["total"] < f["total"]
+
+
+def test_a_data_parallel_states_model_other_than_fsdp2_or_megatron_is_refused():
+    with pytest.raises(PlanError, match="data_parallel='zero1': use one of fsdp2, megatron"):
+        Hardware(gpus=8, data_parallel="zero1")
 
 
 def test_bench_published_predicts_every_row_with_one_constant_per_source(tmp_path):

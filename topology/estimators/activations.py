@@ -1,8 +1,10 @@
 """What one block keeps for backward, per block kind, for the models whose blocks differ from Llama's: latent
 attention (DeepSeek-V3), attention sinks and sliding windows (gpt-oss), dense first layers beside MoE ones,
 biased experts and the clamped SwiGLU. Plain numbers, counted from what each module saves (saved-tensor hooks
-over a forward; tests/test_planner_memory.py measures the whole rank); the planner (`layer_activation_bytes`)
-calls `block_activation_bytes` for a shape `uses_block_model` accepts and keeps its own count for the others.
+over a forward; tests/test_planner_memory.py measures the whole rank), and what the same block keeps compiled
+(`compiled_block_bytes`, the planner's count under compile or another framework's fused kernels); the planner
+(`layer_activation_bytes`) calls `block_activation_bytes` for a shape `uses_block_model` accepts and keeps its
+own count for the others.
 
 The attention core takes one of these paths (`attention_path`, as kernels/dispatch.py picks):
 - a fused kernel, which saves q, k, v, its output and the LSE: the GPU's Triton kernel; on CPU ATen's flash
@@ -195,3 +197,47 @@ def block_activation_bytes(
     s = as_shape(shape)
     sp = seq // tp if sequence_parallel else seq
     return float(_attention_bytes(s, layer, rows, seq, sp, tp, e, cpu, cp) + _mlp_bytes(s, layer, rows, seq, sp, tp, e))
+
+
+def compiled_block_bytes(
+    shape: ModelShape, layer: int, rows: int, seq: int, tp: int, sequence_parallel: bool, e: int
+) -> float:
+    """Bytes block `layer` keeps for backward when it is compiled (or fused as Transformer Engine's are): the
+    outputs of its matmuls and of its attention core, and its input. Inductor's partitioner recomputes the
+    elementwise ops in the backward (norms, RoPE, the activation and its clamp, the sinks' merge, the routing's
+    arithmetic) and never a matmul, so a compiled block keeps what tessera's `--ac op` keeps; the count per
+    block kind, as `block_activation_bytes` counts the same block eager:
+    - attention (`seq` tokens: a context-parallel rank's own): q, k and v out of their projections (latent
+      attention: the down projections' latents on this rank's tokens and the up projections' per-head
+      outputs), the core's output and fp32 LSE, the output projection's output;
+    - MLP: the up matrices' outputs and the down projection's; an MoE block each assignment's (the grouped
+      matmuls') with its routing kept (sort orders, weight), the router's fp32 scores, a shared expert's as a
+      dense MLP's;
+    - the norms' fp32 rstd, which the recomputed norms read."""
+    s = as_shape(shape)
+    h = s.dim
+    sp = seq // tp if sequence_parallel else seq
+    heads = s.n_heads // tp
+    dv = s.v_head_dim or s.head_dim
+    ups = s.mlp_matrices - 1
+    kept = sp * h * e + 2 * sp * ACC  # the block input; the two norms' rstd
+    if s.kv_lora_rank:
+        rank, rope = s.kv_lora_rank, s.qk_rope_head_dim
+        latents = (s.q_lora_rank + rank + rope) * sp * e  # q_a's (when queries have a latent) and kv_a's outputs
+        ups_out = seq * heads * (s.head_dim + (s.head_dim - rope) + dv) * e  # q_b's, and kv_b's (k's nope, v)
+        projections = latents + ups_out
+    else:
+        kv = (s.n_kv_heads // tp if kv_heads_split(s.n_kv_heads, tp) else 1) * s.head_dim
+        projections = seq * (heads * s.head_dim + 2 * kv) * e
+    core = seq * heads * (dv * e + ACC)  # the core's output and its LSE
+    attention = projections + core + sp * h * e  # and the output projection's output
+    if not s.n_experts or layer < s.n_dense_layers:
+        f = (s.dense_ffn_dim if s.n_experts else s.ffn_dim) // tp
+        mlp = seq * ups * f * e + sp * h * e
+    else:
+        f, k = s.ffn_dim // tp, s.top_k
+        router = sp * (s.n_experts * ACC + k * INDEX + (k + 1) * ACC)
+        per_assignment = 2 * INDEX + ACC + (ups * f + h) * e  # routing; the grouped matmuls' outputs
+        shared = seq * ups * (s.shared_ffn_dim // tp) * e + (sp * h * e if s.shared_ffn_dim else 0)
+        mlp = router + seq * k * per_assignment + shared
+    return float(rows * (kept + attention + mlp))

@@ -46,6 +46,7 @@ RECOMPUTE: dict[str, float] = {"none": 0.0, "op": 0.03, "selective": 1 / 6, "ful
 assert set(RECOMPUTE) == set(MEMORY_AC_MODES), "a recompute share for every activation checkpointing mode"
 AC_MODES = tuple(sorted(RECOMPUTE, key=RECOMPUTE.__getitem__))
 LOSS_MODES = ("chunked", "logits", "compiled-logits")
+DATA_PARALLEL_STATES = ("fsdp2", "megatron")
 AC_POLICIES = ("tessera", "torchtitan")  # whose `ac op` a plan counts (Hardware.ac_policy)
 # the strategies it enumerates: NO_SHARD and HYBRID_SHARD are layouts with dp_replicate, which it enumerates
 STRATEGIES = tuple(s for s in FSDP_STRATEGIES if s in ("FULL_SHARD", "SHARD_GRAD_OP"))
@@ -110,6 +111,11 @@ class Hardware:
     loss: str = "chunked"
     # whose per-op checkpointing `ac op` is: tessera's (every matmul output kept) or torchtitan's (every other)
     ac_policy: str = "tessera"
+    # how a data axis without FULL_SHARD holds the model's states (for predicting another framework's runs):
+    # "fsdp2" (tessera's: sharded at rest, gathered for compute) or "megatron" (Megatron's DDP with its
+    # distributed optimizer: one bf16 parameter buffer, one fp32 gradient buffer the gradients accumulate and
+    # are reduce-scattered in, the fp32 master and Adam's moments sharded; topology/estimators/rank_memory.py)
+    data_parallel: str = "fsdp2"
     # --offload's links (offload_model.py), at the shares a copy and the host step reach: PCIe per GPU
     # and direction (H100's Gen5 x16, 64 GB/s, at 0.8), the host's DRAM per node (DGX H100's 614 GB/s at 0.5),
     # and the host memory per node the offloaded states must fit in (None: unknown, not checked)
@@ -170,6 +176,8 @@ class Hardware:
             raise PlanError(f"ac_policy={self.ac_policy!r}: use one of {', '.join(AC_POLICIES)}")
         if self.loss not in LOSS_MODES:
             raise PlanError(f"loss={self.loss!r}: use one of {', '.join(LOSS_MODES)}")
+        if self.data_parallel not in DATA_PARALLEL_STATES:
+            raise PlanError(f"data_parallel={self.data_parallel!r}: use one of {', '.join(DATA_PARALLEL_STATES)}")
         if self.cp_merge not in RING_MERGES:
             raise PlanError(f"cp_merge={self.cp_merge!r}: use one of {', '.join(RING_MERGES)}")
         if self.attention not in ATTENTION_BACKENDS:

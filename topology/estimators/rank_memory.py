@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import functools
 
-from tessera.topology.estimators.activations import block_activation_bytes, layer_kind, uses_block_model
+from tessera.topology.estimators.activations import (
+    block_activation_bytes,
+    compiled_block_bytes,
+    layer_kind,
+    uses_block_model,
+)
 from tessera.topology.estimators.comm_model import stage_layer_counts
 from tessera.topology.memory import get_recipe, offload_split
 from tessera.topology.estimators.muon_memory import MUON_RECIPES, muon_extra_bytes
@@ -206,6 +211,13 @@ def _rank_memory(
     # reduce yet, to_accumulated_grad_if_needed), the whole stage's from the rank's first backward on
     accumulating = cand.microbatches > 1
     m["unsharded_grads"] = (tp_local * 4.0 if fsdp > 1 else m["gradients"]) if accumulating else 0.0
+    # Megatron's DDP with its distributed optimizer (another framework's runs): the bf16 parameters in one buffer
+    # the optimizer's all-gather writes in place (no separate sharded copy), the gradients in one fp32 buffer
+    # (grad_reduce_in_fp32) held the whole step, accumulated in and reduce-scattered in place; the fp32 master
+    # and Adam's moments on the rank's 1/dp (`optimizer` above); Adam updates the shard in place
+    megatron = hw.data_parallel == "megatron" and stage != 3
+    if megatron:
+        m.update(parameters=tp_local * e, gathered_params=0.0, gradients=tp_local * 4.0, unsharded_grads=0.0)
     # a pipeline rank holds its most forwards in flight before its first backward; it holds them again with
     # the gradients only if it runs more forwards than that (the steady state of 1F1B), else the first
     # backward's gradients meet one microbatch fewer in flight
@@ -220,11 +232,16 @@ def _rank_memory(
         # compiled blocks: inductor's partitioner recomputes the elementwise ops in the backward, so a block
         # keeps what tessera's op policy keeps (every matmul and attention output, the block input): the
         # partitioner never recomputes a matmul, unlike torchtitan's per-op SAC, which keeps every other one
+        # (the families whose blocks differ count each kind's outputs: compiled_block_bytes)
         policy = hw.ac_policy
-        if ac == "none" and hw.compile and not per_kind:
-            ac, policy = "op", "tessera"
-        key = (ac, policy, layer_kind(cfg, layer) if per_kind and ac == "none" else None)
-        if key not in counted:
+        if ac == "none" and hw.compile:
+            ac, policy = ("compiled", "tessera") if per_kind else ("op", "tessera")
+        key = (ac, policy, layer_kind(cfg, layer) if per_kind and ac in ("none", "compiled") else None)
+        if key in counted:
+            return counted[key]
+        if ac == "compiled":
+            counted[key] = compiled_block_bytes(cfg, layer, mb_rows, seq, lay.tp, cand.sequence_parallel, e)
+        else:
             counted[key] = layer_activation_bytes(
                 cfg,
                 mb_rows,
@@ -289,8 +306,12 @@ def _rank_memory(
     held = m["activations"] + m["unsharded_grads"]
     if not steady:  # (in_flight - 1 chunks of activations beside the gradients, or in_flight without them)
         held = max(m["activations"], m["activations"] - max(chunk_bytes(c) for c in chunks) + m["unsharded_grads"])
+    if megatron:  # its gradient buffer is held from the first backward on, whatever the schedule
+        held += m["gradients"]
     backward_start = held + max(m["logits"], m["backward_transient"]) + m["gathered_params"]
     optimizer_step = 2 * m["gradients"]  # the gradients and the optimizer's temporaries of their size
+    if megatron:
+        optimizer_step = m["gradients"]  # the gradient buffer, which the step reads in place
     if hw.recipe in MUON_RECIPES:  # Muon's own accounting (topology/estimators/muon_memory.py)
         optimizer_step += _muon_memory(m, cfg, cand, hw, pp_rank, fsdp, stage, n_blocks=sum(layers[s] for s in stages))
     if cand.offload != "none":  # the states that leave the GPU (topology/memory.py's offload_split)
