@@ -49,3 +49,28 @@ def group_members(group: Any) -> list[list[int]]:
     held = mode.ranks
     groups = [[offset + r for r in ranks] for offset in offsets]
     return [g for g in groups if set(g) <= held]
+
+
+def per_rank(n: Any) -> dict[int, int] | None:
+    """A size that is one int per simulated rank (an uneven shard's, a LocalIntNode) as {rank: int}; None for
+    a plain int, every rank's alike."""
+    node = getattr(n, "node", None)
+    ints = getattr(node, "_local_ints", None)
+    return None if ints is None else dict(ints)
+
+
+def widest(n: Any) -> int:
+    """The largest over the simulated ranks of a size that may be one int per rank (`per_rank`), else the int."""
+    ints = per_rank(n)
+    return int(n) if ints is None else max(ints.values())
+
+
+def rank_int(values: dict[int, int]) -> Any:
+    """One int per simulated rank ({rank: int}) as a size torch's simulated ops take (a plain int where every
+    rank's is alike)."""
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    import torch  # lazy: (as in _enabled_mode)
+    from torch.distributed._local_tensor import LocalIntNode
+
+    return torch.SymInt(LocalIntNode(values))

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from .comm import collective
-from .local_world import group_members, simulated_world
+from .local_world import group_members, per_rank, rank_int, simulated_world, widest
 
 ADJUST_LR = ("original", "match_rms_adamw")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -159,8 +159,16 @@ def _plan(p: Tensor, group: dist.ProcessGroup | None, owner_in_group: int, flops
     size, me = dist.get_world_size(group), dist.get_rank(group)
     owner = dist.get_global_rank(group, owner_in_group)
     if simulated_world() is not None:  # every simulated rank receives what the owner would (a gather is MPMD)
-        # the shards are even there (a simulated world holds one shape per rank): no padding
-        return _Plan(group, size, owner, True, mine.numel(), mine.numel(), _all_gathered(mine, group, size), flops)
+        # uneven shards hold a size per simulated rank: each padded to the widest, as on real ranks
+        n = mine.numel()
+        width = widest(n)
+        padded = torch.full((width,), -1, dtype=torch.long, device=mine.device)
+        padded.narrow(0, 0, n).copy_(mine)  # (narrow, not a slice: its bounds check compares one size per rank)
+        rows, ints = _all_gathered(padded, group, size), per_rank(n)
+        if ints is not None:  # member j's row cut to member j's own count, on each rank of each group
+            of = {r: g for g in group_members(group) for r in g}
+            rows = [row.narrow(0, 0, rank_int({r: ints[of[r][j]] for r in ints})) for j, row in enumerate(rows)]
+        return _Plan(group, size, owner, True, n, width, rows, flops)
     sizes = [torch.zeros((), dtype=torch.long) for _ in range(size)]
     dist.all_gather(sizes, torch.tensor(mine.numel(), dtype=torch.long), group=group)
     width = max(int(s) for s in sizes)
@@ -274,7 +282,7 @@ class Muon(torch.optim.Optimizer):
             offsets.append(offsets[-1] + plan.width)
         piece = torch.zeros(offsets[-1], dtype=dtype, device=device)
         for plan, u, at in zip(plans, updates, offsets):
-            piece[at : at + plan.local_numel] = u.reshape(-1)
+            piece.narrow(0, at, plan.local_numel).copy_(u.reshape(-1))  # (narrow: a simulated uneven shard's size)
         world = simulated_world()
         pieces = [torch.empty_like(piece) for _ in range(first.size)] if first.is_owner else None
         with collective("gather (muon update)", COMM_AXIS, first.group):
@@ -303,7 +311,7 @@ class Muon(torch.optim.Optimizer):
         else:
             with collective("scatter (muon update)", COMM_AXIS, first.group):
                 dist.scatter(mine, chunks, src=first.owner, group=first.group)
-        return [mine[at : at + plan.local_numel].view(u.shape) for plan, u, at in zip(plans, updates, offsets)]
+        return [mine.narrow(0, at, plan.local_numel).view(u.shape) for plan, u, at in zip(plans, updates, offsets)]
 
 
 def _all_gathered(t: Tensor, group: dist.ProcessGroup, size: int) -> list[Tensor]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -163,8 +164,9 @@ class BlockInput(nn.Module):
 def shard_range(full: int, rank: int, size: int) -> tuple[int, int]:
     """[start, stop) of rank's piece when `full` rows are split as torch.chunk / DTensor Shard split them."""
     chunk = -(-full // size)
-    start = min(rank * chunk, full)
-    return start, min(start + chunk, full)
+    # sym_min: a simulated world's rank is one int per simulated rank, which Python's min cannot compare
+    start = torch.sym_min(rank * chunk, full)
+    return start, torch.sym_min(start + chunk, full)
 
 
 def _shard_param(weight: Tensor, mesh: DeviceMesh, placement: Placement) -> DTensor:

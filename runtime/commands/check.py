@@ -20,7 +20,8 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world", type=int, help="the world size to simulate (default: the layout's; it must be that)")
     p.add_argument(
         "--model",
-        help="a llama-family preset the layout shards evenly (default: the debug model, sized for the layout)",
+        help="a llama-family or MoE preset (default: the debug model, or the MoE debug model under ep, sized for the "
+        "layout's tp, pp and ep; widths the FSDP ranks do not split run as FSDP2 shards them, padded)",
     )
     p.add_argument("--steps", type=int, default=2, help=f"training steps to compare (default 2, at most {MAX_STEPS})")
     p.add_argument(

@@ -40,58 +40,26 @@ REFUSED_OPTIONS = {
 
 
 def _model_of(model: str | None, layout: Any, scratch: Path, virtual: int = 1) -> tuple[str, Any]:
-    """(the model's name for Config.create, its config): the user's preset if the layout shards it evenly, else
-    the debug model sized for the layout (and layers for its pp x `virtual` stages), written as a config.json
-    under `scratch` (hf:DIR)."""
+    """(the model's name for Config.create, its config): the user's preset, else the debug model (an ep
+    layout's: the MoE debug model) sized for the layout's tp and pp x `virtual` stages (and experts for its
+    ep), written as a config.json under `scratch` (hf:DIR). Widths the FSDP ranks do not split are simulated
+    as FSDP2 shards them: padded, the last shards shorter or empty."""
     from tessera.models import get_preset  # lazy: tessera.models imports torch
     from tessera.models.hf import hf_config_dict
-    from tessera.training.simulated import shard_multiple, sized_model, sized_moe_model, uneven_shards
+    from tessera.training.simulated import sized_model, sized_moe_model
 
     if model is None and layout.ep > 1:  # experts to dispatch: the MoE debug model, sized for the layout
         cfg = sized_moe_model(get_preset(MOE_MODEL), layout, virtual)
-        if cfg is None:
-            tensors = ", ".join(uneven_shards(get_preset(MOE_MODEL), layout))
-            raise ValueError(
-                f"{layout} does not shard {MOE_MODEL}'s {tensors} evenly over its FSDP ranks with any expert "
-                f"count up to 4 x {shard_multiple(layout)} (LocalTensorMode holds one shape per rank); name an "
-                f"MoE preset it divides with model="
-            )
         (scratch / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
         return f"hf:{scratch}", cfg
     if model is not None and model != "debug":  # the debug model named: sized like the default
         cfg = get_preset(model)  # its ValueError names the presets
         if not hasattr(cfg, "ffn_dim") and not getattr(cfg, "n_experts", None):
             raise ValueError(f"model={model}: a simulated world runs llama-family and MoE models; use the debug model")
-        uneven = uneven_shards(cfg, layout)
-        multiple = shard_multiple(layout)
-        if uneven or cfg.vocab_size % multiple:
-            why = ", ".join(uneven) or f"vocab_size {cfg.vocab_size} (not a multiple of {multiple})"
-            raise ValueError(
-                f"model={model}: {layout} does not shard {why} evenly over its FSDP ranks (LocalTensorMode holds "
-                f"one shape per rank){_smallest_like(cfg, layout, virtual)}; leave the model out (or name debug) "
-                f"for the debug model, sized to {layout}"
-            )
         return model, cfg
     cfg = sized_model(get_preset("debug"), layout, virtual)
     (scratch / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
     return f"hf:{scratch}", cfg
-
-
-def _smallest_like(cfg: Any, layout: Any, virtual: int) -> str:
-    """ ", the smallest like it that does: dim ..." naming the smallest llama-family model of `cfg`'s ratios that
-    `layout` shards evenly (sized_model), or "" where there is none (an MoE preset, none within reach)."""
-    from tessera.training.simulated import sized_model  # lazy: (as in _model_of)
-
-    if not hasattr(cfg, "ffn_dim"):
-        return ""
-    try:
-        s = sized_model(cfg, layout, virtual)
-    except ValueError:
-        return ""
-    return (
-        f", the smallest like it that does: dim {s.dim}, {s.n_heads} heads ({s.n_kv_heads} kv), ffn {s.ffn_dim}, "
-        f"vocab {s.vocab_size}, {s.n_layers} layers"
-    )
 
 
 def least_seq_len(cp: int, tp: int, sequence_parallel: bool, at_least: int = DEFAULT_SEQ_LEN) -> int:
@@ -320,7 +288,7 @@ def prove_layout(
     gather every simulated rank receives as an all-gather and whose scatter each rank reads its part of).
     `cp_method`: a cp layout's attention, "ring" (the default) or "allgather" (tessera train's --cp-method)."""
     from tessera.training.run_config import Config  # lazy: (as in _prepare)
-    from tessera.training.simulated import trace
+    from tessera.training.simulated import trace, uneven_shards
 
     from .equivalence import LayoutsDiverge
 
@@ -361,6 +329,8 @@ def prove_layout(
             for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "n_experts", "moe_ffn_dim", "vocab_size")
             if hasattr(cfg, k)
         },
+        # the tensors FSDP2 shards unevenly on this layout (padded, the last shards shorter or empty): proved too
+        "uneven_shards": uneven_shards(cfg, layout_config.layout),
         # a pp layout's pipeline as it ran (its schedule, virtual stages per rank, microbatches)
         "pipeline": None
         if ran is None
@@ -396,9 +366,12 @@ def prove_layout(
         f"(loss E {record['fp8_error']['loss']:.1e}, grad norm E {record['fp8_error']['grad norm']:.1e}); matmuls "
         f"recorded {'/'.join(sorted(set(simulated['compute_dtypes'])))}"
     )
+    uneven = f" (FSDP2's uneven shards of {len(record['uneven_shards'])} tensor shapes among them)" * bool(
+        record["uneven_shards"]
+    )
     record["verdict"] = (
         f"equal to one process: {where}, {steps} steps of {shape}, seq {one_kw['seq_len']}: every step's loss and "
-        f"grad norm and all {len(one['grads'][0])} gradients of step 1 {within}; {simulated_s:.1f} s, peak "
+        f"grad norm and all {len(one['grads'][0])} gradients of step 1{uneven} {within}; {simulated_s:.1f} s, peak "
         f"memory {peak / GB:.2f} GB"
     )
     return record

@@ -23,14 +23,21 @@ from typing import Any
 import torch
 
 
+def _children(spec: Any) -> list[Any]:
+    """A pytree spec's children: `children()` where torch has it (2.13 deprecates `children_specs`, warning on
+    every read: a simulated run's every operator)."""
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
+
+
 def _leaves_only(spec: Any) -> tuple[int, list[str]] | None:
     """(positional count, keyword names) where the (args, kwargs) spec holds leaves only, else None."""
-    args, kwargs = spec.children_specs
+    args, kwargs = _children(spec)
     if args.type is not tuple or kwargs.type is not dict:
         return None
-    if not all(c.is_leaf() for c in args.children_specs) or not all(c.is_leaf() for c in kwargs.children_specs):
+    positional, named = _children(args), _children(kwargs)
+    if not all(c.is_leaf() for c in positional) or not all(c.is_leaf() for c in named):
         return None
-    return len(args.children_specs), list(kwargs.context)
+    return len(positional), list(kwargs.context)
 
 
 def _make_dispatch(lt: Any) -> Callable[..., Any]:

@@ -24,6 +24,7 @@ from tessera.parallel.context_simulated import SIMULATED_DOCUMENTS
 from tessera.parallel.local_world import world_disabled
 
 from .local_dispatch import per_rank_dispatch_without_copies
+from .simulated_shards import uneven_shards_per_rank
 
 
 def require_local_tensor() -> None:
@@ -46,22 +47,17 @@ def require_local_tensor() -> None:
         )
 
 
-def shard_multiple(layout: Any) -> int:
-    """What a tiny model's vocabulary must be a multiple of for `layout` to shard it evenly: the embedding's
-    rows over tp and the FSDP ranks (dp_shard x cp; ep's edp for experts is coarser). LocalTensorMode holds
-    every rank's shard at one shape, so an uneven last shard (FSDP2's padding) is not simulated."""
-    return layout.tp * layout.dp_shard * layout.cp * layout.dp_replicate
-
-
 def uneven_shards(cfg: Any, layout: Any) -> list[str]:
-    """A block's parameters of `cfg` whose rows on a tp rank (topology's layer_param_shapes, the rows FSDP2
-    shards) the FSDP ranks (dp_shard x cp) do not split evenly, as `rows x cols`: LocalTensorMode holds every
-    rank's shard at one shape, so FSDP2's padded last shard (an empty one at large worlds) is not simulated."""
+    """The distinct tensors of `cfg` (a block's, on a tp rank, and the embedding's vocabulary rows) whose rows
+    the FSDP ranks (dp_shard x cp) split unevenly, as `rows x cols`: FSDP2 pads their last shards (empty where
+    the rows are fewer than the ranks), and the simulated world holds each rank's own (simulated_shards.py):
+    what a proof of `layout` on `cfg` also covers."""
     from tessera.models.spec import spec_of  # lazy: (as in trace)
     from tessera.topology.shapes import layer_param_shapes
 
     fsdp = layout.dp_shard * layout.cp
-    shapes = dict.fromkeys(layer_param_shapes(spec_of(cfg).shape(cfg), layout.tp))  # distinct, in order
+    shape = spec_of(cfg).shape(cfg)
+    shapes = dict.fromkeys([*layer_param_shapes(shape, layout.tp), (-(-shape.vocab_size // layout.tp), shape.dim)])
     return [f"{rows} x {cols}" for rows, cols in shapes if rows % fsdp or rows < fsdp]
 
 
@@ -73,57 +69,44 @@ def pipeline_layers(n_layers: int, pp: int, virtual: int = 1) -> int:
 
 
 def sized_model(base: Any, layout: Any, virtual: int = 1) -> Any:
-    """The smallest llama-family model like `base` (its GQA ratio and MLP ratio; its layers, or the fewest
-    that `virtual` stages per pp rank split evenly) that `layout` shards evenly: `base` itself where it does;
-    else heads that tp splits and widths the FSDP ranks split, the fewest parameters first. Its vocabulary is
-    rounded up to shard_multiple's."""
+    """The smallest llama-family model like `base` (its GQA and MLP ratios; its layers, or the fewest that
+    `virtual` stages per pp rank split evenly) that `layout` runs: `base` itself where tp splits its heads and
+    widths, else the fewest parameters whose heads and widths tp splits. Its widths need not split over the
+    FSDP ranks: the simulated world holds FSDP2's uneven and empty shards, as real ranks do."""
     import dataclasses  # lazy: (as above)
 
     from tessera.topology.shapes import check_tensor_parallel, kv_heads_fit  # lazy: (as above)
 
-    multiple = shard_multiple(layout)
-    vocab = -(-base.vocab_size // multiple) * multiple
+    tp = layout.tp
     group, ratio = base.n_heads // base.n_kv_heads, base.ffn_dim / base.dim
     base = dataclasses.replace(base, n_layers=pipeline_layers(base.n_layers, layout.pp, virtual))
-    options = [dataclasses.replace(base, vocab_size=vocab)]
-    unit = layout.tp * layout.dp_shard * layout.cp
+    options = [base]
     for head_dim in (16, 32, 64, 128):
-        for n_kv in range(base.n_kv_heads, 4 * unit + 1):
-            if not kv_heads_fit(n_kv, layout.tp):
+        for n_kv in range(base.n_kv_heads, 4 * tp + 1):
+            if not kv_heads_fit(n_kv, tp):
                 continue
             n_heads = n_kv * group
-            ffn = -(-int(ratio * n_heads * head_dim) // unit) * unit
+            ffn = -(-int(ratio * n_heads * head_dim) // tp) * tp
             options.append(
-                dataclasses.replace(
-                    base, dim=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=ffn, vocab_size=vocab
-                )
+                dataclasses.replace(base, dim=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=ffn)
             )
     # the base first, then the fewest parameters (a layer's matrices) first
     for cfg in options[:1] + sorted(options[1:], key=lambda c: c.dim * (2 * c.dim + 3 * c.ffn_dim)):
         try:
-            check_tensor_parallel(cfg, layout.tp)
+            check_tensor_parallel(cfg, tp)
         except ValueError:
             continue
-        if not uneven_shards(cfg, layout):
-            return cfg
-    raise ValueError(f"no model of up to {4 * unit} kv heads shards evenly over {layout}; name one with --model")
+        return cfg
+    raise ValueError(f"no model of up to {4 * tp} kv heads splits over tp={tp}; name one with --model")
 
 
-def sized_moe_model(base: Any, layout: Any, virtual: int = 1) -> Any | None:
-    """The MoE model `base` with the fewest experts (a multiple of ep, at least one per ep rank) whose router and
-    expert-wide tensors `layout`'s FSDP ranks split evenly, its layers split over pp x `virtual` stages and its
-    vocabulary rounded up to shard_multiple's; None where no count up to 4 x shard_multiple does."""
+def sized_moe_model(base: Any, layout: Any, virtual: int = 1) -> Any:
+    """The MoE model `base` with the fewest experts that ep splits (a multiple of ep, at least one per ep rank),
+    its layers split over pp x `virtual` stages; its widths need not split over the FSDP ranks (sized_model)."""
     import dataclasses  # lazy: (as above)
 
-    multiple = shard_multiple(layout)
-    least = -(-max(base.n_experts, layout.ep) // layout.ep) * layout.ep
-    layers = pipeline_layers(base.n_layers, layout.pp, virtual)
-    vocab = -(-base.vocab_size // multiple) * multiple
-    for experts in range(least, max(least, 4 * multiple) + 1, layout.ep):
-        cfg = dataclasses.replace(base, n_experts=experts, n_layers=layers, vocab_size=vocab)
-        if not uneven_shards(cfg, layout):
-            return cfg
-    return None
+    experts = -(-max(base.n_experts, layout.ep) // layout.ep) * layout.ep
+    return dataclasses.replace(base, n_experts=experts, n_layers=pipeline_layers(base.n_layers, layout.pp, virtual))
 
 
 # what a simulated run adds to the process beyond its tensors (the Trainer's modules, the allocator's pools, the
@@ -255,19 +238,13 @@ def mesh_coordinates_once() -> Iterator[None]:
 
 def check_simulated(config: Any, world: int) -> None:
     """ValueError naming what a simulated world of `world` ranks cannot run of `config`, before anything is
-    built: a world that is not the layout's, packed documents under cp (not run yet), a vocabulary the
-    shards do not split evenly, a torch without LocalTensorMode."""
+    built: a world that is not the layout's, packed documents under cp (not run yet), a torch without
+    LocalTensorMode."""
     layout = config.layout
     if world != layout.world_size:
         raise ValueError(f"world={world} is not the world of {layout} ({layout.world_size} ranks)")
     if layout.cp > 1 and config.data.pack_documents:
         raise ValueError(f"pack_documents=True with cp={layout.cp}: {SIMULATED_DOCUMENTS}")
-    vocab, multiple = config.model_config.vocab_size, shard_multiple(layout)
-    if vocab % multiple:
-        raise ValueError(
-            f"vocab_size={vocab} does not split evenly over {layout}'s {multiple} shards (tp x dp_shard x cp x "
-            f"dp_replicate): use vocab_size={-(-vocab // multiple) * multiple}"
-        )
     require_local_tensor()
 
 
@@ -334,6 +311,7 @@ def trace(config: Any, world: int) -> dict[str, Any]:
             warnings.catch_warnings(),
             mesh_coordinates_once(),
             fsdp2_storage_per_rank(),
+            uneven_shards_per_rank(),
             per_rank_dispatch_without_copies(),
         ):
             # the fake backend takes no timeout (each collective is computed here, nothing waits)
