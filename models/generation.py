@@ -41,6 +41,11 @@ class Sampling:
             raise ValueError(
                 f"temperature={self.temperature} must be a finite number >= 0 (0: greedy; e.g. 0.8 to sample)"
             )
+        if self.temperature == 0.0 and self.top_p < 1.0:  # greedy takes the most likely token: top_p would do nothing
+            raise ValueError(
+                f"top_p={self.top_p} samples, and temperature=0 is greedy; give a temperature above 0 (e.g. "
+                f"temperature=0.8) to sample, or keep top_p=1"
+            )
 
     @property
     def greedy(self) -> bool:

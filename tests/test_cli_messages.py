@@ -425,6 +425,11 @@ def test_generate_refuses_bad_input_in_one_line_before_any_rank(capsys, tmp_path
     for top_p in ("0", "1.5", "-1"):
         message = one_error(capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1", "--top-p", top_p)
         assert message == f"--top-p {float(top_p)} is outside (0, 1]; use e.g. 0.9 (1 keeps every token)"
+    # no silent no-op: a nucleus under greedy decoding (the default temperature) would change nothing
+    assert one_error(capsys, "generate", "--checkpoint", hf, "--prompt-ids", "1", "--top-p", "0.5") == (
+        "--top-p 0.5 samples, and --temperature 0 is greedy; give a temperature above 0 (e.g. --temperature 0.8) "
+        "to sample, or keep --top-p 1"
+    )
     assert one_error(capsys, "generate", "--checkpoint", hf, "--prompt", "hello") == (
         "--prompt needs a tokenizer for this model's vocabulary of 96: give --tokenizer tokenizer.json (or a "
         "Hugging Face model folder), or the ids with --prompt-ids 1,2,3"
@@ -610,3 +615,52 @@ def test_every_help_page_fits_78_columns(capsys, command):
     code, out, _ = run(capsys, command, "--help")
     wide = [line for line in out.splitlines() if len(line) > 78]
     assert code == 0 and not wide, wide
+
+
+# ----------------------------------------------------------------------------- what a new user met (2026-12-03)
+def test_a_checkpoint_that_is_a_file_is_named_so_not_called_missing(capsys, tmp_path):
+    """A file given where a checkpoint directory goes: "is a file", not "does not exist"; and a refused resume
+    leaves no --checkpoint-dir behind."""
+    pt = tmp_path / "model.pt"
+    pt.write_bytes(b"not a checkpoint")
+    said = one_error(capsys, "train", "--model", "debug", "--steps", "2", "--resume", str(pt))
+    assert said == f"checkpoint {pt} is a file; a tessera checkpoint is a directory holding manifest.json", said
+    missing = tmp_path / "never"
+    said = one_error(capsys, "train", "--model", "debug", "--checkpoint-dir", str(missing), "--resume")
+    assert said == f"checkpoint {missing} does not exist" and not missing.exists()
+
+
+def test_export_refuses_to_write_into_the_checkpoint_it_reads(capsys, tmp_path):
+    said = one_error(capsys, "export", str(tmp_path), "--to-hf", str(tmp_path / "hf"))
+    assert said.startswith(f"--to-hf {tmp_path / 'hf'} is inside the checkpoint {tmp_path} it reads"), said
+
+
+def test_lighthouse_names_only_the_value_that_is_wrong(capsys):
+    assert one_error(capsys, "lighthouse", "--port", "-1") == "--port -1 must be within 0..65535"
+    assert one_error(capsys, "lighthouse", "--min-replicas", "0", "--heartbeat-timeout", "0") == (
+        "--min-replicas 0 must be at least 1; --heartbeat-timeout 0 must be above 0"
+    )
+
+
+def test_memory_refuses_ep_for_a_parameter_count_without_experts(capsys):
+    assert one_error(capsys, "memory", "--params", "70e9", "--dp", "8", "--ep", "2").startswith(
+        "--ep 2 splits a model's experts, and --params 7e+10 names no experts"
+    )
+
+
+def test_the_python_api_refuses_a_value_of_the_wrong_type_by_name():
+    """Config.create takes any value; the check names a field whose value is not its type (steps=2.5 used to
+    train, lr="0.1" to meet a bare TypeError), before any other check reads it."""
+    from tessera.config import Config
+    from tessera.topology.errors import ConfigError
+
+    for kw, said in [
+        (dict(steps=2.5), "steps=2.5 must be an int, not a float"),
+        (dict(lr="0.1"), "lr='0.1' must be a number, not a str"),
+        (dict(tp="2"), "tp='2' must be an int, not a str"),
+        (dict(steps=True), "steps=True must be an int, not a bool"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            Config.create(model="debug", quiet=True, **kw).check(flags={})
+        assert str(e.value) == said
+    Config.create(model="debug", quiet=True, lr=1).check()  # an int where a float goes is a number

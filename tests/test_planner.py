@@ -785,3 +785,16 @@ def test_latent_and_sliding_attention_flops():
     full = 6 * 12 * 64 * 64 * 4096  # the 12 full blocks: 6 x heads x head_dim x seq
     window = 6 * 12 * 64 * 128 * (128 - 128 * 128 / (2 * 4096))  # 12 sliding: 2 x head_dim x the keys seen
     assert attention_flops_per_token(oss, 4096) == pytest.approx(full + window, rel=1e-12)
+
+
+def test_the_why_line_names_a_tie_that_holds_less_memory_than_the_best():
+    """The ranking is by time alone; where a layout within 0.1% of the best holds less memory, the why line
+    names it (a new user's report: it said the best held the least)."""
+    result = plan(model_shape("8b"), Hardware.from_profile("h100-sxm-80gb", 8), 2048, 63)
+    best = result.ranked[0]
+    ties = [x for x in result.ranked[1:] if x.time["step"] <= best.time["step"] * 1.001]
+    least = min([best, *ties], key=lambda x: x.memory["total"])
+    text = why_best(result)
+    assert ties and least is not best, "the example no longer ties: pick another"
+    assert f"of them {least.candidate.describe()} holds the least memory" in text, text
+    assert "it holds the least memory" not in text

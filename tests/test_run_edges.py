@@ -318,7 +318,7 @@ def test_the_checkpoint_fallback_warning_is_one_line_printed_once(damaged_checkp
         f"tessera: warning: the latest checkpoint {root}/step_00000004 is unusable (truncated "
         f"or altered checkpoint file"
     )
-    assert warned[0].endswith(f"resuming from {root}/step_00000002, the newest intact one")
+    assert warned[0].endswith(f"using {root}/step_00000002, the newest intact one")
     assert "UserWarning" not in out.stderr and "warnings.warn" not in out.stderr
     assert f"resumed from {root}/step_00000002: step 2" in out.stdout
 

@@ -43,6 +43,10 @@ class NonFiniteError(TesseraError, RuntimeError):
     pass
 
 
+class TesseraWarning(UserWarning):
+    """What tessera warns of (a checkpoint fallback): the CLI prints it as one `tessera: warning:` line."""
+
+
 class CollectiveTimeout(TesseraError, RuntimeError):
     restartable = True
 

@@ -126,8 +126,8 @@ class Layout:
         """Raise if this layout does not use exactly `world_size` ranks (e.g. WORLD_SIZE under torchrun)."""
         if world_size != self.world_size:
             raise ValueError(
-                f"layout {self.as_dict()} uses {self.world_size} ranks but WORLD_SIZE is {world_size}; "
-                f"launch {self.world_size} ranks or use Layout.infer({world_size}, ...) to fit the degrees"
+                f"layout {self} uses {self.world_size} ranks but WORLD_SIZE is {world_size}; launch "
+                f"{self.world_size} ranks, or choose degrees whose product is {world_size}"
             )
 
     # ----------------------------------------------------------------- rank <-> coordinates

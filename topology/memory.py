@@ -196,6 +196,14 @@ def min_gpus(num_params: float, gpu_memory_gb: float, recipe: str = "mixed_adam"
     return math.ceil(total / (gpu_memory_gb * GB) - 1e-9)
 
 
+def parameter_count(n: float) -> str:
+    """A parameter count as people write it: 70B, 8.03B, 66.1M, 131.8K, 12."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return f"{n:g}"
+
+
 def memory_table(num_params: float, dp: int, recipe: str = "mixed_adam", gpu_memory_gb: float | None = None) -> str:
     """The ZeRO table of the reference chapter: per-rank GB for stages 0-3, one row per component."""
     r = get_recipe(recipe)
@@ -203,7 +211,7 @@ def memory_table(num_params: float, dp: int, recipe: str = "mixed_adam", gpu_mem
     names = {0: "ZeRO-0", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
     fsdp = {0: "NO_SHARD", 1: "-", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
     lines = [
-        f"model states per rank: {num_params / 1e9:g}B parameters, dp={dp}, recipe {recipe} "
+        f"model states per rank: {parameter_count(num_params)} parameters, dp={dp}, recipe {recipe} "
         f"({r.parameters}+{r.gradients}+{r.optimizer} = {r.bytes_per_param} bytes/parameter: {r.description})",
         f"{'':<12}" + "".join(f"{names[s]:>15}" for s in range(4)),
         f"{'FSDP':<12}" + "".join(f"{fsdp[s]:>15}" for s in range(4)),

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from tessera.models.init import one_process_name
 from tessera.models.spec import build_model
+from tessera.topology.errors import TesseraWarning
 
 from .locks import directory_lock, pinned_steps  # noqa: F401 (directory_lock: part of this module's API)
 from .safe_io import (  # re-exported: CheckpointError and the safetensors functions are part of this module's API
@@ -83,11 +84,8 @@ def resolve(path: str | os.PathLike) -> Path:
             return target
         for older in sorted(path.glob("step_*"), reverse=True):
             if older != target and structural_problem(older) is None:
-                warnings.warn(
-                    f"the latest checkpoint {target} is unusable ({problem}); resuming from {older}, the "
-                    f"newest intact one",
-                    stacklevel=2,
-                )
+                why = f"the latest checkpoint {target} is unusable ({problem}); using {older}, the newest intact one"
+                warnings.warn(why, TesseraWarning, stacklevel=2)
                 return older
         raise CheckpointError(
             f"{latest} points to {target}, which is unusable ({problem}), and no older checkpoint in {path} is intact"
@@ -96,7 +94,8 @@ def resolve(path: str | os.PathLike) -> Path:
         raise CheckpointError(
             f"no {MANIFEST} (and no 'latest' pointer) in {path}: not a tessera checkpoint, or an interrupted save"
         )
-    raise CheckpointError(f"checkpoint {path} does not exist")
+    found = f"is a file; a tessera checkpoint is a directory holding {MANIFEST}" if path.exists() else ""
+    raise CheckpointError(f"checkpoint {path} {found or 'does not exist'}")
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:

@@ -152,6 +152,18 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=run_bench)
 
 
+def _predicted_text(row: dict, on_gpu: bool, calibration: Any) -> str:
+    """The row's predicted step beside the measured one; on CPU ranks without a calibration (--no-calibrate)
+    the planner's constants are a GPU's, so the figure is named as such, not offered as this device's."""
+    text = (
+        f"predicted step {row['predicted']['step_time_s'] * 1e3:.1f} ms "
+        f"(measured / predicted {row['measured_over_predicted']['step_time']:.2f})"
+    )
+    if calibration is None and not on_gpu:
+        return text.replace("predicted step", "predicted step at an H100's uncalibrated rates, not this CPU's,", 1)
+    return text
+
+
 def run_bench(args: argparse.Namespace) -> int:
     try:
         if (args.layouts is None) == (args.series is None):
@@ -315,9 +327,9 @@ def _sweep(args: argparse.Namespace, configs: list, out: Path) -> int:
             f"bench [{i}/{len(configs)}] {name}: {r['tokens_per_s']:,.0f} tok/s "
             f"({r['tokens_per_s_per_device']:,.0f} per device), "
             f"step {r['step_time_s'] * 1e3:.1f} ms ({_exposed(r)}), "
-            f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}, {r['compute_dtype']}; predicted step "
-            f"{r['predicted']['step_time_s'] * 1e3:.1f} ms "
-            f"(measured / predicted {r['measured_over_predicted']['step_time']:.2f})" + experts,
+            f"MFU {r['mfu']:.1%}, loss {r['final_loss']:.4f}, {r['compute_dtype']}; "
+            + _predicted_text(r, on_gpu, calibration)
+            + experts,
             flush=True,
         )
     _efficiency(rows)

@@ -29,6 +29,12 @@ def _export(args: argparse.Namespace) -> int:
             raise CheckpointError(
                 "the checkpoint '' is an empty path; name a checkpoint directory (or a --checkpoint-dir)"
             )
+        source = Path(args.checkpoint).resolve()
+        if args.to_hf is not None and Path(target).resolve().is_relative_to(source):
+            raise ValueError(
+                f"--to-hf {target} is inside the checkpoint {args.checkpoint} it reads: its config.json and weights "
+                f"would land among the checkpoint's files; name another directory"
+            )
         if args.out is not None:
             manifest, written = export_checkpoint(args.checkpoint, args.out), ""
         else:

@@ -225,7 +225,9 @@ def _device(device: str, tp: int) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= tp else "cpu"
     if device == "cuda" and torch.cuda.device_count() < tp:
-        raise ValueError(f"device=cuda with tp={tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
+        raise ValueError(
+            f"device=cuda with tp={tp} needs {tp} GPU{'s' * (tp > 1)}; this machine has {torch.cuda.device_count()}"
+        )
     return device
 
 

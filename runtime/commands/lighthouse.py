@@ -24,12 +24,13 @@ def add_lighthouse_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_lighthouse(args: argparse.Namespace) -> int:
-    if args.min_replicas < 1 or args.heartbeat_timeout <= 0 or not 0 <= args.port < 65536:
-        print(
-            f"tessera lighthouse: error: --min-replicas {args.min_replicas} must be >= 1, --heartbeat-timeout "
-            f"{args.heartbeat_timeout:g} > 0 and --port {args.port} within 0..65535",
-            file=sys.stderr,
-        )
+    bad = [  # only what is wrong, each with what it must be
+        f"--min-replicas {args.min_replicas} must be at least 1" if args.min_replicas < 1 else "",
+        f"--heartbeat-timeout {args.heartbeat_timeout:g} must be above 0" if not args.heartbeat_timeout > 0 else "",
+        f"--port {args.port} must be within 0..65535" if not 0 <= args.port < 65536 else "",
+    ]
+    if any(bad):
+        print(f"tessera lighthouse: error: {'; '.join(b for b in bad if b)}", file=sys.stderr)
         return 2
     os.environ.setdefault("RUST_LOG", "warn")  # quorums at INFO otherwise: a line each step
     try:

@@ -9,10 +9,11 @@ import contextlib
 import os
 import sys
 import threading
+import warnings
 from typing import NoReturn
 
 from tessera import __version__
-from tessera.topology.errors import with_flags
+from tessera.topology.errors import TesseraWarning, with_flags
 from tessera.training.run_config import add_arguments, config_from_args, flag_names, parser_flags, said
 from tessera.launching.rank_server import collector_paused, start_rank_server, under_torchrun
 
@@ -169,7 +170,25 @@ def _check_drift(config, history: list) -> int:
     return 1
 
 
+def _one_line_warnings() -> None:
+    """tessera's own warnings (TesseraWarning) as the CLI prints its errors, one `tessera: warning:` line, not
+    Python's two naming a source line; every other warning as Python shows it."""
+    shown = warnings.showwarning
+    if getattr(shown, "tessera_one_line", False):  # installed already (main called again in one process)
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
+        if issubclass(category, TesseraWarning):
+            print(f"tessera: warning: {message}", file=sys.stderr if file is None else file, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.tessera_one_line = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
+    _one_line_warnings()
     args = build_parser().parse_args(argv)
     code = int(args.func(args) or 0)
     if args.command == "train" and code == 0:

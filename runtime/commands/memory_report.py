@@ -81,6 +81,11 @@ def _memory_checks(args: argparse.Namespace) -> dict[str, int]:
             f"--gpu-memory {args.gpu_memory:g} must be a positive number of GB per GPU, e.g. --gpu-memory 80"
         )
     recipe = memory.get_recipe(args.recipe)  # its ValueError names the recipes
+    if args.model is None and getattr(args, "ep", 1) > 1:  # --params counts a model without experts
+        raise ValueError(
+            f"--ep {args.ep} splits a model's experts, and --params {args.params:g} names no experts; give --model "
+            f"PRESET (an MoE one) instead of --params, or drop --ep"
+        )
     if args.dry_run and args.model is None:
         raise ValueError(
             "--dry-run needs --model PRESET (it builds that model on the meta device); drop --dry-run "
@@ -217,8 +222,8 @@ def _memory(args: argparse.Namespace) -> int:
             if split > 1 or shard_group != args.dp:
                 print(
                     f"layout {' x '.join(f'{n}{d}' for n, d in degrees.items())}: {' x '.join(splitting)} split the "
-                    f"model {split} ways ({per_rank_params / 1e9:g}B parameters each, evenly: --dry-run counts "
-                    f"exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks"
+                    f"model {split} ways ({memory.parameter_count(per_rank_params)} parameters each, evenly: --dry-run "
+                    f"counts exactly); ZeRO shards over {' x '.join(sharding)} = {shard_group} ranks"
                 )
             print(_memory_table(per_rank_params, shard_group, args.recipe))
             if args.recipe in MUON_RECIPES:

@@ -545,8 +545,6 @@ def check_paths(
     if r.metrics:
         _check_writable_file("--metrics", r.metrics)
         _check_metrics_is_new(r.metrics, c.resume is not None)
-    if c.dir:
-        check_writable_dir("--checkpoint-dir", c.dir)
     if resume is not None:
         path, _ = resolve_checkpoint(resume)  # a fallback is announced once, by run.train
         problem = checkpoint.structural_problem(path)  # missing or truncated files, before any rank starts
@@ -573,6 +571,8 @@ def check_paths(
                 f"a run begun from them with --model hf:{c.init_from_hf} --resume)"
             )
         check_hf_weights(c.init_from_hf, model)
+    if c.dir:  # last: it creates the directory, which a run refused by the checks above must not leave behind
+        check_writable_dir("--checkpoint-dir", c.dir)
 
 
 def check_measuring_flags(r: RuntimeSection, resume: str | None) -> None:

@@ -24,6 +24,7 @@ from tessera.topology.schedules.schedule import V_KINDS, fewest_microbatches
 from tessera.topology.schedules.schedule_files import read_schedule_file
 
 
+from .field_types import check_types
 from .sections import (  # noqa: F401  (re-exported: tessera.config's names, as before the split)
     ModelSection,
     ParallelSection,
@@ -271,6 +272,7 @@ class Config:
             self.runtime,
             self.ft,
         )
+        check_types(m, p, o, d, c, r, ft)  # before anything reads a value of the wrong type
         preflight.check_launched_world(self.layout, ft)
         preflight.check_numbers(d, o, r, c)
         preflight.check_drift_flag(r, c, d)

@@ -409,14 +409,20 @@ def why_best(result: PlanResult) -> str:
     if len(result.ranked) == 1:
         return f"{best.candidate.describe()} is the only layout that fits."
     ties = [x for x in result.ranked[1:] if x.time["step"] <= best.time["step"] * 1.001]
-    tie_note = (
-        f" {len(ties)} more layout(s) tie within 0.1% on time; it holds the least memory of them." if ties else ""
+    # the ranking is by time alone: a tie may hold less memory than the best, and then is named
+    least = min([best, *ties], key=lambda x: x.memory["total"])
+    holds = (
+        "it holds the least memory of them"
+        if least is best
+        else f"of them {least.candidate.describe()} holds the least memory, {least.memory['total'] / GB:.1f} GB per "
+        f"rank against {best.memory['total'] / GB:.1f}"
     )
+    tie_note = f" {len(ties)} more layout(s) tie within 0.1% on time; {holds}." if ties else ""
     other = next((x for x in result.ranked[1:] if x.time["step"] > best.time["step"] * 1.001), None)
     if other is None:
-        return f"all {len(result.ranked)} layouts shown tie within 0.1% on time; it holds the least memory per rank."
+        return f"all {len(result.ranked)} layouts shown tie within 0.1% on time; {holds}."
     return (
         f"it wins by {gain_text(best, other)}: an estimated {best.time['step']:.3f} s/step against "
-        f"{other.time['step']:.3f} s for the next slower layout ({other.candidate.describe()}), at "
+        f"{other.time['step']:.3f} s for the next layout more than 0.1% slower ({other.candidate.describe()}), at "
         f"{best.memory['total'] / GB:.1f} GB per rank against {other.memory['total'] / GB:.1f} GB.{tie_note}"
     )
