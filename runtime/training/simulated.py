@@ -68,18 +68,27 @@ def pipeline_layers(n_layers: int, pp: int, virtual: int = 1) -> int:
     return n_layers if n_layers >= stages and n_layers % stages == 0 else -(-n_layers // stages) * stages
 
 
+def tp_vocab(vocab: int, tp: int) -> int:
+    """`vocab` rounded up to a multiple of tp: each tp rank's vocabulary rows one size, which FSDP2 may then
+    shard unevenly (check_simulated)."""
+    return -(-vocab // tp) * tp
+
+
 def sized_model(base: Any, layout: Any, virtual: int = 1) -> Any:
     """The smallest llama-family model like `base` (its GQA and MLP ratios; its layers, or the fewest that
     `virtual` stages per pp rank split evenly) that `layout` runs: `base` itself where tp splits its heads and
-    widths, else the fewest parameters whose heads and widths tp splits. Its widths need not split over the
-    FSDP ranks: the simulated world holds FSDP2's uneven and empty shards, as real ranks do."""
+    widths, else the fewest parameters whose heads and widths tp splits; its vocabulary a multiple of tp. Its
+    widths need not split over the FSDP ranks: the simulated world holds FSDP2's uneven and empty shards, as
+    real ranks do."""
     import dataclasses  # lazy: (as above)
 
     from tessera.topology.shapes import check_tensor_parallel, kv_heads_fit  # lazy: (as above)
 
     tp = layout.tp
     group, ratio = base.n_heads // base.n_kv_heads, base.ffn_dim / base.dim
-    base = dataclasses.replace(base, n_layers=pipeline_layers(base.n_layers, layout.pp, virtual))
+    base = dataclasses.replace(
+        base, n_layers=pipeline_layers(base.n_layers, layout.pp, virtual), vocab_size=tp_vocab(base.vocab_size, tp)
+    )
     options = [base]
     for head_dim in (16, 32, 64, 128):
         for n_kv in range(base.n_kv_heads, 4 * tp + 1):
@@ -106,7 +115,10 @@ def sized_moe_model(base: Any, layout: Any, virtual: int = 1) -> Any:
     import dataclasses  # lazy: (as above)
 
     experts = -(-max(base.n_experts, layout.ep) // layout.ep) * layout.ep
-    return dataclasses.replace(base, n_experts=experts, n_layers=pipeline_layers(base.n_layers, layout.pp, virtual))
+    layers = pipeline_layers(base.n_layers, layout.pp, virtual)
+    return dataclasses.replace(
+        base, n_experts=experts, n_layers=layers, vocab_size=tp_vocab(base.vocab_size, layout.tp)
+    )
 
 
 # what a simulated run adds to the process beyond its tensors (the Trainer's modules, the allocator's pools, the
@@ -238,13 +250,21 @@ def mesh_coordinates_once() -> Iterator[None]:
 
 def check_simulated(config: Any, world: int) -> None:
     """ValueError naming what a simulated world of `world` ranks cannot run of `config`, before anything is
-    built: a world that is not the layout's, packed documents under cp (not run yet), a torch without
-    LocalTensorMode."""
+    built: a world that is not the layout's, packed documents under cp (not run yet), a vocabulary tp splits
+    unevenly under FSDP, a torch without LocalTensorMode."""
     layout = config.layout
     if world != layout.world_size:
         raise ValueError(f"world={world} is not the world of {layout} ({layout.world_size} ranks)")
     if layout.cp > 1 and config.data.pack_documents:
         raise ValueError(f"pack_documents=True with cp={layout.cp}: {SIMULATED_DOCUMENTS}")
+    vocab = config.model_config.vocab_size
+    if vocab % layout.tp and layout.dp_shard * layout.cp > 1:
+        # each tp rank's rows a size per rank, which FSDP2's own chunking (torch.chunk, before any patch) compares
+        raise ValueError(
+            f"vocab_size={vocab} splits unevenly over tp={layout.tp}, and FSDP2 shards those rows again: the "
+            f"simulated world holds uneven FSDP2 shards of even tp shards only; use vocab_size="
+            f"{-(-vocab // layout.tp) * layout.tp} (or a layout without FSDP ranks)"
+        )
     require_local_tensor()
 
 
