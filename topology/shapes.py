@@ -315,7 +315,11 @@ def check_expert_parallel(n_experts: int, ep: int, shard_ranks: int, model: str 
     if shard_ranks % ep:
         raise ConfigError(
             f"ep={ep} must divide dp_shard x cp = {shard_ranks} (the ranks expert parallel borrows); "
-            f"raise `dp` or `cp`, or use `ep` dividing {shard_ranks}"
+            + (
+                f"raise `dp` or `cp` to a multiple of {ep} (e.g. dp={ep}), or drop `ep`"
+                if shard_ranks == 1
+                else f"raise `dp` or `cp`, or use `ep` dividing {shard_ranks}"
+            )
         )
 
 

@@ -127,7 +127,12 @@ def add_bench_parser(sub) -> None:
         metavar="N",
         help="optimizer steps per layout, --warmup of them left out of the medians (default 6)",
     )
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (the first also counts bytes)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="steps left out of the medians, at least 2 (default 2; the first also counts bytes)",
+    )
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: CUDA when there is a GPU for every rank)")
     p.add_argument(
         "--mixed-precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU"
