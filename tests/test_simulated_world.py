@@ -25,11 +25,12 @@ CHILD = """
 import json, sys
 from tessera.config import Config
 from tessera.testing.equivalence import compare_runs
-from tessera.training.simulated import trace
+from tessera.training.simulated import tp_vocab, trace
 kw = json.loads(sys.argv[1])
 probe = Config.create(model="debug", quiet=True, **kw)
+both = {"vocab_size": tp_vocab(258, probe.layout.tp), **(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})}
 common = dict(model="debug", seq_len=32, global_batch=2 * probe.layout.dp, steps=2, lr=3e-3, warmup=1, device="cpu",
-              mixed_precision="fp32", quiet=True, **json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+              mixed_precision="fp32", quiet=True, **both)
 one = trace(Config.create(**common), 1)
 world = trace(Config.create(**common, **kw), probe.layout.world_size)
 compare_runs(one, world, "simulated", 1e-5)
