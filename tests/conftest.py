@@ -5,6 +5,13 @@ from pathlib import Path
 
 import pytest
 
+# The repository's folders import as tessera.* (the install maps them). `python -m pytest` from the repository root
+# puts the root first on sys.path, where the bare `kernels/` folder shadows PyPI's `kernels` (Hugging Face's, which
+# transformers imports since 5.25: every test comparing with transformers failed on its ImportError). The root
+# leaves sys.path before any test module is imported; the ranks this suite starts inherit the path without it.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT]
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # torch.compile's CPU kernels in scalar C++: what the tests check of compile (tessera's blocks traced with their
 # collectives and DTensors, AOT autograd, FSDP2 and the pipeline around the compiled blocks, the numerics against

@@ -378,12 +378,13 @@ def test_a_torch_before_2_13_is_refused_naming_the_version_needed(monkeypatch):
 # planted bugs that real ranks (at most 16 here, every FSDP degree a power of two) never show: each passes the
 # simulated world at a size the real-rank tests run and fails it, by name, at the size where it bites
 PLANTED = {
-    # a shard's tile index kept in 4 bits: shards 16 and up initialize shard (index mod 16)'s region
+    # a shard's tile index kept in 4 bits: shards 16 and up initialize shard (index mod 16)'s region (planted in the
+    # tensors whose rows 16 and 32 ranks split evenly, where offset / size is the shard's index)
     "init-index-wraps-at-16": (
         "import tessera.models.init as m\n"
         "real = m._init_shard\n"
         "def wrapped(name, shape, local, offset, size, std, seed):\n"
-        "    if size[0] and offset[0] // size[0] >= 16:\n"
+        "    if size[0] and shape[0] % 32 == 0 and offset[0] // size[0] >= 16:\n"
         "        offset = (offset[0] - 16 * size[0], *offset[1:])\n"
         "    real(name, shape, local, offset, size, std, seed)\n"
         "m._init_shard = wrapped\n"
