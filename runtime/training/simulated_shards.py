@@ -15,12 +15,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-
-def shard_rows(rows: int, ranks: int, coordinate: int) -> int:
-    """The rows of a `rows`-row dim 0 that FSDP2 gives the shard at `coordinate` of `ranks`: chunks of
-    ceil(rows / ranks), the last ones shorter or empty (torch.chunk's split, FSDP2's _chunk_with_empty)."""
-    per = -(-rows // ranks)
-    return max(0, min(per, rows - coordinate * per))
+from tessera.parallel.local_world import per_rank, rank_int
+from tessera.parallel.tensor import shard_range
 
 
 @contextlib.contextmanager
@@ -29,7 +25,6 @@ def uneven_shards_per_rank() -> Iterator[None]:
     coordinate on the shard mesh (the module docstring)."""
     import torch  # lazy: FSDP2's internals, patched only around a simulated run
     from torch import nn
-    from torch.distributed._local_tensor import LocalIntNode
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
@@ -45,11 +40,12 @@ def uneven_shards_per_rank() -> Iterator[None]:
         rows, per = self._orig_size[dim], self.padded_sharded_param_size[dim]
         if per * ranks == rows:  # even: rank 0's shard is every rank's
             return
-        coordinate = info.mesh.get_local_rank(info.shard_mesh_dim)  # one int per simulated rank
-        coordinates = coordinate.node._local_ints if isinstance(coordinate, torch.SymInt) else None
+        coordinates = per_rank(info.mesh.get_local_rank(info.shard_mesh_dim))  # one int per simulated rank
         if coordinates is None:  # not a simulated world's mesh: FSDP2's own shard stands
             return
-        length = torch.SymInt(LocalIntNode({r: shard_rows(rows, ranks, c) for r, c in coordinates.items()}))
+        # each rank's rows as torch.chunk (FSDP2's _chunk_with_empty) splits them: the last shorter or empty
+        bounds = {r: shard_range(rows, c, ranks) for r, c in coordinates.items()}
+        length = rank_int({r: stop - start for r, (start, stop) in bounds.items()})
         sizes = list(self.padded_sharded_param_size)
         sizes[dim] = length
         self.sharded_size = torch.Size(sizes)
