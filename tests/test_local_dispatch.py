@@ -1,8 +1,11 @@
 """The simulated world's per-rank dispatch (runtime/training/local_dispatch.py) against torch's own: the same
 values rank by rank for ops that draw random numbers (every rank from the same RNG state), for ops with nested
-arguments (pytree's path) and for plain ones (the direct path), and torch's function back after the block."""
+arguments (pytree's path) and for plain ones (the direct path), under one RNG state or one per rank, and
+torch's function back after the block."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -35,6 +38,44 @@ def test_the_dispatch_gives_torchs_values_on_every_rank():
     for mine, theirs in zip(ours, torchs):
         assert all(torch.equal(x, y) for x, y in zip(mine, theirs))
         assert all(torch.equal(mine[0], x) for x in mine)  # SPMD: every rank drew the same numbers
+
+
+def _seeded_per_rank(mode) -> None:
+    """Each simulated rank its own RNG state (as DTensor's RNG tracker leaves them): rank r seeded with r."""
+    with mode.disable():  # (torch.manual_seed inside the mode seeds every rank alike)
+        for r in sorted(mode.ranks):
+            torch.manual_seed(100 + r)
+            mode._per_rank_rng_states[r] = lt._get_rng_state()
+
+
+def _program_per_rank() -> list[torch.Tensor]:
+    """Random draws between deterministic ops, each rank drawing from its own state."""
+    a = torch.zeros(3, 4) + 1.0  # a LocalTensor: the dispatch's per-rank path
+    b = torch.rand_like(a) * a
+    c = b.t().contiguous() + 2.0  # ops that draw nothing: the states kept
+    d = torch.nn.functional.dropout(c, p=0.5, training=True)
+    e = torch.randn_like(d)
+    with lt.enabled_local_tensor_mode().disable():
+        torch.rand(2)  # a plain tensor's draw, from the process's state alone
+    return [a, b, c, d, e, e * 2.0]  # the last draws nothing: the process's state is the last rank's again
+
+
+def test_per_rank_rng_states_draw_as_torchs_and_ops_drawing_nothing_leave_them():
+    runs = []
+    for ours in (False, True):
+        with per_rank_dispatch_without_copies() if ours else contextlib.nullcontext():
+            with lt.LocalTensorMode(4) as mode:
+                _seeded_per_rank(mode)
+                values = _per_rank(_program_per_rank())
+                states = {r: s[0].clone() for r, s in mode._per_rank_rng_states.items()}
+                process = torch.get_rng_state()
+        runs.append((values, states, process))
+    (theirs, their_states, their_process), (mine, my_states, my_process) = runs
+    for m, t in zip(mine, theirs):
+        assert all(torch.equal(x, y) for x, y in zip(m, t))
+    assert not torch.equal(mine[1][0], mine[1][1])  # the ranks drew different numbers
+    assert all(torch.equal(my_states[r], their_states[r]) for r in their_states)
+    assert torch.equal(my_process, their_process)  # the process's state as torch's loop leaves it
 
 
 def test_the_direct_path_is_taken_for_leaves_only_and_torchs_function_is_back_after():

@@ -445,18 +445,20 @@ import gc, json, weakref
 import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
-from tessera.training.simulated import mesh_coordinates_once
+from tessera.training.simulated import mesh_coordinates_once, mesh_groups_once
 SHAPES = ((8,), (2, 4), (2, 2, 2))
 KEPT = []  # every mesh alive to the end: torch's own cache (the reference) keys coordinates by id(mesh), and a
 # freed mesh's id handed to the next mesh gave the reference its coordinates once under load (pytorch/pytorch#184526)
 def coordinates():
     meshes = [init_device_mesh("cpu", s) for s in SHAPES]
     KEPT.extend(meshes)
-    return {str(s): [c.node._local_ints for c in m.get_coordinate()] for s, m in zip(SHAPES, meshes)}
+    groups = {str(s): [dist.get_process_group_ranks(m.get_group(d)) for d in range(len(s))]
+              for s, m in zip(SHAPES, meshes)}
+    return {str(s): [c.node._local_ints for c in m.get_coordinate()] for s, m in zip(SHAPES, meshes)}, groups
 dist.init_process_group("fake", rank=0, world_size=8)
 with LocalTensorMode(8):
     plain = coordinates()
-with mesh_coordinates_once(), LocalTensorMode(8):  # as trace enters them
+with mesh_coordinates_once(), mesh_groups_once(), LocalTensorMode(8):  # as trace enters them
     fast = coordinates()
     m = init_device_mesh("cpu", (4, 2))
     m.get_coordinate()
@@ -470,9 +472,30 @@ print(json.dumps({"same": plain == fast, "held": held}))
 
 @pytest.mark.slow
 def test_the_coordinates_derived_once_are_torchs_and_their_mesh_is_held():
-    """mesh_coordinates_once gives torch's own coordinates, and holds each mesh it derived them for: torch's
+    """mesh_coordinates_once gives torch's own coordinates, mesh_groups_once torch's own process groups (built
+    from one rank's copy of the rank tensor), and each mesh the coordinates were derived for is held: torch's
     cache keys them by id(mesh) alone, and a mesh freed mid-run can hand its id to a new mesh of another shape
     (an IndexError in DTensor's shard offsets, seen once in the suite at dp4 x tp2 x ep4)."""
     out = subprocess.run([sys.executable, "-c", SAME_COORDINATES], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "held": True}
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), count=st.integers(1, 48), cols=st.integers(1, 3), dim=st.integers(0, 1))
+def test_chunks_cut_on_demand_are_fsdp2s_chunks(rows, count, cols, dim):
+    """simulated_shards' on-demand chunks are FSDP2's _chunk_with_empty's, piece by piece: the same rows (views
+    of the same storage at the same offset), the same empty padding, the same count."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from tessera.training.simulated_shards import _TorchChunks
+
+    tensor = torch.arange(rows * cols, dtype=torch.float32).reshape((rows, cols) if dim == 0 else (cols, rows))
+    theirs, ours = _chunk_with_empty(tensor, count, dim), _TorchChunks(tensor, count, dim)
+    assert len(ours) == len(theirs) == count
+    for i in [*range(count), -1]:
+        mine, their = ours[i], theirs[i]
+        assert mine.shape == their.shape and torch.equal(mine, their)
+        if their.numel():
+            assert mine.storage_offset() == their.storage_offset() and mine.stride() == their.stride()
+            assert mine.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()

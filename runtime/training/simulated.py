@@ -24,7 +24,7 @@ from tessera.parallel.context_simulated import SIMULATED_DOCUMENTS
 from tessera.parallel.local_world import world_disabled
 
 from .local_dispatch import per_rank_dispatch_without_copies
-from .simulated_shards import uneven_shards_per_rank
+from .simulated_shards import chunks_on_demand, uneven_shards_per_rank
 
 
 def require_local_tensor() -> None:
@@ -248,6 +248,34 @@ def mesh_coordinates_once() -> Iterator[None]:
         setattr(_LocalDeviceMesh, "get_coordinate", derive)
 
 
+@contextlib.contextmanager
+def mesh_groups_once() -> Iterator[None]:
+    """A DeviceMesh built under LocalTensorMode holds its rank tensor as a LocalTensor (every simulated rank's
+    copy, all equal), and builds each dimension's process groups by iterating it: every row unbound and listed
+    once per simulated rank, O(world^2) (14 of a 256-rank check's 198 s, profiled). For the block, the groups
+    are built from one copy, outside the mode: the same rows, the same new_group calls in the same order."""
+    import torch  # lazy: (as in trace)
+    from torch.distributed._local_tensor import LocalTensor  # lazy: torch's simulated world, patched only here
+    from torch.distributed.device_mesh import DeviceMesh
+
+    build = DeviceMesh.__dict__["_init_one_process_group"]
+
+    def init_one_process_group(sub_layout: Any, rank_map: Any, *rest: Any) -> Any:
+        if not isinstance(rank_map, LocalTensor):
+            return build.__func__(sub_layout, rank_map, *rest)
+        copies = list(rank_map._local_tensors.values())
+        with world_disabled():
+            if all(torch.equal(copies[0], c) for c in copies[1:]):
+                return build.__func__(sub_layout, copies[0], *rest)
+        return build.__func__(sub_layout, rank_map, *rest)  # ranks that see different meshes: torch's own
+
+    setattr(DeviceMesh, "_init_one_process_group", staticmethod(init_one_process_group))
+    try:
+        yield
+    finally:
+        setattr(DeviceMesh, "_init_one_process_group", build)
+
+
 def check_simulated(config: Any, world: int) -> None:
     """ValueError naming what a simulated world of `world` ranks cannot run of `config`, before anything is
     built: a world that is not the layout's, packed documents under cp (not run yet), a vocabulary tp splits
@@ -330,7 +358,9 @@ def trace(config: Any, world: int) -> dict[str, Any]:
         with (
             warnings.catch_warnings(),
             mesh_coordinates_once(),
+            mesh_groups_once(),
             fsdp2_storage_per_rank(),
+            chunks_on_demand(),
             uneven_shards_per_rank(),
             per_rank_dispatch_without_copies(),
         ):

@@ -12,7 +12,7 @@ even, or on real ranks (the patch lives only around a simulated run)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tessera.parallel.local_world import per_rank, rank_int
@@ -85,3 +85,48 @@ def uneven_shards_per_rank() -> Iterator[None]:
     finally:
         setattr(FSDPParam, "_init_sharded_param", build)
         setattr(FSDPParam, "reset_sharded_param", reset)
+
+
+class _TorchChunks(Sequence):
+    """torch.chunk's pieces of `tensor` along `dim` (ceil(rows / count) rows each, the last shorter), padded with
+    empty tensors to `count` as FSDP2's _chunk_with_empty pads them, each cut only when it is read."""
+
+    def __init__(self, tensor: Any, count: int, dim: int) -> None:
+        self.tensor, self.pieces, self.dim = tensor, count, dim
+        self.per = -(-tensor.size(dim) // count)
+
+    def __len__(self) -> int:
+        return self.pieces
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.pieces))]
+        if not -self.pieces <= i < self.pieces:
+            raise IndexError(f"chunk {i} of {self.pieces}")
+        start = (i % self.pieces) * self.per
+        rows = self.tensor.size(self.dim)
+        if start >= rows:  # _chunk_with_empty's padding
+            return self.tensor.new_empty(0)
+        return self.tensor.narrow(self.dim, start, min(self.per, rows - start))
+
+
+@contextlib.contextmanager
+def chunks_on_demand() -> Iterator[None]:
+    """For the block, FSDP2's parameter set-up cuts only the chunks it reads (its rank's and the first, of the
+    shard mesh's count), not every one: under LocalTensorMode each chunk is a view on every simulated rank and
+    each view's storage is aliased rank by rank, so cutting all of them is O(shard ranks x world) (40 of a
+    256-rank check's 198 s, profiled). The pieces are torch.chunk's, as views of the same rows."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param  # lazy: (as above)
+
+    cut = fsdp_param._chunk_with_empty
+
+    def chunk_with_empty(tensor: Any, num_chunks: int, dim: int) -> Any:
+        if not isinstance(tensor.size(dim), int) or tensor.size(dim) == 0:  # a size per rank: FSDP2's own
+            return cut(tensor, num_chunks, dim)
+        return _TorchChunks(tensor, num_chunks, dim)
+
+    setattr(fsdp_param, "_chunk_with_empty", chunk_with_empty)
+    try:
+        yield
+    finally:
+        setattr(fsdp_param, "_chunk_with_empty", cut)
