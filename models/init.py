@@ -7,6 +7,7 @@ the layout, the order modules were built in, or which shard a rank holds.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Callable
 
@@ -29,13 +30,16 @@ def init_region(
     std: Init,
     seed: int,
     out: Tensor | None = None,
+    tiles: dict | None = None,
 ) -> Tensor:
     """The values of rows/columns [offset, offset + size) of parameter `name` (global `shape`), written
     into `out` (any dtype and device) or a new float32 tensor.
 
     The global tensor is cut into fixed INIT_TILE tiles, each drawn from its own generator seeded by
     (seed, name, tile); a region draws only the tiles it covers. So every rank's shard equals that slice
-    of the one-process initialization, and no rank ever holds more than its shard plus one tile."""
+    of the one-process initialization, and no rank ever holds more than its shard plus one tile. `tiles`: a
+    dict that keeps each tile drawn, for the regions of one parameter a simulated world fills one after the
+    other (each of its ranks' shards, many within one tile: each tile drawn once, not once a rank)."""
     if out is None:
         out = torch.empty(size)
     if std is None or std == ONES:
@@ -47,7 +51,14 @@ def init_region(
     if len(shape) == 3:  # a stack of matrices (grouped experts): each its own 2-D tiles, named by its index
         for e in range(offset[0], offset[0] + size[0]):
             init_region(
-                f"{name}[{e}]", tuple(shape[1:]), tuple(offset[1:]), tuple(size[1:]), std, seed, out=out[e - offset[0]]
+                f"{name}[{e}]",
+                tuple(shape[1:]),
+                tuple(offset[1:]),
+                tuple(size[1:]),
+                std,
+                seed,
+                out=out[e - offset[0]],
+                tiles=tiles,
             )
         return out
     if len(shape) > 3:
@@ -61,8 +72,13 @@ def init_region(
         for j in range(off2[1] // tc, -(-(off2[1] + size2[1]) // tc)):
             r0, c0 = i * tr, j * tc
             tile_shape = (min(tr, shape2[0] - r0), min(tc, shape2[1] - c0))
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}/{i}/{j}".encode())) % 2**63)
-            tile = torch.nn.init.trunc_normal_(torch.empty(tile_shape), std=std, a=-3 * std, b=3 * std, generator=gen)
+            tile = None if tiles is None else tiles.get((name, i, j))
+            if tile is None:
+                gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}/{i}/{j}".encode())) % 2**63)
+                tile = torch.empty(tile_shape)
+                torch.nn.init.trunc_normal_(tile, std=std, a=-3 * std, b=3 * std, generator=gen)
+                if tiles is not None:
+                    tiles[(name, i, j)] = tile
             # the part of the tile inside the region
             a0, a1 = max(r0, off2[0]), min(r0 + tile_shape[0], off2[0] + size2[0])
             b0, b1 = max(c0, off2[1]), min(c0 + tile_shape[1], off2[1] + size2[1])
@@ -84,6 +100,15 @@ def one_process_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
+def _simulated() -> bool:
+    """Whether torch's LocalTensorMode is on (a simulated world: every rank's shard in this process)."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode  # lazy: (as in per_rank)
+    except ImportError:
+        return False
+    return enabled_local_tensor_mode() is not None
+
+
 def per_rank(fn: Callable) -> Callable:
     """`fn`, or under torch's LocalTensorMode (a simulated world: every rank's shard in one process) `fn` run
     once per simulated rank on that rank's values: for code whose shapes and offsets differ by rank."""
@@ -96,15 +121,22 @@ def per_rank(fn: Callable) -> Callable:
 
 
 def _init_shard(
-    name: str, shape: tuple[int, ...], local: Tensor, offset: tuple, size: tuple, std: Init, seed: int
+    name: str,
+    shape: tuple[int, ...],
+    local: Tensor,
+    offset: tuple,
+    size: tuple,
+    std: Init,
+    seed: int,
+    tiles: dict | None = None,
 ) -> None:
     """One rank's shard of parameter `name` filled from its tiles (per_rank runs it for each simulated rank)."""
     if tuple(local.shape) != tuple(size):
         raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {size} at {offset}")
     if local.is_contiguous():
-        init_region(name, shape, tuple(offset), tuple(size), std, seed, out=local)
+        init_region(name, shape, tuple(offset), tuple(size), std, seed, out=local, tiles=tiles)
     else:
-        local.copy_(init_region(name, shape, tuple(offset), tuple(size), std, seed))
+        local.copy_(init_region(name, shape, tuple(offset), tuple(size), std, seed, tiles=tiles))
 
 
 def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]) -> None:
@@ -118,8 +150,11 @@ def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]
         local = p.to_local() if isinstance(p, DTensor) else p
         device = device or local.device
         offset, size = local_region(p)
+        # a simulated world's ranks share tiles: each drawn once (a real rank holds no more than one at a time);
+        # bound, not passed: per_rank would hand each rank its own copy of a dict argument
+        fill = functools.partial(_init_shard, tiles={}) if _simulated() else _init_shard
         with torch.no_grad():  # in place, tile by tile: no shard-sized temporary
-            per_rank(_init_shard)(name, tuple(p.shape), local, offset, size, init_std(name), seed)
+            per_rank(fill)(name, tuple(p.shape), local, offset, size, init_std(name), seed)
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if reset is not None:

@@ -12,7 +12,7 @@ import torch
 
 lt = pytest.importorskip("torch.distributed._local_tensor", reason="LocalTensorMode: torch 2.13")
 
-from tessera.training.local_dispatch import _leaves_only, per_rank_dispatch_without_copies  # noqa: E402
+from tessera.training.local_dispatch import _flat_layout, _rebuild, per_rank_dispatch_without_copies  # noqa: E402
 
 
 def _program() -> list[torch.Tensor]:
@@ -82,8 +82,13 @@ def test_the_direct_path_is_taken_for_leaves_only_and_torchs_function_is_back_af
     from torch.utils import _pytree as pytree
 
     flat = pytree.tree_flatten(((torch.ones(1), 2), {"alpha": 0.5}))[1]
-    nested = pytree.tree_flatten((([torch.ones(1)], 0), {}))[1]
-    assert _leaves_only(flat) == (2, ["alpha"]) and _leaves_only(nested) is None
+    sizes = ((torch.ones(1), [2, 3], (1,)), {"dims": [0]})
+    listed = pytree.tree_flatten(sizes)
+    nested = pytree.tree_flatten((([[torch.ones(1)]], 0), {}))[1]
+    assert _flat_layout(flat) == ([None, None], ["alpha"], [None]) and _flat_layout(nested) is None
+    layout = _flat_layout(listed[1])
+    assert layout == ([None, (list, 2), (tuple, 1)], ["dims"], [(list, 1)])
+    assert _rebuild(layout, listed[0]) == pytree.tree_unflatten(listed[0], listed[1])
     before = lt._for_each_rank_run_func
     with per_rank_dispatch_without_copies():
         assert (lt._for_each_rank_run_func is not before) == torch.__version__.startswith("2.13.")

@@ -383,10 +383,10 @@ PLANTED = {
     "init-index-wraps-at-16": (
         "import tessera.models.init as m\n"
         "real = m._init_shard\n"
-        "def wrapped(name, shape, local, offset, size, std, seed):\n"
+        "def wrapped(name, shape, local, offset, size, std, seed, **tiles):\n"
         "    if size[0] and shape[0] % 32 == 0 and offset[0] // size[0] >= 16:\n"
         "        offset = (offset[0] - 16 * size[0], *offset[1:])\n"
-        "    real(name, shape, local, offset, size, std, seed)\n"
+        "    real(name, shape, local, offset, size, std, seed, **tiles)\n"
         "m._init_shard = wrapped\n"
     ),
     # a rank's second zigzag chunk (2 cp - 1 - rank) kept in 3 bits: from cp 8 (16 chunks) on, rank i reads

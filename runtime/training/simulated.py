@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tessera.parallel.context_simulated import SIMULATED_DOCUMENTS
-from tessera.parallel.local_world import world_disabled
+from tessera.parallel.local_world import per_rank, rank_int, world_disabled
 
 from .local_dispatch import per_rank_dispatch_without_copies
 from .simulated_shards import chunks_on_demand, uneven_shards_per_rank
@@ -276,6 +276,43 @@ def mesh_groups_once() -> Iterator[None]:
         setattr(DeviceMesh, "_init_one_process_group", build)
 
 
+@contextlib.contextmanager
+def regions_per_rank() -> Iterator[None]:
+    """models/init.py's local_region asks DTensor's compute_local_shape_and_global_offset for the region a rank
+    holds; under LocalTensorMode its per-shard steps run once per simulated rank through the mode, each
+    building index tensors (20 of a 256-rank check's 52 s of set-up, profiled). For the block, torch's own
+    function computes each rank's region from that rank's plain coordinate, outside the mode, and the ranks'
+    answers become one int per rank: the same function, the same values."""
+    import tessera.models.init as model_init  # lazy: (as in trace)
+    from torch.distributed._local_tensor import _map_to_rank_local_val
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    region = model_init.local_region
+
+    def local_region(p: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        coordinate = p.device_mesh.get_coordinate() if isinstance(p, DTensor) else None
+        by_rank = [per_rank(c) for c in coordinate or ()]
+        ranks = next((sorted(b) for b in by_rank if b is not None), None)
+        if ranks is None:  # not a DTensor, or every rank at one coordinate: the function as it is
+            return region(p)
+        sizes, offsets = {}, {}
+        with world_disabled():
+            for r in ranks:
+                at = [_map_to_rank_local_val(c, r) for c in coordinate]  # a per-rank, constant or plain int
+                sizes[r], offsets[r] = _compute_local_shape_and_global_offset(
+                    tuple(p.shape), tuple(p.device_mesh.shape), at, p.placements
+                )
+        offset = tuple(rank_int({r: offsets[r][d] for r in ranks}) for d in range(p.dim()))
+        return offset, tuple(rank_int({r: sizes[r][d] for r in ranks}) for d in range(p.dim()))
+
+    setattr(model_init, "local_region", local_region)
+    try:
+        yield
+    finally:
+        setattr(model_init, "local_region", region)
+
+
 def check_simulated(config: Any, world: int) -> None:
     """ValueError naming what a simulated world of `world` ranks cannot run of `config`, before anything is
     built: a world that is not the layout's, packed documents under cp (not run yet), a vocabulary tp splits
@@ -359,6 +396,7 @@ def trace(config: Any, world: int) -> dict[str, Any]:
             warnings.catch_warnings(),
             mesh_coordinates_once(),
             mesh_groups_once(),
+            regions_per_rank(),
             fsdp2_storage_per_rank(),
             chunks_on_demand(),
             uneven_shards_per_rank(),
