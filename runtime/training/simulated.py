@@ -291,8 +291,8 @@ def regions_per_rank() -> Iterator[None]:
     region = model_init.local_region
 
     def local_region(p: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        coordinate = p.device_mesh.get_coordinate() if isinstance(p, DTensor) else None
-        by_rank = [per_rank(c) for c in coordinate or ()]
+        coordinate = list((p.device_mesh.get_coordinate() or ()) if isinstance(p, DTensor) else ())
+        by_rank = [per_rank(c) for c in coordinate]
         ranks = next((sorted(b) for b in by_rank if b is not None), None)
         if ranks is None:  # not a DTensor, or every rank at one coordinate: the function as it is
             return region(p)
