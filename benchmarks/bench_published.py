@@ -61,6 +61,7 @@ def hardware_of(row: dict, source: dict, efficiency: float) -> Hardware:
         cp_overlap=source["cp_overlap"],
         cp_merge=source["cp_merge"],
         data_parallel=source["data_parallel"],
+        grad_reduce_bytes={"fp32": 4, "bf16": 2}[source["grad_reduce"]],
         loss=row["loss"],
         ac_policy="torchtitan" if source["framework"] == "torchtitan" else "tessera",
         headroom=0.0,  # the published peak is what ran: nothing is held back

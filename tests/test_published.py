@@ -246,6 +246,10 @@ def test_every_published_row_names_its_source_and_what_it_assumes():
         load_profile(r["hardware"])
         assert isinstance(r["assumptions"], list)
         assert s["data_parallel"] == ("megatron" if s["framework"] == "Megatron-Bridge" else "fsdp2")
+        # Megatron-Bridge's performance scripts reduce in bf16 (grad_reduce_in_fp32 = False); FSDP2's in fp32
+        assert (
+            s["grad_reduce"] == ("bf16" if s["framework"] == "Megatron-Bridge" else "fp32") and s["grad_reduce_source"]
+        )
 
 
 @settings(max_examples=40, deadline=None)
@@ -272,6 +276,29 @@ def test_megatrons_distributed_optimizer_holds_6_plus_12_over_dp_bytes_a_paramet
     if microbatches > 1:  # FSDP2 accumulates in unsharded fp32 gradients beside its two parameter copies
         fsdp2 = sum(f[k] for k in ("parameters", "gathered_params", "unsharded_grads", "gradients", "optimizer"))
         assert fsdp2 == pytest.approx((6 + 16 / dp) * params, rel=0.01) and m["total"] < f["total"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(dp=st.sampled_from([2, 8, 32]), tp=st.sampled_from([1, 4]))
+def test_megatrons_bf16_gradient_buffer_holds_4_plus_12_over_dp_bytes_a_parameter(dp, tp):
+    """With grad_reduce_in_fp32 off (Megatron-Bridge's performance scripts) the gradient buffer is bf16: 2 bytes a
+    parameter fewer than the fp32 one, 4 + 12/d in all (Megatron's distributed-optimizer table), and the data
+    axis's reduce-scatter sends half its bytes."""
+    shape = shape_of("8b")
+    cand = Candidate(Layout(dp_shard=dp, tp=tp), "SHARD_GRAD_OP", "full", None, 4)
+    seen = {}
+    for grad_bytes in (4, 2):
+        hw = Hardware.from_profile("dgx-h100", dp * tp, data_parallel="megatron", grad_reduce_bytes=grad_bytes)
+        seen[grad_bytes] = estimate(shape, cand, hw, 4096, dp * 4)
+    fp32, bf16 = seen[4].memory, seen[2].memory
+    params = fp32["parameters"] / 2
+    assert bf16["gradients"] == 2 * params and fp32["gradients"] == 4 * params
+    states = bf16["parameters"] + bf16["gradients"] + bf16["optimizer"]
+    assert states == pytest.approx((4 + 12 / dp) * params, rel=0.01)
+    assert bf16["total"] < fp32["total"]
+    assert seen[2].comm_bytes["dp_shard_cp"] < seen[4].comm_bytes["dp_shard_cp"]  # the reduce-scatter's half
+    with pytest.raises(PlanError, match="grad_reduce_bytes=8: use 4 .fp32. or 2 .bf16."):
+        Hardware(gpus=8, grad_reduce_bytes=8)
 
 
 def test_a_data_parallel_states_model_other_than_fsdp2_or_megatron_is_refused():

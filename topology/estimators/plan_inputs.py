@@ -116,6 +116,10 @@ class Hardware:
     # distributed optimizer: one bf16 parameter buffer, one fp32 gradient buffer the gradients accumulate and
     # are reduce-scattered in, the fp32 master and Adam's moments sharded; topology/estimators/rank_memory.py)
     data_parallel: str = "fsdp2"
+    # the bytes of the dtype gradients are reduced (and, under "megatron", accumulated in their buffer) in:
+    # 4, fp32 (tessera's and torchtitan's FSDP2 reduce_dtype); 2, bf16, for a framework that reduces in bf16
+    # (Megatron-Bridge's performance scripts: grad_reduce_in_fp32 = False)
+    grad_reduce_bytes: int = 4
     # --offload's links (offload_model.py), at the shares a copy and the host step reach: PCIe per GPU
     # and direction (H100's Gen5 x16, 64 GB/s, at 0.8), the host's DRAM per node (DGX H100's 614 GB/s at 0.5),
     # and the host memory per node the offloaded states must fit in (None: unknown, not checked)
@@ -176,6 +180,8 @@ class Hardware:
             raise PlanError(f"ac_policy={self.ac_policy!r}: use one of {', '.join(AC_POLICIES)}")
         if self.loss not in LOSS_MODES:
             raise PlanError(f"loss={self.loss!r}: use one of {', '.join(LOSS_MODES)}")
+        if self.grad_reduce_bytes not in (2, 4):
+            raise PlanError(f"grad_reduce_bytes={self.grad_reduce_bytes!r}: use 4 (fp32) or 2 (bf16)")
         if self.data_parallel not in DATA_PARALLEL_STATES:
             raise PlanError(f"data_parallel={self.data_parallel!r}: use one of {', '.join(DATA_PARALLEL_STATES)}")
         if self.cp_merge not in RING_MERGES:

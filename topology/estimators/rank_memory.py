@@ -212,12 +212,14 @@ def _rank_memory(
     accumulating = cand.microbatches > 1
     m["unsharded_grads"] = (tp_local * 4.0 if fsdp > 1 else m["gradients"]) if accumulating else 0.0
     # Megatron's DDP with its distributed optimizer (another framework's runs): the bf16 parameters in one buffer
-    # the optimizer's all-gather writes in place (no separate sharded copy), the gradients in one fp32 buffer
-    # (grad_reduce_in_fp32) held the whole step, accumulated in and reduce-scattered in place; the fp32 master
-    # and Adam's moments on the rank's 1/dp (`optimizer` above); Adam updates the shard in place
+    # the optimizer's all-gather writes in place (no separate sharded copy), the gradients in one buffer of the
+    # reduction's dtype (fp32 with grad_reduce_in_fp32, else bf16: hw.grad_reduce_bytes) held the whole step,
+    # accumulated in and reduce-scattered in place; the fp32 master and Adam's moments on the rank's 1/dp
+    # (`optimizer` above); Adam updates the shard in place
     megatron = hw.data_parallel == "megatron" and stage != 3
     if megatron:
-        m.update(parameters=tp_local * e, gathered_params=0.0, gradients=tp_local * 4.0, unsharded_grads=0.0)
+        grads = tp_local * float(hw.grad_reduce_bytes)
+        m.update(parameters=tp_local * e, gathered_params=0.0, gradients=grads, unsharded_grads=0.0)
     # a pipeline rank holds its most forwards in flight before its first backward; it holds them again with
     # the gradients only if it runs more forwards than that (the steady state of 1F1B), else the first
     # backward's gradients meet one microbatch fewer in flight

@@ -184,7 +184,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         rank=0,
         act_bytes=e,
         param_bytes=fsdp_param_bytes(cfg, e, hw.fp8, lay.tp),
-        reduce_bytes=4,
+        reduce_bytes=hw.grad_reduce_bytes,
         placement=placement_of(cand.schedule),
         ep_over_tp=ep_over_tp(hw, cand),
         cp_kv_heads=hw.cp_kv_heads,
