@@ -103,7 +103,8 @@ def one_process_name(name: str) -> str:
 def _simulated() -> bool:
     """Whether torch's LocalTensorMode is on (a simulated world: every rank's shard in this process)."""
     try:
-        from torch.distributed._local_tensor import enabled_local_tensor_mode  # lazy: (as in per_rank)
+        # lazy: torch's simulated world (torch.distributed._local_tensor); a torch without it is never in one
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
     except ImportError:
         return False
     return enabled_local_tensor_mode() is not None
@@ -112,12 +113,11 @@ def _simulated() -> bool:
 def per_rank(fn: Callable) -> Callable:
     """`fn`, or under torch's LocalTensorMode (a simulated world: every rank's shard in one process) `fn` run
     once per simulated rank on that rank's values: for code whose shapes and offsets differ by rank."""
-    try:
-        # lazy: torch's simulated world (torch.distributed._local_tensor); a torch without it runs fn as is
-        from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
-    except ImportError:
+    if not _simulated():  # real ranks: fn itself
         return fn
-    return fn if enabled_local_tensor_mode() is None else maybe_run_for_local_tensor(fn)  # real ranks: fn itself
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor  # lazy: (as in _simulated)
+
+    return maybe_run_for_local_tensor(fn)
 
 
 def _init_shard(
@@ -145,6 +145,7 @@ def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]
     DTensor shards are filled from the tiles they cover. Then every module with `reset_buffers(device)`
     (rotary tables, say) recomputes its non-persistent buffers on the parameters' device."""
     device = None
+    simulated = _simulated()
     for name, p in model.named_parameters():
         name = one_process_name(name)  # the one-process name seeds the generators
         local = p.to_local() if isinstance(p, DTensor) else p
@@ -152,7 +153,7 @@ def init_parameters(model: nn.Module, seed: int, init_std: Callable[[str], Init]
         offset, size = local_region(p)
         # a simulated world's ranks share tiles: each drawn once (a real rank holds no more than one at a time);
         # bound, not passed: per_rank would hand each rank its own copy of a dict argument
-        fill = functools.partial(_init_shard, tiles={}) if _simulated() else _init_shard
+        fill = functools.partial(_init_shard, tiles={}) if simulated else _init_shard
         with torch.no_grad():  # in place, tile by tile: no shard-sized temporary
             per_rank(fill)(name, tuple(p.shape), local, offset, size, init_std(name), seed)
     for module in model.modules():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any, Callable
 
 
@@ -74,3 +75,18 @@ def rank_int(values: dict[int, int]) -> Any:
     from torch.distributed._local_tensor import LocalIntNode
 
     return torch.SymInt(LocalIntNode(values))
+
+
+@contextlib.contextmanager
+def swapped(owner: Any, **values: Any) -> Iterator[None]:
+    """For the block, each named attribute of `owner` (a module or a class: torch's internals a simulated run
+    patches) is the given value; after it, the originals as `owner.__dict__` held them (a staticmethod stays
+    one), whatever the block raised."""
+    before = {name: owner.__dict__[name] for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(owner, name, value)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from tessera.parallel.local_world import swapped
+
 
 def _children(spec: Any) -> list[Any]:
     """A pytree spec's children: `children()` where torch has it (2.13 deprecates `children_specs`, warning on
@@ -96,6 +98,7 @@ def _make_dispatch(lt: Any) -> Callable[..., Any]:
         layout = _flat_layout(args_spec)  # (2)
         # (4): arguments alike on every rank (a factory's sizes: no LocalTensor, no per-rank int) go as they are
         alike = not any(isinstance(a, (lt.LocalTensor, torch.SymInt)) for a in flat_args) and not waited
+        as_given = (tuple(args), kwargs)
         flat_rank_rets = {}
         default_value = None
         order = sorted(ranks)
@@ -109,7 +112,7 @@ def _make_dispatch(lt: Any) -> Callable[..., Any]:
                 lt._set_rng_state(*global_rng_state)
             rank_flat_args = flat_args if alike else [lt._map_to_rank_local_val(a, r) for a in flat_args]
             if alike:
-                rank_args, rank_kwargs = tuple(args), kwargs
+                rank_args, rank_kwargs = as_given
             elif layout is not None:
                 rank_args, rank_kwargs = _rebuild(layout, rank_flat_args)
             else:
@@ -149,9 +152,5 @@ def per_rank_dispatch_without_copies() -> Iterator[None]:
     if not torch.__version__.startswith("2.13."):
         yield
         return
-    original = lt._for_each_rank_run_func
-    setattr(lt, "_for_each_rank_run_func", _make_dispatch(lt))
-    try:
+    with swapped(lt, _for_each_rank_run_func=_make_dispatch(lt)):
         yield
-    finally:
-        setattr(lt, "_for_each_rank_run_func", original)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tessera.parallel.context_simulated import SIMULATED_DOCUMENTS
-from tessera.parallel.local_world import per_rank, rank_int, world_disabled
+from tessera.parallel.local_world import per_rank, rank_int, swapped, world_disabled
 
 from .local_dispatch import per_rank_dispatch_without_copies
 from .simulated_shards import chunks_on_demand, uneven_shards_per_rank
@@ -186,15 +186,11 @@ def fsdp2_storage_per_rank() -> Iterator[None]:
 
         return run
 
-    for module, name, helper in ((fsdp_param, "alloc_storage", alloc), (fsdp_group, "alloc_storage", alloc)):
-        setattr(module, name, each(helper))
-    setattr(fsdp_param, "free_storage", each(free))
-    try:
+    with (
+        swapped(fsdp_param, alloc_storage=each(alloc), free_storage=each(free)),
+        swapped(fsdp_group, alloc_storage=each(alloc)),
+    ):
         yield
-    finally:
-        setattr(fsdp_param, "alloc_storage", alloc)
-        setattr(fsdp_group, "alloc_storage", alloc)
-        setattr(fsdp_param, "free_storage", free)
 
 
 @contextlib.contextmanager
@@ -210,7 +206,6 @@ def mesh_coordinates_once() -> Iterator[None]:
     # lazy: torch's simulated world, patched only around a simulated run
     from torch.distributed._local_tensor import LocalIntNode, _LocalDeviceMesh, enabled_local_tensor_mode
 
-    derive = _LocalDeviceMesh.__dict__["get_coordinate"]
     known: dict[tuple[int, int], tuple[Any, Any, list[Any]]] = {}
 
     def get_coordinate(mesh: Any) -> list[Any]:
@@ -241,11 +236,8 @@ def mesh_coordinates_once() -> Iterator[None]:
         known[(id(mesh), id(lm))] = (mesh, lm, out)  # both held: their ids stay their own while the run lasts
         return out
 
-    setattr(_LocalDeviceMesh, "get_coordinate", staticmethod(get_coordinate))
-    try:
+    with swapped(_LocalDeviceMesh, get_coordinate=staticmethod(get_coordinate)):
         yield
-    finally:
-        setattr(_LocalDeviceMesh, "get_coordinate", derive)
 
 
 @contextlib.contextmanager
@@ -269,11 +261,8 @@ def mesh_groups_once() -> Iterator[None]:
                 return build.__func__(sub_layout, copies[0], *rest)
         return build.__func__(sub_layout, rank_map, *rest)  # ranks that see different meshes: torch's own
 
-    setattr(DeviceMesh, "_init_one_process_group", staticmethod(init_one_process_group))
-    try:
+    with swapped(DeviceMesh, _init_one_process_group=staticmethod(init_one_process_group)):
         yield
-    finally:
-        setattr(DeviceMesh, "_init_one_process_group", build)
 
 
 @contextlib.contextmanager
@@ -306,11 +295,8 @@ def regions_per_rank() -> Iterator[None]:
         offset = tuple(rank_int({r: offsets[r][d] for r in ranks}) for d in range(p.dim()))
         return offset, tuple(rank_int({r: sizes[r][d] for r in ranks}) for d in range(p.dim()))
 
-    setattr(model_init, "local_region", local_region)
-    try:
+    with swapped(model_init, local_region=local_region):
         yield
-    finally:
-        setattr(model_init, "local_region", region)
 
 
 def check_simulated(config: Any, world: int) -> None:

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tessera.parallel.local_world import per_rank, rank_int
+from tessera.parallel.local_world import per_rank, rank_int, swapped
 from tessera.parallel.tensor import shard_range
 
 
@@ -78,13 +78,8 @@ def uneven_shards_per_rank() -> Iterator[None]:
         self.sharded_param._local_tensor = padded.narrow(dim, 0, length)
         self._sharding_spec = self.sharded_param._spec
 
-    setattr(FSDPParam, "_init_sharded_param", init_sharded_param)  # (as fsdp2_storage_per_rank patches: setattr)
-    setattr(FSDPParam, "reset_sharded_param", reset_sharded_param)
-    try:
+    with swapped(FSDPParam, _init_sharded_param=init_sharded_param, reset_sharded_param=reset_sharded_param):
         yield
-    finally:
-        setattr(FSDPParam, "_init_sharded_param", build)
-        setattr(FSDPParam, "reset_sharded_param", reset)
 
 
 class _TorchChunks(Sequence):
@@ -125,8 +120,5 @@ def chunks_on_demand() -> Iterator[None]:
             return cut(tensor, num_chunks, dim)
         return _TorchChunks(tensor, num_chunks, dim)
 
-    setattr(fsdp_param, "_chunk_with_empty", chunk_with_empty)
-    try:
+    with swapped(fsdp_param, _chunk_with_empty=chunk_with_empty):
         yield
-    finally:
-        setattr(fsdp_param, "_chunk_with_empty", cut)

@@ -113,8 +113,9 @@ class Hardware:
     ac_policy: str = "tessera"
     # how a data axis without FULL_SHARD holds the model's states (for predicting another framework's runs):
     # "fsdp2" (tessera's: sharded at rest, gathered for compute) or "megatron" (Megatron's DDP with its
-    # distributed optimizer: one bf16 parameter buffer, one fp32 gradient buffer the gradients accumulate and
-    # are reduce-scattered in, the fp32 master and Adam's moments sharded; topology/estimators/rank_memory.py)
+    # distributed optimizer: one bf16 parameter buffer, one gradient buffer (in grad_reduce_bytes' dtype) the
+    # gradients accumulate and are reduce-scattered in, the fp32 master and Adam's moments sharded;
+    # topology/estimators/rank_memory.py)
     data_parallel: str = "fsdp2"
     # the bytes of the dtype gradients are reduced (and, under "megatron", accumulated in their buffer) in:
     # 4, fp32 (tessera's and torchtitan's FSDP2 reduce_dtype); 2, bf16, for a framework that reduces in bf16
