@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
 def part_fp8(suite, cap: float, peak: float | None, batch: int, eager: dict | None, compiled: dict | None) -> dict:
     """--fp8 tensorwise at the bf16 rows' batch: eager, then compiled (GPU only) while time is left; tokens/s
     over the bf16 row of the same mode and batch (None where the batches differ)."""
-    from gpu_suite_parts import row_line, train_row
+    from gpu_suite_parts import first_error_line, row_line, train_row
 
     began = time.perf_counter()
     out: dict = {"recipe": "tensorwise", "batch": batch}
@@ -227,7 +227,7 @@ def part_fp8(suite, cap: float, peak: float | None, batch: int, eager: dict | No
         try:
             row = train_row(suite.sizes, batch, mode == "compiled", suite.smoke, peak, left, fp8="tensorwise")
         except Exception as e:  # noqa: BLE001 - recorded (an out-of-memory, a timeout); the part goes on
-            out[f"{mode}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            out[f"{mode}_error"] = f"{type(e).__name__}: {first_error_line(e)}"
             continue
         suite.say("fp8", row_line(row))
         out[mode] = row

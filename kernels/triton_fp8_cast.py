@@ -28,7 +28,9 @@ from .triton_compat import INTERPRET  # noqa: F401  (importing it also fixes tri
 # (mantissa bits, least normal exponent, largest finite value) of each FP8 format torchao trains in
 FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
 BLOCK_ROWS, BLOCK_COLS = 16, 256
-_ROUNDER = 12582912.0  # 1.5 x 2^23: v + it - it rounds v to an integer, ties to even, for |v| < 2^22
+# 1.5 x 2^23: v + it - it rounds v to an integer, ties to even, for |v| < 2^22; a constexpr, as compiled Triton
+# reads no other global (the interpreter does, so only a GPU caught it: triton 3.6 on an H200, 2026-12-04)
+_ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit

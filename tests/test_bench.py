@@ -196,6 +196,30 @@ def test_a_row_whose_compiled_blocks_hold_collectives_says_its_exposed_comm_is_n
         assert "exposed_comm_note" not in row and _exposed(row) == "10.0 ms exposed communication"
 
 
+def test_a_rows_mfu_reads_the_dtype_probe_from_the_warmup_step_that_holds_it():
+    """The probe's breakdown is in the first step's record only, and that step is a warmup: a row that read the
+    first timed step's record found none and stated an FP8 step against the bf16 peak (66.8% on the H200 suite
+    of 2026-12-04, where the FP8 peak gives half that)."""
+    from helpers import small_config
+    from tessera.commands.bench import _row
+
+    config = small_config()
+    history = [
+        dict(step=s, step_time_s=0.1, loss=5.0, collective_wait_s={}, peak_memory_bytes=1 << 20) for s in (1, 2, 3)
+    ]
+    history[0].update(compute_dtype="float8", matmul_flops_by_dtype={"float8_e4m3fn": 3e12, "bfloat16": 1e12})
+    peak = 989e12
+    row = _row("fp8", config, history, warmup=1, peak=peak, on_gpu=False)
+    assert row["compute_dtype"] == "float8" and row["mfu"] is None
+    assert row["fp8_matmul_flop_share"] == pytest.approx(0.75)
+    flops = row["mfu_fp8_peak"] * 0.1 * row["devices"] * 2 * peak
+    assert row["mfu_fp8_blended_peak"] == pytest.approx(
+        flops / (0.1 * row["devices"] / (0.75 / (2 * peak) + 0.25 / peak))
+    )
+    history[0].update(compute_dtype="bfloat16", matmul_flops_by_dtype={"bfloat16": 4e12})
+    assert _row("bf16", config, history, warmup=1, peak=peak, on_gpu=False)["mfu"] > 0
+
+
 def test_mfu_is_stated_only_against_the_peak_the_matmuls_ran_at():
     """Issue 64 item 2: an FP8 row's MFU was measured against the bf16 peak (64.7% where the FP8 peak gives 32.3%).
     The records' dtype probe decides: bf16 against the bf16 peak; FP8 against the FP8 peak and the peak blended by
