@@ -367,6 +367,30 @@ def test_the_default_sequence_is_the_least_from_32_the_layout_splits(cp, tp, sp)
             check_context(shorter, cp, tp=tp, sequence_parallel=sp)
 
 
+@settings(max_examples=40, deadline=None)
+@given(pp=st.integers(2, 8), rounds=st.integers(1, 3), extra=st.integers(0, 7), virtual=st.sampled_from([1, 2, 4]))
+def test_the_admission_estimate_holds_what_each_schedule_holds_at_its_peak(pp, rounds, extra, virtual):
+    """The estimate's activations follow the schedule's own peak of forwards held (the admission estimate took
+    min(m, pp) microbatches for every kind, half of what GPipe holds at m = 2 pp). Against definitions written
+    from the kinds' orders: 1F1B holds min(m, pp) microbatches on rank 0, GPipe and looped BFS all m, zb-h1
+    1F1B's; interleaved 1F1B never fewer than 1F1B at the same m; and the estimate grows with what is held."""
+    from types import SimpleNamespace
+
+    from tessera.models.llama import PRESETS
+    from tessera.training.simulated import estimate_bytes, held_microbatches
+
+    m = pp * rounds + (0 if virtual > 1 else extra)  # interleaved kinds run rounds of pp
+    assert held_microbatches("1f1b", pp, m) == min(m, pp)
+    assert held_microbatches("zb-h1", pp, m) == min(m, pp)
+    assert held_microbatches("gpipe", pp, m) == m
+    assert held_microbatches("looped-bfs", pp, m, virtual) == m
+    assert held_microbatches("interleaved-1f1b", pp, m, virtual) >= min(m, pp)
+    layout = SimpleNamespace(pp=pp, tp=1, cp=1, dp_replicate=1, dp_shard=1, world_size=pp)
+    cfg = PRESETS["debug"]
+    by_kind = {k: estimate_bytes(cfg, layout, 32, m, m, k) for k in ("1f1b", "gpipe")}
+    assert (by_kind["gpipe"] > by_kind["1f1b"]) == (m > pp)
+
+
 def test_a_torch_before_2_13_is_refused_naming_the_version_needed(monkeypatch):
     from tessera.training.simulated import require_local_tensor
 

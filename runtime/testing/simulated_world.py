@@ -158,7 +158,9 @@ def _prepare(
     config = Config.create(**common, **kw)
     config.check()
     check_simulated(config, world)
-    need, have = estimate_bytes(cfg, probe, seq_len, batch, config.data.microbatches or 1), available_bytes()
+    schedule = config.parallel_config().pipeline.schedule  # a kind's name, or rows read from a file
+    need = estimate_bytes(cfg, probe, seq_len, batch, config.data.microbatches or 1, schedule, virtual)
+    have = available_bytes()
     if need > 0.8 * have:
         # only the fixes that lower the estimate: the proof's defaults are already the least it runs
         fixes = ["the debug model"] if model and model != "debug" else []

@@ -126,7 +126,29 @@ def sized_moe_model(base: Any, layout: Any, virtual: int = 1) -> Any:
 RUN_BYTES = 160e6
 
 
-def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int, microbatches: int = 1) -> float:
+def held_microbatches(schedule: Any, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The most microbatches' activations a pipeline rank holds at once, in whole-rank units (one unit: one
+    microbatch through all of the rank's layers): the schedule's own peak of forwards not yet closed by their
+    backward (their W where the kind splits it), over its pp x `virtual` stages. 1F1B: min(m, pp); GPipe and
+    looped BFS: m; interleaved 1F1B with m > pp: more than pp (its warm-up runs ahead by up to a round).
+    `schedule`: a kind's name, or the schedule as data (one row of Actions per rank)."""
+    from tessera.topology.schedules.schedule import build_schedule, held_peak  # lazy: (as in trace)
+
+    if isinstance(schedule, str):
+        schedule = build_schedule(schedule, pp, microbatches, virtual)
+    closes = "W" if any(a.op == "W" for row in schedule for a in row) else "B"
+    return max(held_peak(row, "F", closes) for row in schedule) / virtual
+
+
+def estimate_bytes(
+    cfg: Any,
+    layout: Any,
+    seq_len: int,
+    global_batch: int,
+    microbatches: int = 1,
+    schedule: Any = "1f1b",
+    virtual: int = 1,
+) -> float:
     """The memory a simulated world of a llama-family `cfg` holds at its peak, every rank's at once: the model's
     fp32 states (weight, gradient, AdamW's two moments) once per replica group; on each rank, FSDP2's gathered
     layers (two: the one computing and the one prefetched) and the embedding and output, with their unsharded
@@ -134,7 +156,8 @@ def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int, micro
     attention's scores at the reference kernel's size); and the run's own modules and buffers (RUN_BYTES).
     Measured against the growth of the process's peak (bench_simulated_world.py): 0.14-7.4 GB at 4-512 ranks,
     within -3..+21% of it; tests/test_simulated_world.py holds it at 4 ranks. `microbatches`: the step's
-    gradient-accumulation steps (the activations of one, or of the pipeline's in flight, are held at once)."""
+    gradient-accumulation steps (the activations of one, or of the pipeline's in flight, are held at once);
+    `schedule` and `virtual`: a pp layout's, whose held activations held_microbatches counts."""
     from tessera.models.spec import spec_of  # lazy: (as in trace)
     from tessera.topology.shapes import layer_param_shapes
 
@@ -143,10 +166,10 @@ def estimate_bytes(cfg: Any, layout: Any, seq_len: int, global_batch: int, micro
     ends = params - cfg.n_layers * layer  # the embedding, the output and the final norm
     states = 16 * params * layout.dp_replicate
     gathered = 8 * (2 * layer + ends) / layout.tp
-    # the rows a rank holds activations of at once, on its layers (a pp stage's 1 / pp of them): one microbatch,
-    # or under pp as many as the schedule keeps in flight on the first stage (up to pp)
-    rows = global_batch / (layout.dp_replicate * layout.dp_shard) / microbatches * min(microbatches, layout.pp)
-    rows /= layout.pp
+    # the rows a rank holds activations of at once, on its layers (a pp rank's 1 / pp of them): one microbatch,
+    # or under pp as many as its schedule holds at its peak
+    held = held_microbatches(schedule, layout.pp, microbatches, virtual) if layout.pp > 1 else 1
+    rows = global_batch / (layout.dp_replicate * layout.dp_shard) / microbatches * held / layout.pp
     tokens = rows * seq_len / layout.cp
     # a token's MLP width: the dense one, or its top_k experts' (each padded no wider: simulated dispatch)
     ffn = getattr(cfg, "ffn_dim", 0) or 2 * cfg.top_k * cfg.moe_ffn_dim
