@@ -14,6 +14,12 @@ e its exponent, at least the format's least normal one), rounded to an integer b
 addition rounds to nearest even, and |v / q| < 2^(mantissa bits + 1) is far below 2^22), and multiplied back; a
 zero keeps the sign of v. tests/test_fp8_cast.py holds it to torch's own eager cast bit for bit and to a float64
 definition (the nearest of the format's 256 values, ties to the even one), and a NaN to torch's NaN.
+
+The output's memory order is the one torch._scaled_mm takes the operand in (`layout`): torchao's mm makes its first
+operand row-major and its second column-major by a copy of the FP8 data (float8_ops.preprocess_addmm), and three of
+a linear's six operands reach it in the other order (the weight for the input gradient, the output gradient and the
+input for the weight gradient): on the H200's eager FP8 step those copies were 336 strided kernels, 149 ms of its
+667. Written in that order by the cast itself, they are not made.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from .triton_compat import INTERPRET  # noqa: F401  (importing it also fixes tri
 # (mantissa bits, least normal exponent, largest finite value) of each FP8 format torchao trains in
 FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
 BLOCK_ROWS, BLOCK_COLS = 16, 256
+TRANSPOSING_BLOCK = 64  # a square tile where the output's contiguous dim is not the input's: both sides coalesce
+LAYOUTS = ("row", "col")
 # 1.5 x 2^23: v + it - it rounds v to an integer, ties to even, for |v| < 2^22; a constexpr, as compiled Triton
 # reads no other global (the interpreter does, so only a GPU caught it: triton 3.6 on an H200, 2026-12-04)
 _ROUNDER = tl.constexpr(12582912.0)
@@ -35,14 +43,14 @@ _ROUNDER = tl.constexpr(12582912.0)
 
 @triton.jit
 def _scaled_cast_kernel(
-    X, S, Y, M, N, stride_xm, stride_sm, stride_sn, stride_ym,
+    X, S, Y, M, N, stride_xm, stride_xn, stride_sm, stride_sn, stride_ym, stride_yn,
     MANTISSA: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # 64-bit: 2^31 elements and more
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     inside = (rows < M) & (cols < N)
-    x = tl.load(X + rows * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)
+    x = tl.load(X + rows * stride_xm + cols * stride_xn, mask=inside, other=0.0).to(tl.float32)
     s = tl.load(S + rows * stride_sm + cols * stride_sn, mask=inside, other=1.0)
     p = x * s
     v = tl.minimum(tl.maximum(p, -FMAX), FMAX)  # (a NaN may come out a number here: its bits are set below)
@@ -55,33 +63,44 @@ def _scaled_cast_kernel(
     # a NaN is torch's NaN of its sign (0x7F, 0xFF in both formats): the interpreter's convert gives a number
     negative = p.to(tl.int32, bitcast=True) < 0
     bits = tl.where(p != p, tl.where(negative, 0xFF, 0x7F).to(tl.uint8), bits)
-    tl.store(Y + rows * stride_ym + cols, bits.to(Y.dtype.element_ty, bitcast=True), mask=inside)
+    tl.store(Y + rows * stride_ym + cols * stride_yn, bits.to(Y.dtype.element_ty, bitcast=True), mask=inside)
 
 
-def scaled_cast_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Tensor:
+def scaled_cast_fp8(
+    x: Tensor, scale: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, layout: str | None = None
+) -> Tensor:
     """x * scale in `dtype`, saturated at its largest finite value, rounded to nearest even; `scale` (fp32)
     broadcasts to x's last two dims: one element, one per row (..., M, 1) or one per column (1, N). The bits
-    torchao's eager `to_fp8_saturated(x.to(float32) * scale, dtype)` gives (module doc)."""
+    torchao's eager `to_fp8_saturated(x.to(float32) * scale, dtype)` gives (module doc). `layout` ("row" or
+    "col", a 2-D x only): the output's memory order, whatever x's is; None: x's own (a 2-D column-major x's
+    column-major, else row-major), the order torchao's elementwise cast keeps."""
     if dtype not in FORMATS:
         raise ValueError(f"scaled_cast_fp8: dtype {dtype} is not one of {', '.join(map(str, FORMATS))}")
     if scale.dtype != torch.float32:
         raise ValueError(f"scaled_cast_fp8: scale is {scale.dtype}; torchao's scales are float32")
-    if x.dim() == 2 and x.stride(0) == 1 and x.stride(1) != 1:  # column-major (a weight's transpose): cast its
-        # row-major transpose and hand back the transpose, in the layout torchao's elementwise cast keeps
-        return scaled_cast_fp8(x.t(), scale.t() if scale.dim() == 2 else scale, dtype).t()
-    mantissa, emin, fmax = FORMATS[dtype]
+    if layout is not None and (layout not in LAYOUTS or x.dim() != 2):
+        raise ValueError(f"scaled_cast_fp8: layout={layout!r} needs a 2-D x (got {x.dim()}-D) and one of {LAYOUTS}")
     n = x.shape[-1] if x.dim() else 1
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
+    x2 = x if x.dim() == 2 else x.reshape(-1, n)
+    if 1 not in x2.stride() and x2.numel() > 1:  # neither dim contiguous (a sliced view): one copy first
         x2 = x2.contiguous()
-    s2 = scale.expand(x.shape).reshape(-1, n) if scale.numel() > 1 else scale.reshape(1, 1).expand(x2.shape)
+    if layout is None:
+        layout = "col" if x.dim() == 2 and x2.stride(0) == 1 and x2.stride(1) != 1 else "row"
+    m = x2.shape[0]
+    s2 = scale.expand(x.shape).reshape(m, n) if scale.numel() > 1 else scale.reshape(1, 1).expand(m, n)
     # a broadcast scale keeps stride 0 along what it repeats over; a per-row one (..., M, 1) reshapes to (rows, n)
     # with a stride along the rows only
-    y = torch.empty(x2.shape, dtype=dtype, device=x.device)
-    m = x2.shape[0]
-    grid = (triton.cdiv(m, BLOCK_ROWS), triton.cdiv(n, BLOCK_COLS))
+    y = (
+        torch.empty((m, n), dtype=dtype, device=x.device)
+        if layout == "row"
+        else torch.empty((n, m), dtype=dtype, device=x.device).t()
+    )
+    mantissa, emin, fmax = FORMATS[dtype]
+    same_order = (x2.stride(1) == 1) == (layout == "row")
+    block_m, block_n = (BLOCK_ROWS, BLOCK_COLS) if same_order else (TRANSPOSING_BLOCK, TRANSPOSING_BLOCK)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _scaled_cast_kernel[grid](
-        x2, s2, y, m, n, x2.stride(0), s2.stride(0), s2.stride(1), y.stride(0),
-        MANTISSA=mantissa, EMIN=emin, FMAX=fmax, BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_COLS,
+        x2, s2, y, m, n, x2.stride(0), x2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), y.stride(1),
+        MANTISSA=mantissa, EMIN=emin, FMAX=fmax, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
-    return y.reshape(x.shape)
+    return y if x.dim() == 2 else y.reshape(x.shape)

@@ -176,9 +176,20 @@ class Float8Matmul:
 
             from tessera.kernels.triton_fp8_cast import scaled_cast_fp8  # lazy: Triton, where FP8 runs
 
-            bits = scaled_cast_fp8(t, scale, cc.target_dtype)
+            bits = scaled_cast_fp8(t, scale, cc.target_dtype, SCALED_MM_LAYOUT.get((gemm, operand)))
             return Float8TrainingTensor(bits, scale, t.dtype, self.mm_config, role, dim)
         return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, self.mm_config, role, dim)
+
+
+# The memory order torch._scaled_mm takes an operand in where _Float8Linear hands it over in the other (torchao's mm
+# copies it there otherwise: preprocess_addmm makes the first operand row-major, the second column-major): the
+# weight for the input gradient reaches it transposed (so cast row-major), the output gradient transposed and the
+# input as they are for the weight gradient (so cast column-major). The others arrive in the order they need.
+SCALED_MM_LAYOUT = {
+    ("grad_input", "weight"): "row",
+    ("grad_weight", "grad_output"): "col",
+    ("grad_weight", "input"): "col",
+}
 
 
 class _Float8Linear(torch.autograd.Function):

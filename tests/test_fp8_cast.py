@@ -118,3 +118,48 @@ def test_the_fp8_matmul_with_the_fused_cast_equals_torchaos_bit_for_bit(recipe):
     (out0, gx0, gw0, s0), (out1, gx1, gw1, s1) = runs
     assert torch.equal(out0, out1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
     assert len(s0) == len(s1) == 6 and all(torch.equal(a, b) for a, b in zip(s0, s1))  # every operand's scale
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_fused_cast_writes_each_operand_in_the_order_scaled_mm_takes_it(recipe, monkeypatch):
+    """torchao's mm copies an operand that is not in torch._scaled_mm's order (the first row-major, the second
+    column-major): with its own cast, three of the six operands of a linear's three matmuls were copied (on the
+    H200's eager FP8 step 336 strided kernels, 149 ms of its 667); the fused cast writes each in the order it is
+    taken, so none is, at the same bits (the test above)."""
+    import torchao.float8.float8_ops as ops
+
+    from tessera.parallel.fp8 import Float8Matmul, float8_config
+
+    copies: list[str] = []
+    preprocess = ops.preprocess_addmm
+
+    def watched(a, b):
+        if not ops.is_row_major(a._data.stride()):
+            copies.append(f"first operand {tuple(a._data.shape)} {a._data.stride()}")
+        if ops.is_row_major(b._data.stride()):
+            copies.append(f"second operand {tuple(b._data.shape)} {b._data.stride()}")
+        return preprocess(a, b)
+
+    monkeypatch.setattr(ops, "preprocess_addmm", watched)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 32, 48, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(64, 48, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
+    for fused, expected in ((False, 3), (True, 0)):
+        copies.clear()
+        mm = Float8Matmul(float8_config(recipe, emulate=True), fused_cast=fused)
+        torch.autograd.grad(mm(x, w), (x, w), torch.ones(2, 32, 64, dtype=torch.bfloat16))
+        assert len(copies) == expected, (fused, copies)
+
+
+def test_a_layout_is_the_memory_order_asked_at_the_same_bits():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 70, generator=gen).to(torch.bfloat16)
+    for source in (x, x.t().contiguous().t()):
+        want = to_fp8_saturated(source.float() * 3.0, torch.float8_e4m3fn)
+        for layout, contiguous_dim in (("row", 1), ("col", 0)):
+            got = scaled_cast_fp8(source, torch.tensor(3.0), layout=layout)
+            assert got.stride(contiguous_dim) == 1 and torch.equal(_bits(got), _bits(want))
+    with pytest.raises(ValueError, match="layout='diagonal' needs a 2-D x"):
+        scaled_cast_fp8(x, torch.tensor(1.0), layout="diagonal")
+    with pytest.raises(ValueError, match="layout='col' needs a 2-D x \\(got 3-D\\)"):
+        scaled_cast_fp8(x.reshape(1, 37, 70), torch.tensor(1.0), layout="col")
