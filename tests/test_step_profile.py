@@ -238,6 +238,7 @@ COMMITTED = [
     ("triton_poi_fused_add_rms_norm_bwd_view_1", "norms", "norm"),
     ("float8_copy_kernel_cuda", "casts_and_copies", "FP8 cast"),
     ("triton_poi_fused__scaled_mm__to_copy_clamp_mul_reciprocal_silu_t_view_21", "casts_and_copies", "FP8 cast"),
+    ("_scaled_cast_kernel", "casts_and_copies", "FP8 cast"),  # tessera's one-pass cast (filed as elementwise once)
     ("launch_clamp_scalar", "casts_and_copies", "FP8 clamp"),
     ("AbsFunctor<c10::BFloat16>", "casts_and_copies", "FP8 amax"),
     ("MaxNanFunctor<c10::BFloat16>", "casts_and_copies", "FP8 amax"),

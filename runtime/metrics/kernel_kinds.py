@@ -47,9 +47,9 @@ KERNEL_TABLE: tuple[tuple[str, str, str], ...] = (
     # the clip's foreach norm and scale (the optimizer's, where a range says so)
     ("optimizer_and_clipping", "foreach (clip)", r"multi_tensor_apply_kernel|lpnormfunctor|_foreach_"),
     ("norms", "norm", r"rms_?norm|layer_?norm|group_?norm|batch_?norm|rsqrt"),  # rsqrt: inductor's fused norms
-    # FP8: the cast to float8 (torch's copy kernel, or inductor's fusion of it into its producer), the clamp
-    # into its range, and the amax its scale comes from
-    ("casts_and_copies", "FP8 cast", r"float8_copy|scaled_mm\w*to_copy|to_copy\w*scaled_mm"),
+    # FP8: the cast to float8 (torch's copy kernel, inductor's fusion of it into its producer, or tessera's
+    # one-pass cast, kernels/triton_fp8_cast.py), the clamp into its range, and the amax its scale comes from
+    ("casts_and_copies", "FP8 cast", r"float8_copy|scaled_mm\w*to_copy|to_copy\w*scaled_mm|_scaled_cast_kernel"),
     ("casts_and_copies", "FP8 clamp", r"launch_clamp_scalar"),
     ("casts_and_copies", "FP8 amax", r"absfunctor|maxnanfunctor|fused_abs_max"),
 )
