@@ -7,6 +7,8 @@ import os
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tessera.cli import main
 
@@ -350,6 +352,26 @@ def test_memory_columns_never_merge(capsys, params):
         assert len(line.split()) == 9, line
     header = next(line for line in out.splitlines() if "ZeRO-0" in line)
     assert len(header) == len(rows[0]) and header.split() == ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+
+
+def test_a_small_models_states_are_not_printed_as_zero(capsys):
+    """The debug model's 131,648 parameters hold 2.1 MB of states: the table printed 0.00 GB in every cell."""
+    code, out, err = run(capsys, "memory", "--model", "debug")
+    assert code == 0, err
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    assert "0.00 GB" not in out and total.split()[1:3] == ["0.00211", "GB"], total
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.just(0.0), st.floats(1, 1e40)))  # a byte count: none, or at least one
+def test_gigabytes_reads_back_within_its_rounding_and_never_hides_a_nonzero(n_bytes):
+    from tessera.topology.memory import GB, gigabytes
+
+    text = gigabytes(n_bytes)
+    back = float(text) * GB
+    assert (text == "0.00") == (n_bytes == 0)
+    assert back == pytest.approx(n_bytes, rel=5e-3, abs=0.005 * GB if n_bytes >= 0.1 * GB else 0)
+    assert len(text) <= 10
 
 
 # ----------------------------------------------------------------------------- what the fuzz found (test_cli_fuzz.py)

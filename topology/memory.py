@@ -204,6 +204,15 @@ def parameter_count(n: float) -> str:
     return f"{n:g}"
 
 
+def gigabytes(n_bytes: float) -> str:
+    """Bytes in decimal GB: two decimals; three significant digits below 0.1 GB (a small model's states are not
+    0.00 GB); scientific notation from 10 million GB on, so a cell stays short."""
+    gb = n_bytes / GB
+    if gb >= 1e7:
+        return f"{gb:.3e}"
+    return f"{gb:.2f}" if gb >= 0.1 or gb == 0 else f"{gb:.3g}"
+
+
 def memory_table(num_params: float, dp: int, recipe: str = "mixed_adam", gpu_memory_gb: float | None = None) -> str:
     """The ZeRO table of the reference chapter: per-rank GB for stages 0-3, one row per component."""
     r = get_recipe(recipe)
@@ -217,12 +226,12 @@ def memory_table(num_params: float, dp: int, recipe: str = "mixed_adam", gpu_mem
         f"{'FSDP':<12}" + "".join(f"{fsdp[s]:>15}" for s in range(4)),
     ]
     for component in ("parameters", "gradients", "optimizer", "total"):
-        lines.append(f"{component:<12}" + "".join(f"{st[component] / GB:>12.2f} GB" for st in stages))
+        lines.append(f"{component:<12}" + "".join(f"{gigabytes(st[component]):>12} GB" for st in stages))
     if gpu_memory_gb is not None:
         total = num_params * r.bytes_per_param / GB
         floor = min_gpus(num_params, gpu_memory_gb, recipe)
         lines.append(
-            f"raw floor: {floor} GPUs of {gpu_memory_gb:g} GB hold the {total:.2f} GB of model states "
+            f"raw floor: {floor} GPUs of {gpu_memory_gb:g} GB hold the {gigabytes(total * GB)} GB of model states "
             f"(fully sharded, before activations and buffers)"
         )
     return "\n".join(lines)

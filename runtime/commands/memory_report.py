@@ -12,7 +12,7 @@ from typing import Any
 from tessera.topology import Layout, memory
 from tessera.topology.axes import AXIS, FLATTENED_BY_PURPOSE, TABLE, degrees_from_flags, values_of
 from tessera.topology.estimators.fp8_model import FP8_RECIPES, fp8_summary
-from tessera.topology.memory import GB, get_recipe
+from tessera.topology.memory import get_recipe
 from tessera.topology.estimators.muon_memory import MUON_RECIPES, muon_extra_bytes
 from tessera.topology.estimators.rank_memory import rank_params_of
 from tessera.training.run_config import said
@@ -147,8 +147,8 @@ def _memory_shape_checks(model: str, shape, degrees: dict[str, int]) -> None:
 
 
 def _gb(nbytes: float) -> str:
-    """Decimal GB with two decimals; scientific notation from 10 million GB on, so a cell stays short."""
-    return f"{nbytes / GB:.2f} GB" if nbytes / GB < 1e7 else f"{nbytes / GB:.3e} GB"
+    """Decimal GB as topology.memory.gigabytes writes them, with the unit."""
+    return f"{memory.gigabytes(nbytes)} GB"
 
 
 def _memory_table(num_params: float, dp: int, recipe: str) -> str:
@@ -239,7 +239,7 @@ def _memory(args: argparse.Namespace) -> int:
                 print(
                     f"the planner's count (tessera plan), FULL_SHARD, the rank holding the most (embedding or head, "
                     f"K/V replicated beyond the kv heads): {exact['parameters_on_rank']:,} parameters, "
-                    f"{exact['total'] / 1e9:.2f} GB of model states"
+                    f"{_gb(exact['total'])} of model states"
                     + (
                         f" (Muon: Adam's moments on the parameters AdamW keeps, and {exact['muon_gathered'] / 1e9:.2f} "
                         f"GB of the largest matrix gathered whole at the step)"
