@@ -203,7 +203,7 @@ def test_a_killed_rank_without_restarts_ends_in_one_line_with_where_to_resume(tm
 
 
 def test_a_rank_killed_while_the_oom_killer_struck_is_named_out_of_memory(tmp_path):
-    from tessera.launching.host_memory import available_bytes, oom_kills
+    from tessera.launching.host_memory import available_bytes, oom_kills, total_bytes
     from tessera.launching.launch import died_message
 
     assert died_message(1, 2, -9, 3, 3) == "rank 1 of 2 died without a result (exit code -9)"
@@ -228,3 +228,6 @@ def test_a_rank_killed_while_the_oom_killer_struck_is_named_out_of_memory(tmp_pa
     assert available_bytes(v2, meminfo) == 6 * 2**30  # the cgroup's limit less its usage, under MemAvailable
     assert available_bytes(v1, meminfo) == 21844124 * 1024  # no cgroup limit: MemAvailable
     assert available_bytes(tmp_path / "none", tmp_path / "no-meminfo") is None
+    # what the host's processes may hold in all (tessera plan's CPU ranks): MemTotal, under the cgroup's limit
+    assert total_bytes(v2, meminfo) == 8 * 2**30 and total_bytes(v1, meminfo) == 24684096 * 1024
+    assert total_bytes(tmp_path / "none", tmp_path / "no-meminfo") is None

@@ -16,7 +16,8 @@ from pathlib import Path
 from tessera.paths import calibration_path, read_calibration
 from tessera.topology.estimators.comm_model import ep_over_tp_applies
 from tessera.topology.errors import with_flags
-from tessera.topology.memory import GB
+from tessera.launching.host_memory import total_bytes
+from tessera.topology.memory import GB, gigabytes
 from tessera.topology.estimators.muon_memory import MUON_RECIPES, recipe_for
 from tessera.topology.hardware import (
     load_profile,
@@ -65,7 +66,7 @@ MEMORY_COLUMNS = (
 
 
 def _row(rank: int, x: Estimate) -> str:
-    mem = "".join(f"{sum(x.memory[k] for k in keys) / GB:>10.2f}" for _, keys in MEMORY_COLUMNS)
+    mem = "".join(f"{gigabytes(sum(x.memory[k] for k in keys)):>10}" for _, keys in MEMORY_COLUMNS)
     mfu = "-" if x.mfu is None else f"{x.mfu:.1%}"  # no peak to measure it against (a calibration alone)
     return f"{rank:>3}  {x.candidate.describe():<76}{mem}{x.time['step']:>9.3f}{x.tokens_per_s:>12,.0f}{mfu:>7}"
 
@@ -130,6 +131,10 @@ def run_plan(args: argparse.Namespace) -> int:
         settings = {k: v for k, v in loose.items() if v is not None}
         if calibration is not None:  # a calibration measures rates, not a peak: MFU only against a given one
             settings["peak_tflops"] = args.peak_tflops
+        host = total_bytes() if calibration is not None and calibration.device_type == "cpu" else None
+        if host is not None and args.gpu_memory is None:
+            # CPU ranks hold what this host holds, shared by the ranks on it, not the GPU profile's HBM
+            settings["gpu_memory_gb"] = host / GB / min(args.gpus, args.gpus_per_node or profile.gpus_per_node)
         hw = Hardware.from_profile(  # its ValueErrors name its parameters (efficiency=5): said() writes the flags
             profile,
             args.gpus,

@@ -53,6 +53,19 @@ def available_bytes(root: Path = CGROUP, meminfo: Path = Path("/proc/meminfo")) 
     return host
 
 
+def total_bytes(root: Path = CGROUP, meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The memory this host's processes may hold in all: MemTotal, capped by the cgroup's limit. None when
+    neither can be read."""
+    kib = _field(meminfo, "MemTotal")
+    host = kib * 1024 if kib is not None else None
+    for limit_file in ("memory.max", "memory/memory.limit_in_bytes"):
+        limit = _read_int(root / limit_file)
+        if limit is not None and limit < UNLIMITED:
+            host = limit if host is None else min(host, limit)
+            break
+    return host
+
+
 def oom_kills(root: Path = CGROUP) -> int | None:
     """Processes the kernel's out-of-memory killer has ended in this cgroup so far (None: unknown here)."""
     for path in (root / "memory.events", root / "memory" / "memory.oom_control"):

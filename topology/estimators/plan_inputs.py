@@ -237,12 +237,14 @@ class Hardware:
 
     def describe(self) -> str:
         """What the ranks are, for a plan's header: '8 GPUs of 80 GB (8 per node)'; with a calibration its
-        device kind too, and a CPU's ranks called CPU ranks: "1 CPU rank of 80 GB (8 per node; the CPU
-        calibration 'cpu: ..., 1 thread')"."""
+        device kind too, and a CPU's ranks called CPU ranks, each holding its share of the host's memory:
+        "2 CPU ranks of 12.6 GB of host memory (8 per node; the CPU calibration 'cpu: ..., 1 thread')"."""
         cal = self.calibration
-        ranks = plural(self.gpus, "CPU rank" if cal is not None and cal.device_type == "cpu" else "GPU")
+        cpu = cal is not None and cal.device_type == "cpu"
+        ranks = plural(self.gpus, "CPU rank" if cpu else "GPU")
         where = "" if cal is None else f"; the {cal.device_type.upper()} calibration {cal.device_kind!r}"
-        return f"{ranks} of {self.gpu_memory_gb:g} GB ({self.gpus_per_node} per node{where})"
+        memory = f"{self.gpu_memory_gb:.4g} GB" + (" of host memory" if cpu else "")
+        return f"{ranks} of {memory} ({self.gpus_per_node} per node{where})"
 
 
 def plural(n: int, noun: str) -> str:
