@@ -16,6 +16,7 @@ trained on exactly those rows. A restarted group joins at a step boundary and re
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,11 +32,20 @@ FT_EXTRA = "pip install -e '.[ft]' (torchft 0.2.0)"
 
 def require_torchft() -> None:
     """ValueError naming the extra to install when torchft is missing (before any rank starts)."""
+    # torchft's Rust side reads its level once, when the module loads (here first): every quorum at INFO otherwise
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         # lazy: torchft is the `ft` extra, loaded only by fault-tolerant runs
         import torchft  # noqa: F401
     except ImportError:
         raise ValueError(f"fault_tolerant=True needs torchft, which is not installed: {FT_EXTRA}") from None
+
+
+class _NoFlightRecorderOnGloo(logging.Filter):
+    """torchft's manager warns at every reconfigure that it cannot reset NCCL's flight recorder, on gloo too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,10 @@ class ReplicaSync:
 
         timeout = timedelta(seconds=self.ft.timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if self.device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        if self.device_type != "cuda":  # NCCL's flight recorder has nothing to record on gloo: no warning of it
+            manager_log = logging.getLogger("torchft.manager")
+            if not any(isinstance(f, _NoFlightRecorderOnGloo) for f in manager_log.filters):
+                manager_log.addFilter(_NoFlightRecorderOnGloo())
 
         def load(state: dict[str, Any]) -> None:
             self.point("recover")
