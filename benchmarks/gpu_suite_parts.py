@@ -394,7 +394,10 @@ def part_moe(suite: Suite, cap: float) -> dict:
 
 def part_planner(suite: Suite, cap: float) -> dict:
     """This device's rates at the model's shapes, then the planner (at those rates) against every training
-    row measured: step time and memory, measured / predicted."""
+    row measured: step time and memory, measured / predicted. The rates are measured at each row's own batch
+    (its microbatch's tokens: a GEMM's and the attention's rate depend on them; on the H200 the calibration at 4
+    rows had the 2048 -> 512 GEMMs at 194 TFLOP/s where the step's 16 rows ran them faster), at the suite's
+    calibrate_batch where no row ran."""
     from tessera.commands.bench import calibrate_rank
     from tessera.training.estimate import planner_estimate
     from tessera.commands.calibrate import describe
@@ -402,34 +405,35 @@ def part_planner(suite: Suite, cap: float) -> dict:
     from tessera.topology.estimators.step_time import Calibration
 
     sizes = suite.sizes
-    config = train_config(sizes, sizes["calibrate_batch"], False, suite.smoke)
-    calibration = run_ranks(
-        calibrate_rank, 1, config, suite.smoke, timeout=max(1.0, cap), backend="gloo" if suite.smoke else "nccl"
-    )[0]
-    suite.say("planner", describe(calibration))
-    rates = Calibration.from_entry(calibration)
+    measured = [(mode, row) for mode in ("eager", "compiled") for row in training_rows(suite.results, mode)]
+    by_batch: dict[int, dict] = {}
+    for batch in sorted({row["global_batch"] for _, row in measured}) or [sizes["calibrate_batch"]]:
+        config = train_config(sizes, batch, False, suite.smoke)
+        by_batch[batch] = run_ranks(
+            calibrate_rank, 1, config, suite.smoke, timeout=max(1.0, cap), backend="gloo" if suite.smoke else "nccl"
+        )[0]
+        suite.say("planner", f"batch {batch}: {describe(by_batch[batch])}")
     rows = []
-    for mode in ("eager", "compiled"):
-        for row in training_rows(suite.results, mode):
-            estimate = planner_estimate(
-                train_config(sizes, row["global_batch"], mode == "compiled", suite.smoke), rates
-            )
-            measured_memory = row["peak_bytes"]
-            rows.append(
-                {
-                    "row": row["layout"],
-                    "measured_step_s": row["step_time_s"],
-                    "predicted_step_s": estimate.time["step"],
-                    "step_ratio": row["step_time_s"] / estimate.time["step"],
-                    "predicted_parts_s": estimate.compute_parts,
-                    "measured_memory_bytes": measured_memory,
-                    "predicted_memory_bytes": estimate.memory["total"],
-                    "memory_ratio": measured_memory / estimate.memory["total"],
-                }
-            )
+    for mode, row in measured:
+        rates = Calibration.from_entry(by_batch[row["global_batch"]])
+        estimate = planner_estimate(train_config(sizes, row["global_batch"], mode == "compiled", suite.smoke), rates)
+        measured_memory = row["peak_bytes"]
+        rows.append(
+            {
+                "row": row["layout"],
+                "measured_step_s": row["step_time_s"],
+                "predicted_step_s": estimate.time["step"],
+                "step_ratio": row["step_time_s"] / estimate.time["step"],
+                "predicted_parts_s": estimate.compute_parts,
+                "measured_memory_bytes": measured_memory,
+                "predicted_memory_bytes": estimate.memory["total"],
+                "memory_ratio": measured_memory / estimate.memory["total"],
+            }
+        )
     ratios = [r["step_ratio"] for r in rows]
     return {
-        "calibration": calibration,
+        "calibration": next(iter(by_batch.values())),  # the smallest batch's (where the rows share one: theirs)
+        "calibrations_by_batch": {str(b): c for b, c in by_batch.items()},
         "rows": rows,
         "memory_measure": "live tensors at the profiled step's peak (CPU)" if suite.smoke else "CUDA allocator peak",
         "median_step_ratio": statistics.median(ratios) if ratios else None,
