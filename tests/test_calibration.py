@@ -159,7 +159,8 @@ def test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads(tmp_p
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA and len(data["entries"]) == 1
     entry = next(iter(data["entries"].values()))
-    Calibration.from_entry(entry)
+    rates = Calibration.from_entry(entry)
+    assert (rates.measured_rows, rates.measured_seq_len) == (8, 128)  # a GEMM's rate depends on its tokens
     assert entry["dtype"] == "float32" and entry["threads"] == 1 and entry["device_type"] == "cpu"
     assert entry["measured_at"]["dim"] == 256 and entry["measured_at"]["rows"] == 8 and entry["versions"]["torch"]
     assert {s["in"] for s in entry["matmul_by_shape"]} == {256, 768}
@@ -185,6 +186,9 @@ def test_plan_calibrate_on_this_cpu_writes_the_file_the_planner_then_reads(tmp_p
     top = json.loads(planned.stdout)["ranked"][0]
     assert top["compute_parts_s"]["step"] == pytest.approx(top["time_s"]["compute"])
     assert json.loads(planned.stdout)["request"]["hardware"]["calibration"]["device_kind"] == entry["device_kind"]
+    request = ["--model", "small", "--gpus", "1", "--seq-len", "128", "--global-batch", "8"]
+    text = _tessera("plan", *request, "--device-kind", "cpu", "--calibration", str(path), "--top", "1")
+    assert "(float32) at 8 x 128 tokens a microbatch" in text.stdout.splitlines()[-1], text.stdout
     missing = _tessera(
         "plan",
         "--model",

@@ -242,7 +242,9 @@ def run_plan(args: argparse.Namespace) -> int:
     elif hw.calibration is None:
         compute = f"{hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s (MFU against that peak)"
     else:
-        compute = f"the rates measured on {hw.calibration.device_kind} ({hw.calibration.dtype})" + (
+        cal = hw.calibration
+        at = f" at {cal.measured_rows} x {cal.measured_seq_len} tokens a microbatch" if cal.measured_rows else ""
+        compute = f"the rates measured on {cal.device_kind} ({cal.dtype}){at}" + (
             " (no MFU: a calibration measures rates, not a peak; --peak-tflops gives one)"
             if hw.peak_tflops is None
             else f" (MFU against --peak-tflops {hw.peak_tflops:g})"

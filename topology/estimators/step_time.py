@@ -101,6 +101,9 @@ class Calibration:
     memory_bytes_per_s: float
     op_overhead_s: float
     device_type: str  # "cuda" (the host's dispatch runs ahead of the device; fused AdamW) or "cpu"
+    # the microbatch the rates were measured at, rows x seq_len (None: not recorded): a GEMM's rate depends on it
+    measured_rows: int | None = None
+    measured_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s"):
@@ -120,10 +123,16 @@ class Calibration:
     def from_entry(cls, entry: dict) -> "Calibration":
         """From one entry of a calibration file (its extra fields, such as where it was measured, are kept
         in the file, not here)."""
-        missing = [f for f in cls.__dataclass_fields__ if f not in entry]
+        optional = {"measured_rows", "measured_seq_len"}
+        missing = [f for f in cls.__dataclass_fields__ if f not in entry and f not in optional]
         if missing:
             raise ValueError(f"calibration entry lacks {', '.join(missing)}; recalibrate with tessera plan --calibrate")
-        return cls(**{f: entry[f] for f in cls.__dataclass_fields__})
+        at = entry.get("measured_at") or {}
+        return cls(
+            **{f: entry[f] for f in cls.__dataclass_fields__ if f not in optional},
+            measured_rows=at.get("rows"),
+            measured_seq_len=at.get("seq_len"),
+        )
 
 
 def entry_key(device_kind: str, dtype: str) -> str:
