@@ -216,3 +216,17 @@ def test_the_batch_grows_by_the_measured_per_sequence_bytes_not_the_whole_peak()
     capacity = 0.9 * results["device"]["gpu_memory_bytes"]
     assert peak_at(row, 32) <= capacity < 2 * row["peak_bytes"]  # the old rule (the whole peak doubled) stopped
     assert peak_at({"peak_bytes": 100, "global_batch": 4}, 8) == 200  # no profile: the whole peak scales
+
+
+def test_the_one_call_lease_script_parses_and_runs_the_suite_before_the_peer_rows():
+    """benchmarks/gpu_lease.sh (a whole lease in one device call): bash reads it, the suite comes first (its figures
+    are the lease's first purpose), and it refuses to run without the OUT folder the files come back from."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_lease.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    commands = [ln for ln in script.read_text().splitlines() if ln.startswith(("python", "timeout"))]
+    assert [i for i, ln in enumerate(commands) if "gpu_suite.py" in ln] < [
+        i for i, ln in enumerate(commands) if "bench_peer.py" in ln
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode != 0 and "OUT must name the folder" in done.stderr
