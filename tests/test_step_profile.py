@@ -243,6 +243,7 @@ COMMITTED = [
     ("AbsFunctor<c10::BFloat16>", "casts_and_copies", "FP8 amax"),
     ("MaxNanFunctor<c10::BFloat16>", "casts_and_copies", "FP8 amax"),
     ("triton_red_fused_abs_max_mul_silu_view_19", "casts_and_copies", "FP8 amax"),
+    ("AbsMaxOps<c10::BFloat16", "casts_and_copies", "FP8 amax"),  # the fused cast's one-reduction amax
     ("chunk_cat_cuda_kernel", "casts_and_copies", "FSDP2 copy-in/out"),
     ("CatArrayBatchedCopy", "casts_and_copies", "FSDP2 copy-in/out"),
     ("bfloat16_copy_kernel_cuda", "casts_and_copies", "cast or copy"),

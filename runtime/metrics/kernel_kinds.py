@@ -51,7 +51,8 @@ KERNEL_TABLE: tuple[tuple[str, str, str], ...] = (
     # one-pass cast, kernels/triton_fp8_cast.py), the clamp into its range, and the amax its scale comes from
     ("casts_and_copies", "FP8 cast", r"float8_copy|scaled_mm\w*to_copy|to_copy\w*scaled_mm|_scaled_cast_kernel"),
     ("casts_and_copies", "FP8 clamp", r"launch_clamp_scalar"),
-    ("casts_and_copies", "FP8 amax", r"absfunctor|maxnanfunctor|fused_abs_max"),
+    # (torch.linalg.vector_norm(ord=inf)'s one reduction, the fused cast's amax, is AbsMaxOps)
+    ("casts_and_copies", "FP8 amax", r"absfunctor|maxnanfunctor|fused_abs_max|absmaxops"),
 )
 # copies, after the ranges: a copy inside the loss (its fp32 upcast) is the loss's work, one outside any range
 # is a cast or FSDP2's packing
