@@ -11,7 +11,8 @@ compute    every linear layer's three GEMMs (forward x @ W^T, the input gradient
            at its backend's share of the bf16 peak (cuDNN or FlashAttention-2); the elementwise work of an
            eager block (topology/estimators/step_time.py's counted bytes) at the elementwise share of HBM bandwidth,
            what compile's fusion leaves of it when compiled; the GPU loss's bytes per logit; FP8's casts
-           (fp8_model's bytes: fused, as compiled blocks fuse the rest; eager, torchao's separate ops).
+           (fp8_model's bytes: compiled, fused as compiled blocks fuse the rest; eager, tessera's one-pass
+           cast and one-reduction amax on a GPU, kernels/triton_fp8_cast.py, the same bytes).
            Under sequence parallel the residual-wide elementwise work runs on seq / tp tokens. Attention's
            share rises with the sequence and the head dim (the profile's `attention`). Under context
            parallel, the ring's merges of its cp steps' outputs and gradients (ring_merge.py's counted
@@ -193,11 +194,12 @@ def compute_parts(
     casts = 0.0
     if fp8:
         casts = cast_bytes_per_step(cfg, rank_tokens, tp, dtype_bytes, microbatches) * blocks / cfg.n_layers
-        # fp8_model counts a fused cast (its amax, then the scaled cast: 2 e + 1 bytes an element); eager
-        # torchao runs it as separate ops: abs, amax, the fp32 upcast, the scale, the clamp, the convert
-        # compiled, the casts fuse into the ops that produce their inputs as the rest of the elementwise work does
-        unfused = (5 * dtype_bytes + 25) / (2 * dtype_bytes + 1)
-        casts = casts * (fusion if compiled else unfused) / hbm_elementwise
+        # fp8_model counts a fused cast (its amax, then the scaled cast: 2 e + 1 bytes an element): eager, what
+        # tessera's one-pass cast moves on a GPU, in the order torch._scaled_mm takes each operand (no copies);
+        # torchao's eager cast ran it as separate ops, (5 e + 25) / (2 e + 1) times the bytes (the H200's eager
+        # FP8 step of 2026-11-27). Compiled, the casts fuse into the ops that produce their inputs as the rest of
+        # the elementwise work does
+        casts = casts * (fusion if compiled else 1.0) / hbm_elementwise
     # the ring's merges of cp steps' partial outputs and gradients, eager at the elementwise share
     merge_fwd, merge_bwd = ring_merge_bytes(
         cp_merge,
