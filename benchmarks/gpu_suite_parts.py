@@ -405,12 +405,14 @@ def part_planner(suite: Suite, cap: float) -> dict:
     from tessera.topology.estimators.step_time import Calibration
 
     sizes = suite.sizes
+    began = time.perf_counter()
     measured = [(mode, row) for mode in ("eager", "compiled") for row in training_rows(suite.results, mode)]
     by_batch: dict[int, dict] = {}
     for batch in sorted({row["global_batch"] for _, row in measured}) or [sizes["calibrate_batch"]]:
         config = train_config(sizes, batch, False, suite.smoke)
+        left = cap - (time.perf_counter() - began)  # every batch's calibration within the part's cap
         by_batch[batch] = run_ranks(
-            calibrate_rank, 1, config, suite.smoke, timeout=max(1.0, cap), backend="gloo" if suite.smoke else "nccl"
+            calibrate_rank, 1, config, suite.smoke, timeout=max(1.0, left), backend="gloo" if suite.smoke else "nccl"
         )[0]
         suite.say("planner", f"batch {batch}: {describe(by_batch[batch])}")
     rows = []

@@ -48,7 +48,8 @@ def _scaled_cast_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # 64-bit: 2^31 elements and more
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    # 64-bit too: a column-major side strides M a column, and cols x M passes 2^31 at large M x N
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     inside = (rows < M) & (cols < N)
     x = tl.load(X + rows * stride_xm + cols * stride_xn, mask=inside, other=0.0).to(tl.float32)
     s = tl.load(S + rows * stride_sm + cols * stride_sn, mask=inside, other=1.0)

@@ -803,3 +803,12 @@ def test_the_why_line_names_a_tie_that_holds_less_memory_than_the_best():
     assert ties and least is not best, "the example no longer ties: pick another"
     assert f"of them {least.candidate.describe()} holds the least memory" in text, text
     assert "it holds the least memory" not in text
+
+
+def test_a_cpu_calibrated_plan_of_no_ranks_is_refused_in_one_line(cpu_calibration):
+    """The host's share per CPU rank divided by --gpus before --gpus was checked (a ZeroDivisionError)."""
+    out = cli_here(
+        "plan", "--model", "small", "--gpus", "0", "--seq-len", "128", "--global-batch", "8",
+        "--device-kind", "cpu", "--calibration", str(cpu_calibration),
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stderr.strip() == "tessera plan: error: --gpus 0 must be a positive integer"

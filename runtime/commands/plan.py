@@ -132,7 +132,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if calibration is not None:  # a calibration measures rates, not a peak: MFU only against a given one
             settings["peak_tflops"] = args.peak_tflops
         host = total_bytes() if calibration is not None and calibration.device_type == "cpu" else None
-        if host is not None and args.gpu_memory is None:
+        if host is not None and args.gpus >= 1 and args.gpu_memory is None:
             # CPU ranks hold what this host holds, shared by the ranks on it, not the GPU profile's HBM
             settings["gpu_memory_gb"] = host / GB / min(args.gpus, args.gpus_per_node or profile.gpus_per_node)
         hw = Hardware.from_profile(  # its ValueErrors name its parameters (efficiency=5): said() writes the flags

@@ -146,7 +146,7 @@ def estimate_bytes(
     seq_len: int,
     global_batch: int,
     microbatches: int = 1,
-    schedule: Any = "1f1b",
+    schedule: Any = None,
     virtual: int = 1,
 ) -> float:
     """The memory a simulated world of a llama-family `cfg` holds at its peak, every rank's at once: the model's
@@ -157,7 +157,8 @@ def estimate_bytes(
     Measured against the growth of the process's peak (bench_simulated_world.py): 0.14-7.4 GB at 4-512 ranks,
     within -3..+21% of it; tests/test_simulated_world.py holds it at 4 ranks. `microbatches`: the step's
     gradient-accumulation steps (the activations of one, or of the pipeline's in flight, are held at once);
-    `schedule` and `virtual`: a pp layout's, whose held activations held_microbatches counts."""
+    `schedule` and `virtual`: a pp layout's, whose held activations held_microbatches counts (None: 1F1B's
+    min(m, pp))."""
     from tessera.models.spec import spec_of  # lazy: (as in trace)
     from tessera.topology.shapes import layer_param_shapes
 
@@ -168,7 +169,13 @@ def estimate_bytes(
     gathered = 8 * (2 * layer + ends) / layout.tp
     # the rows a rank holds activations of at once, on its layers (a pp rank's 1 / pp of them): one microbatch,
     # or under pp as many as its schedule holds at its peak
-    held = held_microbatches(schedule, layout.pp, microbatches, virtual) if layout.pp > 1 else 1
+    held: float = 1
+    if layout.pp > 1:
+        held = (
+            min(microbatches, layout.pp)
+            if schedule is None
+            else held_microbatches(schedule, layout.pp, microbatches, virtual)
+        )
     rows = global_batch / (layout.dp_replicate * layout.dp_shard) / microbatches * held / layout.pp
     tokens = rows * seq_len / layout.cp
     # a token's MLP width: the dense one, or its top_k experts' (each padded no wider: simulated dispatch)

@@ -127,7 +127,8 @@ class Calibration:
         missing = [f for f in cls.__dataclass_fields__ if f not in entry and f not in optional]
         if missing:
             raise ValueError(f"calibration entry lacks {', '.join(missing)}; recalibrate with tessera plan --calibrate")
-        at = entry.get("measured_at") or {}
+        measured_at = entry.get("measured_at")
+        at: dict = measured_at if isinstance(measured_at, dict) else {}
         return cls(
             **{f: entry[f] for f in cls.__dataclass_fields__ if f not in optional},
             measured_rows=at.get("rows"),
