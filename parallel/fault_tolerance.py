@@ -30,10 +30,15 @@ from torch.distributed.tensor import DTensor
 FT_EXTRA = "pip install -e '.[ft]' (torchft 0.2.0)"
 
 
+def quiet_torchft() -> None:
+    """torchft's Rust side at warnings only (every quorum at INFO otherwise), unless the user set RUST_LOG; it
+    reads the level once, when the module first loads, so this runs before any torchft import."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
 def require_torchft() -> None:
     """ValueError naming the extra to install when torchft is missing (before any rank starts)."""
-    # torchft's Rust side reads its level once, when the module loads (here first): every quorum at INFO otherwise
-    os.environ.setdefault("RUST_LOG", "warn")
+    quiet_torchft()  # this import is the first in a run
     try:
         # lazy: torchft is the `ft` extra, loaded only by fault-tolerant runs
         import torchft  # noqa: F401
@@ -101,7 +106,7 @@ class ReplicaSync:
     recovered_bytes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
+        quiet_torchft()
         from torchft import Manager  # lazy: the ft extra
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -32,7 +31,9 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     if any(bad):
         print(f"tessera lighthouse: error: {'; '.join(b for b in bad if b)}", file=sys.stderr)
         return 2
-    os.environ.setdefault("RUST_LOG", "warn")  # quorums at INFO otherwise: a line each step
+    from tessera.parallel.fault_tolerance import quiet_torchft  # lazy: it imports torch, as torchft does
+
+    quiet_torchft()  # quorums at INFO otherwise: a line each step
     try:
         from torchft._torchft import LighthouseServer  # lazy: the ft extra
     except ImportError:

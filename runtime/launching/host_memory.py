@@ -13,6 +13,8 @@ from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+# (limit, usage) files of cgroup v2, then v1
+CGROUP_MEMORY = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
 
 
 def _read_int(path: Path) -> int | None:
@@ -41,10 +43,7 @@ def available_bytes(root: Path = CGROUP, meminfo: Path = Path("/proc/meminfo")) 
     limit less its usage. None when neither can be read."""
     kib = _field(meminfo, "MemAvailable")
     host = kib * 1024 if kib is not None else None
-    for limit_file, usage_file in (
-        ("memory.max", "memory.current"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
-    ):
+    for limit_file, usage_file in CGROUP_MEMORY:
         limit, usage = _read_int(root / limit_file), _read_int(root / usage_file)
         if limit is not None and limit < UNLIMITED and usage is not None:
             left = max(0, limit - usage)
@@ -58,7 +57,7 @@ def total_bytes(root: Path = CGROUP, meminfo: Path = Path("/proc/meminfo")) -> i
     neither can be read."""
     kib = _field(meminfo, "MemTotal")
     host = kib * 1024 if kib is not None else None
-    for limit_file in ("memory.max", "memory/memory.limit_in_bytes"):
+    for limit_file, _ in CGROUP_MEMORY:
         limit = _read_int(root / limit_file)
         if limit is not None and limit < UNLIMITED:
             host = limit if host is None else min(host, limit)

@@ -58,7 +58,9 @@ def replica_config(config: Config, replica: int, lighthouse: str) -> Config:
 
 def start_lighthouse(min_replicas: int, timeout: float, port: int = 0) -> Any:
     """A torchft lighthouse on `port` of this machine (0: a free one; its address: `.address()`)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
+    from tessera.parallel.fault_tolerance import quiet_torchft  # lazy: as the lighthouse below
+
+    quiet_torchft()
     from torchft._torchft import LighthouseServer  # lazy: the ft extra
 
     return LighthouseServer(

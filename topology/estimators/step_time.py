@@ -73,7 +73,7 @@ Without a calibration the planner keeps its uncalibrated model (FLOPs at `effici
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 
 from tessera.topology.shapes import as_shape
 
@@ -123,7 +123,8 @@ class Calibration:
     def from_entry(cls, entry: dict) -> "Calibration":
         """From one entry of a calibration file (its extra fields, such as where it was measured, are kept
         in the file, not here)."""
-        optional = {"measured_rows", "measured_seq_len"}
+        # the fields with a default (where it was measured) are read from measured_at, not from the entry
+        optional = {name for name, f in cls.__dataclass_fields__.items() if f.default is not MISSING}
         missing = [f for f in cls.__dataclass_fields__ if f not in entry and f not in optional]
         if missing:
             raise ValueError(f"calibration entry lacks {', '.join(missing)}; recalibrate with tessera plan --calibrate")
