@@ -1,7 +1,9 @@
 """Fused RMSNorm in Triton: forward and backward, fp32 statistics.
 
 Forward: one program per row reads the row once, computes rstd = 1/sqrt(mean(x^2) + eps) in fp32, writes
-y = x * rstd * w and saves rstd. Backward: each program takes a strided set of rows, writes
+y = x * rstd * w and saves rstd, and writes max |y| of the row as stored (a NaN if the row holds one): the amax
+an FP8 cast of y would read y again for (kernels/fp8_amax.py), which an eager FP8 step's q/k/v or gate/up casts
+take instead. Backward: each program takes a strided set of rows, writes
 dx = rstd * (w*dy - xhat * mean(w*dy*xhat)) for each, and accumulates its partial dw = sum(dy * xhat)
 in fp32; the partials (one row per program) are summed at the end. Works on any (..., N) tensor, e.g.
 the local shard of a sequence-parallel activation. Custom ops with fake implementations, like attention.
@@ -15,21 +17,28 @@ import triton.language as tl
 from torch import Tensor
 
 from .checks import check_rms_norm_inputs
+from .fp8_amax import attach_row_amax
 from .triton_compat import INTERPRET  # importing it also fixes triton < 3.8's interpreter
 
 MAX_FUSED_WIDTH = 65536  # one row must fit one program's registers/shared memory
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, AMAX, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    y = (x * rstd * w).to(Y.dtype.element_ty)
+    tl.store(Y + row * stride_y + cols, y, mask=mask)
     tl.store(RSTD + row, rstd)
+    magnitude = tl.where(mask, tl.abs(y.to(tl.float32)), 0.0)
+    # tl.max drops NaNs; torch's amax keeps them (and so a NaN scale, as torchao's cast of y would have): a row
+    # holding one stores its sum, a NaN
+    nans = tl.sum((magnitude != magnitude).to(tl.int32), 0)
+    tl.store(AMAX + row, tl.where(nans > 0, tl.sum(magnitude, 0), tl.max(magnitude, 0)))
 
 
 @triton.jit
@@ -71,23 +80,27 @@ def _warps(block: int) -> int:
 
 
 @torch.library.custom_op("tessera::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, rstd, max |y| of each row), the last two fp32 of one element a row."""
     x2 = _rows(x)
     M, N = x2.shape
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    amax = torch.empty(M, device=x.device, dtype=torch.float32)
     block = _block(N)
     if M:
         _rms_norm_fwd_kernel[(M,)](
-            x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK=block, num_warps=_warps(block)
-        )
-    return y.view(x.shape), rstd
+            x2, weight.contiguous(), y, rstd, amax, x2.stride(0), y.stride(0), N, eps, BLOCK=block,
+            num_warps=_warps(block),
+        )  # fmt: skip
+    return y.view(x.shape), rstd, amax
 
 
 @rms_norm_fwd.register_fake
 def _(x, weight, eps):
     # contiguous, as the kernel writes y (empty_like would copy a non-contiguous x's strides)
-    return x.new_empty(x.shape), x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)
+    rows = x.numel() // max(x.shape[-1], 1)
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("tessera::rms_norm_bwd", mutates_args=())
@@ -130,7 +143,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, output[1])
 
 
-def _backward(ctx, dy, _drstd):
+def _backward(ctx, dy, _drstd, _damax):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_bwd(dy, x, weight, rstd)
     return dx, dw, None
@@ -148,4 +161,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
         )
     if x.dtype != weight.dtype:
         weight = weight.to(x.dtype)
-    return rms_norm_fwd(x, weight, float(eps))[0]
+    y, _, amax = rms_norm_fwd(x, weight, float(eps))
+    if not torch.compiler.is_compiling():  # compiled, inductor fuses the casts into their producers itself
+        attach_row_amax(y, amax.view(*x.shape[:-1], 1))
+    return y

@@ -37,7 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tessera.kernels.fp8_amax import row_amax
+
 from .comm import collective
+from .fp8_shared_casts import CastShare, remember_whole_amax, whole_amax
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 # tp-style names of a spec's plan whose layers run in FP8 (the head, router and kv-beyond stay high precision)
@@ -111,6 +114,9 @@ class Float8Matmul:
     # the one-pass Triton cast (kernels/triton_fp8_cast.py, torchao's bits) and a one-kernel amax; None: on CUDA in
     # eager steps, where torchao's eager cast runs four kernels (under torch.compile inductor fuses torchao's)
     fused_cast: bool | None = None
+    # the casts this layer shares with its siblings (parallel/fp8_shared_casts.py), where the one-pass cast runs;
+    # None: each layer casts its own input
+    share: CastShare | None = None
 
     def __post_init__(self) -> None:
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig  # lazy: optional dependency
@@ -144,9 +150,11 @@ class Float8Matmul:
             return False
         return (t.is_cuda and not torch.compiler.is_compiling()) if self.fused_cast is None else self.fused_cast
 
-    def cast(self, t: Tensor, cc: Any, operand: str, gemm: str, axis: int) -> Tensor:
+    def cast(self, t: Tensor, cc: Any, operand: str, gemm: str, axis: int, source: Tensor | None = None) -> Tensor:
         """t in FP8 as torchao's hp_tensor_to_float8_dynamic casts it, the amax over the tp group where
-        the scale covers the split dim; the same bits by the one-pass kernel where `fused` says so."""
+        the scale covers the split dim; the same bits by the one-pass kernel where `fused` says so, there an
+        input's cast shared with the sibling layers that read the same tensor (`share`; `source`: the tensor
+        t is a reshape of, by which the share finds it)."""
         from torchao.float8.config import ScalingGranularity, ScalingType  # lazy: optional dependency
         from torchao.float8.distributed_utils import tensor_already_casted_to_fp8  # lazy: as above
         from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8  # lazy
@@ -157,8 +165,19 @@ class Float8Matmul:
         axiswise = cc.scaling_granularity is ScalingGranularity.AXISWISE
         dim = axis if axiswise else None
         fused = self.fused(t)
+        source = t if source is None else source
+        share = self.share if fused and operand == "input" else None
+        key = (gemm, axis, id(cc), tuple(t.shape))
+        if share is not None and (held := share.get(source, key)) is not None:
+            if self.record:
+                self.scales.append((gemm, operand, held._scale.detach().clone()))
+            return held
         if fused:  # max |t| in one reduction (torchao's takes abs into a temporary, then its max): the same value
-            amax = torch.linalg.vector_norm(t, ord=math.inf, dim=dim, keepdim=dim is not None)
+            amax = known_amax(t, source, dim) if share is not None else None
+            if amax is None:
+                amax = torch.linalg.vector_norm(t, ord=math.inf, dim=dim, keepdim=dim is not None)
+                if share is not None and dim is None:
+                    remember_whole_amax(source, amax)
         else:
             amax = tensor_to_amax(t, scaling_granularity=cc.scaling_granularity, axiswise_dim=dim)
         split = self.split_dim(operand)
@@ -177,8 +196,26 @@ class Float8Matmul:
             from tessera.kernels.triton_fp8_cast import scaled_cast_fp8  # lazy: Triton, where FP8 runs
 
             bits = scaled_cast_fp8(t, scale, cc.target_dtype, SCALED_MM_LAYOUT.get((gemm, operand)))
-            return Float8TrainingTensor(bits, scale, t.dtype, self.mm_config, role, dim)
+            cast = Float8TrainingTensor(bits, scale, t.dtype, self.mm_config, role, dim)
+            if share is not None:
+                share.put(source, key, cast)
+            return cast
         return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, self.mm_config, role, dim)
+
+
+def known_amax(t: Tensor, source: Tensor, dim: int | None) -> Tensor | None:
+    """max |t| (over `dim`, kept; None: all of it) where it is known without reading t: noted by an earlier
+    cast of the same input (the forward's, for the backward), or from the row amaxes the kernel that wrote it
+    noted (kernels/fp8_amax.py: the Triton RMSNorm's): their max, or under rowwise scaling the rows themselves."""
+    if dim is None:
+        whole = whole_amax(source)
+        if whole is None and (rows := row_amax(source)) is not None:
+            whole = rows.amax()
+            remember_whole_amax(source, whole)
+        return whole
+    if t is source and dim in (-1, t.dim() - 1):
+        return row_amax(source)
+    return None
 
 
 # The memory order torch._scaled_mm takes an operand in where _Float8Linear hands it over in the other (torchao's mm
@@ -219,7 +256,7 @@ class _Float8Linear(torch.autograd.Function):
         grad_input = torch.mm(go_gi, w_gi.t()).reshape(*shape[:-1], -1)
         x2 = input_hp.reshape(-1, input_hp.shape[-1])
         go_gw = mm.cast(go, c.cast_config_grad_output_for_grad_weight, "grad_output", "grad_weight", 0)
-        x_gw = mm.cast(x2, c.cast_config_input_for_grad_weight, "input", "grad_weight", 0)
+        x_gw = mm.cast(x2, c.cast_config_input_for_grad_weight, "input", "grad_weight", 0, source=input_hp)
         grad_weight = torch.mm(go_gw.t(), x_gw)
         return grad_input, grad_weight.t(), None
 
@@ -330,6 +367,7 @@ def apply_fp8(
 
     config = float8_config(recipe, emulate)
     group = tp_mesh.get_group() if tp_mesh is not None else None
+    share = CastShare()  # the model's sibling layers' input casts (eager, on CUDA)
     report = Fp8Report()
     for pattern, style in spec.tp_plan:
         for name, module in find_modules(model, pattern):
@@ -348,11 +386,11 @@ def apply_fp8(
                 report.kept[pattern] = f"dims {out_f}x{in_f} (tp-local {local[0]}x{local[1]}) not multiples of 16"
                 continue
             if isinstance(module, nn.Linear):
-                replace_module(model, name, to_float8(module, Float8Matmul(config), float8_all_gather))
+                replace_module(model, name, to_float8(module, Float8Matmul(config, share=share), float8_all_gather))
                 report.float8_all_gather += float8_all_gather
             else:
                 split = "col" if isinstance(module, ColumnParallelLinear) else "row"
-                module.matmul = Float8Matmul(config, group, split)
+                module.matmul = Float8Matmul(config, group, split, share=share)
             report.converted.append(name)
             report.split[name] = 1 if style == "rowwise" else 0
     for name, _ in moe_blocks(model):

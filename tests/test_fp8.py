@@ -10,6 +10,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import NEEDS_TORCHAO, script_here
 
@@ -18,7 +20,14 @@ pytestmark = NEEDS_TORCHAO
 from tessera.models.spec import get_preset, spec_of  # noqa: E402
 from tessera.topology import Layout  # noqa: E402
 from tessera.topology.errors import PlanError  # noqa: E402
-from tessera.topology.estimators.fp8_model import cast_bytes_per_step, fp8_flop_share, fp8_params, fp8_summary  # noqa: E402
+from tessera.topology.estimators.fp8_model import (  # noqa: E402
+    cast_bytes_per_step,
+    fp8_flop_share,
+    fp8_layer_groups,
+    fp8_params,
+    fp8_summary,
+)
+from tessera.topology.shapes import ModelShape  # noqa: E402
 from tessera.topology.estimators.planner import Candidate, Hardware, estimate  # noqa: E402
 from tessera.metrics.dtype_probe import MatmulDtypes  # noqa: E402
 from tessera.parallel.fp8 import (  # noqa: E402
@@ -150,6 +159,33 @@ def test_the_planner_prices_fp8_matmuls_casts_and_the_float8_all_gather():
     assert tp_tw.comm_bytes["dp_shard_cp"] == tp_bf16.comm_bytes["dp_shard_cp"]
     with pytest.raises(PlanError, match="fp8='blockwise'"):
         Hardware(gpus=8, fp8="blockwise")
+
+
+@given(
+    kv_heads=st.sampled_from([1, 2, 4, 8]),
+    tp=st.sampled_from([1, 2, 4]),
+    tokens=st.integers(1, 10**6),
+    norm=st.sampled_from(["rms", "layer"]),
+)
+def test_shared_input_casts_count_each_input_once_a_direction(kv_heads, tp, tokens, norm):
+    """tessera's eager casts (parallel/fp8_shared_casts.py) against torchao's: the weights and output gradients
+    alike, each group's input cast twice (forward, backward) instead of twice per layer, its amax read once
+    (tensorwise) or twice (rowwise), once fewer for an RMSNorm's output without tp."""
+    shape = ModelShape(
+        dim=256, n_layers=3, n_heads=8, n_kv_heads=kv_heads, head_dim=32, vocab_size=512, ffn_dim=768, norm=norm
+    )
+    e = 2
+    apart = cast_bytes_per_step(shape, tokens, tp, e)
+    for recipe, amaxes in (("tensorwise", 1), ("rowwise", 2)):
+        saved = 0.0
+        for group in fp8_layer_groups(shape, tp):
+            out, inp, split = group[0]
+            in_l = inp if split == 0 else inp // tp
+            normed = split == 0 and inp == shape.dim and tp == 1 and norm == "rms"
+            saved += tokens * in_l * (len(group) * 2 * (2 * e + 1) - 2 * (e + 1) - (amaxes - normed) * e)
+        shared = cast_bytes_per_step(shape, tokens, tp, e, shared_inputs=recipe)
+        assert shared == pytest.approx(apart - shape.n_layers * saved) and shared < apart
+    assert len(fp8_layer_groups(shape, tp)[0]) == (3 if tp <= kv_heads else 1)  # q, k, v read one input
 
 
 def casts_of_weights(shape, share: float) -> float:

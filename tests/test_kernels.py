@@ -173,10 +173,10 @@ def test_rms_norm_custom_op_checks_and_meta():
     )
     strided = torch.randn(32, 6).t().requires_grad_()  # a transposed input: the outputs are still contiguous
     torch.library.opcheck(rms_norm_fwd, (strided, torch.randn(32, requires_grad=True), 1e-6))
-    y, rstd = torch.ops.tessera.rms_norm_fwd(
+    y, rstd, amax = torch.ops.tessera.rms_norm_fwd(
         torch.empty(4, 1024, 8192, device="meta"), torch.empty(8192, device="meta"), 1e-5
     )
-    assert y.shape == (4, 1024, 8192) and rstd.shape == (4096,)
+    assert y.shape == (4, 1024, 8192) and rstd.shape == amax.shape == (4096,)
 
 
 @interpreted

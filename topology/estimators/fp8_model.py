@@ -10,7 +10,9 @@ Rates: FP8 matmuls at FP8_MATMUL_SPEEDUP x the bf16 rate, the datasheet's ratio 
 TFLOP/s against 989 bf16), until a GPU calibrates it; every other FLOP at the bf16 rate.
 Casts: torchao casts each operand once per gemm it enters (input and weight in the forward; the output
 gradient twice, the weight and the input again in the backward), each cast reading the high-precision tensor
-twice (its amax, then the scaled cast) and writing one byte an element.
+twice (its amax, then the scaled cast) and writing one byte an element. tessera's eager step shares an input's
+cast among the layers that read it (q, k, v; gate and up) and its amax between forward and backward
+(parallel/fp8_shared_casts.py): `cast_bytes_per_step(shared_inputs=recipe)`.
 """
 
 from __future__ import annotations
@@ -22,16 +24,23 @@ FP8_MATMUL_SPEEDUP = 2.0
 FP8_BYTES = 1
 
 
-def fp8_layers(shape, tp: int = 1) -> list[tuple[int, int, int]]:
-    """(out, in, the dim tp splits: 0 column-parallel, 1 row-parallel) of one block's linear layers that run
-    in FP8 (parallel/fp8.py's rule), global dims."""
+def fp8_layer_groups(shape, tp: int = 1) -> list[list[tuple[int, int, int]]]:
+    """One block's linear layers that run in FP8 (parallel/fp8.py's rule), grouped by the input they read: the
+    attention's q, k, v (the normed input), its output projection, the MLP's gate and up (the normed input),
+    its down projection. Each (out, in, the dim tp splits: 0 column-parallel, 1 row-parallel), global dims."""
     cfg: ModelShape = as_shape(shape)
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    layers = [(q, cfg.dim, 0)] + ([(kv, cfg.dim, 0)] * 2 if tp <= cfg.n_kv_heads else []) + [(cfg.dim, q, 1)]
+    groups = [[(q, cfg.dim, 0)] + ([(kv, cfg.dim, 0)] * 2 if tp <= cfg.n_kv_heads else []), [(cfg.dim, q, 1)]]
     ffn = cfg.shared_ffn_dim if cfg.n_experts else cfg.ffn_dim
     if ffn:
-        layers += [(ffn, cfg.dim, 0)] * (cfg.mlp_matrices - 1) + [(cfg.dim, ffn, 1)]
-    return [(o, i, s) for o, i, s in layers if o % 16 == 0 and i % 16 == 0 and (o, i)[s] % (16 * tp) == 0]
+        groups += [[(ffn, cfg.dim, 0)] * (cfg.mlp_matrices - 1), [(cfg.dim, ffn, 1)]]
+    kept = [[(o, i, s) for o, i, s in g if o % 16 == 0 and i % 16 == 0 and (o, i)[s] % (16 * tp) == 0] for g in groups]
+    return [g for g in kept if g]
+
+
+def fp8_layers(shape, tp: int = 1) -> list[tuple[int, int, int]]:
+    """(out, in, the dim tp splits) of one block's linear layers that run in FP8, in the block's order."""
+    return [layer for group in fp8_layer_groups(shape, tp) for layer in group]
 
 
 def fp8_params(shape, tp: int = 1) -> int:
@@ -59,18 +68,39 @@ def fp8_time_factor(share: float, speedup: float = FP8_MATMUL_SPEEDUP) -> float:
     return 1.0 - share + share / speedup
 
 
-def cast_bytes_per_step(shape, tokens: float, tp: int = 1, elem_bytes: int = 2, weight_casts: float = 1.0) -> float:
+def cast_bytes_per_step(
+    shape,
+    tokens: float,
+    tp: int = 1,
+    elem_bytes: int = 2,
+    weight_casts: float = 1.0,
+    shared_inputs: str | None = None,
+) -> float:
     """Bytes one rank's FP8 casts move through memory in a step where its matmuls see `tokens` tokens (under
     sequence parallel, the tp group's gathered ones): per layer, on its tp-local slices, the input and the
     output gradient cast twice each, the weight twice per forward and backward, `weight_casts` times a step
     (its microbatches; under FSDP2's FP8 all-gather each gather casts only the rank's 1 / fsdp shard, so
-    microbatches / fsdp); each cast reads 2 x elem_bytes and writes one byte."""
+    microbatches / fsdp); each cast reads 2 x elem_bytes (its amax, then the scaled cast) and writes one byte.
+    `shared_inputs` (the recipe of tessera's eager step, parallel/fp8_shared_casts.py): each input cast once in
+    the forward and once in the backward for the layers that read it, its amax found once (tensorwise) or once
+    each way (rowwise), and without tp the normed inputs' forward amax comes with the Triton RMSNorm's output."""
     cfg = as_shape(shape)
-    elems = 0.0
-    for out, inp, split in fp8_layers(cfg, tp):
-        out_l, in_l = (out // tp, inp) if split == 0 else (out, inp // tp)
-        elems += 2 * tokens * (in_l + out_l) + 2 * out_l * in_l * weight_casts
-    return cfg.n_layers * elems * (2 * elem_bytes + FP8_BYTES)
+    e = elem_bytes
+    cast, amax = e + FP8_BYTES, e  # a scaled cast reads and writes; an amax reads
+    total = 0.0
+    for group in fp8_layer_groups(cfg, tp):
+        for out, inp, split in group:
+            out_l, in_l = (out // tp, inp) if split == 0 else (out, inp // tp)
+            total += (2 * tokens * out_l + 2 * out_l * in_l * weight_casts) * (cast + amax)
+            if shared_inputs is None:
+                total += 2 * tokens * in_l * (cast + amax)
+        if shared_inputs is not None:
+            out, inp, split = group[0]
+            in_l = inp if split == 0 else inp // tp
+            normed = split == 0 and inp == cfg.dim and tp == 1 and cfg.norm == "rms"  # the RMSNorm's, amaxes noted
+            amaxes = (1 if shared_inputs == "tensorwise" else 2) - normed
+            total += tokens * in_l * (2 * cast + amaxes * amax)
+    return cfg.n_layers * total
 
 
 def fsdp_param_bytes(shape, elem_bytes: int, recipe: str | None, tp: int) -> float:
