@@ -1,8 +1,9 @@
-"""Kernel benchmark: tessera's Triton attention and RMSNorm against torch, side by side in one run.
+"""Kernel benchmark: tessera's Triton attention, RMSNorm and SwiGLU against torch, side by side in one run.
 
 Attention: TFLOP/s of forward and forward+backward, bf16, sequence 1k-16k, head dim 64 and 128, causal and
 not, against torch SDPA's flash and cuDNN backends on the same inputs. RMSNorm: GB/s and the fraction of
-the device's HBM bandwidth, against torch eager and torch.compile. Writes JSON (and a PNG plot when
+the device's HBM bandwidth, against torch eager and torch.compile; SwiGLU's activation, silu(gate) * up, the
+same way (at the least traffic: 3 tensors forward, 5 backward). Writes JSON (and a PNG plot when
 matplotlib is installed) under benchmarks/results/.
 
     python benchmarks/bench_kernels.py                # on a GPU machine
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_info, write_results  # noqa: E402
 
 from tessera.kernels import flash_attention, rms_norm, rms_norm_reference  # noqa: E402
+from tessera.kernels.dispatch import swiglu  # noqa: E402
 
 
 def timed_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
@@ -153,6 +155,68 @@ def bench_rms_norm(args, device, dtype) -> list[dict]:
     return rows
 
 
+def _swiglu_torch(gate, up):
+    return F.silu(gate) * up
+
+
+def bench_swiglu(args, device, dtype) -> list[dict]:
+    """silu(gate) * up: GB/s forward and forward+backward at the least traffic (forward reads gate and up and
+    writes h; backward reads dh, gate and up and writes both gradients), and the fraction of HBM."""
+    rows = []
+    bandwidth = device_info().get("hbm_bandwidth_bytes_per_s")
+    impls = {"tessera_triton": lambda g, u: swiglu(g, u, backend="triton"), "torch_eager": _swiglu_torch}
+    if torch.cuda.is_available():
+        impls["torch_compile"] = torch.compile(_swiglu_torch)
+    for tokens, ffn in args.norm_shapes:
+        g = torch.randn(tokens, ffn, device=device, dtype=dtype, requires_grad=True)
+        u = torch.randn(tokens, ffn, device=device, dtype=dtype, requires_grad=True)
+        dh = torch.randn_like(g)
+        size = g.numel() * g.element_size()
+        for name, impl in impls.items():
+            fwd = timed_ms(lambda: impl(g, u), args.warmup, args.reps)
+
+            def fwd_bwd():
+                g.grad = u.grad = None
+                impl(g, u).backward(dh)
+
+            both = timed_ms(fwd_bwd, args.warmup, args.reps)
+            row = dict(
+                impl=name,
+                tokens=tokens,
+                ffn=ffn,
+                dtype=str(dtype),
+                fwd_ms=fwd,
+                fwd_bwd_ms=both,
+                fwd_gb_s=3 * size / fwd / 1e6,
+                fwd_bwd_gb_s=8 * size / both / 1e6,
+            )
+            if bandwidth:
+                row["fwd_fraction_of_hbm"] = row["fwd_gb_s"] * 1e9 / bandwidth
+                row["fwd_bwd_fraction_of_hbm"] = row["fwd_bwd_gb_s"] * 1e9 / bandwidth
+            rows.append(row)
+            print(
+                f"swiglu {name:<15} {tokens}x{ffn}  fwd {row['fwd_gb_s']:8.1f} GB/s  "
+                f"fwd+bwd {row['fwd_bwd_gb_s']:8.1f} GB/s",
+                flush=True,
+            )
+    return rows
+
+
+def swiglu_ratios(rows: list[dict]) -> list[dict]:
+    """tessera's SwiGLU against torch eager's and torch.compile's, each shape's rows of this run."""
+    out = []
+    for r in rows:
+        if r["impl"] != "tessera_triton":
+            continue
+        same = {o["impl"]: o for o in rows if (o["tokens"], o["ffn"]) == (r["tokens"], r["ffn"])}
+        entry = dict(tokens=r["tokens"], ffn=r["ffn"], fwd_bwd_fraction_of_hbm=r.get("fwd_bwd_fraction_of_hbm"))
+        for other in ("torch_eager", "torch_compile"):
+            if other in same:
+                entry[f"fwd_bwd_vs_{other}"] = same[other]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+        out.append(entry)
+    return out
+
+
 def ratios(attention: list[dict], norms: list[dict]) -> dict:
     """The acceptance ratios, each from rows measured in this run."""
 
@@ -262,10 +326,12 @@ def main(argv=None) -> int:
         device, dtype = "cuda", torch.bfloat16
     attention = bench_attention(args, device, dtype)
     norms = bench_rms_norm(args, device, dtype)
+    swiglus = bench_swiglu(args, device, dtype)
     name = "kernels-smoke" if args.smoke else f"kernels-{device_info()['device'].replace(' ', '_')}"
     config = {k: v for k, v in vars(args).items() if k != "out"}
+    found = {**ratios(attention, norms), "swiglu": swiglu_ratios(swiglus)}
     path = write_results(
-        name, config, {"attention": attention, "rms_norm": norms, "ratios": ratios(attention, norms)}, args.out
+        name, config, {"attention": attention, "rms_norm": norms, "swiglu": swiglus, "ratios": found}, args.out
     )
     print(f"wrote {path}")
     if not args.smoke:

@@ -371,12 +371,19 @@ def part_kernels(suite: Suite, cap: float) -> dict:
             left_out.append(f"rms_norm {shape[0]}x{shape[1]}")
             continue
         norms += bench_kernels.bench_rms_norm(argparse.Namespace(**{**k, "norm_shapes": [shape]}), device, dtype)
+    swiglus: list[dict] = []
+    for shape in k["norm_shapes"]:  # the MLP's activation at the same (tokens, width) shapes
+        if time.perf_counter() > deadline:
+            left_out.append(f"swiglu {shape[0]}x{shape[1]}")
+            continue
+        swiglus += bench_kernels.bench_swiglu(argparse.Namespace(**{**k, "norm_shapes": [shape]}), device, dtype)
     if not suite.smoke:
         torch.cuda.empty_cache()  # the next parts run in other processes
     return {
         "attention": attention,
         "rms_norm": norms,
-        "ratios": bench_kernels.ratios(attention, norms),
+        "swiglu": swiglus,
+        "ratios": {**bench_kernels.ratios(attention, norms), "swiglu": bench_kernels.swiglu_ratios(swiglus)},
         "left_out_for_budget": left_out,
     }
 

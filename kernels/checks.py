@@ -78,3 +78,15 @@ def check_rms_norm_inputs(x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"weight {tuple(weight.shape)} must be 1-D with the size of x's last dim ({x.shape[-1]})")
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device; got {x.device} and {weight.device}")
+
+
+def check_swiglu_inputs(gate: Tensor, up: Tensor) -> None:
+    if gate.dim() == 0:
+        raise ValueError("gate and up must have at least one dim (the features); got 0-d tensors")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    if gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(
+            f"gate and up must share a dtype and a device; got {gate.dtype} on {gate.device} and {up.dtype} on "
+            f"{up.device}"
+        )

@@ -1,4 +1,4 @@
-"""The one place that chooses how attention and RMSNorm run, and checks their inputs.
+"""The one place that chooses how attention, RMSNorm and SwiGLU's activation run, and checks their inputs.
 
     flash_attention_backward  one key block's (dq, dk, dv) given the whole softmax's output and LSE:
                       the Triton backward kernels on CUDA; on CPU ATen's fused backward where
@@ -15,6 +15,8 @@
                       torch reference (differentiable LSE).
     rms_norm          CUDA: the Triton kernel. CPU: torch's fused F.rms_norm for fp32/fp64, else the
                       reference (fp32 statistics for low-precision inputs).
+    swiglu            silu(gate) * up. CUDA, eager: the Triton kernels (one pass each way, fp32 inside);
+                      compiled or on CPU: torch's ops (inductor fuses them with their neighbours).
     cross_entropy_row_stats, cross_entropy_grad_
                       the chunked loss's softmax (parallel/loss.py): the Triton kernels where
                       `fused_cross_entropy` says so (CUDA, fp16/bf16/fp32 logits), else the torch reference;
@@ -53,7 +55,14 @@ from .attention_reference import (
     sdpa_supports,
 )
 from .cross_entropy import cross_entropy_grad_reference_, cross_entropy_row_stats_reference
-from .checks import check_attention_inputs, check_documents, check_rms_norm_inputs, check_sinks, check_window
+from .checks import (
+    check_attention_inputs,
+    check_documents,
+    check_rms_norm_inputs,
+    check_sinks,
+    check_swiglu_inputs,
+    check_window,
+)
 from .rmsnorm import rms_norm_reference
 
 BACKENDS = ("torch", "triton")
@@ -328,6 +337,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, backend: str | None =
     if backend is None and x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
+    """silu(gate) * up, differentiable in both: the fused Triton kernels (kernels/triton_swiglu.py) where asked,
+    or by default on CUDA in an eager step (compiled, inductor fuses torch's ops with their neighbours); torch's
+    ops elsewhere."""
+    check_swiglu_inputs(gate, up)
+    backend = _effective_backend(backend)
+    if backend == "triton" or (backend is None and gate.is_cuda and not torch.compiler.is_compiling()):
+        from . import triton_swiglu  # lazy: triton is optional (Linux only; CPU runs never load it)
+
+        return triton_swiglu.swiglu(gate, up)
+    return F.silu(gate) * up
 
 
 FUSED_CROSS_ENTROPY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tessera.kernels.dispatch import swiglu
 
 
 class MLPNames(NamedTuple):
@@ -34,7 +35,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = self.input_comm(x)
         n = self.names
-        return getattr(self, n.down)(F.silu(getattr(self, n.gate)(x)) * getattr(self, n.up)(x))
+        return getattr(self, n.down)(swiglu(getattr(self, n.gate)(x), getattr(self, n.up)(x)))
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:

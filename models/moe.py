@@ -31,9 +31,10 @@ the experts see them) and `aux_loss_sum` (this rank's share of the auxiliary los
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
+
+from tessera.kernels.dispatch import swiglu
 
 from .mlp import SwiGLU, clamped_swiglu, swiglu_tp_plan
 from .spec import TPPlan, prefixed
@@ -157,7 +158,7 @@ class GroupedExperts(nn.Module):
             gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         else:
             gate, up = project(x, "gate_proj", True), project(x, "up_proj", True)
-        h = F.silu(gate) * up if self.swiglu_clamp is None else clamped_swiglu(gate, up, *self.swiglu_clamp)
+        h = swiglu(gate, up) if self.swiglu_clamp is None else clamped_swiglu(gate, up, *self.swiglu_clamp)
         return project(h, "down_proj", not self.fused_gate_up)
 
     # eager under torch.compile: the groups' sizes are data (host-read for the loop, all-to-all splits under

@@ -178,14 +178,16 @@ def test_shared_input_casts_count_each_input_once_a_direction(kv_heads, tp, toke
     apart = cast_bytes_per_step(shape, tokens, tp, e)
     for recipe, amaxes in (("tensorwise", 1), ("rowwise", 2)):
         saved = 0.0
-        for group in fp8_layer_groups(shape, tp):
+        for producer, group in fp8_layer_groups(shape, tp):
             out, inp, split = group[0]
             in_l = inp if split == 0 else inp // tp
-            normed = split == 0 and inp == shape.dim and tp == 1 and norm == "rms"
-            saved += tokens * in_l * (len(group) * 2 * (2 * e + 1) - 2 * (e + 1) - (amaxes - normed) * e)
+            noted = producer == "swiglu" or (producer == "norm" and tp == 1 and norm == "rms")
+            saved += tokens * in_l * (len(group) * 2 * (2 * e + 1) - 2 * (e + 1) - (amaxes - noted) * e)
         shared = cast_bytes_per_step(shape, tokens, tp, e, shared_inputs=recipe)
         assert shared == pytest.approx(apart - shape.n_layers * saved) and shared < apart
-    assert len(fp8_layer_groups(shape, tp)[0]) == (3 if tp <= kv_heads else 1)  # q, k, v read one input
+    groups = fp8_layer_groups(shape, tp)
+    assert [by for by, _ in groups] == ["norm", "attention", "norm", "swiglu"]
+    assert len(groups[0][1]) == (3 if tp <= kv_heads else 1)  # q, k, v read one input
 
 
 def casts_of_weights(shape, share: float) -> float:

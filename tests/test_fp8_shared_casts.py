@@ -82,27 +82,29 @@ def test_siblings_share_their_input_cast_at_the_same_bits(recipe, monkeypatch):
 
 
 @interpreted
+@pytest.mark.parametrize("producer", ["rmsnorm", "swiglu"])
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
-def test_an_rmsnorm_output_brings_its_amax_to_the_cast(recipe, monkeypatch):
-    """The Triton RMSNorm notes each row's max |y|: under tensorwise the input's amax is their max, under rowwise
-    the rows themselves, so the forward reads the normed input once (its cast) instead of twice."""
+def test_a_producer_kernel_brings_its_outputs_amax_to_the_cast(recipe, producer, monkeypatch):
+    """The Triton RMSNorm and SwiGLU note each row's max |y|: under tensorwise the input's amax is their max,
+    under rowwise the rows themselves, so the forward reads its input once (the cast) instead of twice."""
     from tessera.kernels.triton_rmsnorm import rms_norm
+    from tessera.kernels.triton_swiglu import swiglu
 
     gen = torch.Generator().manual_seed(4)
     h = torch.randn(2, 24, 64, generator=gen).to(torch.bfloat16).requires_grad_()
-    norm_weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(torch.bfloat16)
+    other = (1 + 0.1 * torch.randn(64 if producer == "rmsnorm" else (2, 24, 64), generator=gen)).to(torch.bfloat16)
     _, weights, grads = _case(5)
     counts = Counts(monkeypatch)
     results = []
     for seeded in (False, True):
-        x = rms_norm(h, norm_weight)
+        x = rms_norm(h, other) if producer == "rmsnorm" else swiglu(h, other)
         if not seeded:
             x = x.clone()  # a tensor no kernel noted anything on
         counts.casts = counts.amaxes = 0
         results.append((_siblings(x, weights, grads, recipe, CastShare())[0], counts.amaxes))
     (outs0, amaxes0), (outs1, amaxes1) = results
     assert all(torch.equal(a, b) for a, b in zip(outs0, outs1))
-    assert amaxes0 - amaxes1 == 1  # the forward's amax of the normed input came with it
+    assert amaxes0 - amaxes1 == 1  # the forward's amax of the input came with it
 
 
 @interpreted

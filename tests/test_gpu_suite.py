@@ -121,6 +121,8 @@ def test_smoke_runs_every_part_and_writes_the_json_and_pngs(smoke):
         compiled["row"]["step_time_s"] / compiled["baseline"]["row"]["step_time_s"]
     )
     assert {a["impl"] for a in r["kernels"]["attention"]} >= {"tessera_triton"} and r["kernels"]["rms_norm"]
+    assert {s["impl"] for s in r["kernels"]["swiglu"]} == {"tessera_triton", "torch_eager"}  # compile: CUDA only
+    assert [x["fwd_bwd_vs_torch_eager"] > 0 for x in r["kernels"]["ratios"]["swiglu"]] == [True]
     check = r["planner"]
     assert check["calibration"]["matmul_flops_per_s"] > 0 and check["of"] == 2
     for c in check["rows"]:

@@ -58,6 +58,7 @@ def test_busy_time_is_the_length_of_the_union_and_the_gaps_are_the_rest(spans, a
         ("vectorized_elementwise_kernel", ["aten::exp", "tessera: loss"], "loss"),
         ("unrolled_elementwise_kernel", ["aten::copy_", "aten::_to_copy", "aten::to"], "casts_and_copies"),
         ("vectorized_elementwise_kernel", ["aten::silu"], "other_elementwise"),
+        ("_swiglu_fwd_kernel", ["tessera::swiglu_fwd"], "other_elementwise"),  # the activation is no cast
     ],
 )
 def test_kinds_come_from_the_kernel_then_the_ranges_then_the_launching_op(kernel, context, kind):

@@ -77,6 +77,7 @@ def test_the_walk_finds_every_kernel_module():
     for expected in (
         "triton_fp8_cast._scaled_cast_kernel",
         "triton_rmsnorm.",
+        "triton_swiglu._swiglu_fwd_kernel",
         "triton_cross_entropy.",
         "triton_attention",
     ):

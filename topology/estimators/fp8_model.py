@@ -24,23 +24,28 @@ FP8_MATMUL_SPEEDUP = 2.0
 FP8_BYTES = 1
 
 
-def fp8_layer_groups(shape, tp: int = 1) -> list[list[tuple[int, int, int]]]:
-    """One block's linear layers that run in FP8 (parallel/fp8.py's rule), grouped by the input they read: the
-    attention's q, k, v (the normed input), its output projection, the MLP's gate and up (the normed input),
-    its down projection. Each (out, in, the dim tp splits: 0 column-parallel, 1 row-parallel), global dims."""
+def fp8_layer_groups(shape, tp: int = 1) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """One block's linear layers that run in FP8 (parallel/fp8.py's rule), grouped by the input they read, with
+    the op that writes it: the attention's q, k, v ("norm": the normed input), its output projection
+    ("attention"), the MLP's gate and up ("norm"), its down projection ("swiglu", or "gelu"). Each layer (out,
+    in, the dim tp splits: 0 column-parallel, 1 row-parallel), global dims."""
     cfg: ModelShape = as_shape(shape)
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    groups = [[(q, cfg.dim, 0)] + ([(kv, cfg.dim, 0)] * 2 if tp <= cfg.n_kv_heads else []), [(cfg.dim, q, 1)]]
+    groups = [("norm", [(q, cfg.dim, 0)] + ([(kv, cfg.dim, 0)] * 2 if tp <= cfg.n_kv_heads else [])),
+              ("attention", [(cfg.dim, q, 1)])]  # fmt: skip
     ffn = cfg.shared_ffn_dim if cfg.n_experts else cfg.ffn_dim
     if ffn:
-        groups += [[(ffn, cfg.dim, 0)] * (cfg.mlp_matrices - 1), [(cfg.dim, ffn, 1)]]
-    kept = [[(o, i, s) for o, i, s in g if o % 16 == 0 and i % 16 == 0 and (o, i)[s] % (16 * tp) == 0] for g in groups]
-    return [g for g in kept if g]
+        groups += [("norm", [(ffn, cfg.dim, 0)] * (cfg.mlp_matrices - 1)), (cfg.mlp, [(cfg.dim, ffn, 1)])]
+    kept = [
+        (by, [(o, i, s) for o, i, s in g if o % 16 == 0 and i % 16 == 0 and (o, i)[s] % (16 * tp) == 0])
+        for by, g in groups
+    ]
+    return [(by, g) for by, g in kept if g]
 
 
 def fp8_layers(shape, tp: int = 1) -> list[tuple[int, int, int]]:
     """(out, in, the dim tp splits) of one block's linear layers that run in FP8, in the block's order."""
-    return [layer for group in fp8_layer_groups(shape, tp) for layer in group]
+    return [layer for _, group in fp8_layer_groups(shape, tp) for layer in group]
 
 
 def fp8_params(shape, tp: int = 1) -> int:
@@ -83,12 +88,13 @@ def cast_bytes_per_step(
     microbatches / fsdp); each cast reads 2 x elem_bytes (its amax, then the scaled cast) and writes one byte.
     `shared_inputs` (the recipe of tessera's eager step, parallel/fp8_shared_casts.py): each input cast once in
     the forward and once in the backward for the layers that read it, its amax found once (tensorwise) or once
-    each way (rowwise), and without tp the normed inputs' forward amax comes with the Triton RMSNorm's output."""
+    each way (rowwise), and the forward's amax of the down projection's input, and without tp of the normed
+    inputs, written beside them by the Triton SwiGLU and RMSNorm (kernels/fp8_amax.py)."""
     cfg = as_shape(shape)
     e = elem_bytes
     cast, amax = e + FP8_BYTES, e  # a scaled cast reads and writes; an amax reads
     total = 0.0
-    for group in fp8_layer_groups(cfg, tp):
+    for producer, group in fp8_layer_groups(cfg, tp):
         for out, inp, split in group:
             out_l, in_l = (out // tp, inp) if split == 0 else (out, inp // tp)
             total += (2 * tokens * out_l + 2 * out_l * in_l * weight_casts) * (cast + amax)
@@ -97,8 +103,9 @@ def cast_bytes_per_step(
         if shared_inputs is not None:
             out, inp, split = group[0]
             in_l = inp if split == 0 else inp // tp
-            normed = split == 0 and inp == cfg.dim and tp == 1 and cfg.norm == "rms"  # the RMSNorm's, amaxes noted
-            amaxes = (1 if shared_inputs == "tensorwise" else 2) - normed
+            # the producers that note their output's row amaxes; under tp the norm's output reaches q/k/v gathered
+            noted = producer == "swiglu" or (producer == "norm" and tp == 1 and cfg.norm == "rms")
+            amaxes = (1 if shared_inputs == "tensorwise" else 2) - noted
             total += tokens * in_l * (2 * cast + amaxes * amax)
     return cfg.n_layers * total
 

@@ -49,7 +49,10 @@ F = ffn dim, V = vocab, P = parameters, e = bytes of the compute dtype), for a m
                      matmul FLOPs count its active parameters (ModelShape.matmul_params)
                      (On a GPU tessera's Triton RMSNorm fuses the norms' 62 D per block into
                      about 16 D, and RoPE runs in fp32, about 2.5x its elements above: for the 1b preset the
-                     two nearly cancel, 8% apart on this term; the eager counts stand for both.) The loss:
+                     two nearly cancel, 8% apart on this term; the eager counts stand for both. Its Triton
+                     SwiGLU moves 3 F forward and 5 F backward where torch's ops move the 5 F and 9 F above:
+                     about 15% of this term fewer at the 1b preset, not counted, since the H200 rows the
+                     step model is checked on were measured before it; the next GPU run measures it.) The loss:
                      6 passes over the fp32 logits, 24 V bytes per token (+ 6 V for the cast from a 2-byte
                      compute dtype), chunked or not. The optimizer, per parameter of fp32 master weights:
                      the clip reads the gradients and scales them (12 bytes), then AdamW: foreach on a CPU,
