@@ -48,6 +48,10 @@ def test_tessera_train_writes_a_header_and_metrics_and_the_loss_falls(tmp_path):
             r
         )
         assert r["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2, "ep": 1}
+        # the host's side of the step (runtime/metrics/host_account.py): the batch within the launch within the step
+        host = r["host"]
+        assert 0 < host["data_s"] < host["launch_s"] <= r["step_time_s"] and host["gc_s"] >= 0
+        assert set(host["gc_collections"]) == {"gen0", "gen1", "gen2"} and "device_mallocs" not in host  # CPU
     # the logged lr is the one the step used: warm-up 1/3, 2/3, 3/3 of the peak
     assert [r["lr"] for r in rows[:3]] == pytest.approx([1e-3, 2e-3, 3e-3])
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0

@@ -422,6 +422,8 @@ def _baseline_row(config, records: list[dict], warmup: int, peak: float | None, 
         "seq_len": config.data.seq_len,
         "step_time_s": step,
         "step_times_s": [m["step_time_s"] for m in timed],
+        # each timed step's host side (collections, allocator calls, batch and launch seconds) beside its time
+        "host_by_step": [m.get("host") for m in timed],
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_device": tokens / step / devices,
         **mfu_by_dtype(flops, step, devices, peak, _first(records, "matmul_flops_by_dtype")),
@@ -486,6 +488,8 @@ def _row(
         },
         "step_time_s": step,
         "step_times_s": [m["step_time_s"] for m in timed],
+        # each timed step's host side (collections, allocator calls, batch and launch seconds) beside its time
+        "host_by_step": [m.get("host") for m in timed],
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_device": tokens / step / devices,
         # the probe's breakdown is in the first step's record only, a warmup step: timed[0] has none, and an FP8

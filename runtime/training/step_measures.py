@@ -1,17 +1,21 @@
 """What one training step measures, as one context manager around it (`StepMeasures`): the dtype the matmuls
 ran in (rank 0's first step), the bytes each collective sent (--comm-stats, every step or the first), the
 live tensor bytes (--track-memory, step 2: the optimizer state exists), the step's profile (--profile-summary),
-and always the seconds this rank waited in tessera's collectives. On exit each is written into the step's
-StepResult; a step that raised records nothing.
+and always the seconds this rank waited in tessera's collectives and what its host did besides launching the step
+(garbage collections, the CUDA allocator's driver calls, the batch's and the launch's seconds:
+runtime/metrics/host_account.py). On exit each is written into the step's StepResult; a step that raised records
+nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import torch
 from tessera.metrics.dtype_probe import MatmulDtypes
+from tessera.metrics.host_account import HostAccount
 from tessera.metrics.memtrack import LiveTensorBytes
 from tessera.metrics.step_profile import ProfiledStep
 from tessera.parallel.comm import WAIT_SECONDS
@@ -50,6 +54,7 @@ class StepMeasures:
         t, modes = self.trainer, self._modes
         token = WAIT_SECONDS.set(self._waits)
         modes.callback(WAIT_SECONDS.reset, token)
+        self._host = modes.enter_context(HostAccount(t.device))
         if self.probing:
             self._probe = modes.enter_context(MatmulDtypes())
         if self.tracking:
@@ -65,6 +70,7 @@ class StepMeasures:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
+        self._launched = time.perf_counter()
         self._modes.close()
         if kind is None:
             assert self.result is not None, "StepMeasures: set .result to the step's StepResult inside the block"
@@ -73,6 +79,9 @@ class StepMeasures:
     def _record(self, result: StepResult) -> None:
         t = self.trainer
         result.collective_wait_s = self._waits
+        # launched: the host's part of the step (the rest of its time, until record() reads the loss, is the wait
+        # for the device)
+        result.host = {**self._host.figures(), "launch_s": self._launched - result.started, "data_s": t.data_s}
         if self.probing:
             t.dtype_report = self._probe.report()
             result.matmul_flops_by_dtype = t.dtype_report["matmul_flops_by_dtype"]

@@ -74,6 +74,9 @@ class StepResult:
     profile: dict[str, Any] | None = None  # --profile-summary, on its step: time by kind, top kernels, memory
     # --fault-tolerant: whose rows the step read, the quorum, the commit, a recovery, the weights' sum after it
     replicas: dict[str, Any] | None = None
+    # the host's step (runtime/metrics/host_account.py): its garbage collections, the CUDA allocator's driver calls,
+    # the seconds getting the batch and until the whole step was launched
+    host: dict[str, Any] | None = None
 
     def record(self) -> dict[str, Any]:
         loss, grad_norm = self.loss.item(), self.grad_norm.item()  # waits for the step to finish
@@ -100,6 +103,7 @@ class StepResult:
             **({"peak_tensor_bytes": self.peak_tensor_bytes} if self.peak_tensor_bytes is not None else {}),
             **({"profile": self.profile} if self.profile is not None else {}),
             **({"replicas": self.replicas} if self.replicas is not None else {}),
+            **({"host": self.host} if self.host is not None else {}),
             "straggler": None
             if self.straggler is None
             else {"rank": self.straggler.rank, "lag_s": self.straggler.lag_s, "steps": self.straggler.steps},

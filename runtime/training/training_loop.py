@@ -116,6 +116,7 @@ class Trainer:
         self.device = device or current_device()
         # a phase of the step ends (--profile-summary's memory; StepMeasures sets it for a profiled step)
         self.phase_mark: Callable[[str], None] = no_mark
+        self.data_s = 0.0  # the last step's seconds getting its batch (StepMeasures records it)
         self.layout = config.layout
         self.meshes = Meshes(self.layout, self.device.type, mesh=mesh, timeout=config.runtime.timeout)
         self.rank = this_rank(dist.get_rank)  # a simulated pipeline: its stage's first rank
@@ -311,7 +312,9 @@ class Trainer:
                 )
             self._data_before_step = self.data.state_dict()
             drill(self.config, self.progress.step + 1, "forward")
+        fetched = time.perf_counter()
         step = self.batches.next_step(self.data)
+        self.data_s += time.perf_counter() - fetched
         for part in self.parts if self.spec.moe else ():
             reset_counters(part)  # the MoE blocks' load counters: this step's only
         precompute_float8_scales(self.float8_weights)  # cleared after the step (train_step): never stale
@@ -334,6 +337,7 @@ class Trainer:
 
     def _step(self, on_grads: Callable[[list[nn.Module]], None] | None) -> StepResult:
         started = time.perf_counter()
+        self.data_s = 0.0  # the seconds getting this step's batch (a retried step's every attempt)
         for attempt in range(MAX_REPLICA_RETRIES + 1):
             step, loss_sum, replica = self._forward_backward(on_grads)
             if replica is None or replica.committed or attempt == MAX_REPLICA_RETRIES:

@@ -1,0 +1,73 @@
+"""What the host did during one training step besides launching its work, measured for every step (a few
+counters, no profiler): Python's garbage collections (how many of each generation, and their seconds), the CUDA
+caching allocator's calls into the driver (cudaMalloc and cudaFree of segments, and the retries that free the
+cache to satisfy an allocation: each blocks the host and can stall the device), and, set by the trainer, the
+seconds spent getting the step's batch and the seconds until the host had launched the whole step (the rest of
+the step time is the host waiting for the device). A step time that alternates between runs of steps (the H200
+suite's compiled rows: 458, 487, 460, 481 ms) is explained, or ruled out host-side, by these figures beside it.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import torch
+
+# the allocator's counters (torch.cuda.memory_stats): segments reserved from and returned to the driver, and the
+# allocations that had to empty the cache and try again
+ALLOCATOR_COUNTERS = {
+    "device_mallocs": "segment.all.allocated",
+    "device_frees": "segment.all.freed",
+    "alloc_retries": "num_alloc_retries",
+}
+
+
+class HostAccount:
+    """`with HostAccount(device) as host: ...` counts the block's garbage collections and allocator calls;
+    `host.figures()` after it (module doc). The collections are the process's: every thread's, as a collection
+    stops them all."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.collections = [0, 0, 0]
+        self.gc_s = 0.0
+        self._gc_started: float | None = None
+        self._allocator_before: dict[str, int] = {}
+        self.allocator: dict[str, int] | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self.gc_s += time.perf_counter() - self._gc_started
+            generation = int(info.get("generation", 0))
+            self.collections[min(generation, 2)] += 1
+            self._gc_started = None
+
+    def _allocator_counts(self) -> dict[str, int]:
+        stats = torch.cuda.memory_stats(self.device)
+        return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTERS.items()}
+
+    def __enter__(self) -> HostAccount:
+        gc.callbacks.append(self._on_gc)
+        if self.device.type == "cuda":
+            self._allocator_before = self._allocator_counts()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._on_gc)
+        if self.device.type == "cuda":
+            after = self._allocator_counts()
+            self.allocator = {name: after[name] - self._allocator_before.get(name, 0) for name in after}
+
+    def figures(self) -> dict[str, Any]:
+        """The step's collections by generation, their seconds, and on CUDA the allocator's driver calls."""
+        out: dict[str, Any] = {
+            "gc_collections": {f"gen{g}": n for g, n in enumerate(self.collections)},
+            "gc_s": self.gc_s,
+        }
+        if self.allocator is not None:
+            out.update(self.allocator)
+        return out
