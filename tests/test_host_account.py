@@ -6,8 +6,10 @@ import gc
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tessera.metrics.host_account import HostAccount
+from tessera.metrics.host_account import HostAccount, alternation
 
 
 def test_a_collection_inside_the_block_is_counted_with_its_generation_and_seconds():
@@ -30,3 +32,29 @@ def test_on_cuda_the_allocators_driver_calls_are_counted():
         torch.cuda.empty_cache()  # and back to it
     figures = host.figures()
     assert figures["device_mallocs"] >= 1 and figures["device_frees"] >= 1 and figures["alloc_retries"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=st.floats(0.1, 1.0),
+    swing=st.floats(0.0, 0.05),
+    steps=st.integers(4, 9),
+    by=st.sampled_from(["gc_s", "data_s", "device"]),
+)
+def test_an_alternating_step_is_named_by_the_host_figure_that_alternates_with_it(base, swing, steps, by):
+    """Odd steps slower by `swing`: a garbage collection or a batch that costs that on the odd steps is named;
+    a slowdown the host's figures do not show (the device's) is named by none."""
+    times = [base + (swing if k % 2 == 0 else 0.0) for k in range(steps)]
+    hosts = [
+        {
+            "launch_s": base / 2,
+            "data_s": 0.001 + (swing if by == "data_s" and k % 2 == 0 else 0.0),
+            "gc_s": swing if by == "gc_s" and k % 2 == 0 else 0.0,
+        }
+        for k in range(steps)
+    ]
+    found = alternation(times, hosts)
+    assert found["step_time_difference_s"] == pytest.approx(swing, abs=1e-12)
+    if swing > 1e-9:
+        assert found["host_side"] == (None if by == "device" else by)
+    assert alternation(times[:3], hosts[:3]) is None

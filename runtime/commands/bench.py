@@ -464,6 +464,7 @@ def _row(
     flops = model_flops_per_token(model_shape(config.model_config), config.data.seq_len) * tokens
     devices = ranks if on_gpu else min(ranks, os.cpu_count() or 1)
 
+    from tessera.metrics.host_account import alternation  # lazy: as below
     from tessera.metrics.results import mfu_by_dtype  # lazy: as below
     from tessera.training.estimate import planner_estimate  # lazy: it imports torch, after the rank server
 
@@ -490,6 +491,8 @@ def _row(
         "step_times_s": [m["step_time_s"] for m in timed],
         # each timed step's host side (collections, allocator calls, batch and launch seconds) beside its time
         "host_by_step": [m.get("host") for m in timed],
+        # steps alternating fast and slow, and the host figure that alternates with them, if one does
+        "alternation": alternation([m["step_time_s"] for m in timed], [m.get("host") for m in timed]),
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_device": tokens / step / devices,
         # the probe's breakdown is in the first step's record only, a warmup step: timed[0] has none, and an FP8

@@ -71,3 +71,31 @@ class HostAccount:
         if self.allocator is not None:
             out.update(self.allocator)
         return out
+
+
+def alternation(step_times: list[float], hosts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Whether timed steps alternate fast and slow, and what of the host's side alternates with them: the mean of
+    the odd-numbered steps less the even-numbered ones' for the step time and for each host figure the records
+    hold (launch_s, data_s, gc_s, the allocator's calls). None for fewer than 4 steps. `host_side` names the host
+    figure whose difference covers at least half the step's, same sign (None: the host does not explain it;
+    seconds figures only)."""
+    if len(step_times) < 4:
+        return None
+
+    def difference(values: list[float]) -> float:
+        odd, even = values[0::2], values[1::2]
+        return sum(odd) / len(odd) - sum(even) / len(even)
+
+    step = difference(step_times)
+    out: dict[str, Any] = {"step_time_difference_s": step, "of_median": step / sorted(step_times)[len(step_times) // 2]}
+    known = [h for h in hosts if h is not None]
+    if len(known) == len(step_times):
+        for name in ("launch_s", "data_s", "gc_s", "device_mallocs", "device_frees", "alloc_retries"):
+            if all(name in h for h in known):
+                out[f"{name}_difference"] = difference([float(h[name]) for h in known])
+    seconds = [n for n in ("data_s", "gc_s", "launch_s") if f"{n}_difference" in out]
+    out["host_side"] = next(
+        (n for n in seconds if step and out[f"{n}_difference"] / step >= 0.5),
+        None,
+    )
+    return out
