@@ -19,12 +19,14 @@ def attach_row_amax(t: Tensor, row_amax: Tensor) -> None:
     are t's own magnitudes), computed from t as it now stands."""
     if tuple(row_amax.shape) != (*t.shape[:-1], 1):
         raise ValueError(f"attach_row_amax: row_amax shape {tuple(row_amax.shape)} for a tensor of {tuple(t.shape)}")
+    if t.is_inference():  # (torch.inference_mode) no version counter to tie the note to, and no FP8 backward
+        return
     setattr(t, _ROW_AMAX, (t._version, row_amax))
 
 
 def row_amax(t: Tensor) -> Tensor | None:
     """The row amaxes noted on `t` (attach_row_amax), in t's dtype, or None: none noted, or t changed since."""
     held = getattr(t, _ROW_AMAX, None)
-    if held is None or held[0] != t._version:
+    if held is None or t.is_inference() or held[0] != t._version:
         return None
     return held[1].to(t.dtype)

@@ -25,7 +25,7 @@ MAX_FUSED_WIDTH = 65536  # one row must fit one program's registers/shared memor
 
 @triton.jit
 def _rms_norm_fwd_kernel(X, W, Y, RSTD, AMAX, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit: row x stride passes 2^31 at 262,144 rows of 8192
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -43,13 +43,13 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, AMAX, stride_x, stride_y, N, eps, BLOCK:
 
 @triton.jit
 def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], tl.float32)
-    for row in range(pid, M, programs):
+    for row in range(pid, M, programs):  # 64-bit rows, as in the forward: the bounds promote to pid's type
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row)
@@ -141,6 +141,7 @@ def _(dy, x, weight, rstd):
 def _setup_context(ctx, inputs, output):
     x, weight, eps = inputs
     ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1], output[2])  # rstd and the row amaxes: statistics, no gradient
 
 
 def _backward(ctx, dy, _drstd, _damax):

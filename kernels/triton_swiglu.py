@@ -12,6 +12,8 @@ inductor fuses the activation into its neighbours, the FP8 cast included).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -69,24 +71,25 @@ def _warps() -> int:
 @torch.library.custom_op("tessera::swiglu_fwd", mutates_args=())
 def swiglu_fwd(gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """(silu(gate) * up, max |h| of each row of the last dim in fp32)."""
+    m, n = math.prod(gate.shape[:-1]), gate.shape[-1]
+    if not (m and n):  # nothing to compute: an empty output, and rows of no elements have amax 0
+        return gate.new_empty(gate.shape), torch.zeros(m, device=gate.device, dtype=torch.float32)
     g, u = _rows(gate), _rows(up)
-    m, n = g.shape
     h = torch.empty((m, n), device=gate.device, dtype=gate.dtype)
     amax = torch.empty(m, device=gate.device, dtype=torch.float32)
-    if m and n:
-        _swiglu_fwd_kernel[(m,)](g, u, h, amax, n, BLOCK=min(CHUNK, triton.next_power_of_2(n)), num_warps=_warps())
-    elif m:
-        amax.zero_()
+    _swiglu_fwd_kernel[(m,)](g, u, h, amax, n, BLOCK=min(CHUNK, triton.next_power_of_2(n)), num_warps=_warps())
     return h.view(gate.shape), amax
 
 
 @swiglu_fwd.register_fake
 def _(gate, up):
-    return gate.new_empty(gate.shape), gate.new_empty(gate.numel() // max(gate.shape[-1], 1), dtype=torch.float32)
+    return gate.new_empty(gate.shape), gate.new_empty(math.prod(gate.shape[:-1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("tessera::swiglu_bwd", mutates_args=())
 def swiglu_bwd(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    if not gate.numel():
+        return gate.new_empty(gate.shape), up.new_empty(up.shape)
     d, g, u = _rows(dh), _rows(gate), _rows(up)
     m, n = g.shape
     dg, du = torch.empty_like(g), torch.empty_like(u)
@@ -102,6 +105,7 @@ def _(dh, gate, up):
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
+    ctx.mark_non_differentiable(output[1])  # the row amaxes: a statistic, no gradient
 
 
 def _backward(ctx, dh, _damax):

@@ -117,6 +117,7 @@ class Float8Matmul:
     # the casts this layer shares with its siblings (parallel/fp8_shared_casts.py), where the one-pass cast runs;
     # None: each layer casts its own input
     share: CastShare | None = None
+    siblings: int = 1  # the layers that read this one's input, itself included (q, k, v: 3); apply_fp8 counts them
 
     def __post_init__(self) -> None:
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig  # lazy: optional dependency
@@ -166,17 +167,20 @@ class Float8Matmul:
         dim = axis if axiswise else None
         fused = self.fused(t)
         source = t if source is None else source
-        share = self.share if fused and operand == "input" else None
-        key = (gemm, axis, id(cc), tuple(t.shape))
+        # an input's amax noted on it (from its producer, or this layer's forward for its backward); its cast
+        # shared with the sibling layers that read it. (Inference tensors track no version: neither there.)
+        noted = fused and operand == "input" and self.share is not None and not source.is_inference()
+        share = self.share if noted and self.siblings > 1 else None
+        key = (gemm, axis, id(cc), tuple(t.shape), self.split, id(self.group))
         if share is not None and (held := share.get(source, key)) is not None:
             if self.record:
                 self.scales.append((gemm, operand, held._scale.detach().clone()))
             return held
         if fused:  # max |t| in one reduction (torchao's takes abs into a temporary, then its max): the same value
-            amax = known_amax(t, source, dim) if share is not None else None
+            amax = known_amax(t, source, dim) if noted else None
             if amax is None:
                 amax = torch.linalg.vector_norm(t, ord=math.inf, dim=dim, keepdim=dim is not None)
-                if share is not None and dim is None:
+                if noted and dim is None:
                     remember_whole_amax(source, amax)
         else:
             amax = tensor_to_amax(t, scaling_granularity=cc.scaling_granularity, axiswise_dim=dim)
@@ -198,7 +202,7 @@ class Float8Matmul:
             bits = scaled_cast_fp8(t, scale, cc.target_dtype, SCALED_MM_LAYOUT.get((gemm, operand)))
             cast = Float8TrainingTensor(bits, scale, t.dtype, self.mm_config, role, dim)
             if share is not None:
-                share.put(source, key, cast)
+                share.put(source, key, cast, uses=self.siblings - 1)
             return cast
         return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, self.mm_config, role, dim)
 
@@ -368,6 +372,7 @@ def apply_fp8(
     config = float8_config(recipe, emulate)
     group = tp_mesh.get_group() if tp_mesh is not None else None
     share = CastShare()  # the model's sibling layers' input casts (eager, on CUDA)
+    readers: dict[str, list[Float8Matmul]] = {}  # a block's column-parallel layers: they read its one input
     report = Fp8Report()
     for pattern, style in spec.tp_plan:
         for name, module in find_modules(model, pattern):
@@ -386,13 +391,19 @@ def apply_fp8(
                 report.kept[pattern] = f"dims {out_f}x{in_f} (tp-local {local[0]}x{local[1]}) not multiples of 16"
                 continue
             if isinstance(module, nn.Linear):
-                replace_module(model, name, to_float8(module, Float8Matmul(config, share=share), float8_all_gather))
+                matmul = Float8Matmul(config, share=share)
+                replace_module(model, name, to_float8(module, matmul, float8_all_gather))
                 report.float8_all_gather += float8_all_gather
             else:
                 split = "col" if isinstance(module, ColumnParallelLinear) else "row"
-                module.matmul = Float8Matmul(config, group, split, share=share)
+                module.matmul = matmul = Float8Matmul(config, group, split, share=share)
+            if style != "rowwise":  # q, k and v (or gate and up) of one block read its one input
+                readers.setdefault(name.rpartition(".")[0], []).append(matmul)
             report.converted.append(name)
             report.split[name] = 1 if style == "rowwise" else 0
+    for siblings in readers.values():
+        for matmul in siblings:
+            matmul.siblings = len(siblings)
     for name, _ in moe_blocks(model):
         report.kept[re.sub(r"\.\d+(?=\.|$)", ".*", name) + ".experts"] = (
             "grouped GEMM: torchao's float8 one is CUDA-only"

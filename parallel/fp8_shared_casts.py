@@ -9,9 +9,11 @@ gradient to the unshared run bit for bit and counts the casts.
 
 A cast is shared only with the tensor it was made from: held with a weak reference to it and its version
 counter, found again only while it is the same tensor object, unchanged (a new tensor at a freed one's address
-is not it). Only a few are held (`capacity`, the last ones made): siblings cast one after another, in the
-forward and in the backward, so the held casts are a few layers' FP8 inputs, not the step's. The amax of an
-input lives on the tensor itself (as kernels/fp8_amax.py's row amaxes do), from the forward to the backward.
+is not it). A cast is held only for its readers (its siblings: a layer that reads its input alone holds none),
+and the last of them takes it out; at most `capacity` are held at once, for readers that never came. The amax of
+an input lives on the tensor itself (as kernels/fp8_amax.py's row amaxes do), from the forward to the backward.
+Under activation checkpointing the backward's saved inputs are detached copies, one per layer, so only the
+forward's (and the recompute's) casts are shared there.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class CastShare:
         self.capacity = capacity
         self.hits = 0  # casts served from the share, and made (counted for tests and the profile)
         self.made = 0
-        self._held: OrderedDict[tuple, tuple[weakref.ref, int, Any]] = OrderedDict()
+        self._held: OrderedDict[tuple, tuple[weakref.ref, int, Any, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, source: Tensor, key: tuple) -> Any | None:
@@ -45,19 +47,27 @@ class CastShare:
             entry = self._held.get((id(source), *key))
             if entry is None:
                 return None
-            ref, version, cast = entry
+            ref, version, cast, uses = entry
             if ref() is not source or source._version != version:
                 del self._held[(id(source), *key)]
                 return None
-            self._held.move_to_end((id(source), *key))
             self.hits += 1
+            if uses <= 1:  # its last reader
+                del self._held[(id(source), *key)]
+            else:
+                self._held[(id(source), *key)] = (ref, version, cast, uses - 1)
             return cast
 
-    def put(self, source: Tensor, key: tuple, cast: Any) -> None:
-        """Hold `cast`, made from `source` under `key`; the oldest held one goes past capacity."""
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def put(self, source: Tensor, key: tuple, cast: Any, uses: int) -> None:
+        """Hold `cast`, made from `source` under `key`, for the `uses` sibling layers that will ask for it: the
+        last of them takes it out, so nothing is held past its readers (the oldest held one goes past capacity,
+        where a reader never came: under activation checkpointing the backward's saved inputs are copies)."""
         with self._lock:
             self.made += 1
-            self._held[(id(source), *key)] = (weakref.ref(source), source._version, cast)
+            self._held[(id(source), *key)] = (weakref.ref(source), source._version, cast, uses)
             self._held.move_to_end((id(source), *key))
             while len(self._held) > self.capacity:
                 self._held.popitem(last=False)

@@ -185,6 +185,9 @@ def test_shared_input_casts_count_each_input_once_a_direction(kv_heads, tp, toke
             saved += tokens * in_l * (len(group) * 2 * (2 * e + 1) - 2 * (e + 1) - (amaxes - noted) * e)
         shared = cast_bytes_per_step(shape, tokens, tp, e, shared_inputs=recipe)
         assert shared == pytest.approx(apart - shape.n_layers * saved) and shared < apart
+    # under activation checkpointing the backward casts each layer's input for itself: less is shared
+    checkpointed = cast_bytes_per_step(shape, tokens, tp, e, shared_inputs="tensorwise", shared_backward=False)
+    assert cast_bytes_per_step(shape, tokens, tp, e, shared_inputs="tensorwise") < checkpointed < apart
     groups = fp8_layer_groups(shape, tp)
     assert [by for by, _ in groups] == ["norm", "attention", "norm", "swiglu"]
     assert len(groups[0][1]) == (3 if tp <= kv_heads else 1)  # q, k, v read one input

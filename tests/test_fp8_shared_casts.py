@@ -46,7 +46,7 @@ class Counts:
 def _siblings(x, weights, grads, recipe, share):
     """q, k, v of one input, each its own Float8Matmul (one share between them, or none), and their gradients."""
     config = float8_config(recipe, emulate=True)
-    outs = [Float8Matmul(config, fused_cast=True, share=share)(x, w) for w in weights]
+    outs = [Float8Matmul(config, fused_cast=True, share=share, siblings=len(weights))(x, w) for w in weights]
     loss = sum((o.float() * g.float()).sum() for o, g in zip(outs, grads))
     return outs, torch.autograd.grad(loss, (x, *weights))
 
@@ -78,7 +78,7 @@ def test_siblings_share_their_input_cast_at_the_same_bits(recipe, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(outs0, outs1))
     assert all(torch.equal(a, b) for a, b in zip(grads0, grads1))  # dx, and every weight's gradient
     assert (counted0, counted1) == EXPECTED[recipe]
-    assert share.hits == 4 and share.made == 2
+    assert share.hits == 4 and share.made == 2 and len(share) == 0  # the last reader took each out
 
 
 @interpreted
@@ -126,19 +126,21 @@ def test_the_rmsnorm_row_amax_is_torchs_amax_of_its_output_nan_included():
 def test_a_cast_is_found_again_only_for_the_same_unchanged_tensor():
     share = CastShare(capacity=2)
     a = torch.ones(4, 4)
-    share.put(a, ("k",), "cast of a")
+    share.put(a, ("k",), "cast of a", uses=2)
     assert share.get(a, ("k",)) == "cast of a" and share.get(a, ("other",)) is None
     a.add_(1)  # changed in place: its cast is not it any more
-    assert share.get(a, ("k",)) is None
+    assert share.get(a, ("k",)) is None and len(share) == 0
+    share.put(a, ("k",), "cast of a now", uses=2)
+    assert [share.get(a, ("k",)) for _ in range(3)] == ["cast of a now"] * 2 + [None]  # its two readers, then gone
     b = torch.ones(4, 4)
-    share.put(b, ("k",), "cast of b")
+    share.put(b, ("k",), "cast of b", uses=1)
     address = id(b)
     del b
     gc.collect()
     c = torch.ones(4, 4)  # may take b's id: it is still not b
     assert id(c) != address or share.get(c, ("k",)) is None
     for n in range(3):  # past capacity the oldest goes
-        share.put(c, (n,), n)
+        share.put(c, (n,), n, uses=1)
     assert share.get(c, (0,)) is None and share.get(c, (2,)) == 2
     with pytest.raises(ValueError, match="CastShare: capacity=0 must be at least 1"):
         CastShare(capacity=0)
@@ -172,8 +174,29 @@ def test_a_model_sharing_its_casts_trains_as_one_that_does_not(recipe):
         loss.backward()
         share = next(iter(matmuls.values())).share
         # per block: q, k, v share the normed input twice (forward, backward), gate and up once each way
-        assert share is None or share.hits == cfg.n_layers * (2 * 2 + 2 * 1)
+        assert share is None or (share.hits == cfg.n_layers * (2 * 2 + 2 * 1) and len(share) == 0)
+        siblings = [m.siblings for m in matmuls.values()]  # per block: wo, w2 alone; w1, w3; wq, wk, wv
+        assert sorted(siblings) == sorted([1, 1, 2, 2, 3, 3, 3] * cfg.n_layers)
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (loss0, grads0), (loss1, grads1) = results
     assert torch.equal(loss0, loss1)
     assert grads0.keys() == grads1.keys() and all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+
+
+@interpreted
+def test_inference_tensors_are_left_unnoted_and_cast_for_each_layer():
+    """torch.inference_mode's tensors track no version: the kernels note nothing on them and the matmuls share
+    nothing, and both still run (a generation's forward)."""
+    from tessera.kernels.triton_rmsnorm import rms_norm
+    from tessera.kernels.triton_swiglu import swiglu
+
+    x, weights, _ = _case(8)
+    config = float8_config("tensorwise", emulate=True)
+    with torch.inference_mode():
+        y = rms_norm(x.detach(), torch.ones(64, dtype=torch.bfloat16))
+        h = swiglu(y, y)
+        assert row_amax(y) is None and row_amax(h) is None
+        share = CastShare()
+        outs = [Float8Matmul(config, fused_cast=True, share=share, siblings=3)(y, w.detach()) for w in weights]
+    want = [Float8Matmul(config, fused_cast=True)(y.clone(), w.detach()) for w in weights]
+    assert share.made == 0 and all(torch.equal(a, b) for a, b in zip(outs, want))

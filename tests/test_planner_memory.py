@@ -97,3 +97,26 @@ def test_accumulated_gradients_are_held_unsharded_in_fp32_under_bf16(tmp_path):
     predicted = predicted_peak(two)["unsharded_grads"]
     assert predicted > 0 and predicted_peak(one)["unsharded_grads"] == 0
     assert abs((measured[1] - measured[0]) - predicted) <= 0.10 * predicted, (measured, predicted)
+
+
+@pytest.mark.parametrize("model", ["1b", "qwen3-moe-debug"])
+def test_a_gpus_swiglu_keeps_one_ffn_tensor_fewer_than_torchs_ops(model):
+    """On a GPU the Triton SwiGLU (kernels/triton_swiglu.py) keeps gate, up and the product for its backward,
+    where torch's ops also keep silu(gate): one ffn-wide tensor per MLP (per routed assignment, and the shared
+    expert's) fewer, in the eager count; the CPU's count (measured above) keeps all four."""
+    from tessera.models.spec import get_preset, spec_of
+    from tessera.topology.estimators.rank_memory import layer_activation_bytes
+
+    cfg = get_preset(model)
+    shape = spec_of(cfg).shape(cfg)
+    rows, seq = 2, 64
+    layer = shape.n_layers - 1  # an MoE block where the model has dense ones first
+    cpu = layer_activation_bytes(shape, rows, seq, 1, False, "none", 2, layer=layer, cpu=True)
+    gpu = layer_activation_bytes(shape, rows, seq, 1, False, "none", 2, layer=layer, cpu=False)
+    if shape.n_experts:
+        ffn = shape.top_k * shape.ffn_dim + shape.shared_ffn_dim
+    else:
+        ffn = shape.ffn_dim
+    # the CPU's fused attention also keeps k and v repeated to the query heads, the GPU's kernel at the kv heads
+    repeated = 2 * (shape.n_heads - shape.n_kv_heads) * shape.head_dim
+    assert cpu - gpu == rows * seq * (ffn + repeated) * 2  # one bf16 tensor per ffn feature and token fewer

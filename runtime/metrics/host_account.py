@@ -2,9 +2,11 @@
 counters, no profiler): Python's garbage collections (how many of each generation, and their seconds), the CUDA
 caching allocator's calls into the driver (cudaMalloc and cudaFree of segments, and the retries that free the
 cache to satisfy an allocation: each blocks the host and can stall the device), and, set by the trainer, the
-seconds spent getting the step's batch and the seconds until the host had launched the whole step (the rest of
-the step time is the host waiting for the device). A step time that alternates between runs of steps (the H200
-suite's compiled rows: 458, 487, 460, 481 ms) is explained, or ruled out host-side, by these figures beside it.
+seconds spent getting the step's batch (its checksum's all-reduce included) and the seconds until the host first
+waited for the device (`launch_s`: the forward, backward and clip launched, before the non-finite check reads the
+loss; a device-bound step's launch stays put while its time moves, a host-bound one's moves with it). A step
+time that alternates between steps (the H200 suite's compiled rows: 458, 487, 460, 481 ms) is explained, or ruled
+out host-side, by these figures beside it.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class HostAccount:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        gc.callbacks.remove(self._on_gc)
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         if self.device.type == "cuda":
             after = self._allocator_counts()
             self.allocator = {name: after[name] - self._allocator_before.get(name, 0) for name in after}

@@ -10,7 +10,6 @@ nothing.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
 import torch
@@ -51,6 +50,13 @@ class StepMeasures:
         return self.probing or self.counting or self.tracking or self.profiling
 
     def __enter__(self) -> StepMeasures:
+        try:
+            return self._enter()
+        except BaseException:
+            self._modes.close()  # the modes entered before the one that failed (the gc callback among them)
+            raise
+
+    def _enter(self) -> StepMeasures:
         t, modes = self.trainer, self._modes
         token = WAIT_SECONDS.set(self._waits)
         modes.callback(WAIT_SECONDS.reset, token)
@@ -70,7 +76,6 @@ class StepMeasures:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
-        self._launched = time.perf_counter()
         self._modes.close()
         if kind is None:
             assert self.result is not None, "StepMeasures: set .result to the step's StepResult inside the block"
@@ -79,9 +84,9 @@ class StepMeasures:
     def _record(self, result: StepResult) -> None:
         t = self.trainer
         result.collective_wait_s = self._waits
-        # launched: the host's part of the step (the rest of its time, until record() reads the loss, is the wait
-        # for the device)
-        result.host = {**self._host.figures(), "launch_s": self._launched - result.started, "data_s": t.data_s}
+        # launch_s: until the host first waited for the device (the non-finite check reads the loss and the norm):
+        # the forward, backward and clip launched; a host-bound step's launch grows with it, a device-bound one's not
+        result.host = {**self._host.figures(), "launch_s": t.launched_at - result.started, "data_s": t.data_s}
         if self.probing:
             t.dtype_report = self._probe.report()
             result.matmul_flops_by_dtype = t.dtype_report["matmul_flops_by_dtype"]

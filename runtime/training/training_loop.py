@@ -117,6 +117,7 @@ class Trainer:
         # a phase of the step ends (--profile-summary's memory; StepMeasures sets it for a profiled step)
         self.phase_mark: Callable[[str], None] = no_mark
         self.data_s = 0.0  # the last step's seconds getting its batch (StepMeasures records it)
+        self.launched_at = 0.0  # when the last step's host first waited for the device
         self.layout = config.layout
         self.meshes = Meshes(self.layout, self.device.type, mesh=mesh, timeout=config.runtime.timeout)
         self.rank = this_rank(dist.get_rank)  # a simulated pipeline: its stage's first rank
@@ -362,6 +363,8 @@ class Trainer:
                 coef,
             )
         self.phase_mark("clip")
+        # the forward, backward and clip are launched: the non-finite check below is the host's first wait
+        self.launched_at = time.perf_counter()
         skipped, skip_report = self._skip_decision(loss_sum, grad_norm, valid, replica)
         load = self._expert_load()
         if not skipped:

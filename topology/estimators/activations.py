@@ -164,26 +164,37 @@ def _attention_bytes(
     return attn + rows * seq * heads * dv * e  # the output's (B, S, heads x dv) copy the output projection reads
 
 
-def _mlp_bytes(s: ModelShape, layer: int, rows: int, seq: int, sp: int, tp: int, e: int) -> float:
-    """One block's MLP half (its norm through the down projection's input), bytes."""
+def mlp_kept(ups: int, cpu: bool) -> int:
+    """The ffn-wide tensors an MLP of `ups` up matrices keeps for its backward, eager (per ffn feature and
+    token): SwiGLU's (2 up matrices) gate and up outputs, silu(gate) and the product torch's ops keep, 4; on a
+    GPU the Triton SwiGLU's (kernels/triton_swiglu.py) gate, up and the product, 3; GELU's up output and its
+    GELU, 2."""
+    return 3 if ups == 2 and not cpu else 2 * ups
+
+
+def _mlp_bytes(s: ModelShape, layer: int, rows: int, seq: int, sp: int, tp: int, e: int, cpu: bool = True) -> float:
+    """One block's MLP half (its norm through the down projection's input), bytes; on a GPU (`cpu` False) the
+    Triton SwiGLU keeps no silu(gate) (mlp_kept)."""
     h = s.dim
     norm = rows * sp * (2 * h * e + ACC) + rows * seq * h * e  # the norm, and its output the matmuls read
     ups = s.mlp_matrices - 1
+    act = mlp_kept(ups, cpu)
     if not s.n_experts or layer < s.n_dense_layers:
         f = (s.dense_ffn_dim if s.n_experts else s.ffn_dim) // tp
-        return norm + rows * seq * 2 * ups * f * e  # gate and up outputs, silu(gate), the product
+        return norm + rows * seq * act * f * e  # gate and up outputs, silu(gate) (not on a GPU), the product
     f, k, E = s.ffn_dim // tp, s.top_k, s.n_experts
     # the router on this rank's tokens: its scores, chosen ids, weights and their sum (fp32, int64)
     router = rows * sp * (E * ACC + k * INDEX + (k + 1) * ACC)
     # each assignment: the sort orders (int64), its weight, its dispatched input, the experts' output and the
     # weighted one; SwiGLU's gate and up outputs, silu(gate) and the product; the clamped SwiGLU also keeps its
     # fused gate_up output and (up + 1), the clamped gate and sigmoid; biased experts their rows' bias indices
-    per_assignment = 2 * INDEX + ACC + 3 * h * e + 2 * ups * f * e
+    # (the clamped SwiGLU runs in torch's ops everywhere: its experts keep silu's share on a GPU too)
+    per_assignment = 2 * INDEX + ACC + 3 * h * e + (2 * ups if s.swiglu_clamp else act) * f * e
     if s.swiglu_clamp:
         per_assignment += 3 * f * e
     if s.moe_bias:
         per_assignment += 2 * INDEX
-    shared = rows * seq * 2 * ups * (s.shared_ffn_dim // tp) * e
+    shared = rows * seq * act * (s.shared_ffn_dim // tp) * e
     return norm + router + rows * seq * k * per_assignment + shared
 
 
@@ -196,7 +207,9 @@ def block_activation_bytes(
     experts with `top_k` assignments per token)."""
     s = as_shape(shape)
     sp = seq // tp if sequence_parallel else seq
-    return float(_attention_bytes(s, layer, rows, seq, sp, tp, e, cpu, cp) + _mlp_bytes(s, layer, rows, seq, sp, tp, e))
+    return float(
+        _attention_bytes(s, layer, rows, seq, sp, tp, e, cpu, cp) + _mlp_bytes(s, layer, rows, seq, sp, tp, e, cpu)
+    )
 
 
 def compiled_block_bytes(

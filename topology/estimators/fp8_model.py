@@ -80,6 +80,7 @@ def cast_bytes_per_step(
     elem_bytes: int = 2,
     weight_casts: float = 1.0,
     shared_inputs: str | None = None,
+    shared_backward: bool = True,
 ) -> float:
     """Bytes one rank's FP8 casts move through memory in a step where its matmuls see `tokens` tokens (under
     sequence parallel, the tp group's gathered ones): per layer, on its tp-local slices, the input and the
@@ -89,7 +90,9 @@ def cast_bytes_per_step(
     `shared_inputs` (the recipe of tessera's eager step, parallel/fp8_shared_casts.py): each input cast once in
     the forward and once in the backward for the layers that read it, its amax found once (tensorwise) or once
     each way (rowwise), and the forward's amax of the down projection's input, and without tp of the normed
-    inputs, written beside them by the Triton SwiGLU and RMSNorm (kernels/fp8_amax.py)."""
+    inputs, written beside them by the Triton SwiGLU and RMSNorm (kernels/fp8_amax.py). `shared_backward` False
+    (activation checkpointing: the backward's saved inputs are detached copies, one per layer): the backward
+    casts each layer's input for itself, its amax included."""
     cfg = as_shape(shape)
     e = elem_bytes
     cast, amax = e + FP8_BYTES, e  # a scaled cast reads and writes; an amax reads
@@ -100,13 +103,18 @@ def cast_bytes_per_step(
             total += (2 * tokens * out_l + 2 * out_l * in_l * weight_casts) * (cast + amax)
             if shared_inputs is None:
                 total += 2 * tokens * in_l * (cast + amax)
+            elif not shared_backward:
+                total += tokens * in_l * (cast + amax)
         if shared_inputs is not None:
             out, inp, split = group[0]
             in_l = inp if split == 0 else inp // tp
             # the producers that note their output's row amaxes; under tp the norm's output reaches q/k/v gathered
             noted = producer == "swiglu" or (producer == "norm" and tp == 1 and cfg.norm == "rms")
-            amaxes = (1 if shared_inputs == "tensorwise" else 2) - noted
-            total += tokens * in_l * (2 * cast + amaxes * amax)
+            if shared_backward:  # one cast each way; the amax once (tensorwise) or once each way (rowwise)
+                amaxes = (1 if shared_inputs == "tensorwise" else 2) - noted
+                total += tokens * in_l * (2 * cast + amaxes * amax)
+            else:  # the forward's one cast (its amax unless noted); the backward's per layer, above
+                total += tokens * in_l * (cast + (1 - noted) * amax)
     return cfg.n_layers * total
 
 

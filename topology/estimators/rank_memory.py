@@ -10,6 +10,7 @@ from tessera.topology.estimators.activations import (
     block_activation_bytes,
     compiled_block_bytes,
     layer_kind,
+    mlp_kept,
     uses_block_model,
 )
 from tessera.topology.estimators.comm_model import stage_layer_counts
@@ -88,10 +89,10 @@ def layer_activation_bytes(
     and its output, which the column-parallel matmuls keep (gathered: seq tokens); q, k and v after RoPE
     (k and v repeated to the query heads for the fused kernel; ring attention keeps them at the kv heads),
     the attention output and its (B, S, heads x dim) copy that the output projection reads; SwiGLU's gate
-    and up outputs, silu(gate) and the product the down projection reads (ffn / tp each; a GELU MLP: its up
-    matrix's output and the GELU of it); with qk-norm, the q and k norms' inputs and x * rstd; the
-    log-sum-exp (fp32) and the norms' rstd (a layer norm keeps its input, mean and rstd instead:
-    F.layer_norm).
+    and up outputs, silu(gate) and the product the down projection reads (ffn / tp each; on a GPU, whose
+    Triton SwiGLU keeps no silu(gate), three; a GELU MLP: its up matrix's output and the GELU of it); with
+    qk-norm, the q and k norms' inputs and x * rstd; the log-sum-exp (fp32) and the norms' rstd (a layer norm
+    keeps its input, mean and rstd instead: F.layer_norm).
     op: matmul and attention outputs (q, k, v, out, the output projection, the MLP's matrices) and the block
     input; the rest recomputed. full: only the block input. (selective checkpoints every other block:
     `_rank_memory` combines them.)
@@ -118,17 +119,21 @@ def layer_activation_bytes(
         small += rows * seq * (hq + kv) // cfg.head_dim * 4
     if ac == "full":
         return float(rows * sp * h * e)
+    on_cpu = e >= 4 if cpu is None else cpu
+    # an MLP's ffn-wide tensors kept without checkpointing, per ffn feature: SwiGLU's gate and up outputs,
+    # silu(gate) and the product (4), or on a GPU, where tessera's Triton kernel keeps no silu(gate), 3 (another
+    # framework's eager block, torchtitan's, runs torch's ops); GELU's 2
+    act = mlp_kept(ups, on_cpu or op_policy != "tessera")
     # the MLP's tensors per token: (kept by the op policy, kept without checkpointing)
     if cfg.n_experts:
         sf = cfg.shared_ffn_dim // tp
         mlp_op = cfg.top_k * (ups * f + h) + ups * sf
-        mlp_all = cfg.top_k * (2 * ups * f + 2 * h) + 2 * ups * sf
+        mlp_all = cfg.top_k * (act * f + 2 * h) + act * sf
         small += rows * seq * cfg.n_experts * 4
     else:
-        mlp_op, mlp_all = ups * f, 2 * ups * f
+        mlp_op, mlp_all = ups * f, act * f
     # ring attention and the GPU's kernel keep q, k and v at their own heads and the output; the CPU's fused
     # op keeps k and v repeated to the query heads
-    on_cpu = e >= 4 if cpu is None else cpu
     attention = (hq + 2 * kv + hq) if cp > 1 or not on_cpu else 4 * hq
     if ac == "op":
         # the matmul outputs: q, k and v, the two row-parallel outputs, the MLP's up matrices'

@@ -193,9 +193,14 @@ def compute_parts(
         loss_s = loss_bytes / hbm_elementwise
     casts = 0.0
     if fp8:
-        # eager, tessera's sibling layers share their input's cast (parallel/fp8_shared_casts.py)
+        # eager, tessera's sibling layers share their input's cast (parallel/fp8_shared_casts.py), the backward's
+        # only without checkpointing
         shared = None if compiled else fp8
-        casts = cast_bytes_per_step(cfg, rank_tokens, tp, dtype_bytes, microbatches, shared) * blocks / cfg.n_layers
+        casts = (
+            cast_bytes_per_step(cfg, rank_tokens, tp, dtype_bytes, microbatches, shared, shared_backward=ac == "none")
+            * blocks
+            / cfg.n_layers
+        )
         # fp8_model counts a fused cast (its amax, then the scaled cast: 2 e + 1 bytes an element): eager, what
         # tessera's one-pass cast moves on a GPU, in the order torch._scaled_mm takes each operand (no copies);
         # torchao's eager cast ran it as separate ops, (5 e + 25) / (2 e + 1) times the bytes (the H200's eager
