@@ -64,6 +64,8 @@ def hardware_of(row: dict, source: dict, efficiency: float) -> Hardware:
         grad_reduce_bytes={"fp32": 4, "bf16": 2}[source["grad_reduce"]],
         loss=row["loss"],
         ac_policy="torchtitan" if source["framework"] == "torchtitan" else "tessera",
+        # torchtitan's float8 tp styles (torchao's Float8ColwiseParallel and Float8RowwiseParallel) gather in FP8
+        fp8_tp_gather=source["framework"] == "torchtitan",
         headroom=0.0,  # the published peak is what ran: nothing is held back
     )
 

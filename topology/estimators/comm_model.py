@@ -150,6 +150,10 @@ class StepTraffic:
     documents: bool = False  # packed documents: cp attention gathers the shards' document ids (int64) per layer
     ep_over_tp: bool = False  # the expert group is ep x tp ranks of whole experts (module docstring; plan only)
     cp_kv_heads: str = "kv"  # cp's passes carry the kv heads ("kv") or K/V repeated to the query heads ("query")
+    # the dtype bytes of a sequence-parallel block's activation all-gathers (None: act_bytes): torchao's float8
+    # tp styles, which torchtitan runs under tensorwise FP8, cast to FP8 before gathering, forward (the input of
+    # the column-parallel layers) and backward (the row-parallel layers' output gradient); `tessera plan` only
+    tp_gather_bytes: int | None = None
 
     @property
     def first(self) -> bool:
@@ -202,6 +206,7 @@ def comm_bytes_per_step(
     documents: bool = False,
     ep_over_tp: bool = False,
     cp_kv_heads: str = "kv",
+    tp_gather_bytes: int | None = None,
 ) -> dict[str, float]:
     """Bytes `rank` sends per step, by the accounting names of topology/axes.py's table (COMM_AXES: "tp", "cp",
     "pp", FSDP's "dp_shard_cp", HSDP's "dp_replicate", "ep"), in the order of the volumes below.
@@ -254,6 +259,7 @@ def comm_bytes_per_step(
         documents,
         ep_over_tp,
         cp_kv_heads,
+        tp_gather_bytes,
     )
     return {name: fn(step) for name, fn in VOLUMES.items()}
 
@@ -292,12 +298,17 @@ def tp_bytes(x: StepTraffic) -> float:
     unit = wire_bytes("all_gather", act, t)  # one gather or reduce-scatter of a block's activations
     replicated_kv = not kv_heads_split(cfg.n_kv_heads, t)
     sp = x.sequence_parallel
+    # half of a block's four activation passes each way are gathers (the attention's and the MLP's input forward,
+    # their output gradient backward), the other half reduce-scatters (tp_gather_bytes: torchao's FP8 gathers)
+    gather = unit
+    if sp and x.tp_gather_bytes is not None and not cfg.n_experts:
+        gather = wire_bytes("all_gather", b * s * h * x.tp_gather_bytes, t)
 
     def weight_grads(numel: int) -> float:  # replicated weights' gradients, summed over tp in fp32
         return wire_bytes("all_reduce", numel * FP32_BYTES, t)
 
     # the attention half: its input and output, forward and backward
-    per_block = 4 * unit + (weight_grads(2 * cfg.head_dim) if cfg.qk_norm else 0.0)
+    per_block = 2 * (gather + unit) + (weight_grads(2 * cfg.head_dim) if cfg.qk_norm else 0.0)
     if replicated_kv:
         per_block += 2 * weight_grads(cfg.n_kv_heads * cfg.head_dim * (h + (1 if cfg.bias else 0)))
     # replicated weights whose gradients are partial under sequence parallel: two norms, o's bias and a
@@ -305,7 +316,7 @@ def tp_bytes(x: StepTraffic) -> float:
     norms_and_biases = 2 * cfg.norm_params + (h if cfg.bias else 0)
     # a recomputed block reissues its forward collectives but the last: torch's checkpoint stops once the
     # last saved tensor is rebuilt, and the block's output collective feeds nothing saved
-    again = 3 * unit if sp else wire_bytes("all_reduce", act, t)
+    again = 2 * gather + unit if sp else wire_bytes("all_reduce", act, t)
     if cfg.n_experts and x.ep_over_tp:  # each rank routes its own shard: only the router's gradient is summed
         per_block += weight_grads(cfg.n_experts * h)
         if cfg.shared_ffn_dim:  # a dense MLP beside the experts stays tp-sharded: input and output
@@ -327,7 +338,7 @@ def tp_bytes(x: StepTraffic) -> float:
         elif cfg.moe_aux_loss:  # the auxiliary loss's saved tensors follow the output reduce, which reruns
             again += unit if sp else wire_bytes("all_reduce", act, t)
     else:
-        per_block += 4 * unit
+        per_block += 2 * (gather + unit)
         norms_and_biases += h if cfg.bias else 0
     per_block += weight_grads(norms_and_biases) if sp else 0.0
     tp = x.n_blocks * per_block + x.recomputed * again

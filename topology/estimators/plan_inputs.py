@@ -91,6 +91,9 @@ class Hardware:
     profile: HardwareProfile | None = None
     compile: bool = False  # torch.compile's fusion of the elementwise work (the profile's compiled_elementwise)
     async_tp: bool = False  # the tp collectives overlapped with the matmuls they feed
+    # under tensorwise FP8 the sequence-parallel activation all-gathers move FP8 (torchao's float8 tp styles,
+    # torchtitan's; tessera's tp layers gather in the compute dtype and cast after): for predicting its runs
+    fp8_tp_gather: bool = False
     ep_overlap: bool = False  # the expert all-to-alls overlapped with another microbatch's compute
     # the expert group folds tp in: ep x tp ranks of whole experts (Megatron's MoE parallel folding, expert tp 1;
     # topology/estimators/comm_model.py's ep_over_tp)

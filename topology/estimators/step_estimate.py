@@ -16,6 +16,7 @@ from tessera.topology.axes import (
 )
 from tessera.topology.estimators.comm_model import comm_bytes_per_step, ep_over_tp_applies, stage_layer_counts
 from .fp8_model import (
+    FP8_BYTES,
     cast_bytes_per_step,
     fp8_flop_share,
     fp8_params,
@@ -188,6 +189,7 @@ def estimate(shape, cand: Candidate, hw: Hardware, seq_len: int, global_batch: i
         placement=placement_of(cand.schedule),
         ep_over_tp=ep_over_tp(hw, cand),
         cp_kv_heads=hw.cp_kv_heads,
+        tp_gather_bytes=FP8_BYTES if hw.fp8 == "tensorwise" and hw.fp8_tp_gather else None,
     )
     # step time
     tokens = global_batch * seq_len
@@ -395,6 +397,7 @@ def physics_time(
         cp=lay.cp,
         cp_overlap=hw.cp_overlap,
         cp_gather_share=cp_gather_share(lay.cp, hw.dtype_bytes, cand.ac == "full"),
+        tp_collectives=counts.get("tp", 0.0),
     )
     exposed.update(replicas)
     pipelined = parts["compute"] - parts["optimizer"]

@@ -28,8 +28,10 @@ comm       each accounting name's bytes (topology/estimators/comm_model.py, the 
            reduce-scatter are exposed, and whatever exceeds the compute); ring K/V behind attention
            (another framework's as it runs it: torch's all-gather rotater hides each gather behind the
            first of cp steps alone, Hardware.cp_overlap; torchtitan's K/V at the query heads, cp_kv_heads);
-           tensor parallel exposed, or with async TP behind the matmuls it feeds but for its first chunk
-           (1 / tp of it); pipeline P2P on the fill and drain (2 (pp - 1) microbatch transfers); expert
+           tensor parallel exposed, or with async TP each collective behind the matmuls it feeds or
+           follows (the all-gather before q, k, v behind them, the reduce-scatter after the output
+           projection behind it, and the MLP's alike) but for its first chunk (1 / tp of it) and what it
+           takes beyond them; pipeline P2P on the fill and drain (2 (pp - 1) microbatch transfers); expert
            all-to-alls exposed (to the peers of its node over NVLink, to the rest over the network, at once),
            or with ep overlap behind another microbatch's compute
 bubble     the schedule simulator's idle share of the pipelined compute
@@ -244,7 +246,30 @@ def compute_parts(
     }
     parts = {k: v / efficiency for k, v in parts.items()}
     parts["compute"] = sum(parts.values())
+    # what each of a block's four tp collectives can hide behind under async TP (exposed_comm): the matmuls it
+    # feeds or follows, one microbatch's forward (the backward's input-gradient GEMMs take as long)
+    if tp > 1 and not cfg.n_experts and not cfg.kv_lora_rank:
+        for group, seconds in _tp_neighbours(cfg, profile, mb_tokens, tp, fp8_set, fp8_rate, bf16).items():
+            parts[f"tp_neighbour_{group}_s"] = seconds / efficiency
     return parts
+
+
+def _tp_neighbours(cfg, profile, tokens: float, tp: int, fp8_set: set, fp8_rate: float | None, bf16: float) -> dict:
+    """Forward seconds of the matmuls beside each of a block's tp collectives under sequence parallel, one
+    microbatch: the all-gather before q, k and v, the reduce-scatter after the output projection, the all-gather
+    before the MLP's up matrices, the reduce-scatter after its down matrix."""
+    h, q, f = cfg.dim, cfg.n_heads * cfg.head_dim // tp, cfg.ffn_dim // tp
+    kv = cfg.n_kv_heads * cfg.head_dim // tp if cfg.n_kv_heads % tp == 0 else cfg.head_dim
+    ups = cfg.mlp_matrices - 1
+    groups = {"qkv": [(q, h), (kv, h), (kv, h)], "out": [(h, q)], "mlp_in": [(f, h)] * ups, "mlp_out": [(h, f)]}
+
+    def forward(shapes: list) -> float:
+        return sum(
+            linear_seconds(profile, tokens, o, i, fp8_rate if (o, i) in fp8_set and fp8_rate else bf16)[0]
+            for o, i in shapes
+        )
+
+    return {group: forward(shapes) for group, shapes in groups.items()}
 
 
 def collective_counts(
@@ -279,6 +304,10 @@ def collective_counts(
     }
 
 
+# the compute parts naming what a block's four tp collectives hide behind under async TP (compute_parts)
+TP_NEIGHBOURS = ("tp_neighbour_qkv_s", "tp_neighbour_out_s", "tp_neighbour_mlp_in_s", "tp_neighbour_mlp_out_s")
+
+
 def exposed_comm(
     seconds: dict[str, float],
     parts: dict[str, float],
@@ -292,6 +321,7 @@ def exposed_comm(
     cp: int = 1,
     cp_overlap: str = "attention",
     cp_gather_share: float = 1.0,
+    tp_collectives: float = 0.0,
 ) -> dict[str, float]:
     """The exposed part of each accounting name's traffic time (module doc): "tp", "pp", "ep", "cp" and
     "fsdp" (FSDP's and HSDP's together). cp_overlap "first_step" (torch's all-gather rotater): the K/V
@@ -299,7 +329,15 @@ def exposed_comm(
     passes behind the backward's other steps."""
     compute = parts["compute"] - parts["optimizer"]
     t_tp = seconds.get("tp", 0.0)
-    if async_tp and tp > 1:
+    neighbours = [parts[k] for k in TP_NEIGHBOURS if k in parts]
+    if async_tp and tp > 1 and len(neighbours) == len(TP_NEIGHBOURS) and tp_collectives:
+        # each collective, cut in tp chunks, hides behind its own matmuls (torch's fused all-gather-matmul and
+        # matmul-reduce-scatter): its first chunk is exposed, and whatever the rest takes beyond them
+        per = t_tp / tp_collectives
+        heads = min(tp_collectives, 2.0 * microbatches)  # the head's two (collective_counts), exposed
+        instances = (tp_collectives - heads) / len(neighbours)  # each of the four, every block, microbatch, pass
+        tp_exposed = heads * per + sum(instances * (per / tp + max(0.0, per * (tp - 1) / tp - m)) for m in neighbours)
+    elif async_tp and tp > 1:
         tp_exposed = t_tp / tp + max(0.0, t_tp * (tp - 1) / tp - parts["matmul"])
     else:
         tp_exposed = t_tp
